@@ -1,0 +1,302 @@
+//! Configuration files: the main YAML file and the node files it names, parsed
+//! into plain structs. Every error carries `file:line` so `graygate --check`
+//! reads like `nginx -t`.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use ipnet::IpNet;
+use serde::Deserialize;
+
+/// The lane every request falls back to.
+pub const FORMAL: &str = "formal";
+
+/// A configuration error located in a file (and a line where known).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub file: PathBuf,
+    pub line: Option<usize>,
+    pub message: String,
+}
+
+impl ConfigError {
+    pub fn new(file: impl Into<PathBuf>, line: Option<usize>, message: impl Into<String>) -> Self {
+        ConfigError {
+            file: file.into(),
+            line,
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(line) => write!(f, "{}:{}: {}", self.file.display(), line, self.message),
+            None => write!(f, "{}: {}", self.file.display(), self.message),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// The main configuration file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MainConfig {
+    /// Client-facing listener.
+    pub listen: SocketAddr,
+    /// Admin listener (`/status`).
+    pub admin_listen: Option<SocketAddr>,
+    /// Directory that relative paths are resolved against; itself relative to
+    /// the config file's directory. Defaults to that directory.
+    #[serde(default)]
+    pub root: Option<PathBuf>,
+    /// Header carrying the decided lane upstream.
+    #[serde(default = "default_tag_header")]
+    pub tag_header: String,
+    /// Peers whose X-Forwarded-For and tag header are believed.
+    #[serde(default)]
+    pub trusted_proxies: Vec<IpNet>,
+    /// Lua script deciding the lane (optional: without it every request is formal).
+    #[serde(default)]
+    pub script: Option<PathBuf>,
+    /// Named IP/CIDR lists, one entry a line.
+    #[serde(default)]
+    pub lists: BTreeMap<String, PathBuf>,
+    /// YAML files describing services and their nodes.
+    #[serde(default)]
+    pub node_files: Vec<PathBuf>,
+    /// Routes, matched by host and longest path prefix.
+    #[serde(default)]
+    pub routes: Vec<RouteConfig>,
+    #[serde(default)]
+    pub upstream: UpstreamConfig,
+    /// Demo API nodes the gateway runs in-process (for the shipped example).
+    #[serde(default)]
+    pub demo_nodes: Vec<DemoNode>,
+    /// Milliseconds of quiet after a file change before reloading.
+    #[serde(default = "default_debounce_ms")]
+    pub reload_debounce_ms: u64,
+}
+
+fn default_tag_header() -> String {
+    "X-Gray-Tag".to_string()
+}
+
+fn default_debounce_ms() -> u64 {
+    150
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// Host to match (case-insensitive, port ignored); absent = any host.
+    #[serde(default)]
+    pub host: Option<String>,
+    /// Path prefix; longest wins.
+    #[serde(default = "default_prefix")]
+    pub prefix: String,
+    /// Name of an API service from a node file.
+    #[serde(default)]
+    pub service: Option<String>,
+    /// Static tree root holding one directory per lane.
+    #[serde(default, rename = "static")]
+    pub static_root: Option<PathBuf>,
+    /// File served for a path ending in `/`.
+    #[serde(default = "default_index")]
+    pub index: String,
+    /// Cache-Control for static responses.
+    #[serde(default = "default_cache_control")]
+    pub cache_control: String,
+}
+
+fn default_prefix() -> String {
+    "/".to_string()
+}
+
+fn default_index() -> String {
+    "index.html".to_string()
+}
+
+fn default_cache_control() -> String {
+    "private, no-cache".to_string()
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamConfig {
+    #[serde(default = "default_connect_ms")]
+    pub connect_timeout_ms: u64,
+    /// Time allowed for the upstream's response headers.
+    #[serde(default = "default_response_ms")]
+    pub response_timeout_ms: u64,
+    /// Idle pooled upstream connections are closed after this.
+    #[serde(default = "default_idle_ms")]
+    pub idle_timeout_ms: u64,
+    #[serde(default = "default_pool_max_idle")]
+    pub pool_max_idle_per_host: usize,
+}
+
+fn default_connect_ms() -> u64 {
+    2_000
+}
+fn default_response_ms() -> u64 {
+    30_000
+}
+fn default_idle_ms() -> u64 {
+    60_000
+}
+fn default_pool_max_idle() -> usize {
+    256
+}
+
+impl Default for UpstreamConfig {
+    fn default() -> Self {
+        UpstreamConfig {
+            connect_timeout_ms: default_connect_ms(),
+            response_timeout_ms: default_response_ms(),
+            idle_timeout_ms: default_idle_ms(),
+            pool_max_idle_per_host: default_pool_max_idle(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct DemoNode {
+    pub name: String,
+    pub addr: SocketAddr,
+    #[serde(default = "default_lane")]
+    pub lane: String,
+}
+
+fn default_lane() -> String {
+    FORMAL.to_string()
+}
+
+/// A node file: services and their nodes.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeFile {
+    #[serde(default)]
+    pub services: BTreeMap<String, ServiceConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceConfig {
+    #[serde(default)]
+    pub nodes: Vec<NodeConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeConfig {
+    pub addr: SocketAddr,
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default = "default_lane")]
+    pub lane: String,
+    #[serde(default = "default_weight")]
+    pub weight: u32,
+}
+
+fn default_weight() -> u32 {
+    1
+}
+
+/// Is `s` usable as a lane name (and so as a header value)?
+pub fn valid_lane(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 64
+        && s
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+}
+
+/// Reads a file, mapping I/O errors to a located error.
+pub fn read_file(path: &Path) -> Result<String, ConfigError> {
+    std::fs::read_to_string(path).map_err(|e| ConfigError::new(path, None, format!("cannot read: {e}")))
+}
+
+/// Parses YAML text, reporting the line of any syntax or type error.
+pub fn parse_yaml<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Result<T, ConfigError> {
+    serde_yaml::from_str(text).map_err(|e| {
+        let line = e.location().map(|l| l.line());
+        let mut msg = e.to_string();
+        // serde_yaml appends " at line X column Y"; the prefix already says it.
+        if let Some(idx) = msg.find(" at line ") {
+            msg.truncate(idx);
+        }
+        ConfigError::new(path, line, msg)
+    })
+}
+
+/// Finds the first line (1-based) containing `needle` after a line containing
+/// `anchor` (when given). Used to locate semantic errors that serde cannot.
+pub fn find_line(text: &str, anchor: Option<&str>, needle: &str) -> Option<usize> {
+    let mut armed = anchor.is_none();
+    for (i, line) in text.lines().enumerate() {
+        if !armed {
+            if let Some(a) = anchor {
+                if line.contains(a) {
+                    armed = true;
+                } else {
+                    continue;
+                }
+            }
+        }
+        if line.contains(needle) {
+            return Some(i + 1);
+        }
+    }
+    None
+}
+
+/// Resolves `p` against `base` unless it is absolute.
+pub fn resolve(base: &Path, p: &Path) -> PathBuf {
+    if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        base.join(p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn yaml_errors_carry_the_line() {
+        let text = "listen: 127.0.0.1:8080\ntrusted_proxies:\n  - 10.0.0.0/33\n";
+        let err = parse_yaml::<MainConfig>(Path::new("g.yaml"), text).unwrap_err();
+        assert_eq!(err.line, Some(3), "{err}");
+        assert!(err.to_string().starts_with("g.yaml:3:"), "{err}");
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected() {
+        let text = "listen: 127.0.0.1:8080\nlisten_typo: 1\n";
+        let err = parse_yaml::<MainConfig>(Path::new("g.yaml"), text).unwrap_err();
+        assert_eq!(err.line, Some(2));
+    }
+
+    #[test]
+    fn lane_names() {
+        assert!(valid_lane("gray-a"));
+        assert!(valid_lane("v2"));
+        assert!(!valid_lane(""));
+        assert!(!valid_lane("gray\r\nx: y"));
+        assert!(!valid_lane("a b"));
+    }
+
+    #[test]
+    fn find_line_after_anchor() {
+        let text = "a: 1\nroutes:\n  - service: x\n  - service: nope\n";
+        assert_eq!(find_line(text, Some("routes:"), "nope"), Some(4));
+        assert_eq!(find_line(text, None, "zzz"), None);
+    }
+}

@@ -1,0 +1,237 @@
+//! A `Generation`: one immutable, fully validated snapshot of everything the
+//! gateway routes by — config, lists, services, routes, script. It is built
+//! as a whole from disk and swapped in atomically; requests in flight keep
+//! the generation they started with.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use http::HeaderName;
+
+use crate::config::{
+    find_line, parse_yaml, read_file, resolve, valid_lane, ConfigError, MainConfig, NodeFile,
+    FORMAL,
+};
+use crate::lane::script::ScriptSource;
+use crate::lists::IpList;
+use crate::nodes::{Node, Service};
+
+/// Where a route sends its requests.
+#[derive(Debug)]
+pub enum Target {
+    Service(String),
+    Static(StaticTree),
+}
+
+/// A static tree: `root/<lane>/...` with per-file fallback to `root/formal/`.
+#[derive(Debug, Clone)]
+pub struct StaticTree {
+    /// Canonical root directory.
+    pub root: PathBuf,
+    pub index: String,
+    pub cache_control: String,
+}
+
+#[derive(Debug)]
+pub struct Route {
+    pub host: Option<String>,
+    pub prefix: String,
+    pub target: Target,
+}
+
+#[derive(Debug)]
+pub struct Generation {
+    /// Grows with every applied reload.
+    pub id: u64,
+    pub config_path: PathBuf,
+    pub config: MainConfig,
+    pub tag_header: HeaderName,
+    pub trusted: IpList,
+    pub lists: Arc<BTreeMap<String, IpList>>,
+    pub services: BTreeMap<String, Service>,
+    pub routes: Vec<Route>,
+    pub script: Option<ScriptSource>,
+    /// Every file this generation was built from (watched for changes).
+    pub files: Vec<PathBuf>,
+    pub loaded_at: SystemTime,
+    /// Non-fatal findings (e.g. a lane nothing serves).
+    pub warnings: Vec<String>,
+}
+
+impl Generation {
+    /// Loads, validates and compiles everything reachable from `config_path`.
+    pub fn load(config_path: &Path, id: u64) -> Result<Generation, ConfigError> {
+        let text = read_file(config_path)?;
+        let config: MainConfig = parse_yaml(config_path, &text)?;
+        let config_dir = config_path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let root = match &config.root {
+            Some(r) => resolve(config_dir, r),
+            None => config_dir.to_path_buf(),
+        };
+        let at = |needle: &str| find_line(&text, None, needle);
+        let mut files = vec![config_path.to_path_buf()];
+        let mut warnings = Vec::new();
+
+        let tag_header = HeaderName::from_bytes(config.tag_header.as_bytes()).map_err(|_| {
+            ConfigError::new(
+                config_path,
+                at("tag_header"),
+                format!("invalid header name {:?}", config.tag_header),
+            )
+        })?;
+
+        let mut lists = BTreeMap::new();
+        for (name, p) in &config.lists {
+            let path = resolve(&root, p);
+            lists.insert(name.clone(), IpList::load(&path)?);
+            files.push(path);
+        }
+        let lists = Arc::new(lists);
+
+        let mut services: BTreeMap<String, Service> = BTreeMap::new();
+        let mut service_file: BTreeMap<String, PathBuf> = BTreeMap::new();
+        for p in &config.node_files {
+            let path = resolve(&root, p);
+            let ntext = read_file(&path)?;
+            let nf: NodeFile = parse_yaml(&path, &ntext)?;
+            for (name, svc) in nf.services {
+                if let Some(prev) = service_file.get(&name) {
+                    return Err(ConfigError::new(
+                        &path,
+                        find_line(&ntext, None, &format!("{name}:")),
+                        format!("service {name:?} is also defined in {}", prev.display()),
+                    ));
+                }
+                let mut nodes = Vec::new();
+                for (i, n) in svc.nodes.iter().enumerate() {
+                    if !valid_lane(&n.lane) {
+                        return Err(ConfigError::new(
+                            &path,
+                            find_line(&ntext, Some(&format!("{name}:")), &n.lane),
+                            format!("invalid lane name {:?} (letters, digits, - _ . only)", n.lane),
+                        ));
+                    }
+                    nodes.push(Node::from_config(&name, i, n));
+                }
+                let service = Service::new(&name, nodes);
+                if service.count(FORMAL) == 0 {
+                    warnings.push(format!(
+                        "{}: service {name:?} has no formal node: untagged requests get 503",
+                        path.display()
+                    ));
+                }
+                service_file.insert(name.clone(), path.clone());
+                services.insert(name, service);
+            }
+            files.push(path);
+        }
+
+        let mut routes = Vec::new();
+        for r in &config.routes {
+            let line = find_line(&text, Some("routes:"), &r.prefix);
+            if !r.prefix.starts_with('/') {
+                return Err(ConfigError::new(
+                    config_path,
+                    line,
+                    format!("route prefix {:?} must start with /", r.prefix),
+                ));
+            }
+            let target = match (&r.service, &r.static_root) {
+                (Some(s), None) => {
+                    if !services.contains_key(s) {
+                        return Err(ConfigError::new(
+                            config_path,
+                            find_line(&text, Some("routes:"), &format!("service: {s}")),
+                            format!("route {:?} names unknown service {s:?}", r.prefix),
+                        ));
+                    }
+                    Target::Service(s.clone())
+                }
+                (None, Some(dir)) => {
+                    let path = resolve(&root, dir);
+                    let canon = path.canonicalize().map_err(|e| {
+                        ConfigError::new(
+                            config_path,
+                            line,
+                            format!("static root {}: {e}", path.display()),
+                        )
+                    })?;
+                    if !canon.join(FORMAL).is_dir() {
+                        warnings.push(format!(
+                            "static root {} has no {FORMAL}/ directory",
+                            canon.display()
+                        ));
+                    }
+                    Target::Static(StaticTree {
+                        root: canon,
+                        index: r.index.clone(),
+                        cache_control: r.cache_control.clone(),
+                    })
+                }
+                _ => {
+                    return Err(ConfigError::new(
+                        config_path,
+                        line,
+                        format!(
+                            "route {:?} needs exactly one of `service` or `static`",
+                            r.prefix
+                        ),
+                    ))
+                }
+            };
+            routes.push(Route {
+                host: r.host.as_ref().map(|h| h.to_ascii_lowercase()),
+                prefix: r.prefix.clone(),
+                target,
+            });
+        }
+
+        let script = match &config.script {
+            Some(p) => {
+                let path = resolve(&root, p);
+                let src = ScriptSource::load(&path)?;
+                src.validate(&lists)?;
+                files.extend(src.files());
+                Some(src)
+            }
+            None => None,
+        };
+
+        let trusted = IpList::from_nets(config.trusted_proxies.iter().copied());
+        Ok(Generation {
+            id,
+            config_path: config_path.to_path_buf(),
+            config,
+            tag_header,
+            trusted,
+            lists,
+            services,
+            routes,
+            script,
+            files,
+            loaded_at: SystemTime::now(),
+            warnings,
+        })
+    }
+
+    /// The route for `host` (lower-case, no port) and `path`: routes naming
+    /// the host win over host-less ones; within them the longest prefix.
+    pub fn route(&self, host: &str, path: &str) -> Option<&Route> {
+        let best = |want_host: bool| {
+            self.routes
+                .iter()
+                .filter(|r| match &r.host {
+                    Some(h) => want_host && h == host,
+                    None => !want_host,
+                })
+                .filter(|r| path.starts_with(r.prefix.as_str()))
+                .max_by_key(|r| r.prefix.len())
+        };
+        best(true).or_else(|| best(false))
+    }
+}

@@ -1,0 +1,236 @@
+//! Lane decision: request → lane. A tag from a trusted proxy is honoured;
+//! otherwise the Lua script decides; anything missing, invalid or failing
+//! means `formal`. The outcome is a [`Decision`] that the proxy, logs and
+//! (later) metrics and the explain endpoint all read.
+
+pub mod script;
+
+use std::borrow::Cow;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use http::request::Parts;
+use http::HeaderValue;
+
+use crate::config::{valid_lane, FORMAL};
+use crate::generation::Generation;
+
+/// What a lane decision reads: the request head plus the resolved client.
+#[derive(Debug)]
+pub struct RequestInfo {
+    pub parts: Parts,
+    /// The client address: the peer, or from X-Forwarded-For when the peer
+    /// is a trusted proxy.
+    pub client_ip: IpAddr,
+    /// Host without port, lower-case.
+    pub host: String,
+}
+
+impl RequestInfo {
+    /// Header by name, case-insensitive.
+    pub fn header(&self, name: &str) -> Option<&HeaderValue> {
+        self.parts.headers.get(name)
+    }
+
+    /// Cookie value by exact name, from any Cookie header.
+    pub fn cookie(&self, name: &str) -> Option<&str> {
+        cookie_value(&self.parts.headers, name)
+    }
+
+    /// First query argument `name`, percent-decoded.
+    pub fn arg(&self, name: &str) -> Option<String> {
+        let q = self.parts.uri.query()?;
+        form_urlencoded::parse(q.as_bytes())
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.into_owned())
+    }
+}
+
+/// Finds a cookie by name in the request's Cookie headers.
+pub fn cookie_value<'a>(headers: &'a http::HeaderMap, name: &str) -> Option<&'a str> {
+    headers
+        .get_all(http::header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|kv| kv.trim().split_once('='))
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v.trim_matches('"'))
+}
+
+/// Who decided a request's lane.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DecidedBy {
+    /// No script configured (or it returned nil): the baseline.
+    Default,
+    /// The Lua script returned the lane (nil counts as formal).
+    Script,
+    /// A trusted proxy sent the tag header.
+    TrustedTag,
+    /// The script failed; the request went formal.
+    ScriptError(String),
+    /// The script (or tag) produced an unusable lane name; formal.
+    InvalidLane(String),
+}
+
+impl DecidedBy {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            DecidedBy::Default => "default",
+            DecidedBy::Script => "script",
+            DecidedBy::TrustedTag => "trusted_tag",
+            DecidedBy::ScriptError(_) => "script_error",
+            DecidedBy::InvalidLane(_) => "invalid_lane",
+        }
+    }
+}
+
+/// Everything known about how one request was routed.
+#[derive(Debug, Clone)]
+pub struct Decision {
+    pub lane: String,
+    pub decided_by: DecidedBy,
+    /// Prefix of the matched route.
+    pub route: Option<String>,
+    /// Service name (API routes).
+    pub service: Option<String>,
+    /// Lane of the candidate set used (differs from `lane` on fallback).
+    pub served_lane: Option<String>,
+    /// Number of candidate nodes.
+    pub candidates: usize,
+    /// Name of the chosen node, or the static file served.
+    pub node: Option<String>,
+    /// Why the request did not go to its own lane.
+    pub fallback: Option<&'static str>,
+}
+
+impl Decision {
+    pub fn new(lane: impl Into<String>, decided_by: DecidedBy) -> Decision {
+        Decision {
+            lane: lane.into(),
+            decided_by,
+            route: None,
+            service: None,
+            served_lane: None,
+            candidates: 0,
+            node: None,
+            fallback: None,
+        }
+    }
+}
+
+/// Decides the lane of `req` under `gen`. `peer_trusted` says whether the
+/// direct peer is a trusted proxy (whose tag header is honoured).
+pub fn decide(gen: &Generation, req: RequestInfo, peer_trusted: bool) -> (RequestInfo, Decision) {
+    if peer_trusted {
+        if let Some(v) = req.parts.headers.get(&gen.tag_header) {
+            let tag = v.to_str().unwrap_or("");
+            return if valid_lane(tag) {
+                let d = Decision::new(tag, DecidedBy::TrustedTag);
+                (req, d)
+            } else {
+                log_limited(&INVALID_LOG, || {
+                    tracing::warn!(tag = %String::from_utf8_lossy(v.as_bytes()), "invalid lane in trusted tag header; using formal")
+                });
+                let d = Decision::new(FORMAL, DecidedBy::InvalidLane(lossy(v.as_bytes()).into()));
+                (req, d)
+            };
+        }
+    }
+    let Some(src) = &gen.script else {
+        return (req, Decision::new(FORMAL, DecidedBy::Default));
+    };
+    let (req, result) = script::call_lane(src, &gen.lists, req);
+    let decision = match result {
+        Ok(None) => Decision::new(FORMAL, DecidedBy::Script),
+        Ok(Some(lane)) if valid_lane(&lane) => Decision::new(lane, DecidedBy::Script),
+        Ok(Some(lane)) => {
+            log_limited(&INVALID_LOG, || {
+                tracing::warn!(lane = %lane.escape_debug(), "script returned an invalid lane name; using formal")
+            });
+            Decision::new(FORMAL, DecidedBy::InvalidLane(lane))
+        }
+        Err(e) => {
+            log_limited(&SCRIPT_ERR_LOG, || {
+                tracing::error!(error = %e.0, "lane script failed; request goes formal")
+            });
+            Decision::new(FORMAL, DecidedBy::ScriptError(e.0))
+        }
+    };
+    (req, decision)
+}
+
+fn lossy(b: &[u8]) -> Cow<'_, str> {
+    String::from_utf8_lossy(b)
+}
+
+static SCRIPT_ERR_LOG: AtomicU64 = AtomicU64::new(0);
+static INVALID_LOG: AtomicU64 = AtomicU64::new(0);
+
+/// Runs `log` at most once per second per `slot` (a last-logged timestamp),
+/// so a failing script cannot flood the log.
+pub fn log_limited(slot: &AtomicU64, log: impl FnOnce()) {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let last = slot.load(Ordering::Relaxed);
+    if now > last
+        && slot
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    {
+        log();
+    }
+}
+
+/// MurmurHash3 x86 32-bit, seed 0.
+pub fn murmur3(data: &[u8]) -> u32 {
+    mur3::murmurhash3_x86_32(data, 0)
+}
+
+/// Stable percentage bucket 0..=99: floorMod(hash as a signed 32-bit int,
+/// 100), as Java-based gray systems compute it.
+pub fn bucket(data: &[u8]) -> u32 {
+    (murmur3(data) as i32).rem_euclid(100) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn murmur3_reference_vectors() {
+        assert_eq!(murmur3(b""), 0);
+        assert_eq!(murmur3(b"hello"), 0x248b_fa47);
+        assert_eq!(
+            murmur3(b"The quick brown fox jumps over the lazy dog"),
+            0x2e4f_f723
+        );
+    }
+
+    #[test]
+    fn bucket_is_floor_mod_of_signed_hash() {
+        // 0x248bfa47 = 613153351 → 51.
+        assert_eq!(bucket(b"hello"), 51);
+        // A hash with the top bit set is negative as an i32: floorMod keeps
+        // the bucket in 0..100.
+        for i in 0..2000 {
+            let s = format!("user-{i}");
+            let h = murmur3(s.as_bytes()) as i32;
+            let b = bucket(s.as_bytes());
+            assert!(b < 100);
+            assert_eq!(i64::from(b), (i64::from(h) % 100 + 100) % 100);
+        }
+    }
+
+    #[test]
+    fn cookies_by_exact_name() {
+        let mut h = http::HeaderMap::new();
+        h.append(http::header::COOKIE, "a=1; gray=yes".parse().unwrap());
+        h.append(http::header::COOKIE, "uid=\"42\"".parse().unwrap());
+        assert_eq!(cookie_value(&h, "gray"), Some("yes"));
+        assert_eq!(cookie_value(&h, "uid"), Some("42"));
+        assert_eq!(cookie_value(&h, "Gray"), None);
+    }
+}

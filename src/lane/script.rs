@@ -1,0 +1,464 @@
+//! The Lua lane script: loading (with the modules it requires, so a reload
+//! validates and watches them all), a sandboxed VM per worker thread rebuilt
+//! lazily when the generation changes, and the synchronous lane call.
+//!
+//! Request data reaches Lua lazily: a single `req` userdata per VM whose
+//! fields and methods read the request currently being decided from a
+//! thread-local slot; nothing is copied into Lua tables per request.
+
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use mlua::{
+    Function, HookTriggers, Lua, LuaOptions, MultiValue, StdLib, UserData,
+    UserDataFields, UserDataMethods, Value, VmState,
+};
+
+use super::RequestInfo;
+use crate::config::{find_line, read_file, ConfigError};
+use crate::lists::IpList;
+
+/// Instructions a single lane call may run before it is stopped.
+pub const DEFAULT_INSTRUCTION_BUDGET: u64 = 1_000_000;
+/// Memory a script VM may allocate.
+pub const DEFAULT_MEMORY_LIMIT: usize = 64 * 1024 * 1024;
+const HOOK_EVERY: u32 = 1_000;
+
+/// The script and every module it requires, read from disk at load time.
+#[derive(Debug)]
+pub struct ScriptSource {
+    pub path: PathBuf,
+    pub dir: PathBuf,
+    pub source: String,
+    /// Module name → (file, source), resolved inside `dir` only.
+    pub modules: BTreeMap<String, (PathBuf, String)>,
+    pub instruction_budget: u64,
+    pub memory_limit: usize,
+    /// Unique per load; a VM built for another id is rebuilt.
+    pub id: u64,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+impl ScriptSource {
+    /// Reads the script and, transitively, the modules it `require`s.
+    pub fn load(path: &Path) -> Result<ScriptSource, ConfigError> {
+        let source = read_file(path)?;
+        let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+        let mut modules = BTreeMap::new();
+        let mut pending = vec![(path.to_path_buf(), source.clone())];
+        while let Some((file, text)) = pending.pop() {
+            for name in required_modules(&text) {
+                if modules.contains_key(&name) {
+                    continue;
+                }
+                let mpath = module_path(&dir, &name).ok_or_else(|| {
+                    ConfigError::new(
+                        &file,
+                        find_line(&text, None, &name),
+                        format!("invalid module name {name:?} (letters, digits, _ and . only)"),
+                    )
+                })?;
+                let mtext = read_file(&mpath).map_err(|e| {
+                    ConfigError::new(
+                        &file,
+                        find_line(&text, None, &name),
+                        format!("require {name:?}: {}", e.message),
+                    )
+                })?;
+                pending.push((mpath.clone(), mtext.clone()));
+                modules.insert(name, (mpath, mtext));
+            }
+        }
+        Ok(ScriptSource {
+            path: path.to_path_buf(),
+            dir,
+            source,
+            modules,
+            instruction_budget: DEFAULT_INSTRUCTION_BUDGET,
+            memory_limit: DEFAULT_MEMORY_LIMIT,
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+        })
+    }
+
+    /// Every file this script was built from (for the reload watcher).
+    pub fn files(&self) -> Vec<PathBuf> {
+        let mut v = vec![self.path.clone()];
+        v.extend(self.modules.values().map(|(p, _)| p.clone()));
+        v
+    }
+
+    /// Compiles and runs the script's top level in a fresh VM, proving it
+    /// yields a lane function. Errors carry the script's file:line.
+    pub fn validate(&self, lists: &Arc<BTreeMap<String, IpList>>) -> Result<(), ConfigError> {
+        ScriptVm::build(self, lists.clone()).map(|_| ())
+    }
+}
+
+fn required_modules(text: &str) -> Vec<String> {
+    static RE: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
+    let re = RE.get_or_init(|| {
+        regex::Regex::new(r#"require\s*\(?\s*["']([^"']+)["']"#).expect("static regex")
+    });
+    re.captures_iter(text).map(|c| c[1].to_string()).collect()
+}
+
+fn module_path(dir: &Path, name: &str) -> Option<PathBuf> {
+    let ok = !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.')
+        && !name.starts_with('.')
+        && !name.contains("..");
+    ok.then(|| dir.join(format!("{}.lua", name.replace('.', "/"))))
+}
+
+/// Converts an mlua error into a located config error, pulling `file:line`
+/// out of Lua's own message when it carries one.
+fn lua_error(default_file: &Path, err: &mlua::Error) -> ConfigError {
+    let msg = err.to_string();
+    let first = msg.lines().next().unwrap_or("").trim();
+    // Lua messages look like "path/to/file.lua:12: message" (possibly after
+    // "syntax error: " or "runtime error: ").
+    let body = first
+        .trim_start_matches("syntax error: ")
+        .trim_start_matches("runtime error: ");
+    if let Some((file, rest)) = body.split_once(".lua:") {
+        if let Some((line, message)) = rest.split_once(':') {
+            if let Ok(n) = line.parse::<usize>() {
+                return ConfigError::new(format!("{file}.lua"), Some(n), message.trim());
+            }
+        }
+    }
+    ConfigError::new(default_file, None, first)
+}
+
+// Per-thread slots: the request being decided and this thread's VM.
+thread_local! {
+    static CURRENT: RefCell<Option<RequestInfo>> = const { RefCell::new(None) };
+    static VM: RefCell<Option<ScriptVm>> = const { RefCell::new(None) };
+}
+
+/// The `req` object scripts see. Stateless: it reads `CURRENT`.
+struct Req;
+
+fn with_req<R>(f: impl FnOnce(&RequestInfo) -> R) -> mlua::Result<R> {
+    CURRENT.with(|c| {
+        let c = c.borrow();
+        c.as_ref()
+            .map(f)
+            .ok_or_else(|| mlua::Error::runtime("req used outside a lane call"))
+    })
+}
+
+fn opt_str(lua: &Lua, s: Option<&[u8]>) -> mlua::Result<Value> {
+    match s {
+        Some(b) => Ok(Value::String(lua.create_string(b)?)),
+        None => Ok(Value::Nil),
+    }
+}
+
+impl UserData for Req {
+    fn add_fields<F: UserDataFields<Self>>(fields: &mut F) {
+        fields.add_field_method_get("ip", |lua, _| {
+            with_req(|r| lua.create_string(r.client_ip.to_string()))?
+        });
+        fields.add_field_method_get("method", |lua, _| {
+            with_req(|r| lua.create_string(r.parts.method.as_str()))?
+        });
+        fields.add_field_method_get("host", |lua, _| with_req(|r| lua.create_string(&r.host))?);
+        fields.add_field_method_get("path", |lua, _| {
+            with_req(|r| lua.create_string(r.parts.uri.path()))?
+        });
+        fields.add_field_method_get("query", |lua, _| {
+            with_req(|r| lua.create_string(r.parts.uri.query().unwrap_or("")))?
+        });
+    }
+
+    fn add_methods<M: UserDataMethods<Self>>(methods: &mut M) {
+        methods.add_method("header", |lua, _, name: mlua::LuaString| {
+            let name = name.to_str()?;
+            with_req(|r| opt_str(lua, r.header(&name).map(|v| v.as_bytes())))?
+        });
+        methods.add_method("cookie", |lua, _, name: mlua::LuaString| {
+            let name = name.to_str()?;
+            with_req(|r| opt_str(lua, r.cookie(&name).map(str::as_bytes)))?
+        });
+        methods.add_method("arg", |lua, _, name: mlua::LuaString| {
+            let name = name.to_str()?;
+            with_req(|r| opt_str(lua, r.arg(&name).as_deref().map(str::as_bytes)))?
+        });
+    }
+}
+
+/// A built VM: the lane function, bound to one script load.
+struct ScriptVm {
+    id: u64,
+    lua: Lua,
+    lane_fn: Function,
+    req: mlua::AnyUserData,
+    budget_left: Rc<Cell<i64>>,
+    budget: i64,
+}
+
+impl ScriptVm {
+    fn build(src: &ScriptSource, lists: Arc<BTreeMap<String, IpList>>) -> Result<ScriptVm, ConfigError> {
+        let file = &src.path;
+        let le = |e: mlua::Error| lua_error(file, &e);
+        let lua = Lua::new_with(
+            StdLib::STRING | StdLib::TABLE | StdLib::MATH | StdLib::UTF8 | StdLib::COROUTINE,
+            LuaOptions::new(),
+        )
+        .map_err(le)?;
+        lua.set_memory_limit(src.memory_limit).map_err(le)?;
+        let globals = lua.globals();
+        for name in ["dofile", "loadfile", "load", "collectgarbage"] {
+            globals.raw_set(name, Value::Nil).map_err(le)?;
+        }
+
+        // graygate.* helpers.
+        let gg = lua.create_table().map_err(le)?;
+        let lists_for_fn = lists.clone();
+        gg.raw_set(
+            "in_list",
+            lua.create_function(move |_, (name, ip): (mlua::LuaString, Option<mlua::LuaString>)| {
+                let name = name.to_str()?;
+                let list = lists_for_fn
+                    .get(&*name)
+                    .ok_or_else(|| mlua::Error::runtime(format!("unknown list {:?}", &*name)))?;
+                Ok(ip.is_some_and(|ip| ip.to_str().is_ok_and(|s| list.contains_str(&s))))
+            })
+            .map_err(le)?,
+        )
+        .map_err(le)?;
+        gg.raw_set(
+            "bucket",
+            lua.create_function(|_, s: mlua::LuaString| Ok(super::bucket(&s.as_bytes())))
+                .map_err(le)?,
+        )
+        .map_err(le)?;
+        gg.raw_set(
+            "murmur3",
+            lua.create_function(|_, s: mlua::LuaString| Ok(super::murmur3(&s.as_bytes())))
+                .map_err(le)?,
+        )
+        .map_err(le)?;
+        globals.raw_set("graygate", gg).map_err(le)?;
+
+        // require: modules preloaded at load time, resolved inside the
+        // scripts directory only, each run once.
+        let loaded = lua.create_table().map_err(le)?;
+        let modules: BTreeMap<String, (PathBuf, String)> = src.modules.clone();
+        let require = lua
+            .create_function(move |lua, name: String| {
+                if let Ok(v) = loaded.raw_get::<Value>(name.as_str()) {
+                    if !v.is_nil() {
+                        return Ok(v);
+                    }
+                }
+                let (path, text) = modules.get(&name).ok_or_else(|| {
+                    mlua::Error::runtime(format!(
+                        "module {name:?} not found in the scripts directory"
+                    ))
+                })?;
+                let v: Value = lua
+                    .load(text.as_str())
+                    .set_name(format!("@{}", path.display()))
+                    .set_mode(mlua::chunk::ChunkMode::Text)
+                    .call(name.as_str())?;
+                let v = if v.is_nil() { Value::Boolean(true) } else { v };
+                loaded.raw_set(name.as_str(), v.clone())?;
+                Ok(v)
+            })
+            .map_err(le)?;
+        globals.raw_set("require", require).map_err(le)?;
+
+        let budget = i64::try_from(src.instruction_budget).unwrap_or(i64::MAX);
+        let budget_left = Rc::new(Cell::new(budget));
+        let top: MultiValue = lua
+            .load(src.source.as_str())
+            .set_name(format!("@{}", file.display()))
+            .set_mode(mlua::chunk::ChunkMode::Text)
+            .call(())
+            .map_err(le)?;
+        let lane_fn = match top.into_iter().next() {
+            Some(Value::Function(f)) => f,
+            Some(Value::Table(t)) => match t.raw_get::<Value>("lane").map_err(le)? {
+                Value::Function(f) => f,
+                _ => {
+                    return Err(ConfigError::new(
+                        file,
+                        None,
+                        "the script's module table has no `lane` function",
+                    ))
+                }
+            },
+            _ => {
+                return Err(ConfigError::new(
+                    file,
+                    None,
+                    "the script must return a function lane(req) or a table with a `lane` function",
+                ))
+            }
+        };
+        let req = lua.create_userdata(Req).map_err(le)?;
+        let left = budget_left.clone();
+        lua.set_hook(
+            HookTriggers::new().every_nth_instruction(HOOK_EVERY),
+            move |_, _| {
+                let l = left.get() - i64::from(HOOK_EVERY);
+                left.set(l);
+                if l < 0 {
+                    Err(mlua::Error::runtime("instruction budget exceeded"))
+                } else {
+                    Ok(VmState::Continue)
+                }
+            },
+        )
+        .map_err(le)?;
+        Ok(ScriptVm {
+            id: src.id,
+            lua,
+            lane_fn,
+            req,
+            budget_left,
+            budget,
+        })
+    }
+
+    fn call(&self) -> mlua::Result<Option<String>> {
+        self.budget_left.set(self.budget);
+        let v: Value = self.lane_fn.call(&self.req)?;
+        match v {
+            Value::Nil => Ok(None),
+            Value::String(s) => Ok(Some(s.to_str()?.to_string())),
+            other => Err(mlua::Error::runtime(format!(
+                "lane() returned a {} (expected a string or nil)",
+                other.type_name()
+            ))),
+        }
+    }
+}
+
+/// Error from one lane call, already formatted with the script location.
+#[derive(Debug, Clone)]
+pub struct ScriptError(pub String);
+
+/// Runs the lane function of `src` for `req` on this thread's VM, building
+/// the VM if it belongs to another load. Returns the request back.
+pub fn call_lane(
+    src: &ScriptSource,
+    lists: &Arc<BTreeMap<String, IpList>>,
+    req: RequestInfo,
+) -> (RequestInfo, Result<Option<String>, ScriptError>) {
+    CURRENT.with(|c| *c.borrow_mut() = Some(req));
+    let result = VM.with(|vm| {
+        let mut slot = vm.borrow_mut();
+        if slot.as_ref().is_none_or(|v| v.id != src.id) {
+            *slot = None;
+            match ScriptVm::build(src, lists.clone()) {
+                Ok(v) => *slot = Some(v),
+                Err(e) => return Err(ScriptError(e.to_string())),
+            }
+        }
+        let vm = slot.as_ref().expect("built above");
+        let r = vm.call().map_err(|e| {
+            let located = lua_error(&src.path, &e);
+            ScriptError(located.to_string())
+        });
+        if r.is_err() {
+            // A VM that hit its memory limit may be left in a bad state:
+            // drop it so the next call starts clean.
+            if vm.lua.used_memory() > src.memory_limit / 2 {
+                *slot = None;
+            }
+        }
+        r
+    });
+    let req = CURRENT
+        .with(|c| c.borrow_mut().take())
+        .expect("request slot filled above");
+    (req, result)
+}
+
+/// Reads a global table (used by tests to inspect sandbox state).
+#[cfg(test)]
+fn globals_of(src: &ScriptSource) -> mlua::Table {
+    let vm = ScriptVm::build(src, Arc::new(BTreeMap::new())).unwrap();
+    vm.lua.globals()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+        let p = dir.join(name);
+        if let Some(parent) = p.parent() {
+            std::fs::create_dir_all(parent).unwrap();
+        }
+        std::fs::File::create(&p)
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
+        p
+    }
+
+    #[test]
+    fn syntax_error_is_located() {
+        let d = tempfile::tempdir().unwrap();
+        let p = write(d.path(), "s.lua", "return function(req)\n  if then\nend\n");
+        let src = ScriptSource::load(&p).unwrap();
+        let err = src.validate(&Arc::new(BTreeMap::new())).unwrap_err();
+        assert_eq!(err.line, Some(2), "{err}");
+        assert!(err.file.ends_with("s.lua"), "{err}");
+    }
+
+    #[test]
+    fn modules_are_found_and_recorded() {
+        let d = tempfile::tempdir().unwrap();
+        write(d.path(), "lib/util.lua", "return { x = 1 }\n");
+        let p = write(
+            d.path(),
+            "main.lua",
+            "local u = require('lib.util')\nreturn function() return u.x == 1 and 'gray' or nil end\n",
+        );
+        let src = ScriptSource::load(&p).unwrap();
+        assert_eq!(src.files().len(), 2);
+        src.validate(&Arc::new(BTreeMap::new())).unwrap();
+    }
+
+    #[test]
+    fn require_outside_scripts_dir_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let p = write(d.path(), "main.lua", "local u = require('..secret')\nreturn function() end\n");
+        let err = ScriptSource::load(&p).unwrap_err();
+        assert!(err.message.contains("invalid module name"), "{err}");
+    }
+
+    #[test]
+    fn no_file_or_loader_access() {
+        let d = tempfile::tempdir().unwrap();
+        let p = write(d.path(), "main.lua", "return function() end\n");
+        let g = globals_of(&ScriptSource::load(&p).unwrap());
+        for name in ["io", "os", "dofile", "loadfile", "load", "debug", "package"] {
+            assert!(g.raw_get::<Value>(name).unwrap().is_nil(), "{name} is reachable");
+        }
+    }
+
+    #[test]
+    fn must_return_a_function() {
+        let d = tempfile::tempdir().unwrap();
+        let p = write(d.path(), "main.lua", "return 42\n");
+        let err = ScriptSource::load(&p)
+            .unwrap()
+            .validate(&Arc::new(BTreeMap::new()))
+            .unwrap_err();
+        assert!(err.message.contains("must return a function"), "{err}");
+    }
+}

@@ -1,0 +1,20 @@
+//! graygate: a lane-routing edge gateway for gray (canary) releases.
+//!
+//! The request journey: [`config`] files are loaded into an immutable
+//! [`generation::Generation`]; [`lane`] decides each request's lane (trusted
+//! tag, Lua script); [`nodes`] picks a node of that lane (or formal);
+//! [`proxy`] forwards it, or [`static_files`] serves the lane's asset;
+//! [`reload`] swaps generations on file change; [`admin`] reports status.
+#![forbid(unsafe_code)]
+
+pub mod admin;
+pub mod config;
+pub mod demo;
+pub mod gateway;
+pub mod generation;
+pub mod lane;
+pub mod lists;
+pub mod nodes;
+pub mod proxy;
+pub mod reload;
+pub mod static_files;

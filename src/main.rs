@@ -1,0 +1,118 @@
+//! `graygate --config FILE` runs the gateway; `--check` validates and exits.
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use graygate::{admin, demo, gateway::Gateway, generation::Generation, reload};
+
+#[derive(Parser)]
+#[command(version, about = "Lane-routing edge gateway for gray releases")]
+struct Cli {
+    /// Main configuration file.
+    #[arg(long, short, default_value = "config/graygate.yaml")]
+    config: PathBuf,
+    /// Validate the configuration (YAML, node files, lists, Lua) and exit.
+    #[arg(long, short = 't')]
+    check: bool,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let cli = Cli::parse();
+    if cli.check {
+        return match Generation::load(&cli.config, 0) {
+            Ok(gen) => {
+                for w in &gen.warnings {
+                    eprintln!("warning: {w}");
+                }
+                println!("{}: configuration ok", cli.config.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                println!("{}: configuration test failed", cli.config.display());
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("cannot start runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    rt.block_on(run(cli.config))
+}
+
+async fn run(config: PathBuf) -> ExitCode {
+    let gw = match Gateway::load(&config) {
+        Ok(gw) => gw,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let gen = gw.current();
+    if let Err(e) = demo::spawn(&gen.config.demo_nodes, gen.tag_header.clone()).await {
+        eprintln!("cannot start demo nodes: {e}");
+        return ExitCode::FAILURE;
+    }
+    let listener = match tokio::net::TcpListener::bind(gen.config.listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("cannot listen on {}: {e}", gen.config.listen);
+            return ExitCode::FAILURE;
+        }
+    };
+    let addr = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
+    tracing::info!(%addr, generation = gen.id, "graygate listening");
+    if let Some(admin_addr) = gen.config.admin_listen {
+        match tokio::net::TcpListener::bind(admin_addr).await {
+            Ok(l) => {
+                let a = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
+                tracing::info!(addr = %a, "admin listening");
+                tokio::spawn(admin::serve(gw.clone(), l));
+            }
+            Err(e) => {
+                eprintln!("cannot listen on {admin_addr}: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let watcher_gw = gw.clone();
+    tokio::spawn(async move {
+        if let Err(e) = reload::run(watcher_gw).await {
+            tracing::error!(error = %e, "file watcher failed; reload with SIGHUP only");
+        }
+    });
+    drop(gen);
+    tokio::select! {
+        _ = gw.clone().serve(listener) => {}
+        _ = shutdown_signal() => {
+            tracing::info!("shutting down");
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
