@@ -212,18 +212,21 @@ fn default_weight() -> u32 {
 pub fn valid_lane(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 64
-        && s
-            .bytes()
+        && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
 }
 
 /// Reads a file, mapping I/O errors to a located error.
 pub fn read_file(path: &Path) -> Result<String, ConfigError> {
-    std::fs::read_to_string(path).map_err(|e| ConfigError::new(path, None, format!("cannot read: {e}")))
+    std::fs::read_to_string(path)
+        .map_err(|e| ConfigError::new(path, None, format!("cannot read: {e}")))
 }
 
 /// Parses YAML text, reporting the line of any syntax or type error.
-pub fn parse_yaml<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Result<T, ConfigError> {
+pub fn parse_yaml<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    text: &str,
+) -> Result<T, ConfigError> {
     serde_yaml::from_str(text).map_err(|e| {
         let line = e.location().map(|l| l.line());
         let mut msg = e.to_string();

@@ -14,7 +14,11 @@ use tokio::net::TcpListener;
 
 use crate::config::DemoNode;
 
-fn answer(node: &DemoNode, tag_header: &HeaderName, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+fn answer(
+    node: &DemoNode,
+    tag_header: &HeaderName,
+    req: &Request<Incoming>,
+) -> Response<Full<Bytes>> {
     let tag = req
         .headers()
         .get(tag_header)

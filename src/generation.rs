@@ -113,7 +113,10 @@ impl Generation {
                         return Err(ConfigError::new(
                             &path,
                             find_line(&ntext, Some(&format!("{name}:")), &n.lane),
-                            format!("invalid lane name {:?} (letters, digits, - _ . only)", n.lane),
+                            format!(
+                                "invalid lane name {:?} (letters, digits, - _ . only)",
+                                n.lane
+                            ),
                         ));
                     }
                     nodes.push(Node::from_config(&name, i, n));

@@ -166,7 +166,10 @@ mod tests {
     #[test]
     fn bad_entry_reports_its_line() {
         let err = IpList::parse(Path::new("ips.txt"), "10.0.0.1\n\n10.0.0.0/40\n").unwrap_err();
-        assert_eq!(err.to_string(), "ips.txt:3: invalid IP or CIDR \"10.0.0.0/40\"");
+        assert_eq!(
+            err.to_string(),
+            "ips.txt:3: invalid IP or CIDR \"10.0.0.0/40\""
+        );
     }
 
     #[test]

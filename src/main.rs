@@ -74,7 +74,10 @@ async fn run(config: PathBuf) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let addr = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
+    let addr = listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
     tracing::info!(%addr, generation = gen.id, "graygate listening");
     if let Some(admin_addr) = gen.config.admin_listen {
         match tokio::net::TcpListener::bind(admin_addr).await {

@@ -143,7 +143,11 @@ mod tests {
         // nginx's example: weights 5,1,1 give a a b a c a a.
         let s = Service::new(
             "s",
-            vec![node("a", FORMAL, 5), node("b", FORMAL, 1), node("c", FORMAL, 1)],
+            vec![
+                node("a", FORMAL, 5),
+                node("b", FORMAL, 1),
+                node("c", FORMAL, 1),
+            ],
         );
         let (set, _) = s.candidates(FORMAL).unwrap();
         let seq: String = (0..7).map(|_| set.pick().unwrap().name.clone()).collect();

@@ -180,7 +180,17 @@ pub async fn handle(
     decision.route = Some(route.prefix.clone());
     let resp = match &route.target {
         Target::Service(name) => {
-            forward(gw, &gen, name, info, body, peer, peer_trusted, &mut decision).await
+            forward(
+                gw,
+                &gen,
+                name,
+                info,
+                body,
+                peer,
+                peer_trusted,
+                &mut decision,
+            )
+            .await
         }
         Target::Static(tree) => crate::static_files::serve(tree, &info.parts, &mut decision).await,
     };
@@ -212,7 +222,10 @@ async fn forward(
         return plain(StatusCode::SERVICE_UNAVAILABLE, "no such service\n");
     };
     let Some((set, fallback)) = service.candidates(&decision.lane) else {
-        return plain(StatusCode::SERVICE_UNAVAILABLE, "no upstream node for this lane\n");
+        return plain(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no upstream node for this lane\n",
+        );
     };
     if let Some(fb) = fallback {
         decision.fallback = Some(fb.as_str());
@@ -240,10 +253,7 @@ async fn forward(
     parts.headers.insert(gen.tag_header.clone(), tag);
     set_forwarded(&mut parts.headers, peer.ip(), peer_trusted, original_host);
 
-    let path_and_query = parts
-        .uri
-        .path_and_query()
-        .map_or("/", |pq| pq.as_str());
+    let path_and_query = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
     let uri = match Uri::builder()
         .scheme("http")
         .authority(node.addr.to_string())
@@ -356,7 +366,10 @@ mod tests {
         h.insert("x-forwarded-for", "1.2.3.4, 10.0.0.7".parse().unwrap());
         let proxy: IpAddr = "10.0.0.1".parse().unwrap();
         let other: IpAddr = "8.8.8.8".parse().unwrap();
-        assert_eq!(client_ip(proxy, &h, &trusted), "1.2.3.4".parse::<IpAddr>().unwrap());
+        assert_eq!(
+            client_ip(proxy, &h, &trusted),
+            "1.2.3.4".parse::<IpAddr>().unwrap()
+        );
         assert_eq!(client_ip(other, &h, &trusted), other);
         let mut fwd = h.clone();
         set_forwarded(&mut fwd, proxy, true, None);

@@ -20,7 +20,10 @@ use crate::proxy::{boxed, plain, Body};
 /// A file chosen for a request: where it is and which lane's tree held it.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Lookup {
-    Found { path: PathBuf, lane: String },
+    Found {
+        path: PathBuf,
+        lane: String,
+    },
     /// A directory requested without its trailing slash.
     Directory,
     NotFound,
@@ -100,9 +103,9 @@ fn etag_matches(header_value: &HeaderValue, etag: &str) -> bool {
     let Ok(v) = header_value.to_str() else {
         return false;
     };
-    v.split(',').map(str::trim).any(|t| {
-        t == "*" || t.strip_prefix("W/").unwrap_or(t) == etag
-    })
+    v.split(',')
+        .map(str::trim)
+        .any(|t| t == "*" || t.strip_prefix("W/").unwrap_or(t) == etag)
 }
 
 /// Serves a static request for the decided lane.

@@ -130,9 +130,10 @@ pub fn decide(gen: &Generation, req: RequestInfo, peer_trusted: bool) -> (Reques
                 let d = Decision::new(tag, DecidedBy::TrustedTag);
                 (req, d)
             } else {
-                log_limited(&INVALID_LOG, || {
-                    tracing::warn!(tag = %String::from_utf8_lossy(v.as_bytes()), "invalid lane in trusted tag header; using formal")
-                });
+                log_limited(
+                    &INVALID_LOG,
+                    || tracing::warn!(tag = %String::from_utf8_lossy(v.as_bytes()), "invalid lane in trusted tag header; using formal"),
+                );
                 let d = Decision::new(FORMAL, DecidedBy::InvalidLane(lossy(v.as_bytes()).into()));
                 (req, d)
             };
@@ -146,15 +147,17 @@ pub fn decide(gen: &Generation, req: RequestInfo, peer_trusted: bool) -> (Reques
         Ok(None) => Decision::new(FORMAL, DecidedBy::Script),
         Ok(Some(lane)) if valid_lane(&lane) => Decision::new(lane, DecidedBy::Script),
         Ok(Some(lane)) => {
-            log_limited(&INVALID_LOG, || {
-                tracing::warn!(lane = %lane.escape_debug(), "script returned an invalid lane name; using formal")
-            });
+            log_limited(
+                &INVALID_LOG,
+                || tracing::warn!(lane = %lane.escape_debug(), "script returned an invalid lane name; using formal"),
+            );
             Decision::new(FORMAL, DecidedBy::InvalidLane(lane))
         }
         Err(e) => {
-            log_limited(&SCRIPT_ERR_LOG, || {
-                tracing::error!(error = %e.0, "lane script failed; request goes formal")
-            });
+            log_limited(
+                &SCRIPT_ERR_LOG,
+                || tracing::error!(error = %e.0, "lane script failed; request goes formal"),
+            );
             Decision::new(FORMAL, DecidedBy::ScriptError(e.0))
         }
     };

@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use mlua::{
-    Function, HookTriggers, Lua, LuaOptions, MultiValue, StdLib, UserData,
-    UserDataFields, UserDataMethods, Value, VmState,
+    Function, HookTriggers, Lua, LuaOptions, MultiValue, StdLib, UserData, UserDataFields,
+    UserDataMethods, Value, VmState,
 };
 
 use super::RequestInfo;
@@ -206,7 +206,10 @@ struct ScriptVm {
 }
 
 impl ScriptVm {
-    fn build(src: &ScriptSource, lists: Arc<BTreeMap<String, IpList>>) -> Result<ScriptVm, ConfigError> {
+    fn build(
+        src: &ScriptSource,
+        lists: Arc<BTreeMap<String, IpList>>,
+    ) -> Result<ScriptVm, ConfigError> {
         let file = &src.path;
         let le = |e: mlua::Error| lua_error(file, &e);
         let lua = Lua::new_with(
@@ -225,13 +228,15 @@ impl ScriptVm {
         let lists_for_fn = lists.clone();
         gg.raw_set(
             "in_list",
-            lua.create_function(move |_, (name, ip): (mlua::LuaString, Option<mlua::LuaString>)| {
-                let name = name.to_str()?;
-                let list = lists_for_fn
-                    .get(&*name)
-                    .ok_or_else(|| mlua::Error::runtime(format!("unknown list {:?}", &*name)))?;
-                Ok(ip.is_some_and(|ip| ip.to_str().is_ok_and(|s| list.contains_str(&s))))
-            })
+            lua.create_function(
+                move |_, (name, ip): (mlua::LuaString, Option<mlua::LuaString>)| {
+                    let name = name.to_str()?;
+                    let list = lists_for_fn.get(&*name).ok_or_else(|| {
+                        mlua::Error::runtime(format!("unknown list {:?}", &*name))
+                    })?;
+                    Ok(ip.is_some_and(|ip| ip.to_str().is_ok_and(|s| list.contains_str(&s))))
+                },
+            )
             .map_err(le)?,
         )
         .map_err(le)?;
@@ -285,26 +290,25 @@ impl ScriptVm {
             .set_mode(mlua::chunk::ChunkMode::Text)
             .call(())
             .map_err(le)?;
-        let lane_fn = match top.into_iter().next() {
-            Some(Value::Function(f)) => f,
-            Some(Value::Table(t)) => match t.raw_get::<Value>("lane").map_err(le)? {
-                Value::Function(f) => f,
-                _ => {
-                    return Err(ConfigError::new(
-                        file,
-                        None,
-                        "the script's module table has no `lane` function",
-                    ))
-                }
-            },
-            _ => {
-                return Err(ConfigError::new(
+        let lane_fn =
+            match top.into_iter().next() {
+                Some(Value::Function(f)) => f,
+                Some(Value::Table(t)) => match t.raw_get::<Value>("lane").map_err(le)? {
+                    Value::Function(f) => f,
+                    _ => {
+                        return Err(ConfigError::new(
+                            file,
+                            None,
+                            "the script's module table has no `lane` function",
+                        ))
+                    }
+                },
+                _ => return Err(ConfigError::new(
                     file,
                     None,
                     "the script must return a function lane(req) or a table with a `lane` function",
-                ))
-            }
-        };
+                )),
+            };
         let req = lua.create_userdata(Req).map_err(le)?;
         let left = budget_left.clone();
         lua.set_hook(
@@ -436,7 +440,11 @@ mod tests {
     #[test]
     fn require_outside_scripts_dir_is_refused() {
         let d = tempfile::tempdir().unwrap();
-        let p = write(d.path(), "main.lua", "local u = require('..secret')\nreturn function() end\n");
+        let p = write(
+            d.path(),
+            "main.lua",
+            "local u = require('..secret')\nreturn function() end\n",
+        );
         let err = ScriptSource::load(&p).unwrap_err();
         assert!(err.message.contains("invalid module name"), "{err}");
     }
@@ -447,7 +455,10 @@ mod tests {
         let p = write(d.path(), "main.lua", "return function() end\n");
         let g = globals_of(&ScriptSource::load(&p).unwrap());
         for name in ["io", "os", "dofile", "loadfile", "load", "debug", "package"] {
-            assert!(g.raw_get::<Value>(name).unwrap().is_nil(), "{name} is reachable");
+            assert!(
+                g.raw_get::<Value>(name).unwrap().is_nil(),
+                "{name} is reachable"
+            );
         }
     }
 
