@@ -1,4 +1,13 @@
-//! The admin listener: `GET /status` (generation, last reload error, uptime).
+//! The admin listener: status, Prometheus metrics, nodes (listing and
+//! management written back to the node files), explain (a dry-run lane and
+//! node decision), traffic stats and the live dashboard. Every request
+//! passes [`auth`] first.
+
+pub mod auth;
+pub mod dashboard;
+pub mod explain;
+pub mod nodes;
+pub mod stats;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -6,7 +15,7 @@ use std::time::UNIX_EPOCH;
 
 use bytes::Bytes;
 use http::{header, Method, Request, Response, StatusCode};
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -15,11 +24,38 @@ use tokio::net::TcpListener;
 use crate::gateway::Gateway;
 use crate::proxy::{boxed, plain, Body};
 
-fn json(value: serde_json::Value) -> Response<Body> {
+/// Largest admin request body accepted.
+const MAX_BODY: usize = 64 * 1024;
+
+pub fn json(value: serde_json::Value) -> Response<Body> {
+    json_status(StatusCode::OK, value)
+}
+
+pub fn json_status(status: StatusCode, value: serde_json::Value) -> Response<Body> {
     let mut r = Response::new(boxed(Full::new(Bytes::from(value.to_string()))));
+    *r.status_mut() = status;
     r.headers_mut().insert(
         header::CONTENT_TYPE,
         header::HeaderValue::from_static("application/json"),
+    );
+    r.headers_mut().insert(
+        header::CACHE_CONTROL,
+        header::HeaderValue::from_static("no-store"),
+    );
+    r
+}
+
+/// A plain-text error with a dynamic message.
+pub fn text(status: StatusCode, msg: impl Into<String>) -> Response<Body> {
+    let mut m: String = msg.into();
+    if !m.ends_with('\n') {
+        m.push('\n');
+    }
+    let mut r = Response::new(boxed(Full::new(Bytes::from(m))));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("text/plain; charset=utf-8"),
     );
     r
 }
@@ -35,6 +71,11 @@ pub fn status(gw: &Gateway) -> serde_json::Value {
         "loaded_at": secs(gen.loaded_at),
         "last_reload_error": st.last_reload_error,
         "last_reload_at": st.last_reload_at.map(secs),
+        "last_reload_result": match (&st.last_reload_at, &st.last_reload_error) {
+            (None, _) => "none",
+            (Some(_), None) => "applied",
+            (Some(_), Some(_)) => "rejected",
+        },
         "reloads_applied": st.applied,
         "reloads_rejected": st.rejected,
         "uptime_secs": gw.started.elapsed().as_secs(),
@@ -42,25 +83,78 @@ pub fn status(gw: &Gateway) -> serde_json::Value {
     })
 }
 
-async fn handle(gw: &Gateway, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
-    Ok(match (req.method(), req.uri().path()) {
-        (&Method::GET, "/status") => json(status(gw)),
-        (_, "/status") => plain(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n"),
-        _ => plain(StatusCode::NOT_FOUND, "not found\n"),
-    })
+/// Reads a JSON request body (at most [`MAX_BODY`] bytes).
+pub async fn read_json<T: serde::de::DeserializeOwned>(
+    body: Incoming,
+) -> Result<T, Response<Body>> {
+    let bytes = match Limited::new(body, MAX_BODY).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(_) => return Err(text(StatusCode::PAYLOAD_TOO_LARGE, "body too large")),
+    };
+    serde_json::from_slice(&bytes)
+        .map_err(|e| text(StatusCode::BAD_REQUEST, format!("invalid JSON: {e}")))
 }
 
-/// Serves the admin API forever.
+async fn route(gw: &Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
+    let path = req.uri().path().to_string();
+    let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let method = req.method().clone();
+    match (&method, segs.as_slice()) {
+        (&Method::GET, [""]) => dashboard::page(),
+        (&Method::GET, [asset]) if dashboard::is_asset(asset) => dashboard::asset(asset),
+        (&Method::GET, ["status"]) => json(status(gw)),
+        (&Method::GET, ["metrics"]) => {
+            nodes::refresh_gauges(gw);
+            let mut r = Response::new(boxed(Full::new(Bytes::from(gw.metrics.encode()))));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
+            r
+        }
+        (&Method::GET, ["stats"]) => json(gw.history.report()),
+        (&Method::GET, ["config"]) => json(dashboard::config_doc(gw)),
+        (&Method::GET, ["nodes"]) => json(nodes::list(gw)),
+        (&Method::GET, ["explain"]) => explain::get(gw, req.uri().query().unwrap_or("")),
+        (&Method::POST, ["explain"]) => match read_json(req.into_body()).await {
+            Ok(q) => explain::run(gw, q),
+            Err(r) => r,
+        },
+        (_, ["nodes", ..]) => nodes::manage(gw, req, &segs[1..]).await,
+        (_, ["status" | "metrics" | "stats" | "config" | "explain"]) => {
+            plain(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n")
+        }
+        _ => plain(StatusCode::NOT_FOUND, "not found\n"),
+    }
+}
+
+async fn handle(
+    gw: &Arc<Gateway>,
+    guard: &auth::Guard,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, Infallible> {
+    if let Err(resp) = guard.check(gw, req.headers()) {
+        return Ok(resp);
+    }
+    Ok(route(gw, req).await)
+}
+
+/// Serves the admin API forever (and samples traffic for the dashboard).
 pub async fn serve(gw: Arc<Gateway>, listener: TcpListener) {
+    let local = listener.local_addr().map_or(true, |a| a.ip().is_loopback());
+    let guard = Arc::new(auth::Guard::new(!local));
+    tokio::spawn(stats::sample_forever(gw.clone()));
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
         let gw = gw.clone();
+        let guard = guard.clone();
         tokio::spawn(async move {
             let svc = service_fn(move |req| {
                 let gw = gw.clone();
-                async move { handle(&gw, req).await }
+                let guard = guard.clone();
+                async move { handle(&gw, &guard, req).await }
             });
             let _ = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())

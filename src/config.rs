@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use ipnet::IpNet;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// The lane every request falls back to.
 pub const FORMAL: &str = "formal";
@@ -80,6 +80,55 @@ pub struct MainConfig {
     /// Milliseconds of quiet after a file change before reloading.
     #[serde(default = "default_debounce_ms")]
     pub reload_debounce_ms: u64,
+    /// Bearer token for the admin API (also `GRAYGATE_ADMIN_TOKEN`).
+    /// Required when `admin_listen` is not a loopback address.
+    #[serde(default)]
+    pub admin_token: Option<String>,
+    /// Access log (off when absent).
+    #[serde(default)]
+    pub access_log: Option<AccessLogConfig>,
+    /// Response header showing clients their lane (off when absent).
+    #[serde(default)]
+    pub lane_response_header: Option<HeaderNameConf>,
+}
+
+/// A header name checked at parse time (so errors carry file:line).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeaderNameConf(pub http::HeaderName);
+
+impl<'de> Deserialize<'de> for HeaderNameConf {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        http::HeaderName::from_bytes(s.as_bytes())
+            .map(HeaderNameConf)
+            .map_err(|_| serde::de::Error::custom(format!("invalid header name {s:?}")))
+    }
+}
+
+/// Where and how the access log is written.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AccessLogConfig {
+    /// File to append to (relative to `root`), or `stdout` / `stderr`.
+    pub path: PathBuf,
+    #[serde(default)]
+    pub format: AccessLogFormat,
+    /// Lines buffered between requests and the writer; beyond, lines are
+    /// dropped (and counted) rather than slowing requests.
+    #[serde(default = "default_access_log_buffer")]
+    pub buffer: usize,
+}
+
+fn default_access_log_buffer() -> usize {
+    8192
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum AccessLogFormat {
+    #[default]
+    Text,
+    Json,
 }
 
 fn default_tag_header() -> String {
@@ -178,30 +227,33 @@ fn default_lane() -> String {
 }
 
 /// A node file: services and their nodes.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct NodeFile {
     #[serde(default)]
     pub services: BTreeMap<String, ServiceConfig>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServiceConfig {
     #[serde(default)]
     pub nodes: Vec<NodeConfig>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct NodeConfig {
-    pub addr: SocketAddr,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    pub addr: SocketAddr,
     #[serde(default = "default_lane")]
     pub lane: String,
     #[serde(default = "default_weight")]
     pub weight: u32,
+    /// Draining: selection skips the node; requests in flight finish.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub drain: bool,
 }
 
 fn default_weight() -> u32 {

@@ -12,8 +12,11 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 
-use crate::config::ConfigError;
+use crate::access_log::AccessLog;
+use crate::config::{resolve, ConfigError};
 use crate::generation::Generation;
+use crate::metrics::Metrics;
+use crate::nodes::NodeStats;
 use crate::proxy::{self, FallbackLog, UpstreamClient};
 
 /// Outcome of the last reload attempt.
@@ -34,6 +37,14 @@ pub struct Gateway {
     pub started: Instant,
     /// Serialises reloads (watcher, SIGHUP).
     reload_lock: Mutex<()>,
+    pub metrics: Metrics,
+    /// Per-node counters, surviving reloads.
+    pub node_stats: NodeStats,
+    pub access_log: AccessLog,
+    /// Traffic history for the dashboard.
+    pub history: crate::admin::stats::History,
+    /// Serialises admin changes to node files.
+    pub edit_lock: tokio::sync::Mutex<()>,
 }
 
 impl Gateway {
@@ -45,6 +56,20 @@ impl Gateway {
             tracing::warn!("{w}");
         }
         let client = proxy::build_client(&gen.config.upstream);
+        let metrics = Metrics::new();
+        metrics.generation.set(gen.id as i64);
+        let access_log = match &gen.config.access_log {
+            Some(cfg) => {
+                let dir = config_path.parent().unwrap_or(Path::new("."));
+                let root = gen
+                    .config
+                    .root
+                    .as_ref()
+                    .map_or(dir.to_path_buf(), |r| resolve(dir, r));
+                AccessLog::start(cfg, &root, metrics.access_log_dropped.clone())
+            }
+            None => AccessLog::off(metrics.access_log_dropped.clone()),
+        };
         Ok(Arc::new(Gateway {
             current: ArcSwap::from_pointee(gen),
             config_path,
@@ -53,6 +78,11 @@ impl Gateway {
             fallback_log: FallbackLog::default(),
             started: Instant::now(),
             reload_lock: Mutex::new(()),
+            metrics,
+            node_stats: NodeStats::default(),
+            access_log,
+            history: Default::default(),
+            edit_lock: tokio::sync::Mutex::new(()),
         }))
     }
 
@@ -77,6 +107,8 @@ impl Gateway {
                 self.current.store(Arc::new(gen));
                 status.last_reload_error = None;
                 status.applied += 1;
+                self.metrics.reloads.with_label_values(&["applied"]).inc();
+                self.metrics.generation.set(next as i64);
                 tracing::info!(generation = next, "configuration reloaded");
                 Ok(next)
             }
@@ -84,6 +116,7 @@ impl Gateway {
                 tracing::error!(error = %e, "reload rejected; previous configuration keeps serving");
                 status.last_reload_error = Some(e.to_string());
                 status.rejected += 1;
+                self.metrics.reloads.with_label_values(&["rejected"]).inc();
                 Err(e)
             }
         }

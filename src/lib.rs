@@ -4,9 +4,11 @@
 //! [`generation::Generation`]; [`lane`] decides each request's lane (trusted
 //! tag, Lua script); [`nodes`] picks a node of that lane (or formal);
 //! [`proxy`] forwards it, or [`static_files`] serves the lane's asset;
-//! [`reload`] swaps generations on file change; [`admin`] reports status.
+//! [`reload`] swaps generations on file change; [`metrics`] and
+//! [`access_log`] record each request; [`admin`] reports and controls.
 #![forbid(unsafe_code)]
 
+pub mod access_log;
 pub mod admin;
 pub mod config;
 pub mod demo;
@@ -14,6 +16,8 @@ pub mod gateway;
 pub mod generation;
 pub mod lane;
 pub mod lists;
+pub mod metrics;
+pub mod node_edit;
 pub mod nodes;
 pub mod proxy;
 pub mod reload;

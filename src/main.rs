@@ -80,6 +80,10 @@ async fn run(config: PathBuf) -> ExitCode {
         .unwrap_or_default();
     tracing::info!(%addr, generation = gen.id, "graygate listening");
     if let Some(admin_addr) = gen.config.admin_listen {
+        if let Err(e) = admin::auth::check_bind(admin_addr, &gen.config) {
+            eprintln!("{}: {e}", config.display());
+            return ExitCode::FAILURE;
+        }
         match tokio::net::TcpListener::bind(admin_addr).await {
             Ok(l) => {
                 let a = l.local_addr().map(|a| a.to_string()).unwrap_or_default();

@@ -2,9 +2,10 @@
 //! nodes of the request's lane, else formal nodes (never another gray lane),
 //! picked by smooth weighted round-robin (nginx's algorithm).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 
 use crate::config::{NodeConfig, FORMAL};
 
@@ -15,6 +16,8 @@ pub struct Node {
     pub addr: SocketAddr,
     pub lane: String,
     pub weight: u32,
+    /// Draining nodes are listed but never selected.
+    pub drain: bool,
 }
 
 impl Node {
@@ -27,6 +30,7 @@ impl Node {
             addr: c.addr,
             lane: c.lane.clone(),
             weight: c.weight,
+            drain: c.drain,
         }
     }
 }
@@ -70,6 +74,28 @@ impl LaneNodes {
             }
         }
     }
+
+    /// The node [`pick`](Self::pick) would choose next, without moving the
+    /// round-robin state (for dry runs such as `/explain`).
+    pub fn peek(&self) -> Option<&Node> {
+        match self.nodes.len() {
+            0 => None,
+            1 => Some(&self.nodes[0]),
+            _ => {
+                let cur = self.current.lock().unwrap_or_else(|e| e.into_inner());
+                let mut best = 0usize;
+                let mut best_val = i64::MIN;
+                for (i, node) in self.nodes.iter().enumerate() {
+                    let v = cur[i] + i64::from(node.weight);
+                    if v > best_val {
+                        best = i;
+                        best_val = v;
+                    }
+                }
+                Some(&self.nodes[best])
+            }
+        }
+    }
 }
 
 /// Why a request did not go to nodes of its own lane.
@@ -92,16 +118,20 @@ impl Fallback {
 pub struct Service {
     pub name: String,
     pub lanes: BTreeMap<String, LaneNodes>,
+    /// Every configured node, including weight-0 and draining ones.
+    pub all: Vec<Node>,
 }
 
 impl Service {
     pub fn new(name: &str, nodes: Vec<Node>) -> Service {
         let mut by_lane: BTreeMap<String, Vec<Node>> = BTreeMap::new();
-        for n in nodes.into_iter().filter(|n| n.weight > 0) {
+        let all = nodes.clone();
+        for n in nodes.into_iter().filter(|n| n.weight > 0 && !n.drain) {
             by_lane.entry(n.lane.clone()).or_default().push(n);
         }
         Service {
             name: name.to_string(),
+            all,
             lanes: by_lane
                 .into_iter()
                 .map(|(lane, nodes)| (lane, LaneNodes::new(nodes)))
@@ -125,6 +155,57 @@ impl Service {
     }
 }
 
+/// Live counters of one node. They live outside the [`Generation`]
+/// (keyed by service and address) so they survive reloads.
+///
+/// [`Generation`]: crate::generation::Generation
+#[derive(Debug, Default)]
+pub struct NodeCounters {
+    pub in_flight: AtomicI64,
+    pub requests: AtomicU64,
+    pub errors: AtomicU64,
+}
+
+impl NodeCounters {
+    pub fn snapshot(&self) -> (i64, u64, u64) {
+        (
+            self.in_flight.load(Ordering::Relaxed),
+            self.requests.load(Ordering::Relaxed),
+            self.errors.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// Every node's counters, by address then service.
+#[derive(Debug, Default)]
+pub struct NodeStats(RwLock<HashMap<SocketAddr, Vec<(String, Arc<NodeCounters>)>>>);
+
+impl NodeStats {
+    /// The counters of (`service`, `addr`), created on first use.
+    pub fn get(&self, service: &str, addr: SocketAddr) -> Arc<NodeCounters> {
+        if let Some(c) = self.find(service, addr) {
+            return c;
+        }
+        let mut m = self.0.write().unwrap_or_else(|e| e.into_inner());
+        let list = m.entry(addr).or_default();
+        if let Some((_, c)) = list.iter().find(|(s, _)| s == service) {
+            return c.clone();
+        }
+        let c = Arc::new(NodeCounters::default());
+        list.push((service.to_string(), c.clone()));
+        c
+    }
+
+    /// The counters of (`service`, `addr`) if it ever served a request.
+    pub fn find(&self, service: &str, addr: SocketAddr) -> Option<Arc<NodeCounters>> {
+        let m = self.0.read().unwrap_or_else(|e| e.into_inner());
+        m.get(&addr)?
+            .iter()
+            .find(|(s, _)| s == service)
+            .map(|(_, c)| c.clone())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -135,6 +216,7 @@ mod tests {
             addr: "127.0.0.1:1".parse().unwrap(),
             lane: lane.into(),
             weight,
+            drain: false,
         }
     }
 
@@ -166,6 +248,38 @@ mod tests {
         let only_gray = Service::new("s", vec![node("g", "gray", 1)]);
         assert!(only_gray.candidates("v2").is_none());
         assert!(only_gray.candidates(FORMAL).is_none());
+    }
+
+    #[test]
+    fn peek_shows_the_next_pick_without_moving() {
+        let s = Service::new("s", vec![node("a", FORMAL, 2), node("b", FORMAL, 1)]);
+        let (set, _) = s.candidates(FORMAL).unwrap();
+        for _ in 0..6 {
+            let peeked = set.peek().unwrap().name.clone();
+            assert_eq!(set.peek().unwrap().name, peeked, "peek is stable");
+            assert_eq!(set.pick().unwrap().name, peeked);
+        }
+    }
+
+    #[test]
+    fn draining_nodes_are_listed_but_never_chosen() {
+        let mut d = node("d", FORMAL, 1);
+        d.drain = true;
+        let s = Service::new("s", vec![node("f", FORMAL, 1), d]);
+        assert_eq!(s.count(FORMAL), 1);
+        assert_eq!(s.all.len(), 2);
+        let (set, _) = s.candidates(FORMAL).unwrap();
+        assert!((0..4).all(|_| set.pick().unwrap().name == "f"));
+    }
+
+    #[test]
+    fn node_stats_survive_by_service_and_addr() {
+        let stats = NodeStats::default();
+        let a: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        stats.get("s", a).requests.fetch_add(1, Ordering::Relaxed);
+        assert_eq!(stats.get("s", a).snapshot().1, 1);
+        assert_eq!(stats.get("t", a).snapshot().1, 0);
+        assert!(stats.find("u", a).is_none());
     }
 
     #[test]

@@ -163,13 +163,20 @@ pub async fn handle(
     peer: SocketAddr,
     req: Request<Incoming>,
 ) -> Result<Response<Body>, Infallible> {
+    let start = Instant::now();
     let gen = gw.current();
     let (parts, body) = req.into_parts();
     let host = host_of(&parts.headers, &parts.uri);
     let peer_trusted = gen.trusted.contains(peer.ip());
     let client = client_ip(peer.ip(), &parts.headers, &gen.trusted);
+    // Only copied when the access log is on.
+    let log_head = gw
+        .access_log
+        .enabled()
+        .then(|| (parts.method.to_string(), parts.uri.path().to_string()));
     let Some(route) = gen.route(&host, parts.uri.path()) else {
-        return Ok(plain(StatusCode::NOT_FOUND, "no route\n"));
+        let resp = plain(StatusCode::NOT_FOUND, "no route\n");
+        return Ok(finish(gw, &gen, None, resp, start, None, client, log_head));
     };
     let info = RequestInfo {
         parts,
@@ -178,6 +185,7 @@ pub async fn handle(
     };
     let (info, mut decision) = lane::decide(&gen, info, peer_trusted);
     decision.route = Some(route.prefix.clone());
+    let upstream_start = Instant::now();
     let resp = match &route.target {
         Target::Service(name) => {
             forward(
@@ -194,6 +202,7 @@ pub async fn handle(
         }
         Target::Static(tree) => crate::static_files::serve(tree, &info.parts, &mut decision).await,
     };
+    let upstream = matches!(route.target, Target::Service(_)).then(|| upstream_start.elapsed());
     tracing::debug!(
         generation = gen.id,
         lane = %decision.lane,
@@ -203,7 +212,63 @@ pub async fn handle(
         status = resp.status().as_u16(),
         "request"
     );
-    Ok(resp)
+    Ok(finish(
+        gw,
+        &gen,
+        Some(&decision),
+        resp,
+        start,
+        upstream,
+        client,
+        log_head,
+    ))
+}
+
+/// The end of every request: metrics, the access log and the optional
+/// lane response header, all from the decision, status and timings.
+#[allow(clippy::too_many_arguments)]
+fn finish(
+    gw: &Gateway,
+    gen: &Generation,
+    decision: Option<&Decision>,
+    mut resp: Response<Body>,
+    start: Instant,
+    upstream: Option<Duration>,
+    client: IpAddr,
+    log_head: Option<(String, String)>,
+) -> Response<Body> {
+    let total = start.elapsed();
+    let status = resp.status().as_u16();
+    gw.metrics.observe(&crate::metrics::Observation {
+        decision,
+        rule: None,
+        status,
+        total,
+        upstream,
+    });
+    if let Some((method, path)) = log_head {
+        gw.access_log.log(crate::access_log::Entry {
+            time: crate::access_log::Entry::now_string(),
+            client_ip: client,
+            method,
+            path,
+            status,
+            lane: decision.map_or("-", |d| d.lane.as_str()).to_string(),
+            decided_by: decision.map_or("-", |d| d.decided_by.as_str()).to_string(),
+            node: decision
+                .and_then(|d| d.node.as_deref())
+                .unwrap_or("-")
+                .to_string(),
+            upstream_ms: upstream.map(crate::access_log::Entry::ms),
+            total_ms: crate::access_log::Entry::ms(total),
+        });
+    }
+    if let (Some(h), Some(d)) = (&gen.config.lane_response_header, decision) {
+        if let Ok(v) = HeaderValue::from_str(&d.lane) {
+            resp.headers_mut().insert(h.0.clone(), v);
+        }
+    }
+    resp
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -240,6 +305,7 @@ async fn forward(
         }
     }
     let node = set.pick().expect("candidate sets are never empty");
+    let tracker = crate::metrics::NodeTracker::begin(gw.node_stats.get(service_name, node.addr));
     decision.candidates = set.nodes.len();
     decision.served_lane = Some(node.lane.clone());
     decision.node = Some(node.name.clone());
@@ -268,7 +334,7 @@ async fn forward(
     let upstream_req = Request::from_parts(parts, body);
 
     let timeout = Duration::from_millis(gen.config.upstream.response_timeout_ms);
-    match tokio::time::timeout(timeout, gw.client.request(upstream_req)).await {
+    let resp = match tokio::time::timeout(timeout, gw.client.request(upstream_req)).await {
         Err(_) => {
             tracing::warn!(node = %node.name, addr = %node.addr, "upstream timed out");
             plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out\n")
@@ -286,7 +352,8 @@ async fn forward(
             strip_hop_by_hop(&mut head.headers);
             Response::from_parts(head, boxed(body))
         }
-    }
+    };
+    tracker.finish(resp)
 }
 
 /// Sets X-Forwarded-For/-Proto/-Host. From a trusted proxy the chain is

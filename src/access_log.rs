@@ -1,0 +1,192 @@
+//! The access log: one line per request, text or JSON, written by a
+//! dedicated thread. Requests hand their line over a bounded channel and
+//! never wait: when the writer falls behind, lines are dropped and counted
+//! (`graygate_access_log_dropped_total`).
+
+use std::io::Write;
+use std::net::IpAddr;
+use std::path::Path;
+use std::time::{Duration, SystemTime};
+
+use prometheus::IntCounter;
+use tokio::sync::mpsc;
+
+use crate::config::{AccessLogConfig, AccessLogFormat};
+
+/// One request's log record.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Entry {
+    /// RFC 3339, milliseconds, UTC.
+    pub time: String,
+    pub client_ip: IpAddr,
+    pub method: String,
+    pub path: String,
+    pub status: u16,
+    pub lane: String,
+    /// What decided the lane (`script`, `trusted_tag`, …, or a rule name).
+    pub decided_by: String,
+    pub node: String,
+    /// Milliseconds waiting for the upstream's response head (API routes).
+    pub upstream_ms: Option<f64>,
+    /// Milliseconds from request head to response head.
+    pub total_ms: f64,
+}
+
+impl Entry {
+    pub fn now_string() -> String {
+        humantime::format_rfc3339_millis(SystemTime::now()).to_string()
+    }
+
+    /// Milliseconds with microsecond precision.
+    pub fn ms(d: Duration) -> f64 {
+        (d.as_micros() as f64) / 1000.0
+    }
+
+    /// The line, without its newline.
+    pub fn format(&self, format: AccessLogFormat) -> String {
+        match format {
+            AccessLogFormat::Json => serde_json::to_string(self).unwrap_or_default(),
+            AccessLogFormat::Text => {
+                let up = self
+                    .upstream_ms
+                    .map_or_else(|| "-".to_string(), |u| format!("{u:.3}"));
+                format!(
+                    "{} {} \"{} {}\" {} lane={} decided_by={} node={} upstream_ms={} total_ms={:.3}",
+                    self.time,
+                    self.client_ip,
+                    self.method,
+                    self.path.escape_debug(),
+                    self.status,
+                    self.lane,
+                    self.decided_by,
+                    self.node,
+                    up,
+                    self.total_ms
+                )
+            }
+        }
+    }
+}
+
+/// The request-side handle: off, or a bounded sender.
+pub struct AccessLog {
+    tx: Option<mpsc::Sender<Entry>>,
+    dropped: IntCounter,
+}
+
+impl AccessLog {
+    pub fn off(dropped: IntCounter) -> AccessLog {
+        AccessLog { tx: None, dropped }
+    }
+
+    /// Starts the writer thread for `cfg` (`path` resolved against `root`).
+    /// The file is opened by the writer, so a slow or blocked target never
+    /// stalls start-up or requests.
+    pub fn start(cfg: &AccessLogConfig, root: &Path, dropped: IntCounter) -> AccessLog {
+        let (tx, mut rx) = mpsc::channel::<Entry>(cfg.buffer.max(1));
+        let format = cfg.format;
+        let target = cfg.path.clone();
+        let path = crate::config::resolve(root, &cfg.path);
+        let spawned = std::thread::Builder::new()
+            .name("access-log".into())
+            .spawn(move || {
+                let mut out: Box<dyn Write> = match target.to_str() {
+                    Some("stdout") => Box::new(std::io::stdout()),
+                    Some("stderr") => Box::new(std::io::stderr()),
+                    _ => match std::fs::OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(&path)
+                    {
+                        Ok(f) => Box::new(f),
+                        Err(e) => {
+                            tracing::error!(path = %path.display(), error = %e, "cannot open access log; it stays off");
+                            return;
+                        }
+                    },
+                };
+                let mut buf = std::io::BufWriter::new(&mut out);
+                while let Some(e) = rx.blocking_recv() {
+                    let _ = writeln!(buf, "{}", e.format(format));
+                    // Batch whatever is already queued, then flush.
+                    while let Ok(e) = rx.try_recv() {
+                        let _ = writeln!(buf, "{}", e.format(format));
+                    }
+                    let _ = buf.flush();
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "cannot start the access log writer");
+            return AccessLog::off(dropped);
+        }
+        AccessLog {
+            tx: Some(tx),
+            dropped,
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.tx.is_some()
+    }
+
+    /// Queues `entry` without waiting; drops (and counts) it when full.
+    pub fn log(&self, entry: Entry) {
+        if let Some(tx) = &self.tx {
+            if tx.try_send(entry).is_err() {
+                self.dropped.inc();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry() -> Entry {
+        Entry {
+            time: "2026-01-02T03:04:05.678Z".into(),
+            client_ip: "127.0.9.1".parse().unwrap(),
+            method: "GET".into(),
+            path: "/api/x".into(),
+            status: 200,
+            lane: "gray".into(),
+            decided_by: "script".into(),
+            node: "g1".into(),
+            upstream_ms: Some(1.5),
+            total_ms: 2.25,
+        }
+    }
+
+    #[test]
+    fn text_line() {
+        assert_eq!(
+            entry().format(AccessLogFormat::Text),
+            "2026-01-02T03:04:05.678Z 127.0.9.1 \"GET /api/x\" 200 lane=gray decided_by=script node=g1 upstream_ms=1.500 total_ms=2.250"
+        );
+    }
+
+    #[test]
+    fn json_line() {
+        let v: serde_json::Value =
+            serde_json::from_str(&entry().format(AccessLogFormat::Json)).unwrap();
+        assert_eq!(v["client_ip"], "127.0.9.1");
+        assert_eq!(v["lane"], "gray");
+        assert_eq!(v["upstream_ms"], 1.5);
+        assert_eq!(v["total_ms"], 2.25);
+    }
+
+    #[test]
+    fn full_channel_drops_and_counts_instead_of_waiting() {
+        let dropped = IntCounter::new("d", "d").unwrap();
+        let (tx, _rx) = mpsc::channel(2);
+        let log = AccessLog {
+            tx: Some(tx),
+            dropped: dropped.clone(),
+        };
+        for _ in 0..5 {
+            log.log(entry());
+        }
+        assert_eq!(dropped.get(), 3);
+    }
+}

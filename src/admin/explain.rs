@@ -1,0 +1,207 @@
+//! `/explain`: a dry run of the request path for a described request — the
+//! route, the lane and what decided it, the candidate nodes, the node that
+//! would be chosen next and any fallback. It calls the same `lane::decide`
+//! and candidate choice as real traffic, but only `peek`s the round-robin
+//! state and records no metric or node counter.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use http::{Request, Response, StatusCode};
+use serde::Deserialize;
+
+use crate::config::FORMAL;
+use crate::gateway::Gateway;
+use crate::generation::Target;
+use crate::lane::{self, DecidedBy, RequestInfo};
+use crate::proxy::{client_ip, host_of, Body};
+
+use super::{json, text};
+
+/// A described request.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Query {
+    #[serde(default)]
+    pub method: Option<String>,
+    #[serde(default)]
+    pub host: Option<String>,
+    #[serde(default)]
+    pub path: Option<String>,
+    #[serde(default)]
+    pub query: Option<String>,
+    /// The connecting peer's address (default 127.0.0.1).
+    #[serde(default)]
+    pub ip: Option<IpAddr>,
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    #[serde(default)]
+    pub cookies: BTreeMap<String, String>,
+}
+
+/// `GET /explain?method=&host=&path=&query=&ip=&header=Name:%20v&cookie=n=v`.
+pub fn get(gw: &Gateway, raw: &str) -> Response<Body> {
+    let mut q = Query::default();
+    for (k, v) in form_urlencoded::parse(raw.as_bytes()) {
+        match k.as_ref() {
+            "method" => q.method = Some(v.into_owned()),
+            "host" => q.host = Some(v.into_owned()),
+            "path" => q.path = Some(v.into_owned()),
+            "query" => q.query = Some(v.into_owned()),
+            "ip" => match v.parse() {
+                Ok(ip) => q.ip = Some(ip),
+                Err(_) => return text(StatusCode::BAD_REQUEST, format!("invalid ip {v:?}")),
+            },
+            "header" => match v.split_once(':') {
+                Some((n, val)) => {
+                    q.headers
+                        .insert(n.trim().to_string(), val.trim().to_string());
+                }
+                None => return text(StatusCode::BAD_REQUEST, "header must be Name: value"),
+            },
+            "cookie" => match v.split_once('=') {
+                Some((n, val)) => {
+                    q.cookies
+                        .insert(n.trim().to_string(), val.trim().to_string());
+                }
+                None => return text(StatusCode::BAD_REQUEST, "cookie must be name=value"),
+            },
+            other => {
+                return text(
+                    StatusCode::BAD_REQUEST,
+                    format!("unknown parameter {other:?}"),
+                )
+            }
+        }
+    }
+    run(gw, q)
+}
+
+/// Builds the request head that `q` describes.
+fn build(q: &Query) -> Result<http::request::Parts, String> {
+    let path = q.path.as_deref().unwrap_or("/");
+    if !path.starts_with('/') {
+        return Err("path must start with /".into());
+    }
+    let target = match q.query.as_deref().filter(|s| !s.is_empty()) {
+        Some(query) => format!("{path}?{}", query.trim_start_matches('?')),
+        None => path.to_string(),
+    };
+    let mut b = Request::builder()
+        .method(q.method.as_deref().unwrap_or("GET"))
+        .uri(target);
+    if let Some(h) = &q.host {
+        b = b.header(http::header::HOST, h);
+    }
+    for (k, v) in &q.headers {
+        if k.eq_ignore_ascii_case("host") && q.host.is_some() {
+            continue;
+        }
+        b = b.header(k, v);
+    }
+    if !q.cookies.is_empty() {
+        let c: Vec<String> = q.cookies.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        b = b.header(http::header::COOKIE, c.join("; "));
+    }
+    b.body(())
+        .map(|r| r.into_parts().0)
+        .map_err(|e| format!("invalid request: {e}"))
+}
+
+/// Runs the dry run.
+pub fn run(gw: &Gateway, q: Query) -> Response<Body> {
+    let parts = match build(&q) {
+        Ok(p) => p,
+        Err(e) => return text(StatusCode::BAD_REQUEST, e),
+    };
+    let gen = gw.current();
+    let peer = q.ip.unwrap_or(IpAddr::from([127, 0, 0, 1]));
+    let host = host_of(&parts.headers, &parts.uri);
+    let peer_trusted = gen.trusted.contains(peer);
+    let client = client_ip(peer, &parts.headers, &gen.trusted);
+    let path = parts.uri.path().to_string();
+    let mut out = serde_json::json!({
+        "generation": gen.id,
+        "request": {
+            "method": parts.method.as_str(),
+            "host": host,
+            "path": path,
+            "query": parts.uri.query(),
+            "peer_ip": peer,
+            "client_ip": client,
+            "peer_trusted": peer_trusted,
+        },
+    });
+    let Some(route) = gen.route(&host, &path) else {
+        out["route"] = serde_json::Value::Null;
+        out["error"] = "no route".into();
+        return json(out);
+    };
+    let info = RequestInfo {
+        parts,
+        client_ip: client,
+        host,
+    };
+    let (info, decision) = lane::decide(&gen, info, peer_trusted);
+    out["route"] = serde_json::json!({"host": route.host, "prefix": route.prefix});
+    out["lane"] = decision.lane.clone().into();
+    out["decided_by"] = decision.decided_by.as_str().into();
+    out["rule"] = serde_json::Value::Null;
+    out["detail"] = match &decision.decided_by {
+        DecidedBy::ScriptError(e) | DecidedBy::InvalidLane(e) => e.clone().into(),
+        _ => serde_json::Value::Null,
+    };
+    match &route.target {
+        Target::Service(name) => {
+            out["target"] = serde_json::json!({"service": name});
+            let picked = gen
+                .services
+                .get(name)
+                .and_then(|s| s.candidates(&decision.lane));
+            match picked {
+                Some((set, fallback)) => {
+                    let chosen = set.peek();
+                    out["candidates"] = set
+                        .nodes
+                        .iter()
+                        .map(|n| {
+                            serde_json::json!({
+                                "name": n.name, "addr": n.addr.to_string(),
+                                "lane": n.lane, "weight": n.weight,
+                            })
+                        })
+                        .collect();
+                    out["chosen"] = chosen.map(|n| n.name.clone()).into();
+                    out["served_lane"] = chosen.map(|n| n.lane.clone()).into();
+                    out["fallback"] = fallback.map(|f| f.as_str()).into();
+                }
+                None => {
+                    out["candidates"] = serde_json::json!([]);
+                    out["chosen"] = serde_json::Value::Null;
+                    out["fallback"] = serde_json::Value::Null;
+                    out["error"] = "no upstream node for this lane (503)".into();
+                }
+            }
+        }
+        Target::Static(tree) => {
+            let rel = info.parts.uri.path().trim_start_matches('/');
+            let rel = if rel.is_empty() || rel.ends_with('/') {
+                format!("{rel}{}", tree.index)
+            } else {
+                rel.to_string()
+            };
+            let own = tree.root.join(&decision.lane).join(&rel).is_file();
+            let served = if own { decision.lane.as_str() } else { FORMAL };
+            out["target"] = serde_json::json!({"static": tree.root});
+            out["candidates"] = serde_json::json!([]);
+            out["chosen"] = format!("static:{served}").into();
+            out["served_lane"] = served.into();
+            out["fallback"] = if served != decision.lane {
+                "static_file_from_formal".into()
+            } else {
+                serde_json::Value::Null
+            };
+        }
+    }
+    json(out)
+}

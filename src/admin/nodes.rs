@@ -1,0 +1,260 @@
+//! `/nodes`: every service's nodes with lane, weight, drain, health and
+//! live counters; and node management — `POST /nodes/{service}` adds,
+//! `PATCH /nodes/{service}/{node}` changes lane/weight/drain,
+//! `POST /nodes/{service}/{node}/drain|undrain`, `DELETE …/{node}` removes.
+//! Changes are written back to the node file (see [`crate::node_edit`]) and
+//! applied through [`Gateway::reload`].
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use http::{Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use serde::Deserialize;
+
+use crate::config::{valid_lane, NodeConfig, FORMAL};
+use crate::gateway::Gateway;
+use crate::generation::Generation;
+use crate::node_edit::{self, EditError, NodeChange};
+use crate::proxy::Body;
+
+use super::{json, read_json, text};
+
+/// Health of a node as far as the gateway knows.
+pub fn health(_gw: &Gateway, _service: &str, _addr: SocketAddr) -> &'static str {
+    "unknown"
+}
+
+/// The `/nodes` document.
+pub fn list(gw: &Gateway) -> serde_json::Value {
+    let gen = gw.current();
+    let services: Vec<serde_json::Value> = gen
+        .services
+        .values()
+        .map(|s| {
+            let nodes: Vec<serde_json::Value> = s
+                .all
+                .iter()
+                .map(|n| {
+                    let (in_flight, requests, errors) = gw
+                        .node_stats
+                        .find(&s.name, n.addr)
+                        .map_or((0, 0, 0), |c| c.snapshot());
+                    serde_json::json!({
+                        "name": n.name,
+                        "addr": n.addr.to_string(),
+                        "lane": n.lane,
+                        "weight": n.weight,
+                        "drain": n.drain,
+                        "selectable": n.weight > 0 && !n.drain,
+                        "health": health(gw, &s.name, n.addr),
+                        "in_flight": in_flight,
+                        "requests": requests,
+                        "errors": errors,
+                    })
+                })
+                .collect();
+            serde_json::json!({"name": s.name, "nodes": nodes})
+        })
+        .collect();
+    serde_json::json!({"generation": gen.id, "services": services})
+}
+
+/// Sets the node gauges (health, in-flight, weight) before a scrape.
+pub fn refresh_gauges(gw: &Gateway) {
+    let m = &gw.metrics;
+    m.node_health.reset();
+    m.node_in_flight.reset();
+    m.node_weight.reset();
+    let gen = gw.current();
+    for s in gen.services.values() {
+        for n in &s.all {
+            let labels = [s.name.as_str(), n.name.as_str(), n.lane.as_str()];
+            let h = health(gw, &s.name, n.addr);
+            for state in ["healthy", "unhealthy", "unknown"] {
+                m.node_health
+                    .with_label_values(&[labels[0], labels[1], labels[2], state])
+                    .set(i64::from(state == h));
+            }
+            let in_flight = gw
+                .node_stats
+                .find(&s.name, n.addr)
+                .map_or(0, |c| c.snapshot().0);
+            m.node_in_flight.with_label_values(&labels).set(in_flight);
+            let w = if n.drain { 0 } else { i64::from(n.weight) };
+            m.node_weight.with_label_values(&labels).set(w);
+        }
+    }
+}
+
+/// Body of `POST /nodes/{service}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddNode {
+    addr: String,
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    lane: Option<String>,
+    #[serde(default)]
+    weight: Option<u32>,
+    #[serde(default)]
+    drain: bool,
+}
+
+/// Body of `PATCH /nodes/{service}/{node}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PatchNode {
+    #[serde(default)]
+    lane: Option<String>,
+    #[serde(default)]
+    weight: Option<u32>,
+    #[serde(default)]
+    drain: Option<bool>,
+}
+
+/// Routes `/nodes/...` management requests (`rest` is the path after `nodes`).
+pub async fn manage(gw: &Arc<Gateway>, req: Request<Incoming>, rest: &[&str]) -> Response<Body> {
+    let method = req.method().clone();
+    let change = match (&method, rest) {
+        (&Method::POST, [service]) => {
+            let add: AddNode = match read_json(req.into_body()).await {
+                Ok(a) => a,
+                Err(r) => return r,
+            };
+            let addr: SocketAddr = match add.addr.parse() {
+                Ok(a) => a,
+                Err(_) => {
+                    return text(
+                        StatusCode::BAD_REQUEST,
+                        format!("invalid addr {:?} (ip:port)", add.addr),
+                    )
+                }
+            };
+            let lane = add.lane.unwrap_or_else(|| FORMAL.to_string());
+            (
+                *service,
+                NodeChange::Add(NodeConfig {
+                    name: add.name,
+                    addr,
+                    lane,
+                    weight: add.weight.unwrap_or(1),
+                    drain: add.drain,
+                }),
+            )
+        }
+        (&Method::PATCH, [service, node]) => {
+            let p: PatchNode = match read_json(req.into_body()).await {
+                Ok(p) => p,
+                Err(r) => return r,
+            };
+            if p.lane.is_none() && p.weight.is_none() && p.drain.is_none() {
+                return text(
+                    StatusCode::BAD_REQUEST,
+                    "nothing to change (lane, weight, drain)",
+                );
+            }
+            if let Some(l) = p.lane.as_deref().filter(|l| !valid_lane(l)) {
+                return text(
+                    StatusCode::BAD_REQUEST,
+                    format!("invalid lane name {l:?} (letters, digits, - _ . only)"),
+                );
+            }
+            (
+                *service,
+                NodeChange::Update {
+                    node: node.to_string(),
+                    lane: p.lane,
+                    weight: p.weight,
+                    drain: p.drain,
+                },
+            )
+        }
+        (&Method::POST, [service, node, action @ ("drain" | "undrain")]) => (
+            *service,
+            NodeChange::Update {
+                node: node.to_string(),
+                lane: None,
+                weight: None,
+                drain: Some(*action == "drain"),
+            },
+        ),
+        (&Method::DELETE, [service, node]) => (*service, NodeChange::Remove(node.to_string())),
+        (_, [] | [_] | [_, _] | [_, _, "drain" | "undrain"]) => {
+            return text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
+        }
+        _ => return text(StatusCode::NOT_FOUND, "not found"),
+    };
+    let (service, change) = change;
+    let service = percent_decode(service);
+    let change = match change {
+        NodeChange::Update {
+            node,
+            lane,
+            weight,
+            drain,
+        } => NodeChange::Update {
+            node: percent_decode(&node),
+            lane,
+            weight,
+            drain,
+        },
+        NodeChange::Remove(n) => NodeChange::Remove(percent_decode(&n)),
+        other => other,
+    };
+    match edit(gw, &service, change).await {
+        Ok(v) => json(v),
+        Err(EditError::NotFound(m)) => text(StatusCode::NOT_FOUND, m),
+        Err(EditError::Invalid(m)) => text(StatusCode::BAD_REQUEST, m),
+        Err(EditError::Conflict(m)) => text(StatusCode::CONFLICT, m),
+    }
+}
+
+fn percent_decode(s: &str) -> String {
+    percent_encoding::percent_decode_str(s)
+        .decode_utf8_lossy()
+        .into_owned()
+}
+
+/// Validates, writes back and reloads. One change at a time.
+async fn edit(
+    gw: &Arc<Gateway>,
+    service: &str,
+    change: NodeChange,
+) -> Result<serde_json::Value, EditError> {
+    let _one_at_a_time = gw.edit_lock.lock().await;
+    let gw2 = gw.clone();
+    let service = service.to_string();
+    let summary = format!("{change:?}");
+    tokio::task::spawn_blocking(move || -> Result<serde_json::Value, EditError> {
+        let gen = gw2.current();
+        let (path, _text, mut nf) =
+            node_edit::find_service_file(&gen.config_path, &gen.config, &service)?;
+        node_edit::apply(&mut nf, &service, change)?;
+        let new_text = node_edit::render(&path, &nf)?;
+        // The configuration on disk as a whole must load now, or the
+        // change could not be applied: refuse rather than write.
+        Generation::load(&gw2.config_path, 0).map_err(|e| {
+            EditError::Conflict(format!(
+                "the configuration on disk does not load, fix it first: {e}"
+            ))
+        })?;
+        node_edit::write_atomic(&path, &new_text)
+            .map_err(|e| EditError::Conflict(format!("cannot write {}: {e}", path.display())))?;
+        tracing::info!(file = %path.display(), service = %service, change = %summary, "node file changed through the admin API");
+        match gw2.reload() {
+            Ok(generation) => Ok(serde_json::json!({
+                "file": path,
+                "generation": generation,
+                "service": service,
+            })),
+            Err(e) => Err(EditError::Conflict(format!(
+                "written to {}, but the reload was rejected: {e}",
+                path.display()
+            ))),
+        }
+    })
+    .await
+    .map_err(|e| EditError::Conflict(format!("edit task failed: {e}")))?
+}

@@ -1,0 +1,364 @@
+//! Prometheus metrics (the `prometheus` crate's registry and text encoder)
+//! and per-request accounting: one [`Metrics::observe`] call per request
+//! from its [`Decision`], status and timings, plus the per-node in-flight
+//! tracker whose guard rides on the response body until it is sent.
+
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Response;
+use hyper::body::{Frame, SizeHint};
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+
+use crate::lane::{DecidedBy, Decision};
+use crate::nodes::NodeCounters;
+use crate::proxy::{boxed, Body, BoxError};
+
+/// Latency buckets in seconds (1 ms … 30 s).
+pub const BUCKETS: [f64; 14] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// Every metric the gateway exports.
+pub struct Metrics {
+    pub registry: Registry,
+    pub requests: IntCounterVec,
+    pub duration: HistogramVec,
+    pub upstream_duration: HistogramVec,
+    pub decisions: IntCounterVec,
+    pub fallbacks: IntCounterVec,
+    pub script_errors: IntCounterVec,
+    pub reloads: IntCounterVec,
+    pub generation: IntGauge,
+    pub node_health: IntGaugeVec,
+    pub node_in_flight: IntGaugeVec,
+    pub node_weight: IntGaugeVec,
+    pub access_log_dropped: IntCounter,
+}
+
+fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+    r.register(Box::new(c.clone())).expect("unique metric");
+    c
+}
+
+fn gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+    r.register(Box::new(g.clone())).expect("unique metric");
+    g
+}
+
+fn histogram_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> HistogramVec {
+    let h = HistogramVec::new(
+        HistogramOpts::new(name, help).buckets(BUCKETS.to_vec()),
+        labels,
+    )
+    .expect("valid metric");
+    r.register(Box::new(h.clone())).expect("unique metric");
+    h
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let r = Registry::new();
+        let requests = counter_vec(
+            &r,
+            "graygate_requests_total",
+            "Requests served, by route prefix, decided lane, node and status class.",
+            &["route", "lane", "node", "status_class"],
+        );
+        let duration = histogram_vec(
+            &r,
+            "graygate_request_duration_seconds",
+            "Time from request head to response head, by lane and node.",
+            &["lane", "node"],
+        );
+        let upstream_duration = histogram_vec(
+            &r,
+            "graygate_upstream_duration_seconds",
+            "Time waiting for the upstream's response head, by lane and node.",
+            &["lane", "node"],
+        );
+        let decisions = counter_vec(
+            &r,
+            "graygate_decisions_total",
+            "Lane decisions, by what decided (script, trusted_tag, rule, ...), rule name and lane.",
+            &["decided_by", "rule", "lane"],
+        );
+        let fallbacks = counter_vec(
+            &r,
+            "graygate_lane_fallbacks_total",
+            "Requests not served by their own lane, by reason and lane.",
+            &["reason", "lane"],
+        );
+        let script_errors = counter_vec(
+            &r,
+            "graygate_script_errors_total",
+            "Lane script failures (request went formal), by kind: error, instruction_limit, memory_limit, invalid_lane.",
+            &["kind"],
+        );
+        let reloads = counter_vec(
+            &r,
+            "graygate_reloads_total",
+            "Configuration reloads, by result (applied, rejected).",
+            &["result"],
+        );
+        for result in ["applied", "rejected"] {
+            reloads.with_label_values(&[result]);
+        }
+        let generation = IntGauge::new(
+            "graygate_generation",
+            "Id of the configuration generation serving now.",
+        )
+        .expect("valid metric");
+        r.register(Box::new(generation.clone()))
+            .expect("unique metric");
+        let node_health = gauge_vec(
+            &r,
+            "graygate_node_health",
+            "1 for the node's current health state (healthy, unhealthy, unknown), 0 otherwise.",
+            &["service", "node", "lane", "state"],
+        );
+        let node_in_flight = gauge_vec(
+            &r,
+            "graygate_node_in_flight",
+            "Requests in flight to the node.",
+            &["service", "node", "lane"],
+        );
+        let node_weight = gauge_vec(
+            &r,
+            "graygate_node_weight",
+            "Configured weight of the node (0 while draining).",
+            &["service", "node", "lane"],
+        );
+        let access_log_dropped = IntCounter::new(
+            "graygate_access_log_dropped_total",
+            "Access log lines dropped because the writer fell behind.",
+        )
+        .expect("valid metric");
+        r.register(Box::new(access_log_dropped.clone()))
+            .expect("unique metric");
+        Metrics {
+            registry: r,
+            requests,
+            duration,
+            upstream_duration,
+            decisions,
+            fallbacks,
+            script_errors,
+            reloads,
+            generation,
+            node_health,
+            node_in_flight,
+            node_weight,
+            access_log_dropped,
+        }
+    }
+
+    /// Records one finished request.
+    pub fn observe(&self, o: &Observation<'_>) {
+        let lane = o.decision.map_or("-", |d| d.lane.as_str());
+        let node = o.decision.and_then(|d| d.node.as_deref()).unwrap_or("-");
+        let route = o.decision.and_then(|d| d.route.as_deref()).unwrap_or("-");
+        self.requests
+            .with_label_values(&[route, lane, node, status_class(o.status)])
+            .inc();
+        self.duration
+            .with_label_values(&[lane, node])
+            .observe(o.total.as_secs_f64());
+        if let Some(up) = o.upstream {
+            self.upstream_duration
+                .with_label_values(&[lane, node])
+                .observe(up.as_secs_f64());
+        }
+        let Some(d) = o.decision else { return };
+        self.decisions
+            .with_label_values(&[d.decided_by.as_str(), o.rule.unwrap_or(""), lane])
+            .inc();
+        if let Some(reason) = d.fallback {
+            self.fallbacks.with_label_values(&[reason, lane]).inc();
+        }
+        if let Some(kind) = script_error_kind(&d.decided_by) {
+            self.script_errors.with_label_values(&[kind]).inc();
+        }
+    }
+
+    /// The text exposition of every metric.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        out
+    }
+}
+
+/// What [`Metrics::observe`] and the access log read about one request.
+pub struct Observation<'a> {
+    /// `None` when no route matched.
+    pub decision: Option<&'a Decision>,
+    /// Name of the deciding rule, where a rule decided.
+    pub rule: Option<&'a str>,
+    pub status: u16,
+    pub total: Duration,
+    pub upstream: Option<Duration>,
+}
+
+pub fn status_class(status: u16) -> &'static str {
+    match status {
+        100..=199 => "1xx",
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        _ => "5xx",
+    }
+}
+
+/// The kind of a script failure, if the decision was one.
+pub fn script_error_kind(d: &DecidedBy) -> Option<&'static str> {
+    match d {
+        DecidedBy::ScriptError(msg) => Some(if msg.contains("instruction budget") {
+            "instruction_limit"
+        } else if msg.contains("memory") {
+            "memory_limit"
+        } else {
+            "error"
+        }),
+        DecidedBy::InvalidLane(_) => Some("invalid_lane"),
+        _ => None,
+    }
+}
+
+/// One request to a node: counted at start, in flight until the response
+/// body is done (or the request failed).
+pub struct NodeTracker(Arc<NodeCounters>);
+
+impl NodeTracker {
+    pub fn begin(counters: Arc<NodeCounters>) -> NodeTracker {
+        counters.in_flight.fetch_add(1, Ordering::Relaxed);
+        counters.requests.fetch_add(1, Ordering::Relaxed);
+        NodeTracker(counters)
+    }
+
+    /// Counts a 5xx as a node error and keeps the request in flight until
+    /// the response body has been sent or dropped.
+    pub fn finish(self, resp: Response<Body>) -> Response<Body> {
+        if resp.status().is_server_error() {
+            self.0.errors.fetch_add(1, Ordering::Relaxed);
+        }
+        let (head, body) = resp.into_parts();
+        Response::from_parts(
+            head,
+            boxed(TrackedBody {
+                inner: body,
+                _tracker: self,
+            }),
+        )
+    }
+}
+
+impl Drop for NodeTracker {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A response body that holds its [`NodeTracker`] until dropped.
+struct TrackedBody {
+    inner: Body,
+    _tracker: NodeTracker,
+}
+
+impl hyper::body::Body for TrackedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{BodyExt, Full};
+
+    #[test]
+    fn observe_counts_by_labels_and_encodes_text() {
+        let m = Metrics::new();
+        let mut d = Decision::new("gray", DecidedBy::Script);
+        d.route = Some("/api/".into());
+        d.node = Some("g1".into());
+        d.fallback = Some("lane_has_no_nodes");
+        let o = Observation {
+            decision: Some(&d),
+            rule: None,
+            status: 503,
+            total: Duration::from_millis(3),
+            upstream: Some(Duration::from_millis(2)),
+        };
+        m.observe(&o);
+        m.observe(&o);
+        let text = String::from_utf8(m.encode()).unwrap();
+        assert!(text.contains(
+            r#"graygate_requests_total{lane="gray",node="g1",route="/api/",status_class="5xx"} 2"#
+        ));
+        assert!(text.contains(
+            r#"graygate_request_duration_seconds_bucket{lane="gray",node="g1",le="0.005"} 2"#
+        ));
+        assert!(text.contains(
+            r#"graygate_lane_fallbacks_total{lane="gray",reason="lane_has_no_nodes"} 2"#
+        ));
+        assert!(
+            text.contains(r#"graygate_decisions_total{decided_by="script",lane="gray",rule=""} 2"#)
+        );
+    }
+
+    #[test]
+    fn script_failures_are_classified() {
+        let k = |m: &str| script_error_kind(&DecidedBy::ScriptError(m.into()));
+        assert_eq!(
+            k("x.lua:3: instruction budget exceeded"),
+            Some("instruction_limit")
+        );
+        assert_eq!(k("not enough memory"), Some("memory_limit"));
+        assert_eq!(k("attempt to index a nil value"), Some("error"));
+        assert_eq!(script_error_kind(&DecidedBy::Script), None);
+    }
+
+    #[tokio::test]
+    async fn tracker_keeps_in_flight_until_body_is_done() {
+        let c = Arc::new(NodeCounters::default());
+        let t = NodeTracker::begin(c.clone());
+        assert_eq!(c.snapshot(), (1, 1, 0));
+        let mut resp = Response::new(boxed(Full::new(Bytes::from_static(b"x"))));
+        *resp.status_mut() = http::StatusCode::BAD_GATEWAY;
+        let resp = t.finish(resp);
+        assert_eq!(c.snapshot(), (1, 1, 1));
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"x");
+        assert_eq!(c.snapshot(), (0, 1, 1));
+    }
+}
