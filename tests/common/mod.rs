@@ -247,10 +247,16 @@ fn addr_in(line: &str) -> Option<SocketAddr> {
 impl Gateway {
     /// Starts `graygate --config <config>` and waits until it listens.
     pub fn start(config: &Path) -> Gateway {
+        Gateway::start_env(config, &[])
+    }
+
+    /// Like [`Gateway::start`], with extra environment variables.
+    pub fn start_env(config: &Path, env: &[(&str, &str)]) -> Gateway {
         let mut child = Command::new(env!("CARGO_BIN_EXE_graygate"))
             .arg("--config")
             .arg(config)
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
