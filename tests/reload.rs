@@ -255,3 +255,39 @@ fn check_mode_validates_like_nginx_t() {
         "{out}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_flight_requests_finish_on_their_generation() {
+    use http_body_util::BodyExt;
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    let slow = Backend::start_mode("slow", "formal", Mode::Gated(gate.clone())).await;
+    let fast = Backend::start("fast", "formal").await;
+    let fx = Fixture::new();
+    fx.write(
+        "nodes.yaml",
+        &format!("services:\n  api:\n    nodes:\n{}", slow.node_yaml()),
+    );
+    let cfg = fx.write(
+        "gg.yaml",
+        &main_config("node_files: [nodes.yaml]\nroutes: [{ prefix: /, service: api }]\n"),
+    );
+    let gw = Gateway::start(&cfg);
+    let resp = Req::get("/").send_streaming(gw.addr).await;
+    assert_eq!(resp.status(), 200);
+    // Swap the only node out while the response is still streaming.
+    let started = std::time::Instant::now();
+    fx.write_rename(
+        "nodes.yaml",
+        &format!("services:\n  api:\n    nodes:\n{}", fast.node_yaml()),
+    );
+    eventually("new generation applied", LIMIT, || async {
+        generation(&gw).await >= 2
+    })
+    .await;
+    eprintln!("reload applied after {:?}", started.elapsed());
+    assert_eq!(gw.get("/").await.node(), "fast");
+    gate.notify_one();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "first;rest");
+    assert_eq!(slow.count(), 1);
+}
