@@ -80,6 +80,10 @@ pub struct MainConfig {
     /// Milliseconds of quiet after a file change before reloading.
     #[serde(default = "default_debounce_ms")]
     pub reload_debounce_ms: u64,
+    /// Worker threads serving requests (default: one per CPU). With 1 the
+    /// gateway runs a single-threaded runtime, like one nginx worker.
+    #[serde(default)]
+    pub workers: Option<usize>,
     /// Bearer token for the admin API (also `GRAYGATE_ADMIN_TOKEN`).
     /// Required when `admin_listen` is not a loopback address.
     #[serde(default)]

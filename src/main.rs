@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use clap::Parser;
 use graygate::{admin, demo, gateway::Gateway, generation::Generation, reload};
@@ -44,24 +45,39 @@ fn main() -> ExitCode {
             }
         };
     }
-    let rt = match tokio::runtime::Runtime::new() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("cannot start runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    rt.block_on(run(cli.config))
-}
-
-async fn run(config: PathBuf) -> ExitCode {
-    let gw = match Gateway::load(&config) {
+    let gw = match Gateway::load(&cli.config) {
         Ok(gw) => gw,
         Err(e) => {
             eprintln!("{e}");
             return ExitCode::FAILURE;
         }
     };
+    let workers = gw
+        .current()
+        .config
+        .workers
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let rt = if workers <= 1 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
+            .enable_all()
+            .build()
+    };
+    let rt = match rt {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("cannot start runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    rt.block_on(run(gw))
+}
+
+async fn run(gw: Arc<Gateway>) -> ExitCode {
     let gen = gw.current();
     if let Err(e) = demo::spawn(&gen.config.demo_nodes, gen.tag_header.clone()).await {
         eprintln!("cannot start demo nodes: {e}");
@@ -81,7 +97,7 @@ async fn run(config: PathBuf) -> ExitCode {
     tracing::info!(%addr, generation = gen.id, "graygate listening");
     if let Some(admin_addr) = gen.config.admin_listen {
         if let Err(e) = admin::auth::check_bind(admin_addr, &gen.config) {
-            eprintln!("{}: {e}", config.display());
+            eprintln!("{}: {e}", gw.config_path.display());
             return ExitCode::FAILURE;
         }
         match tokio::net::TcpListener::bind(admin_addr).await {

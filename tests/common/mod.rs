@@ -406,6 +406,7 @@ impl Req {
     }
 
     /// Binds the client socket to this source address (e.g. 127.0.9.5).
+    #[allow(clippy::wrong_self_convention)] // reads as "request from IP"
     pub fn from_ip(mut self, ip: &str) -> Req {
         self.bind = Some(ip.parse().unwrap());
         self
