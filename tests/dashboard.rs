@@ -1,0 +1,206 @@
+//! The admin dashboard end to end in headless Chromium (Debian's
+//! `chromium` + `chromium-driver`), driven over WebDriver by fantoccini.
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use fantoccini::{Client, ClientBuilder, Locator};
+
+const SCRIPT: &str = "return function(req) return req:header('X-Lane') end\n";
+
+/// A chromedriver process on a free loopback port, killed on drop.
+struct Driver {
+    child: Child,
+    url: String,
+    _profile: tempfile::TempDir,
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Driver {
+    async fn start() -> Driver {
+        let port = closed_port().port();
+        let child = Command::new("chromedriver")
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("chromedriver (Debian package chromium-driver) must be installed");
+        let url = format!("http://127.0.0.1:{port}");
+        let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        eventually("chromedriver listens", Duration::from_secs(20), || async move {
+            tokio::net::TcpStream::connect(addr).await.is_ok()
+        })
+        .await;
+        Driver {
+            child,
+            url,
+            _profile: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    async fn browser(&self) -> Client {
+        let profile = self._profile.path().display().to_string();
+        let caps = serde_json::json!({
+            "goog:chromeOptions": {
+                "binary": "/usr/bin/chromium",
+                "args": [
+                    "--headless", "--no-sandbox", "--disable-gpu",
+                    "--disable-background-networking", "--disable-component-update",
+                    "--disable-sync", "--no-first-run", "--window-size=1280,1800",
+                    format!("--user-data-dir={profile}"),
+                ],
+            }
+        });
+        let caps = caps.as_object().unwrap().clone().into_iter().collect();
+        ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
+            .capabilities(caps)
+            .connect(&self.url)
+            .await
+            .expect("start a headless Chromium session")
+    }
+}
+
+/// Waits until the text of the first element matching `css` satisfies `ok`.
+async fn wait_text(c: &Client, css: &str, what: &str, ok: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut last = String::new();
+    loop {
+        if let Ok(e) = c.find(Locator::Css(css)).await {
+            if let Ok(t) = e.text().await {
+                if ok(&t) {
+                    return t;
+                }
+                last = t;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what} ({css}); last text {last:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
+    let f1 = Backend::start("f1", "formal").await;
+    let v1 = Backend::start("v1", "v2").await;
+    let dead = closed_port();
+    let fx = Fixture::new();
+    fx.write("lane.lua", SCRIPT);
+    fx.write(
+        "nodes.yaml",
+        &format!(
+            "services:\n  api:\n    nodes:\n{}{}      - {{ name: g1, addr: \"{dead}\", lane: gray }}\n",
+            f1.node_yaml(),
+            v1.node_yaml()
+        ),
+    );
+    let cfg = fx.write(
+        "gg.yaml",
+        &main_config("script: lane.lua\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /api/\n    service: api\n"),
+    );
+    let gw = Gateway::start(&cfg);
+    let admin = gw.admin.unwrap();
+    // Traffic: formal healthy, gray failing (its node is down), v2 healthy.
+    for _ in 0..10 {
+        assert_eq!(gw.get("/api/x").await.status, 200);
+    }
+    for _ in 0..5 {
+        let r = Req::get("/api/x").header("X-Lane", "gray").send(gw.addr).await;
+        assert_eq!(r.status, 502);
+        let r = Req::get("/api/x").header("X-Lane", "v2").send(gw.addr).await;
+        assert_eq!(r.node(), "v1");
+    }
+
+    let driver = Driver::start().await;
+    let c = driver.browser().await;
+    c.goto(&format!("http://{admin}/")).await.unwrap();
+    assert_eq!(c.title().await.unwrap(), "graygate dashboard");
+
+    // Live split per lane.
+    wait_text(&c, "#lanes tr[data-lane=formal] .total", "formal total", |t| t == "10").await;
+    wait_text(&c, "#lanes tr[data-lane=gray] .total", "gray total", |t| t == "5").await;
+    wait_text(&c, "#lanes tr[data-lane=v2] .total", "v2 total", |t| t == "5").await;
+    wait_text(&c, "#lanes tr[data-lane=gray] .error-rate", "gray error rate", |t| {
+        t == "100.00 %"
+    })
+    .await;
+    // Gray against the canary thresholds: its errors breach them.
+    wait_text(&c, "#canary tr[data-lane=gray] .verdict", "gray verdict", |t| t == "fail").await;
+    wait_text(&c, "#canary tr[data-lane=gray] .error-check", "gray error check", |t| {
+        t == "breach"
+    })
+    .await;
+    wait_text(&c, "#canary tr[data-lane=v2] .error-check", "v2 error check", |t| t == "ok").await;
+    // Nodes with health and counters.
+    wait_text(&c, "#nodes tr[data-node=g1] .errors", "g1 errors", |t| t == "5").await;
+    wait_text(&c, "#nodes tr[data-node=f1] .requests", "f1 requests", |t| t == "10").await;
+    wait_text(&c, "#nodes tr[data-node=f1] .health", "f1 health", |t| t == "unknown").await;
+    // Rules and script, status.
+    wait_text(&c, "#script", "script source", |t| t.contains("req:header('X-Lane')")).await;
+    wait_text(&c, "#routes tbody", "routes", |t| t.contains("/api/") && t.contains("service api")).await;
+    wait_text(&c, "#generation", "generation", |t| t == "1").await;
+
+    // The chart draws the formal lane's line over time.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let drawn = c
+            .execute(
+                "const c = document.getElementById('chart');
+                 const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                 let n = 0;
+                 for (let i = 0; i < d.length; i += 4) if (d[i] == 0x1f && d[i+1] == 0x6f && d[i+2] == 0xeb) n++;
+                 return n;",
+                vec![],
+            )
+            .await
+            .unwrap();
+        if drawn.as_u64().unwrap_or(0) > 20 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the chart never drew the formal line");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // The explain form.
+    let form = c.find(Locator::Id("explain-form")).await.unwrap();
+    let path = form.find(Locator::Css("input[name=path]")).await.unwrap();
+    path.clear().await.unwrap();
+    path.send_keys("/api/x").await.unwrap();
+    form.find(Locator::Css("textarea[name=headers]"))
+        .await
+        .unwrap()
+        .send_keys("X-Lane: v2")
+        .await
+        .unwrap();
+    c.find(Locator::Id("explain-submit"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    wait_text(&c, "dd[data-field=lane]", "explained lane", |t| t == "v2").await;
+    wait_text(&c, "dd[data-field=chosen]", "explained node", |t| t == "v1").await;
+    wait_text(&c, "dd[data-field=decided_by]", "explained decider", |t| t == "script").await;
+    assert_eq!(v1.count(), 5, "explain sent nothing to the node");
+
+    // A rejected reload shows up with its file:line.
+    fx.write_rename("lane.lua", "return function(req)\n  return (\nend\n");
+    wait_text(&c, "#reload-result", "reload result", |t| t.starts_with("rejected")).await;
+    wait_text(&c, "#reload-error", "reload error", |t| t.contains("lane.lua:")).await;
+
+    let png = c.screenshot().await.unwrap();
+    let shot = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png");
+    std::fs::write(&shot, png).unwrap();
+    c.close().await.unwrap();
+}
