@@ -35,6 +35,15 @@ fn main() -> ExitCode {
                 for w in &gen.warnings {
                     eprintln!("warning: {w}");
                 }
+                if let Some(Err(e)) = gen
+                    .config
+                    .admin_listen
+                    .map(|a| admin::auth::check_bind(a, &gen.config))
+                {
+                    eprintln!("{}: {e}", cli.config.display());
+                    println!("{}: configuration test failed", cli.config.display());
+                    return ExitCode::FAILURE;
+                }
                 println!("{}: configuration ok", cli.config.display());
                 ExitCode::SUCCESS
             }

@@ -3,9 +3,10 @@
 //! from its [`Decision`], status and timings, plus the per-node in-flight
 //! tracker whose guard rides on the response body until it is sent.
 
+use std::collections::HashSet;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -41,7 +42,13 @@ pub struct Metrics {
     pub node_in_flight: IntGaugeVec,
     pub node_weight: IntGaugeVec,
     pub access_log_dropped: IntCounter,
+    /// Lane label values seen so far (bounded; see [`MAX_LANE_LABELS`]).
+    lanes: RwLock<HashSet<String>>,
 }
+
+/// Distinct lane label values; lanes beyond are counted as `other`, so a
+/// script echoing a client header cannot blow up the series count.
+pub const MAX_LANE_LABELS: usize = 64;
 
 fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
     let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
@@ -165,12 +172,33 @@ impl Metrics {
             node_in_flight,
             node_weight,
             access_log_dropped,
+            lanes: RwLock::new(HashSet::new()),
+        }
+    }
+
+    /// `lane` as a label value: itself while fewer than
+    /// [`MAX_LANE_LABELS`] lanes have been seen, else `other`.
+    fn lane_label<'a>(&self, lane: &'a str) -> &'a str {
+        if self
+            .lanes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(lane)
+        {
+            return lane;
+        }
+        let mut seen = self.lanes.write().unwrap_or_else(|e| e.into_inner());
+        if seen.len() < MAX_LANE_LABELS {
+            seen.insert(lane.to_string());
+            lane
+        } else {
+            "other"
         }
     }
 
     /// Records one finished request.
     pub fn observe(&self, o: &Observation<'_>) {
-        let lane = o.decision.map_or("-", |d| d.lane.as_str());
+        let lane = o.decision.map_or("-", |d| self.lane_label(&d.lane));
         let node = o.decision.and_then(|d| d.node.as_deref()).unwrap_or("-");
         let route = o.decision.and_then(|d| d.route.as_deref()).unwrap_or("-");
         self.requests
@@ -334,6 +362,21 @@ mod tests {
         assert!(
             text.contains(r#"graygate_decisions_total{decided_by="script",lane="gray",rule=""} 2"#)
         );
+    }
+
+    #[test]
+    fn lane_labels_are_bounded() {
+        let m = Metrics::new();
+        for i in 0..MAX_LANE_LABELS + 10 {
+            let lane = format!("lane{i}");
+            let want = if i < MAX_LANE_LABELS {
+                lane.as_str()
+            } else {
+                "other"
+            };
+            assert_eq!(m.lane_label(&lane), want);
+        }
+        assert_eq!(m.lane_label("lane0"), "lane0");
     }
 
     #[test]

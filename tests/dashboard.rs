@@ -36,9 +36,11 @@ impl Driver {
             .expect("chromedriver (Debian package chromium-driver) must be installed");
         let url = format!("http://127.0.0.1:{port}");
         let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        eventually("chromedriver listens", Duration::from_secs(20), || async move {
-            tokio::net::TcpStream::connect(addr).await.is_ok()
-        })
+        eventually(
+            "chromedriver listens",
+            Duration::from_secs(20),
+            || async move { tokio::net::TcpStream::connect(addr).await.is_ok() },
+        )
         .await;
         Driver {
             child,
@@ -116,9 +118,15 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
         assert_eq!(gw.get("/api/x").await.status, 200);
     }
     for _ in 0..5 {
-        let r = Req::get("/api/x").header("X-Lane", "gray").send(gw.addr).await;
+        let r = Req::get("/api/x")
+            .header("X-Lane", "gray")
+            .send(gw.addr)
+            .await;
         assert_eq!(r.status, 502);
-        let r = Req::get("/api/x").header("X-Lane", "v2").send(gw.addr).await;
+        let r = Req::get("/api/x")
+            .header("X-Lane", "v2")
+            .send(gw.addr)
+            .await;
         assert_eq!(r.node(), "v1");
     }
 
@@ -128,27 +136,75 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
     assert_eq!(c.title().await.unwrap(), "graygate dashboard");
 
     // Live split per lane.
-    wait_text(&c, "#lanes tr[data-lane=formal] .total", "formal total", |t| t == "10").await;
-    wait_text(&c, "#lanes tr[data-lane=gray] .total", "gray total", |t| t == "5").await;
-    wait_text(&c, "#lanes tr[data-lane=v2] .total", "v2 total", |t| t == "5").await;
-    wait_text(&c, "#lanes tr[data-lane=gray] .error-rate", "gray error rate", |t| {
-        t == "100.00 %"
+    wait_text(
+        &c,
+        "#lanes tr[data-lane=formal] .total",
+        "formal total",
+        |t| t == "10",
+    )
+    .await;
+    wait_text(&c, "#lanes tr[data-lane=gray] .total", "gray total", |t| {
+        t == "5"
     })
+    .await;
+    wait_text(&c, "#lanes tr[data-lane=v2] .total", "v2 total", |t| {
+        t == "5"
+    })
+    .await;
+    wait_text(
+        &c,
+        "#lanes tr[data-lane=gray] .error-rate",
+        "gray error rate",
+        |t| t == "100.00 %",
+    )
     .await;
     // Gray against the canary thresholds: its errors breach them.
-    wait_text(&c, "#canary tr[data-lane=gray] .verdict", "gray verdict", |t| t == "fail").await;
-    wait_text(&c, "#canary tr[data-lane=gray] .error-check", "gray error check", |t| {
-        t == "breach"
+    wait_text(
+        &c,
+        "#canary tr[data-lane=gray] .verdict",
+        "gray verdict",
+        |t| t == "fail",
+    )
+    .await;
+    wait_text(
+        &c,
+        "#canary tr[data-lane=gray] .error-check",
+        "gray error check",
+        |t| t == "breach",
+    )
+    .await;
+    wait_text(
+        &c,
+        "#canary tr[data-lane=v2] .error-check",
+        "v2 error check",
+        |t| t == "ok",
+    )
+    .await;
+    // Nodes with health and counters.
+    wait_text(&c, "#nodes tr[data-node=g1] .errors", "g1 errors", |t| {
+        t == "5"
     })
     .await;
-    wait_text(&c, "#canary tr[data-lane=v2] .error-check", "v2 error check", |t| t == "ok").await;
-    // Nodes with health and counters.
-    wait_text(&c, "#nodes tr[data-node=g1] .errors", "g1 errors", |t| t == "5").await;
-    wait_text(&c, "#nodes tr[data-node=f1] .requests", "f1 requests", |t| t == "10").await;
-    wait_text(&c, "#nodes tr[data-node=f1] .health", "f1 health", |t| t == "unknown").await;
+    wait_text(
+        &c,
+        "#nodes tr[data-node=f1] .requests",
+        "f1 requests",
+        |t| t == "10",
+    )
+    .await;
+    wait_text(&c, "#nodes tr[data-node=f1] .health", "f1 health", |t| {
+        t == "unknown"
+    })
+    .await;
     // Rules and script, status.
-    wait_text(&c, "#script", "script source", |t| t.contains("req:header('X-Lane')")).await;
-    wait_text(&c, "#routes tbody", "routes", |t| t.contains("/api/") && t.contains("service api")).await;
+    wait_text(&c, "#script", "script source", |t| {
+        t.contains("req:header('X-Lane')")
+    })
+    .await;
+    wait_text(&c, "#routes tbody", "routes", |t| {
+        t.contains("/api/") && t.contains("service api")
+    })
+    .await;
     wait_text(&c, "#generation", "generation", |t| t == "1").await;
 
     // The chart draws the formal lane's line over time.
@@ -168,7 +224,10 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
         if drawn.as_u64().unwrap_or(0) > 20 {
             break;
         }
-        assert!(Instant::now() < deadline, "the chart never drew the formal line");
+        assert!(
+            Instant::now() < deadline,
+            "the chart never drew the formal line"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
@@ -191,13 +250,22 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
         .unwrap();
     wait_text(&c, "dd[data-field=lane]", "explained lane", |t| t == "v2").await;
     wait_text(&c, "dd[data-field=chosen]", "explained node", |t| t == "v1").await;
-    wait_text(&c, "dd[data-field=decided_by]", "explained decider", |t| t == "script").await;
+    wait_text(&c, "dd[data-field=decided_by]", "explained decider", |t| {
+        t == "script"
+    })
+    .await;
     assert_eq!(v1.count(), 5, "explain sent nothing to the node");
 
     // A rejected reload shows up with its file:line.
     fx.write_rename("lane.lua", "return function(req)\n  return (\nend\n");
-    wait_text(&c, "#reload-result", "reload result", |t| t.starts_with("rejected")).await;
-    wait_text(&c, "#reload-error", "reload error", |t| t.contains("lane.lua:")).await;
+    wait_text(&c, "#reload-result", "reload result", |t| {
+        t.starts_with("rejected")
+    })
+    .await;
+    wait_text(&c, "#reload-error", "reload error", |t| {
+        t.contains("lane.lua:")
+    })
+    .await;
 
     let png = c.screenshot().await.unwrap();
     let shot = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png");

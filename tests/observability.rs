@@ -260,6 +260,22 @@ async fn non_loopback_admin_needs_a_token_and_env_token_works() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("not a loopback address"), "{err}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_graygate"))
+        .arg("--check")
+        .arg("--config")
+        .arg(&cfg)
+        .env_remove("GRAYGATE_ADMIN_TOKEN")
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "--check refuses it too");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_graygate"))
+        .arg("--check")
+        .arg("--config")
+        .arg(&cfg)
+        .env("GRAYGATE_ADMIN_TOKEN", "t")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "with a token it is fine");
 
     // The token may come from the environment.
     let cfg = fx.write("gg2.yaml", &main_config("routes: []\n"));

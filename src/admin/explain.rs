@@ -185,6 +185,9 @@ pub fn run(gw: &Gateway, q: Query) -> Response<Body> {
         }
         Target::Static(tree) => {
             let rel = info.parts.uri.path().trim_start_matches('/');
+            if rel.split('/').any(|seg| seg == "..") {
+                return text(StatusCode::BAD_REQUEST, "path must not contain ..");
+            }
             let rel = if rel.is_empty() || rel.ends_with('/') {
                 format!("{rel}{}", tree.index)
             } else {
