@@ -83,16 +83,28 @@ pub fn status(gw: &Gateway) -> serde_json::Value {
     })
 }
 
+/// A refused admin request: status and a short message.
+pub struct Rejection(pub StatusCode, pub String);
+
+impl Rejection {
+    pub fn response(self) -> Response<Body> {
+        text(self.0, self.1)
+    }
+}
+
 /// Reads a JSON request body (at most [`MAX_BODY`] bytes).
-pub async fn read_json<T: serde::de::DeserializeOwned>(
-    body: Incoming,
-) -> Result<T, Response<Body>> {
+pub async fn read_json<T: serde::de::DeserializeOwned>(body: Incoming) -> Result<T, Rejection> {
     let bytes = match Limited::new(body, MAX_BODY).collect().await {
         Ok(b) => b.to_bytes(),
-        Err(_) => return Err(text(StatusCode::PAYLOAD_TOO_LARGE, "body too large")),
+        Err(_) => {
+            return Err(Rejection(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body too large".into(),
+            ))
+        }
     };
     serde_json::from_slice(&bytes)
-        .map_err(|e| text(StatusCode::BAD_REQUEST, format!("invalid JSON: {e}")))
+        .map_err(|e| Rejection(StatusCode::BAD_REQUEST, format!("invalid JSON: {e}")))
 }
 
 async fn route(gw: &Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
@@ -118,7 +130,7 @@ async fn route(gw: &Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
         (&Method::GET, ["explain"]) => explain::get(gw, req.uri().query().unwrap_or("")),
         (&Method::POST, ["explain"]) => match read_json(req.into_body()).await {
             Ok(q) => explain::run(gw, q),
-            Err(r) => r,
+            Err(r) => r.response(),
         },
         (_, ["nodes", ..]) => nodes::manage(gw, req, &segs[1..]).await,
         (_, ["status" | "metrics" | "stats" | "config" | "explain"]) => {
@@ -133,7 +145,7 @@ async fn handle(
     guard: &auth::Guard,
     req: Request<Incoming>,
 ) -> Result<Response<Body>, Infallible> {
-    if let Err(resp) = guard.check(gw, req.headers()) {
+    if let Some(resp) = guard.deny(gw, req.headers()) {
         return Ok(resp);
     }
     Ok(route(gw, req).await)

@@ -176,9 +176,12 @@ impl NodeCounters {
     }
 }
 
+/// The counters of the services sharing one address.
+type ByService = Vec<(String, Arc<NodeCounters>)>;
+
 /// Every node's counters, by address then service.
 #[derive(Debug, Default)]
-pub struct NodeStats(RwLock<HashMap<SocketAddr, Vec<(String, Arc<NodeCounters>)>>>);
+pub struct NodeStats(RwLock<HashMap<SocketAddr, ByService>>);
 
 impl NodeStats {
     /// The counters of (`service`, `addr`), created on first use.

@@ -81,10 +81,11 @@ impl Guard {
         Guard { required }
     }
 
-    pub fn check(&self, gw: &Gateway, headers: &HeaderMap) -> Result<(), Response<Body>> {
+    /// `None` to let the request through, else the 401 to send.
+    pub fn deny(&self, gw: &Gateway, headers: &HeaderMap) -> Option<Response<Body>> {
         match token(&gw.current().config) {
-            Some(t) if authorized(headers, &t) => Ok(()),
-            None if !self.required => Ok(()),
+            Some(t) if authorized(headers, &t) => None,
+            None if !self.required => None,
             _ => {
                 let mut r = plain(StatusCode::UNAUTHORIZED, "unauthorized\n");
                 r.headers_mut().insert(
@@ -93,7 +94,7 @@ impl Guard {
                         "Bearer realm=\"graygate admin\", Basic realm=\"graygate admin\"",
                     ),
                 );
-                Err(r)
+                Some(r)
             }
         }
     }

@@ -121,7 +121,7 @@ pub async fn manage(gw: &Arc<Gateway>, req: Request<Incoming>, rest: &[&str]) ->
         (&Method::POST, [service]) => {
             let add: AddNode = match read_json(req.into_body()).await {
                 Ok(a) => a,
-                Err(r) => return r,
+                Err(r) => return r.response(),
             };
             let addr: SocketAddr = match add.addr.parse() {
                 Ok(a) => a,
@@ -147,7 +147,7 @@ pub async fn manage(gw: &Arc<Gateway>, req: Request<Incoming>, rest: &[&str]) ->
         (&Method::PATCH, [service, node]) => {
             let p: PatchNode = match read_json(req.into_body()).await {
                 Ok(p) => p,
-                Err(r) => return r,
+                Err(r) => return r.response(),
             };
             if p.lane.is_none() && p.weight.is_none() && p.drain.is_none() {
                 return text(
