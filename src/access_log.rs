@@ -23,8 +23,10 @@ pub struct Entry {
     pub path: String,
     pub status: u16,
     pub lane: String,
-    /// What decided the lane (`script`, `trusted_tag`, …, or a rule name).
+    /// What decided the lane (`script`, `trusted_tag`, `rule`, …).
     pub decided_by: String,
+    /// The deciding rule's name, when a named rule decided.
+    pub rule: Option<String>,
     pub node: String,
     /// Milliseconds waiting for the upstream's response head (API routes).
     pub upstream_ms: Option<f64>,
@@ -51,7 +53,7 @@ impl Entry {
                     .upstream_ms
                     .map_or_else(|| "-".to_string(), |u| format!("{u:.3}"));
                 format!(
-                    "{} {} \"{} {}\" {} lane={} decided_by={} node={} upstream_ms={} total_ms={:.3}",
+                    "{} {} \"{} {}\" {} lane={} decided_by={} rule={} node={} upstream_ms={} total_ms={:.3}",
                     self.time,
                     self.client_ip,
                     self.method,
@@ -59,6 +61,7 @@ impl Entry {
                     self.status,
                     self.lane,
                     self.decided_by,
+                    self.rule.as_deref().unwrap_or("-"),
                     self.node,
                     up,
                     self.total_ms
@@ -152,6 +155,7 @@ mod tests {
             status: 200,
             lane: "gray".into(),
             decided_by: "script".into(),
+            rule: None,
             node: "g1".into(),
             upstream_ms: Some(1.5),
             total_ms: 2.25,
@@ -162,7 +166,7 @@ mod tests {
     fn text_line() {
         assert_eq!(
             entry().format(AccessLogFormat::Text),
-            "2026-01-02T03:04:05.678Z 127.0.9.1 \"GET /api/x\" 200 lane=gray decided_by=script node=g1 upstream_ms=1.500 total_ms=2.250"
+            "2026-01-02T03:04:05.678Z 127.0.9.1 \"GET /api/x\" 200 lane=gray decided_by=script rule=- node=g1 upstream_ms=1.500 total_ms=2.250"
         );
     }
 

@@ -244,6 +244,7 @@ fn finish(
             status,
             lane: decision.map_or("-", |d| d.lane.as_str()).to_string(),
             decided_by: decision.map_or("-", |d| d.decided_by.as_str()).to_string(),
+            rule: None,
             node: decision
                 .and_then(|d| d.node.as_deref())
                 .unwrap_or("-")

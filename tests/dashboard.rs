@@ -272,3 +272,48 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
     std::fs::write(&shot, png).unwrap();
     c.close().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_works_behind_the_admin_token_with_http_basic() {
+    let f1 = Backend::start("f1", "formal").await;
+    let fx = Fixture::new();
+    fx.write(
+        "nodes.yaml",
+        &format!("services:\n  api:\n    nodes:\n{}", f1.node_yaml()),
+    );
+    let cfg = fx.write(
+        "gg.yaml",
+        &main_config("admin_token: tok3n\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /api/\n    service: api\n"),
+    );
+    let gw = Gateway::start(&cfg);
+    let admin = gw.admin.unwrap();
+    assert_eq!(gw.get("/api/x").await.status, 200);
+    assert_eq!(Req::get("/").send(admin).await.status, 401);
+
+    let driver = Driver::start().await;
+    let c = driver.browser().await;
+    // Without credentials the browser gets the 401, not the dashboard.
+    c.goto(&format!("http://{admin}/")).await.unwrap();
+    assert_ne!(c.title().await.unwrap(), "graygate dashboard");
+    // With the token as the Basic password the page and its data load.
+    c.goto(&format!("http://operator:tok3n@{admin}/"))
+        .await
+        .unwrap();
+    assert_eq!(c.title().await.unwrap(), "graygate dashboard");
+    wait_text(&c, "#generation", "generation", |t| t == "1").await;
+    wait_text(
+        &c,
+        "#nodes tr[data-node=f1] .requests",
+        "f1 requests",
+        |t| t == "1",
+    )
+    .await;
+    wait_text(
+        &c,
+        "#lanes tr[data-lane=formal] .total",
+        "formal total",
+        |t| t == "1",
+    )
+    .await;
+    c.close().await.unwrap();
+}

@@ -215,7 +215,14 @@ async fn admin_token_is_required_and_compared() {
     ] {
         let r = s.admin_get(path).await;
         assert_eq!(r.status, 401, "{path}");
-        assert!(r.header("www-authenticate").unwrap().contains("Bearer"));
+        let challenges: Vec<_> = r.headers.get_all("www-authenticate").iter().collect();
+        assert_eq!(
+            challenges,
+            [
+                "Basic realm=\"graygate admin\"",
+                "Bearer realm=\"graygate admin\""
+            ]
+        );
         let r = Req::get(path)
             .header("Authorization", "Bearer wrong-token!")
             .send(s.admin())
@@ -638,7 +645,7 @@ async fn access_log_json_and_text_and_off_by_default() {
     let line = std::fs::read_to_string(&path).unwrap();
     assert!(
         line.contains(
-            " 127.0.0.1 \"GET /api/z\" 200 lane=formal decided_by=script node=f1 upstream_ms="
+            " 127.0.0.1 \"GET /api/z\" 200 lane=formal decided_by=script rule=- node=f1 upstream_ms="
         ),
         "{line}"
     );

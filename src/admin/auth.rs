@@ -88,11 +88,14 @@ impl Guard {
             None if !self.required => None,
             _ => {
                 let mut r = plain(StatusCode::UNAUTHORIZED, "unauthorized\n");
-                r.headers_mut().insert(
+                // Basic first: browsers then prompt for the token.
+                r.headers_mut().append(
                     header::WWW_AUTHENTICATE,
-                    HeaderValue::from_static(
-                        "Bearer realm=\"graygate admin\", Basic realm=\"graygate admin\"",
-                    ),
+                    HeaderValue::from_static("Basic realm=\"graygate admin\""),
+                );
+                r.headers_mut().append(
+                    header::WWW_AUTHENTICATE,
+                    HeaderValue::from_static("Bearer realm=\"graygate admin\""),
                 );
                 Some(r)
             }

@@ -24,7 +24,9 @@ const ms = (v) => (v == null ? "–" : v.toFixed(1) + " ms");
 const num = (v, d) => (v == null ? "–" : Number(v).toFixed(d));
 
 async function getJSON(path, init) {
-  const r = await fetch(path, Object.assign({ cache: "no-store", credentials: "same-origin" }, init || {}));
+  // Absolute URL from the origin: a page opened as http://user:token@host/
+  // may not fetch relative URLs (they would carry the credentials).
+  const r = await fetch(location.origin + "/" + path, Object.assign({ cache: "no-store", credentials: "same-origin" }, init || {}));
   const text = await r.text();
   if (!r.ok) throw new Error(r.status + " " + text.trim());
   return JSON.parse(text);
