@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::*;
 
 /// Script: lane from the `X-Lane` header, else formal; `X-Boom` fails.
-const SCRIPT: &str = "return function(req)\n  if req:header('X-Boom') then error('boom') end\n  return req:header('X-Lane')\nend\n";
+const SCRIPT: &str = "return function(req)\n  if req:header('X-Boom') then error('boom') end\n  if req:header('X-Loop') then while true do end end\n  if req:header('X-Hog') then return string.rep('x', 256 * 1024 * 1024) end\n  return req:header('X-Lane')\nend\n";
 
 struct Setup {
     fx: Fixture,
@@ -86,6 +86,17 @@ async fn metrics_count_requests_decisions_fallbacks_script_errors_and_reloads() 
         .await;
     assert_eq!(r.node(), "f1");
     assert_eq!(s.gw.get("/nowhere").await.status, 404);
+    // Limit hits: the instruction budget and the memory limit.
+    let r = Req::get("/api/x")
+        .header("X-Loop", "1")
+        .send(s.gw.addr)
+        .await;
+    assert_eq!(r.node(), "f1");
+    let r = Req::get("/api/x")
+        .header("X-Hog", "1")
+        .send(s.gw.addr)
+        .await;
+    assert_eq!(r.node(), "f1");
 
     let m = s.metrics().await;
     let req = |lane: &str, node: &str, class: &str| {
@@ -94,7 +105,7 @@ async fn metrics_count_requests_decisions_fallbacks_script_errors_and_reloads() 
             &format!("graygate_requests_total{{lane=\"{lane}\",node=\"{node}\",route=\"/api/\",status_class=\"{class}\"}}"),
         )
     };
-    assert_eq!(req("formal", "f1", "2xx"), Some(4.0), "{m}");
+    assert_eq!(req("formal", "f1", "2xx"), Some(6.0), "{m}");
     assert_eq!(req("gray", "g1", "2xx"), Some(2.0), "{m}");
     assert_eq!(req("v2", "f1", "2xx"), Some(1.0), "{m}");
     assert_eq!(
@@ -118,7 +129,7 @@ async fn metrics_count_requests_decisions_fallbacks_script_errors_and_reloads() 
             &m,
             "graygate_decisions_total{decided_by=\"script_error\",lane=\"formal\",rule=\"\"}"
         ),
-        Some(1.0)
+        Some(3.0)
     );
     assert_eq!(
         sample(
@@ -130,6 +141,19 @@ async fn metrics_count_requests_decisions_fallbacks_script_errors_and_reloads() 
     assert_eq!(
         sample(&m, "graygate_script_errors_total{kind=\"error\"}"),
         Some(1.0)
+    );
+    assert_eq!(
+        sample(
+            &m,
+            "graygate_script_errors_total{kind=\"instruction_limit\"}"
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        sample(&m, "graygate_script_errors_total{kind=\"memory_limit\"}"),
+        Some(1.0),
+        "{m}"
     );
     assert_eq!(
         sample(
@@ -150,7 +174,7 @@ async fn metrics_count_requests_decisions_fallbacks_script_errors_and_reloads() 
             &m,
             "graygate_upstream_duration_seconds_count{lane=\"formal\",node=\"f1\"}"
         ),
-        Some(4.0)
+        Some(6.0)
     );
     assert_eq!(
         sample(
