@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
+use std::time::Duration;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -99,11 +100,24 @@ async fn run(config: PathBuf) -> ExitCode {
         }
     });
     drop(gen);
-    tokio::select! {
-        _ = gw.clone().serve(listener) => {}
-        _ = shutdown_signal() => {
-            tracing::info!("shutting down");
-        }
+    let server = tokio::spawn(gw.clone().serve(listener));
+    shutdown_signal().await;
+    // Graceful stop: close the listener, let in-flight requests finish (idle
+    // keep-alive connections close at once), exit 0 within the drain time.
+    let drain = Duration::from_millis(gw.current().config.client.drain_timeout_ms);
+    tracing::info!(
+        connections = gw.connections.get(),
+        drain_ms = drain.as_millis() as u64,
+        "shutting down: draining connections"
+    );
+    gw.begin_shutdown();
+    let _ = server.await;
+    match tokio::time::timeout(drain, gw.drained()).await {
+        Ok(()) => tracing::info!("drained; exiting"),
+        Err(_) => tracing::warn!(
+            connections = gw.connections.get(),
+            "drain time over; closing remaining connections"
+        ),
     }
     ExitCode::SUCCESS
 }
