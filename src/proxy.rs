@@ -351,14 +351,31 @@ async fn forward(
             gw.health.count_fallback(service_name);
         }
         if gw.fallback_log.should_log(service_name, &decision.lane) {
-            tracing::warn!(
-                service = service_name,
-                lane = %decision.lane,
-                reason = fb.as_str(),
-                lane_nodes = service.count(&decision.lane),
-                formal_nodes = service.count(FORMAL),
-                "request not served by its own lane's healthy nodes"
-            );
+            let (lane_nodes, formal_nodes) =
+                (service.count(&decision.lane), service.count(FORMAL));
+            match fb {
+                Fallback::LaneHasNoNodes => tracing::warn!(
+                    service = service_name,
+                    lane = %decision.lane,
+                    lane_nodes,
+                    formal_nodes,
+                    "no node serves this lane; sending to formal"
+                ),
+                Fallback::LaneUnhealthy => tracing::warn!(
+                    service = service_name,
+                    lane = %decision.lane,
+                    lane_nodes,
+                    formal_nodes,
+                    "every node of this lane is down; sending to formal"
+                ),
+                Fallback::AllUnhealthy => tracing::warn!(
+                    service = service_name,
+                    lane = %decision.lane,
+                    lane_nodes,
+                    formal_nodes,
+                    "every candidate node is down; trying the lane's nodes anyway"
+                ),
+            }
         }
     }
     decision.candidates = set.nodes.len();
