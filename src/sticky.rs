@@ -165,6 +165,29 @@ mod tests {
     }
 
     #[test]
+    fn key_from_config_or_environment() {
+        let mut cfg = StickyConfig {
+            cookie: "gl".into(),
+            key: None,
+            key_env: "GRAYGATE_STICKY_UNIT_TEST_KEY".into(),
+            max_age_secs: 10,
+            secure: true,
+        };
+        let err = Sticky::from_config(&cfg).unwrap_err();
+        assert!(err.contains("GRAYGATE_STICKY_UNIT_TEST_KEY"), "{err}");
+        std::env::set_var("GRAYGATE_STICKY_UNIT_TEST_KEY", "env-key-0123456789");
+        let from_env = Sticky::from_config(&cfg).unwrap();
+        let direct = Sticky::new("gl", b"env-key-0123456789", 10, true);
+        assert_eq!(direct.verify(&from_env.sign("gray", 1), 2), Some("gray"));
+        assert!(from_env.set_cookie("gray", 1).to_str().unwrap().ends_with("; Secure"));
+        cfg.key = Some("short".into());
+        assert!(Sticky::from_config(&cfg).unwrap_err().contains("at least 16"));
+        cfg.key = Some("long-enough-key-0123".into());
+        cfg.cookie = "bad name;".into();
+        assert!(Sticky::from_config(&cfg).is_err());
+    }
+
+    #[test]
     fn set_cookie_attributes() {
         let h = s().set_cookie("gray", 5);
         let t = h.to_str().unwrap();
