@@ -11,6 +11,7 @@ pub mod admin;
 pub mod client_conn;
 pub mod config;
 pub mod demo;
+pub mod fuzz_entry;
 pub mod gateway;
 pub mod generation;
 pub mod health;
