@@ -362,3 +362,56 @@ async fn upstream_response_and_total_timeouts() {
     // Gray is unaffected by formal's hanging nodes.
     assert_eq!(get_lane(&s.gw, "gray").await.node(), "g1");
 }
+
+/// A listener whose accept queue is full, so new connects hang in SYN_SENT
+/// (the kernel drops their SYNs): a stand-in for a black-holed node.
+async fn blackhole() -> (tokio::net::TcpListener, Vec<tokio::net::TcpStream>) {
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let l = sock.listen(0).unwrap();
+    let addr = l.local_addr().unwrap();
+    let mut held = Vec::new();
+    for _ in 0..16 {
+        match tokio::time::timeout(
+            Duration::from_millis(300),
+            tokio::net::TcpStream::connect(addr),
+        )
+        .await
+        {
+            Ok(Ok(s)) => held.push(s),
+            _ => return (l, held),
+        }
+    }
+    panic!("accept queue never filled");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_timeout_then_retry_on_the_same_lane() {
+    let (hole, _held) = blackhole().await;
+    let g2 = Node::start("g2", "gray").await;
+    let f1 = Node::start("f1", "formal").await;
+    let nodes = format!(
+        "services:\n  api:\n    health:\n      passive: {{ max_fails: 1000 }}\n    nodes:\n      - {{ name: g-hole, addr: \"{}\", lane: gray }}\n{}{}",
+        hole.local_addr().unwrap(),
+        g2.yaml(),
+        f1.yaml()
+    );
+    let s = setup("", &[], "upstream:\n  connect_timeout_ms: 200\n");
+    s.fx.write_rename("nodes.yaml", &nodes);
+    eventually("nodes reloaded", Duration::from_secs(10), || async {
+        s.gw.status().await["generation"].as_u64() == Some(2)
+    })
+    .await;
+    for _ in 0..4 {
+        let r = get_lane(&s.gw, "gray").await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.node(), "g2");
+    }
+    assert_eq!(f1.count(), 0);
+    let logs = s.gw.logs();
+    assert!(
+        logs.lines()
+            .any(|l| l.contains("upstream connect failed") && l.contains("g-hole")),
+        "{logs}"
+    );
+}
