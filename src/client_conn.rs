@@ -108,9 +108,9 @@ impl<T: AsyncRead + Unpin> AsyncRead for TimedIo<T> {
             let a = &self.act;
             a.last.store(now, Ordering::Relaxed);
             if a.in_flight.load(Ordering::Relaxed) == 0 {
-                let _ = a
-                    .head_started
-                    .compare_exchange(0, now, Ordering::Relaxed, Ordering::Relaxed);
+                let _ =
+                    a.head_started
+                        .compare_exchange(0, now, Ordering::Relaxed, Ordering::Relaxed);
             }
         }
         r
@@ -186,7 +186,10 @@ mod tests {
         assert!(matches!(verdict(&a, t0 + 550, 100, 1000), Verdict::Wait(_)));
         assert_eq!(verdict(&a, t0 + 600, 100, 1000), Verdict::HeaderTimeout);
         let g = a.request_started();
-        assert!(matches!(verdict(&a, t0 + 9999, 100, 1000), Verdict::Wait(_)));
+        assert!(matches!(
+            verdict(&a, t0 + 9999, 100, 1000),
+            Verdict::Wait(_)
+        ));
         drop(g);
         assert_eq!(
             verdict(&a, now_ms() + 1000, 100, 1000),

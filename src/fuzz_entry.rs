@@ -139,7 +139,8 @@ pub fn request_decision(gen: &Generation, data: &[u8]) -> Option<Decision> {
             }
         }
         Target::Static(tree) => {
-            if let Some(rel) = crate::static_files::safe_relative(info.parts.uri.path(), &tree.index)
+            if let Some(rel) =
+                crate::static_files::safe_relative(info.parts.uri.path(), &tree.index)
             {
                 assert!(relative_inside(&rel), "{rel:?} escapes the tree");
             }

@@ -260,7 +260,9 @@ impl Gateway {
             };
             // Re-check at least every half header timeout: a request head
             // may start arriving at any moment.
-            let wait = wait.min(Duration::from_millis((limits.header_timeout_ms / 2).max(10)));
+            let wait = wait.min(Duration::from_millis(
+                (limits.header_timeout_ms / 2).max(10),
+            ));
             tokio::select! {
                 r = conn.as_mut() => {
                     if let Err(e) = r {

@@ -261,7 +261,10 @@ impl HealthRegistry {
 
     /// Number of running active checkers.
     pub fn checker_count(&self) -> usize {
-        self.checkers.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.checkers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
     }
 
     /// Counts a request of `service` sent to formal because its lane's

@@ -2,8 +2,8 @@
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
-use std::time::Duration;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::Parser;
 use graygate::{admin, demo, gateway::Gateway, generation::Generation, reload};

@@ -26,8 +26,8 @@ use crate::lane::{self, DecidedBy, Decision, RequestInfo};
 use crate::lists::IpList;
 use crate::nodes::{Fallback, NoCandidates};
 use crate::sticky::{unix_now, Sticky};
-pub use crate::upbody::UpBody;
 use crate::upbody::Replay;
+pub use crate::upbody::UpBody;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// Every response body the gateway sends.
@@ -351,8 +351,7 @@ async fn forward(
             gw.health.count_fallback(service_name);
         }
         if gw.fallback_log.should_log(service_name, &decision.lane) {
-            let (lane_nodes, formal_nodes) =
-                (service.count(&decision.lane), service.count(FORMAL));
+            let (lane_nodes, formal_nodes) = (service.count(&decision.lane), service.count(FORMAL));
             match fb {
                 Fallback::LaneHasNoNodes => tracing::warn!(
                     service = service_name,

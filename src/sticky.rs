@@ -58,7 +58,12 @@ impl Sticky {
         {
             return Err(format!("sticky: invalid cookie name {:?}", cfg.cookie));
         }
-        Ok(Sticky::new(&cfg.cookie, key.as_bytes(), cfg.max_age_secs, cfg.secure))
+        Ok(Sticky::new(
+            &cfg.cookie,
+            key.as_bytes(),
+            cfg.max_age_secs,
+            cfg.secure,
+        ))
     }
 
     pub fn new(cookie: &str, key: &[u8], max_age_secs: u64, secure: bool) -> Sticky {
@@ -157,7 +162,14 @@ mod tests {
         bad[last] = if bad[last] == b'0' { b'1' } else { b'0' };
         assert_eq!(st.verify(std::str::from_utf8(&bad).unwrap(), 1000), None);
         assert_eq!(st.verify(&v[..v.len() - 2], 1000), None);
-        for junk in ["", "gray", "gray.1.", ".1.00", "gray\r\n.1.ab", "gray.-1.00"] {
+        for junk in [
+            "",
+            "gray",
+            "gray.1.",
+            ".1.00",
+            "gray\r\n.1.ab",
+            "gray.-1.00",
+        ] {
             assert_eq!(st.verify(junk, 0), None, "{junk:?}");
         }
         let other = Sticky::new("gl", b"another-key-0123456", 100, false);
@@ -179,9 +191,15 @@ mod tests {
         let from_env = Sticky::from_config(&cfg).unwrap();
         let direct = Sticky::new("gl", b"env-key-0123456789", 10, true);
         assert_eq!(direct.verify(&from_env.sign("gray", 1), 2), Some("gray"));
-        assert!(from_env.set_cookie("gray", 1).to_str().unwrap().ends_with("; Secure"));
+        assert!(from_env
+            .set_cookie("gray", 1)
+            .to_str()
+            .unwrap()
+            .ends_with("; Secure"));
         cfg.key = Some("short".into());
-        assert!(Sticky::from_config(&cfg).unwrap_err().contains("at least 16"));
+        assert!(Sticky::from_config(&cfg)
+            .unwrap_err()
+            .contains("at least 16"));
         cfg.key = Some("long-enough-key-0123".into());
         cfg.cookie = "bad name;".into();
         assert!(Sticky::from_config(&cfg).is_err());

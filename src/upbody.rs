@@ -107,7 +107,11 @@ pub enum Replay {
 impl Replay {
     /// Empty bodies and (for idempotent requests) bodies with a
     /// Content-Length up to `limit` become replayable; larger ones stream.
-    pub async fn new(body: Incoming, idempotent: bool, limit: usize) -> Result<Replay, hyper::Error> {
+    pub async fn new(
+        body: Incoming,
+        idempotent: bool,
+        limit: usize,
+    ) -> Result<Replay, hyper::Error> {
         if body.is_end_stream() {
             return Ok(Replay::Empty);
         }

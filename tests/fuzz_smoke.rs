@@ -10,10 +10,41 @@ use graygate::generation::Generation;
 
 /// Tokens that tend to break parsers.
 const TOKENS: &[&[u8]] = &[
-    b"\n", b"\r\n", b": ", b"- ", b"{", b"}", b"[", b"]", b"\"", b"'", b"\0", b"..", b"%2e",
-    b"%252e", b"\\", b"/", b"#", b"-1", b"0", b"99999999999999999999", b"gray\r\nX: y",
-    b"\xff\xfe", b"::", b"/33", b"  ", b"\t", b";", b"=", b",", b"end", b"return", b"(",
-    b"X-Gray-Tag: ", b"Cookie: graygate_lane=gray.1.00", b"Host: other.example\r\n",
+    b"\n",
+    b"\r\n",
+    b": ",
+    b"- ",
+    b"{",
+    b"}",
+    b"[",
+    b"]",
+    b"\"",
+    b"'",
+    b"\0",
+    b"..",
+    b"%2e",
+    b"%252e",
+    b"\\",
+    b"/",
+    b"#",
+    b"-1",
+    b"0",
+    b"99999999999999999999",
+    b"gray\r\nX: y",
+    b"\xff\xfe",
+    b"::",
+    b"/33",
+    b"  ",
+    b"\t",
+    b";",
+    b"=",
+    b",",
+    b"end",
+    b"return",
+    b"(",
+    b"X-Gray-Tag: ",
+    b"Cookie: graygate_lane=gray.1.00",
+    b"Host: other.example\r\n",
     b"X-Forwarded-For: 127.0.9.9, 1.2.3.4\r\n",
 ];
 
@@ -82,8 +113,7 @@ fn config_loader_survives_mutated_configs() {
     let seeds = vec![
         seed.clone(),
         b"listen: 127.0.0.1:0\nroutes:\n  - prefix: /\n    service: x\n".to_vec(),
-        b"listen: 127.0.0.1:0\nupstream: { retries: 1 }\nclient: { max_connections: 1 }\n"
-            .to_vec(),
+        b"listen: 127.0.0.1:0\nupstream: { retries: 1 }\nclient: { max_connections: 1 }\n".to_vec(),
     ];
     let mut rng = fastrand::Rng::with_seed(0x6772_6179);
     let (mut ok, mut rejected, mut skipped) = (0, 0, 0);

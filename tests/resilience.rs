@@ -102,10 +102,14 @@ async fn failed_trial_ejects_again() {
         "",
     );
     f2.set_status(503);
-    eventually("f2 failed twice (ejection, failed trial)", Duration::from_secs(10), || async {
-        get_lane(&s.gw, "").await;
-        f2.count() >= 2
-    })
+    eventually(
+        "f2 failed twice (ejection, failed trial)",
+        Duration::from_secs(10),
+        || async {
+            get_lane(&s.gw, "").await;
+            f2.count() >= 2
+        },
+    )
     .await;
     eventually("re-ejection logged", Duration::from_secs(5), || async {
         log_has(&s.gw, "node failed its trial request; ejected again")
@@ -137,9 +141,11 @@ async fn unhealthy_gray_lane_goes_formal_never_other_gray_and_recovers() {
     // Whole lane down: gray traffic goes formal (tag still says gray),
     // never to the other gray lane v2.
     g2.set_health(500);
-    eventually("gray lane falls back to formal", Duration::from_secs(10), || async {
-        get_lane(&s.gw, "gray").await.node() == "f1"
-    })
+    eventually(
+        "gray lane falls back to formal",
+        Duration::from_secs(10),
+        || async { get_lane(&s.gw, "gray").await.node() == "f1" },
+    )
     .await;
     for _ in 0..6 {
         let r = get_lane(&s.gw, "gray").await;
@@ -181,7 +187,11 @@ async fn strict_service_answers_503_when_its_lane_is_down() {
     .await;
     let r = get_lane(&s.gw, "gray").await;
     assert_eq!(r.status, 503);
-    assert!(r.text().contains("no healthy upstream node"), "{}", r.text());
+    assert!(
+        r.text().contains("no healthy upstream node"),
+        "{}",
+        r.text()
+    );
     assert_eq!(f1.count(), 0, "strict never sends gray traffic to formal");
     // Formal traffic is unaffected.
     assert_eq!(get_lane(&s.gw, "").await.node(), "f1");
@@ -200,8 +210,7 @@ async fn active_checkers_follow_reloads() {
     .await;
     assert_eq!(g2.health_hits(), 0);
     // Reload: g1 removed, g2 added.
-    s.fx
-        .write_rename("nodes.yaml", &nodes_file(health, &[&f1, &g2]));
+    s.fx.write_rename("nodes.yaml", &nodes_file(health, &[&f1, &g2]));
     eventually("g2 probed", Duration::from_secs(10), || async {
         g2.health_hits() >= 2
     })
@@ -210,9 +219,11 @@ async fn active_checkers_follow_reloads() {
     // g1's checker is gone: while f1 gets several more probes, g1 gets at
     // most one that was already under way.
     let (g1_then, f1_then) = (g1.health_hits(), f1.health_hits());
-    eventually("f1 probed 4 more times", Duration::from_secs(10), || async {
-        f1.health_hits() >= f1_then + 4
-    })
+    eventually(
+        "f1 probed 4 more times",
+        Duration::from_secs(10),
+        || async { f1.health_hits() >= f1_then + 4 },
+    )
     .await;
     assert!(g1.health_hits() <= g1_then + 1, "g1 still probed");
 }
@@ -296,7 +307,10 @@ async fn idempotent_requests_retry_after_no_response_post_does_not() {
             assert_eq!(r.node(), "b");
         }
     }
-    assert!(failed >= 1 && ok >= 1, "round-robin hits both: {failed} {ok}");
+    assert!(
+        failed >= 1 && ok >= 1,
+        "round-robin hits both: {failed} {ok}"
+    );
     let posts_at_a = a
         .got
         .lock()

@@ -159,7 +159,11 @@ async fn connection_cap_refuses_extra_connections() {
     // Closing one frees a slot.
     held.pop();
     eventually("a slot frees up", Duration::from_secs(10), || async {
-        let text = raw(gw.addr, b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").await;
+        let text = raw(
+            gw.addr,
+            b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+        )
+        .await;
         text.starts_with("HTTP/1.1 200")
     })
     .await;
@@ -172,7 +176,12 @@ async fn invalid_lane_names_never_reach_a_header() {
     let fx = Fixture::new();
     // The script passes through whatever the client sends, with CR/LF.
     let script = "return function(req)\n  local l = req:header('X-Lane')\n  if l == 'crlf' then return 'gray\\r\\nX-Evil: 1' end\n  if l == 'nul' then return 'gray\\0' end\n  if l == 'space' then return 'gray lane' end\n  return l\nend\n";
-    let gw = setup_with(&fx, &[&f1, &g1], script, "trusted_proxies: [127.0.0.1/32]\n");
+    let gw = setup_with(
+        &fx,
+        &[&f1, &g1],
+        script,
+        "trusted_proxies: [127.0.0.1/32]\n",
+    );
     for l in ["crlf", "nul", "space", "gray/../x", "ünïcode"] {
         let r = Req::get("/x").header("X-Lane", l).send(gw.addr).await;
         assert_eq!(r.status, 200);
@@ -305,9 +314,11 @@ async fn drain_time_bounds_the_shutdown() {
     let mut gw = Gateway::start(&cfg);
     let addr = gw.addr;
     let pending = tokio::spawn(async move { Req::get("/hang").send_streaming(addr).await });
-    eventually("request reached the node", Duration::from_secs(10), || async {
-        hang.count() == 1
-    })
+    eventually(
+        "request reached the node",
+        Duration::from_secs(10),
+        || async { hang.count() == 1 },
+    )
     .await;
     gw.signal("INT");
     let status = gw

@@ -93,8 +93,7 @@ async fn hundred_reloads_under_load_fail_nothing_and_stay_in_lane() {
     for w in 0..4 {
         let (stop, seen) = (stop.clone(), seen.clone());
         workers.push(tokio::spawn(async move {
-            let client: Client<_, Full<Bytes>> =
-                Client::builder(TokioExecutor::new()).build_http();
+            let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
             let mut i = 0usize;
             while !stop.load(Ordering::Relaxed) {
                 i += 1;
@@ -146,23 +145,29 @@ async fn hundred_reloads_under_load_fail_nothing_and_stay_in_lane() {
         versions.push((script_v, nodes_v));
         let prev = *generation_of.last().unwrap();
         let now = Arc::new(std::sync::atomic::AtomicU64::new(prev));
-        eventually(&format!("reload {k} applied"), Duration::from_secs(20), || {
-            let (gw, now) = (&gw, now.clone());
-            async move {
-                let st = gw.status().await;
-                assert!(st["last_reload_error"].is_null(), "{st}");
-                let g = st["generation"].as_u64().unwrap();
-                now.store(g, Ordering::SeqCst);
-                g > prev
-            }
-        })
+        eventually(
+            &format!("reload {k} applied"),
+            Duration::from_secs(20),
+            || {
+                let (gw, now) = (&gw, now.clone());
+                async move {
+                    let st = gw.status().await;
+                    assert!(st["last_reload_error"].is_null(), "{st}");
+                    let g = st["generation"].as_u64().unwrap();
+                    now.store(g, Ordering::SeqCst);
+                    g > prev
+                }
+            },
+        )
         .await;
         generation_of.push(now.load(Ordering::SeqCst));
         // Let some load run on this generation before the next change.
         let before = seen.lock().unwrap().len();
-        eventually("traffic on the new generation", Duration::from_secs(20), || async {
-            seen.lock().unwrap().len() >= before + 8
-        })
+        eventually(
+            "traffic on the new generation",
+            Duration::from_secs(20),
+            || async { seen.lock().unwrap().len() >= before + 8 },
+        )
         .await;
     }
     stop.store(true, Ordering::Relaxed);
@@ -173,7 +178,12 @@ async fn hundred_reloads_under_load_fail_nothing_and_stay_in_lane() {
     let seen = seen.lock().unwrap();
     assert!(seen.len() >= 800, "only {} requests", seen.len());
     let failed: Vec<&Seen> = seen.iter().filter(|s| s.status != 200).collect();
-    assert!(failed.is_empty(), "{} failed, e.g. {:?}", failed.len(), &failed[..failed.len().min(5)]);
+    assert!(
+        failed.is_empty(),
+        "{} failed, e.g. {:?}",
+        failed.len(),
+        &failed[..failed.len().min(5)]
+    );
     let mut gens_seen = std::collections::BTreeSet::new();
     for s in seen.iter() {
         assert!(s.gen >= 1, "{s:?}");
@@ -198,5 +208,9 @@ async fn hundred_reloads_under_load_fail_nothing_and_stay_in_lane() {
         seen.len(),
         gens_seen.len()
     );
-    assert!(gens_seen.len() >= 90, "load spanned only {} generations", gens_seen.len());
+    assert!(
+        gens_seen.len() >= 90,
+        "load spanned only {} generations",
+        gens_seen.len()
+    );
 }

@@ -66,12 +66,18 @@ async fn with_cookie(gw: &Gateway, path: &str, cookie: &str) -> Resp {
 async fn cookie_keeps_pages_assets_and_api_in_one_lane() {
     let s = setup().await;
     // Decided gray by source IP; the gateway hands out the cookie.
-    let r = Req::get("/api/x").from_ip("127.0.9.5").send(s.gw.addr).await;
+    let r = Req::get("/api/x")
+        .from_ip("127.0.9.5")
+        .send(s.gw.addr)
+        .await;
     assert_eq!(r.node(), "g1");
     let cookie = cookie_of(&r).expect("sticky cookie set");
     assert!(cookie.starts_with("graygate_lane=gray."), "{cookie}");
     let raw = r.header("set-cookie").unwrap();
-    assert!(raw.contains("HttpOnly") && raw.contains("Max-Age=3600"), "{raw}");
+    assert!(
+        raw.contains("HttpOnly") && raw.contains("Max-Age=3600"),
+        "{raw}"
+    );
 
     // Same browser, new IP (not in the gray list): still gray everywhere.
     let r = with_cookie(&s.gw, "/api/y", &format!("a=b; {cookie}")).await;
@@ -81,7 +87,11 @@ async fn cookie_keeps_pages_assets_and_api_in_one_lane() {
     let r = with_cookie(&s.gw, "/", &cookie).await;
     assert_eq!(r.text(), "gray page");
     let r = with_cookie(&s.gw, "/app.js", &cookie).await;
-    assert_eq!(r.text(), "formal js", "per-file fallback within the gray lane");
+    assert_eq!(
+        r.text(),
+        "formal js",
+        "per-file fallback within the gray lane"
+    );
     assert!(r.header("etag").unwrap().starts_with("\"formal-"));
     // Without the cookie this IP is formal.
     let r = s.gw.get("/").await;
@@ -152,7 +162,10 @@ async fn cookie_lives_while_a_node_or_static_tree_serves_its_lane() {
     std::fs::remove_dir_all(s.fx.path("site/gray")).unwrap();
     s.fx.write_rename(
         "nodes.yaml",
-        &format!("# again\nservices:\n  api:\n    nodes:\n{}", s.f1.node_yaml()),
+        &format!(
+            "# again\nservices:\n  api:\n    nodes:\n{}",
+            s.f1.node_yaml()
+        ),
     );
     eventually("reloaded again", Duration::from_secs(10), || async {
         s.gw.status().await["generation"].as_u64() == Some(3)

@@ -140,7 +140,10 @@ struct Shared {
 }
 
 impl Shared {
-    async fn answer(&self, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, std::io::Error> {
+    async fn answer(
+        &self,
+        req: Request<Incoming>,
+    ) -> Result<Response<Full<Bytes>>, std::io::Error> {
         let header = |n: &str| {
             req.headers()
                 .get(n)
