@@ -86,6 +86,10 @@ pub struct MainConfig {
     /// Signed sticky-lane cookie for routes with `sticky: true`.
     #[serde(default)]
     pub sticky: Option<StickyConfig>,
+    /// Worker threads serving requests (default: one per CPU). With 1 the
+    /// gateway runs a single-threaded runtime, like one nginx worker.
+    #[serde(default)]
+    pub workers: Option<usize>,
 }
 
 fn default_tag_header() -> String {

@@ -23,3 +23,4 @@ pub mod reload;
 pub mod static_files;
 pub mod sticky;
 pub mod upbody;
+pub mod upstream;

@@ -14,9 +14,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 
 use crate::config::{ClientConfig, UpstreamConfig, FORMAL};
 use crate::gateway::Gateway;
@@ -28,6 +26,7 @@ use crate::nodes::{Fallback, NoCandidates};
 use crate::sticky::{unix_now, Sticky};
 use crate::upbody::Replay;
 pub use crate::upbody::UpBody;
+use crate::upstream::PooledBody;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// Every response body the gateway sends.
@@ -53,19 +52,11 @@ pub fn plain(status: StatusCode, text: &'static str) -> Response<Body> {
     r
 }
 
-/// The pooled upstream client.
-pub type UpstreamClient = Client<HttpConnector, UpBody>;
+/// The pooled upstream client (per-thread keep-alive pools).
+pub type UpstreamClient = crate::upstream::Upstream;
 
 pub fn build_client(cfg: &UpstreamConfig) -> UpstreamClient {
-    let mut conn = HttpConnector::new();
-    conn.set_nodelay(true);
-    conn.set_connect_timeout(Some(Duration::from_millis(cfg.connect_timeout_ms)));
-    conn.enforce_http(true);
-    Client::builder(TokioExecutor::new())
-        .pool_timer(TokioTimer::new())
-        .pool_idle_timeout(Duration::from_millis(cfg.idle_timeout_ms))
-        .pool_max_idle_per_host(cfg.pool_max_idle_per_host)
-        .build(conn)
+    crate::upstream::Upstream::new(cfg)
 }
 
 /// Host without port, lower-case, from the Host header or the URI.
@@ -300,7 +291,7 @@ fn upgrade_requested(h: &HeaderMap) -> Option<HeaderValue> {
 
 /// How one upstream attempt ended (for health and retry decisions).
 enum Outcome {
-    Response(Response<Incoming>),
+    Response(Response<PooledBody>),
     Connect(String),
     NoResponse(String),
     Timeout,
@@ -427,7 +418,7 @@ async fn forward(
         let Some(idx) = set.pick_for(now_ms(), &tried, choice.ignore_health) else {
             break;
         };
-        let Some(up_body) = replay.next() else {
+        let Some(up_body) = replay.next_body() else {
             break;
         };
         tried.push(idx);
@@ -511,7 +502,7 @@ async fn forward(
 /// to an upgrade request joins the two connections into a tunnel that keeps
 /// the node (and so the lane) for the connection's life.
 fn respond(
-    mut resp: Response<Incoming>,
+    mut resp: Response<PooledBody>,
     client_upgrade: Option<hyper::upgrade::OnUpgrade>,
     upgrade_requested: bool,
     gw: &Gateway,

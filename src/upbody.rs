@@ -131,7 +131,7 @@ impl Replay {
 
     /// The body for the next attempt, or `None` when a streamed body has
     /// been (even partly) sent already.
-    pub fn next(&mut self) -> Option<UpBody> {
+    pub fn next_body(&mut self) -> Option<UpBody> {
         match self {
             Replay::Empty => Some(UpBody::Empty),
             Replay::Buffered(b) => Some(UpBody::Full(Some(b.clone()))),

@@ -19,13 +19,17 @@ use support::Node;
 
 /// Script version `v`: header `X-Lane: g` means gray-a (even) or gray-b (odd).
 fn script(v: usize) -> String {
-    let lane = if v % 2 == 0 { "gray-a" } else { "gray-b" };
+    let lane = if v.is_multiple_of(2) {
+        "gray-a"
+    } else {
+        "gray-b"
+    };
     format!("-- version {v}\nreturn function(req)\n  if req:header('X-Lane') == 'g' then return '{lane}' end\n  return nil\nend\n")
 }
 
 /// Node-set version `v` (even/odd): lane → node names.
 fn node_set(v: usize) -> BTreeMap<&'static str, Vec<&'static str>> {
-    if v % 2 == 0 {
+    if v.is_multiple_of(2) {
         BTreeMap::from([
             ("formal", vec!["f1", "f2"]),
             ("gray-a", vec!["ga1"]),
@@ -97,7 +101,7 @@ async fn hundred_reloads_under_load_fail_nothing_and_stay_in_lane() {
             let mut i = 0usize;
             while !stop.load(Ordering::Relaxed) {
                 i += 1;
-                let gray = (i + w) % 2 == 0;
+                let gray = (i + w).is_multiple_of(2);
                 let mut req = http::Request::get(format!("http://{addr}/r/{w}/{i}"));
                 if gray {
                     req = req.header("X-Lane", "g");
@@ -134,8 +138,8 @@ async fn hundred_reloads_under_load_fail_nothing_and_stay_in_lane() {
     let mut generation_of = vec![1u64];
     let (mut script_v, mut nodes_v) = (0usize, 0usize);
     let mut versions = vec![(0usize, 0usize)];
-    for k in 1..=100 {
-        if k % 2 == 1 {
+    for k in 1..=100usize {
+        if !k.is_multiple_of(2) {
             nodes_v += 1;
             fx.write_rename("nodes.yaml", &nodes_yaml(nodes_v, &nodes));
         } else {

@@ -27,6 +27,7 @@ async fn ws_node(name: &'static str) -> (SocketAddr, tokio::task::JoinHandle<()>
             };
             tokio::spawn(async move {
                 let mut tag = String::new();
+                #[allow(clippy::result_large_err)] // tungstenite's callback signature
                 let cb = |req: &Request, resp: Response| {
                     tag = req
                         .headers()

@@ -389,13 +389,6 @@ pub fn call_lane(
     (req, result)
 }
 
-/// Reads a global table (used by tests to inspect sandbox state).
-#[cfg(test)]
-fn globals_of(src: &ScriptSource) -> mlua::Table {
-    let vm = ScriptVm::build(src, Arc::new(BTreeMap::new())).unwrap();
-    vm.lua.globals()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -453,7 +446,9 @@ mod tests {
     fn no_file_or_loader_access() {
         let d = tempfile::tempdir().unwrap();
         let p = write(d.path(), "main.lua", "return function() end\n");
-        let g = globals_of(&ScriptSource::load(&p).unwrap());
+        let vm =
+            ScriptVm::build(&ScriptSource::load(&p).unwrap(), Arc::new(BTreeMap::new())).unwrap();
+        let g = vm.lua.globals();
         for name in ["io", "os", "dofile", "loadfile", "load", "debug", "package"] {
             assert!(
                 g.raw_get::<Value>(name).unwrap().is_nil(),
