@@ -429,3 +429,34 @@ async fn connect_timeout_then_retry_on_the_same_lane() {
         "{logs}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_state_survives_reloads() {
+    let f1 = Node::start("f1", "formal").await;
+    let f2 = Node::start("f2", "formal").await;
+    let f3 = Node::start("f3", "formal").await;
+    let passive =
+        "    retries: 0\n    health:\n      passive: { max_fails: 1, cooldown_ms: 600000 }\n";
+    let s = setup(passive, &[&f1, &f2], "");
+    f2.set_status(500);
+    eventually("f2 ejected", Duration::from_secs(10), || async {
+        get_lane(&s.gw, "").await;
+        f2.count() == 1
+    })
+    .await;
+    f2.set_status(200);
+    // A reload that adds f3 keeps f2's ejection (same service and address).
+    s.fx.write_rename("nodes.yaml", &nodes_file(passive, &[&f1, &f2, &f3]));
+    eventually("f3 serves", Duration::from_secs(10), || async {
+        get_lane(&s.gw, "").await.node() == "f3"
+    })
+    .await;
+    for _ in 0..6 {
+        assert_ne!(get_lane(&s.gw, "").await.node(), "f2");
+    }
+    assert_eq!(
+        f2.count(),
+        1,
+        "the ejected node stayed ejected across the reload"
+    );
+}
