@@ -394,8 +394,8 @@ async fn forward(
     let path_and_query = parts
         .uri
         .path_and_query()
-        .map_or("/", |pq| pq.as_str())
-        .to_string();
+        .cloned()
+        .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
     let method = parts.method.clone();
     let idem = idempotent(&method);
     let policy = &service.health.passive;
@@ -413,7 +413,7 @@ async fn forward(
     let retries = service.retries.unwrap_or(upstream.retries) as usize;
     let max_attempts = (retries + 1).min(set.nodes.len());
     let mut tried: Vec<usize> = Vec::with_capacity(max_attempts);
-    let mut last_error = plain(StatusCode::BAD_GATEWAY, "upstream error\n");
+    let mut last_error = None;
     while tried.len() < max_attempts {
         let Some(idx) = set.pick_for(now_ms(), &tried, choice.ignore_health) else {
             break;
@@ -429,7 +429,7 @@ async fn forward(
         let Ok(uri) = Uri::builder()
             .scheme("http")
             .authority(node.addr.to_string())
-            .path_and_query(path_and_query.as_str())
+            .path_and_query(path_and_query.clone())
             .build()
         else {
             return plain(StatusCode::BAD_REQUEST, "bad request target\n");
@@ -486,7 +486,7 @@ async fn forward(
                 )
             }
         };
-        last_error = resp;
+        last_error = Some(resp);
         replay.recover();
         if !retry_ok || !replay.replayable() {
             break;
@@ -495,7 +495,7 @@ async fn forward(
             tracing::info!(node = %node.name, attempt = tried.len() + 1, "retrying on another node of the same lane");
         }
     }
-    last_error
+    last_error.unwrap_or_else(|| plain(StatusCode::BAD_GATEWAY, "no upstream node available\n"))
 }
 
 /// Passes the upstream response back; a `101 Switching Protocols` answer
