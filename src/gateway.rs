@@ -25,7 +25,7 @@ use crate::generation::Generation;
 use crate::health::{now_ms, HealthRegistry};
 use crate::proxy::{self, FallbackLog, UpstreamClient};
 
-/// A live count (connections, tunnels) with a wake-up when it drops.
+/// A live count (connections, tunnels) with a wake-up when it drops to 0.
 #[derive(Default)]
 pub struct Counter {
     n: AtomicUsize,
@@ -50,8 +50,10 @@ impl Counted {
 
 impl Drop for Counted {
     fn drop(&mut self) {
-        self.0.n.fetch_sub(1, Ordering::Relaxed);
-        self.0.changed.notify_waiters();
+        // Waiters only care about reaching zero (the drain).
+        if self.0.n.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.changed.notify_waiters();
+        }
     }
 }
 
