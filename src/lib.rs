@@ -10,10 +10,13 @@
 
 pub mod access_log;
 pub mod admin;
+pub mod client_conn;
 pub mod config;
 pub mod demo;
+pub mod fuzz_entry;
 pub mod gateway;
 pub mod generation;
+pub mod health;
 pub mod lane;
 pub mod lists;
 pub mod metrics;
@@ -22,4 +25,6 @@ pub mod nodes;
 pub mod proxy;
 pub mod reload;
 pub mod static_files;
+pub mod sticky;
+pub mod upbody;
 pub mod upstream;

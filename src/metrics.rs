@@ -279,6 +279,12 @@ impl NodeTracker {
         NodeTracker(counters)
     }
 
+    /// The attempt failed without a response to pass on (e.g. before a
+    /// retry on another node): one error, no longer in flight.
+    pub fn fail(self) {
+        self.0.errors.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Counts a 5xx as a node error and keeps the request in flight until
     /// the response body has been sent or dropped.
     pub fn finish(self, resp: Response<Body>) -> Response<Body> {

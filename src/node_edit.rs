@@ -1,12 +1,14 @@
 //! Node management written back to the node files: a change (add, remove,
-//! change lane/weight/drain) is applied to the parsed node file, validated
-//! with the same rules as a load, and written atomically (temp file in the
+//! change lane/weight/drain) is applied to the node file's YAML tree,
+//! validated with the same rules as a load, and written atomically (temp file in the
 //! same directory, fsync, rename). The caller then reloads, so the files
 //! stay the single source of truth.
 
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+
+use serde_yaml::{Mapping, Value};
 
 use crate::config::{parse_yaml, read_file, resolve, valid_lane, MainConfig, NodeConfig, NodeFile};
 
@@ -90,18 +92,65 @@ fn valid_name(s: &str) -> bool {
     valid_lane(s)
 }
 
-/// Applies `change` to `service` in `nf`, validating the result.
-pub fn apply(nf: &mut NodeFile, service: &str, change: NodeChange) -> Result<(), EditError> {
-    let svc = nf
+/// Applies `change` to `service` in the node file `text` (at `path`) and
+/// returns the new text. The change is made on the YAML tree, so every
+/// other key (service health, retries, …) is kept as it was; the result is
+/// validated and must parse back to exactly the intended nodes.
+pub fn edit(
+    path: &Path,
+    text: &str,
+    service: &str,
+    change: NodeChange,
+) -> Result<String, EditError> {
+    let nf: NodeFile = parse_yaml(path, text).map_err(|e| EditError::Conflict(e.to_string()))?;
+    let mut nodes = nf
         .services
-        .get_mut(service)
+        .get(service)
+        .ok_or_else(|| EditError::NotFound(format!("no service {service:?}")))?
+        .nodes
+        .clone();
+    let mut root: Value =
+        serde_yaml::from_str(text).map_err(|e| EditError::Conflict(e.to_string()))?;
+    let svc = root
+        .get_mut("services")
+        .and_then(|s| s.get_mut(service))
         .ok_or_else(|| EditError::NotFound(format!("no service {service:?}")))?;
+    if svc.is_null() {
+        *svc = Value::Mapping(Mapping::new());
+    }
+    let svc = svc
+        .as_mapping_mut()
+        .ok_or_else(|| EditError::Conflict(format!("service {service:?} is not a mapping")))?;
+    let seq = svc
+        .entry(Value::from("nodes"))
+        .or_insert_with(|| Value::Sequence(Vec::new()));
+    if seq.is_null() {
+        *seq = Value::Sequence(Vec::new());
+    }
+    let seq = seq
+        .as_sequence_mut()
+        .ok_or_else(|| EditError::Conflict(format!("nodes of {service:?} are not a list")))?;
     let find = |nodes: &[NodeConfig], key: &str| {
         nodes
             .iter()
             .enumerate()
             .position(|(i, n)| effective_name(service, i, n) == key || n.addr.to_string() == key)
     };
+    let set =
+        |seq: &mut Vec<Value>, i: usize, key: &str, v: Option<Value>| -> Result<(), EditError> {
+            let m = seq[i].as_mapping_mut().ok_or_else(|| {
+                EditError::Conflict(format!("node {i} of {service:?} is not a mapping"))
+            })?;
+            match v {
+                Some(v) => {
+                    m.insert(Value::from(key), v);
+                }
+                None => {
+                    m.remove(key);
+                }
+            }
+            Ok(())
+        };
     match change {
         NodeChange::Add(node) => {
             if let Some(name) = &node.name {
@@ -111,18 +160,22 @@ pub fn apply(nf: &mut NodeFile, service: &str, change: NodeChange) -> Result<(),
                     )));
                 }
             }
-            svc.nodes.push(node);
+            seq.push(serde_yaml::to_value(&node).map_err(|e| EditError::Invalid(e.to_string()))?);
+            nodes.push(node);
         }
         NodeChange::Remove(key) => {
-            let i = find(&svc.nodes, &key)
+            let i = find(&nodes, &key)
                 .ok_or_else(|| EditError::NotFound(format!("no node {key:?} in {service:?}")))?;
             // Later unnamed nodes keep their names: pin them before shifting.
-            for (j, n) in svc.nodes.iter_mut().enumerate().skip(i + 1) {
+            for (j, n) in nodes.iter_mut().enumerate().skip(i + 1) {
                 if n.name.is_none() {
-                    n.name = Some(effective_name(service, j, n));
+                    let name = effective_name(service, j, n);
+                    set(seq, j, "name", Some(Value::from(name.clone())))?;
+                    n.name = Some(name);
                 }
             }
-            svc.nodes.remove(i);
+            nodes.remove(i);
+            seq.remove(i);
         }
         NodeChange::Update {
             node,
@@ -130,33 +183,45 @@ pub fn apply(nf: &mut NodeFile, service: &str, change: NodeChange) -> Result<(),
             weight,
             drain,
         } => {
-            let i = find(&svc.nodes, &node)
+            let i = find(&nodes, &node)
                 .ok_or_else(|| EditError::NotFound(format!("no node {node:?} in {service:?}")))?;
-            let n = &mut svc.nodes[i];
-            if lane.is_some() && n.name.is_none() {
+            if lane.is_some() && nodes[i].name.is_none() {
                 // Its default name contains the lane: keep the name stable.
-                n.name = Some(effective_name(service, i, n));
+                let name = effective_name(service, i, &nodes[i]);
+                set(seq, i, "name", Some(Value::from(name.clone())))?;
+                nodes[i].name = Some(name);
             }
             if let Some(l) = lane {
-                n.lane = l;
+                set(seq, i, "lane", Some(Value::from(l.clone())))?;
+                nodes[i].lane = l;
             }
             if let Some(w) = weight {
-                n.weight = w;
+                set(seq, i, "weight", Some(Value::from(w)))?;
+                nodes[i].weight = w;
             }
             if let Some(d) = drain {
-                n.drain = d;
+                set(seq, i, "drain", d.then_some(Value::Bool(true)))?;
+                nodes[i].drain = d;
             }
         }
     }
-    validate(nf, service)
+    validate(&nodes, service)?;
+    let body = serde_yaml::to_string(&root).map_err(|e| EditError::Invalid(e.to_string()))?;
+    let out = format!("# Written by graygate's admin API (comments are not kept).\n{body}");
+    let back: NodeFile = parse_yaml(path, &out).map_err(|e| EditError::Invalid(e.to_string()))?;
+    if back.services.get(service).map(|s| &s.nodes) != Some(&nodes) {
+        return Err(EditError::Invalid(
+            "the node file does not round-trip".into(),
+        ));
+    }
+    Ok(out)
 }
 
 /// The node-file rules of a load, plus unique names and addresses.
-fn validate(nf: &NodeFile, service: &str) -> Result<(), EditError> {
-    let svc = &nf.services[service];
+fn validate(nodes: &[NodeConfig], service: &str) -> Result<(), EditError> {
     let mut names = std::collections::HashSet::new();
     let mut addrs: std::collections::HashSet<SocketAddr> = std::collections::HashSet::new();
-    for (i, n) in svc.nodes.iter().enumerate() {
+    for (i, n) in nodes.iter().enumerate() {
         if !valid_lane(&n.lane) {
             return Err(EditError::Invalid(format!(
                 "invalid lane name {:?} (letters, digits, - _ . only)",
@@ -177,17 +242,6 @@ fn validate(nf: &NodeFile, service: &str) -> Result<(), EditError> {
         }
     }
     Ok(())
-}
-
-/// The YAML text of `nf`, proven to parse back to the same value.
-pub fn render(path: &Path, nf: &NodeFile) -> Result<String, EditError> {
-    let body = serde_yaml::to_string(nf).map_err(|e| EditError::Invalid(e.to_string()))?;
-    let text = format!("# Written by graygate's admin API (comments are not kept).\n{body}");
-    let back: NodeFile = parse_yaml(path, &text).map_err(|e| EditError::Invalid(e.to_string()))?;
-    if serde_yaml::to_string(&back).ok().as_deref() != Some(body.as_str()) {
-        return Err(EditError::Invalid("node file does not round-trip".into()));
-    }
-    Ok(text)
 }
 
 /// Replaces `path` with `text` atomically: a temp file in the same
@@ -218,11 +272,7 @@ pub fn write_atomic(path: &Path, text: &str) -> std::io::Result<()> {
 mod tests {
     use super::*;
 
-    const FILE: &str = "services:\n  api:\n    nodes:\n      - { name: f1, addr: \"127.0.0.1:1\" }\n      - { addr: \"127.0.0.1:2\", lane: gray }\n      - { addr: \"127.0.0.1:3\", lane: gray }\n";
-
-    fn nf() -> NodeFile {
-        parse_yaml(Path::new("n.yaml"), FILE).unwrap()
-    }
+    const FILE: &str = "services:\n  api:\n    retries: 2\n    nodes:\n      - { name: f1, addr: \"127.0.0.1:1\" }\n      - { addr: \"127.0.0.1:2\", lane: gray }\n      - { addr: \"127.0.0.1:3\", lane: gray }\n";
 
     fn node(addr: &str, lane: &str) -> NodeConfig {
         NodeConfig {
@@ -234,75 +284,84 @@ mod tests {
         }
     }
 
+    fn nodes(text: &str) -> Vec<NodeConfig> {
+        let nf: NodeFile = parse_yaml(Path::new("n.yaml"), text).unwrap();
+        nf.services["api"].nodes.clone()
+    }
+
+    fn run(text: &str, change: NodeChange) -> Result<String, EditError> {
+        edit(Path::new("n.yaml"), text, "api", change)
+    }
+
     #[test]
     fn add_update_remove_by_name_or_addr() {
-        let mut f = nf();
-        apply(&mut f, "api", NodeChange::Add(node("127.0.0.1:4", "v2"))).unwrap();
-        assert_eq!(f.services["api"].nodes.len(), 4);
+        let t = run(FILE, NodeChange::Add(node("127.0.0.1:4", "v2"))).unwrap();
+        assert_eq!(nodes(&t).len(), 4);
+        assert!(t.contains("retries: 2"), "other keys are kept: {t}");
         let up = NodeChange::Update {
             node: "api-gray-1".into(),
             lane: None,
             weight: Some(5),
             drain: Some(true),
         };
-        apply(&mut f, "api", up).unwrap();
-        assert_eq!(f.services["api"].nodes[1].weight, 5);
-        assert!(f.services["api"].nodes[1].drain);
-        apply(&mut f, "api", NodeChange::Remove("127.0.0.1:1".into())).unwrap();
-        let nodes = &f.services["api"].nodes;
-        assert_eq!(nodes.len(), 3);
+        let t = run(&t, up).unwrap();
+        assert_eq!(nodes(&t)[1].weight, 5);
+        assert!(nodes(&t)[1].drain);
+        let t = run(&t, NodeChange::Remove("127.0.0.1:1".into())).unwrap();
+        let n = nodes(&t);
+        assert_eq!(n.len(), 3);
         // Unnamed nodes after the removed one keep their effective names.
-        assert_eq!(nodes[1].name.as_deref(), Some("api-gray-2"));
+        assert_eq!(n[1].name.as_deref(), Some("api-gray-2"));
+        let undrain = NodeChange::Update {
+            node: "api-gray-1".into(),
+            lane: None,
+            weight: None,
+            drain: Some(false),
+        };
+        let t = run(&t, undrain).unwrap();
+        assert!(!t.contains("drain"), "{t}");
     }
 
     #[test]
     fn invalid_changes_are_refused() {
-        let mut f = nf();
         let bad_lane = NodeChange::Update {
             node: "f1".into(),
             lane: Some("gray\r\nx".into()),
             weight: None,
             drain: None,
         };
-        assert!(matches!(
-            apply(&mut f, "api", bad_lane),
-            Err(EditError::Invalid(_))
-        ));
-        let mut f = nf();
+        assert!(matches!(run(FILE, bad_lane), Err(EditError::Invalid(_))));
         let dup = NodeChange::Add(node("127.0.0.1:1", "formal"));
-        assert!(matches!(
-            apply(&mut f, "api", dup),
-            Err(EditError::Invalid(_))
-        ));
-        let mut f = nf();
+        assert!(matches!(run(FILE, dup), Err(EditError::Invalid(_))));
         let mut named = node("127.0.0.1:9", "formal");
         named.name = Some("f1".into());
         assert!(matches!(
-            apply(&mut f, "api", NodeChange::Add(named)),
+            run(FILE, NodeChange::Add(named)),
             Err(EditError::Invalid(_))
         ));
-        let mut f = nf();
         assert!(matches!(
-            apply(&mut f, "nope", NodeChange::Remove("f1".into())),
+            edit(
+                Path::new("n.yaml"),
+                FILE,
+                "nope",
+                NodeChange::Remove("f1".into())
+            ),
             Err(EditError::NotFound(_))
         ));
         assert!(matches!(
-            apply(&mut f, "api", NodeChange::Remove("zz".into())),
+            run(FILE, NodeChange::Remove("zz".into())),
             Err(EditError::NotFound(_))
         ));
     }
 
     #[test]
-    fn render_round_trips_and_write_is_atomic() {
+    fn write_is_atomic_and_leaves_no_temp_file() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("n.yaml");
         std::fs::write(&p, FILE).unwrap();
-        let mut f = nf();
-        apply(&mut f, "api", NodeChange::Add(node("127.0.0.1:4", "v2"))).unwrap();
-        let text = render(&p, &f).unwrap();
-        write_atomic(&p, &text).unwrap();
-        let back: NodeFile = parse_yaml(&p, &std::fs::read_to_string(&p).unwrap()).unwrap();
-        assert_eq!(back.services["api"].nodes, f.services["api"].nodes);
+        let t = run(FILE, NodeChange::Add(node("127.0.0.1:4", "v2"))).unwrap();
+        write_atomic(&p, &t).unwrap();
+        assert_eq!(nodes(&std::fs::read_to_string(&p).unwrap()).len(), 4);
         let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
         assert_eq!(leftovers.len(), 1, "no temp file left behind");
     }

@@ -102,7 +102,7 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
     fx.write(
         "nodes.yaml",
         &format!(
-            "services:\n  api:\n    nodes:\n{}{}      - {{ name: g1, addr: \"{dead}\", lane: gray }}\n",
+            "services:\n  api:\n    health: {{ passive: {{ max_fails: 3, cooldown_ms: 600000 }} }}\n    nodes:\n{}{}      - {{ name: g1, addr: \"{dead}\", lane: gray }}\n",
             f1.node_yaml(),
             v1.node_yaml()
         ),
@@ -113,16 +113,18 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
     );
     let gw = Gateway::start(&cfg);
     let admin = gw.admin.unwrap();
-    // Traffic: formal healthy, gray failing (its node is down), v2 healthy.
+    // Traffic: formal healthy, v2 healthy, gray failing: its only node is
+    // down, so 3 requests fail (502) until passive health ejects it and the
+    // lane falls back to formal.
     for _ in 0..10 {
         assert_eq!(gw.get("/api/x").await.status, 200);
     }
-    for _ in 0..5 {
+    for i in 0..5 {
         let r = Req::get("/api/x")
             .header("X-Lane", "gray")
             .send(gw.addr)
             .await;
-        assert_eq!(r.status, 502);
+        assert_eq!(r.status, if i < 3 { 502 } else { 200 });
         let r = Req::get("/api/x")
             .header("X-Lane", "v2")
             .send(gw.addr)
@@ -155,7 +157,7 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
         &c,
         "#lanes tr[data-lane=gray] .error-rate",
         "gray error rate",
-        |t| t == "100.00 %",
+        |t| t == "60.00 %",
     )
     .await;
     // Gray against the canary thresholds: its errors breach them.
@@ -182,18 +184,22 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
     .await;
     // Nodes with health and counters.
     wait_text(&c, "#nodes tr[data-node=g1] .errors", "g1 errors", |t| {
-        t == "5"
+        t == "3"
+    })
+    .await;
+    wait_text(&c, "#nodes tr[data-node=g1] .health", "g1 health", |t| {
+        t == "unhealthy"
     })
     .await;
     wait_text(
         &c,
         "#nodes tr[data-node=f1] .requests",
         "f1 requests",
-        |t| t == "10",
+        |t| t == "12",
     )
     .await;
     wait_text(&c, "#nodes tr[data-node=f1] .health", "f1 health", |t| {
-        t == "unknown"
+        t == "healthy"
     })
     .await;
     // Rules and script, status.

@@ -179,7 +179,7 @@ async fn metrics_count_requests_decisions_fallbacks_script_errors_and_reloads() 
     assert_eq!(
         sample(
             &m,
-            "graygate_node_health{lane=\"gray\",node=\"g1\",service=\"api\",state=\"unknown\"}"
+            "graygate_node_health{lane=\"gray\",node=\"g1\",service=\"api\",state=\"healthy\"}"
         ),
         Some(1.0)
     );
@@ -387,7 +387,7 @@ async fn nodes_show_lane_weight_health_in_flight_requests_and_errors() {
     assert_eq!(f["in_flight"], 1, "{doc}");
     assert_eq!(f["requests"], 1);
     assert_eq!(f["lane"], "formal");
-    assert_eq!(f["health"], "unknown");
+    assert_eq!(f["health"], "healthy");
     let d = node(&doc, "dead");
     assert_eq!(
         (d["lane"].clone(), d["weight"].clone()),
@@ -416,6 +416,38 @@ async fn nodes_show_lane_weight_health_in_flight_requests_and_errors() {
     assert_eq!(
         (d["requests"].clone(), d["errors"].clone()),
         (2.into(), 2.into())
+    );
+    assert_eq!(d["health"], "healthy", "2 failures do not eject yet");
+    // The third consecutive failure ejects it (passive health).
+    assert_eq!(lane_req(&s.gw, "v2").await.status, 502);
+    let d = node(&s.admin_get("/nodes").await.json(), "dead");
+    assert_eq!(d["health"], "unhealthy", "{d}");
+    assert_eq!(d["health_detail"]["ejected"], true);
+    let m = s.metrics().await;
+    assert_eq!(
+        sample(
+            &m,
+            "graygate_node_health{lane=\"v2\",node=\"dead\",service=\"api\",state=\"unhealthy\"}"
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    // Ejected: v2 now falls back to formal, counted by reason.
+    // (f1 holds its answer open: only the head is awaited.)
+    let held = Req::get("/api/x")
+        .header("X-Lane", "v2")
+        .send_streaming(s.gw.addr)
+        .await;
+    assert_eq!(held.status(), 200);
+    drop(held);
+    let m = s.metrics().await;
+    assert_eq!(
+        sample(
+            &m,
+            "graygate_lane_fallbacks_total{lane=\"v2\",reason=\"lane_unhealthy\"}"
+        ),
+        Some(1.0),
+        "{m}"
     );
 }
 

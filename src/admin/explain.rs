@@ -14,6 +14,7 @@ use crate::config::FORMAL;
 use crate::gateway::Gateway;
 use crate::generation::Target;
 use crate::lane::{self, DecidedBy, RequestInfo};
+use crate::nodes::NoCandidates;
 use crate::proxy::{client_ip, host_of, Body};
 
 use super::{json, text};
@@ -154,20 +155,27 @@ pub fn run(gw: &Gateway, q: Query) -> Response<Body> {
     match &route.target {
         Target::Service(name) => {
             out["target"] = serde_json::json!({"service": name});
+            let now = crate::health::now_ms();
             let picked = gen
                 .services
                 .get(name)
-                .and_then(|s| s.candidates(&decision.lane));
+                .map(|s| s.choose(&decision.lane, now));
             match picked {
-                Some((set, fallback)) => {
-                    let chosen = set.peek();
+                Some(Ok(choice)) => {
+                    let set = choice.set;
+                    let fallback = choice.fallback;
+                    let chosen = set
+                        .peek_for(now, choice.ignore_health)
+                        .map(|i| &set.nodes[i]);
                     out["candidates"] = set
                         .nodes
                         .iter()
-                        .map(|n| {
+                        .zip(&set.health)
+                        .map(|(n, h)| {
                             serde_json::json!({
                                 "name": n.name, "addr": n.addr.to_string(),
                                 "lane": n.lane, "weight": n.weight,
+                                "available": h.available(now),
                             })
                         })
                         .collect();
@@ -175,11 +183,25 @@ pub fn run(gw: &Gateway, q: Query) -> Response<Body> {
                     out["served_lane"] = chosen.map(|n| n.lane.clone()).into();
                     out["fallback"] = fallback.map(|f| f.as_str()).into();
                 }
+                Some(Err(no)) => {
+                    out["candidates"] = serde_json::json!([]);
+                    out["chosen"] = serde_json::Value::Null;
+                    out["fallback"] = match no {
+                        NoCandidates::StrictUnhealthy => "lane_unhealthy_strict".into(),
+                        NoCandidates::NoNodes => serde_json::Value::Null,
+                    };
+                    out["error"] = match no {
+                        NoCandidates::StrictUnhealthy => {
+                            "every node of this lane is down and the service is strict (503)"
+                        }
+                        NoCandidates::NoNodes => "no upstream node for this lane (503)",
+                    }
+                    .into();
+                }
                 None => {
                     out["candidates"] = serde_json::json!([]);
                     out["chosen"] = serde_json::Value::Null;
-                    out["fallback"] = serde_json::Value::Null;
-                    out["error"] = "no upstream node for this lane (503)".into();
+                    out["error"] = "no such service (503)".into();
                 }
             }
         }

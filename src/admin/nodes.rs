@@ -20,9 +20,32 @@ use crate::proxy::Body;
 
 use super::{json, read_json, text};
 
-/// Health of a node as far as the gateway knows.
-pub fn health(_gw: &Gateway, _service: &str, _addr: SocketAddr) -> &'static str {
-    "unknown"
+/// Health of a node as far as the gateway knows: `healthy` while
+/// selectable by its health checks, `unhealthy` when passive ejection or an
+/// active check holds it down, `unknown` when the registry has no entry
+/// (e.g. a draining or weight-0 node, which takes no traffic).
+pub fn health(gw: &Gateway, service: &str, addr: SocketAddr) -> &'static str {
+    match gw.health.node(service, addr) {
+        Some(h) if h.view().available => "healthy",
+        Some(_) => "unhealthy",
+        None => "unknown",
+    }
+}
+
+fn health_detail(gw: &Gateway, service: &str, addr: SocketAddr) -> serde_json::Value {
+    match gw.health.node(service, addr) {
+        Some(h) => {
+            let v = h.view();
+            serde_json::json!({
+                "ejected": v.ejected,
+                "on_trial": v.on_trial,
+                "active_down": v.active_down,
+                "consecutive_fails": v.consecutive_fails,
+                "ejections": v.ejections,
+            })
+        }
+        None => serde_json::Value::Null,
+    }
 }
 
 /// The `/nodes` document.
@@ -48,6 +71,7 @@ pub fn list(gw: &Gateway) -> serde_json::Value {
                         "drain": n.drain,
                         "selectable": n.weight > 0 && !n.drain,
                         "health": health(gw, &s.name, n.addr),
+                        "health_detail": health_detail(gw, &s.name, n.addr),
                         "in_flight": in_flight,
                         "requests": requests,
                         "errors": errors,
@@ -229,10 +253,9 @@ async fn edit(
     let summary = format!("{change:?}");
     tokio::task::spawn_blocking(move || -> Result<serde_json::Value, EditError> {
         let gen = gw2.current();
-        let (path, _text, mut nf) =
+        let (path, text, _) =
             node_edit::find_service_file(&gen.config_path, &gen.config, &service)?;
-        node_edit::apply(&mut nf, &service, change)?;
-        let new_text = node_edit::render(&path, &nf)?;
+        let new_text = node_edit::edit(&path, &text, &service, change)?;
         // The configuration on disk as a whole must load now, or the
         // change could not be applied: refuse rather than write.
         Generation::load(&gw2.config_path, 0).map_err(|e| {

@@ -72,6 +72,8 @@ pub enum DecidedBy {
     ScriptError(String),
     /// The script (or tag) produced an unusable lane name; formal.
     InvalidLane(String),
+    /// A valid signed sticky cookie kept the lane of an earlier decision.
+    StickyCookie,
 }
 
 impl DecidedBy {
@@ -82,6 +84,7 @@ impl DecidedBy {
             DecidedBy::TrustedTag => "trusted_tag",
             DecidedBy::ScriptError(_) => "script_error",
             DecidedBy::InvalidLane(_) => "invalid_lane",
+            DecidedBy::StickyCookie => "sticky_cookie",
         }
     }
 }
