@@ -767,3 +767,56 @@ async fn lane_response_header_is_off_by_default_and_configurable() {
         Some("formal")
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_follows_the_sticky_lane_cookie_like_real_traffic() {
+    let f1 = Backend::start("f1", "formal").await;
+    let g1 = Backend::start("g1", "gray").await;
+    let fx = Fixture::new();
+    fx.write("lane.lua", SCRIPT);
+    fx.write(
+        "nodes.yaml",
+        &format!(
+            "services:\n  api:\n    nodes:\n{}{}",
+            f1.node_yaml(),
+            g1.node_yaml()
+        ),
+    );
+    let cfg = fx.write(
+        "gg.yaml",
+        &main_config("script: lane.lua\nnode_files: [nodes.yaml]\nsticky:\n  key: explain-sticky-key-0123456789\nroutes:\n  - prefix: /api/\n    service: api\n    sticky: true\n"),
+    );
+    let gw = Gateway::start(&cfg);
+    let admin = gw.admin.unwrap();
+    // A real gray request gets the signed lane cookie.
+    let r = lane_req(&gw, "gray").await;
+    let set = r.header("set-cookie").expect("sticky cookie set");
+    let cookie = set.split(';').next().unwrap().to_string();
+    let (name, value) = cookie.split_once('=').unwrap();
+
+    let post = |body: serde_json::Value| Req::get("/explain").method("POST").body(body.to_string());
+    let e = post(serde_json::json!({"path": "/api/x", "cookies": {name: value}}))
+        .send(admin)
+        .await
+        .json();
+    assert_eq!(e["lane"], "gray", "{e}");
+    assert_eq!(e["decided_by"], "sticky_cookie");
+    assert_eq!(e["chosen"], "g1");
+    assert_eq!(e["sticky_cookie_set"], false);
+    // The real request with that cookie agrees.
+    let r = Req::get("/api/x")
+        .header("Cookie", &cookie)
+        .send(gw.addr)
+        .await;
+    assert_eq!(r.node(), "g1");
+    // Without the cookie the script decides and a cookie would be set.
+    let e = post(serde_json::json!({"path": "/api/x"}))
+        .send(admin)
+        .await
+        .json();
+    assert_eq!(
+        (e["lane"].clone(), e["decided_by"].clone()),
+        ("formal".into(), "script".into())
+    );
+    assert_eq!(e["sticky_cookie_set"], true);
+}

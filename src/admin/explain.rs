@@ -15,7 +15,7 @@ use crate::gateway::Gateway;
 use crate::generation::Target;
 use crate::lane::{self, DecidedBy, RequestInfo};
 use crate::nodes::NoCandidates;
-use crate::proxy::{client_ip, host_of, Body};
+use crate::proxy::{client_ip, decide_sticky, host_of, Body};
 
 use super::{json, text};
 
@@ -143,7 +143,16 @@ pub fn run(gw: &Gateway, q: Query) -> Response<Body> {
         client_ip: client,
         host,
     };
-    let (info, decision) = lane::decide(&gen, info, peer_trusted);
+    // Sticky routes: a valid lane cookie wins, exactly as for real traffic.
+    let sticky = gen.sticky.as_ref().filter(|_| route.sticky);
+    let (info, decision, set_cookie) = match sticky {
+        Some(st) => decide_sticky(&gen, st, info, peer_trusted),
+        None => {
+            let (i, d) = lane::decide(&gen, info, peer_trusted);
+            (i, d, None)
+        }
+    };
+    out["sticky_cookie_set"] = set_cookie.is_some().into();
     out["route"] = serde_json::json!({"host": route.host, "prefix": route.prefix});
     out["lane"] = decision.lane.clone().into();
     out["decided_by"] = decision.decided_by.as_str().into();
