@@ -330,6 +330,16 @@ async fn status_reports_version_generation_reload_and_uptime() {
     assert!(st["loaded_at"].as_u64().unwrap() > 1_600_000_000);
     assert!(st["uptime_secs"].is_u64());
     assert!(st["last_reload_error"].is_null());
+    assert_eq!(s.admin_get("/nope").await.status, 404);
+    let r = Req::get("/status").method("POST").send(s.admin()).await;
+    assert_eq!(r.status, 405);
+    let r = Req::get("/nodes").method("PUT").send(s.admin()).await;
+    assert_eq!(r.status, 405);
+    let r = s.admin_get("/metrics").await;
+    assert!(r
+        .header("content-type")
+        .unwrap()
+        .starts_with("text/plain; version=0.0.4"));
     s.fx.write_rename(
         "nodes.yaml",
         "services:\n  api:\n    nodes:\n      - { addr: nope }\n",
