@@ -13,11 +13,14 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use std::time::{SystemTime, UNIX_EPOCH};
+
 use mlua::{
-    Function, HookTriggers, Lua, LuaOptions, MultiValue, StdLib, UserData, UserDataFields,
+    Function, HookTriggers, Lua, LuaOptions, MultiValue, StdLib, Table, UserData, UserDataFields,
     UserDataMethods, Value, VmState,
 };
 
+use super::shared_dict::SharedDict;
 use super::RequestInfo;
 use crate::config::{find_line, read_file, ConfigError};
 use crate::lists::IpList;
@@ -38,6 +41,8 @@ pub struct ScriptSource {
     pub modules: BTreeMap<String, (PathBuf, String)>,
     pub instruction_budget: u64,
     pub memory_limit: usize,
+    /// `ngx.shared` dictionaries the script may use.
+    pub dicts: BTreeMap<String, Arc<SharedDict>>,
     /// Unique per load; a VM built for another id is rebuilt.
     pub id: u64,
 }
@@ -81,6 +86,7 @@ impl ScriptSource {
             modules,
             instruction_budget: DEFAULT_INSTRUCTION_BUDGET,
             memory_limit: DEFAULT_MEMORY_LIMIT,
+            dicts: BTreeMap::new(),
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         })
     }
@@ -137,21 +143,48 @@ fn lua_error(default_file: &Path, err: &mlua::Error) -> ConfigError {
     ConfigError::new(default_file, None, first)
 }
 
+/// The rule verdict handed to the script (`req.rule_lane`, `req.rule_name`).
+#[derive(Debug, Clone, Default)]
+pub struct RuleCtx {
+    pub lane: Option<Arc<str>>,
+    pub name: Option<Arc<str>>,
+}
+
+/// The request being decided on this thread, as scripts see it.
+pub(crate) struct Current {
+    pub req: RequestInfo,
+    pub rule: RuleCtx,
+    /// Request headers before the first `ngx.req.set_header`; restored if
+    /// the call fails so a failing script leaves the request untouched.
+    pub saved_headers: Option<http::HeaderMap>,
+}
+
 // Per-thread slots: the request being decided and this thread's VM.
 thread_local! {
-    static CURRENT: RefCell<Option<RequestInfo>> = const { RefCell::new(None) };
+    static CURRENT: RefCell<Option<Current>> = const { RefCell::new(None) };
     static VM: RefCell<Option<ScriptVm>> = const { RefCell::new(None) };
 }
 
 /// The `req` object scripts see. Stateless: it reads `CURRENT`.
 struct Req;
 
-fn with_req<R>(f: impl FnOnce(&RequestInfo) -> R) -> mlua::Result<R> {
+/// Runs `f` on the request being decided.
+pub(crate) fn with_req<R>(f: impl FnOnce(&RequestInfo) -> R) -> mlua::Result<R> {
     CURRENT.with(|c| {
         let c = c.borrow();
         c.as_ref()
+            .map(|c| f(&c.req))
+            .ok_or_else(|| mlua::Error::runtime("request data used outside a lane call"))
+    })
+}
+
+/// Runs `f` on the current slot, mutably (e.g. `ngx.req.set_header`).
+pub(crate) fn with_current<R>(f: impl FnOnce(&mut Current) -> R) -> mlua::Result<R> {
+    CURRENT.with(|c| {
+        let mut c = c.borrow_mut();
+        c.as_mut()
             .map(f)
-            .ok_or_else(|| mlua::Error::runtime("req used outside a lane call"))
+            .ok_or_else(|| mlua::Error::runtime("request data used outside a lane call"))
     })
 }
 
@@ -177,6 +210,12 @@ impl UserData for Req {
         fields.add_field_method_get("query", |lua, _| {
             with_req(|r| lua.create_string(r.parts.uri.query().unwrap_or("")))?
         });
+        fields.add_field_method_get("rule_lane", |lua, _| {
+            with_current(|c| opt_str(lua, c.rule.lane.as_deref().map(str::as_bytes)))?
+        });
+        fields.add_field_method_get("rule_name", |lua, _| {
+            with_current(|c| opt_str(lua, c.rule.name.as_deref().map(str::as_bytes)))?
+        });
     }
 
     fn add_methods<M: UserDataMethods<Self>>(methods: &mut M) {
@@ -195,15 +234,43 @@ impl UserData for Req {
     }
 }
 
+/// Why the last call was stopped by a limit.
+#[derive(Debug, Default)]
+struct Guard {
+    /// Instructions left in this call.
+    left: Cell<i64>,
+    /// Set once the budget is spent; pcall/coroutine.resume re-raise then.
+    killed: Cell<bool>,
+    /// `file:line` where the budget ran out.
+    killed_at: RefCell<String>,
+    /// Last `file:line` the hook saw (locates memory errors).
+    last_at: RefCell<(String, usize)>,
+}
+
 /// A built VM: the lane function, bound to one script load.
 struct ScriptVm {
     id: u64,
     lua: Lua,
     lane_fn: Function,
     req: mlua::AnyUserData,
-    budget_left: Rc<Cell<i64>>,
+    /// Per-request global writes land here and are cleared after each call.
+    env: Table,
+    guard: Rc<Guard>,
     budget: i64,
 }
+
+/// Lua prelude wrapping the error-catching primitives so a script cannot
+/// swallow the budget error: after the budget is spent they re-raise.
+const PRELUDE: &str = r#"
+local raw_pcall, raw_xpcall, raw_resume, killed, error = ...
+local function check(...)
+  if killed() then error("instruction budget exceeded", 0) end
+  return ...
+end
+pcall = function(...) return check(raw_pcall(...)) end
+xpcall = function(...) return check(raw_xpcall(...)) end
+coroutine.resume = function(...) return check(raw_resume(...)) end
+"#;
 
 impl ScriptVm {
     fn build(
@@ -222,6 +289,11 @@ impl ScriptVm {
         for name in ["dofile", "loadfile", "load", "collectgarbage"] {
             globals.raw_set(name, Value::Nil).map_err(le)?;
         }
+        // string.dump makes bytecode; nothing may load it anyway.
+        if let Ok(Value::Table(st)) = globals.raw_get::<Value>("string") {
+            st.raw_set("dump", Value::Nil).map_err(le)?;
+        }
+        install_os_subset(&lua, &globals).map_err(le)?;
 
         // graygate.* helpers.
         let gg = lua.create_table().map_err(le)?;
@@ -253,11 +325,43 @@ impl ScriptVm {
         )
         .map_err(le)?;
         globals.raw_set("graygate", gg).map_err(le)?;
+        super::ngx::install(&lua, &globals, &src.dicts).map_err(le)?;
+
+        // Budget guard; the prelude makes pcall & co. honour it.
+        let guard = Rc::new(Guard::default());
+        let g = guard.clone();
+        let killed = lua
+            .create_function(move |_, ()| Ok(g.killed.get()))
+            .map_err(le)?;
+        let prelude_args = (
+            globals.raw_get::<Value>("pcall").map_err(le)?,
+            globals.raw_get::<Value>("xpcall").map_err(le)?,
+            globals
+                .raw_get::<Table>("coroutine")
+                .and_then(|c| c.raw_get::<Value>("resume"))
+                .map_err(le)?,
+            killed,
+            globals.raw_get::<Value>("error").map_err(le)?,
+        );
+        lua.load(PRELUDE)
+            .set_name("=graygate_prelude")
+            .call::<()>(prelude_args)
+            .map_err(le)?;
+
+        // Globals: the script's chunks run in `env`. While loading, `env`
+        // reads through to the base globals and keeps what the top level
+        // defines; afterwards everything is frozen into `frozen` and `env`
+        // only collects per-request writes, cleared after every call.
+        let env = lua.create_table().map_err(le)?;
+        let loading_mt = lua.create_table().map_err(le)?;
+        loading_mt.raw_set("__index", &globals).map_err(le)?;
+        env.set_metatable(Some(loading_mt)).map_err(le)?;
 
         // require: modules preloaded at load time, resolved inside the
         // scripts directory only, each run once.
         let loaded = lua.create_table().map_err(le)?;
         let modules: BTreeMap<String, (PathBuf, String)> = src.modules.clone();
+        let menv = env.clone();
         let require = lua
             .create_function(move |lua, name: String| {
                 if let Ok(v) = loaded.raw_get::<Value>(name.as_str()) {
@@ -274,6 +378,7 @@ impl ScriptVm {
                     .load(text.as_str())
                     .set_name(format!("@{}", path.display()))
                     .set_mode(mlua::chunk::ChunkMode::Text)
+                    .set_environment(menv.clone())
                     .call(name.as_str())?;
                 let v = if v.is_nil() { Value::Boolean(true) } else { v };
                 loaded.raw_set(name.as_str(), v.clone())?;
@@ -283,13 +388,44 @@ impl ScriptVm {
         globals.raw_set("require", require).map_err(le)?;
 
         let budget = i64::try_from(src.instruction_budget).unwrap_or(i64::MAX);
-        let budget_left = Rc::new(Cell::new(budget));
+        guard.left.set(budget);
+        let g = guard.clone();
+        lua.set_global_hook(
+            HookTriggers::new().every_nth_instruction(HOOK_EVERY),
+            move |_, debug| {
+                let l = g.left.get() - i64::from(HOOK_EVERY);
+                g.left.set(l);
+                let src = debug.source();
+                let file = src.source.as_deref().unwrap_or("?");
+                let file = file.strip_prefix('@').unwrap_or(file);
+                let line = debug.current_line().unwrap_or(0);
+                {
+                    let mut last = g.last_at.borrow_mut();
+                    if last.0 != file {
+                        last.0 = file.to_string();
+                    }
+                    last.1 = line;
+                }
+                if l < 0 {
+                    if !g.killed.get() {
+                        g.killed.set(true);
+                        *g.killed_at.borrow_mut() = format!("{file}:{line}");
+                    }
+                    Err(mlua::Error::runtime("instruction budget exceeded"))
+                } else {
+                    Ok(VmState::Continue)
+                }
+            },
+        )
+        .map_err(le)?;
+
         let top: MultiValue = lua
             .load(src.source.as_str())
             .set_name(format!("@{}", file.display()))
             .set_mode(mlua::chunk::ChunkMode::Text)
+            .set_environment(env.clone())
             .call(())
-            .map_err(le)?;
+            .map_err(|e| classify(&guard, file, &e, None).1)?;
         let lane_fn =
             match top.into_iter().next() {
                 Some(Value::Function(f)) => f,
@@ -309,35 +445,42 @@ impl ScriptVm {
                     "the script must return a function lane(req) or a table with a `lane` function",
                 )),
             };
+
+        // Freeze: base globals plus what the top level defined.
+        let frozen = lua.create_table().map_err(le)?;
+        for t in [&globals, &env] {
+            for pair in t.pairs::<Value, Value>() {
+                let (k, v) = pair.map_err(le)?;
+                frozen.raw_set(k, v).map_err(le)?;
+            }
+        }
+        frozen.raw_set("_G", &env).map_err(le)?;
+        env.clear().map_err(le)?;
+        let mt = lua.create_table().map_err(le)?;
+        mt.raw_set("__index", frozen).map_err(le)?;
+        mt.raw_set("__metatable", false).map_err(le)?;
+        env.set_metatable(Some(mt)).map_err(le)?;
+
         let req = lua.create_userdata(Req).map_err(le)?;
-        let left = budget_left.clone();
-        lua.set_hook(
-            HookTriggers::new().every_nth_instruction(HOOK_EVERY),
-            move |_, _| {
-                let l = left.get() - i64::from(HOOK_EVERY);
-                left.set(l);
-                if l < 0 {
-                    Err(mlua::Error::runtime("instruction budget exceeded"))
-                } else {
-                    Ok(VmState::Continue)
-                }
-            },
-        )
-        .map_err(le)?;
         Ok(ScriptVm {
             id: src.id,
             lua,
             lane_fn,
             req,
-            budget_left,
+            env,
+            guard,
             budget,
         })
     }
 
     fn call(&self) -> mlua::Result<Option<String>> {
-        self.budget_left.set(self.budget);
-        let v: Value = self.lane_fn.call(&self.req)?;
-        match v {
+        self.guard.left.set(self.budget);
+        self.guard.killed.set(false);
+        let r = self.lane_fn.call::<Value>(&self.req);
+        if !self.env.is_empty() {
+            let _ = self.env.clear();
+        }
+        match r? {
             Value::Nil => Ok(None),
             Value::String(s) => Ok(Some(s.to_str()?.to_string())),
             other => Err(mlua::Error::runtime(format!(
@@ -348,44 +491,190 @@ impl ScriptVm {
     }
 }
 
+/// `os` without anything that touches the process or files.
+fn install_os_subset(lua: &Lua, globals: &Table) -> mlua::Result<()> {
+    let os = lua.create_table()?;
+    os.raw_set(
+        "time",
+        lua.create_function(|_, t: Option<Table>| {
+            if t.is_some() {
+                return Err(mlua::Error::runtime(
+                    "os.time(table) is not supported; use ngx.time()",
+                ));
+            }
+            Ok(SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs() as i64))
+        })?,
+    )?;
+    let start = std::time::Instant::now();
+    os.raw_set(
+        "clock",
+        lua.create_function(move |_, ()| Ok(start.elapsed().as_secs_f64()))?,
+    )?;
+    globals.raw_set("os", os)
+}
+
+/// Which limit stopped a call, if any.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    Instructions,
+    Memory,
+}
+
+static INSTRUCTION_LIMIT_HITS: AtomicU64 = AtomicU64::new(0);
+static MEMORY_LIMIT_HITS: AtomicU64 = AtomicU64::new(0);
+static SCRIPT_ERRORS: AtomicU64 = AtomicU64::new(0);
+
+/// Lane calls stopped by the instruction budget since start.
+pub fn instruction_limit_hits() -> u64 {
+    INSTRUCTION_LIMIT_HITS.load(Ordering::Relaxed)
+}
+
+/// Lane calls stopped by the VM memory limit since start.
+pub fn memory_limit_hits() -> u64 {
+    MEMORY_LIMIT_HITS.load(Ordering::Relaxed)
+}
+
+/// Lane calls that failed for any reason (limits included) since start.
+pub fn script_errors() -> u64 {
+    SCRIPT_ERRORS.load(Ordering::Relaxed)
+}
+
+/// Classifies a failed call: budget (located where the hook stopped it),
+/// memory (located at the last place seen, or the lane function), or an
+/// ordinary error located by Lua's own message.
+fn classify(
+    guard: &Guard,
+    file: &Path,
+    err: &mlua::Error,
+    lane_fn: Option<&Function>,
+) -> (Option<Limit>, ConfigError) {
+    if guard.killed.get() {
+        let at = guard.killed_at.borrow().clone();
+        return (Some(Limit::Instructions), located(&at, file, "instruction budget exceeded"));
+    }
+    if is_memory_error(err) {
+        let last = guard.last_at.borrow().clone();
+        let at = if !last.0.is_empty() {
+            format!("{}:{}", last.0, last.1)
+        } else if let Some(f) = lane_fn {
+            let info = f.info();
+            let src = info.source.unwrap_or_default();
+            format!(
+                "{}:{}",
+                src.strip_prefix('@').unwrap_or(&src),
+                info.line_defined.unwrap_or(0)
+            )
+        } else {
+            String::new()
+        };
+        return (Some(Limit::Memory), located(&at, file, "memory limit exceeded"));
+    }
+    (None, lua_error(file, err))
+}
+
+fn is_memory_error(err: &mlua::Error) -> bool {
+    match err {
+        mlua::Error::MemoryError(_) => true,
+        mlua::Error::CallbackError { cause, .. } => is_memory_error(cause),
+        mlua::Error::WithContext { cause, .. } => is_memory_error(cause),
+        other => other.to_string().contains("not enough memory"),
+    }
+}
+
+fn located(at: &str, default_file: &Path, message: &str) -> ConfigError {
+    if let Some((file, line)) = at.rsplit_once(':') {
+        if let Ok(n) = line.parse::<usize>() {
+            if !file.is_empty() {
+                return ConfigError::new(file, Some(n), message);
+            }
+        }
+    }
+    ConfigError::new(default_file, None, message)
+}
+
 /// Error from one lane call, already formatted with the script location.
 #[derive(Debug, Clone)]
-pub struct ScriptError(pub String);
+pub struct ScriptError {
+    pub message: String,
+    /// Set when a sandbox limit stopped the call.
+    pub limit: Option<Limit>,
+}
+
+impl std::fmt::Display for ScriptError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
 
 /// Runs the lane function of `src` for `req` on this thread's VM, building
-/// the VM if it belongs to another load. Returns the request back.
+/// the VM if it belongs to another load. Returns the request back (with
+/// any `ngx.req.set_header` changes when the call succeeded).
 pub fn call_lane(
     src: &ScriptSource,
     lists: &Arc<BTreeMap<String, IpList>>,
     req: RequestInfo,
+    rule: RuleCtx,
 ) -> (RequestInfo, Result<Option<String>, ScriptError>) {
-    CURRENT.with(|c| *c.borrow_mut() = Some(req));
+    CURRENT.with(|c| {
+        *c.borrow_mut() = Some(Current {
+            req,
+            rule,
+            saved_headers: None,
+        })
+    });
     let result = VM.with(|vm| {
         let mut slot = vm.borrow_mut();
         if slot.as_ref().is_none_or(|v| v.id != src.id) {
             *slot = None;
             match ScriptVm::build(src, lists.clone()) {
                 Ok(v) => *slot = Some(v),
-                Err(e) => return Err(ScriptError(e.to_string())),
+                Err(e) => {
+                    return Err(ScriptError {
+                        message: e.to_string(),
+                        limit: None,
+                    })
+                }
             }
         }
         let vm = slot.as_ref().expect("built above");
         let r = vm.call().map_err(|e| {
-            let located = lua_error(&src.path, &e);
-            ScriptError(located.to_string())
+            let (limit, located) = classify(&vm.guard, &src.path, &e, Some(&vm.lane_fn));
+            ScriptError {
+                message: located.to_string(),
+                limit,
+            }
         });
-        if r.is_err() {
-            // A VM that hit its memory limit may be left in a bad state:
-            // drop it so the next call starts clean.
+        if let Err(e) = &r {
+            SCRIPT_ERRORS.fetch_add(1, Ordering::Relaxed);
+            match e.limit {
+                Some(Limit::Instructions) => {
+                    INSTRUCTION_LIMIT_HITS.fetch_add(1, Ordering::Relaxed);
+                }
+                Some(Limit::Memory) => {
+                    MEMORY_LIMIT_HITS.fetch_add(1, Ordering::Relaxed);
+                }
+                None => {}
+            }
+            // Reclaim what the failed call left; a VM still near its limit
+            // is dropped so the next call starts clean.
+            let _ = vm.lua.gc_collect();
             if vm.lua.used_memory() > src.memory_limit / 2 {
                 *slot = None;
             }
         }
         r
     });
-    let req = CURRENT
+    let cur = CURRENT
         .with(|c| c.borrow_mut().take())
         .expect("request slot filled above");
+    let mut req = cur.req;
+    if result.is_err() {
+        if let Some(h) = cur.saved_headers {
+            req.parts.headers = h;
+        }
+    }
     (req, result)
 }
 
