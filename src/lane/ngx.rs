@@ -720,7 +720,7 @@ fn bit_table(lua: &Lua) -> mlua::Result<Table> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -743,5 +743,226 @@ mod tests {
         assert_eq!(num_tobit(2.5), 2);
         assert_eq!(num_tobit(3.5), 4);
         assert_eq!(tobit(&Value::Integer(0x1_0000_0001)).unwrap(), 1);
+    }
+
+    // ------------------------------------------------ through real Lua
+
+    use crate::lane::script::{call_lane, RuleCtx, ScriptError, ScriptSource};
+    use std::collections::BTreeMap;
+    use std::net::IpAddr;
+    use std::sync::Arc;
+
+    pub(crate) fn request(uri: &str, ip: &str, headers: &[(&str, &str)]) -> RequestInfo {
+        let mut b = http::Request::builder().method("POST").uri(uri);
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        let (parts, _) = b.body(()).unwrap().into_parts();
+        RequestInfo {
+            parts,
+            client_ip: ip.parse::<IpAddr>().unwrap(),
+            host: "shop.example".into(),
+        }
+    }
+
+    /// Runs `body` as the lane function on `req`; returns its string result.
+    fn run_with(
+        body: &str,
+        req: RequestInfo,
+        dicts: BTreeMap<String, Arc<SharedDict>>,
+    ) -> (RequestInfo, Result<Option<String>, ScriptError>) {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("t.lua");
+        std::fs::write(&p, format!("return function(req)\n{body}\nend\n")).unwrap();
+        let mut src = ScriptSource::load(&p).unwrap();
+        src.dicts = dicts;
+        call_lane(&src, &Arc::new(BTreeMap::new()), req, RuleCtx::default())
+    }
+
+    fn eval(body: &str, req: RequestInfo) -> String {
+        let (_, r) = run_with(body, req, BTreeMap::new());
+        r.unwrap_or_else(|e| panic!("{body}: {e}")).unwrap_or_else(|| "<nil>".into())
+    }
+
+    fn std_req() -> RequestInfo {
+        request(
+            "/a//b/../c%20d?Name=J%20o&name=x&flag&uid=42",
+            "10.1.2.3",
+            &[
+                ("X-User-Id", "u-7"),
+                ("Cookie", "sid=abc; Ver=\"v2\""),
+                ("Accept", "a"),
+                ("accept", "b"),
+            ],
+        )
+    }
+
+    #[test]
+    fn ngx_var_fields() {
+        let v = |name: &str| eval(&format!("return tostring(ngx.var.{name})"), std_req());
+        assert_eq!(v("remote_addr"), "10.1.2.3");
+        assert_eq!(v("uri"), "/a/c d");
+        assert_eq!(v("request_uri"), "/a//b/../c%20d?Name=J%20o&name=x&flag&uid=42");
+        assert_eq!(v("args"), "Name=J%20o&name=x&flag&uid=42");
+        assert_eq!(v("host"), "shop.example");
+        assert_eq!(v("request_method"), "POST");
+        assert_eq!(v("scheme"), "http");
+        assert_eq!(v("http_x_user_id"), "u-7");
+        assert_eq!(v("http_accept"), "a, b");
+        assert_eq!(v("http_missing"), "nil");
+        // $cookie_: case-insensitive name, raw value.
+        assert_eq!(v("cookie_sid"), "abc");
+        assert_eq!(v("cookie_ver"), "\"v2\"");
+        assert_eq!(v("cookie_nope"), "nil");
+        // $arg_: first match, case-insensitive, not decoded; `flag` has no value.
+        assert_eq!(v("arg_name"), "J%20o");
+        assert_eq!(v("arg_uid"), "42");
+        assert_eq!(v("arg_flag"), "nil");
+        assert_eq!(v("no_such_variable"), "nil");
+        let no_args = request("/x", "::1", &[]);
+        assert_eq!(eval("return tostring(ngx.var.args)", no_args), "nil");
+        // Read-only.
+        let (_, r) = run_with("ngx.var.uri = '/x'", std_req(), BTreeMap::new());
+        assert!(r.unwrap_err().message.contains("read-only"));
+    }
+
+    #[test]
+    fn ngx_req_get_headers_uri_args_method() {
+        let r = eval(
+            "local h = ngx.req.get_headers()
+             return h['x-user-id'] .. '|' .. h['X-User-Id'] .. '|' .. h.x_user_id .. '|' ..
+                    type(h.accept) .. #h.accept .. h.accept[2] .. '|' .. tostring(h.nope)",
+            std_req(),
+        );
+        assert_eq!(r, "u-7|u-7|u-7|table2b|nil");
+        let r = eval(
+            "local a = ngx.req.get_uri_args()
+             return a.Name .. '|' .. a.name .. '|' .. tostring(a.flag) .. '|' .. a.uid .. '|' .. tostring(a.other)",
+            std_req(),
+        );
+        assert_eq!(r, "J o|x|true|42|nil");
+        let r = eval(
+            "local a = ngx.req.get_uri_args()
+             return type(a.k) .. a.k[1] .. a.k[2] .. a.p",
+            request("/?k=1&k=2&p=a+b%2B", "::1", &[]),
+        );
+        assert_eq!(r, "table12a b+");
+        assert_eq!(eval("return ngx.req.get_method()", std_req()), "POST");
+    }
+
+    #[test]
+    fn ngx_req_set_header_goes_upstream_and_refuses_crlf() {
+        let (req, r) = run_with(
+            "ngx.req.set_header('X-Gray-Reason', 'uid')
+             ngx.req.set_header('X-Multi', {'a', 'b'})
+             ngx.req.set_header('X-Num', 7)
+             ngx.req.clear_header('Accept')
+             return ngx.var.http_x_gray_reason",
+            std_req(),
+            BTreeMap::new(),
+        );
+        assert_eq!(r.unwrap().as_deref(), Some("uid"));
+        let h = &req.parts.headers;
+        assert_eq!(h["x-gray-reason"], "uid");
+        assert_eq!(h.get_all("x-multi").iter().count(), 2);
+        assert_eq!(h["x-num"], "7");
+        assert!(!h.contains_key("accept"));
+
+        for bad in [
+            "ngx.req.set_header('X-A', 'v\\r\\nX-Evil: 1')",
+            "ngx.req.set_header('X-A\\n', 'v')",
+            "ngx.req.set_header('X A', 'v')",
+        ] {
+            let body = format!("ngx.req.set_header('X-Before', '1')\n{bad}\nreturn 'gray'");
+            let (req, r) = run_with(&body, std_req(), BTreeMap::new());
+            assert!(r.is_err(), "{bad}");
+            // A failing call leaves the request as it came.
+            assert!(!req.parts.headers.contains_key("x-before"), "{bad}");
+            assert!(!req.parts.headers.contains_key("x-evil"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn ngx_hashes_and_time() {
+        let q = |e: &str| eval(&format!("return tostring({e})"), std_req());
+        // Known CRC-32 (IEEE) and MD5 vectors.
+        assert_eq!(q("ngx.crc32_short('The quick brown fox jumps over the lazy dog')"), "1095738169");
+        assert_eq!(q("ngx.crc32_long('The quick brown fox jumps over the lazy dog')"), "1095738169");
+        assert_eq!(q("ngx.crc32_short('')"), "0");
+        assert_eq!(q("ngx.md5('')"), "d41d8cd98f00b204e9800998ecf8427e");
+        assert_eq!(
+            q("ngx.md5('The quick brown fox jumps over the lazy dog')"),
+            "9e107d9d372bb6826bd81d3542a419d6"
+        );
+        assert_eq!(q("#ngx.md5_bin('x')"), "16");
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs_f64();
+        let t: f64 = q("ngx.time()").parse().unwrap();
+        let n: f64 = q("ngx.now()").parse().unwrap();
+        assert!((t - now).abs() < 5.0 && (n - now).abs() < 5.0, "{t} {n} {now}");
+        assert_eq!(q("math.type(ngx.time())"), "integer");
+        assert_eq!(q("ngx.ERR .. ngx.WARN .. ngx.INFO .. ngx.DEBUG"), "4578");
+        assert_eq!(q("ngx.log(ngx.INFO, 'hello ', 1, nil, true) == nil"), "true");
+        assert!(run_with("ngx.log(ngx.ERR, {})", std_req(), BTreeMap::new()).1.is_err());
+    }
+
+    #[test]
+    fn bit_library_like_luajit() {
+        let q = |e: &str| eval(&format!("return tostring({e})"), std_req());
+        assert_eq!(q("bit.tobit(0xffffffff)"), "-1");
+        assert_eq!(q("bit.tobit(0xffffffff + 1)"), "0");
+        assert_eq!(q("bit.band(0x12345678, 0xff)"), "120");
+        assert_eq!(q("bit.bor(1, 2, 4)"), "7");
+        assert_eq!(q("bit.tohex(bit.bxor(0xa5a5f0f0, 0xaa55ff00))"), "0ff00ff0");
+        assert_eq!(q("bit.lshift(1, 0)"), "1");
+        assert_eq!(q("bit.lshift(1, 31)"), "-2147483648");
+        assert_eq!(q("bit.lshift(1, 40)"), "256");
+        assert_eq!(q("bit.rshift(-1, 28)"), "15");
+        assert_eq!(q("bit.arshift(-256, 8)"), "-1");
+        assert_eq!(q("bit.bnot(0)"), "-1");
+        assert_eq!(q("bit.tohex(1)"), "00000001");
+        assert_eq!(q("bit.tohex(-1, -4)"), "FFFF");
+        assert_eq!(q("bit.tohex(0x87654321, 4)"), "4321");
+        assert_eq!(q("bit.tohex(bit.bswap(0x12345678))"), "78563412");
+        assert_eq!(q("bit.tohex(bit.rol(0x12345678, 12))"), "45678123");
+        assert_eq!(q("bit.band('7', 3)"), "3");
+    }
+
+    #[test]
+    fn shared_dict_methods() {
+        let mut dicts = BTreeMap::new();
+        dicts.insert(
+            "g".to_string(),
+            Arc::new(SharedDict::new("g", 1 << 20)),
+        );
+        let (_, r) = run_with(
+            "local d = ngx.shared.g
+             local out = {}
+             local function put(...) local t = table.pack(...) for i = 1, t.n do out[#out+1] = tostring(t[i]) end end
+             put(d:get('k'))
+             put(d:set('k', 'v'))
+             put(d:get('k'))
+             put(d:add('k', 'w'))
+             put(d:add('n', 10))
+             put(d:incr('n', 5))
+             put(d:incr('missing', 1))
+             put(d:incr('m2', 1, 100))
+             put(d:incr('k', 1))
+             put(d:replace('zz', 1))
+             put(d:set('b', false))
+             put(d:get('b'))
+             d:delete('k')
+             put(d:get('k'))
+             put(d:set('', 1))
+             put(ngx.shared.unknown)
+             return table.concat(out, ',')",
+            std_req(),
+            dicts.clone(),
+        );
+        assert_eq!(
+            r.unwrap().unwrap(),
+            "nil,true,nil,false,v,false,exists,false,true,nil,false,15,nil,not found,101,nil,not a number,false,not found,false,true,nil,false,false,nil,false,empty key,false,nil"
+        );
+        // The values live in the Rust-side dict (shared across VMs).
+        assert_eq!(dicts["g"].get(b"n"), Some(DictValue::Int(15)));
     }
 }

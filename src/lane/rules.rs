@@ -734,7 +734,7 @@ mod tests {
         assert_eq!(u("1999"), "b");
         assert_eq!(u("5009"), "b");
         assert_eq!(u("2000"), "formal");
-        assert_eq!(u("1237"), "c");
+        assert_eq!(u("2237"), "c");
         // Non-numeric uids match lists but never ranges or suffixes.
         assert_eq!(u("abc7"), "formal");
         assert_eq!(u("1500x"), "formal");
@@ -817,7 +817,7 @@ mod tests {
         let e = rejected("rules:\n  - name: a\n    lane: g\n    percentage: 5\n    key: { form: x }\n");
         assert_eq!(e.line, Some(5), "{e}");
         let e = rejected("rules:\n  - name: a\n    lane: g\n    bogus: 1\n");
-        assert_eq!(e.line, Some(2), "{e}");
+        assert_eq!(e.line, Some(4), "{e}");
         // A uid condition without a uid source.
         let e = rejected("rules:\n  - name: a\n    lane: g\n    uid: { in: [1] }\n");
         assert!(e.message.contains("no `uid:` source"), "{e}");
