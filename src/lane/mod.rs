@@ -203,7 +203,7 @@ pub fn decide(gen: &Generation, req: RequestInfo, peer_trusted: bool) -> (Reques
         }
         Err(e) => {
             match e.limit {
-                Some(limit) => log_limited(&LIMIT_LOG, || {
+                Some(limit) => log_limited(if limit == script::Limit::Memory { &MEMORY_LOG } else { &BUDGET_LOG }, || {
                     tracing::error!(error = %e.message, limit = ?limit, "lane script stopped by a sandbox limit; request goes formal")
                 }),
                 None => log_limited(
@@ -223,7 +223,8 @@ fn lossy(b: &[u8]) -> Cow<'_, str> {
 
 static SCRIPT_ERR_LOG: AtomicU64 = AtomicU64::new(0);
 static INVALID_LOG: AtomicU64 = AtomicU64::new(0);
-static LIMIT_LOG: AtomicU64 = AtomicU64::new(0);
+static BUDGET_LOG: AtomicU64 = AtomicU64::new(0);
+static MEMORY_LOG: AtomicU64 = AtomicU64::new(0);
 
 /// Runs `log` at most once per second per `slot` (a last-logged timestamp),
 /// so a failing script cannot flood the log.

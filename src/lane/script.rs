@@ -58,7 +58,7 @@ impl ScriptSource {
         let mut pending = vec![(path.to_path_buf(), source.clone())];
         while let Some((file, text)) = pending.pop() {
             for name in required_modules(&text) {
-                if modules.contains_key(&name) {
+                if modules.contains_key(&name) || BUILTIN_MODULES.contains(&name.as_str()) {
                     continue;
                 }
                 let mpath = module_path(&dir, &name).ok_or_else(|| {
@@ -105,6 +105,10 @@ impl ScriptSource {
     }
 }
 
+/// Libraries `require` returns from the sandbox itself (OpenResty scripts
+/// often start with `local bit = require "bit"`).
+const BUILTIN_MODULES: [&str; 6] = ["bit", "ngx", "string", "table", "math", "utf8"];
+
 /// Reads Lua source text; precompiled bytecode is refused.
 fn read_script(path: &Path) -> Result<String, ConfigError> {
     let bytes = std::fs::read(path)
@@ -125,7 +129,12 @@ fn required_modules(text: &str) -> Vec<String> {
     let re = RE.get_or_init(|| {
         regex::Regex::new(r#"require\s*\(?\s*["']([^"']+)["']"#).expect("static regex")
     });
-    re.captures_iter(text).map(|c| c[1].to_string()).collect()
+    static COMMENTS: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
+    let comments = COMMENTS.get_or_init(|| {
+        regex::Regex::new(r"(?s)--\[\[.*?\]\]|--[^\n]*").expect("static regex")
+    });
+    let code = comments.replace_all(text, "");
+    re.captures_iter(&code).map(|c| c[1].to_string()).collect()
 }
 
 fn module_path(dir: &Path, name: &str) -> Option<PathBuf> {
@@ -377,8 +386,12 @@ impl ScriptVm {
         let loaded = lua.create_table().map_err(le)?;
         let modules: BTreeMap<String, (PathBuf, String)> = src.modules.clone();
         let menv = env.clone();
+        let base = globals.clone();
         let require = lua
             .create_function(move |lua, name: String| {
+                if BUILTIN_MODULES.contains(&name.as_str()) {
+                    return base.raw_get::<Value>(name.as_str());
+                }
                 if let Ok(v) = loaded.raw_get::<Value>(name.as_str()) {
                     if !v.is_nil() {
                         return Ok(v);
@@ -732,6 +745,14 @@ mod tests {
         let src = ScriptSource::load(&p).unwrap();
         assert_eq!(src.files().len(), 2);
         src.validate(&Arc::new(BTreeMap::new())).unwrap();
+    }
+
+    #[test]
+    fn requires_in_comments_are_ignored() {
+        assert_eq!(
+            required_modules("-- require('a')\n--[[ require('b')\n]] local c = require 'c' -- require('d')\n"),
+            vec!["c".to_string()]
+        );
     }
 
     #[test]
