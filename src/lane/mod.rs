@@ -203,9 +203,14 @@ pub fn decide(gen: &Generation, req: RequestInfo, peer_trusted: bool) -> (Reques
         }
         Err(e) => {
             match e.limit {
-                Some(limit) => log_limited(if limit == script::Limit::Memory { &MEMORY_LOG } else { &BUDGET_LOG }, || {
-                    tracing::error!(error = %e.message, limit = ?limit, "lane script stopped by a sandbox limit; request goes formal")
-                }),
+                Some(limit) => log_limited(
+                    if limit == script::Limit::Memory {
+                        &MEMORY_LOG
+                    } else {
+                        &BUDGET_LOG
+                    },
+                    || tracing::error!(error = %e.message, limit = ?limit, "lane script stopped by a sandbox limit; request goes formal"),
+                ),
                 None => log_limited(
                     &SCRIPT_ERR_LOG,
                     || tracing::error!(error = %e.message, "lane script failed; request goes formal"),

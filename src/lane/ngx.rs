@@ -172,7 +172,13 @@ pub fn variable<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
 fn http_var<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
     let hname: Vec<u8> = name
         .iter()
-        .map(|&c| if c == b'_' { b'-' } else { c.to_ascii_lowercase() })
+        .map(|&c| {
+            if c == b'_' {
+                b'-'
+            } else {
+                c.to_ascii_lowercase()
+            }
+        })
         .collect();
     let hname = HeaderName::from_bytes(&hname).ok()?;
     let mut values = r.parts.headers.get_all(&hname).iter();
@@ -272,7 +278,13 @@ fn req_table(lua: &Lua) -> mlua::Result<Table> {
             let norm: Vec<u8> = k
                 .as_bytes()
                 .iter()
-                .map(|&c| if c == b'_' { b'-' } else { c.to_ascii_lowercase() })
+                .map(|&c| {
+                    if c == b'_' {
+                        b'-'
+                    } else {
+                        c.to_ascii_lowercase()
+                    }
+                })
                 .collect();
             t.raw_get::<Value>(mlua::BString::from(norm))
         })?,
@@ -280,7 +292,10 @@ fn req_table(lua: &Lua) -> mlua::Result<Table> {
     t.raw_set(
         "get_headers",
         lua.create_function(move |lua, max: Option<i64>| {
-            let max = max.map_or(DEFAULT_MAX, |m| if m <= 0 { usize::MAX } else { m as usize });
+            let max = max.map_or(
+                DEFAULT_MAX,
+                |m| if m <= 0 { usize::MAX } else { m as usize },
+            );
             let out = lua.create_table()?;
             out.set_metatable(Some(hdr_mt.clone()))?;
             with_req(|r| -> mlua::Result<()> {
@@ -306,7 +321,10 @@ fn req_table(lua: &Lua) -> mlua::Result<Table> {
     t.raw_set(
         "get_uri_args",
         lua.create_function(|lua, max: Option<i64>| {
-            let max = max.map_or(DEFAULT_MAX, |m| if m <= 0 { usize::MAX } else { m as usize });
+            let max = max.map_or(
+                DEFAULT_MAX,
+                |m| if m <= 0 { usize::MAX } else { m as usize },
+            );
             let out = lua.create_table()?;
             with_req(|r| -> mlua::Result<()> {
                 let Some(q) = r.parts.uri.query() else {
@@ -342,7 +360,9 @@ fn req_table(lua: &Lua) -> mlua::Result<Table> {
     )?;
     t.raw_set(
         "set_header",
-        lua.create_function(|lua, (name, value): (LuaString, Value)| set_header(lua, &name, value))?,
+        lua.create_function(|lua, (name, value): (LuaString, Value)| {
+            set_header(lua, &name, value)
+        })?,
     )?;
     t.raw_set(
         "clear_header",
@@ -501,7 +521,9 @@ fn from_dict_value(lua: &Lua, v: DictValue) -> mlua::Result<Value> {
 /// `ok, err, forcible` as OpenResty's write methods return them.
 fn write_result(lua: &Lua, r: Result<bool, DictError>) -> mlua::Result<MultiValue> {
     Ok(match r {
-        Ok(forcible) => MultiValue::from_iter([Value::Boolean(true), Value::Nil, Value::Boolean(forcible)]),
+        Ok(forcible) => {
+            MultiValue::from_iter([Value::Boolean(true), Value::Nil, Value::Boolean(forcible)])
+        }
         Err(e) => MultiValue::from_iter([
             Value::Boolean(false),
             Value::String(lua.create_string(e.as_str())?),
@@ -531,16 +553,13 @@ impl UserData for DictUd {
                 None => Ok(MultiValue::from_iter([Value::Nil])),
             }
         });
-        m.add_method(
-            "set",
-            |lua, d, (k, v, ttl): (Value, Value, Option<f64>)| {
-                let k = match dict_key(lua, k)? {
-                    Ok(k) => k,
-                    Err(e) => return write_result_err(lua, e),
-                };
-                write_result(lua, d.0.set(&k, to_dict_value(v)?, ttl))
-            },
-        );
+        m.add_method("set", |lua, d, (k, v, ttl): (Value, Value, Option<f64>)| {
+            let k = match dict_key(lua, k)? {
+                Ok(k) => k,
+                Err(e) => return write_result_err(lua, e),
+            };
+            write_result(lua, d.0.set(&k, to_dict_value(v)?, ttl))
+        });
         let writers: [(&str, WriteFn); 2] = [
             ("add", |d, k, v, t| d.add(k, v, t)),
             ("replace", |d, k, v, t| d.replace(k, v, t)),
@@ -781,7 +800,8 @@ pub(crate) mod tests {
 
     fn eval(body: &str, req: RequestInfo) -> String {
         let (_, r) = run_with(body, req, BTreeMap::new());
-        r.unwrap_or_else(|e| panic!("{body}: {e}")).unwrap_or_else(|| "<nil>".into())
+        r.unwrap_or_else(|e| panic!("{body}: {e}"))
+            .unwrap_or_else(|| "<nil>".into())
     }
 
     fn std_req() -> RequestInfo {
@@ -802,7 +822,10 @@ pub(crate) mod tests {
         let v = |name: &str| eval(&format!("return tostring(ngx.var.{name})"), std_req());
         assert_eq!(v("remote_addr"), "10.1.2.3");
         assert_eq!(v("uri"), "/a/c d");
-        assert_eq!(v("request_uri"), "/a//b/../c%20d?Name=J%20o&name=x&flag&uid=42");
+        assert_eq!(
+            v("request_uri"),
+            "/a//b/../c%20d?Name=J%20o&name=x&flag&uid=42"
+        );
         assert_eq!(v("args"), "Name=J%20o&name=x&flag&uid=42");
         assert_eq!(v("host"), "shop.example");
         assert_eq!(v("request_method"), "POST");
@@ -886,8 +909,14 @@ pub(crate) mod tests {
     fn ngx_hashes_and_time() {
         let q = |e: &str| eval(&format!("return tostring({e})"), std_req());
         // Known CRC-32 (IEEE) and MD5 vectors.
-        assert_eq!(q("ngx.crc32_short('The quick brown fox jumps over the lazy dog')"), "1095738169");
-        assert_eq!(q("ngx.crc32_long('The quick brown fox jumps over the lazy dog')"), "1095738169");
+        assert_eq!(
+            q("ngx.crc32_short('The quick brown fox jumps over the lazy dog')"),
+            "1095738169"
+        );
+        assert_eq!(
+            q("ngx.crc32_long('The quick brown fox jumps over the lazy dog')"),
+            "1095738169"
+        );
         assert_eq!(q("ngx.crc32_short('')"), "0");
         assert_eq!(q("ngx.md5('')"), "d41d8cd98f00b204e9800998ecf8427e");
         assert_eq!(
@@ -895,14 +924,25 @@ pub(crate) mod tests {
             "9e107d9d372bb6826bd81d3542a419d6"
         );
         assert_eq!(q("#ngx.md5_bin('x')"), "16");
-        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs_f64();
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
         let t: f64 = q("ngx.time()").parse().unwrap();
         let n: f64 = q("ngx.now()").parse().unwrap();
-        assert!((t - now).abs() < 5.0 && (n - now).abs() < 5.0, "{t} {n} {now}");
+        assert!(
+            (t - now).abs() < 5.0 && (n - now).abs() < 5.0,
+            "{t} {n} {now}"
+        );
         assert_eq!(q("math.type(ngx.time())"), "integer");
         assert_eq!(q("ngx.ERR .. ngx.WARN .. ngx.INFO .. ngx.DEBUG"), "4578");
-        assert_eq!(q("ngx.log(ngx.INFO, 'hello ', 1, nil, true) == nil"), "true");
-        assert!(run_with("ngx.log(ngx.ERR, {})", std_req(), BTreeMap::new()).1.is_err());
+        assert_eq!(
+            q("ngx.log(ngx.INFO, 'hello ', 1, nil, true) == nil"),
+            "true"
+        );
+        assert!(run_with("ngx.log(ngx.ERR, {})", std_req(), BTreeMap::new())
+            .1
+            .is_err());
     }
 
     #[test]
@@ -930,10 +970,7 @@ pub(crate) mod tests {
     #[test]
     fn shared_dict_methods() {
         let mut dicts = BTreeMap::new();
-        dicts.insert(
-            "g".to_string(),
-            Arc::new(SharedDict::new("g", 1 << 20)),
-        );
+        dicts.insert("g".to_string(), Arc::new(SharedDict::new("g", 1 << 20)));
         let (_, r) = run_with(
             "local d = ngx.shared.g
              local out = {}

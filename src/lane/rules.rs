@@ -291,7 +291,10 @@ pub enum Verdict {
     /// No rules, or `enabled: false`.
     Disabled,
     Deny(Arc<str>),
-    Rule { name: Arc<str>, lane: Arc<str> },
+    Rule {
+        name: Arc<str>,
+        lane: Arc<str>,
+    },
     Fallback(Arc<str>),
 }
 
@@ -344,10 +347,13 @@ impl Rules {
         let mut deny = Vec::new();
         for d in &cfg.deny {
             if d.lane.is_some() {
-                return Err(c.err(&format!("name: {}", d.name), format!(
-                    "deny rule {:?} must not have a lane (a deny match is always formal)",
-                    d.name
-                )));
+                return Err(c.err(
+                    &format!("name: {}", d.name),
+                    format!(
+                        "deny rule {:?} must not have a lane (a deny match is always formal)",
+                        d.name
+                    ),
+                ));
             }
             deny.push(c.rule(d, &mut names, true)?);
         }
@@ -459,7 +465,9 @@ impl Compiler<'_> {
                     return Err(self.err_in(
                         n,
                         l,
-                        format!("rule {n:?}: invalid lane name {l:?} (letters, digits, - _ . only)"),
+                        format!(
+                            "rule {n:?}: invalid lane name {l:?} (letters, digits, - _ . only)"
+                        ),
                     ));
                 }
                 l.clone()
@@ -489,20 +497,23 @@ impl Compiler<'_> {
             }
             None => {}
         }
-        let kinds: [(&str, &Option<OneOrMany<MatchConfig>>); 3] =
-            [("header", &r.header), ("cookie", &r.cookie), ("query", &r.query)];
+        let kinds: [(&str, &Option<OneOrMany<MatchConfig>>); 3] = [
+            ("header", &r.header),
+            ("cookie", &r.cookie),
+            ("query", &r.query),
+        ];
         for (kind, m) in kinds {
             for m in m.iter().flat_map(|m| m.to_vec()) {
                 let src = match kind {
-                    "header" => Source::Header(HeaderName::from_bytes(m.name.as_bytes()).map_err(
-                        |_| {
+                    "header" => {
+                        Source::Header(HeaderName::from_bytes(m.name.as_bytes()).map_err(|_| {
                             self.err_in(
                                 n,
                                 &m.name,
                                 format!("rule {n:?}: invalid header name {:?}", m.name),
                             )
-                        },
-                    )?),
+                        })?)
+                    }
                     "cookie" => Source::Cookie(m.name.clone()),
                     _ => Source::Query(m.name.clone()),
                 };
@@ -611,9 +622,7 @@ impl Compiler<'_> {
                         self.err_in(
                             n,
                             "percentage",
-                            format!(
-                                "rule {n:?}: percentage needs a `key:` (or a `uid:` source)"
-                            ),
+                            format!("rule {n:?}: percentage needs a `key:` (or a `uid:` source)"),
                         )
                     })?,
                 };
@@ -629,11 +638,7 @@ impl Compiler<'_> {
             (None, None) => {}
         }
         if conds.is_empty() {
-            return Err(self.err_in(
-                n,
-                "name:",
-                format!("rule {n:?} has no condition"),
-            ));
+            return Err(self.err_in(n, "name:", format!("rule {n:?} has no condition")));
         }
         Ok(Rule {
             name: n.as_str().into(),
@@ -703,8 +708,14 @@ mod tests {
         .unwrap();
         assert_eq!(lane_of(&r, &req("/", IP, &[("x-beta", "yes")])).0, "a");
         assert_eq!(lane_of(&r, &req("/", IP, &[("x-beta", "2")])).0, "formal");
-        assert_eq!(lane_of(&r, &req("/", IP, &[("cookie", "a=1; ver=v2.3")])).0, "b");
-        assert_eq!(lane_of(&r, &req("/", IP, &[("cookie", "ver=v20")])).0, "formal");
+        assert_eq!(
+            lane_of(&r, &req("/", IP, &[("cookie", "a=1; ver=v2.3")])).0,
+            "b"
+        );
+        assert_eq!(
+            lane_of(&r, &req("/", IP, &[("cookie", "ver=v20")])).0,
+            "formal"
+        );
         assert_eq!(lane_of(&r, &req("/?x=1&gray=on", IP, &[])).0, "c");
         assert_eq!(lane_of(&r, &req("/?gray=o%6E", IP, &[])).0, "c");
         assert_eq!(lane_of(&r, &req("/?gray=off", IP, &[])).0, "formal");
@@ -716,8 +727,14 @@ mod tests {
             "rules:\n  - name: both\n    lane: gray\n    path_prefix: /api/\n    header: { name: X-Beta, values: [\"1\"] }\n",
         )
         .unwrap();
-        assert_eq!(lane_of(&r, &req("/api/x", IP, &[("x-beta", "1")])).0, "gray");
-        assert_eq!(lane_of(&r, &req("/web/x", IP, &[("x-beta", "1")])).0, "formal");
+        assert_eq!(
+            lane_of(&r, &req("/api/x", IP, &[("x-beta", "1")])).0,
+            "gray"
+        );
+        assert_eq!(
+            lane_of(&r, &req("/web/x", IP, &[("x-beta", "1")])).0,
+            "formal"
+        );
         assert_eq!(lane_of(&r, &req("/api/x", IP, &[])).0, "formal");
     }
 
@@ -758,9 +775,15 @@ mod tests {
         assert!((200..400).contains(&hits), "{hits}");
         // Without the key the rule never matches.
         assert_eq!(lane_of(&r, &req("/", IP, &[])).0, "formal");
-        let all = compile("rules:\n  - name: p\n    lane: gray\n    percentage: 100\n    key: { ip: true }\n").unwrap();
+        let all = compile(
+            "rules:\n  - name: p\n    lane: gray\n    percentage: 100\n    key: { ip: true }\n",
+        )
+        .unwrap();
         assert_eq!(lane_of(&all, &req("/", IP, &[])).0, "gray");
-        let none = compile("rules:\n  - name: p\n    lane: gray\n    percentage: 0\n    key: { ip: true }\n").unwrap();
+        let none = compile(
+            "rules:\n  - name: p\n    lane: gray\n    percentage: 0\n    key: { ip: true }\n",
+        )
+        .unwrap();
         assert_eq!(lane_of(&none, &req("/", IP, &[])).0, "formal");
     }
 
@@ -778,7 +801,8 @@ mod tests {
             lane_of(&r, &req("/x", "11.1.1.1", &[])),
             ("a".into(), Some("first".into()))
         );
-        let only = compile("rules:\n  - name: x\n    lane: a\n    path_prefix: /x\nfallback: v0\n").unwrap();
+        let only = compile("rules:\n  - name: x\n    lane: a\n    path_prefix: /x\nfallback: v0\n")
+            .unwrap();
         assert_eq!(lane_of(&only, &req("/y", IP, &[])), ("v0".into(), None));
     }
 
@@ -801,20 +825,27 @@ mod tests {
         assert_eq!(e.line, Some(4), "{e}");
         assert!(e.message.contains("invalid IP or CIDR"), "{e}");
 
-        let e = rejected("rules:\n  - name: a\n    lane: g\n    percentage: 101\n    key: { ip: true }\n");
+        let e = rejected(
+            "rules:\n  - name: a\n    lane: g\n    percentage: 101\n    key: { ip: true }\n",
+        );
         assert_eq!(e.line, Some(4), "{e}");
         assert!(e.message.contains("outside 0-100"), "{e}");
-        let e = rejected("rules:\n  - name: a\n    lane: g\n    percentage: -1\n    key: { ip: true }\n");
+        let e = rejected(
+            "rules:\n  - name: a\n    lane: g\n    percentage: -1\n    key: { ip: true }\n",
+        );
         assert!(e.message.contains("outside 0-100"), "{e}");
 
-        let e = rejected("rules:\n  - name: a\n    lane: g\n    header: { name: X, regex: \"(unclosed\" }\n");
+        let e = rejected(
+            "rules:\n  - name: a\n    lane: g\n    header: { name: X, regex: \"(unclosed\" }\n",
+        );
         assert_eq!(e.line, Some(4), "{e}");
         assert!(e.message.contains("bad header regex"), "{e}");
 
         // Unknown source kinds are rejected by the parser, with their line.
         let e = rejected("uid: { body: uid }\nrules: []\n");
         assert_eq!(e.line, Some(1), "{e}");
-        let e = rejected("rules:\n  - name: a\n    lane: g\n    percentage: 5\n    key: { form: x }\n");
+        let e =
+            rejected("rules:\n  - name: a\n    lane: g\n    percentage: 5\n    key: { form: x }\n");
         assert_eq!(e.line, Some(5), "{e}");
         let e = rejected("rules:\n  - name: a\n    lane: g\n    bogus: 1\n");
         assert_eq!(e.line, Some(4), "{e}");
@@ -830,7 +861,9 @@ mod tests {
         assert!(e.message.contains("no condition"), "{e}");
         let e = rejected("rules:\n  - name: a\n    lane: g\n    path_prefix: /\n  - name: a\n    lane: h\n    path_prefix: /\n");
         assert!(e.message.contains("duplicate"), "{e}");
-        let e = rejected("uid: { header: X }\nrules:\n  - name: a\n    lane: g\n    uid: { ranges: [[9, 1]] }\n");
+        let e = rejected(
+            "uid: { header: X }\nrules:\n  - name: a\n    lane: g\n    uid: { ranges: [[9, 1]] }\n",
+        );
         assert!(e.message.contains("empty"), "{e}");
         let e = rejected("deny:\n  - name: d\n    lane: g\n    path_prefix: /\n");
         assert!(e.message.contains("must not have a lane"), "{e}");

@@ -130,9 +130,8 @@ fn required_modules(text: &str) -> Vec<String> {
         regex::Regex::new(r#"require\s*\(?\s*["']([^"']+)["']"#).expect("static regex")
     });
     static COMMENTS: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
-    let comments = COMMENTS.get_or_init(|| {
-        regex::Regex::new(r"(?s)--\[\[.*?\]\]|--[^\n]*").expect("static regex")
-    });
+    let comments = COMMENTS
+        .get_or_init(|| regex::Regex::new(r"(?s)--\[\[.*?\]\]|--[^\n]*").expect("static regex"));
     let code = comments.replace_all(text, "");
     re.captures_iter(&code).map(|c| c[1].to_string()).collect()
 }
@@ -580,7 +579,10 @@ fn classify(
 ) -> (Option<Limit>, ConfigError) {
     if guard.killed.get() {
         let at = guard.killed_at.borrow().clone();
-        return (Some(Limit::Instructions), located(&at, file, "instruction budget exceeded"));
+        return (
+            Some(Limit::Instructions),
+            located(&at, file, "instruction budget exceeded"),
+        );
     }
     if is_memory_error(err) {
         let last = guard.last_at.borrow().clone();
@@ -597,7 +599,10 @@ fn classify(
         } else {
             String::new()
         };
-        return (Some(Limit::Memory), located(&at, file, "memory limit exceeded"));
+        return (
+            Some(Limit::Memory),
+            located(&at, file, "memory limit exceeded"),
+        );
     }
     (None, lua_error(file, err))
 }
@@ -750,7 +755,9 @@ mod tests {
     #[test]
     fn requires_in_comments_are_ignored() {
         assert_eq!(
-            required_modules("-- require('a')\n--[[ require('b')\n]] local c = require 'c' -- require('d')\n"),
+            required_modules(
+                "-- require('a')\n--[[ require('b')\n]] local c = require 'c' -- require('d')\n"
+            ),
             vec!["c".to_string()]
         );
     }
@@ -798,8 +805,17 @@ mod tests {
         }
     }
 
-    fn call(src: &ScriptSource, header: Option<(&str, &str)>) -> Result<Option<String>, ScriptError> {
-        call_lane(src, &Arc::new(BTreeMap::new()), req_with(header), RuleCtx::default()).1
+    fn call(
+        src: &ScriptSource,
+        header: Option<(&str, &str)>,
+    ) -> Result<Option<String>, ScriptError> {
+        call_lane(
+            src,
+            &Arc::new(BTreeMap::new()),
+            req_with(header),
+            RuleCtx::default(),
+        )
+        .1
     }
 
     #[test]
@@ -810,7 +826,10 @@ mod tests {
         let before = instruction_limit_hits();
         let e = call(&src, Some(("x-loop", "1"))).unwrap_err();
         assert_eq!(e.limit, Some(Limit::Instructions), "{e}");
-        assert!(e.message.contains("t.lua:3: instruction budget exceeded"), "{e}");
+        assert!(
+            e.message.contains("t.lua:3: instruction budget exceeded"),
+            "{e}"
+        );
         assert!(instruction_limit_hits() > before);
         // The same VM keeps serving.
         assert_eq!(call(&src, None).unwrap().as_deref(), Some("gray"));
@@ -838,7 +857,10 @@ mod tests {
         assert_eq!(call(&src, None).unwrap().as_deref(), Some("gray"));
         src.instruction_budget = 1_000;
         src.id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        assert_eq!(call(&src, None).unwrap_err().limit, Some(Limit::Instructions));
+        assert_eq!(
+            call(&src, None).unwrap_err().limit,
+            Some(Limit::Instructions)
+        );
     }
 
     #[test]
@@ -871,8 +893,7 @@ mod tests {
             assert_eq!(call(&src, None).unwrap().as_deref(), Some("1-11-1"));
         }
         // The protected environment cannot be swapped out.
-        let (_d, src) =
-            load_src("return function() setmetatable(_G, nil) return 'x' end\n");
+        let (_d, src) = load_src("return function() setmetatable(_G, nil) return 'x' end\n");
         assert!(call(&src, None).is_err());
     }
 
@@ -900,9 +921,13 @@ mod tests {
         }
         // A module name computed at run time resolves only among the
         // modules found in the scripts directory at load time.
-        let (_d, src) = load_src("return function() local m = '/etc/passwd' return require(m) end\n");
+        let (_d, src) =
+            load_src("return function() local m = '/etc/passwd' return require(m) end\n");
         let e = call(&src, None).unwrap_err();
-        assert!(e.message.contains("not found in the scripts directory"), "{e}");
+        assert!(
+            e.message.contains("not found in the scripts directory"),
+            "{e}"
+        );
     }
 
     #[test]
