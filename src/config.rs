@@ -92,6 +92,10 @@ pub struct MainConfig {
     /// Per-call and per-VM limits of the Lua script.
     #[serde(default)]
     pub script_limits: ScriptLimits,
+    /// Worker threads serving requests (default: one per CPU). With 1 the
+    /// gateway runs a single-threaded runtime, like one nginx worker.
+    #[serde(default)]
+    pub workers: Option<usize>,
 }
 
 /// A size in bytes, written as a number or with a `k`/`m`/`g` suffix.

@@ -1,6 +1,9 @@
 //! The running gateway: the current [`Generation`] behind an `ArcSwap`,
-//! reload status, the shared upstream client, and the client-facing accept
-//! loop that hands each connection to hyper with `proxy::handle`.
+//! reload status, the upstream client, and nginx's worker model — one
+//! single-threaded runtime per worker thread, each accepting on its own
+//! SO_REUSEPORT listener, so a request never leaves the thread that
+//! accepted it (per-thread Lua VM, per-thread upstream pool, no
+//! cross-thread wake-ups).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -104,6 +107,66 @@ impl Gateway {
             let gw = self.clone();
             tokio::spawn(async move { gw.serve_connection(stream, peer).await });
         }
+    }
+
+    /// Binds `n` listeners on `addr` with SO_REUSEPORT (the kernel spreads
+    /// connections across them). Port 0 picks one port for all.
+    pub fn bind_listeners(
+        addr: SocketAddr,
+        n: usize,
+    ) -> std::io::Result<Vec<std::net::TcpListener>> {
+        let mut out: Vec<std::net::TcpListener> = Vec::with_capacity(n);
+        let mut addr = addr;
+        for _ in 0..n.max(1) {
+            let sock = socket2::Socket::new(
+                socket2::Domain::for_address(addr),
+                socket2::Type::STREAM,
+                Some(socket2::Protocol::TCP),
+            )?;
+            sock.set_reuse_address(true)?;
+            sock.set_reuse_port(true)?;
+            sock.bind(&addr.into())?;
+            sock.listen(4096)?;
+            sock.set_nonblocking(true)?;
+            let l: std::net::TcpListener = sock.into();
+            addr = l.local_addr()?;
+            out.push(l);
+        }
+        Ok(out)
+    }
+
+    /// Starts one worker thread per listener, each with its own
+    /// single-threaded runtime serving that listener forever.
+    pub fn spawn_workers(
+        self: &Arc<Self>,
+        listeners: Vec<std::net::TcpListener>,
+    ) -> std::io::Result<Vec<std::thread::JoinHandle<()>>> {
+        let mut handles = Vec::new();
+        for (i, l) in listeners.into_iter().enumerate() {
+            let gw = self.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("graygate-worker-{i}"))
+                .spawn(move || {
+                    let rt = match tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    {
+                        Ok(rt) => rt,
+                        Err(e) => {
+                            tracing::error!(error = %e, "worker runtime failed to start");
+                            return;
+                        }
+                    };
+                    rt.block_on(async move {
+                        match TcpListener::from_std(l) {
+                            Ok(l) => gw.serve(l).await,
+                            Err(e) => tracing::error!(error = %e, "worker listener failed"),
+                        }
+                    });
+                })?;
+            handles.push(h);
+        }
+        Ok(handles)
     }
 
     async fn serve_connection(self: Arc<Self>, stream: tokio::net::TcpStream, peer: SocketAddr) {

@@ -18,3 +18,4 @@ pub mod nodes;
 pub mod proxy;
 pub mod reload;
 pub mod static_files;
+pub mod upstream;

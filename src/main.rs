@@ -3,9 +3,15 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use clap::Parser;
 use graygate::{admin, demo, gateway::Gateway, generation::Generation, reload};
+
+// mimalloc: faster small allocations and lower fragmentation than glibc's
+// malloc for a proxy's many short-lived buffers (see README, Design).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Parser)]
 #[command(version, about = "Lane-routing edge gateway for gray releases")]
@@ -44,41 +50,50 @@ fn main() -> ExitCode {
             }
         };
     }
-    let rt = match tokio::runtime::Runtime::new() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("cannot start runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    rt.block_on(run(cli.config))
-}
-
-async fn run(config: PathBuf) -> ExitCode {
-    let gw = match Gateway::load(&config) {
+    let gw = match Gateway::load(&cli.config) {
         Ok(gw) => gw,
         Err(e) => {
             eprintln!("{e}");
             return ExitCode::FAILURE;
         }
     };
+    let workers = gw
+        .current()
+        .config
+        .workers
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    // Control-plane runtime: admin, reload watcher, signals, demo nodes.
+    // Requests are served by the worker threads.
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("cannot start runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    rt.block_on(run(gw, workers))
+}
+
+async fn run(gw: Arc<Gateway>, workers: usize) -> ExitCode {
     let gen = gw.current();
     if let Err(e) = demo::spawn(&gen.config.demo_nodes, gen.tag_header.clone()).await {
         eprintln!("cannot start demo nodes: {e}");
         return ExitCode::FAILURE;
     }
-    let listener = match tokio::net::TcpListener::bind(gen.config.listen).await {
+    let listeners = match Gateway::bind_listeners(gen.config.listen, workers) {
         Ok(l) => l,
         Err(e) => {
             eprintln!("cannot listen on {}: {e}", gen.config.listen);
             return ExitCode::FAILURE;
         }
     };
-    let addr = listener
+    let addr = listeners[0]
         .local_addr()
         .map(|a| a.to_string())
         .unwrap_or_default();
-    tracing::info!(%addr, generation = gen.id, "graygate listening");
     if let Some(admin_addr) = gen.config.admin_listen {
         match tokio::net::TcpListener::bind(admin_addr).await {
             Ok(l) => {
@@ -98,13 +113,14 @@ async fn run(config: PathBuf) -> ExitCode {
             tracing::error!(error = %e, "file watcher failed; reload with SIGHUP only");
         }
     });
-    drop(gen);
-    tokio::select! {
-        _ = gw.clone().serve(listener) => {}
-        _ = shutdown_signal() => {
-            tracing::info!("shutting down");
-        }
+    if let Err(e) = gw.spawn_workers(listeners) {
+        eprintln!("cannot start workers: {e}");
+        return ExitCode::FAILURE;
     }
+    tracing::info!(%addr, workers, generation = gen.id, "graygate listening");
+    drop(gen);
+    shutdown_signal().await;
+    tracing::info!("shutting down");
     ExitCode::SUCCESS
 }
 

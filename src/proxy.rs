@@ -14,9 +14,6 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode, Uri, Version};
 use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::config::{UpstreamConfig, FORMAL};
 use crate::gateway::Gateway;
@@ -48,19 +45,11 @@ pub fn plain(status: StatusCode, text: &'static str) -> Response<Body> {
     r
 }
 
-/// The pooled upstream client.
-pub type UpstreamClient = Client<HttpConnector, Incoming>;
+/// The pooled upstream client (per-thread keep-alive pools).
+pub type UpstreamClient = crate::upstream::Upstream;
 
 pub fn build_client(cfg: &UpstreamConfig) -> UpstreamClient {
-    let mut conn = HttpConnector::new();
-    conn.set_nodelay(true);
-    conn.set_connect_timeout(Some(Duration::from_millis(cfg.connect_timeout_ms)));
-    conn.enforce_http(true);
-    Client::builder(TokioExecutor::new())
-        .pool_timer(TokioTimer::new())
-        .pool_idle_timeout(Duration::from_millis(cfg.idle_timeout_ms))
-        .pool_max_idle_per_host(cfg.pool_max_idle_per_host)
-        .build(conn)
+    crate::upstream::Upstream::new(cfg)
 }
 
 /// Host without port, lower-case, from the Host header or the URI.

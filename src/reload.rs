@@ -46,7 +46,7 @@ pub async fn run(gw: Arc<Gateway>) -> notify::Result<()> {
     })?;
 
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-        .map_err(|e| notify::Error::io(e))?;
+        .map_err(notify::Error::io)?;
     let debounce = Duration::from_millis(gw.current().config.reload_debounce_ms);
     let mut watched_dirs: HashSet<PathBuf> = HashSet::new();
     let mut wanted = HashSet::new();
@@ -59,12 +59,7 @@ pub async fn run(gw: Arc<Gateway>) -> notify::Result<()> {
                     continue;
                 }
                 // Debounce: wait for quiet, swallowing further events.
-                loop {
-                    match tokio::time::timeout(debounce, rx.recv()).await {
-                        Ok(Some(_)) => continue,
-                        _ => break,
-                    }
-                }
+                while let Ok(Some(_)) = tokio::time::timeout(debounce, rx.recv()).await {}
                 tracing::info!(file = %p.display(), "change detected; reloading");
             }
             _ = hup.recv() => {

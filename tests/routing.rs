@@ -249,16 +249,35 @@ async fn headers_rewritten_for_the_upstream() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_connections_are_pooled() {
     let f1 = Backend::start("f1", "formal").await;
-    let s = setup(&f1.node_yaml(), "");
-    for _ in 0..10 {
+    // Pools are per worker thread: at most one connection per worker.
+    let s = setup(&f1.node_yaml(), "workers: 2\n");
+    for _ in 0..20 {
         assert_eq!(s.gw.get("/").await.status, 200);
     }
-    assert_eq!(f1.count(), 10);
-    assert_eq!(
-        f1.connections.load(std::sync::atomic::Ordering::SeqCst),
-        1,
-        "sequential requests should reuse one upstream connection"
+    assert_eq!(f1.count(), 20);
+    let conns = f1.connections.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        (1..=2).contains(&conns),
+        "20 sequential requests opened {conns} upstream connections"
     );
+    // One worker: exactly one connection, reused.
+    let f2 = Backend::start("f2", "formal").await;
+    let s1 = setup(&f2.node_yaml(), "workers: 1\n");
+    for _ in 0..10 {
+        assert_eq!(s1.gw.get("/").await.status, 200);
+    }
+    assert_eq!(f2.connections.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_closing_its_connections_loses_no_request() {
+    let c = Backend::start_mode("c", "formal", Mode::JsonClose).await;
+    let s = setup(&c.node_yaml(), "workers: 1\n");
+    for _ in 0..30 {
+        let r = s.gw.get("/").await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert_eq!(c.connections.load(std::sync::atomic::Ordering::SeqCst), 30);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -45,6 +45,8 @@ pub enum Mode {
     Json,
     /// Accepts the request and never answers.
     Hang,
+    /// JSON, then closes the connection (`Connection: close`).
+    JsonClose,
     /// Streams the request body back.
     Echo,
     /// Sends "first;" at once, then "rest" when the notify fires.
@@ -165,6 +167,12 @@ async fn answer(
             Response::new(full(body.to_string()))
         }
         Mode::Hang => std::future::pending().await,
+        Mode::JsonClose => {
+            let mut r = Response::new(full(format!("{{\"node\":\"{name}\",\"lane\":\"{lane}\"}}")));
+            r.headers_mut()
+                .insert("connection", http::HeaderValue::from_static("close"));
+            r
+        }
         Mode::Echo => Response::new(req.into_body().boxed()),
         Mode::Gated(gate) => {
             let (mut tx, body) = http_body_util::channel::Channel::<Bytes, hyper::Error>::new(4);
@@ -400,6 +408,7 @@ impl Req {
     }
 
     /// Binds the client socket to this source address (e.g. 127.0.9.5).
+    #[allow(clippy::wrong_self_convention)] // reads as "request from IP"
     pub fn from_ip(mut self, ip: &str) -> Req {
         self.bind = Some(ip.parse().unwrap());
         self

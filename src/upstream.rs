@@ -1,0 +1,227 @@
+//! Upstream HTTP/1.1 client with a per-thread keep-alive pool, built on
+//! hyper's `client::conn::http1` (like nginx's per-worker upstream
+//! keepalive): no shared lock, no cross-thread wake-ups on the request path.
+//!
+//! A connection goes back to its thread's pool when the response body has
+//! been read to the end; one the upstream closed is dropped at checkout, and
+//! a request that an idle connection could not even start sending is retried
+//! once on a fresh connection (it never reached the upstream).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+
+use crate::config::UpstreamConfig;
+
+type Sender = SendRequest<Incoming>;
+
+struct Idle {
+    sender: Sender,
+    since: Instant,
+}
+
+thread_local! {
+    static POOL: RefCell<HashMap<SocketAddr, Vec<Idle>>> = RefCell::new(HashMap::new());
+}
+
+/// Why an upstream exchange failed.
+#[derive(Debug)]
+pub enum UpstreamError {
+    /// The request target has no usable `host:port` authority.
+    BadTarget,
+    /// Could not connect (refused, unreachable, connect timeout).
+    Connect(String),
+    /// Connected, but the exchange failed before a response head arrived.
+    Exchange(hyper::Error),
+}
+
+impl UpstreamError {
+    /// True when no connection could be made: the request never left.
+    pub fn is_connect(&self) -> bool {
+        matches!(self, UpstreamError::Connect(_))
+    }
+}
+
+impl fmt::Display for UpstreamError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            UpstreamError::BadTarget => f.write_str("request target has no host:port"),
+            UpstreamError::Connect(e) => write!(f, "connect: {e}"),
+            UpstreamError::Exchange(e) => write!(f, "exchange: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for UpstreamError {}
+
+/// The client. Cheap to share; the pools live in thread-locals.
+#[derive(Debug, Clone)]
+pub struct Upstream {
+    connect_timeout: Duration,
+    idle_timeout: Duration,
+    max_idle: usize,
+}
+
+impl Upstream {
+    pub fn new(cfg: &UpstreamConfig) -> Upstream {
+        Upstream {
+            connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),
+            idle_timeout: Duration::from_millis(cfg.idle_timeout_ms),
+            max_idle: cfg.pool_max_idle_per_host,
+        }
+    }
+
+    /// Sends `req` (absolute-form URI naming the node) and returns the
+    /// response with its body still streaming.
+    pub async fn request(
+        &self,
+        req: Request<Incoming>,
+    ) -> Result<Response<PooledBody>, UpstreamError> {
+        let addr = req
+            .uri()
+            .authority()
+            .and_then(|a| a.as_str().parse::<SocketAddr>().ok())
+            .ok_or(UpstreamError::BadTarget)?;
+        let mut req = req;
+        while let Some(mut sender) = self.checkout(addr) {
+            if sender.ready().await.is_err() {
+                continue;
+            }
+            match sender.try_send_request(req).await {
+                Ok(resp) => return Ok(self.wrap(resp, sender, addr)),
+                Err(mut e) => match e.take_message() {
+                    // Never sent: safe to try another connection.
+                    Some(r) => req = r,
+                    None => return Err(UpstreamError::Exchange(e.into_error())),
+                },
+            }
+        }
+        let mut sender = self.connect(addr).await?;
+        let resp = sender
+            .send_request(req)
+            .await
+            .map_err(UpstreamError::Exchange)?;
+        Ok(self.wrap(resp, sender, addr))
+    }
+
+    async fn connect(&self, addr: SocketAddr) -> Result<Sender, UpstreamError> {
+        let stream = tokio::time::timeout(self.connect_timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| UpstreamError::Connect("timed out".into()))?
+            .map_err(|e| UpstreamError::Connect(e.to_string()))?;
+        let _ = stream.set_nodelay(true);
+        let (sender, conn) = http1::Builder::new()
+            .handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| UpstreamError::Connect(e.to_string()))?;
+        tokio::spawn(async move {
+            let _ = conn.with_upgrades().await;
+        });
+        Ok(sender)
+    }
+
+    fn checkout(&self, addr: SocketAddr) -> Option<Sender> {
+        POOL.with(|p| {
+            let mut p = p.borrow_mut();
+            let list = p.get_mut(&addr)?;
+            while let Some(idle) = list.pop() {
+                if !idle.sender.is_closed() && idle.since.elapsed() < self.idle_timeout {
+                    return Some(idle.sender);
+                }
+            }
+            None
+        })
+    }
+
+    fn wrap(
+        &self,
+        resp: Response<Incoming>,
+        sender: Sender,
+        addr: SocketAddr,
+    ) -> Response<PooledBody> {
+        let (head, body) = resp.into_parts();
+        let reusable = head.status != http::StatusCode::SWITCHING_PROTOCOLS;
+        let mut pooled = PooledBody {
+            inner: body,
+            slot: reusable.then_some(Slot {
+                sender,
+                addr,
+                max_idle: self.max_idle,
+            }),
+        };
+        if pooled.inner.is_end_stream() {
+            pooled.release();
+        }
+        Response::from_parts(head, pooled)
+    }
+}
+
+struct Slot {
+    sender: Sender,
+    addr: SocketAddr,
+    max_idle: usize,
+}
+
+/// A response body that returns its connection to the pool at its end.
+pub struct PooledBody {
+    inner: Incoming,
+    slot: Option<Slot>,
+}
+
+impl PooledBody {
+    fn release(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            if slot.sender.is_closed() {
+                return;
+            }
+            POOL.with(|p| {
+                let mut p = p.borrow_mut();
+                let list = p.entry(slot.addr).or_default();
+                if list.len() < slot.max_idle {
+                    list.push(Idle {
+                        sender: slot.sender,
+                        since: Instant::now(),
+                    });
+                }
+            });
+        }
+    }
+}
+
+impl Body for PooledBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let r = Pin::new(&mut self.inner).poll_frame(cx);
+        match &r {
+            Poll::Ready(None) => self.release(),
+            Poll::Ready(Some(Ok(_))) if self.inner.is_end_stream() => self.release(),
+            Poll::Ready(Some(Err(_))) => self.slot = None,
+            _ => {}
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}

@@ -1,0 +1,37 @@
+//! The benchmark harness's quick mode runs in the suite so it cannot rot:
+//! all three gateways start, pass the same lane sanity checks, and carry
+//! load without errors. (Figures are printed, never asserted.)
+
+use std::process::Command;
+
+#[test]
+fn bench_quick_mode_runs_all_targets() {
+    let out = Command::new("python3")
+        .args([
+            "bench/bench.py",
+            "--quick",
+            "--graygate",
+            env!("CARGO_BIN_EXE_graygate"),
+        ])
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "harness failed:\n{stdout}\n{stderr}");
+    println!("{stdout}");
+    for target in ["graygate", "nginx-lua", "haproxy-lua"] {
+        for mix in ["untagged", "user-id", "x-gray"] {
+            let row = stdout
+                .lines()
+                .find(|l| l.starts_with(&format!("| {mix} | 32 | {target} |")))
+                .unwrap_or_else(|| panic!("no row for {target}/{mix}:\n{stdout}"));
+            let cols: Vec<&str> = row.split('|').map(str::trim).collect();
+            let rps: f64 = cols[4].parse().unwrap();
+            assert!(rps > 0.0, "{row}");
+            assert_eq!(cols[7], "0", "errors in {row}");
+            let cpu: f64 = cols[8].parse().unwrap();
+            assert!(cpu > 0.0, "CPU per request not measured: {row}");
+        }
+    }
+    assert!(stdout.contains("| list | 100000 |"), "{stdout}");
+}
