@@ -690,11 +690,13 @@ pub fn call_lane(
                 }
                 None => {}
             }
-            // Reclaim what the failed call left; a VM still near its limit
-            // is dropped so the next call starts clean.
-            let _ = vm.lua.gc_collect();
-            if vm.lua.used_memory() > src.memory_limit / 2 {
-                *slot = None;
+            // After a memory error reclaim what the call left; a VM still
+            // near its limit is dropped so the next call starts clean.
+            if e.limit == Some(Limit::Memory) {
+                let _ = vm.lua.gc_collect();
+                if vm.lua.used_memory() > src.memory_limit / 2 {
+                    *slot = None;
+                }
             }
         }
         r
