@@ -14,7 +14,9 @@ use graygate::lane::{decide, RequestInfo};
 use graygate::lists::IpList;
 
 fn request(uri: &str, ip: &str, headers: &[(&str, &str)]) -> RequestInfo {
-    let mut b = http::Request::builder().uri(uri).header("host", "shop.example");
+    let mut b = http::Request::builder()
+        .uri(uri)
+        .header("host", "shop.example");
     for (k, v) in headers {
         b = b.header(*k, *v);
     }
@@ -111,7 +113,10 @@ fn bench(c: &mut Criterion) {
 
     let module = load(
         dir.path(),
-        &format!("script: {}\n", repo.join("scripts/openresty_gray.lua").display()),
+        &format!(
+            "script: {}\n",
+            repo.join("scripts/openresty_gray.lua").display()
+        ),
     );
     // Falls through every branch to formal: ngx.var, get_headers,
     // crc32, md5, get_uri_args all run.

@@ -868,4 +868,35 @@ mod tests {
         let e = rejected("deny:\n  - name: d\n    lane: g\n    path_prefix: /\n");
         assert!(e.message.contains("must not have a lane"), "{e}");
     }
+
+    #[test]
+    fn readme_example_compiles_and_decides() {
+        let readme = include_str!("../../README.md");
+        let section = readme.split("## Declarative rules").nth(1).unwrap();
+        let yaml = section
+            .split("```yaml\n")
+            .nth(1)
+            .unwrap()
+            .split("```")
+            .next()
+            .unwrap();
+        let mut lists = BTreeMap::new();
+        lists.insert(
+            "partner_ips".to_string(),
+            IpList::parse(Path::new("p.txt"), "203.0.113.0/24\n").unwrap(),
+        );
+        let cfg: RulesConfig = crate::config::parse_yaml(Path::new("README.md"), yaml).unwrap();
+        let r = Rules::compile(&cfg, Path::new("README.md"), yaml, None, &lists).unwrap();
+        assert_eq!(r.rules.len(), 6);
+        let v = |q: RequestInfo| lane_of(&r, &q);
+        assert_eq!(v(req("/", "203.0.113.9", &[("x-beta", "1")])).0, "<deny>");
+        assert_eq!(v(req("/", "127.0.9.1", &[])).1.as_deref(), Some("testers"));
+        assert_eq!(v(req("/", IP, &[("cookie", "ver=v2.1")])).0, "v2");
+        assert_eq!(v(req("/", IP, &[("x-user-id", "7007")])).0, "gray");
+        assert_eq!(
+            v(req("/api/v2/x?beta=on", IP, &[])).1.as_deref(),
+            Some("new-api")
+        );
+        assert_eq!(v(req("/", IP, &[])), ("formal".into(), None));
+    }
 }
