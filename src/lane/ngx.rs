@@ -170,17 +170,17 @@ pub fn variable<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
 /// `$http_<name>`: `_` stands for `-`; repeated headers are joined with
 /// ", " (cookies with "; "), as nginx ≥ 1.23 does.
 fn http_var<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
-    let hname: Vec<u8> = name
-        .iter()
-        .map(|&c| {
-            if c == b'_' {
-                b'-'
-            } else {
-                c.to_ascii_lowercase()
-            }
-        })
-        .collect();
-    let hname = HeaderName::from_bytes(&hname).ok()?;
+    // Converted on the stack: this runs for every `ngx.var.http_*` read.
+    let mut buf = [0u8; 96];
+    let dst = buf.get_mut(..name.len())?;
+    for (d, &c) in dst.iter_mut().zip(name) {
+        *d = if c == b'_' {
+            b'-'
+        } else {
+            c.to_ascii_lowercase()
+        };
+    }
+    let hname = HeaderName::from_bytes(dst).ok()?;
     let mut values = r.parts.headers.get_all(&hname).iter();
     let first = values.next()?;
     let rest: Vec<&HeaderValue> = values.collect();

@@ -25,8 +25,12 @@ use super::RequestInfo;
 use crate::config::{find_line, ConfigError};
 use crate::lists::IpList;
 
-/// Instructions a single lane call may run before it is stopped.
-pub const DEFAULT_INSTRUCTION_BUDGET: u64 = 1_000_000;
+/// Instructions a single lane call may run before it is stopped: about
+/// 1 ms of work (the `script/runaway` benchmark measures it).
+pub const DEFAULT_INSTRUCTION_BUDGET: u64 = 300_000;
+/// The script's top level (run once per load) may run this many budgets,
+/// so building big tables at load time is fine.
+const TOP_LEVEL_BUDGETS: i64 = 100;
 /// Memory a script VM may allocate.
 pub const DEFAULT_MEMORY_LIMIT: usize = 64 * 1024 * 1024;
 const HOOK_EVERY: u32 = 1_000;
@@ -415,7 +419,7 @@ impl ScriptVm {
         globals.raw_set("require", require).map_err(le)?;
 
         let budget = i64::try_from(src.instruction_budget).unwrap_or(i64::MAX);
-        guard.left.set(budget);
+        guard.left.set(budget.saturating_mul(TOP_LEVEL_BUDGETS));
         let g = guard.clone();
         lua.set_global_hook(
             HookTriggers::new().every_nth_instruction(HOOK_EVERY),
@@ -849,6 +853,22 @@ mod tests {
             let e = call(&src, None).unwrap_err();
             assert_eq!(e.limit, Some(Limit::Instructions), "{body}: {e}");
         }
+    }
+
+    #[test]
+    fn top_level_gets_a_larger_but_finite_budget() {
+        // ~500k instructions at load: more than one call's budget, fine.
+        let (_d, src) = load_src(
+            "local t = {}\nfor i = 1, 100000 do t[i] = i * 2 end\nreturn function() return t[100000] == 200000 and 'gray' or nil end\n",
+        );
+        src.validate(&Arc::new(BTreeMap::new())).unwrap();
+        assert_eq!(call(&src, None).unwrap().as_deref(), Some("gray"));
+        // A runaway top level is stopped and the load rejected, located.
+        let (_d, src) =
+            load_src("local x = 0\nwhile true do x = x + 1 end\nreturn function() end\n");
+        let err = src.validate(&Arc::new(BTreeMap::new())).unwrap_err();
+        assert_eq!(err.line, Some(2), "{err}");
+        assert!(err.message.contains("instruction budget exceeded"), "{err}");
     }
 
     #[test]
