@@ -92,6 +92,12 @@ pub struct MainConfig {
     /// Per-call and per-VM limits of the Lua script.
     #[serde(default)]
     pub script_limits: ScriptLimits,
+    /// Client-side limits and timeouts (slowloris, keep-alive, caps, drain).
+    #[serde(default)]
+    pub client: ClientConfig,
+    /// Signed sticky-lane cookie for routes with `sticky: true`.
+    #[serde(default)]
+    pub sticky: Option<StickyConfig>,
     /// Worker threads serving requests (default: one per CPU). With 1 the
     /// gateway runs a single-threaded runtime, like one nginx worker.
     #[serde(default)]
@@ -172,6 +178,9 @@ pub struct RouteConfig {
     /// Cache-Control for static responses.
     #[serde(default = "default_cache_control")]
     pub cache_control: String,
+    /// Keep a browser in its decided lane with a signed cookie.
+    #[serde(default)]
+    pub sticky: bool,
 }
 
 fn default_prefix() -> String {
@@ -199,6 +208,26 @@ pub struct UpstreamConfig {
     pub idle_timeout_ms: u64,
     #[serde(default = "default_pool_max_idle")]
     pub pool_max_idle_per_host: usize,
+    /// Extra attempts on other nodes of the same candidate set.
+    #[serde(default = "default_retries")]
+    pub retries: u32,
+    /// Deadline for a response head, across all attempts.
+    #[serde(default = "default_total_ms")]
+    pub total_timeout_ms: u64,
+    /// Idempotent request bodies up to this size are buffered so they can be
+    /// replayed on a retry.
+    #[serde(default = "default_retry_buffer")]
+    pub retry_buffer_bytes: usize,
+}
+
+fn default_retries() -> u32 {
+    2
+}
+fn default_total_ms() -> u64 {
+    60_000
+}
+fn default_retry_buffer() -> usize {
+    64 * 1024
 }
 
 fn default_connect_ms() -> u64 {
@@ -221,8 +250,174 @@ impl Default for UpstreamConfig {
             response_timeout_ms: default_response_ms(),
             idle_timeout_ms: default_idle_ms(),
             pool_max_idle_per_host: default_pool_max_idle(),
+            retries: default_retries(),
+            total_timeout_ms: default_total_ms(),
+            retry_buffer_bytes: default_retry_buffer(),
         }
     }
+}
+
+/// Client-facing limits and timeouts.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientConfig {
+    /// Time from a request's first byte to its complete head (slowloris).
+    #[serde(default = "default_header_ms")]
+    pub header_timeout_ms: u64,
+    /// An idle keep-alive connection is closed after this.
+    #[serde(default = "default_client_idle_ms")]
+    pub idle_timeout_ms: u64,
+    /// Concurrent client connections; more are answered 503 and closed.
+    #[serde(default = "default_max_conns")]
+    pub max_connections: usize,
+    /// Longest request target (path + query) → 414.
+    #[serde(default = "default_max_uri")]
+    pub max_uri_bytes: usize,
+    /// Largest request head (all header names and values) → 431.
+    #[serde(default = "default_max_header")]
+    pub max_header_bytes: usize,
+    /// On SIGTERM/SIGINT, in-flight requests get this long to finish.
+    #[serde(default = "default_drain_ms")]
+    pub drain_timeout_ms: u64,
+}
+
+fn default_header_ms() -> u64 {
+    10_000
+}
+fn default_client_idle_ms() -> u64 {
+    60_000
+}
+fn default_max_conns() -> usize {
+    10_000
+}
+fn default_max_uri() -> usize {
+    8 * 1024
+}
+fn default_max_header() -> usize {
+    32 * 1024
+}
+fn default_drain_ms() -> u64 {
+    15_000
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            header_timeout_ms: default_header_ms(),
+            idle_timeout_ms: default_client_idle_ms(),
+            max_connections: default_max_conns(),
+            max_uri_bytes: default_max_uri(),
+            max_header_bytes: default_max_header(),
+            drain_timeout_ms: default_drain_ms(),
+        }
+    }
+}
+
+/// The sticky-lane cookie.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StickyConfig {
+    #[serde(default = "default_sticky_cookie")]
+    pub cookie: String,
+    /// HMAC key (at least 16 bytes). Prefer `key_env`.
+    #[serde(default)]
+    pub key: Option<String>,
+    /// Environment variable holding the key when `key` is absent.
+    #[serde(default = "default_sticky_env")]
+    pub key_env: String,
+    /// Lifetime of a cookie; older ones are ignored and re-decided.
+    #[serde(default = "default_sticky_age")]
+    pub max_age_secs: u64,
+    /// Add the `Secure` attribute (set when TLS terminates in front).
+    #[serde(default)]
+    pub secure: bool,
+}
+
+fn default_sticky_cookie() -> String {
+    "graygate_lane".to_string()
+}
+fn default_sticky_env() -> String {
+    "GRAYGATE_STICKY_KEY".to_string()
+}
+fn default_sticky_age() -> u64 {
+    86_400
+}
+
+/// Health checking of a service's nodes.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct HealthConfig {
+    #[serde(default)]
+    pub passive: PassiveHealth,
+    /// Background probes; off unless configured.
+    #[serde(default)]
+    pub active: Option<ActiveHealth>,
+}
+
+/// Ejection on consecutive failures seen by real traffic.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PassiveHealth {
+    /// Consecutive failures (connect errors, timeouts, 5xx) that eject a
+    /// node; 0 disables passive ejection.
+    #[serde(default = "default_max_fails")]
+    pub max_fails: u32,
+    /// How long an ejected node is skipped before a trial request.
+    #[serde(default = "default_cooldown_ms")]
+    pub cooldown_ms: u64,
+    /// Whether a 5xx response counts as a failure.
+    #[serde(default = "default_true")]
+    pub fail_on_5xx: bool,
+}
+
+fn default_max_fails() -> u32 {
+    3
+}
+fn default_cooldown_ms() -> u64 {
+    10_000
+}
+fn default_true() -> bool {
+    true
+}
+
+impl Default for PassiveHealth {
+    fn default() -> Self {
+        PassiveHealth {
+            max_fails: default_max_fails(),
+            cooldown_ms: default_cooldown_ms(),
+            fail_on_5xx: true,
+        }
+    }
+}
+
+/// HTTP GET probes: 2xx/3xx is a success.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ActiveHealth {
+    pub path: String,
+    #[serde(default = "default_interval_ms")]
+    pub interval_ms: u64,
+    #[serde(default = "default_probe_timeout_ms")]
+    pub timeout_ms: u64,
+    /// Consecutive successes that mark an unhealthy node healthy again.
+    #[serde(default = "default_healthy")]
+    pub healthy: u32,
+    /// Consecutive failures that mark a node unhealthy.
+    #[serde(default = "default_unhealthy")]
+    pub unhealthy: u32,
+}
+
+fn default_interval_ms() -> u64 {
+    2_000
+}
+fn default_probe_timeout_ms() -> u64 {
+    1_000
+}
+fn default_healthy() -> u32 {
+    2
+}
+fn default_unhealthy() -> u32 {
+    3
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
@@ -251,6 +446,14 @@ pub struct NodeFile {
 pub struct ServiceConfig {
     #[serde(default)]
     pub nodes: Vec<NodeConfig>,
+    #[serde(default)]
+    pub health: HealthConfig,
+    /// When every node of a gray lane is down: 503 instead of formal.
+    #[serde(default)]
+    pub strict: bool,
+    /// Overrides `upstream.retries` for this service.
+    #[serde(default)]
+    pub retries: Option<u32>,
 }
 
 #[derive(Debug, Clone, Deserialize)]

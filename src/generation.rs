@@ -41,6 +41,8 @@ pub struct Route {
     pub host: Option<String>,
     pub prefix: String,
     pub target: Target,
+    /// Keep browsers in their lane with the signed cookie.
+    pub sticky: bool,
 }
 
 #[derive(Debug)]
@@ -64,6 +66,11 @@ pub struct Generation {
     pub loaded_at: SystemTime,
     /// Non-fatal findings (e.g. a lane nothing serves).
     pub warnings: Vec<String>,
+    /// The sticky-cookie signer, when configured.
+    pub sticky: Option<crate::sticky::Sticky>,
+    /// Lanes some node or static tree serves (a sticky cookie naming any
+    /// other lane is ignored).
+    pub served_lanes: std::collections::BTreeSet<String>,
 }
 
 impl Generation {
@@ -127,7 +134,19 @@ impl Generation {
                     }
                     nodes.push(Node::from_config(&name, i, n));
                 }
-                let service = Service::new(&name, nodes);
+                let mut service = Service::new(&name, nodes);
+                service.health = svc.health.clone();
+                service.strict = svc.strict;
+                service.retries = svc.retries;
+                if let Some(a) = &svc.health.active {
+                    if !a.path.starts_with('/') {
+                        return Err(ConfigError::new(
+                            &path,
+                            find_line(&ntext, Some(&format!("{name}:")), "path:"),
+                            format!("health check path {:?} must start with /", a.path),
+                        ));
+                    }
+                }
                 if service.count(FORMAL) == 0 {
                     warnings.push(format!(
                         "{}: service {name:?} has no formal node: untagged requests get 503",
@@ -193,10 +212,21 @@ impl Generation {
                     ))
                 }
             };
+            if r.sticky && config.sticky.is_none() {
+                return Err(ConfigError::new(
+                    config_path,
+                    line,
+                    format!(
+                        "route {:?} is sticky but there is no `sticky:` section",
+                        r.prefix
+                    ),
+                ));
+            }
             routes.push(Route {
                 host: r.host.as_ref().map(|h| h.to_ascii_lowercase()),
                 prefix: r.prefix.clone(),
                 target,
+                sticky: r.sticky,
             });
         }
 
@@ -286,6 +316,31 @@ impl Generation {
             None => None,
         };
 
+        let sticky = match &config.sticky {
+            Some(c) => Some(
+                crate::sticky::Sticky::from_config(c)
+                    .map_err(|m| ConfigError::new(config_path, at("sticky:"), m))?,
+            ),
+            None => None,
+        };
+        let mut served_lanes: std::collections::BTreeSet<String> =
+            std::iter::once(FORMAL.to_string()).collect();
+        for svc in services.values() {
+            served_lanes.extend(svc.lanes.keys().cloned());
+        }
+        for r in &routes {
+            if let Target::Static(t) = &r.target {
+                if let Ok(rd) = std::fs::read_dir(&t.root) {
+                    for e in rd.flatten() {
+                        let name = e.file_name().to_string_lossy().into_owned();
+                        if e.path().is_dir() && valid_lane(&name) {
+                            served_lanes.insert(name);
+                        }
+                    }
+                }
+            }
+        }
+
         let trusted = IpList::from_nets(config.trusted_proxies.iter().copied());
         Ok(Generation {
             id,
@@ -302,6 +357,8 @@ impl Generation {
             files,
             loaded_at: SystemTime::now(),
             warnings,
+            sticky,
+            served_lanes,
         })
     }
 

@@ -8,14 +8,19 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod client_conn;
 pub mod config;
 pub mod demo;
+pub mod fuzz_entry;
 pub mod gateway;
 pub mod generation;
+pub mod health;
 pub mod lane;
 pub mod lists;
 pub mod nodes;
 pub mod proxy;
 pub mod reload;
 pub mod static_files;
+pub mod sticky;
+pub mod upbody;
 pub mod upstream;

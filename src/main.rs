@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
 use clap::Parser;
 use graygate::{admin, demo, gateway::Gateway, generation::Generation, reload};
@@ -117,10 +118,28 @@ async fn run(gw: Arc<Gateway>, workers: usize) -> ExitCode {
         eprintln!("cannot start workers: {e}");
         return ExitCode::FAILURE;
     }
+    // Active health checks run on this control-plane runtime.
+    gw.health.sync(&gen, &gw.client);
     tracing::info!(%addr, workers, generation = gen.id, "graygate listening");
     drop(gen);
     shutdown_signal().await;
-    tracing::info!("shutting down");
+    // Graceful stop: close the listeners, let in-flight requests finish
+    // (idle keep-alive connections close at once), exit 0 within the drain
+    // time.
+    let drain = Duration::from_millis(gw.current().config.client.drain_timeout_ms);
+    tracing::info!(
+        connections = gw.connections.get(),
+        drain_ms = drain.as_millis() as u64,
+        "shutting down: draining connections"
+    );
+    gw.begin_shutdown();
+    match tokio::time::timeout(drain, gw.drained()).await {
+        Ok(()) => tracing::info!("drained; exiting"),
+        Err(_) => tracing::warn!(
+            connections = gw.connections.get(),
+            "drain time over; closing remaining connections"
+        ),
+    }
     ExitCode::SUCCESS
 }
 

@@ -1,12 +1,13 @@
 //! API services and their nodes, grouped by lane, and the selection rule:
-//! nodes of the request's lane, else formal nodes (never another gray lane),
-//! picked by smooth weighted round-robin (nginx's algorithm).
+//! healthy nodes of the request's lane, else formal nodes (never another
+//! gray lane), picked by smooth weighted round-robin (nginx's algorithm).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-use crate::config::{NodeConfig, FORMAL};
+use crate::config::{HealthConfig, NodeConfig, FORMAL};
+use crate::health::NodeHealth;
 
 /// One upstream node.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -35,6 +36,8 @@ impl Node {
 #[derive(Debug)]
 pub struct LaneNodes {
     pub nodes: Vec<Node>,
+    /// Health of `nodes[i]`, shared with the registry across reloads.
+    pub health: Vec<Arc<NodeHealth>>,
     current: Mutex<Vec<i64>>,
 }
 
@@ -42,9 +45,42 @@ impl LaneNodes {
     fn new(nodes: Vec<Node>) -> LaneNodes {
         let n = nodes.len();
         LaneNodes {
+            health: (0..n).map(|_| Arc::new(NodeHealth::default())).collect(),
             nodes,
             current: Mutex::new(vec![0; n]),
         }
+    }
+
+    /// Does any node pass its health checks at `now`?
+    pub fn any_available(&self, now: u64) -> bool {
+        self.health.iter().any(|h| h.available(now))
+    }
+
+    /// Smooth weighted round-robin over the nodes not in `tried` and (unless
+    /// `ignore_health`) available at `now`. Returns the node's index.
+    pub fn pick_for(&self, now: u64, tried: &[usize], ignore_health: bool) -> Option<usize> {
+        let eligible =
+            |i: usize| !tried.contains(&i) && (ignore_health || self.health[i].available(now));
+        if self.nodes.len() == 1 {
+            return eligible(0).then_some(0);
+        }
+        let mut cur = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        let mut total = 0i64;
+        let mut best: Option<usize> = None;
+        for (i, node) in self.nodes.iter().enumerate() {
+            if !eligible(i) {
+                continue;
+            }
+            let w = i64::from(node.weight);
+            cur[i] += w;
+            total += w;
+            if best.is_none_or(|b| cur[i] > cur[b]) {
+                best = Some(i);
+            }
+        }
+        let b = best?;
+        cur[b] -= total;
+        Some(b)
     }
 
     /// Smooth weighted round-robin: every node gains its weight, the largest
@@ -77,14 +113,39 @@ impl LaneNodes {
 pub enum Fallback {
     /// The service has no node of the request's lane; formal served it.
     LaneHasNoNodes,
+    /// Every node of the request's gray lane is down; formal served it.
+    LaneUnhealthy,
+    /// Every candidate is down (formal too): the lane's own nodes are tried
+    /// anyway ("panic mode") rather than refusing all traffic.
+    AllUnhealthy,
 }
 
 impl Fallback {
     pub fn as_str(self) -> &'static str {
         match self {
             Fallback::LaneHasNoNodes => "lane_has_no_nodes",
+            Fallback::LaneUnhealthy => "lane_unhealthy",
+            Fallback::AllUnhealthy => "all_unhealthy",
         }
     }
+}
+
+/// Why no candidate set was chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoCandidates {
+    /// Neither the lane nor formal has nodes.
+    NoNodes,
+    /// The lane's nodes are all down and the service is `strict`.
+    StrictUnhealthy,
+}
+
+/// The candidate set chosen for a request.
+#[derive(Debug, Clone, Copy)]
+pub struct Choice<'a> {
+    pub set: &'a LaneNodes,
+    pub fallback: Option<Fallback>,
+    /// Panic mode: health is ignored because nothing is healthy.
+    pub ignore_health: bool,
 }
 
 /// A named service: its nodes split by lane.
@@ -92,6 +153,11 @@ impl Fallback {
 pub struct Service {
     pub name: String,
     pub lanes: BTreeMap<String, LaneNodes>,
+    pub health: HealthConfig,
+    /// All nodes of a gray lane down → 503 rather than formal.
+    pub strict: bool,
+    /// Per-service retry count (else `upstream.retries`).
+    pub retries: Option<u32>,
 }
 
 impl Service {
@@ -106,7 +172,56 @@ impl Service {
                 .into_iter()
                 .map(|(lane, nodes)| (lane, LaneNodes::new(nodes)))
                 .collect(),
+            health: HealthConfig::default(),
+            strict: false,
+            retries: None,
         }
+    }
+
+    /// Replaces each node's health handle with `lookup(addr)`.
+    pub fn attach_health(&mut self, mut lookup: impl FnMut(SocketAddr) -> Arc<NodeHealth>) {
+        for set in self.lanes.values_mut() {
+            set.health = set.nodes.iter().map(|n| lookup(n.addr)).collect();
+        }
+    }
+
+    /// The health-aware candidate set for `lane` at `now`: the lane's nodes
+    /// while any is up; when all are down, formal (or 503 if `strict`);
+    /// never another gray lane. A lane without nodes uses formal.
+    pub fn choose(&self, lane: &str, now: u64) -> Result<Choice<'_>, NoCandidates> {
+        let formal = self.lanes.get(FORMAL).filter(|s| !s.nodes.is_empty());
+        let Some(own) = self.lanes.get(lane).filter(|s| !s.nodes.is_empty()) else {
+            let set = formal.ok_or(NoCandidates::NoNodes)?;
+            return Ok(Choice {
+                set,
+                fallback: (lane != FORMAL).then_some(Fallback::LaneHasNoNodes),
+                ignore_health: !set.any_available(now),
+            });
+        };
+        if own.any_available(now) {
+            return Ok(Choice {
+                set: own,
+                fallback: None,
+                ignore_health: false,
+            });
+        }
+        if lane != FORMAL {
+            if self.strict {
+                return Err(NoCandidates::StrictUnhealthy);
+            }
+            if let Some(f) = formal.filter(|f| f.any_available(now)) {
+                return Ok(Choice {
+                    set: f,
+                    fallback: Some(Fallback::LaneUnhealthy),
+                    ignore_health: false,
+                });
+            }
+        }
+        Ok(Choice {
+            set: own,
+            fallback: Some(Fallback::AllUnhealthy),
+            ignore_health: true,
+        })
     }
 
     /// The candidate set for `lane`: that lane's nodes, else formal's.
@@ -166,6 +281,71 @@ mod tests {
         let only_gray = Service::new("s", vec![node("g", "gray", 1)]);
         assert!(only_gray.candidates("v2").is_none());
         assert!(only_gray.candidates(FORMAL).is_none());
+    }
+
+    #[test]
+    fn unhealthy_lane_goes_formal_never_other_gray() {
+        use crate::config::PassiveHealth;
+        let p = PassiveHealth {
+            max_fails: 1,
+            cooldown_ms: 60_000,
+            fail_on_5xx: true,
+        };
+        let mut s = Service::new(
+            "s",
+            vec![
+                node("f", FORMAL, 1),
+                node("g1", "gray", 1),
+                node("g2", "gray", 1),
+                node("v", "v2", 1),
+            ],
+        );
+        let now = crate::health::now_ms();
+        let gray = &s.lanes["gray"];
+        gray.health[0].failure("g1", &p);
+        // One gray node down: the other takes every pick.
+        let c = s.choose("gray", now).unwrap();
+        assert!(c.fallback.is_none());
+        for _ in 0..4 {
+            let i = c.set.pick_for(now, &[], c.ignore_health).unwrap();
+            assert_eq!(c.set.nodes[i].name, "g2");
+        }
+        gray.health[1].failure("g2", &p);
+        let c = s.choose("gray", now).unwrap();
+        assert_eq!(c.fallback, Some(Fallback::LaneUnhealthy));
+        assert_eq!(c.set.nodes[0].name, "f");
+        s.strict = true;
+        assert_eq!(
+            s.choose("gray", now).unwrap_err(),
+            NoCandidates::StrictUnhealthy
+        );
+        // Formal down too: panic mode inside the request's own lane.
+        s.strict = false;
+        s.lanes[FORMAL].health[0].failure("f", &p);
+        let c = s.choose("gray", now).unwrap();
+        assert_eq!(c.fallback, Some(Fallback::AllUnhealthy));
+        assert!(c.ignore_health);
+        assert_eq!(c.set.nodes[0].lane, "gray");
+    }
+
+    #[test]
+    fn retries_skip_tried_nodes() {
+        let s = Service::new(
+            "s",
+            vec![
+                node("a", FORMAL, 1),
+                node("b", FORMAL, 1),
+                node("c", FORMAL, 1),
+            ],
+        );
+        let set = &s.lanes[FORMAL];
+        let now = crate::health::now_ms();
+        let mut tried = Vec::new();
+        while let Some(i) = set.pick_for(now, &tried, false) {
+            tried.push(i);
+        }
+        tried.sort();
+        assert_eq!(tried, vec![0, 1, 2]);
     }
 
     #[test]

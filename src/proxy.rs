@@ -11,15 +11,22 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{Request, Response, StatusCode, Uri, Version};
+use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full};
 use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
 
-use crate::config::{UpstreamConfig, FORMAL};
+use crate::config::{ClientConfig, UpstreamConfig, FORMAL};
 use crate::gateway::Gateway;
 use crate::generation::{Generation, Target};
-use crate::lane::{self, Decision, RequestInfo};
+use crate::health::now_ms;
+use crate::lane::{self, DecidedBy, Decision, RequestInfo};
 use crate::lists::IpList;
+use crate::nodes::{Fallback, NoCandidates};
+use crate::sticky::{unix_now, Sticky};
+use crate::upbody::Replay;
+pub use crate::upbody::UpBody;
+use crate::upstream::PooledBody;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// Every response body the gateway sends.
@@ -146,6 +153,31 @@ impl FallbackLog {
     }
 }
 
+/// Header carrying the serving generation's id upstream, so a backend (and
+/// the reload tests) can tell which configuration routed a request.
+pub const GENERATION_HEADER: &str = "x-graygate-generation";
+
+/// 414/431 for request targets or heads over the configured limits.
+pub fn check_limits<B>(req: &Request<B>, limits: &ClientConfig) -> Option<Response<Body>> {
+    let target = req.uri().path_and_query().map_or(0, |pq| pq.as_str().len())
+        + req.uri().authority().map_or(0, |a| a.as_str().len());
+    if target > limits.max_uri_bytes {
+        return Some(plain(StatusCode::URI_TOO_LONG, "request target too long\n"));
+    }
+    let head: usize = req
+        .headers()
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len() + 4)
+        .sum();
+    if head > limits.max_header_bytes {
+        return Some(plain(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "request headers too large\n",
+        ));
+    }
+    None
+}
+
 /// Serves one client request.
 pub async fn handle(
     gw: &Gateway,
@@ -153,6 +185,9 @@ pub async fn handle(
     req: Request<Incoming>,
 ) -> Result<Response<Body>, Infallible> {
     let gen = gw.current();
+    if let Some(r) = check_limits(&req, &gen.config.client) {
+        return Ok(r);
+    }
     let (parts, body) = req.into_parts();
     let host = host_of(&parts.headers, &parts.uri);
     let peer_trusted = gen.trusted.contains(peer.ip());
@@ -165,9 +200,16 @@ pub async fn handle(
         client_ip: client,
         host,
     };
-    let (info, mut decision) = lane::decide(&gen, info, peer_trusted);
+    let sticky = gen.sticky.as_ref().filter(|_| route.sticky);
+    let (info, mut decision, set_cookie) = match sticky {
+        Some(st) => decide_sticky(&gen, st, info, peer_trusted),
+        None => {
+            let (i, d) = lane::decide(&gen, info, peer_trusted);
+            (i, d, None)
+        }
+    };
     decision.route = Some(route.prefix.clone());
-    let resp = match &route.target {
+    let mut resp = match &route.target {
         Target::Service(name) => {
             forward(
                 gw,
@@ -183,6 +225,9 @@ pub async fn handle(
         }
         Target::Static(tree) => crate::static_files::serve(tree, &info.parts, &mut decision).await,
     };
+    if let Some(c) = set_cookie {
+        resp.headers_mut().append(header::SET_COOKIE, c);
+    }
     tracing::debug!(
         generation = gen.id,
         lane = %decision.lane,
@@ -193,6 +238,71 @@ pub async fn handle(
         "request"
     );
     Ok(resp)
+}
+
+/// Sticky routes: a valid cookie naming a lane this generation still serves
+/// keeps that lane; otherwise the lane is decided as usual and (for a real
+/// decision, not a script failure) a fresh cookie is returned to set. A tag
+/// from a trusted proxy always wins.
+pub fn decide_sticky(
+    gen: &Generation,
+    st: &Sticky,
+    info: RequestInfo,
+    peer_trusted: bool,
+) -> (RequestInfo, Decision, Option<HeaderValue>) {
+    let tagged = peer_trusted && info.parts.headers.contains_key(&gen.tag_header);
+    let now = unix_now();
+    // A deny rule beats a sticky cookie too (and pins no cookie).
+    let denied = gen
+        .rules
+        .as_ref()
+        .is_some_and(|r| r.denied(&info).is_some());
+    if !tagged && !denied {
+        let kept = lane::cookie_value(&info.parts.headers, &st.cookie)
+            .and_then(|v| st.verify(v, now))
+            .filter(|l| gen.served_lanes.contains(*l))
+            .map(str::to_string);
+        if let Some(l) = kept {
+            return (info, Decision::new(l, DecidedBy::StickyCookie), None);
+        }
+    }
+    let (info, d) = lane::decide(gen, info, peer_trusted);
+    let cookie = matches!(
+        d.decided_by,
+        DecidedBy::Script | DecidedBy::Default | DecidedBy::Rule(_) | DecidedBy::RuleFallback
+    )
+    .then(|| st.set_cookie(&d.lane, now));
+    (info, d, cookie)
+}
+
+/// Methods safe to send twice (RFC 9110 9.2.2).
+pub fn idempotent(m: &Method) -> bool {
+    matches!(
+        *m,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::PUT | Method::DELETE | Method::TRACE
+    )
+}
+
+fn upgrade_requested(h: &HeaderMap) -> Option<HeaderValue> {
+    let conn_upgrade = h
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
+    if conn_upgrade {
+        h.get(header::UPGRADE).cloned()
+    } else {
+        None
+    }
+}
+
+/// How one upstream attempt ended (for health and retry decisions).
+enum Outcome {
+    Response(Response<PooledBody>),
+    Connect(String),
+    NoResponse(String),
+    Timeout,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -210,72 +320,223 @@ async fn forward(
     let Some(service) = gen.services.get(service_name) else {
         return plain(StatusCode::SERVICE_UNAVAILABLE, "no such service\n");
     };
-    let Some((set, fallback)) = service.candidates(&decision.lane) else {
-        return plain(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "no upstream node for this lane\n",
-        );
-    };
-    if let Some(fb) = fallback {
-        decision.fallback = Some(fb.as_str());
-        if gw.fallback_log.should_log(service_name, &decision.lane) {
-            tracing::warn!(
-                service = service_name,
-                lane = %decision.lane,
-                lane_nodes = service.count(&decision.lane),
-                formal_nodes = service.count(FORMAL),
-                "no node serves this lane; sending to formal"
+    let choice = match service.choose(&decision.lane, now_ms()) {
+        Ok(c) => c,
+        Err(NoCandidates::NoNodes) => {
+            return plain(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no upstream node for this lane\n",
+            )
+        }
+        Err(NoCandidates::StrictUnhealthy) => {
+            decision.fallback = Some("lane_unhealthy_strict");
+            if gw.fallback_log.should_log(service_name, &decision.lane) {
+                tracing::warn!(
+                    service = service_name,
+                    lane = %decision.lane,
+                    "every node of this lane is down and the service is strict; answering 503"
+                );
+            }
+            return plain(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no healthy upstream node for this lane\n",
             );
         }
-    }
-    let node = set.pick().expect("candidate sets are never empty");
-    decision.candidates = set.nodes.len();
-    decision.served_lane = Some(node.lane.clone());
-    decision.node = Some(node.name.clone());
-
-    let RequestInfo {
-        mut parts, host: _, ..
-    } = info;
-    let original_host = parts.headers.get(header::HOST).cloned();
-    strip_hop_by_hop(&mut parts.headers);
-    let tag = HeaderValue::from_str(&decision.lane).expect("lane names are header-safe");
-    parts.headers.insert(gen.tag_header.clone(), tag);
-    set_forwarded(&mut parts.headers, peer.ip(), peer_trusted, original_host);
-
-    let path_and_query = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
-    let uri = match Uri::builder()
-        .scheme("http")
-        .authority(node.addr.to_string())
-        .path_and_query(path_and_query)
-        .build()
-    {
-        Ok(u) => u,
-        Err(_) => return plain(StatusCode::BAD_REQUEST, "bad request target\n"),
     };
-    parts.uri = uri;
-    parts.version = Version::HTTP_11;
-    let upstream_req = Request::from_parts(parts, body);
-
-    let timeout = Duration::from_millis(gen.config.upstream.response_timeout_ms);
-    match tokio::time::timeout(timeout, gw.client.request(upstream_req)).await {
-        Err(_) => {
-            tracing::warn!(node = %node.name, addr = %node.addr, "upstream timed out");
-            plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out\n")
+    let set = choice.set;
+    if let Some(fb) = choice.fallback {
+        decision.fallback = Some(fb.as_str());
+        if fb == Fallback::LaneUnhealthy {
+            gw.health.count_fallback(service_name);
         }
-        Ok(Err(e)) => {
-            tracing::warn!(node = %node.name, addr = %node.addr, error = %e, "upstream failed");
-            if e.is_connect() {
-                plain(StatusCode::BAD_GATEWAY, "upstream connect error\n")
-            } else {
-                plain(StatusCode::BAD_GATEWAY, "upstream error\n")
+        if gw.fallback_log.should_log(service_name, &decision.lane) {
+            let (lane_nodes, formal_nodes) = (service.count(&decision.lane), service.count(FORMAL));
+            match fb {
+                Fallback::LaneHasNoNodes => tracing::warn!(
+                    service = service_name,
+                    lane = %decision.lane,
+                    lane_nodes,
+                    formal_nodes,
+                    "no node serves this lane; sending to formal"
+                ),
+                Fallback::LaneUnhealthy => tracing::warn!(
+                    service = service_name,
+                    lane = %decision.lane,
+                    lane_nodes,
+                    formal_nodes,
+                    "every node of this lane is down; sending to formal"
+                ),
+                Fallback::AllUnhealthy => tracing::warn!(
+                    service = service_name,
+                    lane = %decision.lane,
+                    lane_nodes,
+                    formal_nodes,
+                    "every candidate node is down; trying the lane's nodes anyway"
+                ),
             }
         }
-        Ok(Ok(resp)) => {
-            let (mut head, body) = resp.into_parts();
-            strip_hop_by_hop(&mut head.headers);
-            Response::from_parts(head, boxed(body))
+    }
+    decision.candidates = set.nodes.len();
+
+    let upstream = &gen.config.upstream;
+    let deadline = Instant::now() + Duration::from_millis(upstream.total_timeout_ms);
+    let RequestInfo { mut parts, .. } = info;
+    let original_host = parts.headers.get(header::HOST).cloned();
+    let upgrade = upgrade_requested(&parts.headers);
+    let client_upgrade = upgrade
+        .as_ref()
+        .and_then(|_| parts.extensions.remove::<hyper::upgrade::OnUpgrade>());
+    strip_hop_by_hop(&mut parts.headers);
+    if let Some(u) = &upgrade {
+        parts
+            .headers
+            .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        parts.headers.insert(header::UPGRADE, u.clone());
+    }
+    let tag = HeaderValue::from_str(&decision.lane).expect("lane names are header-safe");
+    parts.headers.insert(gen.tag_header.clone(), tag);
+    parts
+        .headers
+        .insert(GENERATION_HEADER, HeaderValue::from(gen.id));
+    set_forwarded(&mut parts.headers, peer.ip(), peer_trusted, original_host);
+    let path_and_query = parts
+        .uri
+        .path_and_query()
+        .cloned()
+        .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
+    let method = parts.method.clone();
+    let idem = idempotent(&method);
+    let policy = &service.health.passive;
+
+    let replay = tokio::time::timeout_at(
+        deadline.into(),
+        Replay::new(body, idem, upstream.retry_buffer_bytes),
+    )
+    .await;
+    let mut replay = match replay {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) => return plain(StatusCode::BAD_REQUEST, "request body error\n"),
+        Err(_) => return plain(StatusCode::REQUEST_TIMEOUT, "request body timed out\n"),
+    };
+    let retries = service.retries.unwrap_or(upstream.retries) as usize;
+    let max_attempts = (retries + 1).min(set.nodes.len());
+    let mut tried: Vec<usize> = Vec::with_capacity(max_attempts);
+    let mut last_error = None;
+    while tried.len() < max_attempts {
+        let Some(idx) = set.pick_for(now_ms(), &tried, choice.ignore_health) else {
+            break;
+        };
+        let Some(up_body) = replay.next_body() else {
+            break;
+        };
+        tried.push(idx);
+        let node = &set.nodes[idx];
+        let health = &set.health[idx];
+        decision.served_lane = Some(node.lane.clone());
+        decision.node = Some(node.name.clone());
+        let Ok(uri) = Uri::builder()
+            .scheme("http")
+            .authority(node.addr.to_string())
+            .path_and_query(path_and_query.clone())
+            .build()
+        else {
+            return plain(StatusCode::BAD_REQUEST, "bad request target\n");
+        };
+        let mut req = Request::new(up_body);
+        *req.method_mut() = method.clone();
+        *req.uri_mut() = uri;
+        *req.version_mut() = Version::HTTP_11;
+        *req.headers_mut() = if tried.len() < max_attempts {
+            parts.headers.clone()
+        } else {
+            std::mem::take(&mut parts.headers)
+        };
+
+        let now = Instant::now();
+        if now >= deadline {
+            return plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out\n");
+        }
+        let per_try = Duration::from_millis(upstream.response_timeout_ms).min(deadline - now);
+        let outcome = match tokio::time::timeout(per_try, gw.client.request(req)).await {
+            Err(_) => Outcome::Timeout,
+            Ok(Ok(r)) => Outcome::Response(r),
+            Ok(Err(e)) if e.is_connect() => Outcome::Connect(e.to_string()),
+            Ok(Err(e)) => Outcome::NoResponse(e.to_string()),
+        };
+        let (retry_ok, resp) = match outcome {
+            Outcome::Response(r) => {
+                if policy.fail_on_5xx && r.status().is_server_error() {
+                    health.failure(&node.name, policy);
+                } else {
+                    health.success(&node.name);
+                }
+                return respond(r, client_upgrade, upgrade.is_some(), gw);
+            }
+            Outcome::Connect(e) => {
+                tracing::warn!(node = %node.name, addr = %node.addr, error = %e, "upstream connect failed");
+                health.failure(&node.name, policy);
+                (
+                    true,
+                    plain(StatusCode::BAD_GATEWAY, "upstream connect error\n"),
+                )
+            }
+            Outcome::NoResponse(e) => {
+                tracing::warn!(node = %node.name, addr = %node.addr, error = %e, "upstream failed");
+                health.failure(&node.name, policy);
+                (idem, plain(StatusCode::BAD_GATEWAY, "upstream error\n"))
+            }
+            Outcome::Timeout => {
+                tracing::warn!(node = %node.name, addr = %node.addr, "upstream timed out");
+                health.failure(&node.name, policy);
+                (
+                    idem,
+                    plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out\n"),
+                )
+            }
+        };
+        last_error = Some(resp);
+        replay.recover();
+        if !retry_ok || !replay.replayable() {
+            break;
+        }
+        if tried.len() < max_attempts {
+            tracing::info!(node = %node.name, attempt = tried.len() + 1, "retrying on another node of the same lane");
         }
     }
+    last_error.unwrap_or_else(|| plain(StatusCode::BAD_GATEWAY, "no upstream node available\n"))
+}
+
+/// Passes the upstream response back; a `101 Switching Protocols` answer
+/// to an upgrade request joins the two connections into a tunnel that keeps
+/// the node (and so the lane) for the connection's life.
+fn respond(
+    mut resp: Response<PooledBody>,
+    client_upgrade: Option<hyper::upgrade::OnUpgrade>,
+    upgrade_requested: bool,
+    gw: &Gateway,
+) -> Response<Body> {
+    if upgrade_requested && resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        let Some(client_up) = client_upgrade else {
+            return plain(StatusCode::BAD_GATEWAY, "upgrade unavailable\n");
+        };
+        let upstream_up = hyper::upgrade::on(&mut resp);
+        let tunnels = gw.tunnels.clone();
+        tokio::spawn(async move {
+            let (Ok(c), Ok(u)) = tokio::join!(client_up, upstream_up) else {
+                tracing::debug!("upgrade handshake did not complete");
+                return;
+            };
+            let _guard = crate::gateway::Counted::new(tunnels);
+            let mut c = TokioIo::new(c);
+            let mut u = TokioIo::new(u);
+            let _ = tokio::io::copy_bidirectional(&mut c, &mut u).await;
+        });
+        let (head, body) = resp.into_parts();
+        return Response::from_parts(head, boxed(body));
+    }
+    let (mut head, body) = resp.into_parts();
+    strip_hop_by_hop(&mut head.headers);
+    Response::from_parts(head, boxed(body))
 }
 
 /// Sets X-Forwarded-For/-Proto/-Host. From a trusted proxy the chain is

@@ -23,8 +23,9 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
 use crate::config::UpstreamConfig;
+use crate::upbody::UpBody;
 
-type Sender = SendRequest<Incoming>;
+type Sender = SendRequest<UpBody>;
 
 struct Idle {
     sender: Sender,
@@ -86,7 +87,7 @@ impl Upstream {
     /// response with its body still streaming.
     pub async fn request(
         &self,
-        req: Request<Incoming>,
+        req: Request<UpBody>,
     ) -> Result<Response<PooledBody>, UpstreamError> {
         let addr = req
             .uri()

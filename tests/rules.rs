@@ -226,3 +226,36 @@ async fn script_runs_after_rules_sees_the_verdict_and_may_override() {
     let r = Req::get("/").from_ip("127.0.8.5").header("X-Override", "1");
     assert_eq!(tag(&gw, r).await, "formal");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rules_pin_sticky_cookies_and_deny_beats_a_sticky_cookie() {
+    let bs = backends().await;
+    let fx = Fixture::new();
+    write_common(&fx, &bs);
+    fx.write("rules.yaml", RULES);
+    let cfg = fx.write(
+        "gg.yaml",
+        &main_config(
+            "lists:\n  testers: testers.txt\nrules_file: rules.yaml\nnode_files: [nodes.yaml]\nsticky:\n  key: test-sticky-key-0123456789\nroutes:\n  - prefix: /\n    service: api\n    sticky: true\n",
+        ),
+    );
+    let gw = Gateway::start(&cfg);
+    // A rule decides gray and the lane is pinned in a cookie.
+    let r = Req::get("/").from_ip("127.0.9.5").send(gw.addr).await;
+    assert_eq!(r.json()["tag"], "gray");
+    let set = r
+        .header("set-cookie")
+        .expect("sticky cookie set for a rule decision");
+    let cookie = set.split(';').next().unwrap().to_string();
+    // The cookie keeps the lane where no rule would match…
+    let r = Req::get("/").header("Cookie", &cookie).send(gw.addr).await;
+    assert_eq!(r.json()["tag"], "gray");
+    // …but a deny rule still wins, and pins nothing.
+    let r = Req::get("/")
+        .from_ip("127.0.8.5")
+        .header("Cookie", &cookie)
+        .send(gw.addr)
+        .await;
+    assert_eq!(r.json()["tag"], "formal");
+    assert_eq!(r.header("set-cookie"), None);
+}

@@ -83,6 +83,8 @@ pub enum DecidedBy {
     Rule(Arc<str>),
     /// Rules are enabled but none matched: their `fallback` lane.
     RuleFallback,
+    /// A valid signed sticky cookie kept the lane of an earlier decision.
+    StickyCookie,
 }
 
 impl DecidedBy {
@@ -93,6 +95,7 @@ impl DecidedBy {
             DecidedBy::TrustedTag => "trusted_tag",
             DecidedBy::ScriptError(_) => "script_error",
             DecidedBy::InvalidLane(_) => "invalid_lane",
+            DecidedBy::StickyCookie => "sticky_cookie",
             DecidedBy::Deny(_) => "deny",
             DecidedBy::Rule(_) => "rule",
             DecidedBy::RuleFallback => "rule_fallback",

@@ -299,12 +299,20 @@ pub enum Verdict {
 }
 
 impl Rules {
+    /// The deny rule matching `r`, if the rules are enabled.
+    pub fn denied(&self, r: &RequestInfo) -> Option<&Arc<str>> {
+        if !self.enabled {
+            return None;
+        }
+        self.deny.iter().find(|d| d.matches(r)).map(|d| &d.name)
+    }
+
     pub fn verdict(&self, r: &RequestInfo) -> Verdict {
         if !self.enabled {
             return Verdict::Disabled;
         }
-        if let Some(d) = self.deny.iter().find(|d| d.matches(r)) {
-            return Verdict::Deny(d.name.clone());
+        if let Some(name) = self.denied(r) {
+            return Verdict::Deny(name.clone());
         }
         match self.rules.iter().find(|x| x.matches(r)) {
             Some(x) => Verdict::Rule {

@@ -1,0 +1,200 @@
+//! One client connection: an I/O wrapper that records activity, a
+//! response-body guard that marks requests in flight, and the watchdog that
+//! enforces the header-read (slowloris) and idle keep-alive timeouts and
+//! turns a shutdown signal into hyper's graceful close.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use hyper::body::{Body, Frame, SizeHint};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use crate::health::now_ms;
+use crate::proxy::BoxError;
+
+/// What the watchdog knows about a connection.
+#[derive(Debug, Default)]
+pub struct Activity {
+    /// Last read or write (`now_ms`).
+    last: AtomicU64,
+    /// When the first byte of a not-yet-parsed request head arrived; 0 = none.
+    head_started: AtomicU64,
+    /// Requests whose response has not been fully sent.
+    in_flight: AtomicUsize,
+}
+
+impl Activity {
+    pub fn new() -> Arc<Activity> {
+        let a = Activity::default();
+        a.last.store(now_ms(), Ordering::Relaxed);
+        Arc::new(a)
+    }
+
+    /// A request head was parsed: the header timer stops.
+    pub fn request_started(self: &Arc<Self>) -> InFlight {
+        self.head_started.store(0, Ordering::Relaxed);
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(self.clone())
+    }
+}
+
+/// Held by a response body until it is fully sent (or dropped).
+pub struct InFlight(Arc<Activity>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.last.store(now_ms(), Ordering::Relaxed);
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A response body that keeps its request "in flight" until done.
+pub struct Tracked {
+    pub inner: crate::proxy::Body,
+    pub guard: Option<InFlight>,
+}
+
+impl Body for Tracked {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let r = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(None) = r {
+            self.guard = None;
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A client stream that records reads and writes in [`Activity`].
+pub struct TimedIo<T> {
+    inner: T,
+    act: Arc<Activity>,
+}
+
+impl<T> TimedIo<T> {
+    pub fn new(inner: T, act: Arc<Activity>) -> TimedIo<T> {
+        TimedIo { inner, act }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for TimedIo<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            let now = now_ms();
+            let a = &self.act;
+            a.last.store(now, Ordering::Relaxed);
+            if a.in_flight.load(Ordering::Relaxed) == 0 {
+                let _ =
+                    a.head_started
+                        .compare_exchange(0, now, Ordering::Relaxed, Ordering::Relaxed);
+            }
+        }
+        r
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for TimedIo<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            self.act.last.store(now_ms(), Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// What the watchdog decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Nothing due; look again after this long.
+    Wait(Duration),
+    /// A request head has been arriving for too long: drop the connection.
+    HeaderTimeout,
+    /// Idle keep-alive connection: close it gracefully.
+    Idle,
+}
+
+/// Decides what to do with a connection at `now`.
+pub fn verdict(act: &Activity, now: u64, header_ms: u64, idle_ms: u64) -> Verdict {
+    let started = act.head_started.load(Ordering::Relaxed);
+    if started != 0 {
+        let due = started + header_ms;
+        return if now >= due {
+            Verdict::HeaderTimeout
+        } else {
+            Verdict::Wait(Duration::from_millis(due - now))
+        };
+    }
+    if act.in_flight.load(Ordering::Relaxed) > 0 {
+        return Verdict::Wait(Duration::from_millis(idle_ms.min(header_ms).max(10)));
+    }
+    let due = act.last.load(Ordering::Relaxed) + idle_ms;
+    if now >= due {
+        Verdict::Idle
+    } else {
+        Verdict::Wait(Duration::from_millis(due - now))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_timer_runs_only_while_a_head_arrives() {
+        let a = Activity::new();
+        let t0 = a.last.load(Ordering::Relaxed);
+        assert!(matches!(verdict(&a, t0, 100, 1000), Verdict::Wait(_)));
+        assert_eq!(verdict(&a, t0 + 1000, 100, 1000), Verdict::Idle);
+        a.head_started.store(t0 + 500, Ordering::Relaxed);
+        assert!(matches!(verdict(&a, t0 + 550, 100, 1000), Verdict::Wait(_)));
+        assert_eq!(verdict(&a, t0 + 600, 100, 1000), Verdict::HeaderTimeout);
+        let g = a.request_started();
+        assert!(matches!(
+            verdict(&a, t0 + 9999, 100, 1000),
+            Verdict::Wait(_)
+        ));
+        drop(g);
+        assert_eq!(
+            verdict(&a, now_ms() + 1000, 100, 1000),
+            Verdict::Idle,
+            "idle counts from the end of the response"
+        );
+    }
+}

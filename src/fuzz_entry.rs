@@ -1,0 +1,150 @@
+//! Entry points shared by the cargo-fuzz targets in `fuzz/` and the bounded
+//! stable-Rust smoke test (`tests/fuzz_smoke.rs`): config files → loader,
+//! and raw request bytes → route and lane decision. Both check invariants
+//! and panic when one breaks, which is what a fuzzer looks for.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::{Component, Path};
+
+use http::{HeaderName, HeaderValue, Method, Request, Uri};
+
+use crate::config::{parse_yaml, valid_lane, ConfigError, MainConfig};
+use crate::generation::{Generation, Target};
+use crate::lane::{self, Decision, RequestInfo};
+use crate::proxy::{check_limits, client_ip, decide_sticky, host_of};
+
+/// Separates the files inside one fuzz input.
+pub const FILE_SEPARATOR: &[u8] = b"\n%%%%\n";
+
+/// The files a config input is split into, in order.
+pub const FILES: [&str; 4] = ["gg.yaml", "nodes.yaml", "ips.txt", "lane.lua"];
+
+fn relative_inside(p: &Path) -> bool {
+    p.components().all(|c| matches!(c, Component::Normal(_)))
+}
+
+/// Splits `data` into the main file, a node file, an IP list and a Lua
+/// script, writes them into `dir` and loads a generation from them. Inputs
+/// whose main file names paths outside `dir` are skipped (`None`): the
+/// loader would read them, which is not what is being fuzzed.
+pub fn load_config_input(dir: &Path, data: &[u8]) -> Option<Result<Generation, ConfigError>> {
+    let mut parts: Vec<&[u8]> = Vec::new();
+    let mut rest = data;
+    while parts.len() < FILES.len() - 1 {
+        match rest
+            .windows(FILE_SEPARATOR.len())
+            .position(|w| w == FILE_SEPARATOR)
+        {
+            Some(i) => {
+                parts.push(&rest[..i]);
+                rest = &rest[i + FILE_SEPARATOR.len()..];
+            }
+            None => break,
+        }
+    }
+    parts.push(rest);
+    let main_text = String::from_utf8_lossy(parts[0]);
+    if let Ok(cfg) = parse_yaml::<MainConfig>(Path::new("gg.yaml"), &main_text) {
+        let mut paths: Vec<&Path> = cfg.lists.values().map(|p| p.as_path()).collect();
+        paths.extend(cfg.node_files.iter().map(|p| p.as_path()));
+        paths.extend(cfg.script.iter().map(|p| p.as_path()));
+        paths.extend(cfg.root.iter().map(|p| p.as_path()));
+        paths.extend(cfg.routes.iter().filter_map(|r| r.static_root.as_deref()));
+        if !paths.into_iter().all(relative_inside) {
+            return None;
+        }
+    }
+    for (name, part) in FILES.iter().zip(parts.iter()) {
+        std::fs::write(dir.join(name), part).ok()?;
+    }
+    let main = dir.join(FILES[0]);
+    let result = Generation::load(&main, 1);
+    if let Err(e) = &result {
+        // Every error names the file it is about.
+        let text = e.to_string();
+        assert!(
+            text.starts_with(&*e.file.to_string_lossy()),
+            "error without its file: {text}"
+        );
+        if let Some(l) = e.line {
+            assert!(l >= 1, "line numbers are 1-based: {text}");
+        }
+    }
+    Some(result)
+}
+
+/// Parses raw request bytes like the HTTP/1 server would, then routes and
+/// decides the lane under `gen`. The first byte picks the peer address
+/// (odd = inside 127.0.9.0/24) and whether the peer is treated as trusted.
+/// Returns `None` for bytes that are not a complete, valid request head.
+pub fn request_decision(gen: &Generation, data: &[u8]) -> Option<Decision> {
+    let (&sel, raw) = data.split_first()?;
+    let mut headers = [httparse::EMPTY_HEADER; 64];
+    let mut parsed = httparse::Request::new(&mut headers);
+    let httparse::Status::Complete(_) = parsed.parse(raw).ok()? else {
+        return None;
+    };
+    let method = Method::from_bytes(parsed.method?.as_bytes()).ok()?;
+    let uri: Uri = parsed.path?.parse().ok()?;
+    let mut req = Request::builder().method(method).uri(uri).body(()).ok()?;
+    for h in parsed.headers.iter() {
+        let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(h.name.as_bytes()),
+            HeaderValue::from_bytes(h.value),
+        ) else {
+            return None;
+        };
+        req.headers_mut().append(n, v);
+    }
+    if let Some(r) = check_limits(&req, &gen.config.client) {
+        assert!(r.status().is_client_error());
+        return None;
+    }
+    let peer = IpAddr::V4(if sel & 1 == 1 {
+        Ipv4Addr::new(127, 0, 9, sel)
+    } else {
+        Ipv4Addr::LOCALHOST
+    });
+    let peer_trusted = sel & 2 == 2;
+    let (parts, ()) = req.into_parts();
+    let host = host_of(&parts.headers, &parts.uri);
+    let client = client_ip(peer, &parts.headers, &gen.trusted);
+    let route = gen.route(&host, parts.uri.path())?;
+    let info = RequestInfo {
+        parts,
+        client_ip: client,
+        host,
+    };
+    let (info, decision) = match gen.sticky.as_ref().filter(|_| route.sticky) {
+        Some(st) => {
+            let (i, d, cookie) = decide_sticky(gen, st, info, peer_trusted);
+            if let Some(c) = cookie {
+                assert!(c.to_str().is_ok());
+            }
+            (i, d)
+        }
+        None => lane::decide(gen, info, peer_trusted),
+    };
+    // The lane always becomes a valid header value.
+    assert!(valid_lane(&decision.lane), "{:?}", decision.lane);
+    HeaderValue::from_str(&decision.lane).expect("lane is header-safe");
+    match &route.target {
+        Target::Service(name) => {
+            if let Some(svc) = gen.services.get(name) {
+                if let Ok(c) = svc.choose(&decision.lane, crate::health::now_ms()) {
+                    // Never another gray lane.
+                    let set_lane = &c.set.nodes[0].lane;
+                    assert!(set_lane == &decision.lane || set_lane == crate::config::FORMAL);
+                }
+            }
+        }
+        Target::Static(tree) => {
+            if let Some(rel) =
+                crate::static_files::safe_relative(info.parts.uri.path(), &tree.index)
+            {
+                assert!(relative_inside(&rel), "{rel:?} escapes the tree");
+            }
+        }
+    }
+    Some(decision)
+}

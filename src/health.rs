@@ -1,0 +1,414 @@
+//! Node health that outlives generations: a registry keyed by (service,
+//! node address) holding passive state (consecutive failures, ejection with
+//! cool-down, trial re-admission) and active state (background HTTP probes
+//! that follow reloads). Selection in `nodes` reads it lock-free.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Request};
+
+use crate::config::{ActiveHealth, PassiveHealth};
+use crate::generation::Generation;
+use crate::proxy::{UpBody, UpstreamClient};
+
+/// Milliseconds since the process's health clock started (never 0).
+pub fn now_ms() -> u64 {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    let e = EPOCH.get_or_init(Instant::now);
+    e.elapsed().as_millis() as u64 + 1
+}
+
+/// The health of one node. All fields are atomics: selection reads them on
+/// every request without locking.
+#[derive(Debug, Default)]
+pub struct NodeHealth {
+    fails: AtomicU32,
+    /// 0 = not ejected; else the `now_ms` when the cool-down ends. Past
+    /// that moment the node is on trial: one success re-admits it, one
+    /// failure ejects it again.
+    ejected_until: AtomicU64,
+    active_down: AtomicBool,
+    ejections: AtomicU64,
+}
+
+/// A point-in-time view of a node's health (for status pages and metrics).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HealthView {
+    pub available: bool,
+    pub ejected: bool,
+    pub on_trial: bool,
+    pub active_down: bool,
+    pub consecutive_fails: u32,
+    pub ejections: u64,
+}
+
+impl NodeHealth {
+    /// May selection use this node at `now` (a `now_ms` value)?
+    pub fn available(&self, now: u64) -> bool {
+        if self.active_down.load(Ordering::Relaxed) {
+            return false;
+        }
+        let until = self.ejected_until.load(Ordering::Relaxed);
+        until == 0 || now >= until
+    }
+
+    pub fn view(&self) -> HealthView {
+        let now = now_ms();
+        let until = self.ejected_until.load(Ordering::Relaxed);
+        HealthView {
+            available: self.available(now),
+            ejected: until != 0 && now < until,
+            on_trial: until != 0 && now >= until,
+            active_down: self.active_down.load(Ordering::Relaxed),
+            consecutive_fails: self.fails.load(Ordering::Relaxed),
+            ejections: self.ejections.load(Ordering::Relaxed),
+        }
+    }
+
+    /// A request reached the node and got an acceptable answer.
+    pub fn success(&self, node: &str) {
+        self.fails.store(0, Ordering::Relaxed);
+        if self.ejected_until.swap(0, Ordering::Relaxed) != 0 {
+            tracing::info!(node, "node passed its trial request; re-admitted");
+        }
+    }
+
+    /// A request to the node failed (connect error, timeout, no response,
+    /// or a 5xx when configured to count).
+    pub fn failure(&self, node: &str, policy: &PassiveHealth) {
+        if policy.max_fails == 0 {
+            return;
+        }
+        let now = now_ms();
+        let until = self.ejected_until.load(Ordering::Relaxed);
+        if until != 0 {
+            // Ejected: a failure of the trial request ejects it again; a late
+            // failure of a request sent before the ejection changes nothing.
+            if now >= until
+                && self
+                    .ejected_until
+                    .compare_exchange(
+                        until,
+                        now + policy.cooldown_ms,
+                        Ordering::Relaxed,
+                        Ordering::Relaxed,
+                    )
+                    .is_ok()
+            {
+                self.ejections.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    node,
+                    cooldown_ms = policy.cooldown_ms,
+                    "node failed its trial request; ejected again"
+                );
+            }
+            return;
+        }
+        let fails = self.fails.fetch_add(1, Ordering::Relaxed) + 1;
+        if fails >= policy.max_fails
+            && self
+                .ejected_until
+                .compare_exchange(
+                    0,
+                    now + policy.cooldown_ms,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+        {
+            self.fails.store(0, Ordering::Relaxed);
+            self.ejections.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                node,
+                fails,
+                cooldown_ms = policy.cooldown_ms,
+                "node ejected after consecutive failures"
+            );
+        }
+    }
+
+    fn set_active_down(&self, node: &str, down: bool) {
+        if self.active_down.swap(down, Ordering::Relaxed) != down {
+            if down {
+                tracing::warn!(node, "active health check: node unhealthy");
+            } else {
+                tracing::info!(node, "active health check: node healthy again");
+            }
+        }
+    }
+}
+
+type Key = (String, SocketAddr);
+
+struct Checker {
+    cfg: ActiveHealth,
+    lane: String,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Checker {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Health of every node of the current generation, kept across reloads.
+#[derive(Default)]
+pub struct HealthRegistry {
+    nodes: Mutex<HashMap<Key, Arc<NodeHealth>>>,
+    checkers: Mutex<HashMap<Key, Checker>>,
+    fallbacks: Mutex<HashMap<String, u64>>,
+}
+
+impl HealthRegistry {
+    /// Points every node of `gen` at its registry entry, so state carries
+    /// over from the previous generation. Call before the swap.
+    pub fn attach(&self, gen: &mut Generation) {
+        let mut map = self.nodes.lock().unwrap_or_else(|e| e.into_inner());
+        for (name, svc) in gen.services.iter_mut() {
+            svc.attach_health(|addr| {
+                map.entry((name.clone(), addr))
+                    .or_insert_with(|| Arc::new(NodeHealth::default()))
+                    .clone()
+            });
+        }
+    }
+
+    /// After a swap: forgets nodes no longer configured, stops their probes,
+    /// starts probes for added nodes and restarts changed ones.
+    pub fn sync(&self, gen: &Generation, client: &UpstreamClient) {
+        let mut wanted: HashMap<Key, (ActiveHealth, String)> = HashMap::new();
+        let mut present: HashSet<Key> = HashSet::new();
+        for (name, svc) in &gen.services {
+            for (lane, set) in &svc.lanes {
+                for node in &set.nodes {
+                    let key = (name.clone(), node.addr);
+                    present.insert(key.clone());
+                    if let Some(a) = &svc.health.active {
+                        wanted.insert(key, (a.clone(), lane.clone()));
+                    }
+                }
+            }
+        }
+        let handles: HashMap<Key, Arc<NodeHealth>> = {
+            let mut map = self.nodes.lock().unwrap_or_else(|e| e.into_inner());
+            map.retain(|k, _| present.contains(k));
+            map.clone()
+        };
+        let mut checkers = self.checkers.lock().unwrap_or_else(|e| e.into_inner());
+        checkers.retain(|k, c| {
+            let keep = wanted
+                .get(k)
+                .is_some_and(|(cfg, lane)| *cfg == c.cfg && *lane == c.lane);
+            if !keep {
+                tracing::info!(service = %k.0, addr = %k.1, "health checker stopped");
+            }
+            keep
+        });
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        for (key, (cfg, lane)) in wanted {
+            if checkers.contains_key(&key) {
+                continue;
+            }
+            let Some(health) = handles.get(&key).cloned() else {
+                continue;
+            };
+            // Any active node is unknown until probed; start it healthy so
+            // a reload never blackholes traffic.
+            health.active_down.store(false, Ordering::Relaxed);
+            tracing::info!(service = %key.0, addr = %key.1, path = %cfg.path, "health checker started");
+            let task = rt.spawn(probe_loop(
+                client.clone(),
+                gen.tag_header.clone(),
+                key.1,
+                lane.clone(),
+                cfg.clone(),
+                health,
+            ));
+            checkers.insert(key, Checker { cfg, lane, task });
+        }
+        // Nodes without active checks are never held down by a probe.
+        for (key, h) in &handles {
+            if !checkers.contains_key(key) {
+                h.active_down.store(false, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// The health of one node, if configured.
+    pub fn node(&self, service: &str, addr: SocketAddr) -> Option<Arc<NodeHealth>> {
+        let map = self.nodes.lock().unwrap_or_else(|e| e.into_inner());
+        map.get(&(service.to_string(), addr)).cloned()
+    }
+
+    /// Every known node's health: (service, addr, view).
+    pub fn snapshot(&self) -> Vec<(String, SocketAddr, HealthView)> {
+        let map = self.nodes.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v: Vec<_> = map
+            .iter()
+            .map(|((s, a), h)| (s.clone(), *a, h.view()))
+            .collect();
+        v.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        v
+    }
+
+    /// Number of running active checkers.
+    pub fn checker_count(&self) -> usize {
+        self.checkers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
+    }
+
+    /// Counts a request of `service` sent to formal because its lane's
+    /// nodes were all down.
+    pub fn count_fallback(&self, service: &str) {
+        let mut m = self.fallbacks.lock().unwrap_or_else(|e| e.into_inner());
+        *m.entry(service.to_string()).or_default() += 1;
+    }
+
+    /// Requests of `service` sent to formal because their lane was down.
+    pub fn fallback_count(&self, service: &str) -> u64 {
+        let m = self.fallbacks.lock().unwrap_or_else(|e| e.into_inner());
+        m.get(service).copied().unwrap_or(0)
+    }
+}
+
+async fn probe_loop(
+    client: UpstreamClient,
+    tag_header: HeaderName,
+    addr: SocketAddr,
+    lane: String,
+    cfg: ActiveHealth,
+    health: Arc<NodeHealth>,
+) {
+    let label = addr.to_string();
+    let mut successes = 0u32;
+    let mut failures = 0u32;
+    let mut tick = tokio::time::interval(Duration::from_millis(cfg.interval_ms.max(10)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let ok = probe(&client, &tag_header, addr, &lane, &cfg).await;
+        if ok {
+            failures = 0;
+            successes = successes.saturating_add(1);
+            if successes >= cfg.healthy.max(1) {
+                health.set_active_down(&label, false);
+            }
+        } else {
+            successes = 0;
+            failures = failures.saturating_add(1);
+            if failures >= cfg.unhealthy.max(1) {
+                health.set_active_down(&label, true);
+            }
+        }
+    }
+}
+
+async fn probe(
+    client: &UpstreamClient,
+    tag_header: &HeaderName,
+    addr: SocketAddr,
+    lane: &str,
+    cfg: &ActiveHealth,
+) -> bool {
+    let uri = format!("http://{addr}{}", cfg.path);
+    let Ok(mut req) = Request::get(uri).body(UpBody::Empty) else {
+        return false;
+    };
+    if let Ok(v) = HeaderValue::from_str(lane) {
+        req.headers_mut().insert(tag_header.clone(), v);
+    }
+    req.headers_mut().insert(
+        http::header::USER_AGENT,
+        HeaderValue::from_static("graygate-health"),
+    );
+    let fut = async {
+        let resp = client.request(req).await.ok()?;
+        let ok = resp.status().is_success() || resp.status().is_redirection();
+        // Drain the body so the connection can be reused.
+        let _ = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .map(|c| c.to_bytes())
+            .unwrap_or_else(|_| Bytes::new());
+        Some(ok)
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_millis(cfg.timeout_ms), fut).await,
+        Ok(Some(true))
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(max_fails: u32, cooldown_ms: u64) -> PassiveHealth {
+        PassiveHealth {
+            max_fails,
+            cooldown_ms,
+            fail_on_5xx: true,
+        }
+    }
+
+    #[test]
+    fn ejects_after_consecutive_failures_only() {
+        let h = NodeHealth::default();
+        let p = policy(3, 60_000);
+        h.failure("n", &p);
+        h.failure("n", &p);
+        h.success("n");
+        h.failure("n", &p);
+        h.failure("n", &p);
+        assert!(h.available(now_ms()), "a success resets the count");
+        h.failure("n", &p);
+        assert!(!h.available(now_ms()));
+        assert_eq!(h.view().ejections, 1);
+        assert!(h.view().ejected);
+    }
+
+    #[test]
+    fn trial_after_cooldown_readmits_or_reejects() {
+        let h = NodeHealth::default();
+        let p = policy(1, 0);
+        h.failure("n", &p);
+        // Cool-down of 0: on trial at once.
+        assert!(h.available(now_ms()));
+        assert!(h.view().on_trial);
+        // The trial fails: ejected again (a long cool-down this time).
+        h.failure("n", &policy(1, 60_000));
+        assert!(!h.available(now_ms()));
+        assert_eq!(h.view().ejections, 2);
+        // Force the cool-down over, then a trial success re-admits fully.
+        h.ejected_until.store(1, Ordering::Relaxed);
+        assert!(h.view().on_trial);
+        h.success("n");
+        assert!(!h.view().on_trial && !h.view().ejected);
+    }
+
+    #[test]
+    fn active_down_overrides_passive() {
+        let h = NodeHealth::default();
+        h.set_active_down("n", true);
+        assert!(!h.available(now_ms()));
+        h.set_active_down("n", false);
+        assert!(h.available(now_ms()));
+    }
+
+    #[test]
+    fn disabled_passive_never_ejects() {
+        let h = NodeHealth::default();
+        for _ in 0..10 {
+            h.failure("n", &policy(0, 1000));
+        }
+        assert!(h.available(now_ms()));
+    }
+}

@@ -1,0 +1,215 @@
+//! The sticky-lane cookie: `<lane>.<expiry>.<hex HMAC-SHA256>` signed with a
+//! key from the config or an environment variable. A valid, unexpired
+//! cookie keeps a browser in its lane across pages, assets and API calls;
+//! anything forged, tampered or stale is ignored and the lane is re-decided.
+
+use hmac::{Hmac, Mac};
+use http::HeaderValue;
+use sha2::Sha256;
+
+use crate::config::{valid_lane, StickyConfig};
+
+type HmacSha256 = Hmac<Sha256>;
+
+/// Shortest accepted key.
+pub const MIN_KEY_BYTES: usize = 16;
+
+/// A ready-to-use cookie signer/verifier.
+#[derive(Clone)]
+pub struct Sticky {
+    pub cookie: String,
+    mac: HmacSha256,
+    pub max_age_secs: u64,
+    pub secure: bool,
+}
+
+impl std::fmt::Debug for Sticky {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sticky")
+            .field("cookie", &self.cookie)
+            .field("max_age_secs", &self.max_age_secs)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sticky {
+    /// Builds from config; the key comes from `key`, else the environment
+    /// variable `key_env`. Errors are plain messages (the caller locates them).
+    pub fn from_config(cfg: &StickyConfig) -> Result<Sticky, String> {
+        let key = match &cfg.key {
+            Some(k) => k.clone(),
+            None => std::env::var(&cfg.key_env).map_err(|_| {
+                format!(
+                    "sticky: no `key` and environment variable {} is not set",
+                    cfg.key_env
+                )
+            })?,
+        };
+        if key.len() < MIN_KEY_BYTES {
+            return Err(format!(
+                "sticky: key must be at least {MIN_KEY_BYTES} bytes"
+            ));
+        }
+        if cfg.cookie.is_empty()
+            || !cfg
+                .cookie
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        {
+            return Err(format!("sticky: invalid cookie name {:?}", cfg.cookie));
+        }
+        Ok(Sticky::new(
+            &cfg.cookie,
+            key.as_bytes(),
+            cfg.max_age_secs,
+            cfg.secure,
+        ))
+    }
+
+    pub fn new(cookie: &str, key: &[u8], max_age_secs: u64, secure: bool) -> Sticky {
+        Sticky {
+            cookie: cookie.to_string(),
+            mac: HmacSha256::new_from_slice(key).expect("HMAC takes any key length"),
+            max_age_secs,
+            secure,
+        }
+    }
+
+    fn mac_for(&self, lane: &str, expiry: u64) -> HmacSha256 {
+        let mut m = self.mac.clone();
+        m.update(self.cookie.as_bytes());
+        m.update(b"\0");
+        m.update(lane.as_bytes());
+        m.update(b"\0");
+        m.update(expiry.to_string().as_bytes());
+        m
+    }
+
+    /// The cookie value for `lane`, valid until `now + max_age`.
+    pub fn sign(&self, lane: &str, now: u64) -> String {
+        let expiry = now.saturating_add(self.max_age_secs);
+        let tag = self.mac_for(lane, expiry).finalize().into_bytes();
+        format!("{lane}.{expiry}.{}", hex::encode(tag))
+    }
+
+    /// The lane of a cookie value when its signature verifies (in constant
+    /// time) and it has not expired at `now`.
+    pub fn verify<'a>(&self, value: &'a str, now: u64) -> Option<&'a str> {
+        let mut it = value.rsplitn(3, '.');
+        let sig = hex::decode(it.next()?).ok()?;
+        let expiry_s = it.next()?;
+        let lane = it.next()?;
+        if !valid_lane(lane) || expiry_s.is_empty() || !expiry_s.bytes().all(|b| b.is_ascii_digit())
+        {
+            return None;
+        }
+        let expiry: u64 = expiry_s.parse().ok()?;
+        self.mac_for(lane, expiry).verify_slice(&sig).ok()?;
+        (now < expiry).then_some(lane)
+    }
+
+    /// The `Set-Cookie` header value carrying `lane`.
+    pub fn set_cookie(&self, lane: &str, now: u64) -> HeaderValue {
+        let secure = if self.secure { "; Secure" } else { "" };
+        let v = format!(
+            "{}={}; Max-Age={}; Path=/; HttpOnly; SameSite=Lax{secure}",
+            self.cookie,
+            self.sign(lane, now),
+            self.max_age_secs
+        );
+        HeaderValue::from_str(&v).expect("cookie parts are header-safe")
+    }
+}
+
+/// Seconds since the Unix epoch.
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s() -> Sticky {
+        Sticky::new("gl", b"0123456789abcdef-key", 100, false)
+    }
+
+    #[test]
+    fn round_trip_and_expiry() {
+        let st = s();
+        let v = st.sign("gray-a.1", 1000);
+        assert_eq!(st.verify(&v, 1000), Some("gray-a.1"));
+        assert_eq!(st.verify(&v, 1099), Some("gray-a.1"));
+        assert_eq!(st.verify(&v, 1100), None, "stale");
+    }
+
+    #[test]
+    fn forged_and_tampered_are_rejected() {
+        let st = s();
+        let v = st.sign("gray", 1000);
+        // Another lane with the same signature.
+        let forged = v.replacen("gray", "v2", 1);
+        assert_eq!(st.verify(&forged, 1000), None);
+        // A longer life.
+        let (head, sig) = v.rsplit_once('.').unwrap();
+        let (lane, _) = head.rsplit_once('.').unwrap();
+        assert_eq!(st.verify(&format!("{lane}.99999999.{sig}"), 1000), None);
+        // Flipped signature byte, truncated, garbage, another key.
+        let mut bad = v.clone().into_bytes();
+        let last = bad.len() - 1;
+        bad[last] = if bad[last] == b'0' { b'1' } else { b'0' };
+        assert_eq!(st.verify(std::str::from_utf8(&bad).unwrap(), 1000), None);
+        assert_eq!(st.verify(&v[..v.len() - 2], 1000), None);
+        for junk in [
+            "",
+            "gray",
+            "gray.1.",
+            ".1.00",
+            "gray\r\n.1.ab",
+            "gray.-1.00",
+        ] {
+            assert_eq!(st.verify(junk, 0), None, "{junk:?}");
+        }
+        let other = Sticky::new("gl", b"another-key-0123456", 100, false);
+        assert_eq!(other.verify(&v, 1000), None);
+    }
+
+    #[test]
+    fn key_from_config_or_environment() {
+        let mut cfg = StickyConfig {
+            cookie: "gl".into(),
+            key: None,
+            key_env: "GRAYGATE_STICKY_UNIT_TEST_KEY".into(),
+            max_age_secs: 10,
+            secure: true,
+        };
+        let err = Sticky::from_config(&cfg).unwrap_err();
+        assert!(err.contains("GRAYGATE_STICKY_UNIT_TEST_KEY"), "{err}");
+        std::env::set_var("GRAYGATE_STICKY_UNIT_TEST_KEY", "env-key-0123456789");
+        let from_env = Sticky::from_config(&cfg).unwrap();
+        let direct = Sticky::new("gl", b"env-key-0123456789", 10, true);
+        assert_eq!(direct.verify(&from_env.sign("gray", 1), 2), Some("gray"));
+        assert!(from_env
+            .set_cookie("gray", 1)
+            .to_str()
+            .unwrap()
+            .ends_with("; Secure"));
+        cfg.key = Some("short".into());
+        assert!(Sticky::from_config(&cfg)
+            .unwrap_err()
+            .contains("at least 16"));
+        cfg.key = Some("long-enough-key-0123".into());
+        cfg.cookie = "bad name;".into();
+        assert!(Sticky::from_config(&cfg).is_err());
+    }
+
+    #[test]
+    fn set_cookie_attributes() {
+        let h = s().set_cookie("gray", 5);
+        let t = h.to_str().unwrap();
+        assert!(t.starts_with("gl=gray.105."), "{t}");
+        assert!(t.contains("HttpOnly") && t.contains("Max-Age=100") && t.contains("Path=/"));
+    }
+}

@@ -1,0 +1,462 @@
+//! Health checks, same-lane retries and timeouts through the real binary.
+
+mod common;
+mod support;
+
+use std::time::Duration;
+
+use common::*;
+use support::*;
+
+const HEADER_SCRIPT: &str = "return function(req) return req:header('X-Lane') end\n";
+
+struct Setup {
+    fx: Fixture,
+    gw: Gateway,
+}
+
+/// `service_extra` goes under `services: api:` (e.g. health, strict);
+/// `main_extra` is appended to the main file.
+fn nodes_file(service_extra: &str, nodes: &[&Node]) -> String {
+    let mut s = format!("services:\n  api:\n{service_extra}    nodes:\n");
+    for n in nodes {
+        s.push_str(&n.yaml());
+    }
+    s
+}
+
+fn setup(service_extra: &str, nodes: &[&Node], main_extra: &str) -> Setup {
+    let fx = Fixture::new();
+    fx.write("lane.lua", HEADER_SCRIPT);
+    fx.write("nodes.yaml", &nodes_file(service_extra, nodes));
+    let cfg = fx.write(
+        "gg.yaml",
+        &main_config(&format!(
+            "script: lane.lua\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n{main_extra}"
+        )),
+    );
+    let gw = Gateway::start(&cfg);
+    Setup { fx, gw }
+}
+
+async fn get_lane(gw: &Gateway, lane: &str) -> Resp {
+    let mut r = Req::get("/x");
+    if !lane.is_empty() {
+        r = r.header("X-Lane", lane);
+    }
+    r.send(gw.addr).await
+}
+
+fn log_has(gw: &Gateway, needle: &str) -> bool {
+    gw.logs().contains(needle)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passive_ejection_then_trial_readmission() {
+    let f1 = Node::start("f1", "formal").await;
+    let f2 = Node::start("f2", "formal").await;
+    let s = setup(
+        "    retries: 0\n    health:\n      passive: { max_fails: 2, cooldown_ms: 1500 }\n",
+        &[&f1, &f2],
+        "",
+    );
+    f2.set_status(500);
+    // f2 answers 500 until it has failed twice in a row: then it is ejected
+    // and every request goes to f1.
+    eventually("f2 ejected", Duration::from_secs(10), || async {
+        let mut all_f1 = true;
+        for _ in 0..6 {
+            let r = get_lane(&s.gw, "").await;
+            all_f1 &= r.status == 200 && r.node() == "f1";
+        }
+        all_f1
+    })
+    .await;
+    assert_eq!(f2.count(), 2, "exactly max_fails requests reached f2");
+    assert!(log_has(&s.gw, "node ejected after consecutive failures"));
+    // Healed: after the cool-down a trial request reaches f2 and re-admits it.
+    f2.set_status(200);
+    eventually("f2 re-admitted", Duration::from_secs(10), || async {
+        get_lane(&s.gw, "").await.node() == "f2"
+    })
+    .await;
+    eventually("re-admission logged", Duration::from_secs(5), || async {
+        log_has(&s.gw, "node passed its trial request; re-admitted")
+    })
+    .await;
+    // Back in rotation: both nodes serve again.
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..4 {
+        seen.insert(get_lane(&s.gw, "").await.node());
+    }
+    assert_eq!(seen.len(), 2, "{seen:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_trial_ejects_again() {
+    let f1 = Node::start("f1", "formal").await;
+    let f2 = Node::start("f2", "formal").await;
+    let s = setup(
+        "    retries: 0\n    health:\n      passive: { max_fails: 1, cooldown_ms: 300 }\n",
+        &[&f1, &f2],
+        "",
+    );
+    f2.set_status(503);
+    eventually(
+        "f2 failed twice (ejection, failed trial)",
+        Duration::from_secs(10),
+        || async {
+            get_lane(&s.gw, "").await;
+            f2.count() >= 2
+        },
+    )
+    .await;
+    eventually("re-ejection logged", Duration::from_secs(5), || async {
+        log_has(&s.gw, "node failed its trial request; ejected again")
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unhealthy_gray_lane_goes_formal_never_other_gray_and_recovers() {
+    let f1 = Node::start("f1", "formal").await;
+    let g1 = Node::start("g1", "gray").await;
+    let g2 = Node::start("g2", "gray").await;
+    let v1 = Node::start("v1", "v2").await;
+    let s = setup(
+        "    health:\n      active: { path: /health, interval_ms: 40, timeout_ms: 500, healthy: 1, unhealthy: 2 }\n",
+        &[&f1, &g1, &g2, &v1],
+        "",
+    );
+    // One gray node down: the other gray node takes all gray traffic.
+    g1.set_health(503);
+    eventually("g1 marked down", Duration::from_secs(10), || async {
+        log_has(&s.gw, "active health check: node unhealthy")
+    })
+    .await;
+    for _ in 0..6 {
+        let r = get_lane(&s.gw, "gray").await;
+        assert_eq!(r.node(), "g2");
+    }
+    // Whole lane down: gray traffic goes formal (tag still says gray),
+    // never to the other gray lane v2.
+    g2.set_health(500);
+    eventually(
+        "gray lane falls back to formal",
+        Duration::from_secs(10),
+        || async { get_lane(&s.gw, "gray").await.node() == "f1" },
+    )
+    .await;
+    for _ in 0..6 {
+        let r = get_lane(&s.gw, "gray").await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.node(), "f1");
+        assert_eq!(r.json()["tag"], "gray");
+    }
+    assert_eq!(v1.count(), 0, "another gray lane never serves gray");
+    eventually("fallback WARN", Duration::from_secs(5), || async {
+        let logs = s.gw.logs();
+        logs.lines().any(|l| {
+            l.contains("WARN")
+                && l.contains("every node of this lane is down; sending to formal")
+                && l.contains("lane=gray")
+        })
+    })
+    .await;
+    // Healthy again: gray comes home.
+    g1.set_health(200);
+    eventually("gray back on g1", Duration::from_secs(10), || async {
+        get_lane(&s.gw, "gray").await.node() == "g1"
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_service_answers_503_when_its_lane_is_down() {
+    let f1 = Node::start("f1", "formal").await;
+    let g1 = Node::start("g1", "gray").await;
+    let s = setup(
+        "    strict: true\n    health:\n      active: { path: /health, interval_ms: 40, timeout_ms: 500, healthy: 1, unhealthy: 1 }\n",
+        &[&f1, &g1],
+        "",
+    );
+    g1.set_health(503);
+    eventually("strict 503", Duration::from_secs(10), || async {
+        get_lane(&s.gw, "gray").await.status == 503
+    })
+    .await;
+    let r = get_lane(&s.gw, "gray").await;
+    assert_eq!(r.status, 503);
+    assert!(
+        r.text().contains("no healthy upstream node"),
+        "{}",
+        r.text()
+    );
+    assert_eq!(f1.count(), 0, "strict never sends gray traffic to formal");
+    // Formal traffic is unaffected.
+    assert_eq!(get_lane(&s.gw, "").await.node(), "f1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn active_checkers_follow_reloads() {
+    let f1 = Node::start("f1", "formal").await;
+    let g1 = Node::start("g1", "gray").await;
+    let g2 = Node::start("g2", "gray").await;
+    let health = "    health:\n      active: { path: /health, interval_ms: 30, timeout_ms: 500 }\n";
+    let s = setup(health, &[&f1, &g1], "");
+    eventually("g1 probed", Duration::from_secs(10), || async {
+        g1.health_hits() >= 2
+    })
+    .await;
+    assert_eq!(g2.health_hits(), 0);
+    // Reload: g1 removed, g2 added.
+    s.fx.write_rename("nodes.yaml", &nodes_file(health, &[&f1, &g2]));
+    eventually("g2 probed", Duration::from_secs(10), || async {
+        g2.health_hits() >= 2
+    })
+    .await;
+    assert!(log_has(&s.gw, "health checker stopped"));
+    // g1's checker is gone: while f1 gets several more probes, g1 gets at
+    // most one that was already under way.
+    let (g1_then, f1_then) = (g1.health_hits(), f1.health_hits());
+    eventually(
+        "f1 probed 4 more times",
+        Duration::from_secs(10),
+        || async { f1.health_hits() >= f1_then + 4 },
+    )
+    .await;
+    assert!(g1.health_hits() <= g1_then + 1, "g1 still probed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_failures_retry_on_the_same_lane_even_for_post() {
+    let f1 = Node::start("f1", "formal").await;
+    let g2 = Node::start("g2", "gray").await;
+    let v1 = Node::start("v1", "v2").await;
+    let dead = closed_port();
+    let nodes = format!(
+        "services:\n  api:\n    health:\n      passive: {{ max_fails: 1000 }}\n    nodes:\n      - {{ name: g-dead, addr: \"{dead}\", lane: gray }}\n{}{}{}",
+        g2.yaml(),
+        f1.yaml(),
+        v1.yaml()
+    );
+    let s = setup("", &[], "");
+    s.fx.write_rename("nodes.yaml", &nodes);
+    eventually("nodes reloaded", Duration::from_secs(10), || async {
+        s.gw.status().await["generation"].as_u64() == Some(2)
+    })
+    .await;
+    for i in 0..6 {
+        let body = format!("payload-{i}");
+        let r = Req::get("/x")
+            .method("POST")
+            .header("X-Lane", "gray")
+            .body(body.clone())
+            .send(s.gw.addr)
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.node(), "g2");
+        assert_eq!(r.json()["body"], body.as_str(), "body intact after retry");
+    }
+    assert_eq!(g2.count(), 6);
+    assert_eq!(f1.count() + v1.count(), 0, "retries never leave the lane");
+    assert!(log_has(&s.gw, "retrying on another node of the same lane"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idempotent_requests_retry_after_no_response_post_does_not() {
+    let a = Node::start("a", "gray").await;
+    let b = Node::start("b", "gray").await;
+    let f1 = Node::start("f1", "formal").await;
+    let v1 = Node::start("v1", "v2").await;
+    let s = setup(
+        "    health:\n      passive: { max_fails: 1000 }\n",
+        &[&a, &b, &f1, &v1],
+        "",
+    );
+    a.set_mode(DROP);
+    // GET and PUT (idempotent): whichever node is tried first, the answer
+    // comes from b.
+    for m in ["GET", "PUT", "DELETE"] {
+        for _ in 0..2 {
+            let r = Req::get("/x")
+                .method(m)
+                .header("X-Lane", "gray")
+                .body("idem")
+                .send(s.gw.addr)
+                .await;
+            assert_eq!(r.status, 200, "{m}: {}", r.text());
+            assert_eq!(r.node(), "b");
+        }
+    }
+    // POST: a body that reached `a` is never sent again.
+    let (mut failed, mut ok) = (0, 0);
+    for _ in 0..4 {
+        let before_b = b.count();
+        let r = Req::get("/x")
+            .method("POST")
+            .header("X-Lane", "gray")
+            .body("once")
+            .send(s.gw.addr)
+            .await;
+        if r.status == 502 {
+            failed += 1;
+            assert_eq!(b.count(), before_b, "POST was retried after reaching a");
+        } else {
+            ok += 1;
+            assert_eq!(r.node(), "b");
+        }
+    }
+    assert!(
+        failed >= 1 && ok >= 1,
+        "round-robin hits both: {failed} {ok}"
+    );
+    let posts_at_a = a
+        .got
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|g| g.method == "POST")
+        .count();
+    assert_eq!(posts_at_a, failed);
+    assert_eq!(f1.count() + v1.count(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_are_bounded_by_the_configured_count() {
+    let mut nodes = Vec::new();
+    for i in 0..4 {
+        nodes.push(Node::start(&format!("d{i}"), "formal").await);
+    }
+    for n in &nodes {
+        n.set_mode(DROP);
+    }
+    let refs: Vec<&Node> = nodes.iter().collect();
+    let s = setup(
+        "    retries: 2\n    health:\n      passive: { max_fails: 1000 }\n",
+        &refs,
+        "",
+    );
+    let r = get_lane(&s.gw, "").await;
+    assert_eq!(r.status, 502);
+    let total: usize = nodes.iter().map(Node::count).sum();
+    assert_eq!(total, 3, "1 try + 2 retries");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_response_and_total_timeouts() {
+    let h1 = Node::start("h1", "formal").await;
+    let h2 = Node::start("h2", "formal").await;
+    let g1 = Node::start("g1", "gray").await;
+    h1.set_mode(HANG);
+    h2.set_mode(HANG);
+    let s = setup(
+        "    health:\n      passive: { max_fails: 1000 }\n",
+        &[&h1, &h2, &g1],
+        "upstream:\n  response_timeout_ms: 300\n  total_timeout_ms: 5000\n",
+    );
+    let r = get_lane(&s.gw, "").await;
+    assert_eq!(r.status, 504);
+    assert_eq!(r.text(), "upstream timed out\n");
+    let r = Req::get("/x").method("POST").send(s.gw.addr).await;
+    assert_eq!(r.status, 504);
+    // Total timeout shorter than one try: 504 as well.
+    s.fx.write_rename(
+        "gg.yaml",
+        &main_config(
+            "script: lane.lua\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\nupstream:\n  response_timeout_ms: 30000\n  total_timeout_ms: 300\n",
+        ),
+    );
+    eventually("reloaded", Duration::from_secs(10), || async {
+        s.gw.status().await["generation"].as_u64() == Some(2)
+    })
+    .await;
+    let r = get_lane(&s.gw, "").await;
+    assert_eq!(r.status, 504);
+    // Gray is unaffected by formal's hanging nodes.
+    assert_eq!(get_lane(&s.gw, "gray").await.node(), "g1");
+}
+
+/// A listener whose accept queue is full, so new connects hang in SYN_SENT
+/// (the kernel drops their SYNs): a stand-in for a black-holed node.
+async fn blackhole() -> (tokio::net::TcpListener, Vec<tokio::net::TcpStream>) {
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let l = sock.listen(0).unwrap();
+    let addr = l.local_addr().unwrap();
+    let mut held = Vec::new();
+    for _ in 0..16 {
+        match tokio::time::timeout(
+            Duration::from_millis(300),
+            tokio::net::TcpStream::connect(addr),
+        )
+        .await
+        {
+            Ok(Ok(s)) => held.push(s),
+            _ => return (l, held),
+        }
+    }
+    panic!("accept queue never filled");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_timeout_then_retry_on_the_same_lane() {
+    let (hole, _held) = blackhole().await;
+    let g2 = Node::start("g2", "gray").await;
+    let f1 = Node::start("f1", "formal").await;
+    let nodes = format!(
+        "services:\n  api:\n    health:\n      passive: {{ max_fails: 1000 }}\n    nodes:\n      - {{ name: g-hole, addr: \"{}\", lane: gray }}\n{}{}",
+        hole.local_addr().unwrap(),
+        g2.yaml(),
+        f1.yaml()
+    );
+    let s = setup("", &[], "upstream:\n  connect_timeout_ms: 200\n");
+    s.fx.write_rename("nodes.yaml", &nodes);
+    eventually("nodes reloaded", Duration::from_secs(10), || async {
+        s.gw.status().await["generation"].as_u64() == Some(2)
+    })
+    .await;
+    for _ in 0..4 {
+        let r = get_lane(&s.gw, "gray").await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.node(), "g2");
+    }
+    assert_eq!(f1.count(), 0);
+    let logs = s.gw.logs();
+    assert!(
+        logs.lines()
+            .any(|l| l.contains("upstream connect failed") && l.contains("g-hole")),
+        "{logs}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_state_survives_reloads() {
+    let f1 = Node::start("f1", "formal").await;
+    let f2 = Node::start("f2", "formal").await;
+    let f3 = Node::start("f3", "formal").await;
+    let passive =
+        "    retries: 0\n    health:\n      passive: { max_fails: 1, cooldown_ms: 600000 }\n";
+    let s = setup(passive, &[&f1, &f2], "");
+    f2.set_status(500);
+    eventually("f2 ejected", Duration::from_secs(10), || async {
+        get_lane(&s.gw, "").await;
+        f2.count() == 1
+    })
+    .await;
+    f2.set_status(200);
+    // A reload that adds f3 keeps f2's ejection (same service and address).
+    s.fx.write_rename("nodes.yaml", &nodes_file(passive, &[&f1, &f2, &f3]));
+    eventually("f3 serves", Duration::from_secs(10), || async {
+        get_lane(&s.gw, "").await.node() == "f3"
+    })
+    .await;
+    for _ in 0..6 {
+        assert_ne!(get_lane(&s.gw, "").await.node(), "f2");
+    }
+    assert_eq!(
+        f2.count(),
+        1,
+        "the ejected node stayed ejected across the reload"
+    );
+}
