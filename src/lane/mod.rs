@@ -168,29 +168,30 @@ pub fn decide(gen: &Generation, req: RequestInfo, peer_trusted: bool) -> (Reques
         .rules
         .as_ref()
         .map_or(rules::Verdict::Disabled, |r| r.verdict(&req));
-    let (rule_decision, rule_ctx) = match &verdict {
+    let rule_decision = match &verdict {
         rules::Verdict::Deny(name) => {
             return (req, Decision::new(FORMAL, DecidedBy::Deny(name.clone())));
         }
-        rules::Verdict::Disabled => (None, script::RuleCtx::default()),
-        rules::Verdict::Rule { name, lane } => (
-            Some(Decision::new(&**lane, DecidedBy::Rule(name.clone()))),
-            script::RuleCtx {
-                lane: Some(lane.clone()),
-                name: Some(name.clone()),
-            },
-        ),
-        rules::Verdict::Fallback(lane) => (
-            Some(Decision::new(&**lane, DecidedBy::RuleFallback)),
-            script::RuleCtx {
-                lane: Some(lane.clone()),
-                name: None,
-            },
-        ),
+        rules::Verdict::Disabled => None,
+        rules::Verdict::Rule { name, lane } => {
+            Some(Decision::new(&**lane, DecidedBy::Rule(name.clone())))
+        }
+        rules::Verdict::Fallback(lane) => Some(Decision::new(&**lane, DecidedBy::RuleFallback)),
     };
     let Some(src) = &gen.script else {
         let d = rule_decision.unwrap_or_else(|| Decision::new(FORMAL, DecidedBy::Default));
         return (req, d);
+    };
+    let rule_ctx = match verdict {
+        rules::Verdict::Rule { name, lane } => script::RuleCtx {
+            lane: Some(lane),
+            name: Some(name),
+        },
+        rules::Verdict::Fallback(lane) => script::RuleCtx {
+            lane: Some(lane),
+            name: None,
+        },
+        _ => script::RuleCtx::default(),
     };
     let (req, result) = script::call_lane(src, &gen.lists, req, rule_ctx);
     let decision = match result {

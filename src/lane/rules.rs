@@ -210,7 +210,8 @@ enum Cond {
     Value(Source, Matcher),
     Uid {
         source: Source,
-        list: HashSet<String>,
+        /// Sorted, for binary search.
+        list: Vec<String>,
         ranges: Vec<(u64, u64)>,
         suffixes: Vec<String>,
     },
@@ -238,7 +239,10 @@ impl Cond {
                 let Some(uid) = source.read(r) else {
                     return false;
                 };
-                if list.contains(uid.as_ref()) {
+                if list
+                    .binary_search_by(|x| x.as_str().cmp(uid.as_ref()))
+                    .is_ok()
+                {
                     return true;
                 }
                 let numeric = !uid.is_empty() && uid.bytes().all(|b| b.is_ascii_digit());
@@ -599,7 +603,12 @@ impl Compiler<'_> {
             }
             conds.push(Cond::Uid {
                 source,
-                list: u.list.iter().map(Scalar::text).collect(),
+                list: {
+                    let mut l: Vec<String> = u.list.iter().map(Scalar::text).collect();
+                    l.sort_unstable();
+                    l.dedup();
+                    l
+                },
                 ranges,
                 suffixes,
             });

@@ -507,6 +507,7 @@ impl ScriptVm {
     fn call(&self) -> mlua::Result<Option<String>> {
         self.guard.left.set(self.budget);
         self.guard.killed.set(false);
+        self.guard.last_at.borrow_mut().0.clear();
         let r = self.lane_fn.call::<Value>(&self.req);
         if !self.env.is_empty() {
             let _ = self.env.clear();
