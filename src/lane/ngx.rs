@@ -61,9 +61,11 @@ pub fn install(
         "md5",
         lua.create_function(|lua, s: LuaString| {
             let d = Md5::digest(&*s.as_bytes());
-            let mut hex = String::with_capacity(32);
-            for b in d.iter() {
-                hex.push_str(&format!("{b:02x}"));
+            const DIGITS: &[u8; 16] = b"0123456789abcdef";
+            let mut hex = [0u8; 32];
+            for (i, b) in d.iter().enumerate() {
+                hex[2 * i] = DIGITS[usize::from(b >> 4)];
+                hex[2 * i + 1] = DIGITS[usize::from(b & 0xf)];
             }
             lua.create_string(hex)
         })?,
