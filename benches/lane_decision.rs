@@ -167,6 +167,20 @@ fn bench(c: &mut Criterion) {
         "gray",
     );
 
+    // The fixed cost of calling into Lua: a lane function that returns nil.
+    std::fs::write(
+        dir.path().join("empty.lua"),
+        "return function() return nil end\n",
+    )
+    .unwrap();
+    let empty = load(dir.path(), "script: empty.lua\n");
+    run(
+        "script/empty (fixed cost of a Lua call)",
+        &empty,
+        request("/", "10.200.1.1", &[]),
+        "formal",
+    );
+
     // The cost of a runaway script: `while true do end` run until the
     // default instruction budget stops it (so: what the budget is in time).
     std::fs::write(
