@@ -192,8 +192,11 @@ thread_local! {
     static VM: RefCell<Option<ScriptVm>> = const { RefCell::new(None) };
 }
 
-/// The `req` object scripts see. Stateless: it reads `CURRENT`.
-struct Req;
+/// The `req` object scripts see. It reads the request from `CURRENT`; it
+/// holds only the generation's IP lists (for `req:in_list`).
+struct Req {
+    lists: Arc<BTreeMap<String, IpList>>,
+}
 
 /// Runs `f` on the request being decided.
 pub(crate) fn with_req<R>(f: impl FnOnce(&RequestInfo) -> R) -> mlua::Result<R> {
@@ -253,6 +256,14 @@ impl UserData for Req {
         methods.add_method("cookie", |lua, _, name: mlua::LuaString| {
             let name = name.to_str()?;
             with_req(|r| opt_str(lua, r.cookie(&name).map(str::as_bytes)))?
+        });
+        methods.add_method("in_list", |_, this, name: mlua::LuaString| {
+            let name = name.to_str()?;
+            let list = this
+                .lists
+                .get(&*name)
+                .ok_or_else(|| mlua::Error::runtime(format!("unknown list {:?}", &*name)))?;
+            with_req(|r| list.contains(r.client_ip))
         });
         methods.add_method("arg", |lua, _, name: mlua::LuaString| {
             let name = name.to_str()?;
@@ -492,7 +503,7 @@ impl ScriptVm {
         mt.raw_set("__metatable", false).map_err(le)?;
         env.set_metatable(Some(mt)).map_err(le)?;
 
-        let req = lua.create_userdata(Req).map_err(le)?;
+        let req = lua.create_userdata(Req { lists }).map_err(le)?;
         Ok(ScriptVm {
             id: src.id,
             lua,
@@ -970,6 +981,34 @@ mod tests {
         let main = write(d.path(), "main.lua", "local m = require('m')\nreturn m\n");
         let err = ScriptSource::load(&main).unwrap_err();
         assert!(err.message.contains("bytecode"), "{err}");
+    }
+
+    #[test]
+    fn req_in_list_tests_the_client_address() {
+        let d = tempfile::tempdir().unwrap();
+        let p = write(
+            d.path(),
+            "t.lua",
+            "return function(req)\n  return tostring(req:in_list('office')) .. tostring(graygate.in_list('office', req.ip))\nend\n",
+        );
+        let src = ScriptSource::load(&p).unwrap();
+        let mut lists = BTreeMap::new();
+        lists.insert(
+            "office".to_string(),
+            IpList::parse(Path::new("l"), "127.0.0.0/24\n").unwrap(),
+        );
+        let lists = Arc::new(lists);
+        let r = call_lane(&src, &lists, req_with(None), RuleCtx::default()).1;
+        assert_eq!(r.unwrap().as_deref(), Some("truetrue"));
+        let mut other = req_with(None);
+        other.client_ip = "10.0.0.1".parse().unwrap();
+        let r = call_lane(&src, &lists, other, RuleCtx::default()).1;
+        assert_eq!(r.unwrap().as_deref(), Some("falsefalse"));
+        let (_d2, bad) = load_src("return function(req) return req:in_list('nope') end\n");
+        assert!(call(&bad, None)
+            .unwrap_err()
+            .message
+            .contains("unknown list"));
     }
 
     #[test]
