@@ -15,10 +15,7 @@ use std::sync::Arc;
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use mlua::{
-    Function, HookTriggers, Lua, LuaOptions, MultiValue, StdLib, Table, UserData, UserDataFields,
-    UserDataMethods, Value, VmState,
-};
+use mlua::{Function, HookTriggers, Lua, LuaOptions, MultiValue, StdLib, Table, Value, VmState};
 
 use super::shared_dict::SharedDict;
 use super::RequestInfo;
@@ -192,12 +189,6 @@ thread_local! {
     static VM: RefCell<Option<ScriptVm>> = const { RefCell::new(None) };
 }
 
-/// The `req` object scripts see. It reads the request from `CURRENT`; it
-/// holds only the generation's IP lists (for `req:in_list`).
-struct Req {
-    lists: Arc<BTreeMap<String, IpList>>,
-}
-
 /// Runs `f` on the request being decided.
 pub(crate) fn with_req<R>(f: impl FnOnce(&RequestInfo) -> R) -> mlua::Result<R> {
     CURRENT.with(|c| {
@@ -225,51 +216,82 @@ fn opt_str(lua: &Lua, s: Option<&[u8]>) -> mlua::Result<Value> {
     }
 }
 
-impl UserData for Req {
-    fn add_fields<F: UserDataFields<Self>>(fields: &mut F) {
-        fields.add_field_method_get("ip", |lua, _| {
-            with_req(|r| lua.create_string(r.client_ip.to_string()))?
-        });
-        fields.add_field_method_get("method", |lua, _| {
-            with_req(|r| lua.create_string(r.parts.method.as_str()))?
-        });
-        fields.add_field_method_get("host", |lua, _| with_req(|r| lua.create_string(&r.host))?);
-        fields.add_field_method_get("path", |lua, _| {
-            with_req(|r| lua.create_string(r.parts.uri.path()))?
-        });
-        fields.add_field_method_get("query", |lua, _| {
-            with_req(|r| lua.create_string(r.parts.uri.query().unwrap_or("")))?
-        });
-        fields.add_field_method_get("rule_lane", |lua, _| {
-            with_current(|c| opt_str(lua, c.rule.lane.as_deref().map(str::as_bytes)))?
-        });
-        fields.add_field_method_get("rule_name", |lua, _| {
-            with_current(|c| opt_str(lua, c.rule.name.as_deref().map(str::as_bytes)))?
-        });
-    }
-
-    fn add_methods<M: UserDataMethods<Self>>(methods: &mut M) {
-        methods.add_method("header", |lua, _, name: mlua::LuaString| {
+/// Builds the `req` object scripts see: a table whose methods (`header`,
+/// `cookie`, `arg`, `in_list`) are plain functions and whose fields (`ip`,
+/// `path`, …) come from an `__index` function; both read the request being
+/// decided from `CURRENT`, so nothing is copied per request. Writes are
+/// refused, so a script cannot leave state on it.
+fn req_object(lua: &Lua, lists: Arc<BTreeMap<String, IpList>>) -> mlua::Result<Table> {
+    let req = lua.create_table()?;
+    req.raw_set(
+        "header",
+        lua.create_function(|lua, (_, name): (Value, mlua::LuaString)| {
             let name = name.to_str()?;
             with_req(|r| opt_str(lua, r.header(&name).map(|v| v.as_bytes())))?
-        });
-        methods.add_method("cookie", |lua, _, name: mlua::LuaString| {
+        })?,
+    )?;
+    req.raw_set(
+        "cookie",
+        lua.create_function(|lua, (_, name): (Value, mlua::LuaString)| {
             let name = name.to_str()?;
             with_req(|r| opt_str(lua, r.cookie(&name).map(str::as_bytes)))?
-        });
-        methods.add_method("in_list", |_, this, name: mlua::LuaString| {
+        })?,
+    )?;
+    req.raw_set(
+        "arg",
+        lua.create_function(|lua, (_, name): (Value, mlua::LuaString)| {
             let name = name.to_str()?;
-            let list = this
-                .lists
+            with_req(|r| opt_str(lua, r.arg(&name).as_deref().map(str::as_bytes)))?
+        })?,
+    )?;
+    req.raw_set(
+        "in_list",
+        lua.create_function(move |_, (_, name): (Value, mlua::LuaString)| {
+            let name = name.to_str()?;
+            let list = lists
                 .get(&*name)
                 .ok_or_else(|| mlua::Error::runtime(format!("unknown list {:?}", &*name)))?;
             with_req(|r| list.contains(r.client_ip))
-        });
-        methods.add_method("arg", |lua, _, name: mlua::LuaString| {
-            let name = name.to_str()?;
-            with_req(|r| opt_str(lua, r.arg(&name).as_deref().map(str::as_bytes)))?
-        });
-    }
+        })?,
+    )?;
+    let mt = lua.create_table()?;
+    mt.raw_set(
+        "__index",
+        lua.create_function(|lua, (_, key): (Value, mlua::LuaString)| {
+            let key = key.as_bytes();
+            match &*key {
+                b"rule_lane" => {
+                    with_current(|c| opt_str(lua, c.rule.lane.as_deref().map(str::as_bytes)))?
+                }
+                b"rule_name" => {
+                    with_current(|c| opt_str(lua, c.rule.name.as_deref().map(str::as_bytes)))?
+                }
+                k => with_req(|r| {
+                    let v: Option<std::borrow::Cow<'_, str>> = match k {
+                        b"ip" => Some(r.client_ip.to_string().into()),
+                        b"method" => Some(r.parts.method.as_str().into()),
+                        b"host" => Some(r.host.as_str().into()),
+                        b"path" => Some(r.parts.uri.path().into()),
+                        b"query" => Some(r.parts.uri.query().unwrap_or("").into()),
+                        _ => None,
+                    };
+                    opt_str(lua, v.as_deref().map(str::as_bytes))
+                })?,
+            }
+        })?,
+    )?;
+    mt.raw_set(
+        "__newindex",
+        lua.create_function(|_, (_, key): (Value, Value)| -> mlua::Result<()> {
+            Err(mlua::Error::runtime(format!(
+                "req is read-only (assigning {})",
+                key.to_string().unwrap_or_default()
+            )))
+        })?,
+    )?;
+    mt.raw_set("__metatable", false)?;
+    req.set_metatable(Some(mt))?;
+    Ok(req)
 }
 
 /// Why the last call was stopped by a limit.
@@ -290,7 +312,7 @@ struct ScriptVm {
     id: u64,
     lua: Lua,
     lane_fn: Function,
-    req: mlua::AnyUserData,
+    req: Table,
     /// Per-request global writes land here and are cleared after each call.
     env: Table,
     guard: Rc<Guard>,
@@ -503,7 +525,7 @@ impl ScriptVm {
         mt.raw_set("__metatable", false).map_err(le)?;
         env.set_metatable(Some(mt)).map_err(le)?;
 
-        let req = lua.create_userdata(Req { lists }).map_err(le)?;
+        let req = req_object(&lua, lists).map_err(le)?;
         Ok(ScriptVm {
             id: src.id,
             lua,
@@ -926,6 +948,13 @@ mod tests {
         for _ in 0..3 {
             assert_eq!(call(&src, None).unwrap().as_deref(), Some("1-11-1"));
         }
+        // The req object is read-only: nothing can be left on it.
+        let (_d, src) = load_src("return function(req) req.ip = 'x' return 'gray' end\n");
+        assert!(call(&src, None).unwrap_err().message.contains("read-only"));
+        let (_d, src) = load_src(
+            "return function(req) return req.method .. req.host .. req.path .. req.query .. tostring(req.nope) end\n",
+        );
+        assert_eq!(call(&src, None).unwrap().as_deref(), Some("GETh/nil"));
         // The protected environment cannot be swapped out.
         let (_d, src) = load_src("return function() setmetatable(_G, nil) return 'x' end\n");
         assert!(call(&src, None).is_err());
