@@ -295,11 +295,8 @@ impl Generation {
             ));
         }
         let dicts: BTreeMap<String, Arc<SharedDict>> = dict_sizes
-            .into_iter()
-            .map(|(name, bytes)| {
-                let d = shared_dict::dict(&name, bytes);
-                (name, d)
-            })
+            .iter()
+            .map(|(name, bytes)| (name.clone(), shared_dict::dict(name, *bytes)))
             .collect();
 
         let script = match &config.script {
@@ -341,6 +338,13 @@ impl Generation {
             }
         }
 
+        // Everything is valid: apply changed dictionary sizes now (a
+        // rejected reload leaves the live dictionaries alone).
+        for (name, bytes) in &dict_sizes {
+            if let Some(d) = dicts.get(name).filter(|d| d.capacity() != *bytes) {
+                d.set_capacity(*bytes);
+            }
+        }
         let trusted = IpList::from_nets(config.trusted_proxies.iter().copied());
         Ok(Generation {
             id,

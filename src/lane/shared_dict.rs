@@ -113,7 +113,9 @@ impl SharedDict {
         self.lock().used
     }
 
-    fn set_capacity(&self, capacity: usize) {
+    /// Changes the byte bound, evicting least recently used items if the
+    /// dictionary shrank.
+    pub fn set_capacity(&self, capacity: usize) {
         let mut g = self.lock();
         g.capacity = capacity;
         g.evict_until_fits(0);
@@ -287,18 +289,14 @@ fn registry() -> &'static Mutex<HashMap<String, Arc<SharedDict>>> {
     REG.get_or_init(Default::default)
 }
 
-/// The process-wide dictionary `name`, created on first use; a later call
-/// with another capacity resizes it (evicting if it shrank). Contents
-/// survive reloads.
+/// The process-wide dictionary `name`, created (with `capacity`) on first
+/// use; an existing one is returned as it is — contents survive reloads, and
+/// a new size is applied with [`SharedDict::set_capacity`] once the new
+/// configuration is known to be good.
 pub fn dict(name: &str, capacity: usize) -> Arc<SharedDict> {
     let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
     match reg.get(name) {
-        Some(d) => {
-            if d.capacity() != capacity {
-                d.set_capacity(capacity);
-            }
-            d.clone()
-        }
+        Some(d) => d.clone(),
         None => {
             let d = Arc::new(SharedDict::new(name, capacity));
             reg.insert(name.to_string(), d.clone());
@@ -404,6 +402,8 @@ mod tests {
         a.set(b"k", Some(DictValue::Int(7)), None).unwrap();
         let b = dict("registry_test", 2 << 20);
         assert_eq!(b.get(b"k"), Some(DictValue::Int(7)));
+        assert_eq!(a.capacity(), 1 << 20);
+        b.set_capacity(2 << 20);
         assert_eq!(a.capacity(), 2 << 20);
     }
 
