@@ -3,7 +3,7 @@
 --   header X-Gray: 1                  -> gray
 --   10% of X-User-Id values           -> gray (stable MurmurHash3 bucket)
 return function(req)
-  if graygate.in_list("gray_ips", req.ip) then
+  if req:in_list("gray_ips") then
     return "gray"
   end
   if req:header("X-Gray") == "1" then

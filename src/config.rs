@@ -80,6 +80,18 @@ pub struct MainConfig {
     /// Milliseconds of quiet after a file change before reloading.
     #[serde(default = "default_debounce_ms")]
     pub reload_debounce_ms: u64,
+    /// Declarative gray rules, inline (format: `lane::rules::RulesConfig`).
+    #[serde(default)]
+    pub rules: Option<crate::lane::rules::RulesConfig>,
+    /// Declarative gray rules in their own hot-reloaded file.
+    #[serde(default)]
+    pub rules_file: Option<PathBuf>,
+    /// `ngx.shared` dictionaries: name → size (`10m`, `512k` or bytes).
+    #[serde(default)]
+    pub shared_dicts: BTreeMap<String, SizeValue>,
+    /// Per-call and per-VM limits of the Lua script.
+    #[serde(default)]
+    pub script_limits: ScriptLimits,
     /// Client-side limits and timeouts (slowloris, keep-alive, caps, drain).
     #[serde(default)]
     pub client: ClientConfig,
@@ -139,6 +151,51 @@ pub enum AccessLogFormat {
     #[default]
     Text,
     Json,
+}
+
+/// A size in bytes, written as a number or with a `k`/`m`/`g` suffix.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum SizeValue {
+    Bytes(u64),
+    Text(String),
+}
+
+impl SizeValue {
+    pub fn bytes(&self) -> Option<usize> {
+        match self {
+            SizeValue::Bytes(b) => usize::try_from(*b).ok(),
+            SizeValue::Text(t) => crate::lane::shared_dict::parse_size(t),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScriptLimits {
+    /// Lua VM instructions one lane call may run (default ≈ 1 ms of work).
+    #[serde(default = "default_budget")]
+    pub instruction_budget: u64,
+    /// Memory one worker's Lua VM may hold.
+    #[serde(default = "default_memory_limit")]
+    pub memory_limit: SizeValue,
+}
+
+fn default_budget() -> u64 {
+    crate::lane::script::DEFAULT_INSTRUCTION_BUDGET
+}
+
+fn default_memory_limit() -> SizeValue {
+    SizeValue::Bytes(crate::lane::script::DEFAULT_MEMORY_LIMIT as u64)
+}
+
+impl Default for ScriptLimits {
+    fn default() -> Self {
+        ScriptLimits {
+            instruction_budget: default_budget(),
+            memory_limit: default_memory_limit(),
+        }
+    }
 }
 
 fn default_tag_header() -> String {

@@ -14,7 +14,9 @@ use crate::config::{
     find_line, parse_yaml, read_file, resolve, valid_lane, ConfigError, MainConfig, NodeFile,
     FORMAL,
 };
+use crate::lane::rules::Rules;
 use crate::lane::script::ScriptSource;
+use crate::lane::shared_dict::{self, SharedDict};
 use crate::lists::IpList;
 use crate::nodes::{Node, Service};
 
@@ -55,6 +57,10 @@ pub struct Generation {
     pub services: BTreeMap<String, Service>,
     pub routes: Vec<Route>,
     pub script: Option<ScriptSource>,
+    /// Declarative gray rules (inline or from `rules_file`).
+    pub rules: Option<Rules>,
+    /// `ngx.shared` dictionaries (process-wide; they outlive generations).
+    pub dicts: BTreeMap<String, Arc<SharedDict>>,
     /// Every file this generation was built from (watched for changes).
     pub files: Vec<PathBuf>,
     pub loaded_at: SystemTime,
@@ -224,10 +230,82 @@ impl Generation {
             });
         }
 
+        let rules = match (&config.rules, &config.rules_file) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::new(
+                    config_path,
+                    at("rules_file"),
+                    "use either inline `rules` or `rules_file`, not both",
+                ))
+            }
+            (Some(cfg), None) => Some(Rules::compile(
+                cfg,
+                config_path,
+                &text,
+                Some("rules:"),
+                &lists,
+            )?),
+            (None, Some(p)) => {
+                let path = resolve(&root, p);
+                let rtext = read_file(&path)?;
+                let cfg = parse_yaml(&path, &rtext)?;
+                files.push(path.clone());
+                Some(Rules::compile(&cfg, &path, &rtext, None, &lists)?)
+            }
+            (None, None) => None,
+        };
+        if let Some(r) = &rules {
+            for lane in r.lanes() {
+                if lane != FORMAL && !services.values().any(|s| s.count(lane) > 0) {
+                    warnings.push(format!(
+                        "rules: lane {lane:?} is served by no node (its requests go to formal nodes)"
+                    ));
+                }
+            }
+        }
+
+        let mut dict_sizes = Vec::new();
+        for (name, size) in &config.shared_dicts {
+            let bytes = size.bytes().filter(|b| *b > 0).ok_or_else(|| {
+                ConfigError::new(
+                    config_path,
+                    find_line(&text, Some("shared_dicts:"), name),
+                    format!("shared dict {name:?}: bad size {size:?} (e.g. 10m, 512k)"),
+                )
+            })?;
+            dict_sizes.push((name.clone(), bytes));
+        }
+        let memory_limit = config
+            .script_limits
+            .memory_limit
+            .bytes()
+            .filter(|b| *b >= 1 << 20)
+            .ok_or_else(|| {
+                ConfigError::new(
+                    config_path,
+                    at("memory_limit"),
+                    "script_limits.memory_limit must be at least 1m",
+                )
+            })?;
+        if config.script_limits.instruction_budget < 1_000 {
+            return Err(ConfigError::new(
+                config_path,
+                at("instruction_budget"),
+                "script_limits.instruction_budget must be at least 1000",
+            ));
+        }
+        let dicts: BTreeMap<String, Arc<SharedDict>> = dict_sizes
+            .iter()
+            .map(|(name, bytes)| (name.clone(), shared_dict::dict(name, *bytes)))
+            .collect();
+
         let script = match &config.script {
             Some(p) => {
                 let path = resolve(&root, p);
-                let src = ScriptSource::load(&path)?;
+                let mut src = ScriptSource::load(&path)?;
+                src.instruction_budget = config.script_limits.instruction_budget;
+                src.memory_limit = memory_limit;
+                src.dicts = dicts.clone();
                 src.validate(&lists)?;
                 files.extend(src.files());
                 Some(src)
@@ -260,6 +338,13 @@ impl Generation {
             }
         }
 
+        // Everything is valid: apply changed dictionary sizes now (a
+        // rejected reload leaves the live dictionaries alone).
+        for (name, bytes) in &dict_sizes {
+            if let Some(d) = dicts.get(name).filter(|d| d.capacity() != *bytes) {
+                d.set_capacity(*bytes);
+            }
+        }
         let trusted = IpList::from_nets(config.trusted_proxies.iter().copied());
         Ok(Generation {
             id,
@@ -271,6 +356,8 @@ impl Generation {
             services,
             routes,
             script,
+            rules,
+            dicts,
             files,
             loaded_at: SystemTime::now(),
             warnings,

@@ -319,7 +319,12 @@ pub fn decide_sticky(
 ) -> (RequestInfo, Decision, Option<HeaderValue>) {
     let tagged = peer_trusted && info.parts.headers.contains_key(&gen.tag_header);
     let now = unix_now();
-    if !tagged {
+    // A deny rule beats a sticky cookie too (and pins no cookie).
+    let denied = gen
+        .rules
+        .as_ref()
+        .is_some_and(|r| r.denied(&info).is_some());
+    if !tagged && !denied {
         let kept = lane::cookie_value(&info.parts.headers, &st.cookie)
             .and_then(|v| st.verify(v, now))
             .filter(|l| gen.served_lanes.contains(*l))
@@ -329,8 +334,11 @@ pub fn decide_sticky(
         }
     }
     let (info, d) = lane::decide(gen, info, peer_trusted);
-    let cookie = matches!(d.decided_by, DecidedBy::Script | DecidedBy::Default)
-        .then(|| st.set_cookie(&d.lane, now));
+    let cookie = matches!(
+        d.decided_by,
+        DecidedBy::Script | DecidedBy::Default | DecidedBy::Rule(_) | DecidedBy::RuleFallback
+    )
+    .then(|| st.set_cookie(&d.lane, now));
     (info, d, cookie)
 }
 

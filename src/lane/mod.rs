@@ -1,13 +1,18 @@
 //! Lane decision: request → lane. A tag from a trusted proxy is honoured;
-//! otherwise the Lua script decides; anything missing, invalid or failing
-//! means `formal`. The outcome is a [`Decision`] that the proxy, logs and
-//! (later) metrics and the explain endpoint all read.
+//! otherwise deny rules, then the declarative rules, then the Lua script
+//! (which sees the rule verdict and may keep or override it) decide;
+//! anything missing, invalid or failing means `formal`. The outcome is a
+//! [`Decision`] that the proxy, logs, metrics and the explain endpoint read.
 
+pub mod ngx;
+pub mod rules;
 pub mod script;
+pub mod shared_dict;
 
 use std::borrow::Cow;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use http::request::Parts;
@@ -72,6 +77,12 @@ pub enum DecidedBy {
     ScriptError(String),
     /// The script (or tag) produced an unusable lane name; formal.
     InvalidLane(String),
+    /// A deny rule (named) matched: formal, whatever else would match.
+    Deny(Arc<str>),
+    /// A declarative rule (named) matched and the script kept its lane.
+    Rule(Arc<str>),
+    /// Rules are enabled but none matched: their `fallback` lane.
+    RuleFallback,
     /// A valid signed sticky cookie kept the lane of an earlier decision.
     StickyCookie,
 }
@@ -85,6 +96,17 @@ impl DecidedBy {
             DecidedBy::ScriptError(_) => "script_error",
             DecidedBy::InvalidLane(_) => "invalid_lane",
             DecidedBy::StickyCookie => "sticky_cookie",
+            DecidedBy::Deny(_) => "deny",
+            DecidedBy::Rule(_) => "rule",
+            DecidedBy::RuleFallback => "rule_fallback",
+        }
+    }
+
+    /// The deny or rule name, when a named rule decided.
+    pub fn rule_name(&self) -> Option<&str> {
+        match self {
+            DecidedBy::Deny(n) | DecidedBy::Rule(n) => Some(n),
+            _ => None,
         }
     }
 }
@@ -142,12 +164,39 @@ pub fn decide(gen: &Generation, req: RequestInfo, peer_trusted: bool) -> (Reques
             };
         }
     }
-    let Some(src) = &gen.script else {
-        return (req, Decision::new(FORMAL, DecidedBy::Default));
+    let verdict = gen
+        .rules
+        .as_ref()
+        .map_or(rules::Verdict::Disabled, |r| r.verdict(&req));
+    let rule_decision = match &verdict {
+        rules::Verdict::Deny(name) => {
+            return (req, Decision::new(FORMAL, DecidedBy::Deny(name.clone())));
+        }
+        rules::Verdict::Disabled => None,
+        rules::Verdict::Rule { name, lane } => {
+            Some(Decision::new(&**lane, DecidedBy::Rule(name.clone())))
+        }
+        rules::Verdict::Fallback(lane) => Some(Decision::new(&**lane, DecidedBy::RuleFallback)),
     };
-    let (req, result) = script::call_lane(src, &gen.lists, req);
+    let Some(src) = &gen.script else {
+        let d = rule_decision.unwrap_or_else(|| Decision::new(FORMAL, DecidedBy::Default));
+        return (req, d);
+    };
+    let rule_ctx = match verdict {
+        rules::Verdict::Rule { name, lane } => script::RuleCtx {
+            lane: Some(lane),
+            name: Some(name),
+        },
+        rules::Verdict::Fallback(lane) => script::RuleCtx {
+            lane: Some(lane),
+            name: None,
+        },
+        _ => script::RuleCtx::default(),
+    };
+    let (req, result) = script::call_lane(src, &gen.lists, req, rule_ctx);
     let decision = match result {
-        Ok(None) => Decision::new(FORMAL, DecidedBy::Script),
+        // nil keeps the rule verdict (formal when there are no rules).
+        Ok(None) => rule_decision.unwrap_or_else(|| Decision::new(FORMAL, DecidedBy::Script)),
         Ok(Some(lane)) if valid_lane(&lane) => Decision::new(lane, DecidedBy::Script),
         Ok(Some(lane)) => {
             log_limited(
@@ -157,11 +206,21 @@ pub fn decide(gen: &Generation, req: RequestInfo, peer_trusted: bool) -> (Reques
             Decision::new(FORMAL, DecidedBy::InvalidLane(lane))
         }
         Err(e) => {
-            log_limited(
-                &SCRIPT_ERR_LOG,
-                || tracing::error!(error = %e.0, "lane script failed; request goes formal"),
-            );
-            Decision::new(FORMAL, DecidedBy::ScriptError(e.0))
+            match e.limit {
+                Some(limit) => log_limited(
+                    if limit == script::Limit::Memory {
+                        &MEMORY_LOG
+                    } else {
+                        &BUDGET_LOG
+                    },
+                    || tracing::error!(error = %e.message, limit = ?limit, "lane script stopped by a sandbox limit; request goes formal"),
+                ),
+                None => log_limited(
+                    &SCRIPT_ERR_LOG,
+                    || tracing::error!(error = %e.message, "lane script failed; request goes formal"),
+                ),
+            }
+            Decision::new(FORMAL, DecidedBy::ScriptError(e.message))
         }
     };
     (req, decision)
@@ -173,6 +232,8 @@ fn lossy(b: &[u8]) -> Cow<'_, str> {
 
 static SCRIPT_ERR_LOG: AtomicU64 = AtomicU64::new(0);
 static INVALID_LOG: AtomicU64 = AtomicU64::new(0);
+static BUDGET_LOG: AtomicU64 = AtomicU64::new(0);
+static MEMORY_LOG: AtomicU64 = AtomicU64::new(0);
 
 /// Runs `log` at most once per second per `slot` (a last-logged timestamp),
 /// so a failing script cannot flood the log.

@@ -13,17 +13,21 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use mlua::{
-    Function, HookTriggers, Lua, LuaOptions, MultiValue, StdLib, UserData, UserDataFields,
-    UserDataMethods, Value, VmState,
-};
+use std::time::{SystemTime, UNIX_EPOCH};
 
+use mlua::{Function, HookTriggers, Lua, LuaOptions, MultiValue, StdLib, Table, Value, VmState};
+
+use super::shared_dict::SharedDict;
 use super::RequestInfo;
-use crate::config::{find_line, read_file, ConfigError};
+use crate::config::{find_line, ConfigError};
 use crate::lists::IpList;
 
-/// Instructions a single lane call may run before it is stopped.
-pub const DEFAULT_INSTRUCTION_BUDGET: u64 = 1_000_000;
+/// Instructions a single lane call may run before it is stopped: about
+/// 1 ms of work (the `script/runaway` benchmark measures it).
+pub const DEFAULT_INSTRUCTION_BUDGET: u64 = 300_000;
+/// The script's top level (run once per load) may run this many budgets,
+/// so building big tables at load time is fine.
+const TOP_LEVEL_BUDGETS: i64 = 100;
 /// Memory a script VM may allocate.
 pub const DEFAULT_MEMORY_LIMIT: usize = 64 * 1024 * 1024;
 const HOOK_EVERY: u32 = 1_000;
@@ -38,6 +42,8 @@ pub struct ScriptSource {
     pub modules: BTreeMap<String, (PathBuf, String)>,
     pub instruction_budget: u64,
     pub memory_limit: usize,
+    /// `ngx.shared` dictionaries the script may use.
+    pub dicts: BTreeMap<String, Arc<SharedDict>>,
     /// Unique per load; a VM built for another id is rebuilt.
     pub id: u64,
 }
@@ -47,13 +53,13 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 impl ScriptSource {
     /// Reads the script and, transitively, the modules it `require`s.
     pub fn load(path: &Path) -> Result<ScriptSource, ConfigError> {
-        let source = read_file(path)?;
+        let source = read_script(path)?;
         let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
         let mut modules = BTreeMap::new();
         let mut pending = vec![(path.to_path_buf(), source.clone())];
         while let Some((file, text)) = pending.pop() {
             for name in required_modules(&text) {
-                if modules.contains_key(&name) {
+                if modules.contains_key(&name) || BUILTIN_MODULES.contains(&name.as_str()) {
                     continue;
                 }
                 let mpath = module_path(&dir, &name).ok_or_else(|| {
@@ -63,7 +69,7 @@ impl ScriptSource {
                         format!("invalid module name {name:?} (letters, digits, _ and . only)"),
                     )
                 })?;
-                let mtext = read_file(&mpath).map_err(|e| {
+                let mtext = read_script(&mpath).map_err(|e| {
                     ConfigError::new(
                         &file,
                         find_line(&text, None, &name),
@@ -81,6 +87,7 @@ impl ScriptSource {
             modules,
             instruction_budget: DEFAULT_INSTRUCTION_BUDGET,
             memory_limit: DEFAULT_MEMORY_LIMIT,
+            dicts: BTreeMap::new(),
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         })
     }
@@ -99,12 +106,35 @@ impl ScriptSource {
     }
 }
 
+/// Libraries `require` returns from the sandbox itself (OpenResty scripts
+/// often start with `local bit = require "bit"`).
+const BUILTIN_MODULES: [&str; 6] = ["bit", "ngx", "string", "table", "math", "utf8"];
+
+/// Reads Lua source text; precompiled bytecode is refused.
+fn read_script(path: &Path) -> Result<String, ConfigError> {
+    let bytes = std::fs::read(path)
+        .map_err(|e| ConfigError::new(path, None, format!("cannot read: {e}")))?;
+    if bytes.first() == Some(&0x1b) {
+        return Err(ConfigError::new(
+            path,
+            Some(1),
+            "precompiled Lua bytecode is not allowed; ship the source",
+        ));
+    }
+    String::from_utf8(bytes)
+        .map_err(|_| ConfigError::new(path, None, "cannot read: not valid UTF-8 text"))
+}
+
 fn required_modules(text: &str) -> Vec<String> {
     static RE: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
     let re = RE.get_or_init(|| {
         regex::Regex::new(r#"require\s*\(?\s*["']([^"']+)["']"#).expect("static regex")
     });
-    re.captures_iter(text).map(|c| c[1].to_string()).collect()
+    static COMMENTS: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
+    let comments = COMMENTS
+        .get_or_init(|| regex::Regex::new(r"(?s)--\[\[.*?\]\]|--[^\n]*").expect("static regex"));
+    let code = comments.replace_all(text, "");
+    re.captures_iter(&code).map(|c| c[1].to_string()).collect()
 }
 
 fn module_path(dir: &Path, name: &str) -> Option<PathBuf> {
@@ -137,21 +167,45 @@ fn lua_error(default_file: &Path, err: &mlua::Error) -> ConfigError {
     ConfigError::new(default_file, None, first)
 }
 
+/// The rule verdict handed to the script (`req.rule_lane`, `req.rule_name`).
+#[derive(Debug, Clone, Default)]
+pub struct RuleCtx {
+    pub lane: Option<Arc<str>>,
+    pub name: Option<Arc<str>>,
+}
+
+/// The request being decided on this thread, as scripts see it.
+pub(crate) struct Current {
+    pub req: RequestInfo,
+    pub rule: RuleCtx,
+    /// Request headers before the first `ngx.req.set_header`; restored if
+    /// the call fails so a failing script leaves the request untouched.
+    pub saved_headers: Option<http::HeaderMap>,
+}
+
 // Per-thread slots: the request being decided and this thread's VM.
 thread_local! {
-    static CURRENT: RefCell<Option<RequestInfo>> = const { RefCell::new(None) };
+    static CURRENT: RefCell<Option<Current>> = const { RefCell::new(None) };
     static VM: RefCell<Option<ScriptVm>> = const { RefCell::new(None) };
 }
 
-/// The `req` object scripts see. Stateless: it reads `CURRENT`.
-struct Req;
-
-fn with_req<R>(f: impl FnOnce(&RequestInfo) -> R) -> mlua::Result<R> {
+/// Runs `f` on the request being decided.
+pub(crate) fn with_req<R>(f: impl FnOnce(&RequestInfo) -> R) -> mlua::Result<R> {
     CURRENT.with(|c| {
         let c = c.borrow();
         c.as_ref()
+            .map(|c| f(&c.req))
+            .ok_or_else(|| mlua::Error::runtime("request data used outside a lane call"))
+    })
+}
+
+/// Runs `f` on the current slot, mutably (e.g. `ngx.req.set_header`).
+pub(crate) fn with_current<R>(f: impl FnOnce(&mut Current) -> R) -> mlua::Result<R> {
+    CURRENT.with(|c| {
+        let mut c = c.borrow_mut();
+        c.as_mut()
             .map(f)
-            .ok_or_else(|| mlua::Error::runtime("req used outside a lane call"))
+            .ok_or_else(|| mlua::Error::runtime("request data used outside a lane call"))
     })
 }
 
@@ -162,37 +216,95 @@ fn opt_str(lua: &Lua, s: Option<&[u8]>) -> mlua::Result<Value> {
     }
 }
 
-impl UserData for Req {
-    fn add_fields<F: UserDataFields<Self>>(fields: &mut F) {
-        fields.add_field_method_get("ip", |lua, _| {
-            with_req(|r| lua.create_string(r.client_ip.to_string()))?
-        });
-        fields.add_field_method_get("method", |lua, _| {
-            with_req(|r| lua.create_string(r.parts.method.as_str()))?
-        });
-        fields.add_field_method_get("host", |lua, _| with_req(|r| lua.create_string(&r.host))?);
-        fields.add_field_method_get("path", |lua, _| {
-            with_req(|r| lua.create_string(r.parts.uri.path()))?
-        });
-        fields.add_field_method_get("query", |lua, _| {
-            with_req(|r| lua.create_string(r.parts.uri.query().unwrap_or("")))?
-        });
-    }
-
-    fn add_methods<M: UserDataMethods<Self>>(methods: &mut M) {
-        methods.add_method("header", |lua, _, name: mlua::LuaString| {
+/// Builds the `req` object scripts see: a table whose methods (`header`,
+/// `cookie`, `arg`, `in_list`) are plain functions and whose fields (`ip`,
+/// `path`, …) come from an `__index` function; both read the request being
+/// decided from `CURRENT`, so nothing is copied per request. Writes are
+/// refused, so a script cannot leave state on it.
+fn req_object(lua: &Lua, lists: Arc<BTreeMap<String, IpList>>) -> mlua::Result<Table> {
+    let req = lua.create_table()?;
+    req.raw_set(
+        "header",
+        lua.create_function(|lua, (_, name): (Value, mlua::LuaString)| {
             let name = name.to_str()?;
             with_req(|r| opt_str(lua, r.header(&name).map(|v| v.as_bytes())))?
-        });
-        methods.add_method("cookie", |lua, _, name: mlua::LuaString| {
+        })?,
+    )?;
+    req.raw_set(
+        "cookie",
+        lua.create_function(|lua, (_, name): (Value, mlua::LuaString)| {
             let name = name.to_str()?;
             with_req(|r| opt_str(lua, r.cookie(&name).map(str::as_bytes)))?
-        });
-        methods.add_method("arg", |lua, _, name: mlua::LuaString| {
+        })?,
+    )?;
+    req.raw_set(
+        "arg",
+        lua.create_function(|lua, (_, name): (Value, mlua::LuaString)| {
             let name = name.to_str()?;
             with_req(|r| opt_str(lua, r.arg(&name).as_deref().map(str::as_bytes)))?
-        });
-    }
+        })?,
+    )?;
+    req.raw_set(
+        "in_list",
+        lua.create_function(move |_, (_, name): (Value, mlua::LuaString)| {
+            let name = name.to_str()?;
+            let list = lists
+                .get(&*name)
+                .ok_or_else(|| mlua::Error::runtime(format!("unknown list {:?}", &*name)))?;
+            with_req(|r| list.contains(r.client_ip))
+        })?,
+    )?;
+    let mt = lua.create_table()?;
+    mt.raw_set(
+        "__index",
+        lua.create_function(|lua, (_, key): (Value, mlua::LuaString)| {
+            let key = key.as_bytes();
+            match &*key {
+                b"rule_lane" => {
+                    with_current(|c| opt_str(lua, c.rule.lane.as_deref().map(str::as_bytes)))?
+                }
+                b"rule_name" => {
+                    with_current(|c| opt_str(lua, c.rule.name.as_deref().map(str::as_bytes)))?
+                }
+                k => with_req(|r| {
+                    let v: Option<std::borrow::Cow<'_, str>> = match k {
+                        b"ip" => Some(r.client_ip.to_string().into()),
+                        b"method" => Some(r.parts.method.as_str().into()),
+                        b"host" => Some(r.host.as_str().into()),
+                        b"path" => Some(r.parts.uri.path().into()),
+                        b"query" => Some(r.parts.uri.query().unwrap_or("").into()),
+                        _ => None,
+                    };
+                    opt_str(lua, v.as_deref().map(str::as_bytes))
+                })?,
+            }
+        })?,
+    )?;
+    mt.raw_set(
+        "__newindex",
+        lua.create_function(|_, (_, key): (Value, Value)| -> mlua::Result<()> {
+            Err(mlua::Error::runtime(format!(
+                "req is read-only (assigning {})",
+                key.to_string().unwrap_or_default()
+            )))
+        })?,
+    )?;
+    mt.raw_set("__metatable", false)?;
+    req.set_metatable(Some(mt))?;
+    Ok(req)
+}
+
+/// Why the last call was stopped by a limit.
+#[derive(Debug, Default)]
+struct Guard {
+    /// Instructions left in this call.
+    left: Cell<i64>,
+    /// Set once the budget is spent; pcall/coroutine.resume re-raise then.
+    killed: Cell<bool>,
+    /// `file:line` where the budget ran out.
+    killed_at: RefCell<String>,
+    /// Last `file:line` the hook saw (locates memory errors).
+    last_at: RefCell<(String, usize)>,
 }
 
 /// A built VM: the lane function, bound to one script load.
@@ -200,10 +312,25 @@ struct ScriptVm {
     id: u64,
     lua: Lua,
     lane_fn: Function,
-    req: mlua::AnyUserData,
-    budget_left: Rc<Cell<i64>>,
+    req: Table,
+    /// Per-request global writes land here and are cleared after each call.
+    env: Table,
+    guard: Rc<Guard>,
     budget: i64,
 }
+
+/// Lua prelude wrapping the error-catching primitives so a script cannot
+/// swallow the budget error: after the budget is spent they re-raise.
+const PRELUDE: &str = r#"
+local raw_pcall, raw_xpcall, raw_resume, killed, error = ...
+local function check(...)
+  if killed() then error("instruction budget exceeded", 0) end
+  return ...
+end
+pcall = function(...) return check(raw_pcall(...)) end
+xpcall = function(...) return check(raw_xpcall(...)) end
+coroutine.resume = function(...) return check(raw_resume(...)) end
+"#;
 
 impl ScriptVm {
     fn build(
@@ -222,6 +349,11 @@ impl ScriptVm {
         for name in ["dofile", "loadfile", "load", "collectgarbage"] {
             globals.raw_set(name, Value::Nil).map_err(le)?;
         }
+        // string.dump makes bytecode; nothing may load it anyway.
+        if let Ok(Value::Table(st)) = globals.raw_get::<Value>("string") {
+            st.raw_set("dump", Value::Nil).map_err(le)?;
+        }
+        install_os_subset(&lua, &globals).map_err(le)?;
 
         // graygate.* helpers.
         let gg = lua.create_table().map_err(le)?;
@@ -253,13 +385,49 @@ impl ScriptVm {
         )
         .map_err(le)?;
         globals.raw_set("graygate", gg).map_err(le)?;
+        super::ngx::install(&lua, &globals, &src.dicts).map_err(le)?;
+
+        // Budget guard; the prelude makes pcall & co. honour it.
+        let guard = Rc::new(Guard::default());
+        let g = guard.clone();
+        let killed = lua
+            .create_function(move |_, ()| Ok(g.killed.get()))
+            .map_err(le)?;
+        let prelude_args = (
+            globals.raw_get::<Value>("pcall").map_err(le)?,
+            globals.raw_get::<Value>("xpcall").map_err(le)?,
+            globals
+                .raw_get::<Table>("coroutine")
+                .and_then(|c| c.raw_get::<Value>("resume"))
+                .map_err(le)?,
+            killed,
+            globals.raw_get::<Value>("error").map_err(le)?,
+        );
+        lua.load(PRELUDE)
+            .set_name("=graygate_prelude")
+            .call::<()>(prelude_args)
+            .map_err(le)?;
+
+        // Globals: the script's chunks run in `env`. While loading, `env`
+        // reads through to the base globals and keeps what the top level
+        // defines; afterwards everything is frozen into `frozen` and `env`
+        // only collects per-request writes, cleared after every call.
+        let env = lua.create_table().map_err(le)?;
+        let loading_mt = lua.create_table().map_err(le)?;
+        loading_mt.raw_set("__index", &globals).map_err(le)?;
+        env.set_metatable(Some(loading_mt)).map_err(le)?;
 
         // require: modules preloaded at load time, resolved inside the
         // scripts directory only, each run once.
         let loaded = lua.create_table().map_err(le)?;
         let modules: BTreeMap<String, (PathBuf, String)> = src.modules.clone();
+        let menv = env.clone();
+        let base = globals.clone();
         let require = lua
             .create_function(move |lua, name: String| {
+                if BUILTIN_MODULES.contains(&name.as_str()) {
+                    return base.raw_get::<Value>(name.as_str());
+                }
                 if let Ok(v) = loaded.raw_get::<Value>(name.as_str()) {
                     if !v.is_nil() {
                         return Ok(v);
@@ -274,6 +442,7 @@ impl ScriptVm {
                     .load(text.as_str())
                     .set_name(format!("@{}", path.display()))
                     .set_mode(mlua::chunk::ChunkMode::Text)
+                    .set_environment(menv.clone())
                     .call(name.as_str())?;
                 let v = if v.is_nil() { Value::Boolean(true) } else { v };
                 loaded.raw_set(name.as_str(), v.clone())?;
@@ -283,13 +452,44 @@ impl ScriptVm {
         globals.raw_set("require", require).map_err(le)?;
 
         let budget = i64::try_from(src.instruction_budget).unwrap_or(i64::MAX);
-        let budget_left = Rc::new(Cell::new(budget));
+        guard.left.set(budget.saturating_mul(TOP_LEVEL_BUDGETS));
+        let g = guard.clone();
+        lua.set_global_hook(
+            HookTriggers::new().every_nth_instruction(HOOK_EVERY),
+            move |_, debug| {
+                let l = g.left.get() - i64::from(HOOK_EVERY);
+                g.left.set(l);
+                let src = debug.source();
+                let file = src.source.as_deref().unwrap_or("?");
+                let file = file.strip_prefix('@').unwrap_or(file);
+                let line = debug.current_line().unwrap_or(0);
+                {
+                    let mut last = g.last_at.borrow_mut();
+                    if last.0 != file {
+                        last.0 = file.to_string();
+                    }
+                    last.1 = line;
+                }
+                if l < 0 {
+                    if !g.killed.get() {
+                        g.killed.set(true);
+                        *g.killed_at.borrow_mut() = format!("{file}:{line}");
+                    }
+                    Err(mlua::Error::runtime("instruction budget exceeded"))
+                } else {
+                    Ok(VmState::Continue)
+                }
+            },
+        )
+        .map_err(le)?;
+
         let top: MultiValue = lua
             .load(src.source.as_str())
             .set_name(format!("@{}", file.display()))
             .set_mode(mlua::chunk::ChunkMode::Text)
+            .set_environment(env.clone())
             .call(())
-            .map_err(le)?;
+            .map_err(|e| classify(&guard, file, &e, None).1)?;
         let lane_fn =
             match top.into_iter().next() {
                 Some(Value::Function(f)) => f,
@@ -309,35 +509,43 @@ impl ScriptVm {
                     "the script must return a function lane(req) or a table with a `lane` function",
                 )),
             };
-        let req = lua.create_userdata(Req).map_err(le)?;
-        let left = budget_left.clone();
-        lua.set_hook(
-            HookTriggers::new().every_nth_instruction(HOOK_EVERY),
-            move |_, _| {
-                let l = left.get() - i64::from(HOOK_EVERY);
-                left.set(l);
-                if l < 0 {
-                    Err(mlua::Error::runtime("instruction budget exceeded"))
-                } else {
-                    Ok(VmState::Continue)
-                }
-            },
-        )
-        .map_err(le)?;
+
+        // Freeze: base globals plus what the top level defined.
+        let frozen = lua.create_table().map_err(le)?;
+        for t in [&globals, &env] {
+            for pair in t.pairs::<Value, Value>() {
+                let (k, v) = pair.map_err(le)?;
+                frozen.raw_set(k, v).map_err(le)?;
+            }
+        }
+        frozen.raw_set("_G", &env).map_err(le)?;
+        env.clear().map_err(le)?;
+        let mt = lua.create_table().map_err(le)?;
+        mt.raw_set("__index", frozen).map_err(le)?;
+        mt.raw_set("__metatable", false).map_err(le)?;
+        env.set_metatable(Some(mt)).map_err(le)?;
+
+        let req = req_object(&lua, lists).map_err(le)?;
         Ok(ScriptVm {
             id: src.id,
             lua,
             lane_fn,
             req,
-            budget_left,
+            env,
+            guard,
             budget,
         })
     }
 
     fn call(&self) -> mlua::Result<Option<String>> {
-        self.budget_left.set(self.budget);
-        let v: Value = self.lane_fn.call(&self.req)?;
-        match v {
+        self.guard.left.set(self.budget);
+        self.guard.killed.set(false);
+        self.guard.last_at.borrow_mut().0.clear();
+        let r = self.lane_fn.call::<Value>(&self.req);
+        if !self.env.is_empty() {
+            let _ = self.env.clear();
+        }
+        match r? {
             Value::Nil => Ok(None),
             Value::String(s) => Ok(Some(s.to_str()?.to_string())),
             other => Err(mlua::Error::runtime(format!(
@@ -348,44 +556,198 @@ impl ScriptVm {
     }
 }
 
+/// `os` without anything that touches the process or files.
+fn install_os_subset(lua: &Lua, globals: &Table) -> mlua::Result<()> {
+    let os = lua.create_table()?;
+    os.raw_set(
+        "time",
+        lua.create_function(|_, t: Option<Table>| {
+            if t.is_some() {
+                return Err(mlua::Error::runtime(
+                    "os.time(table) is not supported; use ngx.time()",
+                ));
+            }
+            Ok(SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs() as i64))
+        })?,
+    )?;
+    let start = std::time::Instant::now();
+    os.raw_set(
+        "clock",
+        lua.create_function(move |_, ()| Ok(start.elapsed().as_secs_f64()))?,
+    )?;
+    globals.raw_set("os", os)
+}
+
+/// Which limit stopped a call, if any.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    Instructions,
+    Memory,
+}
+
+static INSTRUCTION_LIMIT_HITS: AtomicU64 = AtomicU64::new(0);
+static MEMORY_LIMIT_HITS: AtomicU64 = AtomicU64::new(0);
+static SCRIPT_ERRORS: AtomicU64 = AtomicU64::new(0);
+
+/// Lane calls stopped by the instruction budget since start.
+pub fn instruction_limit_hits() -> u64 {
+    INSTRUCTION_LIMIT_HITS.load(Ordering::Relaxed)
+}
+
+/// Lane calls stopped by the VM memory limit since start.
+pub fn memory_limit_hits() -> u64 {
+    MEMORY_LIMIT_HITS.load(Ordering::Relaxed)
+}
+
+/// Lane calls that failed for any reason (limits included) since start.
+pub fn script_errors() -> u64 {
+    SCRIPT_ERRORS.load(Ordering::Relaxed)
+}
+
+/// Classifies a failed call: budget (located where the hook stopped it),
+/// memory (located at the last place seen, or the lane function), or an
+/// ordinary error located by Lua's own message.
+fn classify(
+    guard: &Guard,
+    file: &Path,
+    err: &mlua::Error,
+    lane_fn: Option<&Function>,
+) -> (Option<Limit>, ConfigError) {
+    if guard.killed.get() {
+        let at = guard.killed_at.borrow().clone();
+        return (
+            Some(Limit::Instructions),
+            located(&at, file, "instruction budget exceeded"),
+        );
+    }
+    if is_memory_error(err) {
+        let last = guard.last_at.borrow().clone();
+        let at = if !last.0.is_empty() {
+            format!("{}:{}", last.0, last.1)
+        } else if let Some(f) = lane_fn {
+            let info = f.info();
+            let src = info.source.unwrap_or_default();
+            format!(
+                "{}:{}",
+                src.strip_prefix('@').unwrap_or(&src),
+                info.line_defined.unwrap_or(0)
+            )
+        } else {
+            String::new()
+        };
+        return (
+            Some(Limit::Memory),
+            located(&at, file, "memory limit exceeded"),
+        );
+    }
+    (None, lua_error(file, err))
+}
+
+fn is_memory_error(err: &mlua::Error) -> bool {
+    match err {
+        mlua::Error::MemoryError(_) => true,
+        mlua::Error::CallbackError { cause, .. } => is_memory_error(cause),
+        mlua::Error::WithContext { cause, .. } => is_memory_error(cause),
+        other => other.to_string().contains("not enough memory"),
+    }
+}
+
+fn located(at: &str, default_file: &Path, message: &str) -> ConfigError {
+    if let Some((file, line)) = at.rsplit_once(':') {
+        if let Ok(n) = line.parse::<usize>() {
+            if !file.is_empty() {
+                return ConfigError::new(file, Some(n), message);
+            }
+        }
+    }
+    ConfigError::new(default_file, None, message)
+}
+
 /// Error from one lane call, already formatted with the script location.
 #[derive(Debug, Clone)]
-pub struct ScriptError(pub String);
+pub struct ScriptError {
+    pub message: String,
+    /// Set when a sandbox limit stopped the call.
+    pub limit: Option<Limit>,
+}
+
+impl std::fmt::Display for ScriptError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
 
 /// Runs the lane function of `src` for `req` on this thread's VM, building
-/// the VM if it belongs to another load. Returns the request back.
+/// the VM if it belongs to another load. Returns the request back (with
+/// any `ngx.req.set_header` changes when the call succeeded).
 pub fn call_lane(
     src: &ScriptSource,
     lists: &Arc<BTreeMap<String, IpList>>,
     req: RequestInfo,
+    rule: RuleCtx,
 ) -> (RequestInfo, Result<Option<String>, ScriptError>) {
-    CURRENT.with(|c| *c.borrow_mut() = Some(req));
+    CURRENT.with(|c| {
+        *c.borrow_mut() = Some(Current {
+            req,
+            rule,
+            saved_headers: None,
+        })
+    });
     let result = VM.with(|vm| {
         let mut slot = vm.borrow_mut();
         if slot.as_ref().is_none_or(|v| v.id != src.id) {
             *slot = None;
             match ScriptVm::build(src, lists.clone()) {
                 Ok(v) => *slot = Some(v),
-                Err(e) => return Err(ScriptError(e.to_string())),
+                Err(e) => {
+                    return Err(ScriptError {
+                        message: e.to_string(),
+                        limit: None,
+                    })
+                }
             }
         }
         let vm = slot.as_ref().expect("built above");
         let r = vm.call().map_err(|e| {
-            let located = lua_error(&src.path, &e);
-            ScriptError(located.to_string())
+            let (limit, located) = classify(&vm.guard, &src.path, &e, Some(&vm.lane_fn));
+            ScriptError {
+                message: located.to_string(),
+                limit,
+            }
         });
-        if r.is_err() {
-            // A VM that hit its memory limit may be left in a bad state:
-            // drop it so the next call starts clean.
-            if vm.lua.used_memory() > src.memory_limit / 2 {
-                *slot = None;
+        if let Err(e) = &r {
+            SCRIPT_ERRORS.fetch_add(1, Ordering::Relaxed);
+            match e.limit {
+                Some(Limit::Instructions) => {
+                    INSTRUCTION_LIMIT_HITS.fetch_add(1, Ordering::Relaxed);
+                }
+                Some(Limit::Memory) => {
+                    MEMORY_LIMIT_HITS.fetch_add(1, Ordering::Relaxed);
+                }
+                None => {}
+            }
+            // After a memory error reclaim what the call left; a VM still
+            // near its limit is dropped so the next call starts clean.
+            if e.limit == Some(Limit::Memory) {
+                let _ = vm.lua.gc_collect();
+                if vm.lua.used_memory() > src.memory_limit / 2 {
+                    *slot = None;
+                }
             }
         }
         r
     });
-    let req = CURRENT
+    let cur = CURRENT
         .with(|c| c.borrow_mut().take())
         .expect("request slot filled above");
+    let mut req = cur.req;
+    if result.is_err() {
+        if let Some(h) = cur.saved_headers {
+            req.parts.headers = h;
+        }
+    }
     (req, result)
 }
 
@@ -431,6 +793,16 @@ mod tests {
     }
 
     #[test]
+    fn requires_in_comments_are_ignored() {
+        assert_eq!(
+            required_modules(
+                "-- require('a')\n--[[ require('b')\n]] local c = require 'c' -- require('d')\n"
+            ),
+            vec!["c".to_string()]
+        );
+    }
+
+    #[test]
     fn require_outside_scripts_dir_is_refused() {
         let d = tempfile::tempdir().unwrap();
         let p = write(
@@ -443,21 +815,6 @@ mod tests {
     }
 
     #[test]
-    fn no_file_or_loader_access() {
-        let d = tempfile::tempdir().unwrap();
-        let p = write(d.path(), "main.lua", "return function() end\n");
-        let vm =
-            ScriptVm::build(&ScriptSource::load(&p).unwrap(), Arc::new(BTreeMap::new())).unwrap();
-        let g = vm.lua.globals();
-        for name in ["io", "os", "dofile", "loadfile", "load", "debug", "package"] {
-            assert!(
-                g.raw_get::<Value>(name).unwrap().is_nil(),
-                "{name} is reachable"
-            );
-        }
-    }
-
-    #[test]
     fn must_return_a_function() {
         let d = tempfile::tempdir().unwrap();
         let p = write(d.path(), "main.lua", "return 42\n");
@@ -466,5 +823,234 @@ mod tests {
             .validate(&Arc::new(BTreeMap::new()))
             .unwrap_err();
         assert!(err.message.contains("must return a function"), "{err}");
+    }
+
+    fn load_src(text: &str) -> (tempfile::TempDir, ScriptSource) {
+        let d = tempfile::tempdir().unwrap();
+        let p = write(d.path(), "t.lua", text);
+        let src = ScriptSource::load(&p).unwrap();
+        (d, src)
+    }
+
+    fn req_with(header: Option<(&str, &str)>) -> RequestInfo {
+        let mut b = http::Request::builder().uri("/");
+        if let Some((k, v)) = header {
+            b = b.header(k, v);
+        }
+        let (parts, _) = b.body(()).unwrap().into_parts();
+        RequestInfo {
+            parts,
+            client_ip: "127.0.0.1".parse().unwrap(),
+            host: "h".into(),
+        }
+    }
+
+    fn call(
+        src: &ScriptSource,
+        header: Option<(&str, &str)>,
+    ) -> Result<Option<String>, ScriptError> {
+        call_lane(
+            src,
+            &Arc::new(BTreeMap::new()),
+            req_with(header),
+            RuleCtx::default(),
+        )
+        .1
+    }
+
+    #[test]
+    fn hot_infinite_loop_is_stopped_located_and_counted() {
+        let (_d, src) = load_src(
+            "return function(req)\n  if req:header('x-loop') then\n    while true do end\n  end\n  return 'gray'\nend\n",
+        );
+        let before = instruction_limit_hits();
+        let e = call(&src, Some(("x-loop", "1"))).unwrap_err();
+        assert_eq!(e.limit, Some(Limit::Instructions), "{e}");
+        assert!(
+            e.message.contains("t.lua:3: instruction budget exceeded"),
+            "{e}"
+        );
+        assert!(instruction_limit_hits() > before);
+        // The same VM keeps serving.
+        assert_eq!(call(&src, None).unwrap().as_deref(), Some("gray"));
+    }
+
+    #[test]
+    fn pcall_and_coroutines_cannot_swallow_the_budget() {
+        for body in [
+            "while true do pcall(function() while true do end end) end",
+            "while true do xpcall(function() while true do end end, function(e) return e end) end",
+            "while true do coroutine.resume(coroutine.create(function() while true do end end)) end",
+            "local f = coroutine.wrap(function() while true do end end)\n f()",
+        ] {
+            let (_d, src) = load_src(&format!("return function()\n{body}\nend\n"));
+            let e = call(&src, None).unwrap_err();
+            assert_eq!(e.limit, Some(Limit::Instructions), "{body}: {e}");
+        }
+    }
+
+    #[test]
+    fn top_level_gets_a_larger_but_finite_budget() {
+        // ~500k instructions at load: more than one call's budget, fine.
+        let (_d, src) = load_src(
+            "local t = {}\nfor i = 1, 100000 do t[i] = i * 2 end\nreturn function() return t[100000] == 200000 and 'gray' or nil end\n",
+        );
+        src.validate(&Arc::new(BTreeMap::new())).unwrap();
+        assert_eq!(call(&src, None).unwrap().as_deref(), Some("gray"));
+        // A runaway top level is stopped and the load rejected, located.
+        let (_d, src) =
+            load_src("local x = 0\nwhile true do x = x + 1 end\nreturn function() end\n");
+        let err = src.validate(&Arc::new(BTreeMap::new())).unwrap_err();
+        assert_eq!(err.line, Some(2), "{err}");
+        assert!(err.message.contains("instruction budget exceeded"), "{err}");
+    }
+
+    #[test]
+    fn budget_is_configurable() {
+        // ~3000 instructions: fine under the default, stopped under 1000.
+        let text = "return function()\n local x = 0\n for i = 1, 1000 do x = x + i end\n return 'gray'\nend\n";
+        let (_d, mut src) = load_src(text);
+        assert_eq!(call(&src, None).unwrap().as_deref(), Some("gray"));
+        src.instruction_budget = 1_000;
+        src.id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        assert_eq!(
+            call(&src, None).unwrap_err().limit,
+            Some(Limit::Instructions)
+        );
+    }
+
+    #[test]
+    fn memory_bomb_is_stopped_by_the_vm_limit() {
+        for body in [
+            "local t = {}\n  while true do t[#t + 1] = string.rep('x', 1 << 20) .. #t end",
+            "return string.rep('x', 1 << 28)",
+        ] {
+            let (_d, mut src) = load_src(&format!(
+                "return function(req)\n  if req:header('x-bomb') then\n  {body}\n  end\n  return 'gray'\nend\n"
+            ));
+            src.memory_limit = 16 << 20;
+            src.instruction_budget = 100_000_000;
+            let before = memory_limit_hits();
+            let e = call(&src, Some(("x-bomb", "1"))).unwrap_err();
+            assert_eq!(e.limit, Some(Limit::Memory), "{body}: {e}");
+            assert!(e.message.contains("t.lua:"), "{e}");
+            assert!(e.message.contains("memory limit exceeded"), "{e}");
+            assert!(memory_limit_hits() > before);
+            assert_eq!(call(&src, None).unwrap().as_deref(), Some("gray"));
+        }
+    }
+
+    #[test]
+    fn globals_do_not_leak_between_requests() {
+        let (_d, src) = load_src(
+            "base = 10\nreturn function()\n  hits = (hits or 0) + 1\n  base = base + 1\n  _G.other = (_G.other or 0) + 1\n  return hits .. '-' .. base .. '-' .. other\nend\n",
+        );
+        for _ in 0..3 {
+            assert_eq!(call(&src, None).unwrap().as_deref(), Some("1-11-1"));
+        }
+        // The req object is read-only: nothing can be left on it.
+        let (_d, src) = load_src("return function(req) req.ip = 'x' return 'gray' end\n");
+        assert!(call(&src, None).unwrap_err().message.contains("read-only"));
+        let (_d, src) = load_src(
+            "return function(req) return req.method .. req.host .. req.path .. req.query .. tostring(req.nope) end\n",
+        );
+        assert_eq!(call(&src, None).unwrap().as_deref(), Some("GETh/nil"));
+        // The protected environment cannot be swapped out.
+        let (_d, src) = load_src("return function() setmetatable(_G, nil) return 'x' end\n");
+        assert!(call(&src, None).is_err());
+    }
+
+    #[test]
+    fn sandbox_has_no_process_file_or_loader_access() {
+        for (expr, want) in [
+            ("type(io)", "nil"),
+            ("type(os.execute)", "nil"),
+            ("type(os.getenv)", "nil"),
+            ("type(os.remove)", "nil"),
+            ("type(debug)", "nil"),
+            ("type(ffi)", "nil"),
+            ("type(jit)", "nil"),
+            ("type(package)", "nil"),
+            ("type(dofile)", "nil"),
+            ("type(loadfile)", "nil"),
+            ("type(load)", "nil"),
+            ("type(loadstring)", "nil"),
+            ("type(string.dump)", "nil"),
+            ("type(collectgarbage)", "nil"),
+            ("math.type(os.time())", "integer"),
+        ] {
+            let (_d, src) = load_src(&format!("return function() return {expr} end\n"));
+            assert_eq!(call(&src, None).unwrap().as_deref(), Some(want), "{expr}");
+        }
+        // A module name computed at run time resolves only among the
+        // modules found in the scripts directory at load time.
+        let (_d, src) =
+            load_src("return function() local m = '/etc/passwd' return require(m) end\n");
+        let e = call(&src, None).unwrap_err();
+        assert!(
+            e.message.contains("not found in the scripts directory"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn bytecode_is_refused() {
+        let lua = Lua::new();
+        let f = lua
+            .load("return function() return 'gray' end")
+            .into_function()
+            .unwrap();
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("b.lua");
+        std::fs::write(&p, f.dump(false)).unwrap();
+        let err = ScriptSource::load(&p).unwrap_err();
+        assert!(err.message.contains("bytecode"), "{err}");
+        // ...as a required module too.
+        std::fs::write(d.path().join("m.lua"), f.dump(true)).unwrap();
+        let main = write(d.path(), "main.lua", "local m = require('m')\nreturn m\n");
+        let err = ScriptSource::load(&main).unwrap_err();
+        assert!(err.message.contains("bytecode"), "{err}");
+    }
+
+    #[test]
+    fn req_in_list_tests_the_client_address() {
+        let d = tempfile::tempdir().unwrap();
+        let p = write(
+            d.path(),
+            "t.lua",
+            "return function(req)\n  return tostring(req:in_list('office')) .. tostring(graygate.in_list('office', req.ip))\nend\n",
+        );
+        let src = ScriptSource::load(&p).unwrap();
+        let mut lists = BTreeMap::new();
+        lists.insert(
+            "office".to_string(),
+            IpList::parse(Path::new("l"), "127.0.0.0/24\n").unwrap(),
+        );
+        let lists = Arc::new(lists);
+        let r = call_lane(&src, &lists, req_with(None), RuleCtx::default()).1;
+        assert_eq!(r.unwrap().as_deref(), Some("truetrue"));
+        let mut other = req_with(None);
+        other.client_ip = "10.0.0.1".parse().unwrap();
+        let r = call_lane(&src, &lists, other, RuleCtx::default()).1;
+        assert_eq!(r.unwrap().as_deref(), Some("falsefalse"));
+        let (_d2, bad) = load_src("return function(req) return req:in_list('nope') end\n");
+        assert!(call(&bad, None)
+            .unwrap_err()
+            .message
+            .contains("unknown list"));
+    }
+
+    #[test]
+    fn script_sees_the_rule_verdict() {
+        let (_d, src) = load_src(
+            "return function(req)\n  return tostring(req.rule_lane) .. '/' .. tostring(req.rule_name)\nend\n",
+        );
+        let ctx = RuleCtx {
+            lane: Some("gray".into()),
+            name: Some("testers".into()),
+        };
+        let r = call_lane(&src, &Arc::new(BTreeMap::new()), req_with(None), ctx).1;
+        assert_eq!(r.unwrap().as_deref(), Some("gray/testers"));
+        assert_eq!(call(&src, None).unwrap().as_deref(), Some("nil/nil"));
     }
 }

@@ -1,0 +1,1007 @@
+//! The OpenResty-compatible subset scripts see: `ngx.var.*`, `ngx.req.*`,
+//! `ngx.log`, `ngx.crc32_*`, `ngx.md5`, `ngx.time/now`, `ngx.shared.<dict>`
+//! and LuaJIT's `bit` library. Everything reads the request being decided
+//! through the script module's thread-local slot, lazily: nothing is built
+//! per request unless the script asks for it (e.g. `get_headers()`).
+//! Semantics follow nginx/lua-nginx-module (see the README's "OpenResty
+//! compatibility" section for the exact subset).
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use http::{HeaderName, HeaderValue};
+use md5::{Digest, Md5};
+use mlua::{Lua, LuaString, MultiValue, Table, UserData, UserDataMethods, Value, Variadic};
+use percent_encoding::percent_decode;
+
+use super::script::{with_current, with_req};
+use super::shared_dict::{DictError, DictValue, SharedDict, MAX_KEY_LEN};
+use super::RequestInfo;
+
+// nginx log levels, as OpenResty numbers them.
+const LEVELS: [(&str, i64); 9] = [
+    ("STDERR", 0),
+    ("EMERG", 1),
+    ("ALERT", 2),
+    ("CRIT", 3),
+    ("ERR", 4),
+    ("WARN", 5),
+    ("NOTICE", 6),
+    ("INFO", 7),
+    ("DEBUG", 8),
+];
+
+/// Default cap of `get_headers()` / `get_uri_args()` entries (OpenResty's).
+const DEFAULT_MAX: usize = 100;
+
+/// Installs `ngx` and `bit` into `g`.
+pub fn install(
+    lua: &Lua,
+    g: &Table,
+    dicts: &BTreeMap<String, Arc<SharedDict>>,
+) -> mlua::Result<()> {
+    let ngx = lua.create_table()?;
+    for (name, n) in LEVELS {
+        ngx.raw_set(name, n)?;
+    }
+    ngx.raw_set("var", var_table(lua)?)?;
+    ngx.raw_set("req", req_table(lua)?)?;
+    ngx.raw_set("log", lua.create_function(log)?)?;
+    ngx.raw_set(
+        "crc32_short",
+        lua.create_function(|_, s: LuaString| Ok(i64::from(crc32fast::hash(&s.as_bytes()))))?,
+    )?;
+    ngx.raw_set(
+        "crc32_long",
+        lua.create_function(|_, s: LuaString| Ok(i64::from(crc32fast::hash(&s.as_bytes()))))?,
+    )?;
+    ngx.raw_set(
+        "md5",
+        lua.create_function(|lua, s: LuaString| {
+            let d = Md5::digest(&*s.as_bytes());
+            const DIGITS: &[u8; 16] = b"0123456789abcdef";
+            let mut hex = [0u8; 32];
+            for (i, b) in d.iter().enumerate() {
+                hex[2 * i] = DIGITS[usize::from(b >> 4)];
+                hex[2 * i + 1] = DIGITS[usize::from(b & 0xf)];
+            }
+            lua.create_string(hex)
+        })?,
+    )?;
+    ngx.raw_set(
+        "md5_bin",
+        lua.create_function(|lua, s: LuaString| {
+            lua.create_string(Md5::digest(&*s.as_bytes()).as_slice())
+        })?,
+    )?;
+    ngx.raw_set(
+        "time",
+        lua.create_function(|_, ()| Ok(unix_now().as_secs() as i64))?,
+    )?;
+    ngx.raw_set(
+        "now",
+        lua.create_function(|_, ()| Ok(unix_now().as_millis() as f64 / 1000.0))?,
+    )?;
+    ngx.raw_set("update_time", lua.create_function(|_, ()| Ok(()))?)?;
+    let shared = lua.create_table()?;
+    for (name, d) in dicts {
+        shared.raw_set(name.as_str(), DictUd(d.clone()))?;
+    }
+    ngx.raw_set("shared", shared)?;
+    g.raw_set("ngx", ngx)?;
+    g.raw_set("bit", bit_table(lua)?)?;
+    Ok(())
+}
+
+fn unix_now() -> std::time::Duration {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+}
+
+// ---------------------------------------------------------------- ngx.var
+
+fn var_table(lua: &Lua) -> mlua::Result<Table> {
+    let t = lua.create_table()?;
+    let mt = lua.create_table()?;
+    mt.raw_set(
+        "__index",
+        lua.create_function(|lua, (_, name): (Table, LuaString)| {
+            let name = name.as_bytes();
+            with_req(|r| match variable(r, &name) {
+                Some(v) => Ok(Value::String(lua.create_string(v)?)),
+                None => Ok(Value::Nil),
+            })?
+        })?,
+    )?;
+    mt.raw_set(
+        "__newindex",
+        lua.create_function(|_, (_, name): (Table, LuaString)| -> mlua::Result<()> {
+            Err(mlua::Error::runtime(format!(
+                "ngx.var.{} is read-only in graygate",
+                name.to_string_lossy()
+            )))
+        })?,
+    )?;
+    mt.raw_set("__metatable", false)?;
+    t.set_metatable(Some(mt))?;
+    Ok(t)
+}
+
+/// The value of nginx variable `name` for `r`, or `None` (nil).
+pub fn variable<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
+    let b = |s: &'a str| Some(Cow::Borrowed(s.as_bytes()));
+    match name {
+        b"remote_addr" => Some(Cow::Owned(r.client_ip.to_string().into_bytes())),
+        b"uri" | b"document_uri" => Some(Cow::Owned(normalize_uri(r.parts.uri.path()))),
+        b"request_uri" => b(r
+            .parts
+            .uri
+            .path_and_query()
+            .map_or(r.parts.uri.path(), |pq| pq.as_str())),
+        b"args" | b"query_string" => r.parts.uri.query().and_then(b),
+        b"is_args" => b(if r.parts.uri.query().is_some() {
+            "?"
+        } else {
+            ""
+        }),
+        b"host" => b(&r.host),
+        b"request_method" => b(r.parts.method.as_str()),
+        b"scheme" => b("http"),
+        b"server_protocol" => b(match r.parts.version {
+            http::Version::HTTP_10 => "HTTP/1.0",
+            http::Version::HTTP_2 => "HTTP/2.0",
+            _ => "HTTP/1.1",
+        }),
+        _ => {
+            if let Some(h) = name.strip_prefix(b"http_") {
+                http_var(r, h)
+            } else if let Some(c) = name.strip_prefix(b"cookie_") {
+                cookie_var(r, c).map(Cow::Borrowed)
+            } else if let Some(a) = name.strip_prefix(b"arg_") {
+                arg_var(r, a).map(Cow::Borrowed)
+            } else {
+                None
+            }
+        }
+    }
+}
+
+/// `$http_<name>`: `_` stands for `-`; repeated headers are joined with
+/// ", " (cookies with "; "), as nginx ≥ 1.23 does.
+fn http_var<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
+    // Converted on the stack: this runs for every `ngx.var.http_*` read.
+    let mut buf = [0u8; 96];
+    let dst = buf.get_mut(..name.len())?;
+    for (d, &c) in dst.iter_mut().zip(name) {
+        *d = if c == b'_' {
+            b'-'
+        } else {
+            c.to_ascii_lowercase()
+        };
+    }
+    let hname = HeaderName::from_bytes(dst).ok()?;
+    let mut values = r.parts.headers.get_all(&hname).iter();
+    let first = values.next()?;
+    let rest: Vec<&HeaderValue> = values.collect();
+    if rest.is_empty() {
+        return Some(Cow::Borrowed(first.as_bytes()));
+    }
+    let sep: &[u8] = if hname == http::header::COOKIE {
+        b"; "
+    } else {
+        b", "
+    };
+    let mut out = first.as_bytes().to_vec();
+    for v in rest {
+        out.extend_from_slice(sep);
+        out.extend_from_slice(v.as_bytes());
+    }
+    Some(Cow::Owned(out))
+}
+
+/// `$cookie_<name>`: case-insensitive name, raw value.
+fn cookie_var<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<&'a [u8]> {
+    r.parts
+        .headers
+        .get_all(http::header::COOKIE)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&c| c == b';'))
+        .find_map(|kv| {
+            let kv = kv.trim_ascii();
+            let eq = kv.iter().position(|&c| c == b'=')?;
+            kv[..eq]
+                .trim_ascii()
+                .eq_ignore_ascii_case(name)
+                .then(|| kv[eq + 1..].trim_ascii())
+        })
+}
+
+/// `$arg_<name>`: first `name=` argument, case-insensitive, not decoded.
+fn arg_var<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<&'a [u8]> {
+    let q = r.parts.uri.query()?.as_bytes();
+    q.split(|&c| c == b'&').find_map(|kv| {
+        let eq = kv.iter().position(|&c| c == b'=')?;
+        kv[..eq].eq_ignore_ascii_case(name).then(|| &kv[eq + 1..])
+    })
+}
+
+/// nginx's `$uri`: percent-decoded, slashes merged, `.`/`..` resolved.
+pub fn normalize_uri(path: &str) -> Vec<u8> {
+    let decoded: Vec<u8> = percent_decode(path.as_bytes()).collect();
+    let mut segs: Vec<&[u8]> = Vec::new();
+    let mut trailing = false;
+    for seg in decoded.split(|&c| c == b'/') {
+        trailing = false;
+        match seg {
+            b"" => trailing = true,
+            b"." => trailing = true,
+            b".." => {
+                segs.pop();
+                trailing = true;
+            }
+            s => segs.push(s),
+        }
+    }
+    let mut out = Vec::with_capacity(decoded.len());
+    for s in &segs {
+        out.push(b'/');
+        out.extend_from_slice(s);
+    }
+    if trailing || segs.is_empty() {
+        out.push(b'/');
+    }
+    out
+}
+
+/// URI-component unescaping as `ngx.req.get_uri_args` does: `+` is a space.
+fn unescape(s: &[u8]) -> Vec<u8> {
+    let plus: Vec<u8> = s
+        .iter()
+        .map(|&c| if c == b'+' { b' ' } else { c })
+        .collect();
+    percent_decode(&plus).collect()
+}
+
+// ---------------------------------------------------------------- ngx.req
+
+fn req_table(lua: &Lua) -> mlua::Result<Table> {
+    let t = lua.create_table()?;
+    // Header tables look keys up in lower case with `_` as `-`, like OpenResty's.
+    let hdr_mt = lua.create_table()?;
+    hdr_mt.raw_set(
+        "__index",
+        lua.create_function(|_, (t, k): (Table, Value)| {
+            let Value::String(k) = k else {
+                return Ok(Value::Nil);
+            };
+            let norm: Vec<u8> = k
+                .as_bytes()
+                .iter()
+                .map(|&c| {
+                    if c == b'_' {
+                        b'-'
+                    } else {
+                        c.to_ascii_lowercase()
+                    }
+                })
+                .collect();
+            t.raw_get::<Value>(mlua::BString::from(norm))
+        })?,
+    )?;
+    t.raw_set(
+        "get_headers",
+        lua.create_function(move |lua, max: Option<i64>| {
+            let max = max.map_or(
+                DEFAULT_MAX,
+                |m| if m <= 0 { usize::MAX } else { m as usize },
+            );
+            let out = lua.create_table()?;
+            out.set_metatable(Some(hdr_mt.clone()))?;
+            with_req(|r| -> mlua::Result<()> {
+                for (i, (name, value)) in r.parts.headers.iter().enumerate() {
+                    if i >= max {
+                        break;
+                    }
+                    let v = lua.create_string(value.as_bytes())?;
+                    match out.raw_get::<Value>(name.as_str())? {
+                        Value::Nil => out.raw_set(name.as_str(), v)?,
+                        Value::Table(arr) => arr.raw_push(v)?,
+                        prev => {
+                            let arr = lua.create_sequence_from([prev, Value::String(v)])?;
+                            out.raw_set(name.as_str(), arr)?;
+                        }
+                    }
+                }
+                Ok(())
+            })??;
+            Ok(out)
+        })?,
+    )?;
+    t.raw_set(
+        "get_uri_args",
+        lua.create_function(|lua, max: Option<i64>| {
+            let max = max.map_or(
+                DEFAULT_MAX,
+                |m| if m <= 0 { usize::MAX } else { m as usize },
+            );
+            let out = lua.create_table()?;
+            with_req(|r| -> mlua::Result<()> {
+                let Some(q) = r.parts.uri.query() else {
+                    return Ok(());
+                };
+                let parts = q.as_bytes().split(|&c| c == b'&').filter(|p| !p.is_empty());
+                for part in parts.take(max) {
+                    let (k, v) = match part.iter().position(|&c| c == b'=') {
+                        Some(eq) => (
+                            unescape(&part[..eq]),
+                            Value::String(lua.create_string(unescape(&part[eq + 1..]))?),
+                        ),
+                        None => (unescape(part), Value::Boolean(true)),
+                    };
+                    if k.is_empty() {
+                        continue;
+                    }
+                    let key = lua.create_string(&k)?;
+                    match out.raw_get::<Value>(&key)? {
+                        Value::Nil => out.raw_set(key, v)?,
+                        Value::Table(arr) => arr.raw_push(v)?,
+                        prev => out.raw_set(key, lua.create_sequence_from([prev, v])?)?,
+                    }
+                }
+                Ok(())
+            })??;
+            Ok(out)
+        })?,
+    )?;
+    t.raw_set(
+        "get_method",
+        lua.create_function(|lua, ()| with_req(|r| lua.create_string(r.parts.method.as_str()))?)?,
+    )?;
+    t.raw_set(
+        "set_header",
+        lua.create_function(|lua, (name, value): (LuaString, Value)| {
+            set_header(lua, &name, value)
+        })?,
+    )?;
+    t.raw_set(
+        "clear_header",
+        lua.create_function(|lua, name: LuaString| set_header(lua, &name, Value::Nil))?,
+    )?;
+    Ok(t)
+}
+
+fn has_crlf(b: &[u8]) -> bool {
+    b.iter().any(|&c| c == b'\r' || c == b'\n')
+}
+
+/// `ngx.req.set_header`: replaces (or with nil removes) a request header
+/// that goes upstream. CR/LF and other invalid bytes are refused.
+fn set_header(lua: &Lua, name: &LuaString, value: Value) -> mlua::Result<()> {
+    let name_b = name.as_bytes();
+    if has_crlf(&name_b) {
+        return Err(mlua::Error::runtime("header name contains CR or LF"));
+    }
+    let hname = HeaderName::from_bytes(&name_b).map_err(|_| {
+        mlua::Error::runtime(format!("invalid header name {:?}", name.to_string_lossy()))
+    })?;
+    let mut values: Vec<HeaderValue> = Vec::new();
+    let mut add = |v: Value| -> mlua::Result<()> {
+        let s = match &v {
+            Value::String(_) | Value::Integer(_) | Value::Number(_) => lua
+                .coerce_string(v)?
+                .ok_or_else(|| mlua::Error::runtime("bad header value"))?,
+            other => {
+                return Err(mlua::Error::runtime(format!(
+                    "bad header value type {}",
+                    other.type_name()
+                )))
+            }
+        };
+        let b = s.as_bytes();
+        if has_crlf(&b) {
+            return Err(mlua::Error::runtime(format!(
+                "header {:?} value contains CR or LF",
+                hname.as_str()
+            )));
+        }
+        values.push(HeaderValue::from_bytes(&b).map_err(|_| {
+            mlua::Error::runtime(format!("invalid value for header {:?}", hname.as_str()))
+        })?);
+        Ok(())
+    };
+    match value {
+        Value::Nil => {}
+        Value::Table(t) => {
+            for v in t.sequence_values::<Value>() {
+                add(v?)?;
+            }
+        }
+        v => add(v)?,
+    }
+    with_current(|c| {
+        if c.saved_headers.is_none() {
+            c.saved_headers = Some(c.req.parts.headers.clone());
+        }
+        let h = &mut c.req.parts.headers;
+        h.remove(&hname);
+        for v in values {
+            h.append(hname.clone(), v);
+        }
+    })
+}
+
+// ---------------------------------------------------------------- ngx.log
+
+fn log(lua: &Lua, args: MultiValue) -> mlua::Result<()> {
+    let mut it = args.into_iter();
+    let level = match it.next() {
+        Some(Value::Integer(n)) => n,
+        Some(Value::Number(n)) => n as i64,
+        _ => return Err(mlua::Error::runtime("ngx.log: bad log level")),
+    };
+    let mut msg = String::new();
+    for v in it {
+        match &v {
+            Value::Table(t) if t.metatable().is_none() => {
+                return Err(mlua::Error::runtime(
+                    "ngx.log: expected table to have __tostring metamethod",
+                ))
+            }
+            _ => msg.push_str(&v.to_string()?),
+        }
+    }
+    let at = lua
+        .inspect_stack(1, |d| {
+            let src = d.source();
+            let file = src
+                .source
+                .as_deref()
+                .map(|s| s.strip_prefix('@').unwrap_or(s).to_string())
+                .unwrap_or_default();
+            format!("{file}:{}", d.current_line().unwrap_or(0))
+        })
+        .unwrap_or_default();
+    match level {
+        ..=4 => tracing::error!(target: "graygate::script", script = %at, "{msg}"),
+        5 => tracing::warn!(target: "graygate::script", script = %at, "{msg}"),
+        6 | 7 => tracing::info!(target: "graygate::script", script = %at, "{msg}"),
+        _ => tracing::debug!(target: "graygate::script", script = %at, "{msg}"),
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- ngx.shared
+
+struct DictUd(Arc<SharedDict>);
+
+fn dict_key(lua: &Lua, k: Value) -> mlua::Result<Result<Vec<u8>, &'static str>> {
+    let s = match k {
+        Value::String(_) | Value::Integer(_) | Value::Number(_) => lua.coerce_string(k)?,
+        _ => None,
+    };
+    let Some(s) = s else {
+        return Err(mlua::Error::runtime("bad key type (string expected)"));
+    };
+    let b = s.as_bytes().to_vec();
+    if b.is_empty() {
+        return Ok(Err("empty key"));
+    }
+    if b.len() > MAX_KEY_LEN {
+        return Ok(Err("key too long"));
+    }
+    Ok(Ok(b))
+}
+
+fn to_dict_value(v: Value) -> mlua::Result<Option<DictValue>> {
+    Ok(match v {
+        Value::Nil => None,
+        Value::Integer(i) => Some(DictValue::Int(i)),
+        Value::Number(n) => Some(DictValue::Num(n)),
+        Value::Boolean(b) => Some(DictValue::Bool(b)),
+        Value::String(s) => Some(DictValue::Str(s.as_bytes().to_vec())),
+        other => {
+            return Err(mlua::Error::runtime(format!(
+                "bad value type {}",
+                other.type_name()
+            )))
+        }
+    })
+}
+
+fn from_dict_value(lua: &Lua, v: DictValue) -> mlua::Result<Value> {
+    Ok(match v {
+        DictValue::Int(i) => Value::Integer(i),
+        DictValue::Num(n) => Value::Number(n),
+        DictValue::Bool(b) => Value::Boolean(b),
+        DictValue::Str(s) => Value::String(lua.create_string(s)?),
+    })
+}
+
+/// `ok, err, forcible` as OpenResty's write methods return them.
+fn write_result(lua: &Lua, r: Result<bool, DictError>) -> mlua::Result<MultiValue> {
+    Ok(match r {
+        Ok(forcible) => {
+            MultiValue::from_iter([Value::Boolean(true), Value::Nil, Value::Boolean(forcible)])
+        }
+        Err(e) => MultiValue::from_iter([
+            Value::Boolean(false),
+            Value::String(lua.create_string(e.as_str())?),
+            Value::Boolean(false),
+        ]),
+    })
+}
+
+fn bad_key(lua: &Lua, msg: &str) -> mlua::Result<MultiValue> {
+    Ok(MultiValue::from_iter([
+        Value::Nil,
+        Value::String(lua.create_string(msg)?),
+    ]))
+}
+
+type WriteFn = fn(&SharedDict, &[u8], DictValue, Option<f64>) -> Result<bool, DictError>;
+
+impl UserData for DictUd {
+    fn add_methods<M: UserDataMethods<Self>>(m: &mut M) {
+        m.add_method("get", |lua, d, k: Value| {
+            let k = match dict_key(lua, k)? {
+                Ok(k) => k,
+                Err(e) => return bad_key(lua, e),
+            };
+            match d.0.get(&k) {
+                Some(v) => Ok(MultiValue::from_iter([from_dict_value(lua, v)?])),
+                None => Ok(MultiValue::from_iter([Value::Nil])),
+            }
+        });
+        m.add_method("set", |lua, d, (k, v, ttl): (Value, Value, Option<f64>)| {
+            let k = match dict_key(lua, k)? {
+                Ok(k) => k,
+                Err(e) => return write_result_err(lua, e),
+            };
+            write_result(lua, d.0.set(&k, to_dict_value(v)?, ttl))
+        });
+        let writers: [(&str, WriteFn); 2] = [
+            ("add", |d, k, v, t| d.add(k, v, t)),
+            ("replace", |d, k, v, t| d.replace(k, v, t)),
+        ];
+        for (name, f) in writers {
+            m.add_method(
+                name,
+                move |lua, d, (k, v, ttl): (Value, Value, Option<f64>)| {
+                    let k = match dict_key(lua, k)? {
+                        Ok(k) => k,
+                        Err(e) => return write_result_err(lua, e),
+                    };
+                    let Some(v) = to_dict_value(v)? else {
+                        return Err(mlua::Error::runtime("attempt to store nil"));
+                    };
+                    write_result(lua, f(&d.0, &k, v, ttl))
+                },
+            );
+        }
+        m.add_method(
+            "incr",
+            |lua, d, (k, by, init, init_ttl): (Value, Value, Value, Option<f64>)| {
+                let k = match dict_key(lua, k)? {
+                    Ok(k) => k,
+                    Err(e) => return bad_key(lua, e),
+                };
+                let number = |v: Value| -> mlua::Result<Option<DictValue>> {
+                    match v {
+                        Value::Nil => Ok(None),
+                        Value::Integer(i) => Ok(Some(DictValue::Int(i))),
+                        Value::Number(n) => Ok(Some(DictValue::Num(n))),
+                        _ => Err(mlua::Error::runtime("incr: value is not a number")),
+                    }
+                };
+                let Some(by) = number(by)? else {
+                    return Err(mlua::Error::runtime("incr: value is not a number"));
+                };
+                match d.0.incr(&k, by, number(init)?, init_ttl) {
+                    Ok(v) => Ok(MultiValue::from_iter([from_dict_value(lua, v)?])),
+                    Err(e) => bad_key(lua, e.as_str()),
+                }
+            },
+        );
+        m.add_method("delete", |lua, d, k: Value| {
+            if let Ok(k) = dict_key(lua, k)? {
+                d.0.delete(&k);
+            }
+            Ok(())
+        });
+        m.add_method("flush_all", |_, d, ()| {
+            d.0.flush_all();
+            Ok(())
+        });
+        m.add_method("get_keys", |lua, d, max: Option<usize>| {
+            let keys = d.0.keys(max.unwrap_or(1024));
+            lua.create_sequence_from(
+                keys.into_iter()
+                    .map(|k| lua.create_string(k))
+                    .collect::<mlua::Result<Vec<_>>>()?,
+            )
+        });
+    }
+}
+
+fn write_result_err(lua: &Lua, e: &str) -> mlua::Result<MultiValue> {
+    Ok(MultiValue::from_iter([
+        Value::Boolean(false),
+        Value::String(lua.create_string(e)?),
+        Value::Boolean(false),
+    ]))
+}
+
+// ---------------------------------------------------------------- bit
+
+/// LuaJIT's `bit.tobit`: wrap to a signed 32-bit integer (floats rounded
+/// to nearest, ties to even, as LuaJIT's 2^52+2^51 trick does).
+fn tobit(v: &Value) -> mlua::Result<i32> {
+    match v {
+        Value::Integer(i) => Ok(*i as i32),
+        Value::Number(n) => Ok(num_tobit(*n)),
+        Value::String(s) => {
+            let t = s.to_str()?;
+            let t = t.trim();
+            if let Ok(i) = t.parse::<i64>() {
+                Ok(i as i32)
+            } else if let Some(h) = t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
+                i64::from_str_radix(h, 16)
+                    .map(|i| i as i32)
+                    .map_err(|_| mlua::Error::runtime("bad argument (number expected)"))
+            } else {
+                t.parse::<f64>()
+                    .map(num_tobit)
+                    .map_err(|_| mlua::Error::runtime("bad argument (number expected)"))
+            }
+        }
+        other => Err(mlua::Error::runtime(format!(
+            "bad argument (number expected, got {})",
+            other.type_name()
+        ))),
+    }
+}
+
+fn num_tobit(n: f64) -> i32 {
+    if !n.is_finite() {
+        return 0;
+    }
+    let r = n.round_ties_even().rem_euclid(4_294_967_296.0);
+    (r as u64 as u32) as i32
+}
+
+fn bit_table(lua: &Lua) -> mlua::Result<Table> {
+    let t = lua.create_table()?;
+    let fold = |f: fn(i32, i32) -> i32| {
+        move |_: &Lua, args: Variadic<Value>| -> mlua::Result<i64> {
+            let mut it = args.iter();
+            let first = it
+                .next()
+                .ok_or_else(|| mlua::Error::runtime("bad argument #1 (number expected)"))?;
+            let mut acc = tobit(first)?;
+            for v in it {
+                acc = f(acc, tobit(v)?);
+            }
+            Ok(i64::from(acc))
+        }
+    };
+    t.raw_set("band", lua.create_function(fold(|a, b| a & b))?)?;
+    t.raw_set("bor", lua.create_function(fold(|a, b| a | b))?)?;
+    t.raw_set("bxor", lua.create_function(fold(|a, b| a ^ b))?)?;
+    let shift = |f: fn(i32, u32) -> i32| {
+        move |_: &Lua, (x, n): (Value, Value)| -> mlua::Result<i64> {
+            Ok(i64::from(f(tobit(&x)?, (tobit(&n)? & 31) as u32)))
+        }
+    };
+    t.raw_set("lshift", lua.create_function(shift(|x, n| x << n))?)?;
+    t.raw_set(
+        "rshift",
+        lua.create_function(shift(|x, n| ((x as u32) >> n) as i32))?,
+    )?;
+    t.raw_set("arshift", lua.create_function(shift(|x, n| x >> n))?)?;
+    t.raw_set("rol", lua.create_function(shift(|x, n| x.rotate_left(n)))?)?;
+    t.raw_set("ror", lua.create_function(shift(|x, n| x.rotate_right(n)))?)?;
+    t.raw_set(
+        "tobit",
+        lua.create_function(|_, x: Value| Ok(i64::from(tobit(&x)?)))?,
+    )?;
+    t.raw_set(
+        "bnot",
+        lua.create_function(|_, x: Value| Ok(i64::from(!tobit(&x)?)))?,
+    )?;
+    t.raw_set(
+        "bswap",
+        lua.create_function(|_, x: Value| Ok(i64::from(tobit(&x)?.swap_bytes())))?,
+    )?;
+    t.raw_set(
+        "tohex",
+        lua.create_function(|_, (x, n): (Value, Option<Value>)| {
+            let x = tobit(&x)? as u32;
+            let n = match n {
+                Some(v) => tobit(&v)?,
+                None => 8,
+            };
+            let (upper, digits) = if n < 0 {
+                (true, n.unsigned_abs())
+            } else {
+                (false, n as u32)
+            };
+            let digits = digits.min(8) as usize;
+            let s = if upper {
+                format!("{x:08X}")
+            } else {
+                format!("{x:08x}")
+            };
+            Ok(s[8 - digits..].to_string())
+        })?,
+    )?;
+    Ok(t)
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    #[test]
+    fn uri_normalisation_like_nginx() {
+        let n = |p: &str| String::from_utf8(normalize_uri(p)).unwrap();
+        assert_eq!(n("/"), "/");
+        assert_eq!(n("/a//b"), "/a/b");
+        assert_eq!(n("/a/./b/../c"), "/a/c");
+        assert_eq!(n("/a/b/"), "/a/b/");
+        assert_eq!(n("/a/b/.."), "/a/");
+        assert_eq!(n("/caf%C3%A9/x%20y"), "/café/x y");
+        assert_eq!(n("/../x"), "/x");
+    }
+
+    #[test]
+    fn tobit_wraps_like_luajit() {
+        assert_eq!(num_tobit(4_294_967_295.0), -1);
+        assert_eq!(num_tobit(2_147_483_648.0), i32::MIN);
+        assert_eq!(num_tobit(-1.0), -1);
+        assert_eq!(num_tobit(2.5), 2);
+        assert_eq!(num_tobit(3.5), 4);
+        assert_eq!(tobit(&Value::Integer(0x1_0000_0001)).unwrap(), 1);
+    }
+
+    // ------------------------------------------------ through real Lua
+
+    use crate::lane::script::{call_lane, RuleCtx, ScriptError, ScriptSource};
+    use std::collections::BTreeMap;
+    use std::net::IpAddr;
+    use std::sync::Arc;
+
+    pub(crate) fn request(uri: &str, ip: &str, headers: &[(&str, &str)]) -> RequestInfo {
+        let mut b = http::Request::builder().method("POST").uri(uri);
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        let (parts, _) = b.body(()).unwrap().into_parts();
+        RequestInfo {
+            parts,
+            client_ip: ip.parse::<IpAddr>().unwrap(),
+            host: "shop.example".into(),
+        }
+    }
+
+    /// Runs `body` as the lane function on `req`; returns its string result.
+    fn run_with(
+        body: &str,
+        req: RequestInfo,
+        dicts: BTreeMap<String, Arc<SharedDict>>,
+    ) -> (RequestInfo, Result<Option<String>, ScriptError>) {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("t.lua");
+        std::fs::write(&p, format!("return function(req)\n{body}\nend\n")).unwrap();
+        let mut src = ScriptSource::load(&p).unwrap();
+        src.dicts = dicts;
+        call_lane(&src, &Arc::new(BTreeMap::new()), req, RuleCtx::default())
+    }
+
+    fn eval(body: &str, req: RequestInfo) -> String {
+        let (_, r) = run_with(body, req, BTreeMap::new());
+        r.unwrap_or_else(|e| panic!("{body}: {e}"))
+            .unwrap_or_else(|| "<nil>".into())
+    }
+
+    fn std_req() -> RequestInfo {
+        request(
+            "/a//b/../c%20d?Name=J%20o&name=x&flag&uid=42",
+            "10.1.2.3",
+            &[
+                ("X-User-Id", "u-7"),
+                ("Cookie", "sid=abc; Ver=\"v2\""),
+                ("Accept", "a"),
+                ("accept", "b"),
+            ],
+        )
+    }
+
+    #[test]
+    fn ngx_var_fields() {
+        let v = |name: &str| eval(&format!("return tostring(ngx.var.{name})"), std_req());
+        assert_eq!(v("remote_addr"), "10.1.2.3");
+        assert_eq!(v("uri"), "/a/c d");
+        assert_eq!(
+            v("request_uri"),
+            "/a//b/../c%20d?Name=J%20o&name=x&flag&uid=42"
+        );
+        assert_eq!(v("args"), "Name=J%20o&name=x&flag&uid=42");
+        assert_eq!(v("host"), "shop.example");
+        assert_eq!(v("request_method"), "POST");
+        assert_eq!(v("scheme"), "http");
+        assert_eq!(v("http_x_user_id"), "u-7");
+        assert_eq!(v("http_accept"), "a, b");
+        assert_eq!(v("http_missing"), "nil");
+        // $cookie_: case-insensitive name, raw value.
+        assert_eq!(v("cookie_sid"), "abc");
+        assert_eq!(v("cookie_ver"), "\"v2\"");
+        assert_eq!(v("cookie_nope"), "nil");
+        // $arg_: first match, case-insensitive, not decoded; `flag` has no value.
+        assert_eq!(v("arg_name"), "J%20o");
+        assert_eq!(v("arg_uid"), "42");
+        assert_eq!(v("arg_flag"), "nil");
+        assert_eq!(v("no_such_variable"), "nil");
+        let no_args = request("/x", "::1", &[]);
+        assert_eq!(eval("return tostring(ngx.var.args)", no_args), "nil");
+        // Read-only.
+        let (_, r) = run_with("ngx.var.uri = '/x'", std_req(), BTreeMap::new());
+        assert!(r.unwrap_err().message.contains("read-only"));
+    }
+
+    #[test]
+    fn ngx_req_get_headers_uri_args_method() {
+        let r = eval(
+            "local h = ngx.req.get_headers()
+             return h['x-user-id'] .. '|' .. h['X-User-Id'] .. '|' .. h.x_user_id .. '|' ..
+                    type(h.accept) .. #h.accept .. h.accept[2] .. '|' .. tostring(h.nope)",
+            std_req(),
+        );
+        assert_eq!(r, "u-7|u-7|u-7|table2b|nil");
+        let r = eval(
+            "local a = ngx.req.get_uri_args()
+             return a.Name .. '|' .. a.name .. '|' .. tostring(a.flag) .. '|' .. a.uid .. '|' .. tostring(a.other)",
+            std_req(),
+        );
+        assert_eq!(r, "J o|x|true|42|nil");
+        let r = eval(
+            "local a = ngx.req.get_uri_args()
+             return type(a.k) .. a.k[1] .. a.k[2] .. a.p",
+            request("/?k=1&k=2&p=a+b%2B", "::1", &[]),
+        );
+        assert_eq!(r, "table12a b+");
+        assert_eq!(eval("return ngx.req.get_method()", std_req()), "POST");
+    }
+
+    #[test]
+    fn ngx_req_set_header_goes_upstream_and_refuses_crlf() {
+        let (req, r) = run_with(
+            "ngx.req.set_header('X-Gray-Reason', 'uid')
+             ngx.req.set_header('X-Multi', {'a', 'b'})
+             ngx.req.set_header('X-Num', 7)
+             ngx.req.clear_header('Accept')
+             return ngx.var.http_x_gray_reason",
+            std_req(),
+            BTreeMap::new(),
+        );
+        assert_eq!(r.unwrap().as_deref(), Some("uid"));
+        let h = &req.parts.headers;
+        assert_eq!(h["x-gray-reason"], "uid");
+        assert_eq!(h.get_all("x-multi").iter().count(), 2);
+        assert_eq!(h["x-num"], "7");
+        assert!(!h.contains_key("accept"));
+
+        for bad in [
+            "ngx.req.set_header('X-A', 'v\\r\\nX-Evil: 1')",
+            "ngx.req.set_header('X-A\\n', 'v')",
+            "ngx.req.set_header('X A', 'v')",
+        ] {
+            let body = format!("ngx.req.set_header('X-Before', '1')\n{bad}\nreturn 'gray'");
+            let (req, r) = run_with(&body, std_req(), BTreeMap::new());
+            assert!(r.is_err(), "{bad}");
+            // A failing call leaves the request as it came.
+            assert!(!req.parts.headers.contains_key("x-before"), "{bad}");
+            assert!(!req.parts.headers.contains_key("x-evil"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn ngx_hashes_and_time() {
+        let q = |e: &str| eval(&format!("return tostring({e})"), std_req());
+        // Known CRC-32 (IEEE) and MD5 vectors.
+        assert_eq!(
+            q("ngx.crc32_short('The quick brown fox jumps over the lazy dog')"),
+            "1095738169"
+        );
+        assert_eq!(
+            q("ngx.crc32_long('The quick brown fox jumps over the lazy dog')"),
+            "1095738169"
+        );
+        assert_eq!(q("ngx.crc32_short('')"), "0");
+        assert_eq!(q("ngx.md5('')"), "d41d8cd98f00b204e9800998ecf8427e");
+        assert_eq!(
+            q("ngx.md5('The quick brown fox jumps over the lazy dog')"),
+            "9e107d9d372bb6826bd81d3542a419d6"
+        );
+        assert_eq!(q("#ngx.md5_bin('x')"), "16");
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
+        let t: f64 = q("ngx.time()").parse().unwrap();
+        let n: f64 = q("ngx.now()").parse().unwrap();
+        assert!(
+            (t - now).abs() < 5.0 && (n - now).abs() < 5.0,
+            "{t} {n} {now}"
+        );
+        assert_eq!(q("math.type(ngx.time())"), "integer");
+        assert_eq!(q("ngx.ERR .. ngx.WARN .. ngx.INFO .. ngx.DEBUG"), "4578");
+        assert_eq!(
+            q("ngx.log(ngx.INFO, 'hello ', 1, nil, true) == nil"),
+            "true"
+        );
+        assert!(run_with("ngx.log(ngx.ERR, {})", std_req(), BTreeMap::new())
+            .1
+            .is_err());
+    }
+
+    #[test]
+    fn bit_library_like_luajit() {
+        let q = |e: &str| eval(&format!("return tostring({e})"), std_req());
+        assert_eq!(q("bit.tobit(0xffffffff)"), "-1");
+        assert_eq!(q("bit.tobit(0xffffffff + 1)"), "0");
+        assert_eq!(q("bit.band(0x12345678, 0xff)"), "120");
+        assert_eq!(q("bit.bor(1, 2, 4)"), "7");
+        assert_eq!(q("bit.tohex(bit.bxor(0xa5a5f0f0, 0xaa55ff00))"), "0ff00ff0");
+        assert_eq!(q("bit.lshift(1, 0)"), "1");
+        assert_eq!(q("bit.lshift(1, 31)"), "-2147483648");
+        assert_eq!(q("bit.lshift(1, 40)"), "256");
+        assert_eq!(q("bit.rshift(-1, 28)"), "15");
+        assert_eq!(q("bit.arshift(-256, 8)"), "-1");
+        assert_eq!(q("bit.bnot(0)"), "-1");
+        assert_eq!(q("bit.tohex(1)"), "00000001");
+        assert_eq!(q("bit.tohex(-1, -4)"), "FFFF");
+        assert_eq!(q("bit.tohex(0x87654321, 4)"), "4321");
+        assert_eq!(q("bit.tohex(bit.bswap(0x12345678))"), "78563412");
+        assert_eq!(q("bit.tohex(bit.rol(0x12345678, 12))"), "45678123");
+        assert_eq!(q("bit.band('7', 3)"), "3");
+    }
+
+    #[test]
+    fn shared_dict_methods() {
+        let mut dicts = BTreeMap::new();
+        dicts.insert("g".to_string(), Arc::new(SharedDict::new("g", 1 << 20)));
+        let (_, r) = run_with(
+            "local d = ngx.shared.g
+             local out = {}
+             local function put(...) local t = table.pack(...) for i = 1, t.n do out[#out+1] = tostring(t[i]) end end
+             put(d:get('k'))
+             put(d:set('k', 'v'))
+             put(d:get('k'))
+             put(d:add('k', 'w'))
+             put(d:add('n', 10))
+             put(d:incr('n', 5))
+             put(d:incr('missing', 1))
+             put(d:incr('m2', 1, 100))
+             put(d:incr('k', 1))
+             put(d:replace('zz', 1))
+             put(d:set('b', false))
+             put(d:get('b'))
+             d:delete('k')
+             put(d:get('k'))
+             put(d:set('', 1))
+             put(ngx.shared.unknown)
+             return table.concat(out, ',')",
+            std_req(),
+            dicts.clone(),
+        );
+        assert_eq!(
+            r.unwrap().unwrap(),
+            "nil,true,nil,false,v,false,exists,false,true,nil,false,15,nil,not found,101,nil,not a number,false,not found,false,true,nil,false,false,nil,false,empty key,false,nil"
+        );
+        // The values live in the Rust-side dict (shared across VMs).
+        assert_eq!(dicts["g"].get(b"n"), Some(DictValue::Int(15)));
+    }
+}

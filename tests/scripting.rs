@@ -1,0 +1,459 @@
+//! The OpenResty-compatible script API, shared dicts, sandbox and limits,
+//! through the real binary with real backends.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::*;
+
+/// Starts one backend per lane (each answers with its lane in JSON).
+async fn lane_backends(lanes: &[&str]) -> Vec<Backend> {
+    let mut v = Vec::new();
+    for l in lanes {
+        v.push(Backend::start(&format!("n-{l}"), l).await);
+    }
+    v
+}
+
+fn nodes_yaml(backends: &[Backend]) -> String {
+    format!(
+        "services:\n  api:\n    nodes:\n{}",
+        backends.iter().map(|b| b.node_yaml()).collect::<String>()
+    )
+}
+
+/// Writes the fixture and starts the gateway with `script` and `extra` config.
+fn start(fx: &Fixture, backends: &[Backend], script: &str, extra: &str) -> Gateway {
+    fx.write("scripts/main.lua", script);
+    fx.write("nodes.yaml", &nodes_yaml(backends));
+    let cfg = fx.write(
+        "gg.yaml",
+        &main_config(&format!(
+            "script: scripts/main.lua\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n{extra}"
+        )),
+    );
+    Gateway::start(&cfg)
+}
+
+// ------------------------------------------------------------------ reference
+
+/// CRC-32 (IEEE, reflected, poly 0xEDB88320), bit by bit — written here
+/// independently of the gateway's implementation.
+fn crc32_ref(data: &[u8]) -> u32 {
+    let mut crc = 0xffff_ffffu32;
+    for &b in data {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            let mask = (crc & 1).wrapping_neg();
+            crc = (crc >> 1) ^ (0xedb8_8320 & mask);
+        }
+    }
+    !crc
+}
+
+/// What OpenResty decides for `scripts/openresty_gray.lua`, computed from
+/// the policy's description.
+fn expected_lane(
+    ip: &str,
+    method: &str,
+    path: &str,
+    query: &BTreeMap<&str, &str>,
+    headers: &[(&str, &str)],
+) -> &'static str {
+    let header = |n: &str| {
+        headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(n))
+            .map(|(_, v)| *v)
+    };
+    let cookie = |n: &str| {
+        header("cookie").and_then(|c| {
+            c.split(';')
+                .filter_map(|kv| kv.trim().split_once('='))
+                .find(|(k, _)| k.eq_ignore_ascii_case(n))
+                .map(|(_, v)| v)
+        })
+    };
+    if ip.starts_with("127.0.9.") {
+        return "gray";
+    }
+    if header("x-gray") == Some("1") {
+        return "gray";
+    }
+    if path.starts_with("/api/v2/") {
+        return "v2";
+    }
+    let uid = cookie("uid")
+        .or(header("x-user-id"))
+        .or(query.get("uid").copied());
+    if let Some(u) = uid {
+        if ["1001", "1002", "alice"].contains(&u) {
+            return "gray";
+        }
+        if let Ok(n) = u.parse::<i64>() {
+            if n & 0xff == 0x2a {
+                return "gray-b";
+            }
+        }
+        if crc32_ref(u.as_bytes()) % 100 < 20 {
+            return "gray";
+        }
+    }
+    if let Some(sid) = cookie("sid") {
+        let digest = md5_reference::compute(sid.as_bytes());
+        if digest[0] < 0x20 {
+            return "gray-a";
+        }
+    }
+    if query.get("lane") == Some(&"canary") && method == "GET" {
+        return "gray";
+    }
+    "formal"
+}
+
+#[test]
+fn reference_implementations_match_known_vectors() {
+    assert_eq!(
+        crc32_ref(b"The quick brown fox jumps over the lazy dog"),
+        0x414f_a339
+    );
+    assert_eq!(crc32_ref(b"123456789"), 0xcbf4_3926);
+    assert_eq!(
+        format!("{:x}", md5_reference::compute(b"")),
+        "d41d8cd98f00b204e9800998ecf8427e"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openresty_module_script_gives_openresty_lanes_end_to_end() {
+    let backends = lane_backends(&["formal", "gray", "gray-a", "gray-b", "v2"]).await;
+    let fx = Fixture::new();
+    let script = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/openresty_gray.lua"),
+    )
+    .unwrap();
+    let gw = start(&fx, &backends, &script, "");
+
+    struct Case {
+        ip: &'static str,
+        method: &'static str,
+        path: String,
+        query: BTreeMap<&'static str, &'static str>,
+        headers: Vec<(&'static str, String)>,
+    }
+    let mut cases = Vec::new();
+    let plain = |path: &str| Case {
+        ip: "127.0.0.1",
+        method: "GET",
+        path: path.to_string(),
+        query: BTreeMap::new(),
+        headers: Vec::new(),
+    };
+    cases.push(plain("/"));
+    cases.push(Case {
+        ip: "127.0.9.3",
+        ..plain("/x")
+    });
+    cases.push(Case {
+        headers: vec![("X-Gray", "1".into())],
+        ..plain("/x")
+    });
+    cases.push(plain("/api/v2/items"));
+    cases.push(plain("/api/v3/items"));
+    for uid in ["1001", "alice", "298", "42", "bob"] {
+        cases.push(Case {
+            headers: vec![("X-User-Id", uid.to_string())],
+            ..plain("/")
+        });
+    }
+    let mut q = BTreeMap::new();
+    q.insert("lane", "canary");
+    cases.push(Case {
+        query: q.clone(),
+        ..plain("/")
+    });
+    cases.push(Case {
+        method: "POST",
+        query: q,
+        ..plain("/")
+    });
+    // Many uids (via cookie, header and query) and session ids: the crc32
+    // 20% bucket and the md5 1/8 split both show up.
+    for i in 0..40 {
+        let uid: &'static str = Box::leak(format!("u{i}").into_boxed_str());
+        let case = match i % 3 {
+            0 => Case {
+                headers: vec![("Cookie", format!("uid={uid}"))],
+                ..plain("/")
+            },
+            1 => Case {
+                headers: vec![("X-User-Id", uid.to_string())],
+                ..plain("/")
+            },
+            _ => {
+                let mut q = BTreeMap::new();
+                q.insert("uid", uid);
+                Case {
+                    query: q,
+                    ..plain("/")
+                }
+            }
+        };
+        cases.push(case);
+        cases.push(Case {
+            headers: vec![("Cookie", format!("a=b; sid=s{i}"))],
+            ..plain("/")
+        });
+    }
+
+    let mut seen = BTreeMap::new();
+    for c in &cases {
+        let qs: Vec<String> = c.query.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let uri = if qs.is_empty() {
+            c.path.clone()
+        } else {
+            format!("{}?{}", c.path, qs.join("&"))
+        };
+        let mut req = Req::get(&uri).method(c.method).from_ip(c.ip);
+        for (k, v) in &c.headers {
+            req = req.header(k, v);
+        }
+        let r = req.send(gw.addr).await;
+        assert_eq!(r.status, 200, "{uri}: {}", r.text());
+        let hdrs: Vec<(&str, &str)> = c.headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let want = expected_lane(c.ip, c.method, &c.path, &c.query, &hdrs);
+        assert_eq!(
+            r.json()["tag"],
+            want,
+            "{} {uri} from {} with {:?}",
+            c.method,
+            c.ip,
+            c.headers
+        );
+        assert_eq!(r.json()["lane"], want);
+        *seen.entry(want).or_insert(0) += 1;
+    }
+    // Every branch of the policy was exercised.
+    for lane in ["formal", "gray", "gray-a", "gray-b", "v2"] {
+        assert!(seen.contains_key(lane), "{lane} never decided: {seen:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn set_header_reaches_upstream_and_ngx_log_is_located() {
+    let backends = lane_backends(&["formal", "gray"]).await;
+    let fx = Fixture::new();
+    let gw = start(
+        &fx,
+        &backends,
+        "return function()\n  local uid = ngx.var.http_x_user_id\n  ngx.log(ngx.WARN, 'deciding uid=', uid)\n  ngx.req.set_header('X-Gray-Reason', 'uid-' .. tostring(uid))\n  if ngx.var.arg_evil then ngx.req.set_header('X-Evil', 'a\\r\\nInjected: 1') end\n  return 'gray'\nend\n",
+        "",
+    );
+    let r = Req::get("/x").header("X-User-Id", "77").send(gw.addr).await;
+    assert_eq!(r.json()["tag"], "gray");
+    let seen = backends[1].last();
+    assert_eq!(seen.header("x-gray-reason").as_deref(), Some("uid-77"));
+    eventually("ngx.log line", Duration::from_secs(5), || async {
+        gw.logs().lines().any(|l| {
+            l.contains("WARN") && l.contains("deciding uid=77") && l.contains("main.lua:3")
+        })
+    })
+    .await;
+
+    // CR/LF is refused: the script fails, the request goes formal and
+    // nothing the script set travels upstream.
+    let r = Req::get("/x?evil=1")
+        .header("X-User-Id", "78")
+        .send(gw.addr)
+        .await;
+    assert_eq!(r.json()["tag"], "formal");
+    let seen = backends[0].last();
+    assert_eq!(seen.header("x-gray-reason"), None);
+    assert_eq!(seen.header("x-evil"), None);
+    assert_eq!(seen.header("injected"), None);
+    eventually("CR/LF error logged", Duration::from_secs(5), || async {
+        gw.logs()
+            .lines()
+            .any(|l| l.contains("lane script failed") && l.contains("CR or LF"))
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_dict_is_shared_across_workers_and_survives_reload() {
+    let backends = lane_backends(&["formal", "gray"]).await;
+    let fx = Fixture::new();
+    let script = "return function()\n  local n = ngx.shared.hits:incr('n', 1, 0)\n  ngx.req.set_header('X-Hits', n)\n  return (n % 2 == 0) and 'gray' or nil\nend\n";
+    let gw = start(&fx, &backends, script, "shared_dicts:\n  hits: 1m\n");
+    // Concurrent requests land on both worker threads' VMs; one counter.
+    let mut tasks = Vec::new();
+    for _ in 0..20 {
+        let addr = gw.addr;
+        tasks.push(tokio::spawn(async move { Req::get("/").send(addr).await }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap().status, 200);
+    }
+    let mut hits: Vec<u64> = backends
+        .iter()
+        .flat_map(|b| b.seen.lock().unwrap().clone())
+        .map(|s| s.header("x-hits").unwrap().parse().unwrap())
+        .collect();
+    hits.sort_unstable();
+    assert_eq!(hits, (1..=20).collect::<Vec<u64>>());
+    // Even counts went gray, odd ones formal.
+    assert!(backends[1].seen.lock().unwrap().iter().all(|s| s
+        .header("x-hits")
+        .unwrap()
+        .parse::<u64>()
+        .unwrap()
+        % 2
+        == 0));
+
+    // A reload (new script text, new generation) keeps the dict's contents.
+    let g0 = gw.status().await["generation"].as_u64().unwrap();
+    fx.write_rename("scripts/main.lua", &format!("-- v2\n{script}"));
+    eventually("reload applied", Duration::from_secs(10), || async {
+        gw.status().await["generation"].as_u64().unwrap() > g0
+    })
+    .await;
+    Req::get("/").send(gw.addr).await;
+    let last = backends
+        .iter()
+        .flat_map(|b| b.seen.lock().unwrap().clone())
+        .filter_map(|s| s.header("x-hits"))
+        .map(|h| h.parse::<u64>().unwrap())
+        .max()
+        .unwrap();
+    assert_eq!(last, 21);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_loop_and_memory_bomb_go_formal_worker_survives_logged() {
+    let backends = lane_backends(&["formal", "gray"]).await;
+    let fx = Fixture::new();
+    let gw = start(
+        &fx,
+        &backends,
+        "return function()\n  if ngx.var.http_x_loop then\n    while true do end\n  end\n  if ngx.var.http_x_bomb then\n    local t = {}\n    while true do t[#t + 1] = string.rep('x', 65536) .. #t end\n  end\n  return 'gray'\nend\n",
+        "script_limits:\n  instruction_budget: 200000\n  memory_limit: 8m\n",
+    );
+    // Several runaway requests at once: each stopped, each formal.
+    let mut tasks = Vec::new();
+    for i in 0..6 {
+        let addr = gw.addr;
+        let h = if i % 2 == 0 { "X-Loop" } else { "X-Bomb" };
+        tasks.push(tokio::spawn(async move {
+            Req::get("/").header(h, "1").send(addr).await
+        }));
+    }
+    for t in tasks {
+        let r = t.await.unwrap();
+        assert_eq!(r.status, 200);
+        assert_eq!(r.json()["tag"], "formal");
+    }
+    // The workers live on and the script keeps deciding.
+    for _ in 0..4 {
+        assert_eq!(gw.get("/").await.json()["tag"], "gray");
+    }
+    eventually(
+        "limit events logged with file:line",
+        Duration::from_secs(5),
+        || async {
+            let logs = gw.logs();
+            let budget = logs.lines().any(|l| {
+                l.contains("sandbox limit") && l.contains("main.lua:3: instruction budget exceeded")
+            });
+            let memory = logs.lines().any(|l| {
+                l.contains("sandbox limit")
+                    && l.contains("memory limit exceeded")
+                    && l.contains("main.lua:7")
+            });
+            budget && memory
+        },
+    )
+    .await;
+    assert!(!gw.logs().contains("panicked"), "{}", gw.logs());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_breaches_are_rejected_or_go_formal() {
+    let backends = lane_backends(&["formal", "gray"]).await;
+    let fx = Fixture::new();
+    let good = "return function() return 'gray' end\n";
+    let gw = start(&fx, &backends, good, "");
+    assert_eq!(gw.get("/").await.json()["tag"], "gray");
+
+    // Reloads the gateway would reject: each names the file and line.
+    let lua = mlua::Lua::new();
+    let bytecode = lua
+        .load("return function() return 'v2' end")
+        .into_function()
+        .unwrap()
+        .dump(true);
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        (
+            "io",
+            b"local f = io.open('/etc/passwd')\nreturn function() return 'v2' end\n".to_vec(),
+            "main.lua:1:",
+        ),
+        (
+            "os.execute",
+            b"os.execute('true')\nreturn function() return 'v2' end\n".to_vec(),
+            "main.lua:1:",
+        ),
+        (
+            "require outside",
+            b"local x = require('..secret')\nreturn function() return 'v2' end\n".to_vec(),
+            "main.lua:1:",
+        ),
+        (
+            "require absolute",
+            b"local x = require('/etc/passwd')\nreturn function() return 'v2' end\n".to_vec(),
+            "main.lua:1:",
+        ),
+        ("bytecode", bytecode, "main.lua:1:"),
+    ];
+    for (what, text, located) in cases {
+        std::fs::write(fx.path("scripts/main.lua.tmp"), &text).unwrap();
+        std::fs::rename(fx.path("scripts/main.lua.tmp"), fx.path("scripts/main.lua")).unwrap();
+        eventually(
+            &format!("{what} rejected"),
+            Duration::from_secs(10),
+            || async {
+                let st = gw.status().await;
+                st["last_reload_error"]
+                    .as_str()
+                    .is_some_and(|e| e.contains(located))
+            },
+        )
+        .await;
+        // The old script keeps serving.
+        assert_eq!(gw.get("/").await.json()["tag"], "gray", "{what}");
+        // Reset to the good script so the next case is a fresh rejection.
+        fx.write_rename("scripts/main.lua", good);
+        eventually("good script back", Duration::from_secs(10), || async {
+            gw.status().await["last_reload_error"].is_null()
+        })
+        .await;
+    }
+
+    // At request time: os.execute does not exist, so the call fails and the
+    // request goes formal; nothing ran.
+    let marker = fx.path("pwned");
+    fx.write_rename(
+        "scripts/main.lua",
+        &format!(
+            "return function()\n  if ngx.var.http_x_try then os.execute('touch {}') end\n  return 'gray'\nend\n",
+            marker.display()
+        ),
+    );
+    eventually("breach script loaded", Duration::from_secs(10), || async {
+        let r = Req::get("/").header("X-Try", "1").send(gw.addr).await;
+        r.json()["tag"] == "formal" && gw.get("/").await.json()["tag"] == "gray"
+    })
+    .await;
+    assert!(!marker.exists());
+}
