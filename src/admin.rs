@@ -7,6 +7,7 @@ pub mod auth;
 pub mod dashboard;
 pub mod explain;
 pub mod nodes;
+pub mod rules;
 pub mod stats;
 
 use std::convert::Infallible;
@@ -133,6 +134,7 @@ async fn route(gw: &Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
             Err(r) => r.response(),
         },
         (_, ["nodes", ..]) => nodes::manage(gw, req, &segs[1..]).await,
+        (_, ["rules", ..]) => rules::handle(gw, req, &segs[1..]).await,
         (_, ["status" | "metrics" | "stats" | "config" | "explain"]) => {
             plain(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n")
         }

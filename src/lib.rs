@@ -24,6 +24,7 @@ pub mod node_edit;
 pub mod nodes;
 pub mod proxy;
 pub mod reload;
+pub mod rule_edit;
 pub mod static_files;
 pub mod sticky;
 pub mod upbody;

@@ -276,7 +276,7 @@ fn finish(
     let status = resp.status().as_u16();
     gw.metrics.observe(&crate::metrics::Observation {
         decision,
-        rule: None,
+        rule: decision.and_then(|d| d.decided_by.rule_name()),
         status,
         total,
         upstream,
@@ -290,7 +290,9 @@ fn finish(
             status,
             lane: decision.map_or("-", |d| d.lane.as_str()).to_string(),
             decided_by: decision.map_or("-", |d| d.decided_by.as_str()).to_string(),
-            rule: None,
+            rule: decision
+                .and_then(|d| d.decided_by.rule_name())
+                .map(str::to_string),
             node: decision
                 .and_then(|d| d.node.as_deref())
                 .unwrap_or("-")

@@ -100,6 +100,10 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
     let fx = Fixture::new();
     fx.write("lane.lua", SCRIPT);
     fx.write(
+        "rules.yaml",
+        "uid: { header: X-User-Id }\nrules:\n  - { name: staff, lane: gray, header: { name: X-Staff, values: [\"1\"] } }\n  - { name: canary, lane: gray, percentage: 5 }\n",
+    );
+    fx.write(
         "nodes.yaml",
         &format!(
             "services:\n  api:\n    health: {{ passive: {{ max_fails: 3, cooldown_ms: 600000 }} }}\n    nodes:\n{}{}      - {{ name: g1, addr: \"{dead}\", lane: gray }}\n",
@@ -109,7 +113,7 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
     );
     let cfg = fx.write(
         "gg.yaml",
-        &main_config("script: lane.lua\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /api/\n    service: api\n"),
+        &main_config("script: lane.lua\nrules_file: rules.yaml\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /api/\n    service: api\n"),
     );
     let gw = Gateway::start(&cfg);
     let admin = gw.admin.unwrap();
@@ -212,6 +216,33 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
     })
     .await;
     wait_text(&c, "#generation", "generation", |t| t == "1").await;
+
+    // The declarative rules, live: a percentage changed through the API
+    // shows up.
+    wait_text(&c, "#rules-state", "rules state", |t| {
+        t.starts_with("enabled")
+    })
+    .await;
+    wait_text(
+        &c,
+        "#rules tr[data-rule=canary] .percentage",
+        "canary %",
+        |t| t == "5 %",
+    )
+    .await;
+    let r = Req::get("/rules/canary")
+        .method("PATCH")
+        .body(r#"{"percentage": 50}"#)
+        .send(admin)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    wait_text(
+        &c,
+        "#rules tr[data-rule=canary] .percentage",
+        "canary %",
+        |t| t == "50 %",
+    )
+    .await;
 
     // The chart draws the formal lane's line over time.
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -69,6 +69,6 @@ pub fn config_doc(gw: &Gateway) -> serde_json::Value {
         "lists": gen.config.lists,
         "node_files": gen.config.node_files,
         "script": script,
-        "rules": serde_json::Value::Null,
+        "rules": super::rules::list(gw),
     })
 }

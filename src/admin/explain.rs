@@ -156,7 +156,7 @@ pub fn run(gw: &Gateway, q: Query) -> Response<Body> {
     out["route"] = serde_json::json!({"host": route.host, "prefix": route.prefix});
     out["lane"] = decision.lane.clone().into();
     out["decided_by"] = decision.decided_by.as_str().into();
-    out["rule"] = serde_json::Value::Null;
+    out["rule"] = decision.decided_by.rule_name().into();
     out["detail"] = match &decision.decided_by {
         DecidedBy::ScriptError(e) | DecidedBy::InvalidLane(e) => e.clone().into(),
         _ => serde_json::Value::Null,

@@ -127,6 +127,18 @@ function renderConfig(cfg) {
       el("td", {}, r.target.service ? "service " + r.target.service : "static " + r.target.static))));
   const lists = Object.entries(cfg.lists || {}).map(([k, v]) => k + " → " + v).join(", ");
   document.getElementById("lists").textContent = lists ? "IP lists: " + lists : "";
+  const rules = cfg.rules || {};
+  const state = document.getElementById("rules-state");
+  if (!rules.source) {
+    state.textContent = "(none configured)";
+  } else {
+    state.textContent = (rules.enabled ? "enabled" : "DISABLED") + " — " + rules.source + " " + (rules.file || "") +
+      (rules.deny && rules.deny.length ? " — deny: " + rules.deny.join(", ") : "") + " — fallback " + rules.fallback;
+    state.className = rules.enabled ? "muted" : "fail";
+  }
+  fill(document.querySelector("#rules tbody"), (rules.rules || []).map((r, i) =>
+    el("tr", { "data-rule": r.name }, el("td", {}, i + 1), el("td", {}, r.name), el("td", {}, r.lane),
+      el("td", { class: "percentage" }, r.percentage == null ? "–" : r.percentage + " %"))));
   const src = cfg.script;
   document.getElementById("script-path").textContent = src ? "lane script: " + src.path : "no lane script (everything formal)";
   let text = src ? src.source : "";
