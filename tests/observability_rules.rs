@@ -45,7 +45,7 @@ async fn rule_percentage_and_switch_are_written_back_and_applied() {
     );
     let cfg = fx.write(
         "gg.yaml",
-        &main_config("rules_file: rules.yaml\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /api/\n    service: api\n"),
+        &main_config("rules_file: rules.yaml\naccess_log: { path: access.log, format: json }\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /api/\n    service: api\n"),
     );
     let gw = Gateway::start(&cfg);
     let admin = gw.admin.unwrap();
@@ -87,6 +87,23 @@ async fn rule_percentage_and_switch_are_written_back_and_applied() {
     }
     let m = Req::get("/metrics").send(admin).await.text();
     assert_eq!(gray_matched(&m), 20.0, "{m}");
+    // The access log names the deciding rule.
+    let log = fx.path("access.log");
+    eventually(
+        "40 access log lines",
+        std::time::Duration::from_secs(10),
+        || async { std::fs::read_to_string(&log).is_ok_and(|t| t.lines().count() == 40) },
+    )
+    .await;
+    let text = std::fs::read_to_string(&log).unwrap();
+    let last: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    assert_eq!(
+        (last["decided_by"].clone(), last["rule"].clone()),
+        ("rule".into(), "canary".into())
+    );
+    let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    assert_eq!(first["decided_by"], "rule_fallback");
+    assert!(first["rule"].is_null());
     let e = Req::get("/explain?path=/api/x&header=X-User-Id:%20u7")
         .send(admin)
         .await
