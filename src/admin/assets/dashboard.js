@@ -136,6 +136,7 @@ function renderConfig(cfg) {
       (rules.deny && rules.deny.length ? " — deny: " + rules.deny.join(", ") : "") + " — fallback " + rules.fallback;
     state.className = rules.enabled ? "muted" : "fail";
   }
+  document.getElementById("rules").hidden = !rules.source;
   fill(document.querySelector("#rules tbody"), (rules.rules || []).map((r, i) =>
     el("tr", { "data-rule": r.name }, el("td", {}, i + 1), el("td", {}, r.name), el("td", {}, r.lane),
       el("td", { class: "percentage" }, r.percentage == null ? "–" : r.percentage + " %"))));
