@@ -243,7 +243,9 @@ async fn connect_failures_retry_on_the_same_lane_even_for_post() {
     let s = setup("", &[], "");
     s.fx.write_rename("nodes.yaml", &nodes);
     eventually("nodes reloaded", Duration::from_secs(10), || async {
-        s.gw.status().await["generation"].as_u64() >= Some(2)
+        s.gw.status().await["generation"]
+            .as_u64()
+            .is_some_and(|g| g >= 2)
     })
     .await;
     for i in 0..6 {
@@ -368,7 +370,9 @@ async fn upstream_response_and_total_timeouts() {
         ),
     );
     eventually("reloaded", Duration::from_secs(10), || async {
-        s.gw.status().await["generation"].as_u64() >= Some(2)
+        s.gw.status().await["generation"]
+            .as_u64()
+            .is_some_and(|g| g >= 2)
     })
     .await;
     let r = get_lane(&s.gw, "").await;
@@ -413,7 +417,9 @@ async fn connect_timeout_then_retry_on_the_same_lane() {
     let s = setup("", &[], "upstream:\n  connect_timeout_ms: 200\n");
     s.fx.write_rename("nodes.yaml", &nodes);
     eventually("nodes reloaded", Duration::from_secs(10), || async {
-        s.gw.status().await["generation"].as_u64() >= Some(2)
+        s.gw.status().await["generation"]
+            .as_u64()
+            .is_some_and(|g| g >= 2)
     })
     .await;
     for _ in 0..4 {

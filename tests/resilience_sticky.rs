@@ -151,7 +151,9 @@ async fn cookie_lives_while_a_node_or_static_tree_serves_its_lane() {
         &format!("services:\n  api:\n    nodes:\n{}", s.f1.node_yaml()),
     );
     eventually("reloaded", Duration::from_secs(10), || async {
-        s.gw.status().await["generation"].as_u64() == Some(2)
+        s.gw.status().await["generation"]
+            .as_u64()
+            .is_some_and(|g| g >= 2)
     })
     .await;
     assert_eq!(with_cookie(&s.gw, "/", &cookie).await.text(), "gray page");
@@ -168,7 +170,9 @@ async fn cookie_lives_while_a_node_or_static_tree_serves_its_lane() {
         ),
     );
     eventually("reloaded again", Duration::from_secs(10), || async {
-        s.gw.status().await["generation"].as_u64() == Some(3)
+        s.gw.status().await["generation"]
+            .as_u64()
+            .is_some_and(|g| g >= 3)
     })
     .await;
     let r = with_cookie(&s.gw, "/api/x", &cookie).await;

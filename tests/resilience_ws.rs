@@ -119,7 +119,9 @@ async fn websocket_keeps_its_lane_for_the_connection_life() {
     // the open gray connection stays on its gray node.
     fx.write_rename("lane.lua", "return function(req) return nil end\n");
     eventually("reloaded", Duration::from_secs(10), || async {
-        gw.status().await["generation"].as_u64() >= Some(2)
+        gw.status().await["generation"]
+            .as_u64()
+            .is_some_and(|g| g >= 2)
     })
     .await;
     let mut late = connect(gw.addr, Some("gray")).await;
