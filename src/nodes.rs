@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use crate::config::{HealthConfig, NodeConfig, FORMAL};
@@ -36,20 +36,63 @@ impl Node {
     }
 }
 
+/// Longest precomputed round-robin schedule (entries); a lane whose total
+/// weight is larger falls back to computing smooth WRR per pick.
+const MAX_SCHEDULE: u64 = 1 << 16;
+/// Most work (total weight × nodes) spent precomputing a schedule.
+const MAX_SCHEDULE_WORK: u64 = 1 << 26;
+
 /// The nodes of one lane of a service with their round-robin state.
+///
+/// Smooth weighted round-robin (nginx's algorithm) is periodic with period
+/// = total weight, so the whole sequence is computed once per generation
+/// and a pick is one atomic increment plus, when some nodes are down or
+/// already tried, a scan to the next eligible entry — O(1) in the usual
+/// case however many nodes the lane has, and lock-free.
 #[derive(Debug)]
 pub struct LaneNodes {
     pub nodes: Vec<Node>,
     /// Health of `nodes[i]`, shared with the registry across reloads.
     pub health: Vec<Arc<NodeHealth>>,
+    schedule: Option<Vec<u32>>,
+    cursor: AtomicUsize,
+    /// Live smooth-WRR state, for lanes too heavy to precompute.
     current: Mutex<Vec<i64>>,
+}
+
+/// One full period of smooth weighted round-robin over `weights`.
+fn smooth_schedule(weights: &[u32]) -> Option<Vec<u32>> {
+    let total: u64 = weights.iter().map(|&w| u64::from(w)).sum();
+    if total == 0
+        || total > MAX_SCHEDULE
+        || total.saturating_mul(weights.len() as u64) > MAX_SCHEDULE_WORK
+    {
+        return None;
+    }
+    let mut cur = vec![0i64; weights.len()];
+    let mut out = Vec::with_capacity(total as usize);
+    for _ in 0..total {
+        let mut best = 0usize;
+        for (i, &w) in weights.iter().enumerate() {
+            cur[i] += i64::from(w);
+            if cur[i] > cur[best] {
+                best = i;
+            }
+        }
+        cur[best] -= total as i64;
+        out.push(best as u32);
+    }
+    Some(out)
 }
 
 impl LaneNodes {
     fn new(nodes: Vec<Node>) -> LaneNodes {
         let n = nodes.len();
+        let weights: Vec<u32> = nodes.iter().map(|n| n.weight).collect();
         LaneNodes {
             health: (0..n).map(|_| Arc::new(NodeHealth::default())).collect(),
+            schedule: smooth_schedule(&weights),
+            cursor: AtomicUsize::new(0),
             nodes,
             current: Mutex::new(vec![0; n]),
         }
@@ -60,54 +103,22 @@ impl LaneNodes {
         self.health.iter().any(|h| h.available(now))
     }
 
+    fn eligible(&self, i: usize, now: u64, tried: &[usize], ignore_health: bool) -> bool {
+        !tried.contains(&i) && (ignore_health || self.health[i].available(now))
+    }
+
     /// Smooth weighted round-robin over the nodes not in `tried` and (unless
     /// `ignore_health`) available at `now`. Returns the node's index.
     pub fn pick_for(&self, now: u64, tried: &[usize], ignore_health: bool) -> Option<usize> {
-        let eligible =
-            |i: usize| !tried.contains(&i) && (ignore_health || self.health[i].available(now));
         if self.nodes.len() == 1 {
-            return eligible(0).then_some(0);
+            return self.eligible(0, now, tried, ignore_health).then_some(0);
         }
-        let mut cur = self.current.lock().unwrap_or_else(|e| e.into_inner());
-        let mut total = 0i64;
-        let mut best: Option<usize> = None;
-        for (i, node) in self.nodes.iter().enumerate() {
-            if !eligible(i) {
-                continue;
+        match &self.schedule {
+            Some(seq) => {
+                let start = self.cursor.fetch_add(1, Ordering::Relaxed);
+                scan(seq, start, |i| self.eligible(i, now, tried, ignore_health))
             }
-            let w = i64::from(node.weight);
-            cur[i] += w;
-            total += w;
-            if best.is_none_or(|b| cur[i] > cur[b]) {
-                best = Some(i);
-            }
-        }
-        let b = best?;
-        cur[b] -= total;
-        Some(b)
-    }
-
-    /// Smooth weighted round-robin: every node gains its weight, the largest
-    /// current wins and pays back the total. Spreads picks evenly in time.
-    pub fn pick(&self) -> Option<&Node> {
-        match self.nodes.len() {
-            0 => None,
-            1 => Some(&self.nodes[0]),
-            _ => {
-                let mut cur = self.current.lock().unwrap_or_else(|e| e.into_inner());
-                let mut total = 0i64;
-                let mut best = 0usize;
-                for (i, node) in self.nodes.iter().enumerate() {
-                    let w = i64::from(node.weight);
-                    cur[i] += w;
-                    total += w;
-                    if cur[i] > cur[best] {
-                        best = i;
-                    }
-                }
-                cur[best] -= total;
-                Some(&self.nodes[best])
-            }
+            None => self.live_pick(|i| self.eligible(i, now, tried, ignore_health), true),
         }
     }
 
@@ -115,23 +126,56 @@ impl LaneNodes {
     /// nothing tried yet), without moving the round-robin state — for dry
     /// runs such as `/explain`.
     pub fn peek_for(&self, now: u64, ignore_health: bool) -> Option<usize> {
-        let eligible = |i: usize| ignore_health || self.health[i].available(now);
         if self.nodes.len() == 1 {
-            return eligible(0).then_some(0);
+            return self.eligible(0, now, &[], ignore_health).then_some(0);
         }
-        let cur = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        match &self.schedule {
+            Some(seq) => {
+                let start = self.cursor.load(Ordering::Relaxed);
+                scan(seq, start, |i| self.eligible(i, now, &[], ignore_health))
+            }
+            None => self.live_pick(|i| self.eligible(i, now, &[], ignore_health), false),
+        }
+    }
+
+    /// Smooth WRR computed live (lanes too heavy to precompute).
+    fn live_pick(&self, eligible: impl Fn(usize) -> bool, advance: bool) -> Option<usize> {
+        let mut cur = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        let mut total = 0i64;
         let mut best: Option<(usize, i64)> = None;
         for (i, node) in self.nodes.iter().enumerate() {
             if !eligible(i) {
                 continue;
             }
-            let v = cur[i] + i64::from(node.weight);
+            let w = i64::from(node.weight);
+            total += w;
+            let v = cur[i] + w;
+            if advance {
+                cur[i] = v;
+            }
             if best.is_none_or(|(_, b)| v > b) {
                 best = Some((i, v));
             }
         }
-        best.map(|(i, _)| i)
+        let (b, _) = best?;
+        if advance {
+            cur[b] -= total;
+        }
+        Some(b)
     }
+
+    /// The next node in round-robin order, ignoring health.
+    pub fn pick(&self) -> Option<&Node> {
+        self.pick_for(0, &[], true).map(|i| &self.nodes[i])
+    }
+}
+
+/// The first entry of `seq` from `start` (wrapping) that is `eligible`.
+fn scan(seq: &[u32], start: usize, eligible: impl Fn(usize) -> bool) -> Option<usize> {
+    let len = seq.len();
+    (0..len)
+        .map(|k| seq[(start + k) % len] as usize)
+        .find(|&i| eligible(i))
 }
 
 /// Why a request did not go to nodes of its own lane.
@@ -336,6 +380,36 @@ mod tests {
             weight,
             drain: false,
         }
+    }
+
+    #[test]
+    fn precomputed_schedule_equals_live_smooth_wrr() {
+        for weights in [
+            vec![5, 1, 1],
+            vec![3, 2],
+            vec![1; 1000],
+            vec![7, 3, 9, 1, 4],
+        ] {
+            let nodes: Vec<Node> = weights
+                .iter()
+                .enumerate()
+                .map(|(i, &w)| node(&format!("n{i}"), FORMAL, w))
+                .collect();
+            let set = LaneNodes::new(nodes);
+            assert!(set.schedule.is_some());
+            let total: u32 = weights.iter().sum();
+            for _ in 0..2 * total {
+                let live = set.live_pick(|_| true, true).unwrap();
+                assert_eq!(set.pick_for(0, &[], true), Some(live), "{weights:?}");
+            }
+        }
+        // Too heavy to precompute: live smooth WRR still spreads by weight.
+        let heavy = LaneNodes::new(vec![node("a", FORMAL, 100_000), node("b", FORMAL, 50_000)]);
+        assert!(heavy.schedule.is_none());
+        let a = (0..300)
+            .filter(|_| heavy.pick().unwrap().name == "a")
+            .count();
+        assert_eq!(a, 200);
     }
 
     #[test]
