@@ -17,14 +17,14 @@ use crate::proxy::{check_limits, client_ip, decide_sticky, host_of};
 pub const FILE_SEPARATOR: &[u8] = b"\n%%%%\n";
 
 /// The files a config input is split into, in order.
-pub const FILES: [&str; 4] = ["gg.yaml", "nodes.yaml", "ips.txt", "lane.lua"];
+pub const FILES: [&str; 5] = ["gg.yaml", "nodes.yaml", "ips.txt", "lane.lua", "rules.yaml"];
 
 fn relative_inside(p: &Path) -> bool {
     p.components().all(|c| matches!(c, Component::Normal(_)))
 }
 
-/// Splits `data` into the main file, a node file, an IP list and a Lua
-/// script, writes them into `dir` and loads a generation from them. Inputs
+/// Splits `data` into the main file, a node file, an IP list, a Lua script
+/// and a rule file, writes them into `dir` and loads a generation from them. Inputs
 /// whose main file names paths outside `dir` are skipped (`None`): the
 /// loader would read them, which is not what is being fuzzed.
 pub fn load_config_input(dir: &Path, data: &[u8]) -> Option<Result<Generation, ConfigError>> {
@@ -48,6 +48,7 @@ pub fn load_config_input(dir: &Path, data: &[u8]) -> Option<Result<Generation, C
         let mut paths: Vec<&Path> = cfg.lists.values().map(|p| p.as_path()).collect();
         paths.extend(cfg.node_files.iter().map(|p| p.as_path()));
         paths.extend(cfg.script.iter().map(|p| p.as_path()));
+        paths.extend(cfg.rules_file.iter().map(|p| p.as_path()));
         paths.extend(cfg.root.iter().map(|p| p.as_path()));
         paths.extend(cfg.routes.iter().filter_map(|r| r.static_root.as_deref()));
         if !paths.into_iter().all(relative_inside) {

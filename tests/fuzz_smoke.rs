@@ -96,7 +96,7 @@ fn config_seed() -> Vec<u8> {
         .replace("static: site", "service: api")
         .replace("sticky: true", "sticky: false");
     let mut v = main.into_bytes();
-    for n in ["nodes.yaml", "ips.txt", "lane.lua"] {
+    for n in ["nodes.yaml", "ips.txt", "lane.lua", "rules.yaml"] {
         v.extend_from_slice(FILE_SEPARATOR);
         v.extend_from_slice(&read(n));
     }
