@@ -104,21 +104,35 @@ pub fn client_ip(peer: IpAddr, headers: &HeaderMap, trusted: &IpList) -> IpAddr 
     client
 }
 
-/// Headers that describe one connection and must not be forwarded.
-const HOP_BY_HOP: [&str; 8] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "upgrade",
+/// Headers that describe one connection and must not be forwarded
+/// (pre-parsed names: no per-request name parsing on the hot path).
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::UPGRADE,
 ];
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
 /// Removes hop-by-hop headers, including those named in `Connection`.
 /// (`Transfer-Encoding` is framing that hyper owns on each side.)
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    if headers.contains_key(header::CONNECTION) {
+        strip_connection_named(headers);
+    }
+    for n in &HOP_BY_HOP {
+        headers.remove(n);
+    }
+    headers.remove(header::TRANSFER_ENCODING);
+}
+
+fn strip_connection_named(headers: &mut HeaderMap) {
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -129,10 +143,6 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for n in named {
         headers.remove(n);
     }
-    for n in HOP_BY_HOP {
-        headers.remove(n);
-    }
-    headers.remove(header::TRANSFER_ENCODING);
 }
 
 /// Rate-limits the lane-fallback WARN per (service, lane).
@@ -618,10 +628,10 @@ fn set_forwarded(
     peer_trusted: bool,
     original_host: Option<HeaderValue>,
 ) {
-    let xff = "x-forwarded-for";
+    let xff = X_FORWARDED_FOR;
     let prior = if peer_trusted {
         let joined: Vec<&str> = headers
-            .get_all(xff)
+            .get_all(&xff)
             .iter()
             .filter_map(|v| v.to_str().ok())
             .collect();
@@ -636,16 +646,16 @@ fn set_forwarded(
     if let Ok(v) = HeaderValue::from_str(&value) {
         headers.insert(xff, v);
     }
-    if !(peer_trusted && headers.contains_key("x-forwarded-proto")) {
-        headers.insert("x-forwarded-proto", HeaderValue::from_static("http"));
+    if !(peer_trusted && headers.contains_key(X_FORWARDED_PROTO)) {
+        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
     }
-    if !(peer_trusted && headers.contains_key("x-forwarded-host")) {
+    if !(peer_trusted && headers.contains_key(X_FORWARDED_HOST)) {
         match original_host {
             Some(h) => {
-                headers.insert("x-forwarded-host", h);
+                headers.insert(X_FORWARDED_HOST, h);
             }
             None => {
-                headers.remove("x-forwarded-host");
+                headers.remove(X_FORWARDED_HOST);
             }
         }
     }
