@@ -244,6 +244,26 @@ fn validate(nodes: &[NodeConfig], service: &str) -> Result<(), EditError> {
     Ok(())
 }
 
+/// Commits an admin edit: the configuration on disk must load as a whole
+/// (else the change could not be applied: refuse rather than write), then
+/// `new_text` replaces `path` atomically and the gateway reloads through
+/// the usual path. Returns the new generation. Blocking.
+pub fn commit(gw: &crate::gateway::Gateway, path: &Path, new_text: &str) -> Result<u64, EditError> {
+    crate::generation::Generation::load(&gw.config_path, 0).map_err(|e| {
+        EditError::Conflict(format!(
+            "the configuration on disk does not load, fix it first: {e}"
+        ))
+    })?;
+    write_atomic(path, new_text)
+        .map_err(|e| EditError::Conflict(format!("cannot write {}: {e}", path.display())))?;
+    gw.reload().map_err(|e| {
+        EditError::Conflict(format!(
+            "written to {}, but the reload was rejected: {e}",
+            path.display()
+        ))
+    })
+}
+
 /// Replaces `path` with `text` atomically: a temp file in the same
 /// directory (same permissions), fsync, rename over.
 pub fn write_atomic(path: &Path, text: &str) -> std::io::Result<()> {

@@ -14,7 +14,6 @@ use serde::Deserialize;
 
 use crate::config::{valid_lane, NodeConfig, FORMAL};
 use crate::gateway::Gateway;
-use crate::generation::Generation;
 use crate::node_edit::{self, EditError, NodeChange};
 use crate::proxy::Body;
 
@@ -256,27 +255,13 @@ async fn edit(
         let (path, text, _) =
             node_edit::find_service_file(&gen.config_path, &gen.config, &service)?;
         let new_text = node_edit::edit(&path, &text, &service, change)?;
-        // The configuration on disk as a whole must load now, or the
-        // change could not be applied: refuse rather than write.
-        Generation::load(&gw2.config_path, 0).map_err(|e| {
-            EditError::Conflict(format!(
-                "the configuration on disk does not load, fix it first: {e}"
-            ))
-        })?;
-        node_edit::write_atomic(&path, &new_text)
-            .map_err(|e| EditError::Conflict(format!("cannot write {}: {e}", path.display())))?;
+        let generation = node_edit::commit(&gw2, &path, &new_text)?;
         tracing::info!(file = %path.display(), service = %service, change = %summary, "node file changed through the admin API");
-        match gw2.reload() {
-            Ok(generation) => Ok(serde_json::json!({
-                "file": path,
-                "generation": generation,
-                "service": service,
-            })),
-            Err(e) => Err(EditError::Conflict(format!(
-                "written to {}, but the reload was rejected: {e}",
-                path.display()
-            ))),
-        }
+        Ok(serde_json::json!({
+            "file": path,
+            "generation": generation,
+            "service": service,
+        }))
     })
     .await
     .map_err(|e| EditError::Conflict(format!("edit task failed: {e}")))?

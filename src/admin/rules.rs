@@ -12,7 +12,6 @@ use serde::Deserialize;
 
 use crate::config::{parse_yaml, FORMAL};
 use crate::gateway::Gateway;
-use crate::generation::Generation;
 use crate::lane::rules::RulesConfig;
 use crate::node_edit::{self, EditError};
 use crate::proxy::Body;
@@ -116,24 +115,12 @@ async fn edit(gw: &Arc<Gateway>, change: RuleChange) -> Result<serde_json::Value
         let text = rule_edit::read(&path)?;
         let new_text = rule_edit::apply(&path, &text, &change)?;
         rule_edit::validate(&path, &new_text, &gen.lists)?;
-        Generation::load(&gw2.config_path, 0).map_err(|e| {
-            EditError::Conflict(format!(
-                "the configuration on disk does not load, fix it first: {e}"
-            ))
-        })?;
-        node_edit::write_atomic(&path, &new_text)
-            .map_err(|e| EditError::Conflict(format!("cannot write {}: {e}", path.display())))?;
+        let generation = node_edit::commit(&gw2, &path, &new_text)?;
         tracing::info!(file = %path.display(), change = ?change, "rule file changed through the admin API");
-        match gw2.reload() {
-            Ok(generation) => Ok(serde_json::json!({
-                "file": path,
-                "generation": generation,
-            })),
-            Err(e) => Err(EditError::Conflict(format!(
-                "written to {}, but the reload was rejected: {e}",
-                path.display()
-            ))),
-        }
+        Ok(serde_json::json!({
+            "file": path,
+            "generation": generation,
+        }))
     })
     .await
     .map_err(|e| EditError::Conflict(format!("edit task failed: {e}")))?
