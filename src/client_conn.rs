@@ -10,12 +10,9 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
-use hyper::body::{Body, Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use crate::health::now_ms;
-use crate::proxy::BoxError;
 
 /// What the watchdog knows about a connection.
 #[derive(Debug, Default)]
@@ -54,34 +51,7 @@ impl Drop for InFlight {
 }
 
 /// A response body that keeps its request "in flight" until done.
-pub struct Tracked {
-    pub inner: crate::proxy::Body,
-    pub guard: Option<InFlight>,
-}
-
-impl Body for Tracked {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let r = Pin::new(&mut self.inner).poll_frame(cx);
-        if let Poll::Ready(None) = r {
-            self.guard = None;
-        }
-        r
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
+pub type Tracked = crate::proxy::Guarded<InFlight>;
 
 /// A client stream that records reads and writes in [`Activity`].
 pub struct TimedIo<T> {

@@ -10,8 +10,8 @@ use http::{HeaderName, HeaderValue, Method, Request, Uri};
 
 use crate::config::{parse_yaml, valid_lane, ConfigError, MainConfig};
 use crate::generation::{Generation, Target};
-use crate::lane::{self, Decision, RequestInfo};
-use crate::proxy::{check_limits, client_ip, decide_sticky, host_of};
+use crate::lane::{self, Decision};
+use crate::proxy::{check_limits, decide_sticky, resolve_request};
 
 /// Separates the files inside one fuzz input.
 pub const FILE_SEPARATOR: &[u8] = b"\n%%%%\n";
@@ -106,16 +106,10 @@ pub fn request_decision(gen: &Generation, data: &[u8]) -> Option<Decision> {
     } else {
         Ipv4Addr::LOCALHOST
     });
-    let peer_trusted = sel & 2 == 2;
     let (parts, ()) = req.into_parts();
-    let host = host_of(&parts.headers, &parts.uri);
-    let client = client_ip(peer, &parts.headers, &gen.trusted);
-    let route = gen.route(&host, parts.uri.path())?;
-    let info = RequestInfo {
-        parts,
-        client_ip: client,
-        host,
-    };
+    let (info, _) = resolve_request(parts, peer, &gen.trusted);
+    let peer_trusted = sel & 2 == 2;
+    let route = gen.route(&info.host, info.parts.uri.path())?;
     let (info, decision) = match gen.sticky.as_ref().filter(|_| route.sticky) {
         Some(st) => {
             let (i, d, cookie) = decide_sticky(gen, st, info, peer_trusted);

@@ -322,10 +322,7 @@ impl Gateway {
                 let (head, body) = resp.into_parts();
                 Ok::<_, std::convert::Infallible>(http::Response::from_parts(
                     head,
-                    Tracked {
-                        inner: body,
-                        guard: Some(guard),
-                    },
+                    Tracked::new(body, guard),
                 ))
             }
         });

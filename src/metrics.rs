@@ -4,15 +4,11 @@
 //! tracker whose guard rides on the response body until it is sent.
 
 use std::collections::HashSet;
-use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::Response;
-use hyper::body::{Frame, SizeHint};
 use prometheus::{
     Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry, TextEncoder,
@@ -20,7 +16,7 @@ use prometheus::{
 
 use crate::lane::{DecidedBy, Decision};
 use crate::nodes::NodeCounters;
-use crate::proxy::{boxed, Body, BoxError};
+use crate::proxy::{boxed, Body};
 
 /// Latency buckets in seconds (1 ms … 30 s).
 pub const BUCKETS: [f64; 14] = [
@@ -292,13 +288,7 @@ impl NodeTracker {
             self.0.errors.fetch_add(1, Ordering::Relaxed);
         }
         let (head, body) = resp.into_parts();
-        Response::from_parts(
-            head,
-            boxed(TrackedBody {
-                inner: body,
-                _tracker: self,
-            }),
-        )
+        Response::from_parts(head, boxed(crate::proxy::Guarded::new(body, self)))
     }
 }
 
@@ -308,35 +298,10 @@ impl Drop for NodeTracker {
     }
 }
 
-/// A response body that holds its [`NodeTracker`] until dropped.
-struct TrackedBody {
-    inner: Body,
-    _tracker: NodeTracker,
-}
-
-impl hyper::body::Body for TrackedBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
     use http_body_util::{BodyExt, Full};
 
     #[test]

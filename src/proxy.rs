@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::request::Parts;
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full};
 use hyper::body::Incoming;
@@ -40,6 +41,46 @@ where
     B::Error: Into<BoxError>,
 {
     b.map_err(Into::into).boxed_unsync()
+}
+
+/// A response body that holds `guard` (an in-flight marker) until the body
+/// has been sent to its end, or is dropped.
+pub struct Guarded<G> {
+    inner: Body,
+    guard: Option<G>,
+}
+
+impl<G> Guarded<G> {
+    pub fn new(inner: Body, guard: G) -> Guarded<G> {
+        Guarded {
+            inner,
+            guard: Some(guard),
+        }
+    }
+}
+
+impl<G: Unpin> hyper::body::Body for Guarded<G> {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, BoxError>>> {
+        let r = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        if let std::task::Poll::Ready(None) = r {
+            self.guard = None;
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// A short plain-text response.
@@ -82,6 +123,11 @@ pub fn client_ip(peer: IpAddr, headers: &HeaderMap, trusted: &IpList) -> IpAddr 
     if !trusted.contains(peer) {
         return peer;
     }
+    client_behind(peer, headers, trusted)
+}
+
+/// [`client_ip`] for a peer already known to be a trusted proxy.
+fn client_behind(peer: IpAddr, headers: &HeaderMap, trusted: &IpList) -> IpAddr {
     let mut client = peer;
     let entries = headers
         .get_all("x-forwarded-for")
@@ -102,6 +148,26 @@ pub fn client_ip(peer: IpAddr, headers: &HeaderMap, trusted: &IpList) -> IpAddr 
         }
     }
     client
+}
+
+/// The request-resolution phase shared by real traffic, `/explain` and the
+/// fuzz entry: host (lower-case, no port) and the client address (from
+/// X-Forwarded-For only behind a trusted proxy). Also returns whether the
+/// peer itself is a trusted proxy.
+pub fn resolve_request(parts: Parts, peer: IpAddr, trusted: &IpList) -> (RequestInfo, bool) {
+    let peer_trusted = trusted.contains(peer);
+    let client_ip = if peer_trusted {
+        client_behind(peer, &parts.headers, trusted)
+    } else {
+        peer
+    };
+    let host = host_of(&parts.headers, &parts.uri);
+    let info = RequestInfo {
+        parts,
+        client_ip,
+        host,
+    };
+    (info, peer_trusted)
 }
 
 /// Headers that describe one connection and must not be forwarded
@@ -201,22 +267,18 @@ pub async fn handle(
         return Ok(r);
     }
     let (parts, body) = req.into_parts();
-    let host = host_of(&parts.headers, &parts.uri);
-    let peer_trusted = gen.trusted.contains(peer.ip());
-    let client = client_ip(peer.ip(), &parts.headers, &gen.trusted);
+    let (info, peer_trusted) = resolve_request(parts, peer.ip(), &gen.trusted);
+    let client = info.client_ip;
     // Only copied when the access log is on.
-    let log_head = gw
-        .access_log
-        .enabled()
-        .then(|| (parts.method.to_string(), parts.uri.path().to_string()));
-    let Some(route) = gen.route(&host, parts.uri.path()) else {
+    let log_head = gw.access_log.enabled().then(|| {
+        (
+            info.parts.method.to_string(),
+            info.parts.uri.path().to_string(),
+        )
+    });
+    let Some(route) = gen.route(&info.host, info.parts.uri.path()) else {
         let resp = plain(StatusCode::NOT_FOUND, "no route\n");
         return Ok(finish(gw, &gen, None, resp, start, None, client, log_head));
-    };
-    let info = RequestInfo {
-        parts,
-        client_ip: client,
-        host,
     };
     let sticky = gen.sticky.as_ref().filter(|_| route.sticky);
     let (info, mut decision, set_cookie) = match sticky {
@@ -430,29 +492,20 @@ async fn forward(
         }
         if gw.fallback_log.should_log(service_name, &decision.lane) {
             let (lane_nodes, formal_nodes) = (service.count(&decision.lane), service.count(FORMAL));
-            match fb {
-                Fallback::LaneHasNoNodes => tracing::warn!(
-                    service = service_name,
-                    lane = %decision.lane,
-                    lane_nodes,
-                    formal_nodes,
-                    "no node serves this lane; sending to formal"
-                ),
-                Fallback::LaneUnhealthy => tracing::warn!(
-                    service = service_name,
-                    lane = %decision.lane,
-                    lane_nodes,
-                    formal_nodes,
-                    "every node of this lane is down; sending to formal"
-                ),
-                Fallback::AllUnhealthy => tracing::warn!(
-                    service = service_name,
-                    lane = %decision.lane,
-                    lane_nodes,
-                    formal_nodes,
+            let what = match fb {
+                Fallback::LaneHasNoNodes => "no node serves this lane; sending to formal",
+                Fallback::LaneUnhealthy => "every node of this lane is down; sending to formal",
+                Fallback::AllUnhealthy => {
                     "every candidate node is down; trying the lane's nodes anyway"
-                ),
-            }
+                }
+            };
+            tracing::warn!(
+                service = service_name,
+                lane = %decision.lane,
+                lane_nodes,
+                formal_nodes,
+                "{what}"
+            );
         }
     }
     decision.candidates = set.nodes.len();

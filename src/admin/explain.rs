@@ -13,9 +13,9 @@ use serde::Deserialize;
 use crate::config::FORMAL;
 use crate::gateway::Gateway;
 use crate::generation::Target;
-use crate::lane::{self, DecidedBy, RequestInfo};
+use crate::lane::{self, DecidedBy};
 use crate::nodes::NoCandidates;
-use crate::proxy::{client_ip, decide_sticky, host_of, Body};
+use crate::proxy::{decide_sticky, resolve_request, Body};
 
 use super::{json, text};
 
@@ -117,31 +117,24 @@ pub fn run(gw: &Gateway, q: Query) -> Response<Body> {
     };
     let gen = gw.current();
     let peer = q.ip.unwrap_or(IpAddr::from([127, 0, 0, 1]));
-    let host = host_of(&parts.headers, &parts.uri);
-    let peer_trusted = gen.trusted.contains(peer);
-    let client = client_ip(peer, &parts.headers, &gen.trusted);
-    let path = parts.uri.path().to_string();
+    let (info, peer_trusted) = resolve_request(parts, peer, &gen.trusted);
+    let path = info.parts.uri.path();
     let mut out = serde_json::json!({
         "generation": gen.id,
         "request": {
-            "method": parts.method.as_str(),
-            "host": host,
+            "method": info.parts.method.as_str(),
+            "host": info.host,
             "path": path,
-            "query": parts.uri.query(),
+            "query": info.parts.uri.query(),
             "peer_ip": peer,
-            "client_ip": client,
+            "client_ip": info.client_ip,
             "peer_trusted": peer_trusted,
         },
     });
-    let Some(route) = gen.route(&host, &path) else {
+    let Some(route) = gen.route(&info.host, path) else {
         out["route"] = serde_json::Value::Null;
         out["error"] = "no route".into();
         return json(out);
-    };
-    let info = RequestInfo {
-        parts,
-        client_ip: client,
-        host,
     };
     // Sticky routes: a valid lane cookie wins, exactly as for real traffic.
     let sticky = gen.sticky.as_ref().filter(|_| route.sticky);
