@@ -369,6 +369,21 @@ async fn failing_script_sends_the_request_formal_and_logs() {
             .any(|l| l.contains("ERROR") && l.contains("lane.lua:3") && l.contains("kaboom")),
         "script error not logged with file:line:\n{logs}"
     );
+    // A script failing on every request does not flood the log: at most
+    // one line a second (a burst of 30 may straddle a few second marks).
+    for _ in 0..30 {
+        let r = Req::get("/").header("X-Boom", "1").send(gw.addr).await;
+        assert_eq!(r.node(), "f1");
+    }
+    let lines = gw
+        .logs()
+        .lines()
+        .filter(|l| l.contains("ERROR") && l.contains("kaboom"))
+        .count();
+    assert!(
+        (1..=5).contains(&lines),
+        "{lines} error lines for 31 failures"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
