@@ -1,11 +1,18 @@
-//! Upstream HTTP/1.1 client with a per-thread keep-alive pool, built on
-//! hyper's `client::conn::http1` (like nginx's per-worker upstream
-//! keepalive): no shared lock, no cross-thread wake-ups on the request path.
+//! Upstream HTTP/1.1 client with per-thread keep-alive pools (like nginx's
+//! per-worker upstream keepalive): no shared lock, no cross-thread wake-ups
+//! on the request path.
+//!
+//! Two engines: requests whose body is in hand (empty or buffered) and that
+//! ask for no upgrade take the inline exchange in [`h1`]; streamed bodies
+//! (full duplex) and upgrades take hyper's `client::conn::http1`.
 //!
 //! A connection goes back to its thread's pool when the response body has
 //! been read to the end; one the upstream closed is dropped at checkout, and
 //! a request that an idle connection could not even start sending is retried
 //! once on a fresh connection (it never reached the upstream).
+
+mod chunked;
+mod h1;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -20,10 +27,12 @@ use http::{Request, Response};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
-use tokio::net::TcpStream;
 
 use crate::config::UpstreamConfig;
 use crate::upbody::UpBody;
+
+/// Errors of response bodies.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 type Sender = SendRequest<UpBody>;
 
@@ -44,7 +53,7 @@ pub enum UpstreamError {
     /// Could not connect (refused, unreachable, connect timeout).
     Connect(String),
     /// Connected, but the exchange failed before a response head arrived.
-    Exchange(hyper::Error),
+    Exchange(String),
 }
 
 impl UpstreamError {
@@ -83,6 +92,14 @@ impl Upstream {
         }
     }
 
+    fn settings(&self) -> h1::Settings {
+        h1::Settings {
+            connect_timeout: self.connect_timeout,
+            idle_timeout: self.idle_timeout,
+            max_idle: self.max_idle,
+        }
+    }
+
     /// Sends `req` (absolute-form URI naming the node) and returns the
     /// response with its body still streaming.
     pub async fn request(
@@ -94,6 +111,36 @@ impl Upstream {
             .authority()
             .and_then(|a| a.as_str().parse::<SocketAddr>().ok())
             .ok_or(UpstreamError::BadTarget)?;
+        if !req.headers().contains_key(http::header::UPGRADE) {
+            let (parts, body) = req.into_parts();
+            let body = match body {
+                UpBody::Empty => None,
+                UpBody::Full(b) => b,
+                stream @ UpBody::Stream(_) => {
+                    return self
+                        .request_hyper(addr, Request::from_parts(parts, stream))
+                        .await
+                }
+            };
+            let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+            let out = h1::Outgoing {
+                method: &parts.method,
+                path_and_query: pq,
+                headers: &parts.headers,
+                body,
+            };
+            let resp = h1::request(addr, out, &self.settings()).await?;
+            return Ok(resp.map(|b| PooledBody::Raw(Box::new(b))));
+        }
+        self.request_hyper(addr, req).await
+    }
+
+    /// The full-duplex path over hyper's client connection.
+    async fn request_hyper(
+        &self,
+        addr: SocketAddr,
+        req: Request<UpBody>,
+    ) -> Result<Response<PooledBody>, UpstreamError> {
         let mut req = req;
         while let Some(mut sender) = self.checkout(addr) {
             if sender.ready().await.is_err() {
@@ -104,7 +151,7 @@ impl Upstream {
                 Err(mut e) => match e.take_message() {
                     // Never sent: safe to try another connection.
                     Some(r) => req = r,
-                    None => return Err(UpstreamError::Exchange(e.into_error())),
+                    None => return Err(UpstreamError::Exchange(e.into_error().to_string())),
                 },
             }
         }
@@ -112,16 +159,12 @@ impl Upstream {
         let resp = sender
             .send_request(req)
             .await
-            .map_err(UpstreamError::Exchange)?;
+            .map_err(|e| UpstreamError::Exchange(e.to_string()))?;
         Ok(self.wrap(resp, sender, addr))
     }
 
     async fn connect(&self, addr: SocketAddr) -> Result<Sender, UpstreamError> {
-        let stream = tokio::time::timeout(self.connect_timeout, TcpStream::connect(addr))
-            .await
-            .map_err(|_| UpstreamError::Connect("timed out".into()))?
-            .map_err(|e| UpstreamError::Connect(e.to_string()))?;
-        let _ = stream.set_nodelay(true);
+        let stream = h1::connect(addr, self.connect_timeout).await?;
         let (sender, conn) = http1::Builder::new()
             .handshake(TokioIo::new(stream))
             .await
@@ -153,7 +196,7 @@ impl Upstream {
     ) -> Response<PooledBody> {
         let (head, body) = resp.into_parts();
         let reusable = head.status != http::StatusCode::SWITCHING_PROTOCOLS;
-        let mut pooled = PooledBody {
+        let mut pooled = HyperBody {
             inner: body,
             slot: reusable.then_some(Slot {
                 sender,
@@ -164,7 +207,7 @@ impl Upstream {
         if pooled.inner.is_end_stream() {
             pooled.release();
         }
-        Response::from_parts(head, pooled)
+        Response::from_parts(head, PooledBody::Hyper(pooled))
     }
 }
 
@@ -175,12 +218,49 @@ struct Slot {
 }
 
 /// A response body that returns its connection to the pool at its end.
-pub struct PooledBody {
+pub enum PooledBody {
+    /// From the inline exchange.
+    Raw(Box<h1::RawBody>),
+    /// From hyper's client connection.
+    Hyper(HyperBody),
+}
+
+impl Body for PooledBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            PooledBody::Raw(b) => Pin::new(b.as_mut()).poll_frame(cx),
+            PooledBody::Hyper(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            PooledBody::Raw(b) => b.is_end_stream(),
+            PooledBody::Hyper(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            PooledBody::Raw(b) => b.size_hint(),
+            PooledBody::Hyper(b) => b.size_hint(),
+        }
+    }
+}
+
+/// hyper's response body plus the connection it came on.
+pub struct HyperBody {
     inner: Incoming,
     slot: Option<Slot>,
 }
 
-impl PooledBody {
+impl HyperBody {
     fn release(&mut self) {
         if let Some(slot) = self.slot.take() {
             if slot.sender.is_closed() {
@@ -200,7 +280,7 @@ impl PooledBody {
     }
 }
 
-impl Body for PooledBody {
+impl Body for HyperBody {
     type Data = Bytes;
     type Error = hyper::Error;
 

@@ -1,0 +1,531 @@
+//! The fast path of the upstream client: one HTTP/1.1 exchange driven
+//! inline by the request's own task (like an nginx upstream), on a pooled
+//! connection that owns its read and write buffers. No connection task, no
+//! channel between the request and its connection: the request head and a
+//! buffered body go out in one write, the response head is parsed with
+//! `httparse`, and the body is handed to the client side without copies
+//! (zero-copy slices of the read buffer), decoded from Content-Length,
+//! chunked or close-delimited framing. At its end the connection goes back
+//! to the thread's pool.
+//!
+//! Used for every request whose body is already in hand (empty or buffered)
+//! and that asks for no protocol upgrade; streamed bodies and upgrades take
+//! hyper's full-duplex client (`super`).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::future::Future;
+use std::io::{self, Write as _};
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Response, StatusCode, Version};
+use hyper::body::{Body, Frame, SizeHint};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::chunked::{Chunked, Step};
+use super::{BoxError, UpstreamError};
+
+/// Most response header fields parsed.
+const MAX_HEADERS: usize = 128;
+/// Largest response head accepted.
+const MAX_HEAD: usize = 64 * 1024;
+/// First read size of a connection (like nginx's one-page
+/// `proxy_buffer_size`); doubled up to [`READ_MAX`] while reads fill it.
+const READ_MIN: usize = 4 * 1024;
+const READ_MAX: usize = 64 * 1024;
+/// A buffered body up to this size goes out in the same write as the head.
+const COALESCE: usize = 16 * 1024;
+
+/// A pooled upstream connection and its buffers.
+pub struct Conn {
+    stream: TcpStream,
+    rbuf: BytesMut,
+    wbuf: Vec<u8>,
+    /// Current read size (adaptive, see [`READ_MIN`]).
+    read_size: usize,
+}
+
+struct Idle {
+    conn: Conn,
+    since: Instant,
+}
+
+thread_local! {
+    static POOL: RefCell<HashMap<SocketAddr, Vec<Idle>>> = RefCell::new(HashMap::new());
+}
+
+impl Conn {
+    /// True when the peer has sent something (EOF, a reset, stray bytes) on
+    /// an idle connection: it cannot carry a new request. Reads tokio's
+    /// cached readiness only — no system call.
+    fn is_stale(&self) -> bool {
+        let mut cx = Context::from_waker(Waker::noop());
+        self.stream.poll_read_ready(&mut cx).is_ready() || !self.rbuf.is_empty()
+    }
+
+    /// Reads more into the read buffer. Goes through tokio's `poll_read`,
+    /// which (like nginx) marks the socket drained after a short read, so
+    /// no extra `EAGAIN` read is made per response.
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        self.rbuf.reserve(self.read_size);
+        let room = self.rbuf.capacity() - self.rbuf.len();
+        let read = self.stream.read_buf(&mut self.rbuf);
+        let n = ready!(std::pin::pin!(read).poll(cx))?;
+        if n == room && self.read_size < READ_MAX {
+            self.read_size *= 2;
+        }
+        Poll::Ready(Ok(n))
+    }
+}
+
+/// Takes an idle connection to `addr` that is still usable.
+fn checkout(addr: SocketAddr, idle_timeout: Duration) -> Option<Conn> {
+    POOL.with(|p| {
+        let mut p = p.borrow_mut();
+        let list = p.get_mut(&addr)?;
+        while let Some(idle) = list.pop() {
+            if idle.since.elapsed() < idle_timeout && !idle.conn.is_stale() {
+                return Some(idle.conn);
+            }
+        }
+        None
+    })
+}
+
+fn checkin(addr: SocketAddr, conn: Conn, max_idle: usize) {
+    POOL.with(|p| {
+        let mut p = p.borrow_mut();
+        let list = p.entry(addr).or_default();
+        if list.len() < max_idle {
+            list.push(Idle {
+                conn,
+                since: Instant::now(),
+            });
+        }
+    })
+}
+
+/// Connects a fresh upstream connection.
+pub async fn connect(addr: SocketAddr, timeout: Duration) -> Result<TcpStream, UpstreamError> {
+    let stream = tokio::time::timeout(timeout, TcpStream::connect(addr))
+        .await
+        .map_err(|_| UpstreamError::Connect("timed out".into()))?
+        .map_err(|e| UpstreamError::Connect(e.to_string()))?;
+    let _ = stream.set_nodelay(true);
+    Ok(stream)
+}
+
+/// One request to send: everything borrowed from the caller.
+pub struct Outgoing<'a> {
+    pub method: &'a Method,
+    pub path_and_query: &'a str,
+    pub headers: &'a HeaderMap,
+    pub body: Option<Bytes>,
+}
+
+impl Outgoing<'_> {
+    /// Serializes the request head (and a small body) into `w`.
+    fn encode(&self, addr: SocketAddr, w: &mut Vec<u8>) {
+        w.clear();
+        w.extend_from_slice(self.method.as_str().as_bytes());
+        w.push(b' ');
+        w.extend_from_slice(self.path_and_query.as_bytes());
+        w.extend_from_slice(b" HTTP/1.1\r\n");
+        let mut had_length = false;
+        for (name, value) in self.headers {
+            if name == header::CONTENT_LENGTH || name == header::TRANSFER_ENCODING {
+                had_length |= name == header::CONTENT_LENGTH;
+                continue;
+            }
+            w.extend_from_slice(name.as_str().as_bytes());
+            w.extend_from_slice(b": ");
+            w.extend_from_slice(value.as_bytes());
+            w.extend_from_slice(b"\r\n");
+        }
+        if !self.headers.contains_key(header::HOST) {
+            let _ = write!(w, "host: {addr}\r\n");
+        }
+        let len = self.body.as_ref().map_or(0, Bytes::len);
+        if len > 0 || had_length {
+            let _ = write!(w, "content-length: {len}\r\n");
+        }
+        w.extend_from_slice(b"\r\n");
+        if let Some(b) = self.body.as_ref().filter(|b| b.len() <= COALESCE) {
+            w.extend_from_slice(b);
+        }
+    }
+
+    fn body_after_head(&self) -> Option<&Bytes> {
+        self.body.as_ref().filter(|b| b.len() > COALESCE)
+    }
+}
+
+/// Why one exchange on one connection failed.
+struct Failed {
+    /// Nothing at all came back (write error, or EOF/reset before any byte
+    /// of a response): on a reused connection this is the idle-close race.
+    nothing_back: bool,
+    error: String,
+}
+
+impl Failed {
+    fn io(e: io::Error, nothing_back: bool) -> Failed {
+        Failed {
+            nothing_back,
+            error: e.to_string(),
+        }
+    }
+}
+
+/// Pool settings the exchange needs.
+pub struct Settings {
+    pub connect_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_idle: usize,
+}
+
+/// Sends `req` to `addr` and returns the response with its body streaming
+/// from the connection. A reused connection that the upstream had already
+/// closed is replaced by a fresh one and the request sent again, as nginx
+/// does for its cached connections — only when nothing came back and the
+/// request was either never written or is idempotent.
+pub async fn request(
+    addr: SocketAddr,
+    req: Outgoing<'_>,
+    s: &Settings,
+) -> Result<Response<RawBody>, UpstreamError> {
+    let idempotent = matches!(
+        *req.method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::PUT | Method::DELETE | Method::TRACE
+    );
+    let head_request = *req.method == Method::HEAD;
+    if let Some(mut conn) = checkout(addr, s.idle_timeout) {
+        match exchange(&mut conn, addr, &req).await {
+            Ok(head) => return finish(head, conn, addr, head_request, s.max_idle),
+            Err((f, written)) if f.nothing_back && (!written || idempotent) => {
+                tracing::debug!(%addr, error = %f.error, "pooled upstream connection was closed; reconnecting");
+            }
+            Err((f, _)) => return Err(UpstreamError::Exchange(f.error)),
+        }
+    }
+    let mut conn = Conn {
+        stream: connect(addr, s.connect_timeout).await?,
+        rbuf: BytesMut::new(),
+        wbuf: Vec::with_capacity(1024),
+        read_size: READ_MIN,
+    };
+    match exchange(&mut conn, addr, &req).await {
+        Ok(head) => finish(head, conn, addr, head_request, s.max_idle),
+        Err((f, _)) => Err(UpstreamError::Exchange(f.error)),
+    }
+}
+
+/// A parsed response head.
+struct Head {
+    status: StatusCode,
+    version: Version,
+    headers: HeaderMap,
+}
+
+/// Writes the request and reads the final response head. On failure also
+/// says whether the request was (at least partly) written.
+async fn exchange(
+    conn: &mut Conn,
+    addr: SocketAddr,
+    req: &Outgoing<'_>,
+) -> Result<Head, (Failed, bool)> {
+    let mut wbuf = std::mem::take(&mut conn.wbuf);
+    req.encode(addr, &mut wbuf);
+    let written = conn.stream.write_all(&wbuf).await;
+    conn.wbuf = wbuf;
+    written.map_err(|e| (Failed::io(e, true), false))?;
+    if let Some(b) = req.body_after_head() {
+        conn.stream
+            .write_all(b)
+            .await
+            .map_err(|e| (Failed::io(e, true), true))?;
+    }
+    loop {
+        if let Some(head) = parse_head(&mut conn.rbuf).map_err(|e| (e, true))? {
+            return Ok(head);
+        }
+        if conn.rbuf.len() > MAX_HEAD {
+            return Err((
+                Failed {
+                    nothing_back: false,
+                    error: "response head too large".into(),
+                },
+                true,
+            ));
+        }
+        let got_some = !conn.rbuf.is_empty();
+        match std::future::poll_fn(|cx| conn.poll_fill(cx)).await {
+            Ok(0) => {
+                return Err((
+                    Failed {
+                        nothing_back: !got_some,
+                        error: "upstream closed the connection before a response".into(),
+                    },
+                    true,
+                ))
+            }
+            Ok(_) => {}
+            Err(e) => return Err((Failed::io(e, !got_some), true)),
+        }
+    }
+}
+
+/// Parses a final response head off the front of `buf`, skipping interim
+/// `1xx` responses. `Ok(None)`: incomplete.
+fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Failed> {
+    loop {
+        let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut resp = httparse::Response::new(&mut fields);
+        let n = match resp.parse(buf) {
+            Ok(httparse::Status::Complete(n)) => n,
+            Ok(httparse::Status::Partial) => return Ok(None),
+            Err(e) => {
+                return Err(Failed {
+                    nothing_back: false,
+                    error: format!("invalid response head: {e}"),
+                })
+            }
+        };
+        let code = resp.code.unwrap_or(0);
+        let bad = |what: &str| Failed {
+            nothing_back: false,
+            error: format!("invalid response head: {what}"),
+        };
+        let status = StatusCode::from_u16(code).map_err(|_| bad("status"))?;
+        if status.is_informational() {
+            if status == StatusCode::SWITCHING_PROTOCOLS {
+                return Err(bad("101 without an upgrade request"));
+            }
+            let _ = buf.split_to(n);
+            continue;
+        }
+        let version = match resp.version {
+            Some(0) => Version::HTTP_10,
+            _ => Version::HTTP_11,
+        };
+        // Header values become zero-copy slices of the head's bytes.
+        let base = buf.as_ptr() as usize;
+        let spans: Vec<(HeaderName, usize, usize)> = resp
+            .headers
+            .iter()
+            .map(|h| {
+                let name =
+                    HeaderName::from_bytes(h.name.as_bytes()).map_err(|_| bad("header name"))?;
+                let start = h.value.as_ptr() as usize - base;
+                Ok((name, start, start + h.value.len()))
+            })
+            .collect::<Result<_, Failed>>()?;
+        let head = buf.split_to(n).freeze();
+        let mut headers = HeaderMap::with_capacity(spans.len());
+        for (name, start, end) in spans {
+            let value = HeaderValue::from_maybe_shared(head.slice(start..end))
+                .map_err(|_| bad("header value"))?;
+            headers.append(name, value);
+        }
+        return Ok(Some(Head {
+            status,
+            version,
+            headers,
+        }));
+    }
+}
+
+/// How the response body is delimited.
+enum Framing {
+    Length(u64),
+    Chunked(Chunked),
+    UntilClose,
+    Done,
+}
+
+fn has_token(headers: &HeaderMap, name: HeaderName, token: &str) -> bool {
+    headers
+        .get_all(name)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case(token))
+}
+
+fn framing(head: &Head, head_request: bool) -> Result<Framing, &'static str> {
+    let s = head.status.as_u16();
+    if head_request || s == 204 || s == 304 {
+        return Ok(Framing::Done);
+    }
+    if let Some(te) = head
+        .headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .next_back()
+    {
+        let last = te.to_str().unwrap_or("").rsplit(',').next().unwrap_or("");
+        return Ok(if last.trim().eq_ignore_ascii_case("chunked") {
+            Framing::Chunked(Chunked::default())
+        } else {
+            Framing::UntilClose
+        });
+    }
+    let mut lengths = head.headers.get_all(header::CONTENT_LENGTH).iter();
+    match lengths.next() {
+        None => Ok(Framing::UntilClose),
+        Some(v) => {
+            if lengths.any(|o| o != v) {
+                return Err("conflicting content-length");
+            }
+            let n = v
+                .to_str()
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .ok_or("bad content-length")?;
+            Ok(if n == 0 {
+                Framing::Done
+            } else {
+                Framing::Length(n)
+            })
+        }
+    }
+}
+
+fn finish(
+    head: Head,
+    conn: Conn,
+    addr: SocketAddr,
+    head_request: bool,
+    max_idle: usize,
+) -> Result<Response<RawBody>, UpstreamError> {
+    let framing = framing(&head, head_request)
+        .map_err(|e| UpstreamError::Exchange(format!("invalid response head: {e}")))?;
+    let keep_alive = !matches!(framing, Framing::UntilClose)
+        && match head.version {
+            Version::HTTP_10 => has_token(&head.headers, header::CONNECTION, "keep-alive"),
+            _ => !has_token(&head.headers, header::CONNECTION, "close"),
+        };
+    let mut body = RawBody {
+        conn: Some(conn),
+        framing,
+        keep_alive,
+        addr,
+        max_idle,
+    };
+    body.release_if_done();
+    let mut resp = Response::new(body);
+    *resp.status_mut() = head.status;
+    *resp.version_mut() = head.version;
+    *resp.headers_mut() = head.headers;
+    Ok(resp)
+}
+
+/// A response body read straight off the upstream connection.
+pub struct RawBody {
+    conn: Option<Conn>,
+    framing: Framing,
+    keep_alive: bool,
+    addr: SocketAddr,
+    max_idle: usize,
+}
+
+impl RawBody {
+    /// At the body's end: the connection goes back to the pool when the
+    /// exchange left it clean, and is closed otherwise.
+    fn release_if_done(&mut self) {
+        if !matches!(self.framing, Framing::Done) {
+            return;
+        }
+        if let Some(conn) = self.conn.take() {
+            if self.keep_alive && conn.rbuf.is_empty() {
+                checkin(self.addr, conn, self.max_idle);
+            }
+        }
+    }
+
+    fn fail(&mut self, e: &str) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.conn = None;
+        self.framing = Framing::Done;
+        Poll::Ready(Some(Err(e.into())))
+    }
+}
+
+impl Body for RawBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        loop {
+            let Some(conn) = this.conn.as_mut() else {
+                return Poll::Ready(None);
+            };
+            let data = match &mut this.framing {
+                Framing::Done => None,
+                Framing::Length(rem) if !conn.rbuf.is_empty() => {
+                    let n = (*rem).min(conn.rbuf.len() as u64);
+                    *rem -= n;
+                    let d = conn.rbuf.split_to(n as usize).freeze();
+                    if *rem == 0 {
+                        this.framing = Framing::Done;
+                    }
+                    Some(d)
+                }
+                Framing::Length(_) => None,
+                Framing::Chunked(c) => match c.step(&mut conn.rbuf) {
+                    Ok(Step::Data(d)) => Some(d),
+                    Ok(Step::Done) => {
+                        this.framing = Framing::Done;
+                        None
+                    }
+                    Ok(Step::More) => None,
+                    Err(e) => return this.fail(e),
+                },
+                Framing::UntilClose => (!conn.rbuf.is_empty()).then(|| conn.rbuf.split().freeze()),
+            };
+            if let Some(d) = data {
+                this.release_if_done();
+                return Poll::Ready(Some(Ok(Frame::data(d))));
+            }
+            if matches!(this.framing, Framing::Done) {
+                this.release_if_done();
+                this.conn = None;
+                return Poll::Ready(None);
+            }
+            match ready!(conn.poll_fill(cx)) {
+                Ok(0) if matches!(this.framing, Framing::UntilClose) => {
+                    this.conn = None;
+                    this.framing = Framing::Done;
+                    return Poll::Ready(None);
+                }
+                Ok(0) => return this.fail("upstream closed the connection mid-body"),
+                Ok(_) => {}
+                Err(e) => {
+                    let e = e.to_string();
+                    return this.fail(&e);
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self.framing, Framing::Done)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.framing {
+            Framing::Done => SizeHint::with_exact(0),
+            Framing::Length(n) => SizeHint::with_exact(n),
+            _ => SizeHint::default(),
+        }
+    }
+}

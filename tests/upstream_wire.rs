@@ -1,0 +1,301 @@
+//! The inline upstream HTTP/1.1 exchange against hand-written upstream
+//! responses on real sockets: chunked, close-delimited, HTTP/1.0, interim
+//! 1xx, HEAD, large and broken bodies, and pooled connections the upstream
+//! closed while idle.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use common::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// What the wire backend sends for one request head, and whether it then
+/// closes the connection.
+type Answer = fn(&str) -> (Vec<u8>, bool);
+
+/// An upstream that answers with exactly the bytes it is told to.
+struct Wire {
+    addr: SocketAddr,
+    connections: Arc<AtomicUsize>,
+    heads: Arc<Mutex<Vec<String>>>,
+}
+
+impl Wire {
+    async fn start(answer: Answer) -> Wire {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let heads = Arc::new(Mutex::new(Vec::new()));
+        let (c, h) = (connections.clone(), heads.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut sock, _)) = listener.accept().await else {
+                    return;
+                };
+                c.fetch_add(1, Ordering::SeqCst);
+                let h = h.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    loop {
+                        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                            let mut chunk = [0u8; 4096];
+                            match sock.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                            continue;
+                        };
+                        let head = String::from_utf8_lossy(&buf[..end + 4]).into_owned();
+                        buf.drain(..end + 4);
+                        h.lock().unwrap().push(head.clone());
+                        let (bytes, close) = answer(&head);
+                        // Byte by byte for the head, so the gateway parses
+                        // partial heads; the rest in one write.
+                        let split = bytes
+                            .windows(4)
+                            .position(|w| w == b"\r\n\r\n")
+                            .map_or(0, |p| p + 4);
+                        for b in &bytes[..split] {
+                            if sock.write_all(&[*b]).await.is_err() {
+                                return;
+                            }
+                        }
+                        if sock.write_all(&bytes[split..]).await.is_err() {
+                            return;
+                        }
+                        if close {
+                            let _ = sock.shutdown().await;
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Wire {
+            addr,
+            connections,
+            heads,
+        }
+    }
+
+    fn connections(&self) -> usize {
+        self.connections.load(Ordering::SeqCst)
+    }
+}
+
+struct Setup {
+    _fx: Fixture,
+    gw: Gateway,
+}
+
+fn setup(wire: &Wire) -> Setup {
+    let fx = Fixture::new();
+    fx.write(
+        "nodes.yaml",
+        &format!(
+            "services:\n  api:\n    nodes:\n      - {{ name: w, addr: \"{}\", lane: formal }}\n",
+            wire.addr
+        ),
+    );
+    let cfg = fx.write(
+        "gg.yaml",
+        &main_config(
+            "workers: 1\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n",
+        ),
+    );
+    let gw = Gateway::start(&cfg);
+    Setup { _fx: fx, gw }
+}
+
+#[tokio::test]
+async fn chunked_bodies_are_decoded_and_the_connection_reused() {
+    let wire = Wire::start(|_| {
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nx-up: 1\r\n\r\n5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nx-trailer: t\r\n\r\n".to_vec(),
+            false,
+        )
+    })
+    .await;
+    let s = setup(&wire);
+    for _ in 0..3 {
+        let r = s.gw.get("/c").await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.text(), "hello world");
+        assert_eq!(r.header("x-up").as_deref(), Some("1"));
+    }
+    assert_eq!(
+        wire.connections(),
+        1,
+        "the connection was pooled and reused"
+    );
+    let head = wire.heads.lock().unwrap()[0].clone();
+    assert!(head.starts_with("GET /c HTTP/1.1\r\n"), "{head}");
+    assert!(head.contains("x-gray-tag: formal\r\n"), "{head}");
+}
+
+#[tokio::test]
+async fn close_delimited_and_http10_bodies_arrive_whole_and_are_not_reused() {
+    let wire = Wire::start(|head| {
+        let body = if head.contains("/old") {
+            b"HTTP/1.0 200 OK\r\ncontent-length: 3\r\n\r\nold".to_vec()
+        } else {
+            b"HTTP/1.1 200 OK\r\n\r\nread until the upstream closes".to_vec()
+        };
+        (body, true)
+    })
+    .await;
+    let s = setup(&wire);
+    for _ in 0..2 {
+        let r = s.gw.get("/eof").await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.text(), "read until the upstream closes");
+        let r = s.gw.get("/old").await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.text(), "old");
+    }
+    assert_eq!(wire.connections(), 4, "no connection was reused");
+}
+
+#[tokio::test]
+async fn interim_responses_are_skipped() {
+    let wire = Wire::start(|_| {
+        (
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok".to_vec(),
+            false,
+        )
+    })
+    .await;
+    let s = setup(&wire);
+    let r = s.gw.get("/i").await;
+    assert_eq!(r.status, 201);
+    assert_eq!(r.text(), "ok");
+    assert_eq!(s.gw.get("/i").await.text(), "ok");
+    assert_eq!(wire.connections(), 1);
+}
+
+#[tokio::test]
+async fn idle_connections_the_upstream_closed_are_replaced() {
+    // Answers with a length-delimited body and then closes without saying
+    // so: the pooled connection is dead by the next request.
+    let wire = Wire::start(|_| {
+        (
+            b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nbody".to_vec(),
+            true,
+        )
+    })
+    .await;
+    let s = setup(&wire);
+    for i in 0..20 {
+        let r = s.gw.get("/x").await;
+        assert_eq!(r.status, 200, "request {i}: {}", r.text());
+        assert_eq!(r.text(), "body");
+    }
+    assert_eq!(wire.connections(), 20);
+}
+
+#[tokio::test]
+async fn head_responses_have_no_body_and_keep_the_connection() {
+    let wire = Wire::start(|head| {
+        let body = if head.starts_with("HEAD") {
+            b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n".to_vec()
+        } else {
+            b"HTTP/1.1 204 No Content\r\n\r\n".to_vec()
+        };
+        (body, false)
+    })
+    .await;
+    let s = setup(&wire);
+    let r = Req::get("/h").method("HEAD").send(s.gw.addr).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-length").as_deref(), Some("1000"));
+    assert!(r.body.is_empty());
+    let r = s.gw.get("/h").await;
+    assert_eq!(r.status, 204);
+    let r = Req::get("/h").method("HEAD").send(s.gw.addr).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(wire.connections(), 1);
+}
+
+#[tokio::test]
+async fn large_bodies_arrive_intact() {
+    let wire = Wire::start(|_| {
+        let body: Vec<u8> = (0..1024 * 1024u32).map(|i| (i % 251) as u8).collect();
+        let mut out =
+            format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len()).into_bytes();
+        out.extend_from_slice(&body);
+        (out, false)
+    })
+    .await;
+    let s = setup(&wire);
+    let want: Vec<u8> = (0..1024 * 1024u32).map(|i| (i % 251) as u8).collect();
+    for _ in 0..2 {
+        let r = s.gw.get("/big").await;
+        assert_eq!(r.status, 200);
+        assert!(r.body == want, "body differs ({} bytes)", r.body.len());
+    }
+    assert_eq!(wire.connections(), 1);
+}
+
+#[tokio::test]
+async fn broken_response_heads_are_502() {
+    for answer in [
+        (|_: &str| {
+            (
+                b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\nabcd".to_vec(),
+                false,
+            )
+        }) as Answer,
+        |_| (b"HTTP/1.1 2x0 OK\r\n\r\n".to_vec(), false),
+        |_| (b"not http at all\r\n\r\n".to_vec(), false),
+        |_| {
+            (
+                b"HTTP/1.1 200 OK\r\ncontent-length: nope\r\n\r\n".to_vec(),
+                false,
+            )
+        },
+    ] {
+        let wire = Wire::start(answer).await;
+        let s = setup(&wire);
+        let r = s.gw.get("/b").await;
+        assert_eq!(r.status, 502, "{}", r.text());
+        assert_eq!(r.text(), "upstream error\n");
+    }
+}
+
+#[tokio::test]
+async fn a_body_cut_short_fails_the_client_response() {
+    let wire = Wire::start(|_| {
+        (
+            b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly ten..".to_vec(),
+            true,
+        )
+    })
+    .await;
+    let s = setup(&wire);
+    // A raw client: whatever the gateway managed to send before the upstream
+    // broke off, the connection must end without a complete response.
+    let mut sock = tokio::net::TcpStream::connect(s.gw.addr).await.unwrap();
+    sock.write_all(b"GET /short HTTP/1.1\r\nhost: t\r\n\r\n")
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        sock.read_to_end(&mut got),
+    )
+    .await
+    .expect("the gateway closed the client connection")
+    .ok();
+    let text = String::from_utf8_lossy(&got);
+    if let Some(end) = text.find("\r\n\r\n") {
+        assert!(text.contains("content-length: 100"), "{text}");
+        assert!(
+            got.len() - (end + 4) < 100,
+            "a complete body was claimed: {text}"
+        );
+    }
+}
