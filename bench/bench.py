@@ -100,15 +100,17 @@ def children(pid):
 
 
 def cpu_ticks(pids):
-    total = 0
+    """(user, system) clock ticks of the processes."""
+    user = system = 0
     for p in pids:
         try:
             with open(f"/proc/{p}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime + stime
+            user += int(fields[11])
+            system += int(fields[12])
         except OSError:
             pass
-    return total
+    return user, system
 
 
 def peak_rss_kb(pids):
@@ -348,9 +350,12 @@ def run_wrk(port, mix, conns, duration):
 
 def measure(target, mix, conns, duration):
     pids = target.pids()
-    t0 = cpu_ticks(pids)
+    u0, s0 = cpu_ticks(pids)
     r = run_wrk(target.port, mix, conns, duration)
-    r["cpu_us"] = (cpu_ticks(pids) - t0) / CLK * 1e6 / max(r["requests"], 1)
+    u1, s1 = cpu_ticks(pids)
+    per_req = lambda ticks: ticks / CLK * 1e6 / max(r["requests"], 1)
+    r["user_us"], r["sys_us"] = per_req(u1 - u0), per_req(s1 - s0)
+    r["cpu_us"] = r["user_us"] + r["sys_us"]
     r["rss_mb"] = peak_rss_kb(pids) / 1024
     return r
 
@@ -358,6 +363,7 @@ def measure(target, mix, conns, duration):
 def summarize(runs):
     med = lambda k: statistics.median(r[k] for r in runs)
     return {"rps": med("rps"), "p50": med("p50"), "p99": med("p99"), "cpu_us": med("cpu_us"),
+            "user_us": med("user_us"), "sys_us": med("sys_us"),
             "errors": sum(r["errors"] for r in runs), "rss_mb": max(r["rss_mb"] for r in runs)}
 
 
@@ -374,11 +380,12 @@ def table(results, names):
             s = per[n]
             ratio = lambda v, b: f"{v / b:.2f}" if b else "-"
             lines.append(f"| {mix} | {conns} | {n} | {s['rps']:.0f} | {s['p50']:.2f} | {s['p99']:.2f} | "
-                         f"{s['errors']} | {s['cpu_us']:.1f} | {s['rss_mb']:.1f} | {ratio(s['rps'], best_rps)} | "
+                         f"{s['errors']} | {s['cpu_us']:.1f} | {s['user_us']:.1f} / {s['sys_us']:.1f} | "
+                         f"{s['rss_mb']:.1f} | {ratio(s['rps'], best_rps)} | "
                          f"{ratio(s['cpu_us'], best_cpu)} | {ratio(s['p99'], best_p99)} |")
-    head = ("| mix | conns | target | req/s (median) | p50 ms | p99 ms | errors | CPU µs/req | peak RSS MB "
-            "| req/s ÷ best anchor | CPU ÷ best anchor | p99 ÷ best anchor |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| mix | conns | target | req/s (median) | p50 ms | p99 ms | errors | CPU µs/req "
+            "| user / sys µs | peak RSS MB | req/s ÷ best anchor | CPU ÷ best anchor | p99 ÷ best anchor |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     return head + "\n" + "\n".join(lines)
 
 
@@ -451,9 +458,10 @@ def main():
                 s = summarize(runs)
                 scaling.append((kind, n, s))
             print("\n## graygate CPU per request vs whitelist entries and nodes\n")
-            print("| varied | size | req/s | CPU µs/req | errors |\n|---|---|---|---|---|")
+            print("| varied | size | req/s | CPU µs/req | user / sys µs | errors |\n|---|---|---|---|---|---|")
             for kind, n, s in scaling:
-                print(f"| {kind} | {n} | {s['rps']:.0f} | {s['cpu_us']:.1f} | {s['errors']} |")
+                print(f"| {kind} | {n} | {s['rps']:.0f} | {s['cpu_us']:.1f} | "
+                      f"{s['user_us']:.1f} / {s['sys_us']:.1f} | {s['errors']} |")
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"results": {f"{m}@{c}": v for (m, c), v in results.items()},
