@@ -327,8 +327,11 @@ impl Gateway {
             }
         });
         let mut builder = hyper::server::conn::http1::Builder::new();
+        // The header timeout is enforced below (`verdict`), so hyper's own
+        // per-request header timer is off: one timer fewer per request.
         builder
             .timer(TokioTimer::new())
+            .header_read_timeout(None)
             .max_buf_size((limits.max_uri_bytes + limits.max_header_bytes + 4096).max(8192));
         let conn = builder
             .serve_connection(TokioIo::new(TimedIo::new(stream, act.clone())), svc)

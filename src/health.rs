@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Request};
@@ -17,10 +17,15 @@ use crate::generation::Generation;
 use crate::proxy::{UpBody, UpstreamClient};
 
 /// Milliseconds since the process's health clock started (never 0).
+///
+/// A coarse monotonic clock (`CLOCK_MONOTONIC_COARSE`, a few ms of
+/// resolution): it is read several times per request for health, node
+/// choice and connection activity, where milliseconds are plenty, and it
+/// costs a memory read instead of a timestamp-counter read.
 pub fn now_ms() -> u64 {
-    static EPOCH: OnceLock<Instant> = OnceLock::new();
-    let e = EPOCH.get_or_init(Instant::now);
-    e.elapsed().as_millis() as u64 + 1
+    static EPOCH: OnceLock<coarsetime::Instant> = OnceLock::new();
+    let e = *EPOCH.get_or_init(coarsetime::Instant::now);
+    coarsetime::Instant::now().duration_since(e).as_millis() + 1
 }
 
 /// The health of one node. All fields are atomics: selection reads them on
@@ -320,8 +325,7 @@ async fn probe(
     lane: &str,
     cfg: &ActiveHealth,
 ) -> bool {
-    let uri = format!("http://{addr}{}", cfg.path);
-    let Ok(mut req) = Request::get(uri).body(UpBody::Empty) else {
+    let Ok(mut req) = Request::get(cfg.path.as_str()).body(UpBody::Empty) else {
         return false;
     };
     if let Ok(v) = HeaderValue::from_str(lane) {
@@ -332,7 +336,7 @@ async fn probe(
         HeaderValue::from_static("graygate-health"),
     );
     let fut = async {
-        let resp = client.request(req).await.ok()?;
+        let resp = client.request(addr, req).await.ok()?;
         let ok = resp.status().is_success() || resp.status().is_redirection();
         // Drain the body so the connection can be reused.
         let _ = http_body_util::BodyExt::collect(resp.into_body())

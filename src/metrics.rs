@@ -8,7 +8,6 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use http::Response;
 use prometheus::{
     Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry, TextEncoder,
@@ -16,7 +15,6 @@ use prometheus::{
 
 use crate::lane::{DecidedBy, Decision};
 use crate::nodes::NodeCounters;
-use crate::proxy::{boxed, Body};
 
 /// Latency buckets in seconds (1 ms … 30 s).
 pub const BUCKETS: [f64; 14] = [
@@ -281,14 +279,12 @@ impl NodeTracker {
         self.0.errors.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Counts a 5xx as a node error and keeps the request in flight until
-    /// the response body has been sent or dropped.
-    pub fn finish(self, resp: Response<Body>) -> Response<Body> {
-        if resp.status().is_server_error() {
+    /// Counts a 5xx response as a node error. (The tracker itself then goes
+    /// into the response body, in flight until the body is done.)
+    pub fn count_status(&self, status: http::StatusCode) {
+        if status.is_server_error() {
             self.0.errors.fetch_add(1, Ordering::Relaxed);
         }
-        let (head, body) = resp.into_parts();
-        Response::from_parts(head, boxed(crate::proxy::Guarded::new(body, self)))
     }
 }
 
@@ -363,15 +359,18 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn tracker_keeps_in_flight_until_body_is_done() {
+    async fn tracker_counts_5xx_and_stays_in_flight_while_held() {
+        use crate::proxy::{boxed, Guarded};
         let c = Arc::new(NodeCounters::default());
         let t = NodeTracker::begin(c.clone());
         assert_eq!(c.snapshot(), (1, 1, 0));
-        let mut resp = Response::new(boxed(Full::new(Bytes::from_static(b"x"))));
-        *resp.status_mut() = http::StatusCode::BAD_GATEWAY;
-        let resp = t.finish(resp);
+        t.count_status(http::StatusCode::OK);
+        assert_eq!(c.snapshot(), (1, 1, 0));
+        t.count_status(http::StatusCode::BAD_GATEWAY);
         assert_eq!(c.snapshot(), (1, 1, 1));
-        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        let body = Guarded::new(boxed(Full::new(Bytes::from_static(b"x"))), t);
+        assert_eq!(c.snapshot(), (1, 1, 1));
+        let body = body.collect().await.unwrap().to_bytes();
         assert_eq!(&body[..], b"x");
         assert_eq!(c.snapshot(), (0, 1, 1));
     }

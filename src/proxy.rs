@@ -189,6 +189,14 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 /// Removes hop-by-hop headers, including those named in `Connection`.
 /// (`Transfer-Encoding` is framing that hyper owns on each side.)
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Most messages carry none: one pass comparing names (cheap for the
+    // standard ones) instead of nine hashed removals.
+    let any = headers
+        .keys()
+        .any(|n| n == header::TRANSFER_ENCODING || HOP_BY_HOP.contains(n));
+    if !any {
+        return;
+    }
     if headers.contains_key(header::CONNECTION) {
         strip_connection_named(headers);
     }
@@ -439,6 +447,9 @@ fn upgrade_requested(h: &HeaderMap) -> Option<HeaderValue> {
 }
 
 /// How one upstream attempt ended (for health and retry decisions).
+// Lives on the stack for one attempt; boxing the response would cost an
+// allocation per request.
+#[allow(clippy::large_enum_variant)]
 enum Outcome {
     Response(Response<PooledBody>),
     Connect(String),
@@ -531,11 +542,14 @@ async fn forward(
         .headers
         .insert(GENERATION_HEADER, HeaderValue::from(gen.id));
     set_forwarded(&mut parts.headers, peer.ip(), peer_trusted, original_host);
-    let path_and_query = parts
-        .uri
-        .path_and_query()
-        .cloned()
-        .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
+    // Origin-form request target, built once for all attempts.
+    let target = Uri::from(
+        parts
+            .uri
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
+    );
     let method = parts.method.clone();
     let idem = idempotent(&method);
     let policy = &service.health.passive;
@@ -567,17 +581,9 @@ async fn forward(
         let tracker = NodeTracker::begin(gw.node_stats.get(service_name, node.addr));
         decision.served_lane = Some(node.lane.clone());
         decision.node = Some(node.name.clone());
-        let Ok(uri) = Uri::builder()
-            .scheme("http")
-            .authority(node.addr.to_string())
-            .path_and_query(path_and_query.clone())
-            .build()
-        else {
-            return plain(StatusCode::BAD_REQUEST, "bad request target\n");
-        };
         let mut req = Request::new(up_body);
         *req.method_mut() = method.clone();
-        *req.uri_mut() = uri;
+        *req.uri_mut() = target.clone();
         *req.version_mut() = Version::HTTP_11;
         *req.headers_mut() = if tried.len() < max_attempts {
             parts.headers.clone()
@@ -590,7 +596,7 @@ async fn forward(
             return plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out\n");
         }
         let per_try = Duration::from_millis(upstream.response_timeout_ms).min(deadline - now);
-        let outcome = match tokio::time::timeout(per_try, gw.client.request(req)).await {
+        let outcome = match tokio::time::timeout(per_try, gw.client.request(node.addr, req)).await {
             Err(_) => Outcome::Timeout,
             Ok(Ok(r)) => Outcome::Response(r),
             Ok(Err(e)) if e.is_connect() => Outcome::Connect(e.to_string()),
@@ -603,7 +609,7 @@ async fn forward(
                 } else {
                     health.success(&node.name);
                 }
-                return tracker.finish(respond(r, client_upgrade, upgrade.is_some(), gw));
+                return respond(r, client_upgrade, upgrade.is_some(), gw, tracker);
             }
             Outcome::Connect(e) => {
                 tracing::warn!(node = %node.name, addr = %node.addr, error = %e, "upstream connect failed");
@@ -640,15 +646,18 @@ async fn forward(
     last_error.unwrap_or_else(|| plain(StatusCode::BAD_GATEWAY, "no upstream node available\n"))
 }
 
-/// Passes the upstream response back; a `101 Switching Protocols` answer
-/// to an upgrade request joins the two connections into a tunnel that keeps
-/// the node (and so the lane) for the connection's life.
+/// Passes the upstream response back, keeping the node in flight until its
+/// body is done; a `101 Switching Protocols` answer to an upgrade request
+/// joins the two connections into a tunnel that keeps the node (and so the
+/// lane) for the connection's life.
 fn respond(
     mut resp: Response<PooledBody>,
     client_upgrade: Option<hyper::upgrade::OnUpgrade>,
     upgrade_requested: bool,
     gw: &Gateway,
+    tracker: NodeTracker,
 ) -> Response<Body> {
+    tracker.count_status(resp.status());
     if upgrade_requested && resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         let Some(client_up) = client_upgrade else {
             return plain(StatusCode::BAD_GATEWAY, "upgrade unavailable\n");
@@ -666,11 +675,32 @@ fn respond(
             let _ = tokio::io::copy_bidirectional(&mut c, &mut u).await;
         });
         let (head, body) = resp.into_parts();
-        return Response::from_parts(head, boxed(body));
+        return Response::from_parts(head, boxed(body.tracked(tracker)));
     }
     let (mut head, body) = resp.into_parts();
     strip_hop_by_hop(&mut head.headers);
-    Response::from_parts(head, boxed(body))
+    // One box for the upstream body and the node's in-flight marker.
+    Response::from_parts(head, boxed(body.tracked(tracker)))
+}
+
+/// `ip` as a header value; the last one is cached per thread (a worker's
+/// clients are mostly few, often one load balancer).
+fn ip_header_value(ip: IpAddr) -> HeaderValue {
+    thread_local! {
+        static LAST: std::cell::RefCell<Option<(IpAddr, HeaderValue)>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    LAST.with(|last| {
+        let mut last = last.borrow_mut();
+        match &*last {
+            Some((cached, v)) if *cached == ip => v.clone(),
+            _ => {
+                let v = HeaderValue::from_str(&ip.to_string()).expect("an IP is a header value");
+                *last = Some((ip, v.clone()));
+                v
+            }
+        }
+    })
 }
 
 /// Sets X-Forwarded-For/-Proto/-Host. From a trusted proxy the chain is
@@ -693,10 +723,10 @@ fn set_forwarded(
         None
     };
     let value = match prior {
-        Some(p) => format!("{p}, {peer}"),
-        None => peer.to_string(),
+        Some(p) => HeaderValue::from_str(&format!("{p}, {peer}")).ok(),
+        None => Some(ip_header_value(peer)),
     };
-    if let Ok(v) = HeaderValue::from_str(&value) {
+    if let Some(v) = value {
         headers.insert(xff, v);
     }
     if !(peer_trusted && headers.contains_key(X_FORWARDED_PROTO)) {

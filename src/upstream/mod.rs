@@ -29,6 +29,7 @@ use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 
 use crate::config::UpstreamConfig;
+use crate::metrics::NodeTracker;
 use crate::upbody::UpBody;
 
 /// Errors of response bodies.
@@ -48,8 +49,6 @@ thread_local! {
 /// Why an upstream exchange failed.
 #[derive(Debug)]
 pub enum UpstreamError {
-    /// The request target has no usable `host:port` authority.
-    BadTarget,
     /// Could not connect (refused, unreachable, connect timeout).
     Connect(String),
     /// Connected, but the exchange failed before a response head arrived.
@@ -66,7 +65,6 @@ impl UpstreamError {
 impl fmt::Display for UpstreamError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            UpstreamError::BadTarget => f.write_str("request target has no host:port"),
             UpstreamError::Connect(e) => write!(f, "connect: {e}"),
             UpstreamError::Exchange(e) => write!(f, "exchange: {e}"),
         }
@@ -100,17 +98,13 @@ impl Upstream {
         }
     }
 
-    /// Sends `req` (absolute-form URI naming the node) and returns the
+    /// Sends `req` (origin-form URI) to the node at `addr` and returns the
     /// response with its body still streaming.
     pub async fn request(
         &self,
+        addr: SocketAddr,
         req: Request<UpBody>,
     ) -> Result<Response<PooledBody>, UpstreamError> {
-        let addr = req
-            .uri()
-            .authority()
-            .and_then(|a| a.as_str().parse::<SocketAddr>().ok())
-            .ok_or(UpstreamError::BadTarget)?;
         if !req.headers().contains_key(http::header::UPGRADE) {
             let (parts, body) = req.into_parts();
             let body = match body {
@@ -130,7 +124,7 @@ impl Upstream {
                 body,
             };
             let resp = h1::request(addr, out, &self.settings()).await?;
-            return Ok(resp.map(|b| PooledBody::Raw(Box::new(b))));
+            return Ok(resp.map(|b| PooledBody::Raw(b, None)));
         }
         self.request_hyper(addr, req).await
     }
@@ -207,7 +201,7 @@ impl Upstream {
         if pooled.inner.is_end_stream() {
             pooled.release();
         }
-        Response::from_parts(head, PooledBody::Hyper(pooled))
+        Response::from_parts(head, PooledBody::Hyper(pooled, None))
     }
 }
 
@@ -217,12 +211,26 @@ struct Slot {
     max_idle: usize,
 }
 
-/// A response body that returns its connection to the pool at its end.
+/// A response body that returns its connection to the pool at its end,
+/// and can carry the node's in-flight marker until then.
+// The whole body is boxed once by the proxy; boxing the large variant too
+// would cost a second allocation per response.
+#[allow(clippy::large_enum_variant)]
 pub enum PooledBody {
     /// From the inline exchange.
-    Raw(Box<h1::RawBody>),
+    Raw(h1::RawBody, Option<NodeTracker>),
     /// From hyper's client connection.
-    Hyper(HyperBody),
+    Hyper(HyperBody, Option<NodeTracker>),
+}
+
+impl PooledBody {
+    /// Keeps `tracker` (the node's request in flight) until the body ends.
+    pub fn tracked(mut self, tracker: NodeTracker) -> PooledBody {
+        match &mut self {
+            PooledBody::Raw(_, t) | PooledBody::Hyper(_, t) => *t = Some(tracker),
+        }
+        self
+    }
 }
 
 impl Body for PooledBody {
@@ -233,23 +241,27 @@ impl Body for PooledBody {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        match self.get_mut() {
-            PooledBody::Raw(b) => Pin::new(b.as_mut()).poll_frame(cx),
-            PooledBody::Hyper(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
+        let (r, tracker) = match self.get_mut() {
+            PooledBody::Raw(b, t) => (Pin::new(b).poll_frame(cx), t),
+            PooledBody::Hyper(b, t) => (Pin::new(b).poll_frame(cx).map_err(Into::into), t),
+        };
+        if let Poll::Ready(None) = r {
+            *tracker = None;
         }
+        r
     }
 
     fn is_end_stream(&self) -> bool {
         match self {
-            PooledBody::Raw(b) => b.is_end_stream(),
-            PooledBody::Hyper(b) => b.is_end_stream(),
+            PooledBody::Raw(b, _) => b.is_end_stream(),
+            PooledBody::Hyper(b, _) => b.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            PooledBody::Raw(b) => b.size_hint(),
-            PooledBody::Hyper(b) => b.size_hint(),
+            PooledBody::Raw(b, _) => b.size_hint(),
+            PooledBody::Hyper(b, _) => b.size_hint(),
         }
     }
 }
