@@ -447,16 +447,27 @@ def main():
         if not a.no_scaling:
             points = [("list", 10), ("list", 100000)] if a.quick else \
                 [("list", 10), ("list", 1000), ("list", 100000), ("nodes", 10), ("nodes", 1000)]
-            for kind, n in points:
+            # All sizes run side by side (own ports, same CPU) and alternate
+            # over the rounds, like the main table, so machine noise falls
+            # on every size alike.
+            scale_targets = []
+            for i, (kind, n) in enumerate(points):
                 kw = {"list_entries": n} if kind == "list" else {"nodes_per_lane": n}
-                t = start_graygate(work, a.graygate, name="graygate-scale", **kw)
+                name = f"graygate-{kind}-{n}"
+                PORTS[name] = 19190 + i
+                t = start_graygate(work, a.graygate, name=name, **kw)
                 started.append(t)
                 sanity_check(t)
-                runs = [measure(t, "untagged", conns[0], dur) for _ in range(a.rounds)]
+                scale_targets.append((kind, n, t))
+            scale_runs = {t.name: [] for _, _, t in scale_targets}
+            for rnd in range(a.rounds):
+                order = scale_targets[rnd % len(scale_targets):] + scale_targets[:rnd % len(scale_targets)]
+                for _, _, t in order:
+                    scale_runs[t.name].append(measure(t, "untagged", conns[0], dur))
+            for kind, n, t in scale_targets:
                 t.stop()
                 started.remove(t)
-                s = summarize(runs)
-                scaling.append((kind, n, s))
+                scaling.append((kind, n, summarize(scale_runs[t.name])))
             print("\n## graygate CPU per request vs whitelist entries and nodes\n")
             print("| varied | size | req/s | CPU µs/req | user / sys µs | errors |\n|---|---|---|---|---|---|")
             for kind, n, s in scaling:
