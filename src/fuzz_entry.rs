@@ -125,11 +125,11 @@ pub fn request_decision(gen: &Generation, data: &[u8]) -> Option<Decision> {
     HeaderValue::from_str(&decision.lane).expect("lane is header-safe");
     match &route.target {
         Target::Service(name) => {
-            if let Some(svc) = gen.services.get(name) {
+            if let Some(svc) = gen.services.get(&**name) {
                 if let Ok(c) = svc.choose(&decision.lane, crate::health::now_ms()) {
                     // Never another gray lane.
                     let set_lane = &c.set.nodes[0].lane;
-                    assert!(set_lane == &decision.lane || set_lane == crate::config::FORMAL);
+                    assert!(**set_lane == *decision.lane || &**set_lane == crate::config::FORMAL);
                 }
             }
         }

@@ -23,7 +23,7 @@ use crate::nodes::{Node, Service};
 /// Where a route sends its requests.
 #[derive(Debug)]
 pub enum Target {
-    Service(String),
+    Service(Arc<str>),
     Static(StaticTree),
 }
 
@@ -39,7 +39,7 @@ pub struct StaticTree {
 #[derive(Debug)]
 pub struct Route {
     pub host: Option<String>,
-    pub prefix: String,
+    pub prefix: Arc<str>,
     pub target: Target,
     /// Keep browsers in their lane with the signed cookie.
     pub sticky: bool,
@@ -71,6 +71,11 @@ pub struct Generation {
     /// Lanes some node or static tree serves (a sticky cookie naming any
     /// other lane is ignored).
     pub served_lanes: std::collections::BTreeSet<String>,
+    /// Ready-made upstream tag values for the served lanes and formal (no
+    /// per-request allocation for them).
+    pub lane_tags: BTreeMap<String, http::HeaderValue>,
+    /// This generation's id as a header value.
+    pub id_tag: http::HeaderValue,
 }
 
 impl Generation {
@@ -178,7 +183,7 @@ impl Generation {
                             format!("route {:?} names unknown service {s:?}", r.prefix),
                         ));
                     }
-                    Target::Service(s.clone())
+                    Target::Service(s.as_str().into())
                 }
                 (None, Some(dir)) => {
                     let path = resolve(&root, dir);
@@ -224,7 +229,7 @@ impl Generation {
             }
             routes.push(Route {
                 host: r.host.as_ref().map(|h| h.to_ascii_lowercase()),
-                prefix: r.prefix.clone(),
+                prefix: r.prefix.as_str().into(),
                 target,
                 sticky: r.sticky,
             });
@@ -346,6 +351,12 @@ impl Generation {
             }
         }
         let trusted = IpList::from_nets(config.trusted_proxies.iter().copied());
+        let lane_tags = served_lanes
+            .iter()
+            .map(String::as_str)
+            .chain([crate::config::FORMAL])
+            .filter_map(|l| Some((l.to_string(), http::HeaderValue::from_str(l).ok()?)))
+            .collect();
         Ok(Generation {
             id,
             config_path: config_path.to_path_buf(),
@@ -363,6 +374,8 @@ impl Generation {
             warnings,
             sticky,
             served_lanes,
+            lane_tags,
+            id_tag: http::HeaderValue::from(id),
         })
     }
 
@@ -376,7 +389,7 @@ impl Generation {
                     Some(h) => want_host && h == host,
                     None => !want_host,
                 })
-                .filter(|r| path.starts_with(r.prefix.as_str()))
+                .filter(|r| path.starts_with(&*r.prefix))
                 .max_by_key(|r| r.prefix.len())
         };
         best(true).or_else(|| best(false))

@@ -13,9 +13,11 @@ use crate::health::NodeHealth;
 /// One upstream node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Node {
-    pub name: String,
+    /// Shared strings: the per-request `Decision` takes a reference-counted
+    /// copy instead of allocating.
+    pub name: Arc<str>,
     pub addr: SocketAddr,
-    pub lane: String,
+    pub lane: Arc<str>,
     pub weight: u32,
     /// Draining nodes are listed but never selected.
     pub drain: bool,
@@ -27,9 +29,10 @@ impl Node {
             name: c
                 .name
                 .clone()
-                .unwrap_or_else(|| format!("{service}-{}-{idx}", c.lane)),
+                .unwrap_or_else(|| format!("{service}-{}-{idx}", c.lane))
+                .into(),
             addr: c.addr,
-            lane: c.lane.clone(),
+            lane: c.lane.as_str().into(),
             weight: c.weight,
             drain: c.drain,
         }
@@ -237,7 +240,7 @@ impl Service {
         let mut by_lane: BTreeMap<String, Vec<Node>> = BTreeMap::new();
         let all = nodes.clone();
         for n in nodes.into_iter().filter(|n| n.weight > 0 && !n.drain) {
-            by_lane.entry(n.lane.clone()).or_default().push(n);
+            by_lane.entry(n.lane.to_string()).or_default().push(n);
         }
         Service {
             name: name.to_string(),
@@ -407,7 +410,7 @@ mod tests {
         let heavy = LaneNodes::new(vec![node("a", FORMAL, 100_000), node("b", FORMAL, 50_000)]);
         assert!(heavy.schedule.is_none());
         let a = (0..300)
-            .filter(|_| heavy.pick().unwrap().name == "a")
+            .filter(|_| heavy.pick().unwrap().name.as_ref() == "a")
             .count();
         assert_eq!(a, 200);
     }
@@ -424,7 +427,9 @@ mod tests {
             ],
         );
         let (set, _) = s.candidates(FORMAL).unwrap();
-        let seq: String = (0..7).map(|_| set.pick().unwrap().name.clone()).collect();
+        let seq: String = (0..7)
+            .map(|_| set.pick().unwrap().name.to_string())
+            .collect();
         assert_eq!(seq, "aabacaa");
     }
 
@@ -432,10 +437,10 @@ mod tests {
     fn lane_then_formal_never_other_gray() {
         let s = Service::new("s", vec![node("f", FORMAL, 1), node("g", "gray", 1)]);
         let (set, fb) = s.candidates("gray").unwrap();
-        assert_eq!(set.pick().unwrap().name, "g");
+        assert_eq!(set.pick().unwrap().name.as_ref(), "g");
         assert_eq!(fb, None);
         let (set, fb) = s.candidates("v2").unwrap();
-        assert_eq!(set.pick().unwrap().name, "f");
+        assert_eq!(set.pick().unwrap().name.as_ref(), "f");
         assert_eq!(fb, Some(Fallback::LaneHasNoNodes));
         let only_gray = Service::new("s", vec![node("g", "gray", 1)]);
         assert!(only_gray.candidates("v2").is_none());
@@ -467,12 +472,12 @@ mod tests {
         assert!(c.fallback.is_none());
         for _ in 0..4 {
             let i = c.set.pick_for(now, &[], c.ignore_health).unwrap();
-            assert_eq!(c.set.nodes[i].name, "g2");
+            assert_eq!(c.set.nodes[i].name.as_ref(), "g2");
         }
         gray.health[1].failure("g2", &p);
         let c = s.choose("gray", now).unwrap();
         assert_eq!(c.fallback, Some(Fallback::LaneUnhealthy));
-        assert_eq!(c.set.nodes[0].name, "f");
+        assert_eq!(c.set.nodes[0].name.as_ref(), "f");
         s.strict = true;
         assert_eq!(
             s.choose("gray", now).unwrap_err(),
@@ -484,7 +489,7 @@ mod tests {
         let c = s.choose("gray", now).unwrap();
         assert_eq!(c.fallback, Some(Fallback::AllUnhealthy));
         assert!(c.ignore_health);
-        assert_eq!(c.set.nodes[0].lane, "gray");
+        assert_eq!(c.set.nodes[0].lane.as_ref(), "gray");
     }
 
     #[test]
@@ -536,7 +541,7 @@ mod tests {
         assert_eq!(s.count(FORMAL), 1);
         assert_eq!(s.all.len(), 2);
         let (set, _) = s.candidates(FORMAL).unwrap();
-        assert!((0..4).all(|_| set.pick().unwrap().name == "f"));
+        assert!((0..4).all(|_| set.pick().unwrap().name.as_ref() == "f"));
     }
 
     #[test]

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -207,12 +207,20 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 fn strip_connection_named(headers: &mut HeaderMap) {
+    // `keep-alive`, `close` and `upgrade` are the usual tokens; the first
+    // and last are removed anyway, `close` names no header.
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
-        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .map(str::trim)
+        .filter(|t| {
+            !["keep-alive", "close", "upgrade"]
+                .iter()
+                .any(|k| t.eq_ignore_ascii_case(k))
+        })
+        .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
         .collect();
     for n in named {
         headers.remove(n);
@@ -240,7 +248,7 @@ impl FallbackLog {
 
 /// Header carrying the serving generation's id upstream, so a backend (and
 /// the reload tests) can tell which configuration routed a request.
-pub const GENERATION_HEADER: &str = "x-graygate-generation";
+pub const GENERATION_HEADER: HeaderName = HeaderName::from_static("x-graygate-generation");
 
 /// 414/431 for request targets or heads over the configured limits.
 pub fn check_limits<B>(req: &Request<B>, limits: &ClientConfig) -> Option<Response<Body>> {
@@ -461,14 +469,15 @@ enum Outcome {
 async fn forward(
     gw: &Gateway,
     gen: &Generation,
-    service_name: &str,
+    service_name: &Arc<str>,
     info: RequestInfo,
     body: Incoming,
     peer: SocketAddr,
     peer_trusted: bool,
     decision: &mut Decision,
 ) -> Response<Body> {
-    decision.service = Some(service_name.to_string());
+    decision.service = Some(service_name.clone());
+    let service_name: &str = service_name;
     let Some(service) = gen.services.get(service_name) else {
         return plain(StatusCode::SERVICE_UNAVAILABLE, "no such service\n");
     };
@@ -536,11 +545,12 @@ async fn forward(
             .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         parts.headers.insert(header::UPGRADE, u.clone());
     }
-    let tag = HeaderValue::from_str(&decision.lane).expect("lane names are header-safe");
+    let tag = match gen.lane_tags.get(&decision.lane) {
+        Some(t) => t.clone(),
+        None => HeaderValue::from_str(&decision.lane).expect("lane names are header-safe"),
+    };
     parts.headers.insert(gen.tag_header.clone(), tag);
-    parts
-        .headers
-        .insert(GENERATION_HEADER, HeaderValue::from(gen.id));
+    parts.headers.insert(GENERATION_HEADER, gen.id_tag.clone());
     set_forwarded(&mut parts.headers, peer.ip(), peer_trusted, original_host);
     // Origin-form request target, built once for all attempts.
     let target = Uri::from(

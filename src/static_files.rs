@@ -140,8 +140,8 @@ pub async fn serve(tree: &StaticTree, parts: &Parts, decision: &mut Decision) ->
     if served_lane != decision.lane {
         decision.fallback = Some("static_file_from_formal");
     }
-    decision.served_lane = Some(served_lane.clone());
-    decision.node = Some(format!("static:{served_lane}"));
+    decision.served_lane = Some(served_lane.as_str().into());
+    decision.node = Some(format!("static:{served_lane}").into());
 
     let file = match tokio::fs::File::open(&path).await {
         Ok(f) => f,

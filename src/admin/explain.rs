@@ -160,7 +160,7 @@ pub fn run(gw: &Gateway, q: Query) -> Response<Body> {
             let now = crate::health::now_ms();
             let picked = gen
                 .services
-                .get(name)
+                .get(&**name)
                 .map(|s| s.choose(&decision.lane, now));
             match picked {
                 Some(Ok(choice)) => {
@@ -181,8 +181,8 @@ pub fn run(gw: &Gateway, q: Query) -> Response<Body> {
                             })
                         })
                         .collect();
-                    out["chosen"] = chosen.map(|n| n.name.clone()).into();
-                    out["served_lane"] = chosen.map(|n| n.lane.clone()).into();
+                    out["chosen"] = chosen.map(|n| n.name.to_string()).into();
+                    out["served_lane"] = chosen.map(|n| n.lane.to_string()).into();
                     out["fallback"] = fallback.map(|f| f.as_str()).into();
                 }
                 Some(Err(no)) => {

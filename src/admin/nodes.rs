@@ -92,7 +92,7 @@ pub fn refresh_gauges(gw: &Gateway) {
     let gen = gw.current();
     for s in gen.services.values() {
         for n in &s.all {
-            let labels = [s.name.as_str(), n.name.as_str(), n.lane.as_str()];
+            let labels = [s.name.as_str(), &*n.name, &*n.lane];
             let h = health(gw, &s.name, n.addr);
             for state in ["healthy", "unhealthy", "unknown"] {
                 m.node_health

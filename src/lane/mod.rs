@@ -117,15 +117,15 @@ pub struct Decision {
     pub lane: String,
     pub decided_by: DecidedBy,
     /// Prefix of the matched route.
-    pub route: Option<String>,
+    pub route: Option<Arc<str>>,
     /// Service name (API routes).
-    pub service: Option<String>,
+    pub service: Option<Arc<str>>,
     /// Lane of the candidate set used (differs from `lane` on fallback).
-    pub served_lane: Option<String>,
+    pub served_lane: Option<Arc<str>>,
     /// Number of candidate nodes.
     pub candidates: usize,
     /// Name of the chosen node, or the static file served.
-    pub node: Option<String>,
+    pub node: Option<Arc<str>>,
     /// Why the request did not go to its own lane.
     pub fallback: Option<&'static str>,
 }

@@ -314,22 +314,22 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Failed> {
             Some(0) => Version::HTTP_10,
             _ => Version::HTTP_11,
         };
-        // Header values become zero-copy slices of the head's bytes.
+        // Header values become zero-copy slices of the head's bytes; the
+        // field positions are noted first (on the stack: no allocation),
+        // as the parse borrows the buffer that is about to be split.
         let base = buf.as_ptr() as usize;
-        let spans: Vec<(HeaderName, usize, usize)> = resp
-            .headers
-            .iter()
-            .map(|h| {
-                let name =
-                    HeaderName::from_bytes(h.name.as_bytes()).map_err(|_| bad("header name"))?;
-                let start = h.value.as_ptr() as usize - base;
-                Ok((name, start, start + h.value.len()))
-            })
-            .collect::<Result<_, Failed>>()?;
+        let count = resp.headers.len();
+        let mut spans = [(0usize, 0usize, 0usize, 0usize); MAX_HEADERS];
+        for (span, h) in spans.iter_mut().zip(resp.headers.iter()) {
+            let name = h.name.as_ptr() as usize - base;
+            let value = h.value.as_ptr() as usize - base;
+            *span = (name, name + h.name.len(), value, value + h.value.len());
+        }
         let head = buf.split_to(n).freeze();
-        let mut headers = HeaderMap::with_capacity(spans.len());
-        for (name, start, end) in spans {
-            let value = HeaderValue::from_maybe_shared(head.slice(start..end))
+        let mut headers = HeaderMap::with_capacity(count);
+        for &(ns, ne, vs, ve) in &spans[..count] {
+            let name = HeaderName::from_bytes(&head[ns..ne]).map_err(|_| bad("header name"))?;
+            let value = HeaderValue::from_maybe_shared(head.slice(vs..ve))
                 .map_err(|_| bad("header value"))?;
             headers.append(name, value);
         }
