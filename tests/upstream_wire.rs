@@ -299,3 +299,36 @@ async fn a_body_cut_short_fails_the_client_response() {
         );
     }
 }
+
+#[tokio::test]
+async fn hop_by_hop_response_fields_stay_behind() {
+    let wire = Wire::start(|head| {
+        let body = if head.contains("/named") {
+            b"HTTP/1.1 200 OK\r\nconnection: keep-alive, X-Internal\r\nx-internal: secret\r\nkeep-alive: timeout=5\r\nx-kept: 1\r\ncontent-length: 2\r\n\r\nok".to_vec()
+        } else {
+            b"HTTP/1.1 200 OK\r\nConnection: Keep-Alive\r\nKeep-Alive: timeout=5\r\nTrailer: x-t\r\nx-kept: 2\r\nContent-Length: 2\r\n\r\nok".to_vec()
+        };
+        (body, false)
+    })
+    .await;
+    let s = setup(&wire);
+    for (path, kept) in [("/named", "1"), ("/plain", "2")] {
+        let r = s.gw.get(path).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.text(), "ok");
+        assert_eq!(r.header("x-kept").as_deref(), Some(kept), "{path}");
+        for gone in ["x-internal", "keep-alive", "trailer"] {
+            assert!(r.header(gone).is_none(), "{path}: {gone} was passed on");
+        }
+        assert_ne!(
+            r.header("connection").as_deref(),
+            Some("keep-alive, X-Internal"),
+            "{path}"
+        );
+    }
+    assert_eq!(
+        wire.connections(),
+        1,
+        "keep-alive upstream connection reused"
+    );
+}

@@ -19,7 +19,7 @@ use std::io::{self, Write as _};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll, Waker};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -30,6 +30,7 @@ use tokio::net::TcpStream;
 
 use super::chunked::{Chunked, Step};
 use super::{BoxError, UpstreamError};
+use crate::health::now_ms;
 
 /// Most response header fields parsed.
 const MAX_HEADERS: usize = 128;
@@ -52,8 +53,9 @@ pub struct Conn {
 }
 
 struct Idle {
-    conn: Conn,
-    since: Instant,
+    conn: Box<Conn>,
+    /// When it went idle (`now_ms`, the coarse clock).
+    since: u64,
 }
 
 thread_local! {
@@ -85,12 +87,13 @@ impl Conn {
 }
 
 /// Takes an idle connection to `addr` that is still usable.
-fn checkout(addr: SocketAddr, idle_timeout: Duration) -> Option<Conn> {
+fn checkout(addr: SocketAddr, idle_timeout: Duration) -> Option<Box<Conn>> {
     POOL.with(|p| {
         let mut p = p.borrow_mut();
         let list = p.get_mut(&addr)?;
         while let Some(idle) = list.pop() {
-            if idle.since.elapsed() < idle_timeout && !idle.conn.is_stale() {
+            let idle_ms = now_ms().saturating_sub(idle.since);
+            if u128::from(idle_ms) < idle_timeout.as_millis() && !idle.conn.is_stale() {
                 return Some(idle.conn);
             }
         }
@@ -98,14 +101,14 @@ fn checkout(addr: SocketAddr, idle_timeout: Duration) -> Option<Conn> {
     })
 }
 
-fn checkin(addr: SocketAddr, conn: Conn, max_idle: usize) {
+fn checkin(addr: SocketAddr, conn: Box<Conn>, max_idle: usize) {
     POOL.with(|p| {
         let mut p = p.borrow_mut();
         let list = p.entry(addr).or_default();
         if list.len() < max_idle {
             list.push(Idle {
                 conn,
-                since: Instant::now(),
+                since: now_ms(),
             });
         }
     })
@@ -214,12 +217,14 @@ pub async fn request(
             Err((f, _)) => return Err(UpstreamError::Exchange(f.error)),
         }
     }
-    let mut conn = Conn {
+    // Boxed once per connection: the response body (which owns the
+    // connection until its end) stays small to move.
+    let mut conn = Box::new(Conn {
         stream: connect(addr, s.connect_timeout).await?,
         rbuf: BytesMut::new(),
         wbuf: Vec::with_capacity(1024),
         read_size: READ_MIN,
-    };
+    });
     match exchange(&mut conn, addr, &req).await {
         Ok(head) => finish(head, conn, addr, head_request, s.max_idle),
         Err((f, _)) => Err(UpstreamError::Exchange(f.error)),
@@ -230,7 +235,9 @@ pub async fn request(
 struct Head {
     status: StatusCode,
     version: Version,
+    /// End-to-end fields only.
     headers: HeaderMap,
+    meta: Meta,
 }
 
 /// Writes the request and reads the final response head. On failure also
@@ -314,20 +321,27 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Failed> {
             Some(0) => Version::HTTP_10,
             _ => Version::HTTP_11,
         };
-        // Header values become zero-copy slices of the head's bytes; the
-        // field positions are noted first (on the stack: no allocation),
-        // as the parse borrows the buffer that is about to be split.
+        // Hop-by-hop fields are read here (framing, keep-alive) and not
+        // passed on. Header values become zero-copy slices of the head's
+        // bytes; the positions of the fields kept are noted first (on the
+        // stack: no allocation), as the parse borrows the buffer that is
+        // about to be split.
+        let mut meta = Meta::default();
         let base = buf.as_ptr() as usize;
-        let count = resp.headers.len();
         let mut spans = [(0usize, 0usize, 0usize, 0usize); MAX_HEADERS];
-        for (span, h) in spans.iter_mut().zip(resp.headers.iter()) {
+        let mut kept = 0;
+        for h in resp.headers.iter() {
+            if !meta.note(h.name, h.value) {
+                continue;
+            }
             let name = h.name.as_ptr() as usize - base;
             let value = h.value.as_ptr() as usize - base;
-            *span = (name, name + h.name.len(), value, value + h.value.len());
+            spans[kept] = (name, name + h.name.len(), value, value + h.value.len());
+            kept += 1;
         }
         let head = buf.split_to(n).freeze();
-        let mut headers = HeaderMap::with_capacity(count);
-        for &(ns, ne, vs, ve) in &spans[..count] {
+        let mut headers = HeaderMap::with_capacity(kept);
+        for &(ns, ne, vs, ve) in &spans[..kept] {
             let name = HeaderName::from_bytes(&head[ns..ne]).map_err(|_| bad("header name"))?;
             let value = HeaderValue::from_maybe_shared(head.slice(vs..ve))
                 .map_err(|_| bad("header value"))?;
@@ -337,7 +351,91 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Failed> {
             status,
             version,
             headers,
+            meta,
         }));
+    }
+}
+
+/// What the hop-by-hop and length fields of a response head say.
+#[derive(Default)]
+struct Meta {
+    /// `Connection: close`.
+    close: bool,
+    /// `Connection: keep-alive`.
+    keep_alive: bool,
+    /// Transfer-Encoding present: is its last coding `chunked`?
+    chunked: Option<bool>,
+    /// Content-Length, if any.
+    length: Option<u64>,
+    /// A malformed or conflicting Content-Length.
+    length_error: Option<&'static str>,
+}
+
+/// Hop-by-hop fields other than Connection and Transfer-Encoding.
+const HOP_BY_HOP: [&str; 6] = [
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+    "proxy-authenticate",
+];
+
+impl Meta {
+    /// Notes one field; false when it is hop-by-hop and must not be passed
+    /// on. A Connection header naming other fields is kept, so the proxy's
+    /// hop-by-hop pass removes those fields and it.
+    fn note(&mut self, name: &str, value: &[u8]) -> bool {
+        let value = std::str::from_utf8(value).unwrap_or("");
+        if name.eq_ignore_ascii_case("connection") {
+            let mut names_others = false;
+            for t in value.split(',').map(str::trim) {
+                if t.eq_ignore_ascii_case("close") {
+                    self.close = true;
+                } else if t.eq_ignore_ascii_case("keep-alive") {
+                    self.keep_alive = true;
+                } else if !t.is_empty() && !t.eq_ignore_ascii_case("upgrade") {
+                    names_others = true;
+                }
+            }
+            return names_others;
+        }
+        if name.eq_ignore_ascii_case("transfer-encoding") {
+            let last = value.rsplit(',').next().unwrap_or("").trim();
+            self.chunked = Some(last.eq_ignore_ascii_case("chunked"));
+            return false;
+        }
+        if name.eq_ignore_ascii_case("content-length") {
+            match value.trim().parse::<u64>() {
+                Ok(n) if self.length.is_none_or(|l| l == n) => self.length = Some(n),
+                Ok(_) => self.length_error = Some("conflicting content-length"),
+                Err(_) => self.length_error = Some("bad content-length"),
+            }
+            return true;
+        }
+        !HOP_BY_HOP.iter().any(|h| name.eq_ignore_ascii_case(h))
+    }
+
+    fn framing(&self, status: StatusCode, head_request: bool) -> Result<Framing, &'static str> {
+        let s = status.as_u16();
+        if head_request || s == 204 || s == 304 {
+            return Ok(Framing::Done);
+        }
+        if let Some(chunked) = self.chunked {
+            return Ok(if chunked {
+                Framing::Chunked(Chunked::default())
+            } else {
+                Framing::UntilClose
+            });
+        }
+        if let Some(e) = self.length_error {
+            return Err(e);
+        }
+        Ok(match self.length {
+            None => Framing::UntilClose,
+            Some(0) => Framing::Done,
+            Some(n) => Framing::Length(n),
+        })
     }
 }
 
@@ -349,67 +447,21 @@ enum Framing {
     Done,
 }
 
-fn has_token(headers: &HeaderMap, name: HeaderName, token: &str) -> bool {
-    headers
-        .get_all(name)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case(token))
-}
-
-fn framing(head: &Head, head_request: bool) -> Result<Framing, &'static str> {
-    let s = head.status.as_u16();
-    if head_request || s == 204 || s == 304 {
-        return Ok(Framing::Done);
-    }
-    if let Some(te) = head
-        .headers
-        .get_all(header::TRANSFER_ENCODING)
-        .iter()
-        .next_back()
-    {
-        let last = te.to_str().unwrap_or("").rsplit(',').next().unwrap_or("");
-        return Ok(if last.trim().eq_ignore_ascii_case("chunked") {
-            Framing::Chunked(Chunked::default())
-        } else {
-            Framing::UntilClose
-        });
-    }
-    let mut lengths = head.headers.get_all(header::CONTENT_LENGTH).iter();
-    match lengths.next() {
-        None => Ok(Framing::UntilClose),
-        Some(v) => {
-            if lengths.any(|o| o != v) {
-                return Err("conflicting content-length");
-            }
-            let n = v
-                .to_str()
-                .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .ok_or("bad content-length")?;
-            Ok(if n == 0 {
-                Framing::Done
-            } else {
-                Framing::Length(n)
-            })
-        }
-    }
-}
-
 fn finish(
     head: Head,
-    conn: Conn,
+    conn: Box<Conn>,
     addr: SocketAddr,
     head_request: bool,
     max_idle: usize,
 ) -> Result<Response<RawBody>, UpstreamError> {
-    let framing = framing(&head, head_request)
+    let framing = head
+        .meta
+        .framing(head.status, head_request)
         .map_err(|e| UpstreamError::Exchange(format!("invalid response head: {e}")))?;
     let keep_alive = !matches!(framing, Framing::UntilClose)
         && match head.version {
-            Version::HTTP_10 => has_token(&head.headers, header::CONNECTION, "keep-alive"),
-            _ => !has_token(&head.headers, header::CONNECTION, "close"),
+            Version::HTTP_10 => head.meta.keep_alive,
+            _ => !head.meta.close,
         };
     let mut body = RawBody {
         conn: Some(conn),
@@ -428,7 +480,7 @@ fn finish(
 
 /// A response body read straight off the upstream connection.
 pub struct RawBody {
-    conn: Option<Conn>,
+    conn: Option<Box<Conn>>,
     framing: Framing,
     keep_alive: bool,
     addr: SocketAddr,
