@@ -2,7 +2,7 @@
 //! healthy nodes of the request's lane, else formal nodes (never another
 //! gray lane), picked by smooth weighted round-robin (nginx's algorithm).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -343,7 +343,7 @@ type ByService = Vec<(String, Arc<NodeCounters>)>;
 
 /// Every node's counters, by address then service.
 #[derive(Debug, Default)]
-pub struct NodeStats(RwLock<HashMap<SocketAddr, ByService>>);
+pub struct NodeStats(RwLock<rustc_hash::FxHashMap<SocketAddr, ByService>>);
 
 impl NodeStats {
     /// The counters of (`service`, `addr`), created on first use.

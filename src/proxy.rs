@@ -559,6 +559,9 @@ async fn forward(
             .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         parts.headers.insert(header::UPGRADE, u.clone());
     }
+    // Room for the tag, generation and X-Forwarded-* fields: one growth of
+    // the map instead of several.
+    parts.headers.reserve(5);
     let tag = match gen.lane_tags.get(&decision.lane) {
         Some(t) => t.clone(),
         None => HeaderValue::from_str(&decision.lane).expect("lane names are header-safe"),

@@ -13,7 +13,6 @@
 //! hyper's full-duplex client (`super`).
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::future::Future;
 use std::io::{self, Write as _};
 use std::net::SocketAddr;
@@ -25,6 +24,7 @@ use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Response, StatusCode, Version};
 use hyper::body::{Body, Frame, SizeHint};
+use rustc_hash::FxHashMap;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -32,8 +32,8 @@ use super::chunked::{Chunked, Step};
 use super::{BoxError, UpstreamError};
 use crate::health::now_ms;
 
-/// Most response header fields parsed.
-const MAX_HEADERS: usize = 128;
+/// Most response header fields parsed (hyper's default too).
+const MAX_HEADERS: usize = 100;
 /// Largest response head accepted.
 const MAX_HEAD: usize = 64 * 1024;
 /// First read size of a connection (like nginx's one-page
@@ -50,7 +50,12 @@ pub struct Conn {
     wbuf: Vec<u8>,
     /// Current read size (adaptive, see [`READ_MIN`]).
     read_size: usize,
+    /// Field positions of the head being parsed (reused: no allocation).
+    spans: Vec<Span>,
 }
+
+/// Name start, name end, value start, value end of a header field.
+type Span = (u32, u32, u32, u32);
 
 struct Idle {
     conn: Box<Conn>,
@@ -59,7 +64,9 @@ struct Idle {
 }
 
 thread_local! {
-    static POOL: RefCell<HashMap<SocketAddr, Vec<Idle>>> = RefCell::new(HashMap::new());
+    // FxHash: a socket address is hashed twice per request (checkout and
+    // checkin); SipHash's DoS resistance buys nothing for our own node list.
+    static POOL: RefCell<FxHashMap<SocketAddr, Vec<Idle>>> = RefCell::new(FxHashMap::default());
 }
 
 impl Conn {
@@ -224,6 +231,7 @@ pub async fn request(
         rbuf: BytesMut::new(),
         wbuf: Vec::with_capacity(1024),
         read_size: READ_MIN,
+        spans: Vec::new(),
     });
     match exchange(&mut conn, addr, &req).await {
         Ok(head) => finish(head, conn, addr, head_request, s.max_idle),
@@ -259,7 +267,7 @@ async fn exchange(
             .map_err(|e| (Failed::io(e, true), true))?;
     }
     loop {
-        if let Some(head) = parse_head(&mut conn.rbuf).map_err(|e| (e, true))? {
+        if let Some(head) = parse_head(&mut conn.rbuf, &mut conn.spans).map_err(|e| (e, true))? {
             return Ok(head);
         }
         if conn.rbuf.len() > MAX_HEAD {
@@ -290,11 +298,19 @@ async fn exchange(
 
 /// Parses a final response head off the front of `buf`, skipping interim
 /// `1xx` responses. `Ok(None)`: incomplete.
-fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Failed> {
+fn parse_head(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Result<Option<Head>, Failed> {
     loop {
-        let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let mut resp = httparse::Response::new(&mut fields);
-        let n = match resp.parse(buf) {
+        // Left uninitialized: filling 100 empty fields per parse costs more
+        // than the parse.
+        let mut fields =
+            [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+        let mut resp = httparse::Response::new(&mut []);
+        let parsed = httparse::ParserConfig::default().parse_response_with_uninit_headers(
+            &mut resp,
+            buf,
+            &mut fields,
+        );
+        let n = match parsed {
             Ok(httparse::Status::Complete(n)) => n,
             Ok(httparse::Status::Partial) => return Ok(None),
             Err(e) => {
@@ -324,24 +340,29 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Failed> {
         // Hop-by-hop fields are read here (framing, keep-alive) and not
         // passed on. Header values become zero-copy slices of the head's
         // bytes; the positions of the fields kept are noted first (on the
-        // stack: no allocation), as the parse borrows the buffer that is
-        // about to be split.
+        // connection: no allocation), as the parse borrows the buffer that
+        // is about to be split. Offsets fit in u32: heads are capped at
+        // MAX_HEAD.
         let mut meta = Meta::default();
         let base = buf.as_ptr() as usize;
-        let mut spans = [(0usize, 0usize, 0usize, 0usize); MAX_HEADERS];
-        let mut kept = 0;
+        spans.clear();
         for h in resp.headers.iter() {
             if !meta.note(h.name, h.value) {
                 continue;
             }
-            let name = h.name.as_ptr() as usize - base;
-            let value = h.value.as_ptr() as usize - base;
-            spans[kept] = (name, name + h.name.len(), value, value + h.value.len());
-            kept += 1;
+            let name = (h.name.as_ptr() as usize - base) as u32;
+            let value = (h.value.as_ptr() as usize - base) as u32;
+            spans.push((
+                name,
+                name + h.name.len() as u32,
+                value,
+                value + h.value.len() as u32,
+            ));
         }
         let head = buf.split_to(n).freeze();
-        let mut headers = HeaderMap::with_capacity(kept);
-        for &(ns, ne, vs, ve) in &spans[..kept] {
+        let mut headers = HeaderMap::with_capacity(spans.len());
+        for &(ns, ne, vs, ve) in spans.iter() {
+            let (ns, ne, vs, ve) = (ns as usize, ne as usize, vs as usize, ve as usize);
             let name = HeaderName::from_bytes(&head[ns..ne]).map_err(|_| bad("header name"))?;
             let value = HeaderValue::from_maybe_shared(head.slice(vs..ve))
                 .map_err(|_| bad("header value"))?;
@@ -386,8 +407,9 @@ impl Meta {
     /// on. A Connection header naming other fields is kept, so the proxy's
     /// hop-by-hop pass removes those fields and it.
     fn note(&mut self, name: &str, value: &[u8]) -> bool {
-        let value = std::str::from_utf8(value).unwrap_or("");
+        let text = || std::str::from_utf8(value).unwrap_or("");
         if name.eq_ignore_ascii_case("connection") {
+            let value = text();
             let mut names_others = false;
             for t in value.split(',').map(str::trim) {
                 if t.eq_ignore_ascii_case("close") {
@@ -401,12 +423,13 @@ impl Meta {
             return names_others;
         }
         if name.eq_ignore_ascii_case("transfer-encoding") {
+            let value = text();
             let last = value.rsplit(',').next().unwrap_or("").trim();
             self.chunked = Some(last.eq_ignore_ascii_case("chunked"));
             return false;
         }
         if name.eq_ignore_ascii_case("content-length") {
-            match value.trim().parse::<u64>() {
+            match text().trim().parse::<u64>() {
                 Ok(n) if self.length.is_none_or(|l| l == n) => self.length = Some(n),
                 Ok(_) => self.length_error = Some("conflicting content-length"),
                 Err(_) => self.length_error = Some("bad content-length"),

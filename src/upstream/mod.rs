@@ -15,7 +15,6 @@ mod chunked;
 mod h1;
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -27,6 +26,7 @@ use http::{Request, Response};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
+use rustc_hash::FxHashMap;
 
 use crate::config::UpstreamConfig;
 use crate::metrics::NodeTracker;
@@ -43,7 +43,7 @@ struct Idle {
 }
 
 thread_local! {
-    static POOL: RefCell<HashMap<SocketAddr, Vec<Idle>>> = RefCell::new(HashMap::new());
+    static POOL: RefCell<FxHashMap<SocketAddr, Vec<Idle>>> = RefCell::new(FxHashMap::default());
 }
 
 /// Why an upstream exchange failed.
