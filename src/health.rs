@@ -336,7 +336,10 @@ async fn probe(
         HeaderValue::from_static("graygate-health"),
     );
     let fut = async {
-        let resp = client.request(addr, req).await.ok()?;
+        let resp = client
+            .request(addr, req, &crate::proxy::Added::none())
+            .await
+            .ok()?;
         let ok = resp.status().is_success() || resp.status().is_redirection();
         // Drain the body so the connection can be reused.
         let _ = http_body_util::BodyExt::collect(resp.into_body())

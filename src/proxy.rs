@@ -559,16 +559,20 @@ async fn forward(
             .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         parts.headers.insert(header::UPGRADE, u.clone());
     }
-    // Room for the tag, generation and X-Forwarded-* fields: one growth of
-    // the map instead of several.
-    parts.headers.reserve(5);
     let tag = match gen.lane_tags.get(&decision.lane) {
         Some(t) => t.clone(),
         None => HeaderValue::from_str(&decision.lane).expect("lane names are header-safe"),
     };
-    parts.headers.insert(gen.tag_header.clone(), tag);
-    parts.headers.insert(GENERATION_HEADER, gen.id_tag.clone());
-    set_forwarded(&mut parts.headers, peer.ip(), peer_trusted, original_host);
+    // The gateway's own fields replace any the client sent; they are kept
+    // apart from the client's map and written after it (no map inserts).
+    let added = Added::new(
+        &mut parts.headers,
+        (gen.tag_header.clone(), tag),
+        gen.id_tag.clone(),
+        peer.ip(),
+        peer_trusted,
+        original_host,
+    );
     // Origin-form request target, built once for all attempts.
     let target = Uri::from(
         parts
@@ -581,11 +585,16 @@ async fn forward(
     let idem = idempotent(&method);
     let policy = &service.health.passive;
 
-    let replay = tokio::time::timeout_at(
-        deadline.into(),
-        Replay::new(body, idem, upstream.retry_buffer_bytes),
-    )
-    .await;
+    // No body (the common GET): no timer needed to wait for it.
+    let replay = if hyper::body::Body::is_end_stream(&body) {
+        Ok(Ok(Replay::Empty))
+    } else {
+        tokio::time::timeout_at(
+            deadline.into(),
+            Replay::new(body, idem, upstream.retry_buffer_bytes),
+        )
+        .await
+    };
     let mut replay = match replay {
         Ok(Ok(r)) => r,
         Ok(Err(_)) => return plain(StatusCode::BAD_REQUEST, "request body error\n"),
@@ -624,12 +633,13 @@ async fn forward(
             return plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out\n");
         }
         let per_try = Duration::from_millis(upstream.response_timeout_ms).min(deadline - now);
-        let outcome = match tokio::time::timeout(per_try, gw.client.request(node.addr, req)).await {
-            Err(_) => Outcome::Timeout,
-            Ok(Ok(r)) => Outcome::Response(r),
-            Ok(Err(e)) if e.is_connect() => Outcome::Connect(e.to_string()),
-            Ok(Err(e)) => Outcome::NoResponse(e.to_string()),
-        };
+        let outcome =
+            match tokio::time::timeout(per_try, gw.client.request(node.addr, req, &added)).await {
+                Err(_) => Outcome::Timeout,
+                Ok(Ok(r)) => Outcome::Response(r),
+                Ok(Err(e)) if e.is_connect() => Outcome::Connect(e.to_string()),
+                Ok(Err(e)) => Outcome::NoResponse(e.to_string()),
+            };
         let (retry_ok, resp) = match outcome {
             Outcome::Response(r) => {
                 if policy.fail_on_5xx && r.status().is_server_error() {
@@ -731,43 +741,83 @@ fn ip_header_value(ip: IpAddr) -> HeaderValue {
     })
 }
 
-/// Sets X-Forwarded-For/-Proto/-Host. From a trusted proxy the chain is
-/// extended; from anyone else client-supplied values are replaced.
-fn set_forwarded(
-    headers: &mut HeaderMap,
-    peer: IpAddr,
-    peer_trusted: bool,
-    original_host: Option<HeaderValue>,
-) {
-    let xff = X_FORWARDED_FOR;
-    let prior = if peer_trusted {
-        let joined: Vec<&str> = headers
-            .get_all(&xff)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .collect();
-        (!joined.is_empty()).then(|| joined.join(", "))
-    } else {
-        None
-    };
-    let value = match prior {
-        Some(p) => HeaderValue::from_str(&format!("{p}, {peer}")).ok(),
-        None => Some(ip_header_value(peer)),
-    };
-    if let Some(v) = value {
-        headers.insert(xff, v);
-    }
-    if !(peer_trusted && headers.contains_key(X_FORWARDED_PROTO)) {
-        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
-    }
-    if !(peer_trusted && headers.contains_key(X_FORWARDED_HOST)) {
-        match original_host {
-            Some(h) => {
-                headers.insert(X_FORWARDED_HOST, h);
+/// The fields the gateway sets on an upstream request: the lane tag, the
+/// generation, and X-Forwarded-For/-Proto/-Host. From a trusted proxy the
+/// X-Forwarded-For chain is extended and its -Proto/-Host are kept; from
+/// anyone else client-supplied values are replaced.
+pub struct Added {
+    fields: [Option<(HeaderName, HeaderValue)>; 5],
+}
+
+impl Added {
+    /// Computes the fields and removes from `headers` the client's copies
+    /// they replace.
+    pub fn new(
+        headers: &mut HeaderMap,
+        tag: (HeaderName, HeaderValue),
+        generation: HeaderValue,
+        peer: IpAddr,
+        peer_trusted: bool,
+        original_host: Option<HeaderValue>,
+    ) -> Added {
+        let prior = if peer_trusted {
+            let joined: Vec<&str> = headers
+                .get_all(X_FORWARDED_FOR)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .collect();
+            (!joined.is_empty()).then(|| joined.join(", "))
+        } else {
+            None
+        };
+        let xff = match prior {
+            Some(p) => HeaderValue::from_str(&format!("{p}, {peer}")).ok(),
+            None => Some(ip_header_value(peer)),
+        };
+        let keep_proto = peer_trusted && headers.contains_key(X_FORWARDED_PROTO);
+        let keep_host = peer_trusted && headers.contains_key(X_FORWARDED_HOST);
+        let replaced = |n: &HeaderName| {
+            *n == tag.0
+                || *n == GENERATION_HEADER
+                || *n == X_FORWARDED_FOR
+                || (!keep_proto && *n == X_FORWARDED_PROTO)
+                || (!keep_host && *n == X_FORWARDED_HOST)
+        };
+        // Usually the client sent none of them: one pass over the names.
+        if headers.keys().any(replaced) {
+            let names: Vec<HeaderName> = headers.keys().filter(|n| replaced(n)).cloned().collect();
+            for n in names {
+                headers.remove(n);
             }
-            None => {
-                headers.remove(X_FORWARDED_HOST);
-            }
+        }
+        Added {
+            fields: [
+                Some(tag),
+                Some((GENERATION_HEADER, generation)),
+                xff.map(|v| (X_FORWARDED_FOR, v)),
+                (!keep_proto).then(|| (X_FORWARDED_PROTO, HeaderValue::from_static("http"))),
+                original_host
+                    .filter(|_| !keep_host)
+                    .map(|h| (X_FORWARDED_HOST, h)),
+            ],
+        }
+    }
+
+    /// No fields (health probes).
+    pub fn none() -> Added {
+        Added {
+            fields: [None, None, None, None, None],
+        }
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> {
+        self.fields.iter().flatten().map(|(n, v)| (n, v))
+    }
+
+    /// Puts the fields into `headers` (for engines that take a whole map).
+    pub fn apply(&self, headers: &mut HeaderMap) {
+        for (n, v) in self.iter() {
+            headers.insert(n.clone(), v.clone());
         }
     }
 }
@@ -813,11 +863,43 @@ mod tests {
             "1.2.3.4".parse::<IpAddr>().unwrap()
         );
         assert_eq!(client_ip(other, &h, &trusted), other);
-        let mut fwd = h.clone();
-        set_forwarded(&mut fwd, proxy, true, None);
+        let forwarded = |peer: IpAddr, trusted: bool, host: Option<HeaderValue>| {
+            let mut fwd = h.clone();
+            let tag = (
+                HeaderName::from_static("x-gray-tag"),
+                HeaderValue::from_static("gray"),
+            );
+            let added = Added::new(&mut fwd, tag, HeaderValue::from(7u64), peer, trusted, host);
+            added.apply(&mut fwd);
+            fwd
+        };
+        let fwd = forwarded(proxy, true, None);
         assert_eq!(fwd["x-forwarded-for"], "1.2.3.4, 10.0.0.7, 10.0.0.1");
-        let mut fwd = h.clone();
-        set_forwarded(&mut fwd, other, false, Some("h".parse().unwrap()));
+        assert_eq!(fwd["x-gray-tag"], "gray");
+        assert_eq!(fwd["x-graygate-generation"], "7");
+        let mut spoofed = h.clone();
+        spoofed.insert("x-gray-tag", "v2".parse().unwrap());
+        spoofed.insert("x-forwarded-host", "evil".parse().unwrap());
+        spoofed.append("x-forwarded-for", "6.6.6.6".parse().unwrap());
+        let tag = (
+            HeaderName::from_static("x-gray-tag"),
+            HeaderValue::from_static("formal"),
+        );
+        let added = Added::new(
+            &mut spoofed,
+            tag,
+            HeaderValue::from(7u64),
+            other,
+            false,
+            None,
+        );
+        assert!(spoofed.get("x-gray-tag").is_none(), "client tag removed");
+        assert!(spoofed.get("x-forwarded-host").is_none());
+        assert!(spoofed.get("x-forwarded-for").is_none());
+        added.apply(&mut spoofed);
+        assert_eq!(spoofed["x-gray-tag"], "formal");
+        assert_eq!(spoofed.get_all("x-forwarded-for").iter().count(), 1);
+        let fwd = forwarded(other, false, Some("h".parse().unwrap()));
         assert_eq!(fwd["x-forwarded-for"], "8.8.8.8");
         assert_eq!(fwd["x-forwarded-host"], "h");
         assert_eq!(fwd["x-forwarded-proto"], "http");

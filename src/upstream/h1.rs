@@ -31,6 +31,7 @@ use tokio::net::TcpStream;
 use super::chunked::{Chunked, Step};
 use super::{BoxError, UpstreamError};
 use crate::health::now_ms;
+use crate::proxy::Added;
 
 /// Most response header fields parsed (hyper's default too).
 const MAX_HEADERS: usize = 100;
@@ -136,6 +137,8 @@ pub struct Outgoing<'a> {
     pub method: &'a Method,
     pub path_and_query: &'a str,
     pub headers: &'a HeaderMap,
+    /// The gateway's own fields, written after `headers`.
+    pub added: &'a Added,
     pub body: Option<Bytes>,
 }
 
@@ -148,7 +151,7 @@ impl Outgoing<'_> {
         w.extend_from_slice(self.path_and_query.as_bytes());
         w.extend_from_slice(b" HTTP/1.1\r\n");
         let mut had_length = false;
-        for (name, value) in self.headers {
+        for (name, value) in self.headers.iter().chain(self.added.iter()) {
             if name == header::CONTENT_LENGTH || name == header::TRANSFER_ENCODING {
                 had_length |= name == header::CONTENT_LENGTH;
                 continue;
@@ -267,8 +270,12 @@ async fn exchange(
             .map_err(|e| (Failed::io(e, true), true))?;
     }
     loop {
-        if let Some(head) = parse_head(&mut conn.rbuf, &mut conn.spans).map_err(|e| (e, true))? {
-            return Ok(head);
+        if !conn.rbuf.is_empty() {
+            if let Some(head) =
+                parse_head(&mut conn.rbuf, &mut conn.spans).map_err(|e| (e, true))?
+            {
+                return Ok(head);
+            }
         }
         if conn.rbuf.len() > MAX_HEAD {
             return Err((

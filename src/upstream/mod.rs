@@ -30,6 +30,7 @@ use rustc_hash::FxHashMap;
 
 use crate::config::UpstreamConfig;
 use crate::metrics::NodeTracker;
+use crate::proxy::Added;
 use crate::upbody::UpBody;
 
 /// Errors of response bodies.
@@ -104,6 +105,7 @@ impl Upstream {
         &self,
         addr: SocketAddr,
         req: Request<UpBody>,
+        added: &Added,
     ) -> Result<Response<PooledBody>, UpstreamError> {
         if !req.headers().contains_key(http::header::UPGRADE) {
             let (parts, body) = req.into_parts();
@@ -111,9 +113,9 @@ impl Upstream {
                 UpBody::Empty => None,
                 UpBody::Full(b) => b,
                 stream @ UpBody::Stream(_) => {
-                    return self
-                        .request_hyper(addr, Request::from_parts(parts, stream))
-                        .await
+                    let mut req = Request::from_parts(parts, stream);
+                    added.apply(req.headers_mut());
+                    return self.request_hyper(addr, req).await;
                 }
             };
             let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
@@ -121,11 +123,14 @@ impl Upstream {
                 method: &parts.method,
                 path_and_query: pq,
                 headers: &parts.headers,
+                added,
                 body,
             };
             let resp = h1::request(addr, out, &self.settings()).await?;
             return Ok(resp.map(|b| PooledBody::Raw(b, None)));
         }
+        let mut req = req;
+        added.apply(req.headers_mut());
         self.request_hyper(addr, req).await
     }
 
