@@ -332,3 +332,36 @@ async fn hop_by_hop_response_fields_stay_behind() {
         "keep-alive upstream connection reused"
     );
 }
+
+#[tokio::test]
+async fn bodiless_statuses_and_head_ignore_framing_fields() {
+    let wire = Wire::start(|head| {
+        let body = if head.starts_with("HEAD") {
+            // A HEAD answer announcing a chunked body it must not send.
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n".to_vec()
+        } else if head.contains("/nc") {
+            b"HTTP/1.1 204 No Content\r\ncontent-length: 0\r\n\r\n".to_vec()
+        } else {
+            b"HTTP/1.1 304 Not Modified\r\netag: \"x\"\r\ncontent-length: 10\r\n\r\n".to_vec()
+        };
+        (body, false)
+    })
+    .await;
+    let s = setup(&wire);
+    for _ in 0..2 {
+        let r = Req::get("/h").method("HEAD").send(s.gw.addr).await;
+        assert_eq!(r.status, 200);
+        assert!(r.body.is_empty());
+        let r = s.gw.get("/nc").await;
+        assert_eq!(r.status, 204);
+        let r = s.gw.get("/nm").await;
+        assert_eq!(r.status, 304);
+        assert_eq!(r.header("etag").as_deref(), Some("\"x\""));
+        assert!(r.body.is_empty());
+    }
+    assert_eq!(
+        wire.connections(),
+        1,
+        "each answer left the connection reusable"
+    );
+}
