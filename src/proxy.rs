@@ -698,6 +698,7 @@ fn respond(
     tracker.count_status(resp.status());
     if upgrade_requested && resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         let Some(client_up) = client_upgrade else {
+            tracker.count_status(StatusCode::BAD_GATEWAY);
             return plain(StatusCode::BAD_GATEWAY, "upgrade unavailable\n");
         };
         let upstream_up = hyper::upgrade::on(&mut resp);

@@ -365,3 +365,43 @@ async fn bodiless_statuses_and_head_ignore_framing_fields() {
         "each answer left the connection reusable"
     );
 }
+
+#[tokio::test]
+async fn requests_without_host_get_the_node_address() {
+    let wire = Wire::start(|_| {
+        (
+            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok".to_vec(),
+            true,
+        )
+    })
+    .await;
+    let s = setup(&wire);
+    // An HTTP/1.0 client may send no Host: a bodiless GET (inline
+    // exchange) and a POST whose body streams (hyper's client).
+    for raw in [
+        &b"GET /a HTTP/1.0\r\n\r\n"[..],
+        &b"POST /b HTTP/1.0\r\ncontent-length: 3\r\n\r\nabc"[..],
+    ] {
+        let mut sock = tokio::net::TcpStream::connect(s.gw.addr).await.unwrap();
+        sock.write_all(raw).await.unwrap();
+        let mut got = Vec::new();
+        tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            sock.read_to_end(&mut got),
+        )
+        .await
+        .expect("response")
+        .unwrap();
+        let text = String::from_utf8_lossy(&got);
+        assert!(text.starts_with("HTTP/1.0 200"), "{text}");
+    }
+    let heads = wire.heads.lock().unwrap().clone();
+    assert_eq!(heads.len(), 2);
+    for h in heads {
+        assert!(
+            h.to_ascii_lowercase()
+                .contains(&format!("host: {}\r\n", wire.addr)),
+            "{h}"
+        );
+    }
+}

@@ -141,6 +141,13 @@ impl Upstream {
         req: Request<UpBody>,
     ) -> Result<Response<PooledBody>, UpstreamError> {
         let mut req = req;
+        // The target is origin-form: a client that sent no Host (HTTP/1.0)
+        // gets the node's address, as on the inline path.
+        if !req.headers().contains_key(http::header::HOST) {
+            if let Ok(v) = http::HeaderValue::from_str(&addr.to_string()) {
+                req.headers_mut().insert(http::header::HOST, v);
+            }
+        }
         while let Some(mut sender) = self.checkout(addr) {
             if sender.ready().await.is_err() {
                 continue;
