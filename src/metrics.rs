@@ -3,15 +3,18 @@
 //! from its [`Decision`], status and timings, plus the per-node in-flight
 //! tracker whose guard rides on the response body until it is sent.
 
+use std::cell::RefCell;
 use std::collections::HashSet;
-use std::sync::atomic::Ordering;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
+use rustc_hash::{FxHashMap, FxHasher};
 
 use crate::lane::{DecidedBy, Decision};
 use crate::nodes::NodeCounters;
@@ -38,7 +41,42 @@ pub struct Metrics {
     pub access_log_dropped: IntCounter,
     /// Lane label values seen so far (bounded; see [`MAX_LANE_LABELS`]).
     lanes: RwLock<HashSet<String>>,
+    /// Distinguishes instances in the per-thread handle cache.
+    id: u64,
 }
+
+/// The per-request series of one label combination, resolved once per
+/// worker thread: a request then costs a hash of its labels instead of
+/// four label-vector lookups (each a hash, a lock and a reference count).
+struct Handles {
+    labels: Labels,
+    requests: IntCounter,
+    duration: Histogram,
+    upstream: Option<Histogram>,
+    decisions: Option<IntCounter>,
+}
+
+/// What selects the series of one request (raw values; the lane label is
+/// derived from `lane` on a miss).
+struct Labels {
+    metrics: u64,
+    route: Box<str>,
+    lane: Option<Box<str>>,
+    node: Box<str>,
+    status: &'static str,
+    decided_by: &'static str,
+    rule: Box<str>,
+    upstream: bool,
+}
+
+/// Entries per thread; beyond, requests take the uncached path.
+const HANDLE_CACHE_MAX: usize = 4096;
+
+thread_local! {
+    static HANDLES: RefCell<FxHashMap<u64, Vec<Handles>>> = RefCell::new(FxHashMap::default());
+}
+
+static METRICS_IDS: AtomicU64 = AtomicU64::new(0);
 
 /// Distinct lane label values; lanes beyond are counted as `other`, so a
 /// script echoing a client header cannot blow up the series count.
@@ -167,6 +205,7 @@ impl Metrics {
             node_weight,
             access_log_dropped,
             lanes: RwLock::new(HashSet::new()),
+            id: METRICS_IDS.fetch_add(1, Ordering::Relaxed),
         }
     }
 
@@ -192,6 +231,92 @@ impl Metrics {
 
     /// Records one finished request.
     pub fn observe(&self, o: &Observation<'_>) {
+        let raw_lane = o.decision.map(|d| d.lane.as_str());
+        let node = o.decision.and_then(|d| d.node.as_deref()).unwrap_or("-");
+        let route = o.decision.and_then(|d| d.route.as_deref()).unwrap_or("-");
+        let status = status_class(o.status);
+        let decided_by = o.decision.map_or("", |d| d.decided_by.as_str());
+        let rule = o.rule.unwrap_or("");
+        let upstream = o.upstream.is_some();
+        let mut h = FxHasher::default();
+        (
+            self.id, route, raw_lane, node, status, decided_by, rule, upstream,
+        )
+            .hash(&mut h);
+        let key = h.finish();
+        let matches = |l: &Labels| {
+            l.metrics == self.id
+                && &*l.route == route
+                && l.lane.as_deref() == raw_lane
+                && &*l.node == node
+                && l.status == status
+                && l.decided_by == decided_by
+                && &*l.rule == rule
+                && l.upstream == upstream
+        };
+        let hit = HANDLES.with(|cache| {
+            let mut cache = cache.borrow_mut();
+            if let Some(h) = cache
+                .get(&key)
+                .and_then(|v| v.iter().find(|h| matches(&h.labels)))
+            {
+                self.record(h, o);
+                return true;
+            }
+            if cache.len() >= HANDLE_CACHE_MAX {
+                return false;
+            }
+            let lane = raw_lane.map_or("-", |l| self.lane_label(l));
+            let handles = Handles {
+                labels: Labels {
+                    metrics: self.id,
+                    route: route.into(),
+                    lane: raw_lane.map(Into::into),
+                    node: node.into(),
+                    status,
+                    decided_by,
+                    rule: rule.into(),
+                    upstream,
+                },
+                requests: self
+                    .requests
+                    .with_label_values(&[route, lane, node, status]),
+                duration: self.duration.with_label_values(&[lane, node]),
+                upstream: upstream.then(|| self.upstream_duration.with_label_values(&[lane, node])),
+                decisions: o
+                    .decision
+                    .map(|_| self.decisions.with_label_values(&[decided_by, rule, lane])),
+            };
+            self.record(&handles, o);
+            cache.entry(key).or_default().push(handles);
+            true
+        });
+        if !hit {
+            self.observe_uncached(o);
+        }
+        let Some(d) = o.decision else { return };
+        if let Some(reason) = d.fallback {
+            let lane = self.lane_label(&d.lane);
+            self.fallbacks.with_label_values(&[reason, lane]).inc();
+        }
+        if let Some(kind) = script_error_kind(&d.decided_by) {
+            self.script_errors.with_label_values(&[kind]).inc();
+        }
+    }
+
+    fn record(&self, h: &Handles, o: &Observation<'_>) {
+        h.requests.inc();
+        h.duration.observe(o.total.as_secs_f64());
+        if let (Some(hist), Some(up)) = (&h.upstream, o.upstream) {
+            hist.observe(up.as_secs_f64());
+        }
+        if let Some(c) = &h.decisions {
+            c.inc();
+        }
+    }
+
+    /// [`observe`](Self::observe)'s per-request series without the cache.
+    fn observe_uncached(&self, o: &Observation<'_>) {
         let lane = o.decision.map_or("-", |d| self.lane_label(&d.lane));
         let node = o.decision.and_then(|d| d.node.as_deref()).unwrap_or("-");
         let route = o.decision.and_then(|d| d.route.as_deref()).unwrap_or("-");
@@ -206,15 +331,10 @@ impl Metrics {
                 .with_label_values(&[lane, node])
                 .observe(up.as_secs_f64());
         }
-        let Some(d) = o.decision else { return };
-        self.decisions
-            .with_label_values(&[d.decided_by.as_str(), o.rule.unwrap_or(""), lane])
-            .inc();
-        if let Some(reason) = d.fallback {
-            self.fallbacks.with_label_values(&[reason, lane]).inc();
-        }
-        if let Some(kind) = script_error_kind(&d.decided_by) {
-            self.script_errors.with_label_values(&[kind]).inc();
+        if let Some(d) = o.decision {
+            self.decisions
+                .with_label_values(&[d.decided_by.as_str(), o.rule.unwrap_or(""), lane])
+                .inc();
         }
     }
 
@@ -356,6 +476,37 @@ mod tests {
         assert_eq!(k("not enough memory"), Some("memory_limit"));
         assert_eq!(k("attempt to index a nil value"), Some("error"));
         assert_eq!(script_error_kind(&DecidedBy::Script), None);
+    }
+
+    #[test]
+    fn cached_series_count_per_instance_and_per_label_set() {
+        let (a, b) = (Metrics::new(), Metrics::new());
+        let mut d = Decision::new("gray", DecidedBy::Script);
+        d.route = Some("/api/".into());
+        d.node = Some("g1".into());
+        let obs = |status, upstream| Observation {
+            decision: Some(&d),
+            rule: None,
+            status,
+            total: Duration::from_millis(3),
+            upstream,
+        };
+        for _ in 0..3 {
+            a.observe(&obs(200, Some(Duration::from_millis(2))));
+        }
+        a.observe(&obs(502, None));
+        b.observe(&obs(200, Some(Duration::from_millis(2))));
+        let count = |m: &Metrics, status| {
+            m.requests
+                .with_label_values(&["/api/", "gray", "g1", status])
+                .get()
+        };
+        assert_eq!((count(&a, "2xx"), count(&a, "5xx")), (3, 1));
+        assert_eq!((count(&b, "2xx"), count(&b, "5xx")), (1, 0));
+        let up = a.upstream_duration.with_label_values(&["gray", "g1"]);
+        assert_eq!(up.get_sample_count(), 3, "the 502 had no upstream time");
+        let dec = a.decisions.with_label_values(&["script", "", "gray"]).get();
+        assert_eq!(dec, 4);
     }
 
     #[tokio::test]
