@@ -254,46 +254,30 @@ impl Metrics {
                 && &*l.rule == rule
                 && l.upstream == upstream
         };
-        let hit = HANDLES.with(|cache| {
+        HANDLES.with(|cache| {
             let mut cache = cache.borrow_mut();
             if let Some(h) = cache
                 .get(&key)
                 .and_then(|v| v.iter().find(|h| matches(&h.labels)))
             {
-                self.record(h, o);
-                return true;
+                return self.record(h, o);
             }
-            if cache.len() >= HANDLE_CACHE_MAX {
-                return false;
-            }
-            let lane = raw_lane.map_or("-", |l| self.lane_label(l));
-            let handles = Handles {
-                labels: Labels {
-                    metrics: self.id,
-                    route: route.into(),
-                    lane: raw_lane.map(Into::into),
-                    node: node.into(),
-                    status,
-                    decided_by,
-                    rule: rule.into(),
-                    upstream,
-                },
-                requests: self
-                    .requests
-                    .with_label_values(&[route, lane, node, status]),
-                duration: self.duration.with_label_values(&[lane, node]),
-                upstream: upstream.then(|| self.upstream_duration.with_label_values(&[lane, node])),
-                decisions: o
-                    .decision
-                    .map(|_| self.decisions.with_label_values(&[decided_by, rule, lane])),
-            };
+            let handles = self.resolve(Labels {
+                metrics: self.id,
+                route: route.into(),
+                lane: raw_lane.map(Into::into),
+                node: node.into(),
+                status,
+                decided_by,
+                rule: rule.into(),
+                upstream,
+            });
             self.record(&handles, o);
-            cache.entry(key).or_default().push(handles);
-            true
+            // Past the cap (label churn), series are resolved per request.
+            if cache.len() < HANDLE_CACHE_MAX {
+                cache.entry(key).or_default().push(handles);
+            }
         });
-        if !hit {
-            self.observe_uncached(o);
-        }
         let Some(d) = o.decision else { return };
         if let Some(reason) = d.fallback {
             let lane = self.lane_label(&d.lane);
@@ -315,26 +299,24 @@ impl Metrics {
         }
     }
 
-    /// [`observe`](Self::observe)'s per-request series without the cache.
-    fn observe_uncached(&self, o: &Observation<'_>) {
-        let lane = o.decision.map_or("-", |d| self.lane_label(&d.lane));
-        let node = o.decision.and_then(|d| d.node.as_deref()).unwrap_or("-");
-        let route = o.decision.and_then(|d| d.route.as_deref()).unwrap_or("-");
-        self.requests
-            .with_label_values(&[route, lane, node, status_class(o.status)])
-            .inc();
-        self.duration
-            .with_label_values(&[lane, node])
-            .observe(o.total.as_secs_f64());
-        if let Some(up) = o.upstream {
-            self.upstream_duration
-                .with_label_values(&[lane, node])
-                .observe(up.as_secs_f64());
-        }
-        if let Some(d) = o.decision {
-            self.decisions
-                .with_label_values(&[d.decided_by.as_str(), o.rule.unwrap_or(""), lane])
-                .inc();
+    /// The series `labels` select (the lane label bounded by
+    /// [`lane_label`](Self::lane_label)).
+    fn resolve(&self, labels: Labels) -> Handles {
+        let lane = labels.lane.as_deref().map_or("-", |l| self.lane_label(l));
+        let (route, node) = (&*labels.route, &*labels.node);
+        Handles {
+            requests: self
+                .requests
+                .with_label_values(&[route, lane, node, labels.status]),
+            duration: self.duration.with_label_values(&[lane, node]),
+            upstream: labels
+                .upstream
+                .then(|| self.upstream_duration.with_label_values(&[lane, node])),
+            decisions: labels.lane.is_some().then(|| {
+                self.decisions
+                    .with_label_values(&[labels.decided_by, &labels.rule, lane])
+            }),
+            labels,
         }
     }
 

@@ -171,8 +171,10 @@ pub fn resolve_request(parts: Parts, peer: IpAddr, trusted: &IpList) -> (Request
 }
 
 /// Headers that describe one connection and must not be forwarded
-/// (pre-parsed names: no per-request name parsing on the hot path).
-const HOP_BY_HOP: [HeaderName; 8] = [
+/// (pre-parsed names: no per-request name parsing on the hot path);
+/// `Transfer-Encoding` is framing, handled by each side's engine. The
+/// inline upstream exchange drops these while parsing a response head.
+pub(crate) const HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),

@@ -24,14 +24,13 @@ use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Response, StatusCode, Version};
 use hyper::body::{Body, Frame, SizeHint};
-use rustc_hash::FxHashMap;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::chunked::{Chunked, Step};
+use super::pool::IdlePool;
 use super::{BoxError, UpstreamError};
-use crate::health::now_ms;
-use crate::proxy::Added;
+use crate::proxy::{Added, HOP_BY_HOP};
 
 /// Most response header fields parsed (hyper's default too).
 const MAX_HEADERS: usize = 100;
@@ -58,16 +57,8 @@ pub struct Conn {
 /// Name start, name end, value start, value end of a header field.
 type Span = (u32, u32, u32, u32);
 
-struct Idle {
-    conn: Box<Conn>,
-    /// When it went idle (`now_ms`, the coarse clock).
-    since: u64,
-}
-
 thread_local! {
-    // FxHash: a socket address is hashed twice per request (checkout and
-    // checkin); SipHash's DoS resistance buys nothing for our own node list.
-    static POOL: RefCell<FxHashMap<SocketAddr, Vec<Idle>>> = RefCell::new(FxHashMap::default());
+    static POOL: RefCell<IdlePool<Box<Conn>>> = RefCell::new(IdlePool::default());
 }
 
 impl Conn {
@@ -97,29 +88,13 @@ impl Conn {
 /// Takes an idle connection to `addr` that is still usable.
 fn checkout(addr: SocketAddr, idle_timeout: Duration) -> Option<Box<Conn>> {
     POOL.with(|p| {
-        let mut p = p.borrow_mut();
-        let list = p.get_mut(&addr)?;
-        while let Some(idle) = list.pop() {
-            let idle_ms = now_ms().saturating_sub(idle.since);
-            if u128::from(idle_ms) < idle_timeout.as_millis() && !idle.conn.is_stale() {
-                return Some(idle.conn);
-            }
-        }
-        None
+        p.borrow_mut()
+            .checkout(addr, idle_timeout, |c| !c.is_stale())
     })
 }
 
 fn checkin(addr: SocketAddr, conn: Box<Conn>, max_idle: usize) {
-    POOL.with(|p| {
-        let mut p = p.borrow_mut();
-        let list = p.entry(addr).or_default();
-        if list.len() < max_idle {
-            list.push(Idle {
-                conn,
-                since: now_ms(),
-            });
-        }
-    })
+    POOL.with(|p| p.borrow_mut().checkin(addr, conn, max_idle))
 }
 
 /// Connects a fresh upstream connection.
@@ -150,8 +125,9 @@ impl Outgoing<'_> {
         w.push(b' ');
         w.extend_from_slice(self.path_and_query.as_bytes());
         w.extend_from_slice(b" HTTP/1.1\r\n");
-        let mut had_length = false;
+        let (mut had_length, mut had_host) = (false, false);
         for (name, value) in self.headers.iter().chain(self.added.iter()) {
+            had_host |= name == header::HOST;
             if name == header::CONTENT_LENGTH || name == header::TRANSFER_ENCODING {
                 had_length |= name == header::CONTENT_LENGTH;
                 continue;
@@ -161,7 +137,7 @@ impl Outgoing<'_> {
             w.extend_from_slice(value.as_bytes());
             w.extend_from_slice(b"\r\n");
         }
-        if !self.headers.contains_key(header::HOST) {
+        if !had_host {
             let _ = write!(w, "host: {addr}\r\n");
         }
         let len = self.body.as_ref().map_or(0, Bytes::len);
@@ -213,10 +189,7 @@ pub async fn request(
     req: Outgoing<'_>,
     s: &Settings,
 ) -> Result<Response<RawBody>, UpstreamError> {
-    let idempotent = matches!(
-        *req.method,
-        Method::GET | Method::HEAD | Method::OPTIONS | Method::PUT | Method::DELETE | Method::TRACE
-    );
+    let idempotent = crate::proxy::idempotent(req.method);
     let head_request = *req.method == Method::HEAD;
     if let Some(mut conn) = checkout(addr, s.idle_timeout) {
         match exchange(&mut conn, addr, &req).await {
@@ -399,16 +372,6 @@ struct Meta {
     length_error: Option<&'static str>,
 }
 
-/// Hop-by-hop fields other than Connection and Transfer-Encoding.
-const HOP_BY_HOP: [&str; 6] = [
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "upgrade",
-    "proxy-authenticate",
-];
-
 impl Meta {
     /// Notes one field; false when it is hop-by-hop and must not be passed
     /// on. A Connection header naming other fields is kept, so the proxy's
@@ -443,7 +406,9 @@ impl Meta {
             }
             return true;
         }
-        !HOP_BY_HOP.iter().any(|h| name.eq_ignore_ascii_case(h))
+        !HOP_BY_HOP
+            .iter()
+            .any(|h| name.eq_ignore_ascii_case(h.as_str()))
     }
 
     fn framing(&self, status: StatusCode, head_request: bool) -> Result<Framing, &'static str> {

@@ -13,20 +13,20 @@
 
 mod chunked;
 mod h1;
+mod pool;
 
 use std::cell::RefCell;
 use std::fmt;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
-use rustc_hash::FxHashMap;
 
 use crate::config::UpstreamConfig;
 use crate::metrics::NodeTracker;
@@ -38,13 +38,8 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 type Sender = SendRequest<UpBody>;
 
-struct Idle {
-    sender: Sender,
-    since: Instant,
-}
-
 thread_local! {
-    static POOL: RefCell<FxHashMap<SocketAddr, Vec<Idle>>> = RefCell::new(FxHashMap::default());
+    static POOL: RefCell<pool::IdlePool<Sender>> = RefCell::new(pool::IdlePool::default());
 }
 
 /// Why an upstream exchange failed.
@@ -183,14 +178,8 @@ impl Upstream {
 
     fn checkout(&self, addr: SocketAddr) -> Option<Sender> {
         POOL.with(|p| {
-            let mut p = p.borrow_mut();
-            let list = p.get_mut(&addr)?;
-            while let Some(idle) = list.pop() {
-                if !idle.sender.is_closed() && idle.since.elapsed() < self.idle_timeout {
-                    return Some(idle.sender);
-                }
-            }
-            None
+            p.borrow_mut()
+                .checkout(addr, self.idle_timeout, |s| !s.is_closed())
         })
     }
 
@@ -291,14 +280,8 @@ impl HyperBody {
                 return;
             }
             POOL.with(|p| {
-                let mut p = p.borrow_mut();
-                let list = p.entry(slot.addr).or_default();
-                if list.len() < slot.max_idle {
-                    list.push(Idle {
-                        sender: slot.sender,
-                        since: Instant::now(),
-                    });
-                }
+                p.borrow_mut()
+                    .checkin(slot.addr, slot.sender, slot.max_idle)
             });
         }
     }
