@@ -13,9 +13,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
+use graygate::base::lists::IpList;
 use graygate::generation::Generation;
 use graygate::lane::{decide, RequestInfo};
-use graygate::lists::IpList;
 
 fn request(uri: &str, ip: &str, headers: &[(&str, &str)]) -> RequestInfo {
     let mut b = http::Request::builder()
@@ -86,13 +86,13 @@ fn bench(c: &mut Criterion) {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
 
     let mut run = |name: &str, gen: &Generation, req: RequestInfo, want: &str| {
-        let (req, d) = decide(gen, req, false);
+        let (req, d) = decide(&gen.lane, req, false);
         assert_eq!(d.lane, want, "{name}: {:?}", d.decided_by);
         let mut slot = Some(req);
         c.bench_function(name, |b| {
             timed(b, || {
                 let req = slot.take().unwrap();
-                let (req, d) = decide(gen, black_box(req), false);
+                let (req, d) = decide(&gen.lane, black_box(req), false);
                 black_box(&d);
                 slot = Some(req);
             })

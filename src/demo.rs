@@ -1,6 +1,7 @@
-//! Demo API nodes run in-process when the config declares `demo_nodes`, so
-//! the shipped example shows both lanes with one command. Each answers JSON
-//! with its name, its lane and the tag header it received.
+//! Layer: tools (top; uses config only). Demo API nodes run in-process when the
+//! config declares `demo_nodes`, so the shipped example shows both lanes with
+//! one command. Each answers JSON with its name, its lane and the tag header it
+//! received.
 
 use std::convert::Infallible;
 

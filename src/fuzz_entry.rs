@@ -1,17 +1,19 @@
+//! Layer: tools (top; uses the data plane's phases, never the control plane).
 //! Entry points shared by the cargo-fuzz targets in `fuzz/` and the bounded
-//! stable-Rust smoke test (`tests/fuzz_smoke.rs`): config files → loader,
-//! and raw request bytes → route and lane decision. Both check invariants
-//! and panic when one breaks, which is what a fuzzer looks for.
+//! stable-Rust smoke test (`tests/fuzz_smoke.rs`): config files → loader, and
+//! raw request bytes → route and lane decision. Both check invariants and panic
+//! when one breaks, which is what a fuzzer looks for.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Component, Path};
 
 use http::{HeaderName, HeaderValue, Method, Request, Uri};
 
+use crate::base::decision::Decision;
 use crate::config::{parse_yaml, valid_lane, ConfigError, MainConfig};
 use crate::generation::{Generation, Target};
-use crate::lane::{self, Decision};
-use crate::proxy::{check_limits, decide_sticky, resolve_request};
+use crate::lane::sticky::decide_on_route;
+use crate::proxy::resolve::{check_limits, resolve_request};
 
 /// Separates the files inside one fuzz input.
 pub const FILE_SEPARATOR: &[u8] = b"\n%%%%\n";
@@ -97,8 +99,10 @@ pub fn request_decision(gen: &Generation, data: &[u8]) -> Option<Decision> {
         };
         req.headers_mut().append(n, v);
     }
-    if let Some(r) = check_limits(&req, &gen.config.client) {
-        assert!(r.status().is_client_error());
+    if let Some(kind) = check_limits(&req, &gen.config.client) {
+        assert!(crate::base::error::Error::new(kind)
+            .status()
+            .is_client_error());
         return None;
     }
     let peer = IpAddr::V4(if sel & 1 == 1 {
@@ -110,23 +114,17 @@ pub fn request_decision(gen: &Generation, data: &[u8]) -> Option<Decision> {
     let (info, _) = resolve_request(parts, peer, &gen.trusted);
     let peer_trusted = sel & 2 == 2;
     let route = gen.route(&info.host, info.parts.uri.path())?;
-    let (info, decision) = match gen.sticky.as_ref().filter(|_| route.sticky) {
-        Some(st) => {
-            let (i, d, cookie) = decide_sticky(gen, st, info, peer_trusted);
-            if let Some(c) = cookie {
-                assert!(c.to_str().is_ok());
-            }
-            (i, d)
-        }
-        None => lane::decide(gen, info, peer_trusted),
-    };
+    let (info, decision, cookie) = decide_on_route(&gen.lane, route.sticky, info, peer_trusted);
+    if let Some(c) = cookie {
+        assert!(c.to_str().is_ok());
+    }
     // The lane always becomes a valid header value.
     assert!(valid_lane(&decision.lane), "{:?}", decision.lane);
     HeaderValue::from_str(&decision.lane).expect("lane is header-safe");
     match &route.target {
         Target::Service(name) => {
             if let Some(svc) = gen.services.get(&**name) {
-                if let Ok(c) = svc.choose(&decision.lane, crate::health::now_ms()) {
+                if let Ok(c) = svc.choose(&decision.lane, crate::base::clock::now_ms()) {
                     // Never another gray lane.
                     let set_lane = &c.set.nodes[0].lane;
                     assert!(**set_lane == *decision.lane || &**set_lane == crate::config::FORMAL);

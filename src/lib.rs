@@ -1,31 +1,34 @@
 //! graygate: a lane-routing edge gateway for gray (canary) releases.
 //!
-//! The request journey: [`config`] files are loaded into an immutable
-//! [`generation::Generation`]; [`lane`] decides each request's lane (trusted
-//! tag, Lua script); [`nodes`] picks a node of that lane (or formal);
-//! [`proxy`] forwards it, or [`static_files`] serves the lane's asset;
-//! [`reload`] swaps generations on file change; [`metrics`] and
-//! [`access_log`] record each request; [`admin`] reports and controls.
+//! The layers, each importing only from those below it (a test,
+//! `tests/layering.rs`, keeps it so):
+//!
+//! ```text
+//!  demo, fuzz_entry          tools for the shipped example and the fuzzers
+//!  admin                     admin API, dashboard           ┐
+//!  control                   build → swap, reload, edits    ┘ control plane
+//!  server                    listeners, client connections  ┐
+//!  proxy                     the request phases             │
+//!  generation                the immutable snapshot         │ data plane
+//!  lane · nodes              lane decision · node choice    │
+//!  upstream · static_files   node exchange · lane assets    ┘
+//!  observe                   metrics, access log, node counters
+//!  base                      body, clock, decision, error, lists
+//!  config                    YAML types, file:line errors
+//! ```
 #![forbid(unsafe_code)]
 
-pub mod access_log;
 pub mod admin;
-pub mod client_conn;
+pub mod base;
 pub mod config;
+pub mod control;
 pub mod demo;
 pub mod fuzz_entry;
-pub mod gateway;
 pub mod generation;
-pub mod health;
 pub mod lane;
-pub mod lists;
-pub mod metrics;
-pub mod node_edit;
 pub mod nodes;
+pub mod observe;
 pub mod proxy;
-pub mod reload;
-pub mod rule_edit;
+pub mod server;
 pub mod static_files;
-pub mod sticky;
-pub mod upbody;
 pub mod upstream;

@@ -1,4 +1,5 @@
-//! `graygate --config FILE` runs the gateway; `--check` validates and exits.
+//! Layer: the binary (top). `graygate --config FILE` runs the gateway;
+//! `--check` validates and exits.
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
@@ -7,7 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use graygate::{admin, demo, gateway::Gateway, generation::Generation, reload};
+use graygate::control::{reload, Gateway};
+use graygate::generation::Generation;
+use graygate::server::Server;
+use graygate::{admin, demo};
 
 // mimalloc: faster small allocations and lower fragmentation than glibc's
 // malloc for a proxy's many short-lived buffers (see README, Design).
@@ -89,11 +93,11 @@ fn main() -> ExitCode {
 
 async fn run(gw: Arc<Gateway>, workers: usize) -> ExitCode {
     let gen = gw.current();
-    if let Err(e) = demo::spawn(&gen.config.demo_nodes, gen.tag_header.clone()).await {
+    if let Err(e) = demo::spawn(&gen.config.demo_nodes, gen.lane.tag_header.clone()).await {
         eprintln!("cannot start demo nodes: {e}");
         return ExitCode::FAILURE;
     }
-    let listeners = match Gateway::bind_listeners(gen.config.listen, workers) {
+    let listeners = match Server::bind_listeners(gen.config.listen, workers) {
         Ok(l) => l,
         Err(e) => {
             eprintln!("cannot listen on {}: {e}", gen.config.listen);
@@ -127,12 +131,12 @@ async fn run(gw: Arc<Gateway>, workers: usize) -> ExitCode {
             tracing::error!(error = %e, "file watcher failed; reload with SIGHUP only");
         }
     });
-    if let Err(e) = gw.spawn_workers(listeners) {
+    if let Err(e) = gw.server.spawn_workers(listeners) {
         eprintln!("cannot start workers: {e}");
         return ExitCode::FAILURE;
     }
     // Active health checks run on this control-plane runtime.
-    gw.health.sync(&gen, &gw.client);
+    gw.sync_health(&gen);
     tracing::info!(%addr, workers, generation = gen.id, "graygate listening");
     drop(gen);
     shutdown_signal().await;

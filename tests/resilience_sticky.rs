@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use graygate::sticky::{unix_now, Sticky};
+use graygate::lane::sticky::{unix_now, Sticky};
 
 const KEY: &str = "test-sticky-key-0123456789";
 

@@ -1,9 +1,10 @@
-//! Admin authentication. The token comes from `GRAYGATE_ADMIN_TOKEN` or the
-//! config's `admin_token`. With a token set, every admin request must carry
-//! it — `Authorization: Bearer <token>`, or HTTP Basic with the token as the
-//! password (so a browser can open the dashboard) — compared in constant
-//! time; otherwise 401. A non-loopback admin listener without a token is
-//! refused at start-up, and denies everything should a reload drop it.
+//! Layer: admin. Admin authentication. The token comes from
+//! `GRAYGATE_ADMIN_TOKEN` or the config's `admin_token`. With a token set,
+//! every admin request must carry it — `Authorization: Bearer <token>`, or HTTP
+//! Basic with the token as the password (so a browser can open the dashboard) —
+//! compared in constant time; otherwise 401. A non-loopback admin listener
+//! without a token is refused at start-up, and denies everything should a
+//! reload drop it.
 
 use std::net::SocketAddr;
 
@@ -11,9 +12,9 @@ use base64::Engine;
 use http::{header, HeaderMap, HeaderValue, Response, StatusCode};
 use subtle::ConstantTimeEq;
 
+use crate::base::body::{plain, Body};
 use crate::config::MainConfig;
-use crate::gateway::Gateway;
-use crate::proxy::{plain, Body};
+use crate::control::Gateway;
 
 /// The environment variable holding the admin token.
 pub const TOKEN_ENV: &str = "GRAYGATE_ADMIN_TOKEN";

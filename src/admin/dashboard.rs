@@ -1,14 +1,15 @@
-//! The live dashboard: one HTML page with plain JS and CSS embedded in the
-//! binary (no build step). The page polls `/stats`, `/nodes`, `/status` and
-//! `/config` every two seconds and posts its explain form to `/explain`.
+//! Layer: admin. The live dashboard: one HTML page with plain JS and CSS
+//! embedded in the binary (no build step). The page polls `/stats`, `/nodes`,
+//! `/status` and `/config` every two seconds and posts its explain form to
+//! `/explain`.
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Response};
 use http_body_util::Full;
 
-use crate::gateway::Gateway;
+use crate::base::body::{boxed, Body};
+use crate::control::Gateway;
 use crate::generation::Target;
-use crate::proxy::{boxed, Body};
 
 const PAGE: &str = include_str!("assets/dashboard.html");
 const SCRIPT: &str = include_str!("assets/dashboard.js");
@@ -52,7 +53,7 @@ pub fn config_doc(gw: &Gateway) -> serde_json::Value {
             serde_json::json!({"host": r.host, "prefix": r.prefix, "target": target})
         })
         .collect();
-    let script = gen.script.as_ref().map(|s| {
+    let script = gen.lane.script.as_ref().map(|s| {
         serde_json::json!({
             "path": s.path,
             "source": s.source,
@@ -64,7 +65,7 @@ pub fn config_doc(gw: &Gateway) -> serde_json::Value {
     serde_json::json!({
         "generation": gen.id,
         "config_path": gen.config_path,
-        "tag_header": gen.tag_header.as_str(),
+        "tag_header": gen.lane.tag_header.as_str(),
         "routes": routes,
         "lists": gen.config.lists,
         "node_files": gen.config.node_files,

@@ -1,8 +1,9 @@
-//! `/explain`: a dry run of the request path for a described request — the
-//! route, the lane and what decided it, the candidate nodes, the node that
-//! would be chosen next and any fallback. It calls the same `lane::decide`
-//! and candidate choice as real traffic, but only `peek`s the round-robin
-//! state and records no metric or node counter.
+//! Layer: admin (control plane, top; may use everything below). `/explain`: a
+//! dry run of the request path for a described request — the route, the lane
+//! and what decided it, the candidate nodes, the node that would be chosen next
+//! and any fallback. It calls the same `lane::decide` and candidate choice as
+//! real traffic, but only `peek`s the round-robin state and records no metric
+//! or node counter.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -10,12 +11,14 @@ use std::net::IpAddr;
 use http::{Request, Response, StatusCode};
 use serde::Deserialize;
 
+use crate::base::body::Body;
+use crate::base::decision::DecidedBy;
 use crate::config::FORMAL;
-use crate::gateway::Gateway;
+use crate::control::Gateway;
 use crate::generation::Target;
-use crate::lane::{self, DecidedBy};
+use crate::lane::sticky::decide_on_route;
 use crate::nodes::NoCandidates;
-use crate::proxy::{decide_sticky, resolve_request, Body};
+use crate::proxy::resolve::resolve_request;
 
 use super::{json, text};
 
@@ -137,14 +140,7 @@ pub fn run(gw: &Gateway, q: Query) -> Response<Body> {
         return json(out);
     };
     // Sticky routes: a valid lane cookie wins, exactly as for real traffic.
-    let sticky = gen.sticky.as_ref().filter(|_| route.sticky);
-    let (info, decision, set_cookie) = match sticky {
-        Some(st) => decide_sticky(&gen, st, info, peer_trusted),
-        None => {
-            let (i, d) = lane::decide(&gen, info, peer_trusted);
-            (i, d, None)
-        }
-    };
+    let (info, decision, set_cookie) = decide_on_route(&gen.lane, route.sticky, info, peer_trusted);
     out["sticky_cookie_set"] = set_cookie.is_some().into();
     out["route"] = serde_json::json!({"host": route.host, "prefix": route.prefix});
     out["lane"] = decision.lane.clone().into();
@@ -157,7 +153,7 @@ pub fn run(gw: &Gateway, q: Query) -> Response<Body> {
     match &route.target {
         Target::Service(name) => {
             out["target"] = serde_json::json!({"service": name});
-            let now = crate::health::now_ms();
+            let now = crate::base::clock::now_ms();
             let picked = gen
                 .services
                 .get(&**name)

@@ -1,8 +1,8 @@
-//! `/nodes`: every service's nodes with lane, weight, drain, health and
-//! live counters; and node management — `POST /nodes/{service}` adds,
-//! `PATCH /nodes/{service}/{node}` changes lane/weight/drain,
-//! `POST /nodes/{service}/{node}/drain|undrain`, `DELETE …/{node}` removes.
-//! Changes are written back to the node file (see [`crate::node_edit`]) and
+//! Layer: admin. `/nodes`: every service's nodes with lane, weight, drain,
+//! health and live counters; and node management — `POST /nodes/{service}`
+//! adds, `PATCH /nodes/{service}/{node}` changes lane/weight/drain, `POST
+//! /nodes/{service}/{node}/drain|undrain`, `DELETE …/{node}` removes. Changes
+//! are written back to the node file (see [`crate::control::node_edit`]) and
 //! applied through [`Gateway::reload`].
 
 use std::net::SocketAddr;
@@ -12,10 +12,10 @@ use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde::Deserialize;
 
+use crate::base::body::Body;
 use crate::config::{valid_lane, NodeConfig, FORMAL};
-use crate::gateway::Gateway;
-use crate::node_edit::{self, EditError, NodeChange};
-use crate::proxy::Body;
+use crate::control::node_edit::{self, EditError, NodeChange};
+use crate::control::Gateway;
 
 use super::{json, read_json, text};
 
@@ -24,7 +24,7 @@ use super::{json, read_json, text};
 /// active check holds it down, `unknown` when the registry has no entry
 /// (e.g. a draining or weight-0 node, which takes no traffic).
 pub fn health(gw: &Gateway, service: &str, addr: SocketAddr) -> &'static str {
-    match gw.health.node(service, addr) {
+    match gw.plane.health.node(service, addr) {
         Some(h) if h.view().available => "healthy",
         Some(_) => "unhealthy",
         None => "unknown",
@@ -32,7 +32,7 @@ pub fn health(gw: &Gateway, service: &str, addr: SocketAddr) -> &'static str {
 }
 
 fn health_detail(gw: &Gateway, service: &str, addr: SocketAddr) -> serde_json::Value {
-    match gw.health.node(service, addr) {
+    match gw.plane.health.node(service, addr) {
         Some(h) => {
             let v = h.view();
             serde_json::json!({
@@ -59,6 +59,7 @@ pub fn list(gw: &Gateway) -> serde_json::Value {
                 .iter()
                 .map(|n| {
                     let (in_flight, requests, errors) = gw
+                        .plane
                         .node_stats
                         .find(&s.name, n.addr)
                         .map_or((0, 0, 0), |c| c.snapshot());
@@ -85,7 +86,7 @@ pub fn list(gw: &Gateway) -> serde_json::Value {
 
 /// Sets the node gauges (health, in-flight, weight) before a scrape.
 pub fn refresh_gauges(gw: &Gateway) {
-    let m = &gw.metrics;
+    let m = &gw.plane.metrics;
     m.node_health.reset();
     m.node_in_flight.reset();
     m.node_weight.reset();
@@ -100,6 +101,7 @@ pub fn refresh_gauges(gw: &Gateway) {
                     .set(i64::from(state == h));
             }
             let in_flight = gw
+                .plane
                 .node_stats
                 .find(&s.name, n.addr)
                 .map_or(0, |c| c.snapshot().0);

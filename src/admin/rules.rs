@@ -1,8 +1,8 @@
-//! `/rules`: the declarative rules as configured (switch, rules with lane
-//! and percentage, deny names, fallback), and their management —
-//! `PATCH /rules {"enabled": bool}` and `PATCH /rules/{name}
-//! {"percentage": 0..100}` — written back to the rule file (see
-//! [`crate::rule_edit`]) and applied through [`Gateway::reload`].
+//! Layer: admin. `/rules`: the declarative rules as configured (switch, rules
+//! with lane and percentage, deny names, fallback), and their management —
+//! `PATCH /rules {"enabled": bool}` and `PATCH /rules/{name} {"percentage":
+//! 0..100}` — written back to the rule file (see [`crate::control::rule_edit`])
+//! and applied through [`Gateway::reload`].
 
 use std::sync::Arc;
 
@@ -10,12 +10,12 @@ use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde::Deserialize;
 
+use crate::base::body::Body;
+use crate::config::rules::RulesConfig;
 use crate::config::{parse_yaml, FORMAL};
-use crate::gateway::Gateway;
-use crate::lane::rules::RulesConfig;
-use crate::node_edit::{self, EditError};
-use crate::proxy::Body;
-use crate::rule_edit::{self, RuleChange};
+use crate::control::node_edit::{self, EditError};
+use crate::control::rule_edit::{self, RuleChange};
+use crate::control::Gateway;
 
 use super::{json, read_json, text};
 
@@ -114,7 +114,7 @@ async fn edit(gw: &Arc<Gateway>, change: RuleChange) -> Result<serde_json::Value
         let path = rule_edit::rules_file(&gen.config_path, &gen.config)?;
         let text = rule_edit::read(&path)?;
         let new_text = rule_edit::apply(&path, &text, &change)?;
-        rule_edit::validate(&path, &new_text, &gen.lists)?;
+        rule_edit::validate(&path, &new_text, &gen.lane.lists)?;
         let generation = node_edit::commit(&gw2, &path, &new_text)?;
         tracing::info!(file = %path.display(), change = ?change, "rule file changed through the admin API");
         Ok(serde_json::json!({

@@ -1,25 +1,30 @@
-//! Lane decision: request → lane. A tag from a trusted proxy is honoured;
-//! otherwise deny rules, then the declarative rules, then the Lua script
-//! (which sees the rule verdict and may keep or override it) decide;
-//! anything missing, invalid or failing means `formal`. The outcome is a
-//! [`Decision`] that the proxy, logs, metrics and the explain endpoint read.
+//! Layer: lane decision (data plane, beside nodes; uses base and config).
+//! Request → lane. A tag from a trusted proxy is honoured; otherwise deny
+//! rules, then the declarative rules, then the Lua script (which sees the rule
+//! verdict and may keep or override it) decide; anything missing, invalid or
+//! failing means `formal`. The outcome is a [`Decision`] that the proxy, logs,
+//! metrics and the explain endpoint read.
 
 pub mod ngx;
 pub mod rules;
 pub mod script;
 pub mod shared_dict;
+pub mod sticky;
 
 use std::borrow::Cow;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use http::request::Parts;
 use http::HeaderValue;
 
+use std::collections::{BTreeMap, BTreeSet};
+
+use http::HeaderName;
+
+use crate::base::lists::IpList;
 use crate::config::{valid_lane, FORMAL};
-use crate::generation::Generation;
 
 /// What a lane decision reads: the request head plus the resolved client.
 #[derive(Debug)]
@@ -64,90 +69,28 @@ pub fn cookie_value<'a>(headers: &'a http::HeaderMap, name: &str) -> Option<&'a 
         .map(|(_, v)| v.trim_matches('"'))
 }
 
-/// Who decided a request's lane.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DecidedBy {
-    /// No script configured (or it returned nil): the baseline.
-    Default,
-    /// The Lua script returned the lane (nil counts as formal).
-    Script,
-    /// A trusted proxy sent the tag header.
-    TrustedTag,
-    /// The script failed; the request went formal.
-    ScriptError(String),
-    /// The script (or tag) produced an unusable lane name; formal.
-    InvalidLane(String),
-    /// A deny rule (named) matched: formal, whatever else would match.
-    Deny(Arc<str>),
-    /// A declarative rule (named) matched and the script kept its lane.
-    Rule(Arc<str>),
-    /// Rules are enabled but none matched: their `fallback` lane.
-    RuleFallback,
-    /// A valid signed sticky cookie kept the lane of an earlier decision.
-    StickyCookie,
-}
+pub use crate::base::decision::{DecidedBy, Decision};
 
-impl DecidedBy {
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            DecidedBy::Default => "default",
-            DecidedBy::Script => "script",
-            DecidedBy::TrustedTag => "trusted_tag",
-            DecidedBy::ScriptError(_) => "script_error",
-            DecidedBy::InvalidLane(_) => "invalid_lane",
-            DecidedBy::StickyCookie => "sticky_cookie",
-            DecidedBy::Deny(_) => "deny",
-            DecidedBy::Rule(_) => "rule",
-            DecidedBy::RuleFallback => "rule_fallback",
-        }
-    }
-
-    /// The deny or rule name, when a named rule decided.
-    pub fn rule_name(&self) -> Option<&str> {
-        match self {
-            DecidedBy::Deny(n) | DecidedBy::Rule(n) => Some(n),
-            _ => None,
-        }
-    }
-}
-
-/// Everything known about how one request was routed.
-#[derive(Debug, Clone)]
-pub struct Decision {
-    pub lane: String,
-    pub decided_by: DecidedBy,
-    /// Prefix of the matched route.
-    pub route: Option<Arc<str>>,
-    /// Service name (API routes).
-    pub service: Option<Arc<str>>,
-    /// Lane of the candidate set used (differs from `lane` on fallback).
-    pub served_lane: Option<Arc<str>>,
-    /// Number of candidate nodes.
-    pub candidates: usize,
-    /// Name of the chosen node, or the static file served.
-    pub node: Option<Arc<str>>,
-    /// Why the request did not go to its own lane.
-    pub fallback: Option<&'static str>,
-}
-
-impl Decision {
-    pub fn new(lane: impl Into<String>, decided_by: DecidedBy) -> Decision {
-        Decision {
-            lane: lane.into(),
-            decided_by,
-            route: None,
-            service: None,
-            served_lane: None,
-            candidates: 0,
-            node: None,
-            fallback: None,
-        }
-    }
+/// Everything the lane decision reads from a generation.
+#[derive(Debug)]
+pub struct LanePolicy {
+    /// Header carrying the lane upstream (and, from trusted proxies, in).
+    pub tag_header: HeaderName,
+    /// Named IP lists (`graygate.in_list`, rule conditions).
+    pub lists: Arc<BTreeMap<String, IpList>>,
+    /// Declarative gray rules (inline or from `rules_file`).
+    pub rules: Option<rules::Rules>,
+    pub script: Option<script::ScriptSource>,
+    /// The sticky-cookie signer, when configured.
+    pub sticky: Option<sticky::Sticky>,
+    /// Lanes some node or static tree serves (a sticky cookie naming any
+    /// other lane is ignored).
+    pub served_lanes: BTreeSet<String>,
 }
 
 /// Decides the lane of `req` under `gen`. `peer_trusted` says whether the
 /// direct peer is a trusted proxy (whose tag header is honoured).
-pub fn decide(gen: &Generation, req: RequestInfo, peer_trusted: bool) -> (RequestInfo, Decision) {
+pub fn decide(gen: &LanePolicy, req: RequestInfo, peer_trusted: bool) -> (RequestInfo, Decision) {
     if peer_trusted {
         if let Some(v) = req.parts.headers.get(&gen.tag_header) {
             let tag = v.to_str().unwrap_or("");
@@ -235,21 +178,7 @@ static INVALID_LOG: AtomicU64 = AtomicU64::new(0);
 static BUDGET_LOG: AtomicU64 = AtomicU64::new(0);
 static MEMORY_LOG: AtomicU64 = AtomicU64::new(0);
 
-/// Runs `log` at most once per second per `slot` (a last-logged timestamp),
-/// so a failing script cannot flood the log.
-pub fn log_limited(slot: &AtomicU64, log: impl FnOnce()) {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let last = slot.load(Ordering::Relaxed);
-    if now > last
-        && slot
-            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-            .is_ok()
-    {
-        log();
-    }
-}
+use crate::base::ratelog::log_limited;
 
 /// MurmurHash3 x86 32-bit, seed 0.
 pub fn murmur3(data: &[u8]) -> u32 {

@@ -1,8 +1,8 @@
-//! The OpenResty-compatible subset scripts see: `ngx.var.*`, `ngx.req.*`,
-//! `ngx.log`, `ngx.crc32_*`, `ngx.md5`, `ngx.time/now`, `ngx.shared.<dict>`
-//! and LuaJIT's `bit` library. Everything reads the request being decided
-//! through the script module's thread-local slot, lazily: nothing is built
-//! per request unless the script asks for it (e.g. `get_headers()`).
+//! Layer: lane. The OpenResty-compatible subset scripts see: `ngx.var.*`,
+//! `ngx.req.*`, `ngx.log`, `ngx.crc32_*`, `ngx.md5`, `ngx.time/now`,
+//! `ngx.shared.<dict>` and LuaJIT's `bit` library. Everything reads the request
+//! being decided through the script module's thread-local slot, lazily: nothing
+//! is built per request unless the script asks for it (e.g. `get_headers()`).
 //! Semantics follow nginx/lua-nginx-module (see the README's "OpenResty
 //! compatibility" section for the exact subset).
 

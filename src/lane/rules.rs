@@ -1,9 +1,9 @@
-//! Declarative gray rules (the form Nacos-based gray systems and
+//! Layer: lane. Declarative gray rules (the form Nacos-based gray systems and
 //! ABTestingGateway use): an `enabled` switch, `deny` rules checked first,
 //! ordered `rules` (first match wins, every condition must hold) and a
-//! `fallback` lane. Parsed from YAML, validated with `file:line`, compiled
-//! once per generation into matchers that allocate nothing on the hot path
-//! (except a percentage keyed on the client IP).
+//! `fallback` lane. Parsed from YAML, validated with `file:line`, compiled once
+//! per generation into matchers that allocate nothing on the hot path (except a
+//! percentage keyed on the client IP).
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -11,152 +11,14 @@ use std::sync::Arc;
 
 use http::HeaderName;
 use ipnet::IpNet;
-use serde::Deserialize;
 
 use super::RequestInfo;
+use crate::base::lists::IpList;
 use crate::config::{find_line, valid_lane, ConfigError, FORMAL};
-use crate::lists::IpList;
 
-// ---------------------------------------------------------------- YAML
-
-/// A rule file (or the inline `rules:` block of the main config).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RulesConfig {
-    /// Master switch: `false` skips deny, rules and fallback alike.
-    #[serde(default = "yes")]
-    pub enabled: bool,
-    /// Where the uid comes from (header, cookie or query argument).
-    #[serde(default)]
-    pub uid: Option<SourceConfig>,
-    /// Checked first; a match sends the request to formal, final.
-    #[serde(default)]
-    pub deny: Vec<RuleConfig>,
-    /// Ordered; the first rule whose conditions all hold decides.
-    #[serde(default)]
-    pub rules: Vec<RuleConfig>,
-    /// Lane when no rule matches (default formal).
-    #[serde(default)]
-    pub fallback: Option<String>,
-}
-
-fn yes() -> bool {
-    true
-}
-
-/// Exactly one of `header`, `cookie`, `query` (and, for percentage keys
-/// only, `ip: true`).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SourceConfig {
-    #[serde(default)]
-    pub header: Option<String>,
-    #[serde(default)]
-    pub cookie: Option<String>,
-    #[serde(default)]
-    pub query: Option<String>,
-    #[serde(default)]
-    pub ip: bool,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
-pub enum OneOrMany<T> {
-    One(T),
-    Many(Vec<T>),
-}
-
-impl<T: Clone> OneOrMany<T> {
-    fn to_vec(&self) -> Vec<T> {
-        match self {
-            OneOrMany::One(t) => vec![t.clone()],
-            OneOrMany::Many(v) => v.clone(),
-        }
-    }
-}
-
-/// A YAML scalar taken as text (`42` and `"42"` alike).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
-pub enum Scalar {
-    Int(i64),
-    Text(String),
-}
-
-impl Scalar {
-    fn text(&self) -> String {
-        match self {
-            Scalar::Int(i) => i.to_string(),
-            Scalar::Text(s) => s.clone(),
-        }
-    }
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RuleConfig {
-    pub name: String,
-    /// Required for `rules`, absent for `deny`.
-    #[serde(default)]
-    pub lane: Option<String>,
-    #[serde(default)]
-    pub ip: Option<IpConfig>,
-    #[serde(default)]
-    pub header: Option<OneOrMany<MatchConfig>>,
-    #[serde(default)]
-    pub cookie: Option<OneOrMany<MatchConfig>>,
-    #[serde(default)]
-    pub query: Option<OneOrMany<MatchConfig>>,
-    #[serde(default)]
-    pub uid: Option<UidConfig>,
-    #[serde(default)]
-    pub path_prefix: Option<OneOrMany<String>>,
-    /// 0–100: the request matches when bucket(key) < percentage.
-    #[serde(default)]
-    pub percentage: Option<f64>,
-    /// Key of the percentage bucket (default: the uid source).
-    #[serde(default)]
-    pub key: Option<SourceConfig>,
-}
-
-/// CIDRs/addresses, or `{ list: name }` naming a configured IP list.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
-pub enum IpConfig {
-    Cidrs(Vec<String>),
-    List { list: String },
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct MatchConfig {
-    pub name: String,
-    #[serde(default)]
-    pub values: Option<Vec<Scalar>>,
-    #[serde(default)]
-    pub regex: Option<String>,
-}
-
-/// ABTestingGateway's uidappoint (`in`), uidrange (`ranges`) and
-/// uidsuffix (`suffix`); the condition holds when any given form matches.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct UidConfig {
-    #[serde(default, rename = "in")]
-    pub list: Vec<Scalar>,
-    #[serde(default)]
-    pub ranges: Vec<RangeConfig>,
-    #[serde(default)]
-    pub suffix: Vec<Scalar>,
-}
-
-/// `[lo, hi]` or `"lo-hi"`, inclusive.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
-pub enum RangeConfig {
-    Pair([u64; 2]),
-    Text(String),
-}
+use crate::config::rules::{
+    IpConfig, MatchConfig, OneOrMany, RangeConfig, RuleConfig, RulesConfig, Scalar, SourceConfig,
+};
 
 // ---------------------------------------------------------------- compiled
 

@@ -1,10 +1,10 @@
-//! The Lua lane script: loading (with the modules it requires, so a reload
-//! validates and watches them all), a sandboxed VM per worker thread rebuilt
-//! lazily when the generation changes, and the synchronous lane call.
+//! Layer: lane. The Lua lane script: loading (with the modules it requires, so
+//! a reload validates and watches them all), a sandboxed VM per worker thread
+//! rebuilt lazily when the generation changes, and the synchronous lane call.
 //!
-//! Request data reaches Lua lazily: a single `req` userdata per VM whose
-//! fields and methods read the request currently being decided from a
-//! thread-local slot; nothing is copied into Lua tables per request.
+//! Request data reaches Lua lazily: a single `req` userdata per VM whose fields
+//! and methods read the request currently being decided from a thread-local
+//! slot; nothing is copied into Lua tables per request.
 
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
@@ -19,17 +19,13 @@ use mlua::{Function, HookTriggers, Lua, LuaOptions, MultiValue, StdLib, Table, V
 
 use super::shared_dict::SharedDict;
 use super::RequestInfo;
+use crate::base::lists::IpList;
 use crate::config::{find_line, ConfigError};
-use crate::lists::IpList;
 
-/// Instructions a single lane call may run before it is stopped: about
-/// 1 ms of work (the `script/runaway` benchmark measures it).
-pub const DEFAULT_INSTRUCTION_BUDGET: u64 = 300_000;
+use crate::config::{DEFAULT_INSTRUCTION_BUDGET, DEFAULT_MEMORY_LIMIT};
 /// The script's top level (run once per load) may run this many budgets,
 /// so building big tables at load time is fine.
 const TOP_LEVEL_BUDGETS: i64 = 100;
-/// Memory a script VM may allocate.
-pub const DEFAULT_MEMORY_LIMIT: usize = 64 * 1024 * 1024;
 const HOOK_EVERY: u32 = 1_000;
 
 /// The script and every module it requires, read from disk at load time.
@@ -147,9 +143,9 @@ fn module_path(dir: &Path, name: &str) -> Option<PathBuf> {
     ok.then(|| dir.join(format!("{}.lua", name.replace('.', "/"))))
 }
 
-/// Converts an mlua error into a located config error, pulling `file:line`
+/// Converts an mlua error into a located message, pulling `file:line`
 /// out of Lua's own message when it carries one.
-fn lua_error(default_file: &Path, err: &mlua::Error) -> ConfigError {
+fn lua_error(default_file: &Path, err: &mlua::Error) -> Located {
     let msg = err.to_string();
     let first = msg.lines().next().unwrap_or("").trim();
     // Lua messages look like "path/to/file.lua:12: message" (possibly after
@@ -160,11 +156,11 @@ fn lua_error(default_file: &Path, err: &mlua::Error) -> ConfigError {
     if let Some((file, rest)) = body.split_once(".lua:") {
         if let Some((line, message)) = rest.split_once(':') {
             if let Ok(n) = line.parse::<usize>() {
-                return ConfigError::new(format!("{file}.lua"), Some(n), message.trim());
+                return Located::new(format!("{file}.lua"), Some(n), message.trim());
             }
         }
     }
-    ConfigError::new(default_file, None, first)
+    Located::new(default_file, None, first)
 }
 
 /// The rule verdict handed to the script (`req.rule_lane`, `req.rule_name`).
@@ -338,7 +334,7 @@ impl ScriptVm {
         lists: Arc<BTreeMap<String, IpList>>,
     ) -> Result<ScriptVm, ConfigError> {
         let file = &src.path;
-        let le = |e: mlua::Error| lua_error(file, &e);
+        let le = |e: mlua::Error| ConfigError::from(lua_error(file, &e));
         let lua = Lua::new_with(
             StdLib::STRING | StdLib::TABLE | StdLib::MATH | StdLib::UTF8 | StdLib::COROUTINE,
             LuaOptions::new(),
@@ -489,7 +485,7 @@ impl ScriptVm {
             .set_mode(mlua::chunk::ChunkMode::Text)
             .set_environment(env.clone())
             .call(())
-            .map_err(|e| classify(&guard, file, &e, None).1)?;
+            .map_err(|e| ConfigError::from(classify(&guard, file, &e, None).1))?;
         let lane_fn =
             match top.into_iter().next() {
                 Some(Value::Function(f)) => f,
@@ -614,7 +610,7 @@ fn classify(
     file: &Path,
     err: &mlua::Error,
     lane_fn: Option<&Function>,
-) -> (Option<Limit>, ConfigError) {
+) -> (Option<Limit>, Located) {
     if guard.killed.get() {
         let at = guard.killed_at.borrow().clone();
         return (
@@ -654,15 +650,50 @@ fn is_memory_error(err: &mlua::Error) -> bool {
     }
 }
 
-fn located(at: &str, default_file: &Path, message: &str) -> ConfigError {
+fn located(at: &str, default_file: &Path, message: &str) -> Located {
     if let Some((file, line)) = at.rsplit_once(':') {
         if let Ok(n) = line.parse::<usize>() {
             if !file.is_empty() {
-                return ConfigError::new(file, Some(n), message);
+                return Located::new(file, Some(n), message);
             }
         }
     }
-    ConfigError::new(default_file, None, message)
+    Located::new(default_file, None, message)
+}
+
+/// A message placed in a script file (and line, where known): the form of
+/// both load-time errors (turned into a [`ConfigError`]) and runtime
+/// failures (a [`ScriptError`] message), printed `file:line: message`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Located {
+    pub file: PathBuf,
+    pub line: Option<usize>,
+    pub message: String,
+}
+
+impl Located {
+    fn new(file: impl Into<PathBuf>, line: Option<usize>, message: impl Into<String>) -> Located {
+        Located {
+            file: file.into(),
+            line,
+            message: message.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Located {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.line {
+            Some(line) => write!(f, "{}:{}: {}", self.file.display(), line, self.message),
+            None => write!(f, "{}: {}", self.file.display(), self.message),
+        }
+    }
+}
+
+impl From<Located> for ConfigError {
+    fn from(l: Located) -> ConfigError {
+        ConfigError::new(l.file, l.line, l.message)
+    }
 }
 
 /// Error from one lane call, already formatted with the script location.

@@ -1,6 +1,6 @@
-//! `ngx.shared.<dict>`: process-wide key/value dictionaries declared in the
-//! config, shared by every worker thread's Lua VM and surviving reloads
-//! (they live in a registry outside the `Generation`, keyed by name).
+//! Layer: lane. `ngx.shared.<dict>`: process-wide key/value dictionaries
+//! declared in the config, shared by every worker thread's Lua VM and surviving
+//! reloads (they live in a registry outside the `Generation`, keyed by name).
 //! Each dictionary is bounded in bytes; when full, `set` evicts the least
 //! recently used items, as OpenResty's `lua_shared_dict` does.
 
@@ -305,17 +305,8 @@ pub fn dict(name: &str, capacity: usize) -> Arc<SharedDict> {
     }
 }
 
-/// Parses a size like `10m`, `512k`, `1g` or a plain byte count.
-pub fn parse_size(s: &str) -> Option<usize> {
-    let s = s.trim();
-    let (num, mult) = match s.char_indices().last()? {
-        (i, 'k' | 'K') => (&s[..i], 1024),
-        (i, 'm' | 'M') => (&s[..i], 1024 * 1024),
-        (i, 'g' | 'G') => (&s[..i], 1024 * 1024 * 1024),
-        _ => (s, 1),
-    };
-    num.trim().parse::<usize>().ok()?.checked_mul(mult)
-}
+#[cfg(test)]
+use crate::config::parse_size;
 
 #[cfg(test)]
 mod tests {

@@ -1,6 +1,7 @@
-//! Incremental decoder for `Transfer-Encoding: chunked` response bodies:
-//! fed from the connection's read buffer, it hands out chunk data without
-//! copying and drops chunk extensions and trailers (as nginx does).
+//! Layer: upstream. Incremental decoder for `Transfer-Encoding: chunked`
+//! response bodies: fed from the connection's read buffer, it hands out chunk
+//! data without copying and drops chunk extensions and trailers (as nginx
+//! does).
 
 use bytes::{Buf, Bytes, BytesMut};
 

@@ -1,16 +1,16 @@
-//! The fast path of the upstream client: one HTTP/1.1 exchange driven
-//! inline by the request's own task (like an nginx upstream), on a pooled
-//! connection that owns its read and write buffers. No connection task, no
-//! channel between the request and its connection: the request head and a
+//! Layer: upstream. The fast path of the upstream client: one HTTP/1.1 exchange
+//! driven inline by the request's own task (like an nginx upstream), on a
+//! pooled connection that owns its read and write buffers. No connection task,
+//! no channel between the request and its connection: the request head and a
 //! buffered body go out in one write, the response head is parsed with
 //! `httparse`, and the body is handed to the client side without copies
-//! (zero-copy slices of the read buffer), decoded from Content-Length,
-//! chunked or close-delimited framing. At its end the connection goes back
-//! to the thread's pool.
+//! (zero-copy slices of the read buffer), decoded from Content-Length, chunked
+//! or close-delimited framing. At its end the connection goes back to the
+//! thread's pool.
 //!
-//! Used for every request whose body is already in hand (empty or buffered)
-//! and that asks for no protocol upgrade; streamed bodies and upgrades take
-//! hyper's full-duplex client (`super`).
+//! Used for every request whose body is already in hand (empty or buffered) and
+//! that asks for no protocol upgrade; streamed bodies and upgrades take hyper's
+//! full-duplex client (`super`).
 
 use std::cell::RefCell;
 use std::future::Future;
@@ -28,9 +28,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::chunked::{Chunked, Step};
+use super::fields::{Added, HOP_BY_HOP};
 use super::pool::IdlePool;
-use super::{BoxError, UpstreamError};
-use crate::proxy::{Added, HOP_BY_HOP};
+use super::BoxError;
+use crate::base::error::{Error, ErrorKind};
 
 /// Most response header fields parsed (hyper's default too).
 const MAX_HEADERS: usize = 100;
@@ -98,11 +99,11 @@ fn checkin(addr: SocketAddr, conn: Box<Conn>, max_idle: usize) {
 }
 
 /// Connects a fresh upstream connection.
-pub async fn connect(addr: SocketAddr, timeout: Duration) -> Result<TcpStream, UpstreamError> {
+pub async fn connect(addr: SocketAddr, timeout: Duration) -> Result<TcpStream, Error> {
     let stream = tokio::time::timeout(timeout, TcpStream::connect(addr))
         .await
-        .map_err(|_| UpstreamError::Connect("timed out".into()))?
-        .map_err(|e| UpstreamError::Connect(e.to_string()))?;
+        .map_err(|_| Error::new(ErrorKind::Connect).with_source("timed out"))?
+        .map_err(|e| Error::new(ErrorKind::Connect).with_source(e))?;
     let _ = stream.set_nodelay(true);
     Ok(stream)
 }
@@ -160,14 +161,14 @@ struct Failed {
     /// Nothing at all came back (write error, or EOF/reset before any byte
     /// of a response): on a reused connection this is the idle-close race.
     nothing_back: bool,
-    error: String,
+    error: BoxError,
 }
 
 impl Failed {
     fn io(e: io::Error, nothing_back: bool) -> Failed {
         Failed {
             nothing_back,
-            error: e.to_string(),
+            error: e.into(),
         }
     }
 }
@@ -188,8 +189,8 @@ pub async fn request(
     addr: SocketAddr,
     req: Outgoing<'_>,
     s: &Settings,
-) -> Result<Response<RawBody>, UpstreamError> {
-    let idempotent = crate::proxy::idempotent(req.method);
+) -> Result<Response<RawBody>, Error> {
+    let idempotent = super::fields::idempotent(req.method);
     let head_request = *req.method == Method::HEAD;
     if let Some(mut conn) = checkout(addr, s.idle_timeout) {
         match exchange(&mut conn, addr, &req).await {
@@ -197,7 +198,7 @@ pub async fn request(
             Err((f, written)) if f.nothing_back && (!written || idempotent) => {
                 tracing::debug!(%addr, error = %f.error, "pooled upstream connection was closed; reconnecting");
             }
-            Err((f, _)) => return Err(UpstreamError::Exchange(f.error)),
+            Err((f, _)) => return Err(Error::new(ErrorKind::Exchange).with_source(f.error)),
         }
     }
     // Boxed once per connection: the response body (which owns the
@@ -211,7 +212,7 @@ pub async fn request(
     });
     match exchange(&mut conn, addr, &req).await {
         Ok(head) => finish(head, conn, addr, head_request, s.max_idle),
-        Err((f, _)) => Err(UpstreamError::Exchange(f.error)),
+        Err((f, _)) => Err(Error::new(ErrorKind::Exchange).with_source(f.error)),
     }
 }
 
@@ -296,14 +297,14 @@ fn parse_head(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Result<Option<Head>,
             Err(e) => {
                 return Err(Failed {
                     nothing_back: false,
-                    error: format!("invalid response head: {e}"),
+                    error: format!("invalid response head: {e}").into(),
                 })
             }
         };
         let code = resp.code.unwrap_or(0);
         let bad = |what: &str| Failed {
             nothing_back: false,
-            error: format!("invalid response head: {what}"),
+            error: format!("invalid response head: {what}").into(),
         };
         let status = StatusCode::from_u16(code).map_err(|_| bad("status"))?;
         if status.is_informational() {
@@ -448,11 +449,10 @@ fn finish(
     addr: SocketAddr,
     head_request: bool,
     max_idle: usize,
-) -> Result<Response<RawBody>, UpstreamError> {
-    let framing = head
-        .meta
-        .framing(head.status, head_request)
-        .map_err(|e| UpstreamError::Exchange(format!("invalid response head: {e}")))?;
+) -> Result<Response<RawBody>, Error> {
+    let framing = head.meta.framing(head.status, head_request).map_err(|e| {
+        Error::new(ErrorKind::Exchange).with_source(format!("invalid response head: {e}"))
+    })?;
     let keep_alive = !matches!(framing, Framing::UntilClose)
         && match head.version {
             Version::HTTP_10 => head.meta.keep_alive,

@@ -1,22 +1,24 @@
+//! Layer: upstream (data plane, below node choice; uses observe, base, config).
 //! Upstream HTTP/1.1 client with per-thread keep-alive pools (like nginx's
-//! per-worker upstream keepalive): no shared lock, no cross-thread wake-ups
-//! on the request path.
+//! per-worker upstream keepalive): no shared lock, no cross-thread wake-ups on
+//! the request path.
 //!
-//! Two engines: requests whose body is in hand (empty or buffered) and that
-//! ask for no upgrade take the inline exchange in [`h1`]; streamed bodies
-//! (full duplex) and upgrades take hyper's `client::conn::http1`.
+//! Two engines: requests whose body is in hand (empty or buffered) and that ask
+//! for no upgrade take the inline exchange in [`h1`]; streamed bodies (full
+//! duplex) and upgrades take hyper's `client::conn::http1`.
 //!
-//! A connection goes back to its thread's pool when the response body has
-//! been read to the end; one the upstream closed is dropped at checkout, and
-//! a request that an idle connection could not even start sending is retried
-//! once on a fresh connection (it never reached the upstream).
+//! A connection goes back to its thread's pool when the response body has been
+//! read to the end; one the upstream closed is dropped at checkout, and a
+//! request that an idle connection could not even start sending is retried once
+//! on a fresh connection (it never reached the upstream).
 
+pub mod body;
 mod chunked;
+pub mod fields;
 mod h1;
 mod pool;
 
 use std::cell::RefCell;
-use std::fmt;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -28,46 +30,18 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 
+pub use crate::base::body::BoxError;
+use crate::base::error::{Error, ErrorKind};
 use crate::config::UpstreamConfig;
-use crate::metrics::NodeTracker;
-use crate::proxy::Added;
-use crate::upbody::UpBody;
-
-/// Errors of response bodies.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use crate::observe::metrics::NodeTracker;
+use body::UpBody;
+use fields::Added;
 
 type Sender = SendRequest<UpBody>;
 
 thread_local! {
     static POOL: RefCell<pool::IdlePool<Sender>> = RefCell::new(pool::IdlePool::default());
 }
-
-/// Why an upstream exchange failed.
-#[derive(Debug)]
-pub enum UpstreamError {
-    /// Could not connect (refused, unreachable, connect timeout).
-    Connect(String),
-    /// Connected, but the exchange failed before a response head arrived.
-    Exchange(String),
-}
-
-impl UpstreamError {
-    /// True when no connection could be made: the request never left.
-    pub fn is_connect(&self) -> bool {
-        matches!(self, UpstreamError::Connect(_))
-    }
-}
-
-impl fmt::Display for UpstreamError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            UpstreamError::Connect(e) => write!(f, "connect: {e}"),
-            UpstreamError::Exchange(e) => write!(f, "exchange: {e}"),
-        }
-    }
-}
-
-impl std::error::Error for UpstreamError {}
 
 /// The client. Cheap to share; the pools live in thread-locals.
 #[derive(Debug, Clone)]
@@ -101,7 +75,7 @@ impl Upstream {
         addr: SocketAddr,
         req: Request<UpBody>,
         added: &Added,
-    ) -> Result<Response<PooledBody>, UpstreamError> {
+    ) -> Result<Response<PooledBody>, Error> {
         if !req.headers().contains_key(http::header::UPGRADE) {
             let (parts, body) = req.into_parts();
             let body = match body {
@@ -134,7 +108,7 @@ impl Upstream {
         &self,
         addr: SocketAddr,
         req: Request<UpBody>,
-    ) -> Result<Response<PooledBody>, UpstreamError> {
+    ) -> Result<Response<PooledBody>, Error> {
         let mut req = req;
         // The target is origin-form: a client that sent no Host (HTTP/1.0)
         // gets the node's address, as on the inline path.
@@ -152,7 +126,7 @@ impl Upstream {
                 Err(mut e) => match e.take_message() {
                     // Never sent: safe to try another connection.
                     Some(r) => req = r,
-                    None => return Err(UpstreamError::Exchange(e.into_error().to_string())),
+                    None => return Err(Error::new(ErrorKind::Exchange).with_source(e.into_error())),
                 },
             }
         }
@@ -160,16 +134,16 @@ impl Upstream {
         let resp = sender
             .send_request(req)
             .await
-            .map_err(|e| UpstreamError::Exchange(e.to_string()))?;
+            .map_err(|e| Error::new(ErrorKind::Exchange).with_source(e))?;
         Ok(self.wrap(resp, sender, addr))
     }
 
-    async fn connect(&self, addr: SocketAddr) -> Result<Sender, UpstreamError> {
+    async fn connect(&self, addr: SocketAddr) -> Result<Sender, Error> {
         let stream = h1::connect(addr, self.connect_timeout).await?;
         let (sender, conn) = http1::Builder::new()
             .handshake(TokioIo::new(stream))
             .await
-            .map_err(|e| UpstreamError::Connect(e.to_string()))?;
+            .map_err(|e| Error::new(ErrorKind::Connect).with_source(e))?;
         tokio::spawn(async move {
             let _ = conn.with_upgrades().await;
         });

@@ -1,5 +1,5 @@
-//! The per-thread keep-alive pool both upstream engines keep their idle
-//! connections in, keyed by node address: newest first, with an idle
+//! Layer: upstream. The per-thread keep-alive pool both upstream engines keep
+//! their idle connections in, keyed by node address: newest first, with an idle
 //! timeout (on the coarse millisecond clock) and a per-node cap.
 
 use std::net::SocketAddr;
@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use rustc_hash::FxHashMap;
 
-use crate::health::now_ms;
+use crate::base::clock::now_ms;
 
 /// Idle connections of type `T` by node address. FxHash: an address is
 /// hashed twice per request (checkout and checkin), and SipHash's flooding

@@ -1,7 +1,7 @@
-//! Request bodies sent upstream, and what makes retries safe: an empty or
-//! small buffered body can be replayed on another node; a streamed body is
-//! handed back only if the upstream client never read from it (a connect
-//! failure), so a body that reached an upstream is never sent twice.
+//! Layer: upstream. Request bodies sent upstream, and what makes retries safe:
+//! an empty or small buffered body can be replayed on another node; a streamed
+//! body is handed back only if the upstream client never read from it (a
+//! connect failure), so a body that reached an upstream is never sent twice.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};

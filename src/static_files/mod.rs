@@ -1,3 +1,4 @@
+//! Layer: static files (data plane, beside upstream; uses base, config).
 //! Static-resource nodes: `root/<lane>/<path>` with per-file fallback to
 //! `root/formal/<path>`. File bodies, Range and If-Modified-Since come from
 //! hyper-staticfile; lane-aware resolution, traversal checks and lane-tagged
@@ -12,10 +13,18 @@ use http::{Method, Response, StatusCode};
 use hyper_staticfile::util::FileResponseBuilder;
 use hyper_staticfile::ResolvedFile;
 
+use crate::base::body::{boxed, plain, Body};
+use crate::base::decision::Decision;
 use crate::config::FORMAL;
-use crate::generation::StaticTree;
-use crate::lane::Decision;
-use crate::proxy::{boxed, plain, Body};
+
+/// A static tree: `root/<lane>/...` with per-file fallback to `root/formal/`.
+#[derive(Debug, Clone)]
+pub struct StaticTree {
+    /// Canonical root directory.
+    pub root: PathBuf,
+    pub index: String,
+    pub cache_control: String,
+}
 
 /// A file chosen for a request: where it is and which lane's tree held it.
 #[derive(Debug, PartialEq, Eq)]

@@ -1,6 +1,8 @@
-//! The admin listener: status, Prometheus metrics, nodes (listing and
-//! management written back to the node files), explain (a dry-run lane and
-//! node decision), traffic stats and the live dashboard. Every request
+//! Layer: admin — the top of the control plane; may use every layer below
+//! (control, and the data plane's generation, lane, nodes, proxy resolve phase
+//! for `/explain`). The admin listener: status, Prometheus metrics, nodes
+//! (listing and management written back to the node files), explain (a dry-run
+//! lane and node decision), traffic stats and the live dashboard. Every request
 //! passes [`auth`] first.
 
 pub mod auth;
@@ -8,7 +10,6 @@ pub mod dashboard;
 pub mod explain;
 pub mod nodes;
 pub mod rules;
-pub mod stats;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -22,8 +23,8 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 
-use crate::gateway::Gateway;
-use crate::proxy::{boxed, plain, Body};
+use crate::base::body::{boxed, plain, Body};
+use crate::control::Gateway;
 
 /// Largest admin request body accepted.
 const MAX_BODY: usize = 64 * 1024;
@@ -118,7 +119,7 @@ async fn route(gw: &Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
         (&Method::GET, ["status"]) => json(status(gw)),
         (&Method::GET, ["metrics"]) => {
             nodes::refresh_gauges(gw);
-            let mut r = Response::new(boxed(Full::new(Bytes::from(gw.metrics.encode()))));
+            let mut r = Response::new(boxed(Full::new(Bytes::from(gw.plane.metrics.encode()))));
             r.headers_mut().insert(
                 header::CONTENT_TYPE,
                 header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
@@ -157,7 +158,7 @@ async fn handle(
 pub async fn serve(gw: Arc<Gateway>, listener: TcpListener) {
     let local = listener.local_addr().map_or(true, |a| a.ip().is_loopback());
     let guard = Arc::new(auth::Guard::new(!local));
-    tokio::spawn(stats::sample_forever(gw.clone()));
+    tokio::spawn(crate::control::stats::sample_forever(gw.clone()));
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             continue;

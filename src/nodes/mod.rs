@@ -1,14 +1,18 @@
-//! API services and their nodes, grouped by lane, and the selection rule:
-//! healthy nodes of the request's lane, else formal nodes (never another
-//! gray lane), picked by smooth weighted round-robin (nginx's algorithm).
+//! Layer: node choice (data plane, above upstream; uses upstream for active
+//! probes, base, config). API services and their nodes, grouped by lane, and
+//! the selection rule: healthy nodes of the request's lane, else formal nodes
+//! (never another gray lane), picked by smooth weighted round-robin (nginx's
+//! algorithm).
+
+pub mod health;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use crate::config::{HealthConfig, NodeConfig, FORMAL};
-use crate::health::NodeHealth;
+use health::NodeHealth;
 
 /// One upstream node.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -317,60 +321,6 @@ impl Service {
     }
 }
 
-/// Live counters of one node. They live outside the [`Generation`]
-/// (keyed by service and address) so they survive reloads.
-///
-/// [`Generation`]: crate::generation::Generation
-#[derive(Debug, Default)]
-pub struct NodeCounters {
-    pub in_flight: AtomicI64,
-    pub requests: AtomicU64,
-    pub errors: AtomicU64,
-}
-
-impl NodeCounters {
-    pub fn snapshot(&self) -> (i64, u64, u64) {
-        (
-            self.in_flight.load(Ordering::Relaxed),
-            self.requests.load(Ordering::Relaxed),
-            self.errors.load(Ordering::Relaxed),
-        )
-    }
-}
-
-/// The counters of the services sharing one address.
-type ByService = Vec<(String, Arc<NodeCounters>)>;
-
-/// Every node's counters, by address then service.
-#[derive(Debug, Default)]
-pub struct NodeStats(RwLock<rustc_hash::FxHashMap<SocketAddr, ByService>>);
-
-impl NodeStats {
-    /// The counters of (`service`, `addr`), created on first use.
-    pub fn get(&self, service: &str, addr: SocketAddr) -> Arc<NodeCounters> {
-        if let Some(c) = self.find(service, addr) {
-            return c;
-        }
-        let mut m = self.0.write().unwrap_or_else(|e| e.into_inner());
-        let list = m.entry(addr).or_default();
-        if let Some((_, c)) = list.iter().find(|(s, _)| s == service) {
-            return c.clone();
-        }
-        let c = Arc::new(NodeCounters::default());
-        list.push((service.to_string(), c.clone()));
-        c
-    }
-
-    /// The counters of (`service`, `addr`) if it ever served a request.
-    pub fn find(&self, service: &str, addr: SocketAddr) -> Option<Arc<NodeCounters>> {
-        let m = self.0.read().unwrap_or_else(|e| e.into_inner());
-        m.get(&addr)?
-            .iter()
-            .find(|(s, _)| s == service)
-            .map(|(_, c)| c.clone())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -464,7 +414,7 @@ mod tests {
                 node("v", "v2", 1),
             ],
         );
-        let now = crate::health::now_ms();
+        let now = crate::base::clock::now_ms();
         let gray = &s.lanes["gray"];
         gray.health[0].failure("g1", &p);
         // One gray node down: the other takes every pick.
@@ -503,7 +453,7 @@ mod tests {
             ],
         );
         let set = &s.lanes[FORMAL];
-        let now = crate::health::now_ms();
+        let now = crate::base::clock::now_ms();
         let mut tried = Vec::new();
         while let Some(i) = set.pick_for(now, &tried, false) {
             tried.push(i);
@@ -516,7 +466,7 @@ mod tests {
     fn peek_shows_the_next_pick_without_moving() {
         let s = Service::new("s", vec![node("a", FORMAL, 2), node("b", FORMAL, 1)]);
         let set = &s.lanes[FORMAL];
-        let now = crate::health::now_ms();
+        let now = crate::base::clock::now_ms();
         for _ in 0..6 {
             let peeked = set.peek_for(now, false).unwrap();
             assert_eq!(set.peek_for(now, false), Some(peeked), "peek is stable");
@@ -542,16 +492,6 @@ mod tests {
         assert_eq!(s.all.len(), 2);
         let (set, _) = s.candidates(FORMAL).unwrap();
         assert!((0..4).all(|_| set.pick().unwrap().name.as_ref() == "f"));
-    }
-
-    #[test]
-    fn node_stats_survive_by_service_and_addr() {
-        let stats = NodeStats::default();
-        let a: SocketAddr = "127.0.0.1:1".parse().unwrap();
-        stats.get("s", a).requests.fetch_add(1, Ordering::Relaxed);
-        assert_eq!(stats.get("s", a).snapshot().1, 1);
-        assert_eq!(stats.get("t", a).snapshot().1, 0);
-        assert!(stats.find("u", a).is_none());
     }
 
     #[test]

@@ -1,7 +1,7 @@
-//! The access log: one line per request, text or JSON, written by a
-//! dedicated thread. Requests hand their line over a bounded channel and
-//! never wait: when the writer falls behind, lines are dropped and counted
-//! (`graygate_access_log_dropped_total`).
+//! Layer: observe (uses base, config). The access log: one line per request,
+//! text or JSON, written by a dedicated thread. Requests hand their line over a
+//! bounded channel and never wait: when the writer falls behind, lines are
+//! dropped and counted (`graygate_access_log_dropped_total`).
 
 use std::io::Write;
 use std::net::IpAddr;

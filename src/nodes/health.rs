@@ -1,32 +1,24 @@
-//! Node health that outlives generations: a registry keyed by (service,
-//! node address) holding passive state (consecutive failures, ejection with
-//! cool-down, trial re-admission) and active state (background HTTP probes
-//! that follow reloads). Selection in `nodes` reads it lock-free.
+//! Layer: nodes. Node health that outlives generations: a registry keyed by
+//! (service, node address) holding passive state (consecutive failures,
+//! ejection with cool-down, trial re-admission) and active state (background
+//! HTTP probes that follow reloads). Selection in `nodes` reads it lock-free.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Request};
 
+use super::Service;
 use crate::config::{ActiveHealth, PassiveHealth};
-use crate::generation::Generation;
-use crate::proxy::{UpBody, UpstreamClient};
+use crate::upstream::body::UpBody;
+use crate::upstream::fields::Added;
+use crate::upstream::Upstream;
 
-/// Milliseconds since the process's health clock started (never 0).
-///
-/// A coarse monotonic clock (`CLOCK_MONOTONIC_COARSE`, a few ms of
-/// resolution): it is read several times per request for health, node
-/// choice and connection activity, where milliseconds are plenty, and it
-/// costs a memory read instead of a timestamp-counter read.
-pub fn now_ms() -> u64 {
-    static EPOCH: OnceLock<coarsetime::Instant> = OnceLock::new();
-    let e = *EPOCH.get_or_init(coarsetime::Instant::now);
-    coarsetime::Instant::now().duration_since(e).as_millis() + 1
-}
+use crate::base::clock::now_ms;
 
 /// The health of one node. All fields are atomics: selection reads them on
 /// every request without locking.
@@ -173,9 +165,9 @@ pub struct HealthRegistry {
 impl HealthRegistry {
     /// Points every node of `gen` at its registry entry, so state carries
     /// over from the previous generation. Call before the swap.
-    pub fn attach(&self, gen: &mut Generation) {
+    pub fn attach(&self, services: &mut BTreeMap<String, Service>) {
         let mut map = self.nodes.lock().unwrap_or_else(|e| e.into_inner());
-        for (name, svc) in gen.services.iter_mut() {
+        for (name, svc) in services.iter_mut() {
             svc.attach_health(|addr| {
                 map.entry((name.clone(), addr))
                     .or_insert_with(|| Arc::new(NodeHealth::default()))
@@ -186,10 +178,16 @@ impl HealthRegistry {
 
     /// After a swap: forgets nodes no longer configured, stops their probes,
     /// starts probes for added nodes and restarts changed ones.
-    pub fn sync(&self, gen: &Generation, client: &UpstreamClient) {
+    /// Probes carry `tag_header` set to the node's lane.
+    pub fn sync(
+        &self,
+        services: &BTreeMap<String, Service>,
+        tag_header: &HeaderName,
+        client: &Upstream,
+    ) {
         let mut wanted: HashMap<Key, (ActiveHealth, String)> = HashMap::new();
         let mut present: HashSet<Key> = HashSet::new();
-        for (name, svc) in &gen.services {
+        for (name, svc) in services {
             for (lane, set) in &svc.lanes {
                 for node in &set.nodes {
                     let key = (name.clone(), node.addr);
@@ -231,7 +229,7 @@ impl HealthRegistry {
             tracing::info!(service = %key.0, addr = %key.1, path = %cfg.path, "health checker started");
             let task = rt.spawn(probe_loop(
                 client.clone(),
-                gen.tag_header.clone(),
+                tag_header.clone(),
                 key.1,
                 lane.clone(),
                 cfg.clone(),
@@ -287,7 +285,7 @@ impl HealthRegistry {
 }
 
 async fn probe_loop(
-    client: UpstreamClient,
+    client: Upstream,
     tag_header: HeaderName,
     addr: SocketAddr,
     lane: String,
@@ -319,7 +317,7 @@ async fn probe_loop(
 }
 
 async fn probe(
-    client: &UpstreamClient,
+    client: &Upstream,
     tag_header: &HeaderName,
     addr: SocketAddr,
     lane: &str,
@@ -336,10 +334,7 @@ async fn probe(
         HeaderValue::from_static("graygate-health"),
     );
     let fut = async {
-        let resp = client
-            .request(addr, req, &crate::proxy::Added::none())
-            .await
-            .ok()?;
+        let resp = client.request(addr, req, &Added::none()).await.ok()?;
         let ok = resp.status().is_success() || resp.status().is_redirection();
         // Drain the body so the connection can be reused.
         let _ = http_body_util::BodyExt::collect(resp.into_body())

@@ -1,12 +1,14 @@
-//! The sticky-lane cookie: `<lane>.<expiry>.<hex HMAC-SHA256>` signed with a
-//! key from the config or an environment variable. A valid, unexpired
-//! cookie keeps a browser in its lane across pages, assets and API calls;
-//! anything forged, tampered or stale is ignored and the lane is re-decided.
+//! Layer: lane. The sticky-lane cookie: `<lane>.<expiry>.<hex HMAC-SHA256>`
+//! signed with a key from the config or an environment variable. A valid,
+//! unexpired cookie keeps a browser in its lane across pages, assets and API
+//! calls; anything forged, tampered or stale is ignored and the lane is
+//! re-decided.
 
 use hmac::{Hmac, Mac};
 use http::HeaderValue;
 use sha2::Sha256;
 
+use super::{cookie_value, decide, DecidedBy, Decision, LanePolicy, RequestInfo};
 use crate::config::{valid_lane, StickyConfig};
 
 type HmacSha256 = Hmac<Sha256>;
@@ -121,11 +123,60 @@ impl Sticky {
     }
 }
 
-/// Seconds since the Unix epoch.
-pub fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
+pub use crate::base::clock::unix_now;
+
+/// The lane of a request on a route: sticky routes (`sticky_route`, with
+/// a signer configured) go through [`decide_sticky`], others straight to
+/// [`decide`]. Returns a fresh cookie to set, if any. Real traffic,
+/// `/explain` and the fuzz entry all decide through here.
+pub fn decide_on_route(
+    gen: &LanePolicy,
+    sticky_route: bool,
+    info: RequestInfo,
+    peer_trusted: bool,
+) -> (RequestInfo, Decision, Option<HeaderValue>) {
+    match gen.sticky.as_ref().filter(|_| sticky_route) {
+        Some(st) => decide_sticky(gen, st, info, peer_trusted),
+        None => {
+            let (i, d) = decide(gen, info, peer_trusted);
+            (i, d, None)
+        }
+    }
+}
+
+/// Sticky routes: a valid cookie naming a lane this generation still serves
+/// keeps that lane; otherwise the lane is decided as usual and (for a real
+/// decision, not a script failure) a fresh cookie is returned to set. A tag
+/// from a trusted proxy always wins.
+pub fn decide_sticky(
+    gen: &LanePolicy,
+    st: &Sticky,
+    info: RequestInfo,
+    peer_trusted: bool,
+) -> (RequestInfo, Decision, Option<HeaderValue>) {
+    let tagged = peer_trusted && info.parts.headers.contains_key(&gen.tag_header);
+    let now = unix_now();
+    // A deny rule beats a sticky cookie too (and pins no cookie).
+    let denied = gen
+        .rules
+        .as_ref()
+        .is_some_and(|r| r.denied(&info).is_some());
+    if !tagged && !denied {
+        let kept = cookie_value(&info.parts.headers, &st.cookie)
+            .and_then(|v| st.verify(v, now))
+            .filter(|l| gen.served_lanes.contains(*l))
+            .map(str::to_string);
+        if let Some(l) = kept {
+            return (info, Decision::new(l, DecidedBy::StickyCookie), None);
+        }
+    }
+    let (info, d) = decide(gen, info, peer_trusted);
+    let cookie = matches!(
+        d.decided_by,
+        DecidedBy::Script | DecidedBy::Default | DecidedBy::Rule(_) | DecidedBy::RuleFallback
+    )
+    .then(|| st.set_cookie(&d.lane, now));
+    (info, d, cookie)
 }
 
 #[cfg(test)]

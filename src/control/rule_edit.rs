@@ -1,16 +1,17 @@
-//! Rule management written back to the rule file: the `enabled` switch and
-//! a rule's `percentage`. The change is made on the file's YAML tree,
-//! validated by compiling the rules exactly as a load does, written
+//! Layer: control plane. Rule management written back to the rule file: the
+//! `enabled` switch and a rule's `percentage`. The change is made on the file's
+//! YAML tree, validated by compiling the rules exactly as a load does, written
 //! atomically, then applied through the reload path.
 
 use std::path::{Path, PathBuf};
 
 use serde_yaml::Value;
 
+use crate::base::lists::IpList;
+use crate::config::rules::RulesConfig;
 use crate::config::{parse_yaml, read_file, resolve, MainConfig};
-use crate::lane::rules::{Rules, RulesConfig};
-use crate::lists::IpList;
-use crate::node_edit::{root_dir, EditError};
+use crate::control::node_edit::{root_dir, EditError};
+use crate::lane::rules::Rules;
 
 /// A requested change to the rules.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,6 +1,7 @@
-//! Named IP/CIDR lists: loaded from text files (one entry a line, `#`
-//! comments), compiled into sorted, merged address ranges and looked up by
-//! binary search — O(log n) whatever the list size.
+//! Layer: base (uses config's file reading and errors). Named IP/CIDR lists:
+//! loaded from text files (one entry a line, `#` comments), compiled into
+//! sorted, merged address ranges and looked up by binary search — O(log n)
+//! whatever the list size.
 
 use std::net::IpAddr;
 use std::path::Path;

@@ -1,8 +1,9 @@
-//! Traffic history for the dashboard: every [`INTERVAL`] the request
-//! counters and latency histograms are sampled per lane and per node into a
-//! ring of [`KEEP`] snapshots; `/stats` turns consecutive snapshots into
-//! requests/s, error rate (5xx share) and p99 series, and judges each gray
-//! lane against formal with the canary thresholds.
+//! Layer: control plane (reads observe's metrics). Traffic history for the
+//! dashboard: every [`INTERVAL`] the request counters and latency histograms
+//! are sampled per lane and per node into a ring of [`KEEP`] snapshots;
+//! `/stats` turns consecutive snapshots into requests/s, error rate (5xx share)
+//! and p99 series, and judges each gray lane against formal with the canary
+//! thresholds.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -10,8 +11,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use prometheus::core::Collector;
 
-use crate::gateway::Gateway;
-use crate::metrics::BUCKETS;
+use crate::control::Gateway;
+use crate::observe::metrics::BUCKETS;
 
 /// Sampling period.
 pub const INTERVAL: Duration = Duration::from_secs(2);
@@ -186,7 +187,7 @@ impl History {
                 .map(|l| l.value().to_string())
                 .unwrap_or_default()
         };
-        for fam in gw.metrics.requests.collect() {
+        for fam in gw.plane.metrics.requests.collect() {
             for m in fam.get_metric() {
                 let v = m.get_counter().get_value() as u64;
                 let err = label(m, "status_class") == "5xx";
@@ -202,7 +203,7 @@ impl History {
                 }
             }
         }
-        for fam in gw.metrics.duration.collect() {
+        for fam in gw.plane.metrics.duration.collect() {
             for m in fam.get_metric() {
                 let h = m.get_histogram();
                 let mut counts: Vec<u64> = h

@@ -1,8 +1,8 @@
-//! Node management written back to the node files: a change (add, remove,
-//! change lane/weight/drain) is applied to the node file's YAML tree,
-//! validated with the same rules as a load, and written atomically (temp file in the
-//! same directory, fsync, rename). The caller then reloads, so the files
-//! stay the single source of truth.
+//! Layer: control plane. Node management written back to the node files: a
+//! change (add, remove, change lane/weight/drain) is applied to the node file's
+//! YAML tree, validated with the same rules as a load, and written atomically
+//! (temp file in the same directory, fsync, rename). The caller then reloads,
+//! so the files stay the single source of truth.
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -248,7 +248,7 @@ fn validate(nodes: &[NodeConfig], service: &str) -> Result<(), EditError> {
 /// (else the change could not be applied: refuse rather than write), then
 /// `new_text` replaces `path` atomically and the gateway reloads through
 /// the usual path. Returns the new generation. Blocking.
-pub fn commit(gw: &crate::gateway::Gateway, path: &Path, new_text: &str) -> Result<u64, EditError> {
+pub fn commit(gw: &crate::control::Gateway, path: &Path, new_text: &str) -> Result<u64, EditError> {
     crate::generation::Generation::load(&gw.config_path, 0).map_err(|e| {
         EditError::Conflict(format!(
             "the configuration on disk does not load, fix it first: {e}"

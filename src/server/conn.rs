@@ -1,7 +1,7 @@
-//! One client connection: an I/O wrapper that records activity, a
-//! response-body guard that marks requests in flight, and the watchdog that
-//! enforces the header-read (slowloris) and idle keep-alive timeouts and
-//! turns a shutdown signal into hyper's graceful close.
+//! Layer: server. One client connection: an I/O wrapper that records activity,
+//! a response-body guard that marks requests in flight, and the watchdog that
+//! enforces the header-read (slowloris) and idle keep-alive timeouts and turns
+//! a shutdown signal into hyper's graceful close.
 
 use std::io;
 use std::pin::Pin;
@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-use crate::health::now_ms;
+use crate::base::clock::now_ms;
 
 /// What the watchdog knows about a connection.
 #[derive(Debug, Default)]
@@ -51,7 +51,7 @@ impl Drop for InFlight {
 }
 
 /// A response body that keeps its request "in flight" until done.
-pub type Tracked = crate::proxy::Guarded<InFlight>;
+pub type Tracked = crate::base::body::Guarded<InFlight>;
 
 /// A client stream that records reads and writes in [`Activity`].
 pub struct TimedIo<T> {

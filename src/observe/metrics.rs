@@ -1,7 +1,8 @@
-//! Prometheus metrics (the `prometheus` crate's registry and text encoder)
-//! and per-request accounting: one [`Metrics::observe`] call per request
-//! from its [`Decision`], status and timings, plus the per-node in-flight
-//! tracker whose guard rides on the response body until it is sent.
+//! Layer: observe (uses base, config). Prometheus metrics (the `prometheus`
+//! crate's registry and text encoder) and per-request accounting: one
+//! [`Metrics::observe`] call per request from its [`Decision`], status and
+//! timings, plus the per-node in-flight tracker whose guard rides on the
+//! response body until it is sent.
 
 use std::cell::RefCell;
 use std::collections::HashSet;
@@ -16,8 +17,8 @@ use prometheus::{
 };
 use rustc_hash::{FxHashMap, FxHasher};
 
-use crate::lane::{DecidedBy, Decision};
-use crate::nodes::NodeCounters;
+use crate::base::decision::{DecidedBy, Decision};
+use crate::observe::node_stats::NodeCounters;
 
 /// Latency buckets in seconds (1 ms … 30 s).
 pub const BUCKETS: [f64; 14] = [
@@ -493,7 +494,7 @@ mod tests {
 
     #[tokio::test]
     async fn tracker_counts_5xx_and_stays_in_flight_while_held() {
-        use crate::proxy::{boxed, Guarded};
+        use crate::base::body::{boxed, Guarded};
         let c = Arc::new(NodeCounters::default());
         let t = NodeTracker::begin(c.clone());
         assert_eq!(c.snapshot(), (1, 1, 0));

@@ -1,8 +1,8 @@
-//! Hot reload: a notify watcher on the directories of every file the current
-//! generation was built from (so an editor's rename-over is seen), plus
-//! SIGHUP. Changes are debounced, then the whole configuration is rebuilt
-//! and swapped by [`Gateway::reload`]; a bad change is rejected and the old
-//! generation keeps serving.
+//! Layer: control plane. Hot reload: a notify watcher on the directories of
+//! every file the current generation was built from (so an editor's rename-over
+//! is seen), plus SIGHUP. Changes are debounced, then the whole configuration
+//! is rebuilt and swapped by [`Gateway::reload`]; a bad change is rejected and
+//! the old generation keeps serving.
 
 use std::collections::HashSet;
 use std::ffi::OsString;
@@ -13,7 +13,7 @@ use std::time::Duration;
 use notify::{RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 
-use crate::gateway::Gateway;
+use crate::control::Gateway;
 
 /// (canonical directory, file name) of every file worth a reload.
 fn interesting(files: &[PathBuf]) -> HashSet<(PathBuf, OsString)> {

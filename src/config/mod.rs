@@ -1,6 +1,6 @@
-//! Configuration files: the main YAML file and the node files it names, parsed
-//! into plain structs. Every error carries `file:line` so `graygate --check`
-//! reads like `nginx -t`.
+//! Layer: config (bottom; imports nothing of the crate). Configuration files:
+//! the main YAML file and the node files it names, parsed into plain structs.
+//! Every error carries `file:line` so `graygate --check` reads like `nginx -t`.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -9,6 +9,26 @@ use std::path::{Path, PathBuf};
 
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
+
+pub mod rules;
+
+/// Instructions a single lane call may run before it is stopped: about
+/// 1 ms of work (the `script/runaway` benchmark measures it).
+pub const DEFAULT_INSTRUCTION_BUDGET: u64 = 300_000;
+/// Memory a script VM may allocate.
+pub const DEFAULT_MEMORY_LIMIT: usize = 64 * 1024 * 1024;
+
+/// Parses a size like `10m`, `512k`, `1g` or a plain byte count.
+pub fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().last()? {
+        (i, 'k' | 'K') => (&s[..i], 1024),
+        (i, 'm' | 'M') => (&s[..i], 1024 * 1024),
+        (i, 'g' | 'G') => (&s[..i], 1024 * 1024 * 1024),
+        _ => (s, 1),
+    };
+    num.trim().parse::<usize>().ok()?.checked_mul(mult)
+}
 
 /// The lane every request falls back to.
 pub const FORMAL: &str = "formal";
@@ -80,9 +100,9 @@ pub struct MainConfig {
     /// Milliseconds of quiet after a file change before reloading.
     #[serde(default = "default_debounce_ms")]
     pub reload_debounce_ms: u64,
-    /// Declarative gray rules, inline (format: `lane::rules::RulesConfig`).
+    /// Declarative gray rules, inline (format: `config::rules::RulesConfig`).
     #[serde(default)]
-    pub rules: Option<crate::lane::rules::RulesConfig>,
+    pub rules: Option<rules::RulesConfig>,
     /// Declarative gray rules in their own hot-reloaded file.
     #[serde(default)]
     pub rules_file: Option<PathBuf>,
@@ -165,7 +185,7 @@ impl SizeValue {
     pub fn bytes(&self) -> Option<usize> {
         match self {
             SizeValue::Bytes(b) => usize::try_from(*b).ok(),
-            SizeValue::Text(t) => crate::lane::shared_dict::parse_size(t),
+            SizeValue::Text(t) => parse_size(t),
         }
     }
 }
@@ -182,11 +202,11 @@ pub struct ScriptLimits {
 }
 
 fn default_budget() -> u64 {
-    crate::lane::script::DEFAULT_INSTRUCTION_BUDGET
+    DEFAULT_INSTRUCTION_BUDGET
 }
 
 fn default_memory_limit() -> SizeValue {
-    SizeValue::Bytes(crate::lane::script::DEFAULT_MEMORY_LIMIT as u64)
+    SizeValue::Bytes(DEFAULT_MEMORY_LIMIT as u64)
 }
 
 impl Default for ScriptLimits {

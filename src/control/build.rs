@@ -1,7 +1,8 @@
-//! A `Generation`: one immutable, fully validated snapshot of everything the
-//! gateway routes by — config, lists, services, routes, script. It is built
-//! as a whole from disk and swapped in atomically; requests in flight keep
-//! the generation they started with.
+//! Layer: control plane. Building a generation: every file reachable from the
+//! main config is read, parsed, validated and compiled (the Lua top level runs
+//! in a fresh sandbox) into one [`Generation`], or the first error is returned
+//! with its file:line. Nothing is applied until the whole build succeeds
+//! (shared-dictionary resizes last of all).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -10,73 +11,19 @@ use std::time::SystemTime;
 
 use http::HeaderName;
 
+use crate::base::lists::IpList;
 use crate::config::{
     find_line, parse_yaml, read_file, resolve, valid_lane, ConfigError, MainConfig, NodeFile,
     FORMAL,
 };
+use crate::generation::{Generation, Route, Target};
 use crate::lane::rules::Rules;
 use crate::lane::script::ScriptSource;
 use crate::lane::shared_dict::{self, SharedDict};
-use crate::lists::IpList;
+use crate::lane::sticky::Sticky;
+use crate::lane::LanePolicy;
 use crate::nodes::{Node, Service};
-
-/// Where a route sends its requests.
-#[derive(Debug)]
-pub enum Target {
-    Service(Arc<str>),
-    Static(StaticTree),
-}
-
-/// A static tree: `root/<lane>/...` with per-file fallback to `root/formal/`.
-#[derive(Debug, Clone)]
-pub struct StaticTree {
-    /// Canonical root directory.
-    pub root: PathBuf,
-    pub index: String,
-    pub cache_control: String,
-}
-
-#[derive(Debug)]
-pub struct Route {
-    pub host: Option<String>,
-    pub prefix: Arc<str>,
-    pub target: Target,
-    /// Keep browsers in their lane with the signed cookie.
-    pub sticky: bool,
-}
-
-#[derive(Debug)]
-pub struct Generation {
-    /// Grows with every applied reload.
-    pub id: u64,
-    pub config_path: PathBuf,
-    pub config: MainConfig,
-    pub tag_header: HeaderName,
-    pub trusted: IpList,
-    pub lists: Arc<BTreeMap<String, IpList>>,
-    pub services: BTreeMap<String, Service>,
-    pub routes: Vec<Route>,
-    pub script: Option<ScriptSource>,
-    /// Declarative gray rules (inline or from `rules_file`).
-    pub rules: Option<Rules>,
-    /// `ngx.shared` dictionaries (process-wide; they outlive generations).
-    pub dicts: BTreeMap<String, Arc<SharedDict>>,
-    /// Every file this generation was built from (watched for changes).
-    pub files: Vec<PathBuf>,
-    pub loaded_at: SystemTime,
-    /// Non-fatal findings (e.g. a lane nothing serves).
-    pub warnings: Vec<String>,
-    /// The sticky-cookie signer, when configured.
-    pub sticky: Option<crate::sticky::Sticky>,
-    /// Lanes some node or static tree serves (a sticky cookie naming any
-    /// other lane is ignored).
-    pub served_lanes: std::collections::BTreeSet<String>,
-    /// Ready-made upstream tag values for the served lanes and formal (no
-    /// per-request allocation for them).
-    pub lane_tags: BTreeMap<String, http::HeaderValue>,
-    /// This generation's id as a header value.
-    pub id_tag: http::HeaderValue,
-}
+use crate::static_files::StaticTree;
 
 impl Generation {
     /// Loads, validates and compiles everything reachable from `config_path`.
@@ -320,7 +267,7 @@ impl Generation {
 
         let sticky = match &config.sticky {
             Some(c) => Some(
-                crate::sticky::Sticky::from_config(c)
+                Sticky::from_config(c)
                     .map_err(|m| ConfigError::new(config_path, at("sticky:"), m))?,
             ),
             None => None,
@@ -354,44 +301,30 @@ impl Generation {
         let lane_tags = served_lanes
             .iter()
             .map(String::as_str)
-            .chain([crate::config::FORMAL])
+            .chain([FORMAL])
             .filter_map(|l| Some((l.to_string(), http::HeaderValue::from_str(l).ok()?)))
             .collect();
         Ok(Generation {
             id,
             config_path: config_path.to_path_buf(),
             config,
-            tag_header,
             trusted,
-            lists,
+            lane: LanePolicy {
+                tag_header,
+                lists,
+                rules,
+                script,
+                sticky,
+                served_lanes,
+            },
             services,
             routes,
-            script,
-            rules,
             dicts,
             files,
             loaded_at: SystemTime::now(),
             warnings,
-            sticky,
-            served_lanes,
             lane_tags,
             id_tag: http::HeaderValue::from(id),
         })
-    }
-
-    /// The route for `host` (lower-case, no port) and `path`: routes naming
-    /// the host win over host-less ones; within them the longest prefix.
-    pub fn route(&self, host: &str, path: &str) -> Option<&Route> {
-        let best = |want_host: bool| {
-            self.routes
-                .iter()
-                .filter(|r| match &r.host {
-                    Some(h) => want_host && h == host,
-                    None => !want_host,
-                })
-                .filter(|r| path.starts_with(&*r.prefix))
-                .max_by_key(|r| r.prefix.len())
-        };
-        best(true).or_else(|| best(false))
     }
 }

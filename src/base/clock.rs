@@ -1,0 +1,22 @@
+//! Layer: base. The clocks read on the request path.
+
+use std::sync::OnceLock;
+
+/// Milliseconds since the process's health clock started (never 0).
+///
+/// A coarse monotonic clock (`CLOCK_MONOTONIC_COARSE`, a few ms of
+/// resolution): it is read several times per request for health, node
+/// choice and connection activity, where milliseconds are plenty, and it
+/// costs a memory read instead of a timestamp-counter read.
+pub fn now_ms() -> u64 {
+    static EPOCH: OnceLock<coarsetime::Instant> = OnceLock::new();
+    let e = *EPOCH.get_or_init(coarsetime::Instant::now);
+    coarsetime::Instant::now().duration_since(e).as_millis() + 1
+}
+
+/// Seconds since the Unix epoch.
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}

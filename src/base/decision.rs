@@ -1,0 +1,86 @@
+//! Layer: base. `Decision`: everything known about how one request was routed —
+//! the per-request record that the proxy fills in and metrics, the access log
+//! and `/explain` read.
+
+use std::sync::Arc;
+
+/// Who decided a request's lane.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DecidedBy {
+    /// No script configured (or it returned nil): the baseline.
+    Default,
+    /// The Lua script returned the lane (nil counts as formal).
+    Script,
+    /// A trusted proxy sent the tag header.
+    TrustedTag,
+    /// The script failed; the request went formal.
+    ScriptError(String),
+    /// The script (or tag) produced an unusable lane name; formal.
+    InvalidLane(String),
+    /// A deny rule (named) matched: formal, whatever else would match.
+    Deny(Arc<str>),
+    /// A declarative rule (named) matched and the script kept its lane.
+    Rule(Arc<str>),
+    /// Rules are enabled but none matched: their `fallback` lane.
+    RuleFallback,
+    /// A valid signed sticky cookie kept the lane of an earlier decision.
+    StickyCookie,
+}
+
+impl DecidedBy {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            DecidedBy::Default => "default",
+            DecidedBy::Script => "script",
+            DecidedBy::TrustedTag => "trusted_tag",
+            DecidedBy::ScriptError(_) => "script_error",
+            DecidedBy::InvalidLane(_) => "invalid_lane",
+            DecidedBy::StickyCookie => "sticky_cookie",
+            DecidedBy::Deny(_) => "deny",
+            DecidedBy::Rule(_) => "rule",
+            DecidedBy::RuleFallback => "rule_fallback",
+        }
+    }
+
+    /// The deny or rule name, when a named rule decided.
+    pub fn rule_name(&self) -> Option<&str> {
+        match self {
+            DecidedBy::Deny(n) | DecidedBy::Rule(n) => Some(n),
+            _ => None,
+        }
+    }
+}
+
+/// Everything known about how one request was routed.
+#[derive(Debug, Clone)]
+pub struct Decision {
+    pub lane: String,
+    pub decided_by: DecidedBy,
+    /// Prefix of the matched route.
+    pub route: Option<Arc<str>>,
+    /// Service name (API routes).
+    pub service: Option<Arc<str>>,
+    /// Lane of the candidate set used (differs from `lane` on fallback).
+    pub served_lane: Option<Arc<str>>,
+    /// Number of candidate nodes.
+    pub candidates: usize,
+    /// Name of the chosen node, or the static file served.
+    pub node: Option<Arc<str>>,
+    /// Why the request did not go to its own lane.
+    pub fallback: Option<&'static str>,
+}
+
+impl Decision {
+    pub fn new(lane: impl Into<String>, decided_by: DecidedBy) -> Decision {
+        Decision {
+            lane: lane.into(),
+            decided_by,
+            route: None,
+            service: None,
+            served_lane: None,
+            candidates: 0,
+            node: None,
+            fallback: None,
+        }
+    }
+}

@@ -1,0 +1,176 @@
+//! Layer: control plane. The running gateway: it owns the data plane's handles
+//! ([`DataPlane`]: the live generation, upstream client, node health, metrics,
+//! access log) and the client [`Server`], and is the only writer — it builds
+//! generations (`control::build`), publishes them, keeps the reload status and
+//! starts and stops health probes. Admin, the reload watcher and edits act
+//! through it.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Instant, SystemTime};
+
+use tokio::sync::watch;
+
+use super::stats::History;
+use crate::base::counter::Counter;
+use crate::config::{resolve, ConfigError};
+use crate::generation::{Generation, Live};
+use crate::nodes::health::HealthRegistry;
+use crate::observe::access_log::AccessLog;
+use crate::observe::metrics::Metrics;
+use crate::observe::node_stats::NodeStats;
+use crate::proxy::{DataPlane, FallbackLog};
+use crate::server::Server;
+use crate::upstream::Upstream;
+
+/// Outcome of the last reload attempt.
+#[derive(Debug, Clone, Default)]
+pub struct ReloadStatus {
+    pub last_reload_error: Option<String>,
+    pub last_reload_at: Option<SystemTime>,
+    pub applied: u64,
+    pub rejected: u64,
+}
+
+pub struct Gateway {
+    /// What the request path reads and records into.
+    pub plane: Arc<DataPlane>,
+    /// The client listeners' side (workers, connections, drain).
+    pub server: Arc<Server>,
+    pub config_path: PathBuf,
+    pub status: Mutex<ReloadStatus>,
+    pub started: Instant,
+    /// Open client connections (for the cap and the drain).
+    pub connections: Arc<Counter>,
+    shutdown: watch::Sender<bool>,
+    /// Serialises reloads (watcher, SIGHUP).
+    reload_lock: Mutex<()>,
+    /// Traffic history for the dashboard.
+    pub history: History,
+    /// Serialises admin changes to node files.
+    pub edit_lock: tokio::sync::Mutex<()>,
+}
+
+impl Gateway {
+    /// Loads generation 1 from `config_path`.
+    pub fn load(config_path: &Path) -> Result<Arc<Gateway>, ConfigError> {
+        let config_path = std::path::absolute(config_path).unwrap_or(config_path.to_path_buf());
+        let mut gen = Generation::load(&config_path, 1)?;
+        for w in &gen.warnings {
+            tracing::warn!("{w}");
+        }
+        let client = Upstream::new(&gen.config.upstream);
+        let metrics = Metrics::new();
+        metrics.generation.set(gen.id as i64);
+        let access_log = match &gen.config.access_log {
+            Some(cfg) => {
+                let dir = config_path.parent().unwrap_or(Path::new("."));
+                let root = gen
+                    .config
+                    .root
+                    .as_ref()
+                    .map_or(dir.to_path_buf(), |r| resolve(dir, r));
+                AccessLog::start(cfg, &root, metrics.access_log_dropped.clone())
+            }
+            None => AccessLog::off(metrics.access_log_dropped.clone()),
+        };
+        let health = HealthRegistry::default();
+        health.attach(&mut gen.services);
+        let plane = Arc::new(DataPlane {
+            generation: Live::new(gen),
+            client,
+            health,
+            metrics,
+            node_stats: NodeStats::default(),
+            access_log,
+            fallback_log: FallbackLog::default(),
+            tunnels: Arc::new(Counter::default()),
+        });
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let connections = Arc::new(Counter::default());
+        let server = Arc::new(Server::new(plane.clone(), connections.clone(), shutdown_rx));
+        let gw = Arc::new(Gateway {
+            plane,
+            server,
+            config_path,
+            status: Mutex::new(ReloadStatus::default()),
+            started: Instant::now(),
+            connections,
+            shutdown,
+            reload_lock: Mutex::new(()),
+            history: Default::default(),
+            edit_lock: tokio::sync::Mutex::new(()),
+        });
+        gw.sync_health(&gw.current());
+        Ok(gw)
+    }
+
+    /// The generation serving now.
+    pub fn current(&self) -> Arc<Generation> {
+        self.plane.current()
+    }
+
+    /// Starts, restarts and stops active probes to match `gen`.
+    pub fn sync_health(&self, gen: &Generation) {
+        self.plane
+            .health
+            .sync(&gen.services, &gen.lane.tag_header, &self.plane.client);
+    }
+
+    /// Builds a new generation from disk and swaps it in; on any error the
+    /// old one keeps serving and the error is recorded. Blocking.
+    pub fn reload(&self) -> Result<u64, ConfigError> {
+        let _guard = self.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let next = self.plane.generation.id() + 1;
+        let result = Generation::load(&self.config_path, next);
+        let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
+        status.last_reload_at = Some(SystemTime::now());
+        match result {
+            Ok(mut gen) => {
+                for w in &gen.warnings {
+                    tracing::warn!("{w}");
+                }
+                self.plane.health.attach(&mut gen.services);
+                let gen = Arc::new(gen);
+                self.plane.generation.publish(gen.clone());
+                self.sync_health(&gen);
+                status.last_reload_error = None;
+                status.applied += 1;
+                self.plane
+                    .metrics
+                    .reloads
+                    .with_label_values(&["applied"])
+                    .inc();
+                self.plane.metrics.generation.set(next as i64);
+                tracing::info!(generation = next, "configuration reloaded");
+                Ok(next)
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "reload rejected; previous configuration keeps serving");
+                status.last_reload_error = Some(e.to_string());
+                status.rejected += 1;
+                self.plane
+                    .metrics
+                    .reloads
+                    .with_label_values(&["rejected"])
+                    .inc();
+                Err(e)
+            }
+        }
+    }
+
+    /// Starts the graceful shutdown: stop accepting, let connections finish
+    /// their in-flight requests, close idle ones.
+    pub fn begin_shutdown(&self) {
+        self.shutdown.send_replace(true);
+    }
+
+    pub fn shutting_down(&self) -> bool {
+        *self.shutdown.borrow()
+    }
+
+    /// Waits until every client connection has closed.
+    pub async fn drained(&self) {
+        self.connections.zero().await
+    }
+}

@@ -1,0 +1,107 @@
+//! Layer: generation (data plane, above lane, nodes and static files; uses
+//! them, base and config). A `Generation` is one immutable, fully validated
+//! snapshot of everything the gateway routes by — config, lane policy (lists,
+//! rules, script, sticky cookie), services, routes. The control plane builds it
+//! whole (`control::build`) and swaps it in through [`Live`]; the request path
+//! only reads it, and a request in flight keeps the generation it started with.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use arc_swap::ArcSwap;
+
+use crate::base::lists::IpList;
+use crate::config::MainConfig;
+use crate::lane::shared_dict::SharedDict;
+use crate::lane::LanePolicy;
+use crate::nodes::Service;
+use crate::static_files::StaticTree;
+
+/// Where a route sends its requests.
+#[derive(Debug)]
+pub enum Target {
+    Service(Arc<str>),
+    Static(StaticTree),
+}
+
+#[derive(Debug)]
+pub struct Route {
+    pub host: Option<String>,
+    pub prefix: Arc<str>,
+    pub target: Target,
+    /// Keep browsers in their lane with the signed cookie.
+    pub sticky: bool,
+}
+
+#[derive(Debug)]
+pub struct Generation {
+    /// Grows with every applied reload.
+    pub id: u64,
+    pub config_path: PathBuf,
+    pub config: MainConfig,
+    /// Client addresses whose X-Forwarded-For and tag header are believed.
+    pub trusted: IpList,
+    /// What the lane decision reads (tag header, lists, rules, script,
+    /// sticky cookie, served lanes).
+    pub lane: LanePolicy,
+    pub services: BTreeMap<String, Service>,
+    pub routes: Vec<Route>,
+    /// `ngx.shared` dictionaries (process-wide; they outlive generations).
+    pub dicts: BTreeMap<String, Arc<SharedDict>>,
+    /// Every file this generation was built from (watched for changes).
+    pub files: Vec<PathBuf>,
+    pub loaded_at: SystemTime,
+    /// Non-fatal findings (e.g. a lane nothing serves).
+    pub warnings: Vec<String>,
+    /// Ready-made upstream tag values for the served lanes and formal (no
+    /// per-request allocation for them).
+    pub lane_tags: BTreeMap<String, http::HeaderValue>,
+    /// This generation's id as a header value.
+    pub id_tag: http::HeaderValue,
+}
+
+impl Generation {
+    /// The route for `host` (lower-case, no port) and `path`: routes naming
+    /// the host win over host-less ones; within them the longest prefix.
+    pub fn route(&self, host: &str, path: &str) -> Option<&Route> {
+        let best = |want_host: bool| {
+            self.routes
+                .iter()
+                .filter(|r| match &r.host {
+                    Some(h) => want_host && h == host,
+                    None => !want_host,
+                })
+                .filter(|r| path.starts_with(&*r.prefix))
+                .max_by_key(|r| r.prefix.len())
+        };
+        best(true).or_else(|| best(false))
+    }
+}
+
+/// The generation serving now. The control plane publishes a new one; the
+/// data plane loads it once per request (or connection) and keeps that
+/// `Arc` to the end.
+pub struct Live(ArcSwap<Generation>);
+
+impl Live {
+    pub fn new(gen: Generation) -> Live {
+        Live(ArcSwap::from_pointee(gen))
+    }
+
+    /// The generation serving now.
+    pub fn load(&self) -> Arc<Generation> {
+        self.0.load_full()
+    }
+
+    /// Its id, without taking a reference.
+    pub fn id(&self) -> u64 {
+        self.0.load().id
+    }
+
+    /// Makes `gen` the serving generation (control plane only).
+    pub fn publish(&self, gen: Arc<Generation>) {
+        self.0.store(gen);
+    }
+}

@@ -1,0 +1,370 @@
+//! Layer: proxy — the forward phases of a service route: select the candidate
+//! set of the lane (or formal) → rewrite the request for the node (hop-by-hop
+//! fields out; tag, generation and X-Forwarded-* in) → buffer the body when a
+//! retry may need it → attempt on a node picked by round-robin, retrying on
+//! another node of the same set → respond (pass the answer back, or join an
+//! upgraded tunnel).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use http::header::{self, HeaderMap, HeaderValue};
+use http::request::Parts;
+use http::{Method, Request, Response, StatusCode, Uri, Version};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+
+use super::ctx::Client;
+use super::{lane_tag, DataPlane};
+use crate::base::body::{boxed, Body};
+use crate::base::clock::now_ms;
+use crate::base::counter::Counted;
+use crate::base::decision::Decision;
+use crate::base::error::{Error, ErrorKind};
+use crate::config::{UpstreamConfig, FORMAL};
+use crate::generation::Generation;
+use crate::lane::RequestInfo;
+use crate::nodes::{Choice, Fallback, NoCandidates, Service};
+use crate::observe::metrics::NodeTracker;
+use crate::upstream::body::Replay;
+use crate::upstream::fields::{idempotent, strip_hop_by_hop, Added};
+use crate::upstream::PooledBody;
+
+/// Rate-limits the lane-fallback WARN per (service, lane).
+#[derive(Default)]
+pub struct FallbackLog(Mutex<HashMap<(String, String), Instant>>);
+
+impl FallbackLog {
+    fn should_log(&self, service: &str, lane: &str) -> bool {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        let key = (service.to_string(), lane.to_string());
+        match m.get(&key) {
+            Some(t) if now.duration_since(*t) < Duration::from_secs(10) => false,
+            _ => {
+                m.insert(key, now);
+                true
+            }
+        }
+    }
+}
+
+/// Sends the request to a node of its lane (or formal) and returns the
+/// node's answer, retrying on another node of the same set when safe.
+pub async fn forward(
+    plane: &DataPlane,
+    gen: &Generation,
+    client: &Client,
+    decision: &mut Decision,
+    service_name: &Arc<str>,
+    info: RequestInfo,
+    body: Incoming,
+) -> Result<Response<Body>, Error> {
+    decision.service = Some(service_name.clone());
+    let service = gen
+        .services
+        .get(&**service_name)
+        .ok_or(ErrorKind::NoSuchService)?;
+    let choice = select_node(plane, service, decision)?;
+    let upstream = &gen.config.upstream;
+    let out = rewrite_request(gen, client, decision, info.parts, upstream);
+    let replay = buffer_body(body, out.idempotent, out.deadline, upstream).await?;
+    attempt_all(plane, service, choice, decision, out, replay, upstream).await
+}
+
+/// The node-choice phase: the lane's healthy nodes, else formal (never
+/// another gray lane), else the lane's nodes in panic mode; strict
+/// services answer 503 instead of falling back. Fallbacks are counted and
+/// logged (rate-limited).
+fn select_node<'g>(
+    plane: &DataPlane,
+    service: &'g Service,
+    decision: &mut Decision,
+) -> Result<Choice<'g>, Error> {
+    let service_name = service.name.as_str();
+    let choice = match service.choose(&decision.lane, now_ms()) {
+        Ok(c) => c,
+        Err(NoCandidates::NoNodes) => return Err(ErrorKind::NoNodes.into()),
+        Err(NoCandidates::StrictUnhealthy) => {
+            decision.fallback = Some("lane_unhealthy_strict");
+            if plane.fallback_log.should_log(service_name, &decision.lane) {
+                tracing::warn!(
+                    service = service_name,
+                    lane = %decision.lane,
+                    "every node of this lane is down and the service is strict; answering 503"
+                );
+            }
+            return Err(ErrorKind::LaneUnhealthyStrict.into());
+        }
+    };
+    if let Some(fb) = choice.fallback {
+        decision.fallback = Some(fb.as_str());
+        if fb == Fallback::LaneUnhealthy {
+            plane.health.count_fallback(service_name);
+        }
+        if plane.fallback_log.should_log(service_name, &decision.lane) {
+            let (lane_nodes, formal_nodes) = (service.count(&decision.lane), service.count(FORMAL));
+            let what = match fb {
+                Fallback::LaneHasNoNodes => "no node serves this lane; sending to formal",
+                Fallback::LaneUnhealthy => "every node of this lane is down; sending to formal",
+                Fallback::AllUnhealthy => {
+                    "every candidate node is down; trying the lane's nodes anyway"
+                }
+            };
+            tracing::warn!(
+                service = service_name,
+                lane = %decision.lane,
+                lane_nodes,
+                formal_nodes,
+                "{what}"
+            );
+        }
+    }
+    decision.candidates = choice.set.nodes.len();
+    Ok(choice)
+}
+
+/// The request as it goes to a node (the same for every attempt).
+struct Outbound {
+    method: Method,
+    /// Origin-form target, built once.
+    target: Uri,
+    /// The client's end-to-end fields (hop-by-hop removed).
+    headers: HeaderMap,
+    /// The gateway's own fields, written after the client's.
+    added: Added,
+    idempotent: bool,
+    /// The protocol the client asked to upgrade to (kept for the node).
+    upgrade: Option<HeaderValue>,
+    client_upgrade: Option<hyper::upgrade::OnUpgrade>,
+    t0: Instant,
+    /// `upstream.total_timeout_ms` from `t0`.
+    deadline: Instant,
+}
+
+/// The rewrite phase: hop-by-hop fields out (an upgrade's kept), the lane
+/// tag, generation and X-Forwarded-* computed (client copies removed).
+fn rewrite_request(
+    gen: &Generation,
+    client: &Client,
+    decision: &Decision,
+    mut parts: Parts,
+    upstream: &UpstreamConfig,
+) -> Outbound {
+    let t0 = Instant::now();
+    let original_host = parts.headers.get(header::HOST).cloned();
+    let upgrade = upgrade_requested(&parts.headers);
+    let client_upgrade = upgrade
+        .as_ref()
+        .and_then(|_| parts.extensions.remove::<hyper::upgrade::OnUpgrade>());
+    strip_hop_by_hop(&mut parts.headers);
+    if let Some(u) = &upgrade {
+        parts
+            .headers
+            .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        parts.headers.insert(header::UPGRADE, u.clone());
+    }
+    // The gateway's own fields replace any the client sent; they are kept
+    // apart from the client's map and written after it (no map inserts).
+    let added = Added::new(
+        &mut parts.headers,
+        (gen.lane.tag_header.clone(), lane_tag(gen, decision)),
+        gen.id_tag.clone(),
+        client.peer.ip(),
+        client.peer_trusted,
+        original_host,
+    );
+    let target = Uri::from(
+        parts
+            .uri
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
+    );
+    Outbound {
+        idempotent: idempotent(&parts.method),
+        method: parts.method,
+        target,
+        headers: parts.headers,
+        added,
+        upgrade,
+        client_upgrade,
+        t0,
+        deadline: t0 + Duration::from_millis(upstream.total_timeout_ms),
+    }
+}
+
+/// The body phase: nothing to wait for without a body; else an idempotent
+/// body up to `retry_buffer_bytes` is buffered for replay, a larger one
+/// streams. A failing client body is the client's error (400/408).
+async fn buffer_body(
+    body: Incoming,
+    idempotent: bool,
+    deadline: Instant,
+    upstream: &UpstreamConfig,
+) -> Result<Replay, Error> {
+    // No body (the common GET): no timer needed to wait for it.
+    if hyper::body::Body::is_end_stream(&body) {
+        return Ok(Replay::Empty);
+    }
+    match tokio::time::timeout_at(
+        deadline.into(),
+        Replay::new(body, idempotent, upstream.retry_buffer_bytes),
+    )
+    .await
+    {
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(e)) => Err(Error::new(ErrorKind::ClientBody).with_source(e)),
+        Err(_) => Err(ErrorKind::ClientBodyTimeout.into()),
+    }
+}
+
+/// The attempt loop: pick a node not tried yet, send, judge the outcome
+/// for health; on a retryable failure with a replayable body, try the next
+/// node of the same candidate set.
+async fn attempt_all(
+    plane: &DataPlane,
+    service: &Service,
+    choice: Choice<'_>,
+    decision: &mut Decision,
+    mut out: Outbound,
+    mut replay: Replay,
+    upstream: &UpstreamConfig,
+) -> Result<Response<Body>, Error> {
+    let set = choice.set;
+    let policy = &service.health.passive;
+    let retries = service.retries.unwrap_or(upstream.retries) as usize;
+    let max_attempts = (retries + 1).min(set.nodes.len());
+    let mut tried: Vec<usize> = Vec::with_capacity(max_attempts);
+    let mut last_error = None;
+    while tried.len() < max_attempts {
+        let Some(idx) = set.pick_for(now_ms(), &tried, choice.ignore_health) else {
+            break;
+        };
+        let Some(up_body) = replay.next_body() else {
+            break;
+        };
+        tried.push(idx);
+        let node = &set.nodes[idx];
+        let health = &set.health[idx];
+        let tracker = NodeTracker::begin(plane.node_stats.get(&service.name, node.addr));
+        decision.served_lane = Some(node.lane.clone());
+        decision.node = Some(node.name.clone());
+        let mut req = Request::new(up_body);
+        *req.method_mut() = out.method.clone();
+        *req.uri_mut() = out.target.clone();
+        *req.version_mut() = Version::HTTP_11;
+        *req.headers_mut() = if tried.len() < max_attempts {
+            out.headers.clone()
+        } else {
+            std::mem::take(&mut out.headers)
+        };
+
+        // One clock read fewer for the usual single attempt.
+        let now = if tried.len() == 1 {
+            out.t0
+        } else {
+            Instant::now()
+        };
+        if now >= out.deadline {
+            return Err(ErrorKind::TotalTimeout.into());
+        }
+        let per_try = Duration::from_millis(upstream.response_timeout_ms).min(out.deadline - now);
+        let outcome =
+            match tokio::time::timeout(per_try, plane.client.request(node.addr, req, &out.added))
+                .await
+            {
+                Err(_) => Err(Error::new(ErrorKind::ResponseTimeout)),
+                Ok(r) => r,
+            };
+        let e = match outcome {
+            Ok(r) => {
+                if policy.fail_on_5xx && r.status().is_server_error() {
+                    health.failure(&node.name, policy);
+                } else {
+                    health.success(&node.name);
+                }
+                return respond(plane, r, out.client_upgrade, out.upgrade.is_some(), tracker);
+            }
+            Err(e) => e,
+        };
+        match e.kind() {
+            ErrorKind::Connect => {
+                tracing::warn!(node = %node.name, addr = %node.addr, error = %e, "upstream connect failed")
+            }
+            ErrorKind::ResponseTimeout => {
+                tracing::warn!(node = %node.name, addr = %node.addr, "upstream timed out")
+            }
+            _ => {
+                tracing::warn!(node = %node.name, addr = %node.addr, error = %e, "upstream failed")
+            }
+        }
+        if e.node_fault() {
+            health.failure(&node.name, policy);
+        }
+        tracker.fail();
+        let retry_ok = e.retryable(out.idempotent);
+        last_error = Some(e);
+        replay.recover();
+        if !retry_ok || !replay.replayable() {
+            break;
+        }
+        if tried.len() < max_attempts {
+            tracing::info!(node = %node.name, attempt = tried.len() + 1, "retrying on another node of the same lane");
+        }
+    }
+    Err(last_error.unwrap_or_else(|| ErrorKind::NoNodeAvailable.into()))
+}
+
+/// The respond phase: passes the node's answer back, keeping the node in
+/// flight until its body is done; a `101 Switching Protocols` answer to an
+/// upgrade request joins the two connections into a tunnel that keeps the
+/// node (and so the lane) for the connection's life.
+fn respond(
+    plane: &DataPlane,
+    mut resp: Response<PooledBody>,
+    client_upgrade: Option<hyper::upgrade::OnUpgrade>,
+    upgrade_requested: bool,
+    tracker: NodeTracker,
+) -> Result<Response<Body>, Error> {
+    tracker.count_status(resp.status());
+    if upgrade_requested && resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        let Some(client_up) = client_upgrade else {
+            tracker.count_status(StatusCode::BAD_GATEWAY);
+            return Err(ErrorKind::UpgradeUnavailable.into());
+        };
+        let upstream_up = hyper::upgrade::on(&mut resp);
+        let tunnels = plane.tunnels.clone();
+        tokio::spawn(async move {
+            let (Ok(c), Ok(u)) = tokio::join!(client_up, upstream_up) else {
+                tracing::debug!("upgrade handshake did not complete");
+                return;
+            };
+            let _guard = Counted::new(tunnels);
+            let mut c = TokioIo::new(c);
+            let mut u = TokioIo::new(u);
+            let _ = tokio::io::copy_bidirectional(&mut c, &mut u).await;
+        });
+        let (head, body) = resp.into_parts();
+        return Ok(Response::from_parts(head, boxed(body.tracked(tracker))));
+    }
+    let (mut head, body) = resp.into_parts();
+    strip_hop_by_hop(&mut head.headers);
+    // One box for the upstream body and the node's in-flight marker.
+    Ok(Response::from_parts(head, boxed(body.tracked(tracker))))
+}
+
+fn upgrade_requested(h: &HeaderMap) -> Option<HeaderValue> {
+    let conn_upgrade = h
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
+    if conn_upgrade {
+        h.get(header::UPGRADE).cloned()
+    } else {
+        None
+    }
+}

@@ -1,0 +1,137 @@
+//! Layer: proxy — the request phases (data plane, above generation, lane,
+//! nodes, upstream and static files; never imports the control plane).
+//!
+//! One request's story, each phase a named function around one [`RequestCtx`]:
+//! [`resolve`] (limits, host, client address) → route → decide the lane (sticky
+//! cookie, trusted tag, rules, script) → serve: [`forward`] (select node →
+//! rewrite request → buffer body → attempt → respond) or `static_files` →
+//! [`record`] (metrics, access log, lane header). Failures are typed
+//! (`base::error::Error`) and become the client's answer in one place.
+//!
+//! What the path needs comes in a [`DataPlane`]: the live generation, the
+//! upstream client (per-thread pools), node health, metric handles, the access
+//! log — never the whole gateway.
+
+pub mod ctx;
+pub mod forward;
+pub mod record;
+pub mod resolve;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::header::{self, HeaderValue};
+use http::{Request, Response};
+use hyper::body::Incoming;
+
+use crate::base::body::Body;
+use crate::base::counter::Counter;
+use crate::base::decision::Decision;
+use crate::base::error::{Error, ErrorKind};
+use crate::generation::{Generation, Live, Route, Target};
+use crate::lane::{self, RequestInfo};
+use crate::nodes::health::HealthRegistry;
+use crate::observe::access_log::AccessLog;
+use crate::observe::metrics::Metrics;
+use crate::observe::node_stats::NodeStats;
+use crate::upstream::Upstream;
+
+pub use ctx::{Client, RequestCtx};
+pub use forward::FallbackLog;
+
+/// Everything the request path reads or records into, handed down by the
+/// control plane (which alone publishes generations).
+pub struct DataPlane {
+    /// The serving generation.
+    pub generation: Live,
+    /// Upstream client; its keep-alive pools live per worker thread.
+    pub client: Upstream,
+    /// Node health, kept across reloads.
+    pub health: HealthRegistry,
+    pub metrics: Metrics,
+    /// Per-node counters, surviving reloads.
+    pub node_stats: NodeStats,
+    pub access_log: AccessLog,
+    /// Rate limit of the lane-fallback WARN.
+    pub fallback_log: FallbackLog,
+    /// Open upgraded (WebSocket) tunnels.
+    pub tunnels: Arc<Counter>,
+}
+
+impl DataPlane {
+    /// The generation serving now.
+    pub fn current(&self) -> Arc<Generation> {
+        self.generation.load()
+    }
+}
+
+/// Serves one client request, phase by phase.
+pub async fn handle(
+    plane: &DataPlane,
+    peer: SocketAddr,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, Infallible> {
+    let start = Instant::now();
+    let gen = plane.current();
+    if let Some(kind) = resolve::check_limits(&req, &gen.config.client) {
+        return Ok(Error::new(kind).response());
+    }
+    let (parts, body) = req.into_parts();
+    let (info, mut ctx) = RequestCtx::begin(&gen, parts, peer, start, &plane.access_log);
+    let resp = match serve(plane, &gen, &mut ctx, info, body).await {
+        Ok(r) => r,
+        Err(e) => e.response(),
+    };
+    ctx.end = Instant::now();
+    Ok(record::finish(plane, &gen, ctx, resp))
+}
+
+/// Route → decide → serve: the phases between resolving and recording.
+async fn serve(
+    plane: &DataPlane,
+    gen: &Generation,
+    ctx: &mut RequestCtx,
+    info: RequestInfo,
+    body: Incoming,
+) -> Result<Response<Body>, Error> {
+    let route = gen
+        .route(&info.host, info.parts.uri.path())
+        .ok_or(ErrorKind::NoRoute)?;
+    let info = decide(gen, route, ctx, info);
+    let decision = ctx.decision.as_mut().expect("decided above");
+    ctx.upstream_route = matches!(route.target, Target::Service(_));
+    ctx.serve_start = Some(Instant::now());
+    let served = match &route.target {
+        Target::Service(name) => {
+            forward::forward(plane, gen, &ctx.client, decision, name, info, body).await
+        }
+        Target::Static(tree) => Ok(crate::static_files::serve(tree, &info.parts, decision).await),
+    };
+    let mut resp = served.unwrap_or_else(|e| e.response());
+    if let Some(c) = ctx.set_cookie.take() {
+        resp.headers_mut().append(header::SET_COOKIE, c);
+    }
+    Ok(resp)
+}
+
+/// The lane phase: a sticky route's valid cookie keeps its lane; else the
+/// trusted tag, rules and script decide (`lane::decide`).
+fn decide(gen: &Generation, route: &Route, ctx: &mut RequestCtx, info: RequestInfo) -> RequestInfo {
+    let (info, mut decision, set_cookie) =
+        lane::sticky::decide_on_route(&gen.lane, route.sticky, info, ctx.client.peer_trusted);
+    decision.route = Some(route.prefix.clone());
+    ctx.set_cookie = set_cookie;
+    ctx.decision = Some(decision);
+    info
+}
+
+/// The lane as a header value: ready-made for served lanes, built for
+/// others (lane names are header-safe by validation).
+pub fn lane_tag(gen: &Generation, d: &Decision) -> HeaderValue {
+    match gen.lane_tags.get(&d.lane) {
+        Some(t) => t.clone(),
+        None => HeaderValue::from_str(&d.lane).expect("lane names are header-safe"),
+    }
+}

@@ -1,0 +1,199 @@
+//! Layer: upstream. What goes on the wire to a node besides the client's own
+//! fields: the hop-by-hop fields that never pass a proxy, the fields the
+//! gateway adds (lane tag, generation, X-Forwarded-*), and which methods are
+//! safe to send twice.
+
+use std::net::IpAddr;
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::Method;
+
+/// Headers that describe one connection and must not be forwarded
+/// (pre-parsed names: no per-request name parsing on the hot path);
+/// `Transfer-Encoding` is framing, handled by each side's engine. The
+/// inline upstream exchange drops these while parsing a response head.
+pub const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::UPGRADE,
+];
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+
+/// Removes hop-by-hop headers, including those named in `Connection`.
+/// (`Transfer-Encoding` is framing that hyper owns on each side.)
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Most messages carry none: one pass comparing names (cheap for the
+    // standard ones) instead of nine hashed removals.
+    let any = headers
+        .keys()
+        .any(|n| n == header::TRANSFER_ENCODING || HOP_BY_HOP.contains(n));
+    if !any {
+        return;
+    }
+    if headers.contains_key(header::CONNECTION) {
+        strip_connection_named(headers);
+    }
+    for n in &HOP_BY_HOP {
+        headers.remove(n);
+    }
+    headers.remove(header::TRANSFER_ENCODING);
+}
+
+fn strip_connection_named(headers: &mut HeaderMap) {
+    // `keep-alive`, `close` and `upgrade` are the usual tokens; the first
+    // and last are removed anyway, `close` names no header.
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|t| {
+            !["keep-alive", "close", "upgrade"]
+                .iter()
+                .any(|k| t.eq_ignore_ascii_case(k))
+        })
+        .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
+        .collect();
+    for n in named {
+        headers.remove(n);
+    }
+}
+
+/// Header carrying the serving generation's id upstream, so a backend (and
+/// the reload tests) can tell which configuration routed a request.
+pub const GENERATION_HEADER: HeaderName = HeaderName::from_static("x-graygate-generation");
+
+/// Methods safe to send twice (RFC 9110 9.2.2).
+pub fn idempotent(m: &Method) -> bool {
+    matches!(
+        *m,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::PUT | Method::DELETE | Method::TRACE
+    )
+}
+
+/// `ip` as a header value; the last one is cached per thread (a worker's
+/// clients are mostly few, often one load balancer).
+fn ip_header_value(ip: IpAddr) -> HeaderValue {
+    thread_local! {
+        static LAST: std::cell::RefCell<Option<(IpAddr, HeaderValue)>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    LAST.with(|last| {
+        let mut last = last.borrow_mut();
+        match &*last {
+            Some((cached, v)) if *cached == ip => v.clone(),
+            _ => {
+                let v = HeaderValue::from_str(&ip.to_string()).expect("an IP is a header value");
+                *last = Some((ip, v.clone()));
+                v
+            }
+        }
+    })
+}
+
+/// The fields the gateway sets on an upstream request: the lane tag, the
+/// generation, and X-Forwarded-For/-Proto/-Host. From a trusted proxy the
+/// X-Forwarded-For chain is extended and its -Proto/-Host are kept; from
+/// anyone else client-supplied values are replaced.
+pub struct Added {
+    fields: [Option<(HeaderName, HeaderValue)>; 5],
+}
+
+impl Added {
+    /// Computes the fields and removes from `headers` the client's copies
+    /// they replace.
+    pub fn new(
+        headers: &mut HeaderMap,
+        tag: (HeaderName, HeaderValue),
+        generation: HeaderValue,
+        peer: IpAddr,
+        peer_trusted: bool,
+        original_host: Option<HeaderValue>,
+    ) -> Added {
+        let prior = if peer_trusted {
+            let joined: Vec<&str> = headers
+                .get_all(X_FORWARDED_FOR)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .collect();
+            (!joined.is_empty()).then(|| joined.join(", "))
+        } else {
+            None
+        };
+        let xff = match prior {
+            Some(p) => HeaderValue::from_str(&format!("{p}, {peer}")).ok(),
+            None => Some(ip_header_value(peer)),
+        };
+        let keep_proto = peer_trusted && headers.contains_key(X_FORWARDED_PROTO);
+        let keep_host = peer_trusted && headers.contains_key(X_FORWARDED_HOST);
+        let replaced = |n: &HeaderName| {
+            *n == tag.0
+                || *n == GENERATION_HEADER
+                || *n == X_FORWARDED_FOR
+                || (!keep_proto && *n == X_FORWARDED_PROTO)
+                || (!keep_host && *n == X_FORWARDED_HOST)
+        };
+        // Usually the client sent none of them: one pass over the names.
+        if headers.keys().any(replaced) {
+            let names: Vec<HeaderName> = headers.keys().filter(|n| replaced(n)).cloned().collect();
+            for n in names {
+                headers.remove(n);
+            }
+        }
+        Added {
+            fields: [
+                Some(tag),
+                Some((GENERATION_HEADER, generation)),
+                xff.map(|v| (X_FORWARDED_FOR, v)),
+                (!keep_proto).then(|| (X_FORWARDED_PROTO, HeaderValue::from_static("http"))),
+                original_host
+                    .filter(|_| !keep_host)
+                    .map(|h| (X_FORWARDED_HOST, h)),
+            ],
+        }
+    }
+
+    /// No fields (health probes).
+    pub fn none() -> Added {
+        Added {
+            fields: [None, None, None, None, None],
+        }
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> {
+        self.fields.iter().flatten().map(|(n, v)| (n, v))
+    }
+
+    /// Puts the fields into `headers` (for engines that take a whole map).
+    pub fn apply(&self, headers: &mut HeaderMap) {
+        for (n, v) in self.iter() {
+            headers.insert(n.clone(), v.clone());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_and_connection_named_headers_go() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, "keep-alive, X-Secret".parse().unwrap());
+        h.insert("x-secret", "1".parse().unwrap());
+        h.insert("keep-alive", "timeout=5".parse().unwrap());
+        h.insert("te", "trailers".parse().unwrap());
+        h.insert("x-keep", "1".parse().unwrap());
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("x-keep"));
+    }
+}
