@@ -29,6 +29,7 @@ fn request(uri: &str, ip: &str, headers: &[(&str, &str)]) -> RequestInfo {
         parts,
         client_ip: ip.parse::<IpAddr>().unwrap(),
         host: "shop.example".into(),
+        peer_trusted: false,
     }
 }
 
@@ -86,15 +87,16 @@ fn bench(c: &mut Criterion) {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
 
     let mut run = |name: &str, gen: &Generation, req: RequestInfo, want: &str| {
-        let (req, d) = decide(&gen.lane, req, false);
+        let decided = decide(&gen.lane, req);
+        let d = &decided.decision;
         assert_eq!(d.lane, want, "{name}: {:?}", d.decided_by);
-        let mut slot = Some(req);
+        let mut slot = Some(decided.info);
         c.bench_function(name, |b| {
             timed(b, || {
                 let req = slot.take().unwrap();
-                let (req, d) = decide(&gen.lane, black_box(req), false);
-                black_box(&d);
-                slot = Some(req);
+                let decided = decide(&gen.lane, black_box(req));
+                black_box(&decided.decision);
+                slot = Some(decided.info);
             })
         });
     };

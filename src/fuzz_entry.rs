@@ -111,11 +111,12 @@ pub fn request_decision(gen: &Generation, data: &[u8]) -> Option<Decision> {
         Ipv4Addr::LOCALHOST
     });
     let (parts, ()) = req.into_parts();
-    let (info, _) = resolve_request(parts, peer, &gen.trusted);
-    let peer_trusted = sel & 2 == 2;
+    let mut info = resolve_request(parts, peer, &gen.trusted);
+    info.peer_trusted = sel & 2 == 2;
     let route = gen.route(&info.host, info.parts.uri.path())?;
-    let (info, decision, cookie) = decide_on_route(&gen.lane, route.sticky, info, peer_trusted);
-    if let Some(c) = cookie {
+    let decided = decide_on_route(&gen.lane, route.sticky, info);
+    let (info, decision) = (decided.info, decided.decision);
+    if let Some(c) = decided.set_cookie {
         assert!(c.to_str().is_ok());
     }
     // The lane always becomes a valid header value.

@@ -29,45 +29,38 @@ const LAYERS: &[(&str, u32)] = &[
 const DATA_PLANE_MAX: u32 = 7;
 const CONTROL_PLANE: &[&str] = &["control", "admin"];
 
-/// `crate::NAME` heads in `text`, comments included only when code-like
-/// (doc links such as [`crate::x`] count too: they are references).
+/// The identifier at the start of `s`.
+fn ident(s: &str) -> String {
+    s.chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .collect()
+}
+
+/// `crate::NAME` heads in `text` (and each NAME of `crate::{a, b}`),
+/// comments and doc links included: they are references too.
 fn crate_refs(text: &str) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
-    let bytes = text.as_bytes();
-    let mut i = 0;
-    while let Some(pos) = text[i..].find("crate::") {
-        let start = i + pos;
-        let preceded_ok = start == 0 || {
-            let c = bytes[start - 1];
-            !(c.is_ascii_alphanumeric() || c == b'_')
-        };
-        let mut j = start + "crate::".len();
-        if preceded_ok {
-            if text[j..].starts_with('{') {
-                let end = text[j..].find('}').map_or(text.len(), |e| j + e);
-                for item in text[j + 1..end].split(',') {
-                    let name: String = item
-                        .trim()
-                        .chars()
-                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                        .collect();
-                    if !name.is_empty() {
-                        out.insert(name);
-                    }
-                }
-                j = end;
-            } else {
-                let name: String = text[j..]
-                    .chars()
-                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                    .collect();
-                if !name.is_empty() {
-                    out.insert(name);
-                }
+    let mut rest = text;
+    while let Some(pos) = rest.find("crate::") {
+        let glued = rest[..pos]
+            .chars()
+            .next_back()
+            .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_');
+        rest = &rest[pos + "crate::".len()..];
+        if glued {
+            continue;
+        }
+        match rest.strip_prefix('{') {
+            Some(group) => {
+                let end = group.find('}').unwrap_or(group.len());
+                out.extend(group[..end].split(',').map(|i| ident(i.trim())));
+            }
+            None => {
+                out.insert(ident(rest));
             }
         }
-        i = j;
     }
+    out.remove("");
     out
 }
 

@@ -188,12 +188,13 @@ async fn bad_changes_are_rejected_and_the_old_generation_keeps_serving() {
     let err = wait_error(gw, "unknown service").await;
     assert!(err.contains("gg.yaml:"), "{err}");
     assert_eq!(node_for(gw, gray()).await, "g1");
-    let logs = gw.logs();
-    assert!(
-        logs.lines()
-            .any(|l| l.contains("reload rejected") && l.contains("unknown service")),
-        "{logs}"
-    );
+    // The log is read from the child's stderr by another thread: poll it.
+    eventually("the rejection in the log", LIMIT, || async {
+        gw.logs()
+            .lines()
+            .any(|l| l.contains("reload rejected") && l.contains("unknown service"))
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

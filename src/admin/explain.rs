@@ -17,6 +17,7 @@ use crate::config::FORMAL;
 use crate::control::Gateway;
 use crate::generation::Target;
 use crate::lane::sticky::decide_on_route;
+use crate::lane::Decided;
 use crate::nodes::NoCandidates;
 use crate::proxy::resolve::resolve_request;
 
@@ -120,7 +121,8 @@ pub fn run(gw: &Gateway, q: Query) -> Response<Body> {
     };
     let gen = gw.current();
     let peer = q.ip.unwrap_or(IpAddr::from([127, 0, 0, 1]));
-    let (info, peer_trusted) = resolve_request(parts, peer, &gen.trusted);
+    let info = resolve_request(parts, peer, &gen.trusted);
+    let peer_trusted = info.peer_trusted;
     let path = info.parts.uri.path();
     let mut out = serde_json::json!({
         "generation": gen.id,
@@ -140,7 +142,11 @@ pub fn run(gw: &Gateway, q: Query) -> Response<Body> {
         return json(out);
     };
     // Sticky routes: a valid lane cookie wins, exactly as for real traffic.
-    let (info, decision, set_cookie) = decide_on_route(&gen.lane, route.sticky, info, peer_trusted);
+    let Decided {
+        info,
+        decision,
+        set_cookie,
+    } = decide_on_route(&gen.lane, route.sticky, info);
     out["sticky_cookie_set"] = set_cookie.is_some().into();
     out["route"] = serde_json::json!({"host": route.host, "prefix": route.prefix});
     out["lane"] = decision.lane.clone().into();

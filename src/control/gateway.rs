@@ -136,12 +136,9 @@ impl Gateway {
                 self.sync_health(&gen);
                 status.last_reload_error = None;
                 status.applied += 1;
-                self.plane
-                    .metrics
-                    .reloads
-                    .with_label_values(&["applied"])
-                    .inc();
-                self.plane.metrics.generation.set(next as i64);
+                let metrics = &self.plane.metrics;
+                metrics.reloads.with_label_values(&["applied"]).inc();
+                metrics.generation.set(next as i64);
                 tracing::info!(generation = next, "configuration reloaded");
                 Ok(next)
             }
@@ -149,11 +146,8 @@ impl Gateway {
                 tracing::error!(error = %e, "reload rejected; previous configuration keeps serving");
                 status.last_reload_error = Some(e.to_string());
                 status.rejected += 1;
-                self.plane
-                    .metrics
-                    .reloads
-                    .with_label_values(&["rejected"])
-                    .inc();
+                let metrics = &self.plane.metrics;
+                metrics.reloads.with_label_values(&["rejected"]).inc();
                 Err(e)
             }
         }

@@ -35,6 +35,8 @@ pub struct RequestInfo {
     pub client_ip: IpAddr,
     /// Host without port, lower-case.
     pub host: String,
+    /// Is the direct peer a trusted proxy (whose tag header is honoured)?
+    pub peer_trusted: bool,
 }
 
 impl RequestInfo {
@@ -88,22 +90,41 @@ pub struct LanePolicy {
     pub served_lanes: BTreeSet<String>,
 }
 
-/// Decides the lane of `req` under `gen`. `peer_trusted` says whether the
-/// direct peer is a trusted proxy (whose tag header is honoured).
-pub fn decide(gen: &LanePolicy, req: RequestInfo, peer_trusted: bool) -> (RequestInfo, Decision) {
-    if peer_trusted {
+/// A decided request: the request handed back (as the script left it —
+/// `ngx.req.set_header` edits included), its [`Decision`], and for sticky
+/// routes a fresh cookie to set.
+#[derive(Debug)]
+pub struct Decided {
+    pub info: RequestInfo,
+    pub decision: Decision,
+    pub set_cookie: Option<HeaderValue>,
+}
+
+impl Decided {
+    fn new(info: RequestInfo, decision: Decision) -> Decided {
+        Decided {
+            info,
+            decision,
+            set_cookie: None,
+        }
+    }
+}
+
+/// Decides the lane of `req` under `gen`.
+pub fn decide(gen: &LanePolicy, req: RequestInfo) -> Decided {
+    if req.peer_trusted {
         if let Some(v) = req.parts.headers.get(&gen.tag_header) {
             let tag = v.to_str().unwrap_or("");
             return if valid_lane(tag) {
                 let d = Decision::new(tag, DecidedBy::TrustedTag);
-                (req, d)
+                Decided::new(req, d)
             } else {
                 log_limited(
                     &INVALID_LOG,
                     || tracing::warn!(tag = %String::from_utf8_lossy(v.as_bytes()), "invalid lane in trusted tag header; using formal"),
                 );
                 let d = Decision::new(FORMAL, DecidedBy::InvalidLane(lossy(v.as_bytes()).into()));
-                (req, d)
+                Decided::new(req, d)
             };
         }
     }
@@ -113,7 +134,7 @@ pub fn decide(gen: &LanePolicy, req: RequestInfo, peer_trusted: bool) -> (Reques
         .map_or(rules::Verdict::Disabled, |r| r.verdict(&req));
     let rule_decision = match &verdict {
         rules::Verdict::Deny(name) => {
-            return (req, Decision::new(FORMAL, DecidedBy::Deny(name.clone())));
+            return Decided::new(req, Decision::new(FORMAL, DecidedBy::Deny(name.clone())));
         }
         rules::Verdict::Disabled => None,
         rules::Verdict::Rule { name, lane } => {
@@ -123,7 +144,7 @@ pub fn decide(gen: &LanePolicy, req: RequestInfo, peer_trusted: bool) -> (Reques
     };
     let Some(src) = &gen.script else {
         let d = rule_decision.unwrap_or_else(|| Decision::new(FORMAL, DecidedBy::Default));
-        return (req, d);
+        return Decided::new(req, d);
     };
     let rule_ctx = match verdict {
         rules::Verdict::Rule { name, lane } => script::RuleCtx {
@@ -166,7 +187,7 @@ pub fn decide(gen: &LanePolicy, req: RequestInfo, peer_trusted: bool) -> (Reques
             Decision::new(FORMAL, DecidedBy::ScriptError(e.message))
         }
     };
-    (req, decision)
+    Decided::new(req, decision)
 }
 
 fn lossy(b: &[u8]) -> Cow<'_, str> {

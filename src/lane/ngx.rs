@@ -783,6 +783,7 @@ pub(crate) mod tests {
             parts,
             client_ip: ip.parse::<IpAddr>().unwrap(),
             host: "shop.example".into(),
+            peer_trusted: false,
         }
     }
 

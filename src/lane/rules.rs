@@ -553,6 +553,7 @@ mod tests {
             parts,
             client_ip: ip.parse::<IpAddr>().unwrap(),
             host: "h".into(),
+            peer_trusted: false,
         }
     }
 

@@ -873,6 +873,7 @@ mod tests {
             parts,
             client_ip: "127.0.0.1".parse().unwrap(),
             host: "h".into(),
+            peer_trusted: false,
         }
     }
 

@@ -8,7 +8,7 @@ use hmac::{Hmac, Mac};
 use http::HeaderValue;
 use sha2::Sha256;
 
-use super::{cookie_value, decide, DecidedBy, Decision, LanePolicy, RequestInfo};
+use super::{cookie_value, decide, Decided, DecidedBy, Decision, LanePolicy, RequestInfo};
 use crate::config::{valid_lane, StickyConfig};
 
 type HmacSha256 = Hmac<Sha256>;
@@ -129,18 +129,10 @@ pub use crate::base::clock::unix_now;
 /// a signer configured) go through [`decide_sticky`], others straight to
 /// [`decide`]. Returns a fresh cookie to set, if any. Real traffic,
 /// `/explain` and the fuzz entry all decide through here.
-pub fn decide_on_route(
-    gen: &LanePolicy,
-    sticky_route: bool,
-    info: RequestInfo,
-    peer_trusted: bool,
-) -> (RequestInfo, Decision, Option<HeaderValue>) {
+pub fn decide_on_route(gen: &LanePolicy, sticky_route: bool, info: RequestInfo) -> Decided {
     match gen.sticky.as_ref().filter(|_| sticky_route) {
-        Some(st) => decide_sticky(gen, st, info, peer_trusted),
-        None => {
-            let (i, d) = decide(gen, info, peer_trusted);
-            (i, d, None)
-        }
+        Some(st) => decide_sticky(gen, st, info),
+        None => decide(gen, info),
     }
 }
 
@@ -148,13 +140,8 @@ pub fn decide_on_route(
 /// keeps that lane; otherwise the lane is decided as usual and (for a real
 /// decision, not a script failure) a fresh cookie is returned to set. A tag
 /// from a trusted proxy always wins.
-pub fn decide_sticky(
-    gen: &LanePolicy,
-    st: &Sticky,
-    info: RequestInfo,
-    peer_trusted: bool,
-) -> (RequestInfo, Decision, Option<HeaderValue>) {
-    let tagged = peer_trusted && info.parts.headers.contains_key(&gen.tag_header);
+pub fn decide_sticky(gen: &LanePolicy, st: &Sticky, info: RequestInfo) -> Decided {
+    let tagged = info.peer_trusted && info.parts.headers.contains_key(&gen.tag_header);
     let now = unix_now();
     // A deny rule beats a sticky cookie too (and pins no cookie).
     let denied = gen
@@ -167,16 +154,22 @@ pub fn decide_sticky(
             .filter(|l| gen.served_lanes.contains(*l))
             .map(str::to_string);
         if let Some(l) = kept {
-            return (info, Decision::new(l, DecidedBy::StickyCookie), None);
+            return Decided {
+                info,
+                decision: Decision::new(l, DecidedBy::StickyCookie),
+                set_cookie: None,
+            };
         }
     }
-    let (info, d) = decide(gen, info, peer_trusted);
+    let mut decided = decide(gen, info);
+    let d = &decided.decision;
     let cookie = matches!(
         d.decided_by,
         DecidedBy::Script | DecidedBy::Default | DecidedBy::Rule(_) | DecidedBy::RuleFallback
     )
     .then(|| st.set_cookie(&d.lane, now));
-    (info, d, cookie)
+    decided.set_cookie = cookie;
+    decided
 }
 
 #[cfg(test)]

@@ -54,7 +54,7 @@ impl RequestCtx {
         start: Instant,
         log: &AccessLog,
     ) -> (RequestInfo, RequestCtx) {
-        let (info, peer_trusted) = resolve_request(parts, peer.ip(), &gen.trusted);
+        let info = resolve_request(parts, peer.ip(), &gen.trusted);
         let log_head = log.enabled().then(|| {
             (
                 info.parts.method.to_string(),
@@ -64,7 +64,7 @@ impl RequestCtx {
         let ctx = RequestCtx {
             client: Client {
                 peer,
-                peer_trusted,
+                peer_trusted: info.peer_trusted,
                 ip: info.client_ip,
             },
             start,

@@ -119,12 +119,11 @@ async fn serve(
 /// The lane phase: a sticky route's valid cookie keeps its lane; else the
 /// trusted tag, rules and script decide (`lane::decide`).
 fn decide(gen: &Generation, route: &Route, ctx: &mut RequestCtx, info: RequestInfo) -> RequestInfo {
-    let (info, mut decision, set_cookie) =
-        lane::sticky::decide_on_route(&gen.lane, route.sticky, info, ctx.client.peer_trusted);
-    decision.route = Some(route.prefix.clone());
-    ctx.set_cookie = set_cookie;
-    ctx.decision = Some(decision);
-    info
+    let mut decided = lane::sticky::decide_on_route(&gen.lane, route.sticky, info);
+    decided.decision.route = Some(route.prefix.clone());
+    ctx.set_cookie = decided.set_cookie;
+    ctx.decision = Some(decided.decision);
+    decided.info
 }
 
 /// The lane as a header value: ready-made for served lanes, built for

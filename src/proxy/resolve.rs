@@ -83,9 +83,9 @@ fn client_behind(peer: IpAddr, headers: &HeaderMap, trusted: &IpList) -> IpAddr 
 
 /// The request-resolution phase shared by real traffic, `/explain` and the
 /// fuzz entry: host (lower-case, no port) and the client address (from
-/// X-Forwarded-For only behind a trusted proxy). Also returns whether the
-/// peer itself is a trusted proxy.
-pub fn resolve_request(parts: Parts, peer: IpAddr, trusted: &IpList) -> (RequestInfo, bool) {
+/// X-Forwarded-For only behind a trusted proxy), and whether the peer itself
+/// is a trusted proxy (`peer_trusted`).
+pub fn resolve_request(parts: Parts, peer: IpAddr, trusted: &IpList) -> RequestInfo {
     let peer_trusted = trusted.contains(peer);
     let client_ip = if peer_trusted {
         client_behind(peer, &parts.headers, trusted)
@@ -93,12 +93,12 @@ pub fn resolve_request(parts: Parts, peer: IpAddr, trusted: &IpList) -> (Request
         peer
     };
     let host = host_of(&parts.headers, &parts.uri);
-    let info = RequestInfo {
+    RequestInfo {
         parts,
         client_ip,
         host,
-    };
-    (info, peer_trusted)
+        peer_trusted,
+    }
 }
 
 #[cfg(test)]
