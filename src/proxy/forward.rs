@@ -69,7 +69,12 @@ pub async fn forward(
     let choice = select_node(plane, service, decision)?;
     let upstream = &gen.config.upstream;
     let out = rewrite_request(gen, client, decision, info.parts, upstream);
-    let replay = buffer_body(body, out.idempotent, out.deadline, upstream).await?;
+    // No body (the common GET): nothing to wait for, no timer.
+    let replay = if hyper::body::Body::is_end_stream(&body) {
+        Replay::Empty
+    } else {
+        buffer_body(body, out.idempotent, out.deadline, upstream).await?
+    };
     attempt_all(plane, service, choice, decision, out, replay, upstream).await
 }
 
@@ -195,19 +200,14 @@ fn rewrite_request(
     }
 }
 
-/// The body phase: nothing to wait for without a body; else an idempotent
-/// body up to `retry_buffer_bytes` is buffered for replay, a larger one
-/// streams. A failing client body is the client's error (400/408).
+/// The body phase (for a request with a body): an idempotent body up to
+/// `retry_buffer_bytes` is buffered for replay, a larger one streams. A failing client body is the client's error (400/408).
 async fn buffer_body(
     body: Incoming,
     idempotent: bool,
     deadline: Instant,
     upstream: &UpstreamConfig,
 ) -> Result<Replay, Error> {
-    // No body (the common GET): no timer needed to wait for it.
-    if hyper::body::Body::is_end_stream(&body) {
-        return Ok(Replay::Empty);
-    }
     match tokio::time::timeout_at(
         deadline.into(),
         Replay::new(body, idempotent, upstream.retry_buffer_bytes),

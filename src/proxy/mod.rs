@@ -80,40 +80,42 @@ pub async fn handle(
     }
     let (parts, body) = req.into_parts();
     let (info, mut ctx) = RequestCtx::begin(&gen, parts, peer, start, &plane.access_log);
-    let resp = match serve(plane, &gen, &mut ctx, info, body).await {
-        Ok(r) => r,
+    let mut resp = match route(&gen, &mut ctx, info) {
         Err(e) => e.response(),
+        Ok((route, info)) => {
+            let decision = ctx.decision.as_mut().expect("decided by route()");
+            let served = match &route.target {
+                Target::Service(name) => {
+                    forward::forward(plane, &gen, &ctx.client, decision, name, info, body).await
+                }
+                Target::Static(tree) => {
+                    Ok(crate::static_files::serve(tree, &info.parts, decision).await)
+                }
+            };
+            served.unwrap_or_else(|e| e.response())
+        }
     };
+    if let Some(c) = ctx.set_cookie.take() {
+        resp.headers_mut().append(header::SET_COOKIE, c);
+    }
     ctx.end = Instant::now();
-    Ok(record::finish(plane, &gen, ctx, resp))
+    Ok(record::finish(plane, &gen, &mut ctx, resp))
 }
 
-/// Route → decide → serve: the phases between resolving and recording.
-async fn serve(
-    plane: &DataPlane,
-    gen: &Generation,
+/// The route phase, then the lane phase: the route for host and path (404
+/// without one) and the request's lane on it.
+fn route<'g>(
+    gen: &'g Generation,
     ctx: &mut RequestCtx,
     info: RequestInfo,
-    body: Incoming,
-) -> Result<Response<Body>, Error> {
+) -> Result<(&'g Route, RequestInfo), Error> {
     let route = gen
         .route(&info.host, info.parts.uri.path())
         .ok_or(ErrorKind::NoRoute)?;
     let info = decide(gen, route, ctx, info);
-    let decision = ctx.decision.as_mut().expect("decided above");
     ctx.upstream_route = matches!(route.target, Target::Service(_));
     ctx.serve_start = Some(Instant::now());
-    let served = match &route.target {
-        Target::Service(name) => {
-            forward::forward(plane, gen, &ctx.client, decision, name, info, body).await
-        }
-        Target::Static(tree) => Ok(crate::static_files::serve(tree, &info.parts, decision).await),
-    };
-    let mut resp = served.unwrap_or_else(|e| e.response());
-    if let Some(c) = ctx.set_cookie.take() {
-        resp.headers_mut().append(header::SET_COOKIE, c);
-    }
-    Ok(resp)
+    Ok((route, info))
 }
 
 /// The lane phase: a sticky route's valid cookie keeps its lane; else the

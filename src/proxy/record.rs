@@ -17,7 +17,7 @@ use crate::observe::metrics::Observation;
 pub fn finish(
     plane: &DataPlane,
     gen: &Generation,
-    ctx: RequestCtx,
+    ctx: &mut RequestCtx,
     mut resp: Response<Body>,
 ) -> Response<Body> {
     let total = ctx.total();
@@ -42,7 +42,7 @@ pub fn finish(
         total,
         upstream,
     });
-    if let Some((method, path)) = ctx.log_head {
+    if let Some((method, path)) = ctx.log_head.take() {
         plane.access_log.log(Entry {
             time: Entry::now_string(),
             client_ip: ctx.client.ip,
