@@ -237,6 +237,8 @@ pub struct Service {
     pub strict: bool,
     /// Per-service retry count (else `upstream.retries`).
     pub retries: Option<u32>,
+    /// Per-service body read timeout (else `upstream.read_timeout_ms`).
+    pub read_timeout_ms: Option<u64>,
 }
 
 impl Service {
@@ -256,6 +258,7 @@ impl Service {
             health: HealthConfig::default(),
             strict: false,
             retries: None,
+            read_timeout_ms: None,
         }
     }
 

@@ -8,10 +8,15 @@ use std::time::{Duration, Instant};
 use http::header::HeaderValue;
 use http::request::Parts;
 
+use std::sync::Arc;
+
 use super::resolve::resolve_request;
 use crate::base::decision::Decision;
+use crate::base::error::ErrorKind;
+use crate::config::PassiveHealth;
 use crate::generation::Generation;
 use crate::lane::RequestInfo;
+use crate::nodes::health::NodeHealth;
 use crate::observe::access_log::AccessLog;
 
 /// Who sent the request.
@@ -43,6 +48,34 @@ pub struct RequestCtx {
     pub log_head: Option<(String, String)>,
     /// The route sends to a service (upstream time is recorded).
     pub upstream_route: bool,
+    /// What failed, when the request did not end as the node answered.
+    pub error: Option<ErrorKind>,
+    /// The passive-health verdict on the node that answered, given when
+    /// its response body ends (or fails).
+    pub verdict: Option<Verdict>,
+    /// A HEAD request (hyper sends no body for it).
+    pub head_request: bool,
+}
+
+/// The node that answered a request, judged at the end of its body.
+pub struct Verdict {
+    pub health: Arc<NodeHealth>,
+    pub node: Arc<str>,
+    pub policy: PassiveHealth,
+    /// The status alone already counts as a failure (5xx, `fail_on_5xx`).
+    pub failed_status: bool,
+}
+
+impl Verdict {
+    /// The body ended as `ok` says: a success unless the status or the body
+    /// failed.
+    pub fn give(self, body_ok: bool) {
+        if body_ok && !self.failed_status {
+            self.health.success(&self.node);
+        } else {
+            self.health.failure(&self.node, &self.policy);
+        }
+    }
 }
 
 impl RequestCtx {
@@ -55,6 +88,7 @@ impl RequestCtx {
         log: &AccessLog,
     ) -> (RequestInfo, RequestCtx) {
         let info = resolve_request(parts, peer.ip(), &gen.trusted);
+        let head_request = info.parts.method == http::Method::HEAD;
         let log_head = log.enabled().then(|| {
             (
                 info.parts.method.to_string(),
@@ -74,6 +108,9 @@ impl RequestCtx {
             set_cookie: None,
             log_head,
             upstream_route: false,
+            error: None,
+            verdict: None,
+            head_request,
         };
         (info, ctx)
     }
