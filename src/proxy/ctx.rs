@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use http::header::HeaderValue;
 use http::request::Parts;
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::resolve::resolve_request;
@@ -18,6 +19,8 @@ use crate::generation::Generation;
 use crate::lane::RequestInfo;
 use crate::nodes::health::NodeHealth;
 use crate::observe::access_log::AccessLog;
+use crate::observe::node_stats::NodeCounters;
+use crate::upstream::body::ClientFault;
 
 /// Who sent the request.
 #[derive(Debug, Clone, Copy)]
@@ -55,6 +58,9 @@ pub struct RequestCtx {
     pub verdict: Option<Verdict>,
     /// A HEAD request (hyper sends no body for it).
     pub head_request: bool,
+    /// Where the client's request body notes its failures (requests with
+    /// a body).
+    pub client_fault: Option<Arc<ClientFault>>,
 }
 
 /// The node that answered a request, judged at the end of its body.
@@ -64,12 +70,17 @@ pub struct Verdict {
     pub policy: PassiveHealth,
     /// The status alone already counts as a failure (5xx, `fail_on_5xx`).
     pub failed_status: bool,
+    /// The node's counters (a broken body is one more error).
+    pub counters: Arc<NodeCounters>,
 }
 
 impl Verdict {
-    /// The body ended as `ok` says: a success unless the status or the body
-    /// failed.
+    /// The body ended as `body_ok` says: a success unless the status or the
+    /// body failed.
     pub fn give(self, body_ok: bool) {
+        if !body_ok {
+            self.counters.errors.fetch_add(1, Ordering::Relaxed);
+        }
         if body_ok && !self.failed_status {
             self.health.success(&self.node);
         } else {
@@ -111,6 +122,7 @@ impl RequestCtx {
             error: None,
             verdict: None,
             head_request,
+            client_fault: None,
         };
         (info, ctx)
     }

@@ -76,6 +76,9 @@ pub async fn forward(
     } else {
         let timeout = Duration::from_millis(gen.config.client.body_timeout_ms);
         let body = ClientBody::new(body, timeout);
+        // Kept for the record: a client body that fails after the node's
+        // head arrived still makes the failure the client's.
+        ctx.client_fault = Some(body.fault().clone());
         buffer_body(body, out.idempotent, out.deadline, upstream).await?
     };
     let verdict = &mut ctx.verdict;
@@ -267,7 +270,8 @@ async fn attempt_all(
         tried.push(idx);
         let node = &set.nodes[idx];
         let health = &set.health[idx];
-        let tracker = NodeTracker::begin(plane.node_stats.get(&service.name, node.addr));
+        let counters = plane.node_stats.get(&service.name, node.addr);
+        let tracker = NodeTracker::begin(counters.clone());
         decision.served_lane = Some(node.lane.clone());
         decision.node = Some(node.name.clone());
         let mut req = Request::new(up_body);
@@ -310,6 +314,7 @@ async fn attempt_all(
                     node: node.name.clone(),
                     policy: policy.clone(),
                     failed_status: policy.fail_on_5xx && r.status().is_server_error(),
+                    counters,
                 });
                 return respond(plane, r, out.client_upgrade, out.upgrade.is_some(), tracker);
             }

@@ -131,6 +131,12 @@ impl Pending {
     /// log (and a debug line).
     fn finish(mut self, outcome: Result<(), ErrorKind>) {
         let ctx = &mut self.ctx;
+        // A failure while the client's own body was failing is the
+        // client's, whatever broke first on the upstream side.
+        let outcome = match (outcome, ctx.client_fault.as_ref().and_then(|f| f.kind())) {
+            (Err(_), Some(client)) => Err(client),
+            (o, _) => o,
+        };
         let error = match outcome {
             Ok(()) => ctx.error,
             Err(kind) => Some(ctx.error.unwrap_or(kind)),

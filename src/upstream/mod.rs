@@ -227,15 +227,10 @@ impl Body for PooledBody {
             PooledBody::Raw(b, t) => (Pin::new(b).poll_frame(cx), t),
             PooledBody::Hyper(b, t) => (Pin::new(b).poll_frame(cx), t),
         };
-        match &r {
-            Poll::Ready(None) => *tracker = None,
-            // A body the node broke off counts as the node's error.
-            Poll::Ready(Some(Err(_))) => {
-                if let Some(t) = tracker.take() {
-                    t.fail();
-                }
-            }
-            _ => {}
+        // At the end or on an error the node's request is no longer in
+        // flight (whose error it was is judged when it is recorded).
+        if let Poll::Ready(None | Some(Err(_))) = &r {
+            *tracker = None;
         }
         r
     }
