@@ -355,14 +355,29 @@ async fn upstream_response_and_total_timeouts() {
     let s = setup(
         "    health:\n      passive: { max_fails: 1000 }\n",
         &[&h1, &h2, &g1],
-        "upstream:\n  response_timeout_ms: 300\n  total_timeout_ms: 5000\n",
+        "upstream:\n  response_timeout_ms: 300\n  total_timeout_ms: 20000\n",
     );
+    let arrived = || h1.arrived() + h2.arrived();
+    // GET is idempotent: after the first node's response timeout it is
+    // retried on the other formal node, which times out too.
     let r = get_lane(&s.gw, "").await;
     assert_eq!(r.status, 504);
     assert_eq!(r.text(), "upstream timed out\n");
+    assert_eq!(
+        (h1.arrived(), h2.arrived()),
+        (1, 1),
+        "the GET was retried on the other node after the response timeout"
+    );
+    // POST is not: one attempt only.
     let r = Req::get("/x").method("POST").send(s.gw.addr).await;
     assert_eq!(r.status, 504);
-    // Total timeout shorter than one try: 504 as well.
+    assert_eq!(
+        arrived(),
+        3,
+        "a POST is never retried after a response timeout"
+    );
+    // Total timeout shorter than one try: 504 once the total deadline is
+    // over, long before the 30 s per-attempt timeout, after one attempt.
     s.fx.write_rename(
         "gg.yaml",
         &main_config(
@@ -375,8 +390,15 @@ async fn upstream_response_and_total_timeouts() {
             .is_some_and(|g| g >= 2)
     })
     .await;
+    let started = std::time::Instant::now();
     let r = get_lane(&s.gw, "").await;
+    let took = started.elapsed();
     assert_eq!(r.status, 504);
+    assert!(
+        took < Duration::from_secs(15),
+        "the total deadline (300 ms) did not end the wait: {took:?}"
+    );
+    assert_eq!(arrived(), 4, "no retry once the total deadline is spent");
     // Gray is unaffected by formal's hanging nodes.
     assert_eq!(get_lane(&s.gw, "gray").await.node(), "g1");
 }

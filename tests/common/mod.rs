@@ -190,10 +190,16 @@ pub fn full(s: impl Into<Bytes>) -> BoxBody {
     Full::new(s.into()).map_err(|never| match never {}).boxed()
 }
 
-/// A port on 127.0.0.1 with nothing listening.
+/// A port on 127.0.0.1 with nothing listening: a socket stays bound to it
+/// (never listening) for the life of the test process, so connects are
+/// refused and no other test or process can take the port meanwhile.
 pub fn closed_port() -> SocketAddr {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap()
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    s.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .unwrap();
+    let addr = s.local_addr().unwrap().as_socket().unwrap();
+    std::mem::forget(s);
+    addr
 }
 
 /// A temporary directory holding a gateway's files.
