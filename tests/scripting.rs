@@ -285,32 +285,60 @@ async fn set_header_reaches_upstream_and_ngx_log_is_located() {
 async fn shared_dict_is_shared_across_workers_and_survives_reload() {
     let backends = lane_backends(&["formal", "gray"]).await;
     let fx = Fixture::new();
-    let script = "return function()\n  local n = ngx.shared.hits:incr('n', 1, 0)\n  ngx.req.set_header('X-Hits', n)\n  return (n % 2 == 0) and 'gray' or nil\nend\n";
-    let gw = start(&fx, &backends, script, "shared_dicts:\n  hits: 1m\n");
-    // Concurrent requests land on both worker threads' VMs; one counter.
-    let mut tasks = Vec::new();
-    for _ in 0..20 {
-        let addr = gw.addr;
-        tasks.push(tokio::spawn(async move { Req::get("/").send(addr).await }));
-    }
-    for t in tasks {
-        assert_eq!(t.await.unwrap().status, 200);
-    }
-    let mut hits: Vec<u64> = backends
-        .iter()
-        .flat_map(|b| b.seen.lock().unwrap().clone())
-        .map(|s| s.header("x-hits").unwrap().parse().unwrap())
-        .collect();
+    // `vm` names the worker thread's VM (a table address of its own).
+    let script = "local vm = tostring({})\nreturn function()\n  local n = ngx.shared.hits:incr('n', 1, 0)\n  ngx.req.set_header('X-Hits', n)\n  ngx.req.set_header('X-VM', vm)\n  return (n % 2 == 0) and 'gray' or nil\nend\n";
+    let gw = start(
+        &fx,
+        &backends,
+        script,
+        "workers: 2\nshared_dicts:\n  hits: 1m\n",
+    );
+    let seen = || -> Vec<(u64, String, bool)> {
+        backends
+            .iter()
+            .flat_map(|b| {
+                let gray = b.lane == "gray";
+                b.seen.lock().unwrap().clone().into_iter().map(move |s| {
+                    (
+                        s.header("x-hits").unwrap().parse().unwrap(),
+                        s.header("x-vm").unwrap(),
+                        gray,
+                    )
+                })
+            })
+            .collect()
+    };
+    // Concurrent requests, each on its own connection, until both worker
+    // threads' VMs have served some (the kernel spreads connections over
+    // the two SO_REUSEPORT listeners).
+    eventually("both workers served", Duration::from_secs(30), || async {
+        let mut tasks = Vec::new();
+        for _ in 0..10 {
+            let addr = gw.addr;
+            tasks.push(tokio::spawn(async move { Req::get("/").send(addr).await }));
+        }
+        for t in tasks {
+            assert_eq!(t.await.unwrap().status, 200);
+        }
+        let vms: std::collections::BTreeSet<String> = seen().into_iter().map(|s| s.1).collect();
+        vms.len() >= 2
+    })
+    .await;
+    let all = seen();
+    let vms: std::collections::BTreeSet<&str> = all.iter().map(|s| s.1.as_str()).collect();
+    assert_eq!(vms.len(), 2, "two workers, two VMs: {vms:?}");
+    // One counter: every request got its own number, 1..=n, whichever VM
+    // ran it.
+    let mut hits: Vec<u64> = all.iter().map(|s| s.0).collect();
     hits.sort_unstable();
-    assert_eq!(hits, (1..=20).collect::<Vec<u64>>());
+    let n = hits.len() as u64;
+    assert_eq!(hits, (1..=n).collect::<Vec<u64>>());
     // Even counts went gray, odd ones formal.
-    assert!(backends[1].seen.lock().unwrap().iter().all(|s| s
-        .header("x-hits")
-        .unwrap()
-        .parse::<u64>()
-        .unwrap()
-        % 2
-        == 0));
+    for (h, vm, gray) in &all {
+        assert_eq!(*gray, h % 2 == 0, "hit {h} on {vm}");
+    }
+    assert_eq!(backends[1].count() as u64, n / 2);
+    assert_eq!(backends[0].count() as u64, n - n / 2);
 
     // A reload (new script text, new generation) keeps the dict's contents.
     let g0 = gw.status().await["generation"].as_u64().unwrap();
@@ -327,7 +355,7 @@ async fn shared_dict_is_shared_across_workers_and_survives_reload() {
         .map(|h| h.parse::<u64>().unwrap())
         .max()
         .unwrap();
-    assert_eq!(last, 21);
+    assert_eq!(last, n + 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

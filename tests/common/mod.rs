@@ -243,6 +243,9 @@ pub struct Gateway {
     pub addr: SocketAddr,
     pub admin: Option<SocketAddr>,
     logs: Arc<Mutex<String>>,
+    /// Everything the process wrote to stdout, and whether stdout has
+    /// reached its end (the process exited).
+    stdout: Arc<Mutex<(String, bool)>>,
 }
 
 impl Drop for Gateway {
@@ -271,10 +274,22 @@ impl Gateway {
             .arg(config)
             .env("RUST_LOG", "info")
             .envs(env.iter().copied())
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn graygate");
+        let stdout = Arc::new(Mutex::new((String::new(), false)));
+        let out = child.stdout.take().unwrap();
+        let o = stdout.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                let mut g = o.lock().unwrap();
+                g.0.push_str(&line);
+                g.0.push('\n');
+            }
+            o.lock().unwrap().1 = true;
+        });
         let logs = Arc::new(Mutex::new(String::new()));
         let stderr = child.stderr.take().unwrap();
         let l = logs.clone();
@@ -308,6 +323,7 @@ impl Gateway {
                             addr,
                             admin,
                             logs,
+                            stdout,
                         };
                     }
                 }
@@ -330,6 +346,28 @@ impl Gateway {
 
     pub fn logs(&self) -> String {
         self.logs.lock().unwrap().clone()
+    }
+
+    /// What the process has written to stdout so far.
+    pub fn stdout(&self) -> String {
+        self.stdout.lock().unwrap().0.clone()
+    }
+
+    /// Stops the process with SIGTERM and returns all it wrote to stdout.
+    pub async fn stop_and_read_stdout(&mut self) -> String {
+        self.signal("TERM");
+        let status = self.wait_exit(Duration::from_secs(20)).await;
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "graygate did not exit cleanly: {status:?}\n{}",
+            self.logs()
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.stdout.lock().unwrap().1 {
+            assert!(Instant::now() < deadline, "stdout never reached its end");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        self.stdout()
     }
 
     /// Sends a signal with the system `kill` command.
