@@ -488,3 +488,220 @@ async fn health_state_survives_reloads() {
         "the ejected node stayed ejected across the reload"
     );
 }
+
+/// The value of the sample `series` (labels in exposition order), if any.
+async fn metric(gw: &Gateway, series: &str) -> Option<f64> {
+    let admin = gw.admin.expect("admin listener");
+    let text = Req::get("/metrics").send(admin).await.text();
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_service_lane_without_nodes_still_uses_formal() {
+    let f1 = Node::start("f1", "formal").await;
+    let g1 = Node::start("g1", "gray").await;
+    let s = setup("    strict: true\n", &[&f1, &g1], "");
+    // v9 has no node at all: formal serves it, strict or not, with the
+    // request's own lane in the tag.
+    for _ in 0..3 {
+        let r = get_lane(&s.gw, "v9").await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.node(), "f1");
+        assert_eq!(r.json()["tag"], "v9");
+    }
+    assert_eq!(g1.count(), 0);
+    assert_eq!(
+        metric(
+            &s.gw,
+            "graygate_lane_fallbacks_total{lane=\"v9\",reason=\"lane_has_no_nodes\"}"
+        )
+        .await,
+        Some(3.0)
+    );
+    // Its gray lane, which has a node, is still gray.
+    assert_eq!(get_lane(&s.gw, "gray").await.node(), "g1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_unhealthy_tries_the_lanes_own_nodes_panic_mode() {
+    let f1 = Node::start("f1", "formal").await;
+    let g1 = Node::start("g1", "gray").await;
+    let v1 = Node::start("v1", "v2").await;
+    let s = setup(
+        "    health:\n      active: { path: /health, interval_ms: 40, timeout_ms: 500, healthy: 1, unhealthy: 1 }\n",
+        &[&f1, &g1, &v1],
+        "",
+    );
+    // Gray and formal both fail their checks; only the other gray lane
+    // (v2) is healthy.
+    f1.set_health(503);
+    g1.set_health(503);
+    let down = |name: &'static str| {
+        format!("graygate_node_health{{lane=\"{}\",node=\"{name}\",service=\"api\",state=\"unhealthy\"}}",
+            if name == "f1" { "formal" } else { "gray" })
+    };
+    eventually("f1 and g1 marked down", Duration::from_secs(10), || async {
+        metric(&s.gw, &down("f1")).await == Some(1.0)
+            && metric(&s.gw, &down("g1")).await == Some(1.0)
+    })
+    .await;
+    // Nothing healthy for gray: its own node is tried anyway (not refused,
+    // and never v2); formal likewise.
+    for _ in 0..3 {
+        let r = get_lane(&s.gw, "gray").await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.node(), "g1");
+        assert_eq!(r.json()["tag"], "gray");
+        let r = get_lane(&s.gw, "").await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.node(), "f1");
+    }
+    assert_eq!(
+        v1.count(),
+        0,
+        "panic mode never crosses into another gray lane"
+    );
+    assert_eq!(
+        metric(
+            &s.gw,
+            "graygate_lane_fallbacks_total{lane=\"gray\",reason=\"all_unhealthy\"}"
+        )
+        .await,
+        Some(3.0)
+    );
+    assert_eq!(get_lane(&s.gw, "v2").await.node(), "v1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn active_probes_carry_the_lane_tag_and_user_agent_and_restart_on_change() {
+    let f1 = Node::start("f1", "formal").await;
+    let g1 = Node::start("g1", "gray").await;
+    let check = |path: &str| {
+        format!("    health:\n      active: {{ path: {path}, interval_ms: 30, timeout_ms: 500 }}\n")
+    };
+    let s = setup(&check("/health"), &[&f1, &g1], "");
+    eventually("both probed", Duration::from_secs(10), || async {
+        f1.probes_on("/health") >= 2 && g1.probes_on("/health") >= 2
+    })
+    .await;
+    for (node, lane) in [(&f1, "formal"), (&g1, "gray")] {
+        for p in node.probes() {
+            assert_eq!(p.tag.as_deref(), Some(lane), "{} {p:?}", node.name);
+            assert_eq!(p.user_agent.as_deref(), Some("graygate-health"), "{p:?}");
+        }
+    }
+    // A changed check (new path) restarts the checkers: probes move to the
+    // new path and the old ones stop.
+    s.fx.write_rename("nodes.yaml", &nodes_file(&check("/health-b"), &[&f1, &g1]));
+    eventually(
+        "probes on the new path",
+        Duration::from_secs(10),
+        || async { f1.probes_on("/health-b") >= 1 && g1.probes_on("/health-b") >= 1 },
+    )
+    .await;
+    let old = (f1.probes_on("/health"), g1.probes_on("/health"));
+    let new = (f1.probes_on("/health-b"), g1.probes_on("/health-b"));
+    eventually(
+        "4 more probes on the new path",
+        Duration::from_secs(10),
+        || async {
+            f1.probes_on("/health-b") >= new.0 + 4 && g1.probes_on("/health-b") >= new.1 + 4
+        },
+    )
+    .await;
+    // At most one probe on the old path that was already under way.
+    assert!(f1.probes_on("/health") <= old.0 + 1, "old check still runs");
+    assert!(g1.probes_on("/health") <= old.1 + 1, "old check still runs");
+    for p in g1.probes() {
+        assert_eq!(p.tag.as_deref(), Some("gray"), "{p:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_over_the_retry_buffer_stream_and_retry_only_after_connect_failure() {
+    let limit = 1024;
+    let body = |n: usize| "b".repeat(n);
+    let put = |gw_addr, n: usize| async move {
+        Req::get("/x")
+            .method("PUT")
+            .header("X-Lane", "gray")
+            .body(body(n))
+            .send(gw_addr)
+            .await
+    };
+    let main = format!("upstream:\n  retry_buffer_bytes: {limit}\n");
+    let passive = "    health:\n      passive: { max_fails: 1000 }\n";
+
+    // A node that refuses connections: even a streamed body (over the
+    // buffer) is retried on the other node, whole — it never left.
+    let b = Node::start("b", "gray").await;
+    let f1 = Node::start("f1", "formal").await;
+    let dead = closed_port();
+    let s = setup(passive, &[&f1], &main);
+    s.fx.write_rename(
+        "nodes.yaml",
+        &format!(
+            "services:\n  api:\n{passive}    nodes:\n      - {{ name: g-dead, addr: \"{dead}\", lane: gray }}\n{}{}",
+            b.yaml(),
+            f1.yaml()
+        ),
+    );
+    eventually("nodes reloaded", Duration::from_secs(10), || async {
+        s.gw.status().await["generation"]
+            .as_u64()
+            .is_some_and(|g| g >= 2)
+    })
+    .await;
+    for _ in 0..4 {
+        let r = put(s.gw.addr, 4 * limit).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.node(), "b");
+        assert_eq!(r.json()["body"], body(4 * limit).as_str());
+    }
+    assert!(log_has(&s.gw, "retrying on another node of the same lane"));
+    drop(s);
+
+    // A node that reads the body and closes without answering: a PUT up
+    // to the buffer size is replayed on the other node; one byte more
+    // streams, so it is not retried once a node has read it.
+    let a = Node::start("a", "gray").await;
+    a.set_mode(DROP);
+    let s = setup(passive, &[&a, &b, &f1], &main);
+    let b_before = b.count();
+    for _ in 0..4 {
+        let r = put(s.gw.addr, limit).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.node(), "b");
+        assert_eq!(r.json()["body"], body(limit).as_str());
+    }
+    assert!(a.count() >= 1, "round-robin tried a");
+    assert_eq!(b.count(), b_before + 4);
+    let (mut failed, mut ok) = (0, 0);
+    for _ in 0..4 {
+        let (a0, b0) = (a.count(), b.count());
+        let r = put(s.gw.addr, limit + 1).await;
+        if r.status == 502 {
+            failed += 1;
+            assert_eq!(
+                (a.count(), b.count()),
+                (a0 + 1, b0),
+                "the streamed body was sent once"
+            );
+            assert_eq!(
+                a.got.lock().unwrap().last().unwrap().body.len(),
+                limit + 1,
+                "a read the whole body"
+            );
+        } else {
+            assert_eq!(r.status, 200, "{}", r.text());
+            assert_eq!(r.node(), "b");
+            ok += 1;
+        }
+    }
+    assert!(
+        failed >= 1 && ok >= 1,
+        "round-robin hits both: {failed} {ok}"
+    );
+    assert_eq!(f1.count(), 0, "never formal");
+}
