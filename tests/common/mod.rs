@@ -273,6 +273,8 @@ impl Gateway {
             .arg("--config")
             .arg(config)
             .env("RUST_LOG", "info")
+            // The suite's own environment never configures the gateway.
+            .env_remove("GRAYGATE_ADMIN_TOKEN")
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
