@@ -485,3 +485,120 @@ async fn sandbox_breaches_are_rejected_or_go_formal() {
     .await;
     assert!(!marker.exists());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn top_level_gets_a_hundred_budgets_and_no_more() {
+    let backends = lane_backends(&["formal", "gray"]).await;
+    let fx = Fixture::new();
+    // ~2 instructions per iteration: 250k iterations are ~50 budgets of
+    // 10,000 instructions, 2.5M iterations ~500.
+    let script = |n: u64| {
+        format!(
+            "local function work(n)\n  local x = 0\n  for i = 1, n do x = x + i end\n  return x\nend\nlocal total = work({n})\nreturn function()\n  if ngx.var.http_x_work then work(250000) end\n  return total > 0 and 'gray' or nil\nend\n"
+        )
+    };
+    let gw = start(
+        &fx,
+        &backends,
+        &script(250_000),
+        "script_limits:\n  instruction_budget: 10000\n",
+    );
+    // ~50 budgets at the top level: loaded, and serving.
+    assert_eq!(gw.get("/").await.json()["tag"], "gray");
+    // The same work inside one lane call exceeds that call's single budget.
+    let r = Req::get("/").header("X-Work", "1").send(gw.addr).await;
+    assert_eq!(r.json()["tag"], "formal");
+    eventually("budget stop logged", Duration::from_secs(5), || async {
+        gw.logs().lines().any(|l| {
+            l.contains("sandbox limit") && l.contains("main.lua:3: instruction budget exceeded")
+        })
+    })
+    .await;
+    // ~500 budgets at the top level: the load is rejected with file:line,
+    // and the loaded script keeps serving.
+    fx.write_rename("scripts/main.lua", &script(2_500_000));
+    eventually("rejected", Duration::from_secs(30), || async {
+        gw.status().await["last_reload_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("main.lua:3:") && e.contains("instruction budget exceeded"))
+    })
+    .await;
+    assert_eq!(gw.get("/").await.json()["tag"], "gray");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_environment_isolation_and_unsupported_calls() {
+    let backends = lane_backends(&["formal", "gray"]).await;
+    let fx = Fixture::new();
+    let script = r#"
+local function present()
+  local p = {}
+  for _, name in ipairs({'io', 'debug', 'package', 'load', 'loadfile', 'dofile',
+                         'collectgarbage', 'ffi', 'jit'}) do
+    if _G[name] ~= nil then p[#p + 1] = name end
+  end
+  if string.dump ~= nil then p[#p + 1] = 'string.dump' end
+  for k in pairs(os) do
+    if k ~= 'time' and k ~= 'clock' then p[#p + 1] = 'os.' .. k end
+  end
+  if type(os.time()) ~= 'number' or type(os.clock()) ~= 'number' then p[#p + 1] = 'no os.time/clock' end
+  if require('bit') ~= bit or require('ngx') ~= ngx then p[#p + 1] = 'require builtins' end
+  for _, lib in ipairs({'string', 'table', 'math', 'utf8', 'coroutine'}) do
+    if type(_G[lib]) ~= 'table' then p[#p + 1] = 'missing ' .. lib end
+  end
+  return table.concat(p, ',')
+end
+local at_load = present()
+counter = 0
+return function()
+  local h = ngx.var.http_x_case
+  ngx.req.set_header('X-Present', at_load .. '|' .. present())
+  if h == 'pcall' then pcall(function() while true do end end) end
+  if h == 'xpcall' then xpcall(function() while true do end end, function() return 1 end) end
+  if h == 'coroutine' then coroutine.resume(coroutine.create(function() while true do end end)) end
+  if h == 'globals' then
+    counter = counter + 1
+    leaked = (leaked or 0) + 1
+    ngx.req.set_header('X-Counts', counter .. ',' .. leaked)
+  end
+  if h == 'meta' then setmetatable(_G, {}) end
+  if h == 'say' then ngx.say('hello') end
+  if h == 'exit' then ngx.exit(200) end
+  if h == 're' then ngx.re.match('a', 'a') end
+  return 'gray'
+end
+"#;
+    let gw = start(
+        &fx,
+        &backends,
+        script,
+        "script_limits:\n  instruction_budget: 100000\n",
+    );
+    let r = gw.get("/").await;
+    assert_eq!(r.json()["tag"], "gray");
+    assert_eq!(backends[1].last().header("x-present").as_deref(), Some("|"));
+    // The budget cannot be swallowed by pcall, xpcall or a coroutine;
+    // unsupported OpenResty calls and replacing _G's metatable fail the
+    // call. Each goes formal, and nothing the failed call set reaches the
+    // node.
+    for case in ["pcall", "xpcall", "coroutine", "meta", "say", "exit", "re"] {
+        let r = Req::get("/").header("X-Case", case).send(gw.addr).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.json()["tag"], "formal", "{case}");
+        assert_eq!(backends[0].last().header("x-present"), None, "{case}");
+    }
+    // Globals: a top-level one reads as its load-time value in every call,
+    // one created in a call is gone by the next.
+    for _ in 0..3 {
+        let r = Req::get("/")
+            .header("X-Case", "globals")
+            .send(gw.addr)
+            .await;
+        assert_eq!(r.json()["tag"], "gray");
+        assert_eq!(
+            backends[1].last().header("x-counts").as_deref(),
+            Some("1,1")
+        );
+    }
+    assert!(!gw.logs().contains("panicked"), "{}", gw.logs());
+}
