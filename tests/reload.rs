@@ -188,12 +188,10 @@ async fn bad_changes_are_rejected_and_the_old_generation_keeps_serving() {
     let err = wait_error(gw, "unknown service").await;
     assert!(err.contains("gg.yaml:"), "{err}");
     assert_eq!(node_for(gw, gray()).await, "g1");
-    let logs = gw.logs();
-    assert!(
-        logs.lines()
-            .any(|l| l.contains("reload rejected") && l.contains("unknown service")),
-        "{logs}"
-    );
+    gw.wait_log_line("reload rejected: unknown service", |l| {
+        l.contains("reload rejected") && l.contains("unknown service")
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -206,7 +204,7 @@ async fn sighup_reloads() {
         generation(gw).await > gen0
     })
     .await;
-    assert!(gw.logs().contains("SIGHUP"));
+    gw.wait_log("SIGHUP").await;
 }
 
 fn check(config: &std::path::Path) -> (bool, String) {

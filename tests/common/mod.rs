@@ -60,6 +60,8 @@ pub struct Backend {
     pub lane: String,
     pub seen: Arc<Mutex<Vec<Seen>>>,
     pub connections: Arc<AtomicUsize>,
+    /// Connections that have ended.
+    pub closed: Arc<AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -79,11 +81,13 @@ impl Backend {
         let addr = listener.local_addr().unwrap();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let connections = Arc::new(AtomicUsize::new(0));
-        let (n, l, s, c) = (
+        let closed = Arc::new(AtomicUsize::new(0));
+        let (n, l, s, c, cl) = (
             name.to_string(),
             lane.to_string(),
             seen.clone(),
             connections.clone(),
+            closed.clone(),
         );
         let task = tokio::spawn(async move {
             loop {
@@ -92,6 +96,7 @@ impl Backend {
                 };
                 c.fetch_add(1, Ordering::SeqCst);
                 let (n, l, s, mode) = (n.clone(), l.clone(), s.clone(), mode.clone());
+                let cl = cl.clone();
                 tokio::spawn(async move {
                     let svc = service_fn(move |req: Request<Incoming>| {
                         let (n, l, s, mode) = (n.clone(), l.clone(), s.clone(), mode.clone());
@@ -101,6 +106,7 @@ impl Backend {
                         .serve_connection(TokioIo::new(stream), svc)
                         .with_upgrades()
                         .await;
+                    cl.fetch_add(1, Ordering::SeqCst);
                 });
             }
         });
@@ -110,6 +116,7 @@ impl Backend {
             lane: lane.to_string(),
             seen,
             connections,
+            closed,
             task,
         }
     }
@@ -348,6 +355,29 @@ impl Gateway {
 
     pub fn logs(&self) -> String {
         self.logs.lock().unwrap().clone()
+    }
+
+    /// Waits (up to 10 s) until a log line satisfies `pred`: lines reach
+    /// [`Gateway::logs`] through a pipe and a reader thread, after the
+    /// response that caused them may already be in hand.
+    pub async fn wait_log_line(&self, what: &str, pred: impl Fn(&str) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if self.logs().lines().any(&pred) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no log line {what} in:\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits (up to 10 s) until the log contains `needle`.
+    pub async fn wait_log(&self, needle: &str) {
+        self.wait_log_line(needle, |l| l.contains(needle)).await;
     }
 
     /// What the process has written to stdout so far.

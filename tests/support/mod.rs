@@ -30,6 +30,8 @@ pub struct Got {
     pub path: String,
     pub body: Bytes,
     pub tag: Option<String>,
+    /// When it arrived.
+    pub at: std::time::Instant,
 }
 
 pub struct Node {
@@ -198,6 +200,7 @@ impl Shared {
             *r.status_mut() = http::StatusCode::from_u16(s).unwrap();
             return Ok(r);
         }
+        let at = std::time::Instant::now();
         let method = req.method().to_string();
         let path = req.uri().path().to_string();
         self.arrived.fetch_add(1, Ordering::SeqCst);
@@ -216,6 +219,7 @@ impl Shared {
             path,
             body: body.clone(),
             tag: tag.clone(),
+            at,
         });
         if mode == DROP {
             // A service error makes hyper close the connection unanswered.
