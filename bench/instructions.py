@@ -27,14 +27,26 @@ import time
 import bench
 
 
-def count(cmd, port, mixes, n, out):
+def count(cmd, sock, nginx, mixes, n, out):
+    """`sock`: the listening socket the target inherits (None: graygate on
+    port 0, its logged address read back)."""
     for f in glob.glob(out + "*"):
         os.remove(f)
     vg = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
-    env = dict(os.environ, RUST_LOG="warn")
-    proc = subprocess.Popen(vg + cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    env = dict(os.environ, RUST_LOG=bench.GRAYGATE_LOG)
+    fds = (sock.fileno(),) if sock else ()
+    if nginx:
+        env["NGINX"] = f"{sock.fileno()};"
+    log = out + ".log"
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(vg + cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, pass_fds=fds)
+    if sock:
+        port = sock.getsockname()[1]
+        sock.close()
     try:
-        bench.wait_port(port, proc, cmd[0], limit=120)
+        if not sock:
+            port = bench.logged_port(log, proc, cmd[0], limit=120)
+        bench.wait_http(port, proc, cmd[0], limit=120)
         results = {}
         for mix, headers in mixes.items():
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
@@ -87,27 +99,32 @@ def main():
     work = tempfile.mkdtemp(prefix="graygate-instr-")
     backends = bench.start_backends(work)
     try:
-        # Configs are written by the regular starters; the anchors then run
-        # in one process (no master) under valgrind.
-        bench.start_nginx(work).stop()
-        ng = os.path.join(work, "nginx-lua.conf")
-        with open(ng) as f:
-            conf = f.read().replace("master_process on;", "master_process off;")
-        with open(ng, "w") as f:
-            f.write(conf)
-        bench.start_haproxy(work).stop()
-        gg = bench.write_graygate_config(work, "graygate", bench.PORTS["graygate"], 1)
-        targets = {
-            "graygate": ([a.graygate, "--config", gg], bench.PORTS["graygate"]),
-            "nginx-lua": (["nginx", "-p", work, "-e", "stderr", "-c", ng], bench.PORTS["nginx-lua"]),
-            "haproxy-lua": (["haproxy", "-db", "-f", os.path.join(work, "haproxy.cfg")],
-                            bench.PORTS["haproxy-lua"]),
-        }
+        # The regular config writers; the anchors then run in one process
+        # (no master) under valgrind, each on a socket bound here.
+        def graygate():
+            gg = bench.write_graygate_config(work, "graygate", 1)
+            return [a.graygate, "--config", gg], None, False
+
+        def nginx():
+            sock = bench.listen_socket()
+            ng = bench.nginx_lua_conf(work, sock.getsockname()[1])
+            with open(ng) as f:
+                conf = f.read().replace("master_process on;", "master_process off;")
+            with open(ng, "w") as f:
+                f.write(conf)
+            return ["nginx", "-p", work, "-e", "stderr", "-c", ng], sock, True
+
+        def haproxy():
+            sock = bench.listen_socket()
+            return ["haproxy", "-db", "-f", bench.haproxy_conf(work, sock.fileno())], sock, False
+
+        targets = {"graygate": graygate, "nginx-lua": nginx, "haproxy-lua": haproxy}
         names = a.only.split(",") if a.only else list(targets)
         rows = {}
         for name in names:
-            cmd, port = targets[name]
-            rows[name] = count(cmd, port, mixes, a.requests, os.path.join(work, f"cg-{name}.out"))
+            cmd, sock, is_nginx = targets[name]()
+            rows[name] = count(cmd, sock, is_nginx, mixes, a.requests,
+                               os.path.join(work, f"cg-{name}.out"))
             print(f"done: {name}", file=sys.stderr, flush=True)
     finally:
         backends.stop()
