@@ -248,6 +248,49 @@ async fn same_lanes_and_values_as_nginx_lua() {
         "values differ:\n{}",
         mismatches.join("\n")
     );
+
+    // ngx.log: each level lands in both logs at the same file:line, at
+    // nginx's level in nginx and at the README's level in graygate (the
+    // level is the token after graygate's timestamp).
+    let nginx_log = std::fs::read_to_string(nginx.dir.join("error.log")).unwrap();
+    for (name, nginx_level, graygate_level) in [
+        ("STDERR", "[]", "ERROR"), // nginx prints no name for STDERR
+        ("EMERG", "[emerg]", "ERROR"),
+        ("ALERT", "[alert]", "ERROR"),
+        ("CRIT", "[crit]", "ERROR"),
+        ("ERR", "[error]", "ERROR"),
+        ("WARN", "[warn]", "WARN"),
+        ("NOTICE", "[notice]", "INFO"),
+        ("INFO", "[info]", "INFO"),
+    ] {
+        let msg = format!("probe level {name}");
+        let line = nginx_log
+            .lines()
+            .find(|l| l.contains(&format!("{msg},")))
+            .unwrap_or_else(|| panic!("nginx logged no {msg:?}:\n{nginx_log}"));
+        assert!(line.contains(nginx_level), "{line}");
+        let at = line
+            .split_whitespace()
+            .find(|w| w.starts_with("probe.lua:"))
+            .unwrap_or_else(|| panic!("no file:line in {line}"))
+            .trim_end_matches(':')
+            .to_string();
+        gw.wait_log_line(&format!("{msg} at {at} ({graygate_level})"), |l| {
+            l.split_whitespace().nth(1) == Some(graygate_level)
+                && l.contains(&at)
+                && l.contains(&format!("{msg} "))
+        })
+        .await;
+    }
+    let multi = nginx_log
+        .lines()
+        .find(|l| l.contains("probe log 42 nil true"))
+        .expect("nginx logged the multi-argument line");
+    assert!(multi.contains("[error]"), "{multi}");
+    gw.wait_log_line("probe log 42 nil true (ERROR)", |l| {
+        l.split_whitespace().nth(1) == Some("ERROR") && l.contains("probe log 42 nil true")
+    })
+    .await;
     for l in ["formal", "gray", "gray-a", "gray-b", "v2"] {
         assert!(lanes.contains(l), "{l} never decided: {lanes:?}");
     }
