@@ -367,9 +367,12 @@ async fn nodes_show_lane_weight_health_in_flight_requests_and_errors() {
     );
     let fx = Fixture::new();
     fx.write("lane.lua", SCRIPT);
+    // The default max_fails (3); a cool-down no test run outlasts.
     fx.write(
         "nodes.yaml",
-        &format!("services:\n  api:\n    nodes:\n{fx_nodes}"),
+        &format!(
+            "services:\n  api:\n    health:\n      passive: {{ cooldown_ms: 600000 }}\n    nodes:\n{fx_nodes}"
+        ),
     );
     let cfg = fx.write(
         "gg.yaml",

@@ -602,3 +602,125 @@ end
     }
     assert!(!gw.logs().contains("panicked"), "{}", gw.logs());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_dict_evicts_lru_when_full_expires_items_and_resizes_on_reload() {
+    let backends = lane_backends(&["formal", "gray"]).await;
+    let fx = Fixture::new();
+    let script = r#"return function()
+  local d = ngx.shared.small
+  local case = ngx.var.http_x_case
+  if case == 'fill' then
+    local forced = false
+    for i = 1, 200 do
+      local ok, err, forcible = d:set('k' .. i, string.rep('v', 100))
+      if not ok then error(err) end
+      forced = forced or forcible
+    end
+    ngx.req.set_header('X-Result', tostring(forced) .. ',' .. tostring(d:get('k1') ~= nil)
+      .. ',' .. tostring(d:get('k200') ~= nil))
+  elseif case == 'expire' then
+    d:set('e', 'soon', 0.2)
+    d:set('stays', 'here')
+    ngx.req.set_header('X-Result', tostring(d:get('e')))
+  else
+    ngx.req.set_header('X-Result', tostring(d:get('e')) .. ',' .. tostring(d:get('stays')))
+  end
+  return 'gray'
+end
+"#;
+    let extra = |size: &str| format!("shared_dicts:\n  small: {size}\n");
+    let gw = start(&fx, &backends, script, &extra("10k"));
+    let result = |case: &'static str| {
+        let addr = gw.addr;
+        let gray = &backends[1];
+        async move {
+            let r = Req::get("/").header("X-Case", case).send(addr).await;
+            assert_eq!(r.json()["tag"], "gray", "{case}");
+            gray.last().header("x-result").unwrap()
+        }
+    };
+    // 200 items of ~170 bytes do not fit in 10 KiB: the least recently
+    // used go (reported as forcible), the newest stay.
+    assert_eq!(result("fill").await, "true,false,true");
+    // exptime: the item is there, then (polled) gone; others stay.
+    assert_eq!(result("expire").await, "soon");
+    eventually("the item expired", Duration::from_secs(10), || async {
+        result("read").await == "nil,here"
+    })
+    .await;
+    // A reload with a larger size resizes the same dictionary: its contents
+    // stay, and 200 items now fit.
+    let g0 = gw.status().await["generation"].as_u64().unwrap();
+    let cfg = std::fs::read_to_string(fx.path("gg.yaml")).unwrap();
+    fx.write_rename("gg.yaml", &cfg.replace("small: 10k", "small: 1m"));
+    eventually("reloaded", Duration::from_secs(10), || async {
+        gw.status().await["generation"].as_u64().unwrap() > g0
+    })
+    .await;
+    assert_eq!(
+        result("read").await,
+        "nil,here",
+        "contents kept across the resize"
+    );
+    assert_eq!(result("fill").await, "false,true,true");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn require_resolves_only_modules_found_at_load() {
+    let backends = lane_backends(&["formal", "gray"]).await;
+    let fx = Fixture::new();
+    fx.write("scripts/mods/a.lua", "return { lane = 'gray' }\n");
+    fx.write("scripts/mods/b.lua", "return { lane = 'gray' }\n");
+    let main = "local a = require('mods.a')\nreturn function()\n  local name = ngx.var.http_x_mod\n  if name then return require(name).lane end\n  return a.lane\nend\n";
+    let gw = start(&fx, &backends, main, "");
+    assert_eq!(gw.get("/").await.json()["tag"], "gray");
+    // A name computed at run time resolves among the modules found at load
+    // (mods.a), not to another file in the directory (mods.b).
+    let tag = |m: &'static str| {
+        let addr = gw.addr;
+        async move {
+            Req::get("/").header("X-Mod", m).send(addr).await.json()["tag"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        }
+    };
+    assert_eq!(tag("mods.a").await, "gray");
+    assert_eq!(tag("mods.b").await, "formal");
+    assert_eq!(tag("bit").await, "formal", "a built-in has no `lane`");
+    // At load: a missing module and a precompiled module are rejected with
+    // file:line; the loaded script keeps serving.
+    let lua = mlua::Lua::new();
+    let bytecode = lua
+        .load("return { lane = 'v2' }")
+        .into_function()
+        .unwrap()
+        .dump(true);
+    std::fs::write(fx.path("scripts/mods/bc.lua"), bytecode).unwrap();
+    for (text, located) in [
+        (
+            "local x = require('mods.nope')\nreturn function() return 'v2' end\n",
+            "main.lua:1:",
+        ),
+        // Located at the require (the module named in the message).
+        (
+            "\nlocal x = require('mods.bc')\nreturn function() return x.lane end\n",
+            "main.lua:2: require \"mods.bc\": precompiled Lua bytecode is not allowed",
+        ),
+    ] {
+        fx.write_rename("scripts/main.lua", text);
+        eventually(located, Duration::from_secs(10), || async {
+            gw.status().await["last_reload_error"]
+                .as_str()
+                .is_some_and(|e| e.contains(located))
+        })
+        .await;
+        assert_eq!(gw.get("/").await.json()["tag"], "gray");
+        fx.write_rename("scripts/main.lua", main);
+        eventually("good script back", Duration::from_secs(10), || async {
+            gw.status().await["last_reload_error"].is_null()
+        })
+        .await;
+    }
+}
