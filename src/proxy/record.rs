@@ -31,10 +31,11 @@ struct Pending {
     status: u16,
 }
 
-/// A response body that records its request when it ends.
+/// A response body that records its request when it ends. (What is left
+/// to do is boxed: the body moves several times on its way into hyper.)
 pub struct Recorded {
     inner: Body,
-    pending: Option<Pending>,
+    pending: Option<Box<Pending>>,
 }
 
 /// The response head's last touches (the lane response header), and the
@@ -52,12 +53,12 @@ pub fn respond(
         }
     }
     let status = head.status.as_u16();
-    let pending = Pending {
+    let pending = Box::new(Pending {
         plane: plane.clone(),
         gen,
         ctx,
         status,
-    };
+    });
     Response::from_parts(
         head,
         Recorded {
@@ -69,7 +70,7 @@ pub fn respond(
 
 impl Recorded {
     fn record(&mut self, outcome: Result<(), ErrorKind>) {
-        if let Some(p) = self.pending.take() {
+        if let Some(mut p) = self.pending.take() {
             p.finish(outcome);
         }
     }
@@ -129,7 +130,7 @@ impl Drop for Recorded {
 impl Pending {
     /// Records the finished request: the node verdict, metrics, the access
     /// log (and a debug line).
-    fn finish(mut self, outcome: Result<(), ErrorKind>) {
+    fn finish(&mut self, outcome: Result<(), ErrorKind>) {
         let ctx = &mut self.ctx;
         // A failure while the client's own body was failing is the
         // client's, whatever broke first on the upstream side.

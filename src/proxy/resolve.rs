@@ -62,6 +62,37 @@ fn check_host<B>(req: &mut Request<B>) -> Option<ErrorKind> {
     None
 }
 
+/// Bytes of a reg-name or IPv4 host (RFC 3986 unreserved, sub-delims,
+/// pct-encoding): one table lookup per byte.
+const REG_NAME: [bool; 256] = {
+    let mut t = [false; 256];
+    let mut c = 0;
+    while c < 256 {
+        let b = c as u8;
+        t[c] = b.is_ascii_alphanumeric()
+            || matches!(
+                b,
+                b'-' | b'.'
+                    | b'_'
+                    | b'~'
+                    | b'!'
+                    | b'$'
+                    | b'&'
+                    | b'\''
+                    | b'('
+                    | b')'
+                    | b'*'
+                    | b'+'
+                    | b','
+                    | b';'
+                    | b'='
+                    | b'%'
+            );
+        c += 1;
+    }
+    t
+};
+
 /// `host[:port]` as a Host field may carry: a reg-name, IPv4 or
 /// `[IPv6]`, an optional numeric port, no userinfo.
 fn valid_authority(b: &[u8]) -> bool {
@@ -77,12 +108,7 @@ fn valid_authority(b: &[u8]) -> bool {
                     .iter()
                     .all(|c| c.is_ascii_hexdigit() || b":.".contains(c))
         }
-        _ => {
-            !host.is_empty()
-                && host
-                    .iter()
-                    .all(|c| c.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=%".contains(c))
-        }
+        _ => !host.is_empty() && host.iter().all(|&c| REG_NAME[usize::from(c)]),
     };
     port_ok && host_ok
 }
