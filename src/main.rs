@@ -125,6 +125,7 @@ async fn run(gw: Arc<Gateway>, workers: usize) -> ExitCode {
             }
         }
     }
+    tokio::spawn(graygate::control::release::controller::run(gw.clone()));
     let watcher_gw = gw.clone();
     tokio::spawn(async move {
         if let Err(e) = reload::run(watcher_gw).await {
