@@ -41,7 +41,7 @@ async fn node(name: &'static str, fail_every: u64, status: StatusCode) -> Node {
                     let n = c.fetch_add(1, Ordering::SeqCst) + 1;
                     async move {
                         let mut r = Response::new(Full::new(Bytes::from(name)));
-                        if fail_every > 0 && n % fail_every == 0 {
+                        if fail_every > 0 && n.is_multiple_of(fail_every) {
                             *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
                         } else {
                             *r.status_mut() = status;
@@ -349,4 +349,41 @@ async fn sticky_users_keep_their_lane_as_the_share_rises_and_lose_it_at_rollback
             .await;
         assert_eq!(r.text(), "formal");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_release_command_line_drives_the_admin_api() {
+    let s = setup(0).await;
+    let admin = s.gw.admin.unwrap().to_string();
+    let spec = s.fx.write(
+        "rel.yaml",
+        "name: cli\nlane: gray\nsteps:\n  - { weight: 5 }\nanalysis: { interval_ms: 100000 }\n",
+    );
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_graygate"))
+            .arg("release")
+            .args(args)
+            .args(["--admin", &admin])
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, out, err) = run(&["create", spec.to_str().unwrap()]);
+    assert!(ok, "{out}{err}");
+    assert!(out.contains("\"state\":\"progressing\""), "{out}");
+    let (ok, out, _) = run(&["list"]);
+    assert!(ok && out.contains("\"name\":\"cli\""), "{out}");
+    let (ok, out, _) = run(&["pause", "cli"]);
+    assert!(ok && out.contains("\"state\":\"paused\""), "{out}");
+    let (ok, out, _) = run(&["abort", "cli"]);
+    assert!(ok && out.contains("\"state\":\"rolled_back\""), "{out}");
+    // A refused action fails with the API's answer.
+    let (ok, _, err) = run(&["resume", "cli"]);
+    assert!(!ok && err.contains("409"), "{err}");
+    let (ok, _, err) = run(&["show", "nope"]);
+    assert!(!ok && err.contains("404"), "{err}");
 }

@@ -6,6 +6,7 @@
 //! passes [`auth`] first.
 
 pub mod auth;
+pub mod client;
 pub mod dashboard;
 pub mod explain;
 pub mod nodes;
