@@ -55,6 +55,7 @@ impl Gateway {
     /// Loads generation 1 from `config_path`.
     pub fn load(config_path: &Path) -> Result<Arc<Gateway>, ConfigError> {
         let config_path = std::path::absolute(config_path).unwrap_or(config_path.to_path_buf());
+        Generation::prepare(&config_path);
         let mut gen = Generation::load(&config_path, 1)?;
         for w in &gen.warnings {
             tracing::warn!("{w}");

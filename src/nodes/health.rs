@@ -185,7 +185,11 @@ impl HealthRegistry {
         tag_header: &HeaderName,
         client: &Upstream,
     ) {
-        let mut wanted: HashMap<Key, (ActiveHealth, String)> = HashMap::new();
+        #[allow(clippy::type_complexity)]
+        let mut wanted: HashMap<
+            Key,
+            (ActiveHealth, String, Option<Arc<crate::upstream::tls::Transport>>),
+        > = HashMap::new();
         let mut present: HashSet<Key> = HashSet::new();
         for (name, svc) in services {
             for (lane, set) in &svc.lanes {
@@ -193,7 +197,7 @@ impl HealthRegistry {
                     let key = (name.clone(), node.addr);
                     present.insert(key.clone());
                     if let Some(a) = &svc.health.active {
-                        wanted.insert(key, (a.clone(), lane.clone()));
+                        wanted.insert(key, (a.clone(), lane.clone(), svc.transport.clone()));
                     }
                 }
             }
@@ -207,7 +211,7 @@ impl HealthRegistry {
         checkers.retain(|k, c| {
             let keep = wanted
                 .get(k)
-                .is_some_and(|(cfg, lane)| *cfg == c.cfg && *lane == c.lane);
+                .is_some_and(|(cfg, lane, _)| *cfg == c.cfg && *lane == c.lane);
             if !keep {
                 tracing::info!(service = %k.0, addr = %k.1, "health checker stopped");
             }
@@ -216,7 +220,7 @@ impl HealthRegistry {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        for (key, (cfg, lane)) in wanted {
+        for (key, (cfg, lane, transport)) in wanted {
             if checkers.contains_key(&key) {
                 continue;
             }
@@ -229,6 +233,7 @@ impl HealthRegistry {
             tracing::info!(service = %key.0, addr = %key.1, path = %cfg.path, "health checker started");
             let task = rt.spawn(probe_loop(
                 client.clone(),
+                transport,
                 tag_header.clone(),
                 key.1,
                 lane.clone(),
@@ -286,6 +291,7 @@ impl HealthRegistry {
 
 async fn probe_loop(
     client: Upstream,
+    transport: Option<Arc<crate::upstream::tls::Transport>>,
     tag_header: HeaderName,
     addr: SocketAddr,
     lane: String,
@@ -299,7 +305,7 @@ async fn probe_loop(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let ok = probe(&client, &tag_header, addr, &lane, &cfg).await;
+        let ok = probe(&client, transport.as_deref(), &tag_header, addr, &lane, &cfg).await;
         if ok {
             failures = 0;
             successes = successes.saturating_add(1);
@@ -318,6 +324,7 @@ async fn probe_loop(
 
 async fn probe(
     client: &Upstream,
+    transport: Option<&crate::upstream::tls::Transport>,
     tag_header: &HeaderName,
     addr: SocketAddr,
     lane: &str,
@@ -334,7 +341,10 @@ async fn probe(
         HeaderValue::from_static("graygate-health"),
     );
     let fut = async {
-        let resp = client.request(addr, req, &Added::none()).await.ok()?;
+        let resp = client
+            .request_via(addr, transport, req, &Added::none())
+            .await
+            .ok()?;
         let ok = resp.status().is_success() || resp.status().is_redirection();
         // Drain the body so the connection can be reused.
         let _ = http_body_util::BodyExt::collect(resp.into_body())

@@ -237,6 +237,8 @@ pub struct Service {
     pub strict: bool,
     /// Per-service retry count (else `upstream.retries`).
     pub retries: Option<u32>,
+    /// TLS and/or HTTP/2 to the nodes; `None` = plain HTTP/1.1.
+    pub transport: Option<Arc<crate::upstream::tls::Transport>>,
 }
 
 impl Service {
@@ -256,6 +258,7 @@ impl Service {
             health: HealthConfig::default(),
             strict: false,
             retries: None,
+            transport: None,
         }
     }
 

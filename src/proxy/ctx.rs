@@ -24,6 +24,8 @@ pub struct Client {
     /// The client address: the peer, or from X-Forwarded-For behind a
     /// trusted proxy.
     pub ip: IpAddr,
+    /// The request came over TLS (`X-Forwarded-Proto: https`).
+    pub https: bool,
 }
 
 /// One request's context.
@@ -54,6 +56,7 @@ impl RequestCtx {
         start: Instant,
         log: &AccessLog,
     ) -> (RequestInfo, RequestCtx) {
+        let https = parts.extensions.get::<crate::base::Https>().is_some();
         let info = resolve_request(parts, peer.ip(), &gen.trusted);
         let log_head = log.enabled().then(|| {
             (
@@ -66,6 +69,7 @@ impl RequestCtx {
                 peer,
                 peer_trusted: info.peer_trusted,
                 ip: info.client_ip,
+                https,
             },
             start,
             serve_start: None,

@@ -172,7 +172,7 @@ fn rewrite_request(
     }
     // The gateway's own fields replace any the client sent; they are kept
     // apart from the client's map and written after it (no map inserts).
-    let added = Added::new(
+    let mut added = Added::new(
         &mut parts.headers,
         (gen.lane.tag_header.clone(), lane_tag(gen, decision)),
         gen.id_tag.clone(),
@@ -180,6 +180,9 @@ fn rewrite_request(
         client.peer_trusted,
         original_host,
     );
+    if client.https {
+        added.https();
+    }
     let target = Uri::from(
         parts
             .uri
@@ -272,8 +275,13 @@ async fn attempt_all(
         }
         let per_try = Duration::from_millis(upstream.response_timeout_ms).min(out.deadline - now);
         let outcome =
-            match tokio::time::timeout(per_try, plane.client.request(node.addr, req, &out.added))
-                .await
+            match tokio::time::timeout(
+                per_try,
+                plane
+                    .client
+                    .request_via(node.addr, service.transport.as_deref(), req, &out.added),
+            )
+            .await
             {
                 Err(_) => Err(Error::new(ErrorKind::ResponseTimeout)),
                 Ok(r) => r,

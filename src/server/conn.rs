@@ -142,6 +142,21 @@ pub fn verdict(act: &Activity, now: u64, header_ms: u64, idle_ms: u64) -> Verdic
     }
 }
 
+/// The watchdog of an HTTP/2 connection: no header timer (its streams'
+/// heads arrive as frames between others'), only the idle timeout while no
+/// stream is open.
+pub fn idle_verdict(act: &Activity, now: u64, idle_ms: u64) -> Verdict {
+    if act.in_flight.load(Ordering::Relaxed) > 0 {
+        return Verdict::Wait(Duration::from_millis(idle_ms.max(10)));
+    }
+    let due = act.last.load(Ordering::Relaxed) + idle_ms;
+    if now >= due {
+        Verdict::Idle
+    } else {
+        Verdict::Wait(Duration::from_millis(due - now))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

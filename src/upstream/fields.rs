@@ -161,6 +161,16 @@ impl Added {
         }
     }
 
+    /// The client came over TLS: `X-Forwarded-Proto: https` (unless a
+    /// trusted proxy's own value is kept).
+    pub fn https(&mut self) {
+        if let Some((n, v)) = &mut self.fields[3] {
+            if *n == X_FORWARDED_PROTO {
+                *v = HeaderValue::from_static("https");
+            }
+        }
+    }
+
     /// No fields (health probes).
     pub fn none() -> Added {
         Added {

@@ -16,7 +16,9 @@ pub mod body;
 mod chunked;
 pub mod fields;
 mod h1;
+mod h2;
 mod pool;
+pub mod tls;
 
 use std::cell::RefCell;
 use std::net::SocketAddr;
@@ -41,7 +43,11 @@ type Sender = SendRequest<UpBody>;
 
 thread_local! {
     static POOL: RefCell<pool::IdlePool<Sender>> = RefCell::new(pool::IdlePool::default());
+    /// HTTP/1.1-over-TLS connections to nodes (never mixed with plain ones).
+    static TLS_POOL: RefCell<pool::IdlePool<Sender>> = RefCell::new(pool::IdlePool::default());
 }
+
+type PoolKey = std::thread::LocalKey<RefCell<pool::IdlePool<Sender>>>;
 
 /// The client. Cheap to share; the pools live in thread-locals.
 #[derive(Debug, Clone)]
@@ -103,12 +109,53 @@ impl Upstream {
         self.request_hyper(addr, req).await
     }
 
+    /// [`request`](Self::request) over a service's [`tls::Transport`]:
+    /// HTTP/2 (h2c or h2 over TLS), HTTP/1.1 over TLS, or (`None`) the
+    /// plain HTTP/1.1 engines.
+    pub async fn request_via(
+        &self,
+        addr: SocketAddr,
+        transport: Option<&tls::Transport>,
+        req: Request<UpBody>,
+        added: &Added,
+    ) -> Result<Response<PooledBody>, Error> {
+        let Some(t) = transport else {
+            return self.request(addr, req, added).await;
+        };
+        if t.h2 {
+            let resp = h2::request(addr, t, req, added, self.connect_timeout).await?;
+            let (head, body) = resp.into_parts();
+            let body = HyperBody {
+                inner: body,
+                slot: None,
+            };
+            return Ok(Response::from_parts(head, PooledBody::Hyper(body, None)));
+        }
+        let Some(tls) = &t.tls else {
+            return self.request(addr, req, added).await;
+        };
+        let mut req = req;
+        added.apply(req.headers_mut());
+        self.request_hyper_on(addr, req, Some(tls)).await
+    }
+
     /// The full-duplex path over hyper's client connection.
     async fn request_hyper(
         &self,
         addr: SocketAddr,
         req: Request<UpBody>,
     ) -> Result<Response<PooledBody>, Error> {
+        self.request_hyper_on(addr, req, None).await
+    }
+
+    /// hyper's HTTP/1.1 client connection, plain or over TLS.
+    async fn request_hyper_on(
+        &self,
+        addr: SocketAddr,
+        req: Request<UpBody>,
+        tls: Option<&tls::TlsConnect>,
+    ) -> Result<Response<PooledBody>, Error> {
+        let pool: &'static PoolKey = if tls.is_some() { &TLS_POOL } else { &POOL };
         let mut req = req;
         // The target is origin-form: a client that sent no Host (HTTP/1.0)
         // gets the node's address, as on the inline path.
@@ -117,12 +164,12 @@ impl Upstream {
                 req.headers_mut().insert(http::header::HOST, v);
             }
         }
-        while let Some(mut sender) = self.checkout(addr) {
+        while let Some(mut sender) = self.checkout(pool, addr) {
             if sender.ready().await.is_err() {
                 continue;
             }
             match sender.try_send_request(req).await {
-                Ok(resp) => return Ok(self.wrap(resp, sender, addr)),
+                Ok(resp) => return Ok(self.wrap(resp, sender, addr, pool)),
                 Err(mut e) => match e.take_message() {
                     // Never sent: safe to try another connection.
                     Some(r) => req = r,
@@ -130,28 +177,49 @@ impl Upstream {
                 },
             }
         }
-        let mut sender = self.connect(addr).await?;
+        let mut sender = self.connect(addr, tls).await?;
         let resp = sender
             .send_request(req)
             .await
             .map_err(|e| Error::new(ErrorKind::Exchange).with_source(e))?;
-        Ok(self.wrap(resp, sender, addr))
+        Ok(self.wrap(resp, sender, addr, pool))
     }
 
-    async fn connect(&self, addr: SocketAddr) -> Result<Sender, Error> {
+    async fn connect(&self, addr: SocketAddr, tls: Option<&tls::TlsConnect>) -> Result<Sender, Error> {
         let stream = h1::connect(addr, self.connect_timeout).await?;
-        let (sender, conn) = http1::Builder::new()
-            .handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| Error::new(ErrorKind::Connect).with_source(e))?;
-        tokio::spawn(async move {
-            let _ = conn.with_upgrades().await;
-        });
+        let connect_err = |e: hyper::Error| Error::new(ErrorKind::Connect).with_source(e);
+        let sender = match tls {
+            None => {
+                let (sender, conn) = http1::Builder::new()
+                    .handshake(TokioIo::new(stream))
+                    .await
+                    .map_err(connect_err)?;
+                tokio::spawn(async move {
+                    let _ = conn.with_upgrades().await;
+                });
+                sender
+            }
+            Some(t) => {
+                let stream = tokio::time::timeout(self.connect_timeout, t.connect(stream, addr))
+                    .await
+                    .map_err(|_| {
+                        Error::new(ErrorKind::Connect).with_source("TLS handshake timed out")
+                    })??;
+                let (sender, conn) = http1::Builder::new()
+                    .handshake(TokioIo::new(stream))
+                    .await
+                    .map_err(connect_err)?;
+                tokio::spawn(async move {
+                    let _ = conn.with_upgrades().await;
+                });
+                sender
+            }
+        };
         Ok(sender)
     }
 
-    fn checkout(&self, addr: SocketAddr) -> Option<Sender> {
-        POOL.with(|p| {
+    fn checkout(&self, pool: &'static PoolKey, addr: SocketAddr) -> Option<Sender> {
+        pool.with(|p| {
             p.borrow_mut()
                 .checkout(addr, self.idle_timeout, |s| !s.is_closed())
         })
@@ -162,6 +230,7 @@ impl Upstream {
         resp: Response<Incoming>,
         sender: Sender,
         addr: SocketAddr,
+        pool: &'static PoolKey,
     ) -> Response<PooledBody> {
         let (head, body) = resp.into_parts();
         let reusable = head.status != http::StatusCode::SWITCHING_PROTOCOLS;
@@ -171,6 +240,7 @@ impl Upstream {
                 sender,
                 addr,
                 max_idle: self.max_idle,
+                pool,
             }),
         };
         if pooled.inner.is_end_stream() {
@@ -184,6 +254,8 @@ struct Slot {
     sender: Sender,
     addr: SocketAddr,
     max_idle: usize,
+    /// The pool it came from (plain or TLS).
+    pool: &'static PoolKey,
 }
 
 /// A response body that returns its connection to the pool at its end,
@@ -253,7 +325,7 @@ impl HyperBody {
             if slot.sender.is_closed() {
                 return;
             }
-            POOL.with(|p| {
+            slot.pool.with(|p| {
                 p.borrow_mut()
                     .checkin(slot.addr, slot.sender, slot.max_idle)
             });
