@@ -14,6 +14,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use http_body_util::BodyExt;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
@@ -328,8 +329,12 @@ impl Server {
                     req.headers_mut().insert(http::header::HOST, h);
                 }
             }
+            let grpc = is_grpc(req.headers());
             async move {
-                let resp = proxy::handle(&plane, peer, req).await?;
+                let mut resp = proxy::handle(&plane, peer, req).await?;
+                if grpc && !is_grpc(resp.headers()) && resp.status().as_u16() >= 400 {
+                    resp = grpc_error(resp);
+                }
                 let (head, body) = resp.into_parts();
                 Ok::<_, std::convert::Infallible>(http::Response::from_parts(
                     head,
@@ -382,6 +387,47 @@ impl Server {
             }
         }
     }
+}
+
+fn is_grpc(h: &http::HeaderMap) -> bool {
+    h.get(http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+}
+
+/// The gateway's own error answer (no route, no node, 502/503/504…) to a
+/// gRPC request, as gRPC clients expect it: a trailers-only response,
+/// HTTP 200, `grpc-status` mapped from the HTTP status as gRPC's
+/// HTTP-to-gRPC mapping says, the reason in `grpc-message`.
+fn grpc_error(resp: http::Response<crate::base::body::Body>) -> http::Response<crate::base::body::Body> {
+    let status = resp.status();
+    let code: u32 = match status.as_u16() {
+        400 => 13,
+        401 => 16,
+        403 => 7,
+        404 => 12,
+        429 | 502..=504 => 14,
+        _ => 2,
+    };
+    let reason = status.canonical_reason().unwrap_or("error");
+    let empty = http_body_util::Empty::<bytes::Bytes>::new()
+        .map_err(|never| -> crate::base::body::BoxError { match never {} });
+    let mut out = http::Response::new(crate::base::body::boxed(empty));
+    let h = out.headers_mut();
+    h.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    h.insert("grpc-status", http::HeaderValue::from(code));
+    if let Ok(v) = http::HeaderValue::from_str(&format!("gateway: {} {reason}", status.as_u16())) {
+        h.insert("grpc-message", v);
+    }
+    for (k, v) in resp.headers() {
+        // Keep the gateway's own annotations (e.g. the lane header).
+        if k != http::header::CONTENT_TYPE && k != http::header::CONTENT_LENGTH {
+            h.entry(k).or_insert(v.clone());
+        }
+    }
+    out
 }
 
 /// Does the stream start with the HTTP/2 connection preface? Peeks (the
