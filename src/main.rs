@@ -117,7 +117,10 @@ async fn run(gw: Arc<Gateway>, workers: usize) -> ExitCode {
         };
         match Server::bind_listeners(l.listen, workers) {
             Ok(ls) => {
-                let a = ls[0].local_addr().map(|a| a.to_string()).unwrap_or_default();
+                let a = ls[0]
+                    .local_addr()
+                    .map(|a| a.to_string())
+                    .unwrap_or_default();
                 let proto = match kind {
                     Kind::Tls(_) if l.http2 => "https (h2, http/1.1)",
                     Kind::Tls(_) => "https (http/1.1)",

@@ -88,7 +88,9 @@ impl StreamingService<Msg> for Chat {
                     }
                 }
             });
-            Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx)) as BoxStream))
+            Ok(tonic::Response::new(
+                Box::pin(ReceiverStream::new(rx)) as BoxStream
+            ))
         })
     }
 }
@@ -132,32 +134,35 @@ impl GrpcNode {
                 };
                 let (name, c, tls) = (name.clone(), c.clone(), tls.clone());
                 tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
-                        let (name, c) = (name.clone(), c.clone());
-                        async move {
-                            c.fetch_add(1, Ordering::SeqCst);
-                            let resp = match req.uri().path() {
-                                p if p.ends_with("/Chat") => {
-                                    tonic::server::Grpc::new(ProstCodec::<Msg, Msg>::default())
-                                        .streaming(Chat { node: name }, req)
-                                        .await
-                                }
-                                _ => {
-                                    tonic::server::Grpc::new(ProstCodec::<Msg, Msg>::default())
-                                        .unary(Deny, req)
-                                        .await
-                                }
-                            };
-                            Ok::<_, Infallible>(resp)
-                        }
-                    });
+                    let svc = hyper::service::service_fn(
+                        move |req: http::Request<hyper::body::Incoming>| {
+                            let (name, c) = (name.clone(), c.clone());
+                            async move {
+                                c.fetch_add(1, Ordering::SeqCst);
+                                let resp = match req.uri().path() {
+                                    p if p.ends_with("/Chat") => {
+                                        tonic::server::Grpc::new(ProstCodec::<Msg, Msg>::default())
+                                            .streaming(Chat { node: name }, req)
+                                            .await
+                                    }
+                                    _ => {
+                                        tonic::server::Grpc::new(ProstCodec::<Msg, Msg>::default())
+                                            .unary(Deny, req)
+                                            .await
+                                    }
+                                };
+                                Ok::<_, Infallible>(resp)
+                            }
+                        },
+                    );
                     let b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
                     match tls {
                         None => {
                             let _ = b.serve_connection(TokioIo::new(stream), svc).await;
                         }
                         Some(cfg) => {
-                            let Ok(s) = tokio_rustls::TlsAcceptor::from(cfg).accept(stream).await else {
+                            let Ok(s) = tokio_rustls::TlsAcceptor::from(cfg).accept(stream).await
+                            else {
                                 return;
                             };
                             let _ = b.serve_connection(TokioIo::new(s), svc).await;
@@ -170,7 +175,10 @@ impl GrpcNode {
     }
 
     fn yaml(&self, name: &str, lane: &str) -> String {
-        format!("      - {{ name: {name}, addr: \"{}\", lane: {lane} }}\n", self.addr)
+        format!(
+            "      - {{ name: {name}, addr: \"{}\", lane: {lane} }}\n",
+            self.addr
+        )
     }
 }
 
@@ -239,7 +247,11 @@ async fn chat(
     .await
     .unwrap();
     let resp = grpc
-        .streaming(req, PathAndQuery::from_static(path), ProstCodec::<Msg, Msg>::default())
+        .streaming(
+            req,
+            PathAndQuery::from_static(path),
+            ProstCodec::<Msg, Msg>::default(),
+        )
         .await;
     let mut inbound = match resp {
         Ok(r) => r.into_inner(),
@@ -318,28 +330,48 @@ async fn grpc_canary_over_h2c_and_tls_nodes() {
     let ls = listeners(&gw);
     let (h2c, tls) = (ls[0], ls[1]);
 
-    for (client_tls, ch) in [(false, channel(h2c, false).await), (true, channel(tls, true).await)] {
+    for (client_tls, ch) in [
+        (false, channel(h2c, false).await),
+        (true, channel(tls, true).await),
+    ] {
         let via = if client_tls { "TLS" } else { "h2c" };
         // Formal and gray lanes, h2c nodes; the tag arrives as metadata.
         let (got, end) = chat(&ch, "/demo.Echo/Chat", false, &["a", "b", "c"]).await;
         assert_eq!(end.map_err(|s| s.code()), Ok(()), "{via}");
-        assert_eq!(got.iter().map(|m| m.text.as_str()).collect::<Vec<_>>(), ["a", "b", "c"]);
-        assert!(got.iter().all(|m| m.node == "grpc-formal" && m.tag == "formal"), "{via} {got:?}");
+        assert_eq!(
+            got.iter().map(|m| m.text.as_str()).collect::<Vec<_>>(),
+            ["a", "b", "c"]
+        );
+        assert!(
+            got.iter()
+                .all(|m| m.node == "grpc-formal" && m.tag == "formal"),
+            "{via} {got:?}"
+        );
         let (got, end) = chat(&ch, "/demo.Echo/Chat", true, &["x", "y"]).await;
         assert!(end.is_ok(), "{via} {end:?}");
-        assert!(got.iter().all(|m| m.node == "grpc-gray" && m.tag == "gray"), "{via} {got:?}");
+        assert!(
+            got.iter().all(|m| m.node == "grpc-gray" && m.tag == "gray"),
+            "{via} {got:?}"
+        );
         // TLS nodes (CA + SNI verified), both lanes.
         let (got, end) = chat(&ch, "/demo.SecureEcho/Chat", true, &["s1", "s2"]).await;
         assert!(end.is_ok(), "{via} {end:?}");
         assert_eq!(got.len(), 2);
-        assert!(got.iter().all(|m| m.node == "tls-gray" && m.tag == "gray"), "{via} {got:?}");
+        assert!(
+            got.iter().all(|m| m.node == "tls-gray" && m.tag == "gray"),
+            "{via} {got:?}"
+        );
         let (got, _) = chat(&ch, "/demo.SecureEcho/Chat", false, &["s3"]).await;
         assert_eq!(got[0].node, "tls-formal");
         // A status in trailers after data passes through.
         let (got, end) = chat(&ch, "/demo.Echo/Chat", true, &["ok", "fail"]).await;
         assert_eq!(got.len(), 1, "{via}");
         let s = end.expect_err("PERMISSION_DENIED after data");
-        assert_eq!((s.code(), s.message()), (Code::PermissionDenied, "lane says no"), "{via}");
+        assert_eq!(
+            (s.code(), s.message()),
+            (Code::PermissionDenied, "lane says no"),
+            "{via}"
+        );
         // Trailers-only answer.
         let mut grpc = tonic::client::Grpc::new(ch.clone());
         grpc.ready().await.unwrap();
@@ -351,11 +383,19 @@ async fn grpc_canary_over_h2c_and_tls_nodes() {
             )
             .await;
         let s = r.expect_err("FAILED_PRECONDITION");
-        assert_eq!((s.code(), s.message()), (Code::FailedPrecondition, "not today"), "{via}");
+        assert_eq!(
+            (s.code(), s.message()),
+            (Code::FailedPrecondition, "not today"),
+            "{via}"
+        );
         // A lane without nodes falls back to formal, still tagged gray.
         let (got, end) = chat(&ch, "/demo.Lonely/Chat", true, &["l"]).await;
         assert!(end.is_ok(), "{via} {end:?}");
-        assert_eq!((got[0].node.as_str(), got[0].tag.as_str()), ("lonely-formal", "gray"), "{via}");
+        assert_eq!(
+            (got[0].node.as_str(), got[0].tag.as_str()),
+            ("lonely-formal", "gray"),
+            "{via}"
+        );
     }
     assert!(gray.calls.load(Ordering::SeqCst) >= 4);
     assert!(sgray.calls.load(Ordering::SeqCst) >= 2);
@@ -399,7 +439,19 @@ async fn a_node_certificate_that_does_not_verify_is_unavailable_in_grpc_terms() 
     let (_, end) = chat(&ch, "/demo.Echo/Chat", false, &["a"]).await;
     let s = end.expect_err("the node's certificate is not signed by the configured CA");
     assert_eq!(s.code(), Code::Unavailable, "{s:?}");
-    assert_eq!(s.message(), "gateway: 502 Bad Gateway", "the gateway's 502 as a gRPC status");
-    assert_eq!(node.calls.load(Ordering::SeqCst), 0, "no request reached the unverified node");
-    assert!(gw.logs().contains("upstream connect failed"), "{}", gw.logs());
+    assert_eq!(
+        s.message(),
+        "gateway: 502 Bad Gateway",
+        "the gateway's 502 as a gRPC status"
+    );
+    assert_eq!(
+        node.calls.load(Ordering::SeqCst),
+        0,
+        "no request reached the unverified node"
+    );
+    assert!(
+        gw.logs().contains("upstream connect failed"),
+        "{}",
+        gw.logs()
+    );
 }

@@ -20,7 +20,10 @@ async fn setup() -> (Fixture, Gateway, Backend, SocketAddr, SocketAddr) {
     let fx = Fixture::new();
     let formal = Backend::start("f1", "formal").await;
     write_cert(&fx.path("certs"), "site", "localhost");
-    fx.write("nodes.yaml", &format!("services:\n  api:\n    nodes:\n{}", formal.node_yaml()));
+    fx.write(
+        "nodes.yaml",
+        &format!("services:\n  api:\n    nodes:\n{}", formal.node_yaml()),
+    );
     let cfg = fx.write(
         "graygate.yaml",
         &main_config(
@@ -144,7 +147,9 @@ fn flood(addr: SocketAddr, pairs: u32) -> Option<u32> {
         // Parse whole frames.
         let mut at = 0;
         while data.len() >= at + 9 {
-            let len = ((data[at] as usize) << 16) | ((data[at + 1] as usize) << 8) | data[at + 2] as usize;
+            let len = ((data[at] as usize) << 16)
+                | ((data[at + 1] as usize) << 8)
+                | data[at + 2] as usize;
             if data.len() < at + 9 + len {
                 break;
             }
@@ -208,9 +213,15 @@ async fn rapid_reset_flood_is_cut_off_and_bounded() {
         "a reset stream costs less than a served request ({per_reset} vs {per_request} s)"
     );
     let rss1 = rss_kb(pid);
-    assert!(rss1 < rss0 + 64 * 1024, "memory bounded: {rss0} → {rss1} kB");
+    assert!(
+        rss1 < rss0 + 64 * 1024,
+        "memory bounded: {rss0} → {rss1} kB"
+    );
     // Still serving, over h2 and HTTP/1.1.
-    let r = curl(&["--http2"], &format!("https://localhost:{}/api/after", tls.port()));
+    let r = curl(
+        &["--http2"],
+        &format!("https://localhost:{}/api/after", tls.port()),
+    );
     assert_eq!(r.version, "2");
     assert!(r.body.contains("\"node\":\"f1\""));
     assert_eq!(gw.get("/api/after").await.status, 200);

@@ -65,6 +65,37 @@ async fn shipped_config_shows_formal_and_gray() {
     let st = gw.status().await;
     assert_eq!(st["generation"], 1);
     assert!(st["last_reload_error"].is_null());
+
+    // HTTPS + HTTP/2 on 8443 with the generated self-signed certificate,
+    // exactly as the README's tour runs it.
+    assert!(std::path::Path::new("config/certs/demo.crt").exists());
+    let curl = |args: &[&str]| {
+        let out = std::process::Command::new("curl")
+            .args(["-sk", "--http2"])
+            .args(args)
+            .args(["-w", "\n%{http_version}"])
+            .output()
+            .expect("curl");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (body, version) = text.rsplit_once('\n').unwrap_or(("", ""));
+        (body.to_string(), version.to_string())
+    };
+    let (body, version) = curl(&["https://localhost:8443/api/hello"]);
+    assert_eq!(version, "2", "HTTP/2 over TLS");
+    let j: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (j["lane"].as_str(), j["tag"].as_str()),
+        (Some("formal"), Some("formal"))
+    );
+    let (body, _) = curl(&["-H", "X-Gray: 1", "https://localhost:8443/api/hello"]);
+    let j: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (j["lane"].as_str(), j["node"].as_str()),
+        (Some("gray"), Some("api-gray-1"))
+    );
+    let (body, version) = curl(&["-H", "X-Gray: 1", "https://localhost:8443/"]);
+    assert_eq!(version, "2");
+    assert!(body.contains("Gray lane"), "static files over h2: {body}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

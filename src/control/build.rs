@@ -12,6 +12,7 @@ use std::time::SystemTime;
 use http::HeaderName;
 
 use crate::base::lists::IpList;
+use crate::config::NodeProtocol;
 use crate::config::{
     find_line, parse_yaml, read_file, resolve, valid_lane, ConfigError, MainConfig, NodeFile,
     FORMAL,
@@ -22,10 +23,9 @@ use crate::lane::script::ScriptSource;
 use crate::lane::shared_dict::{self, SharedDict};
 use crate::lane::sticky::Sticky;
 use crate::lane::LanePolicy;
-use crate::config::NodeProtocol;
 use crate::nodes::{Node, Service};
-use crate::upstream::tls::{TlsConnect, Transport};
 use crate::static_files::StaticTree;
+use crate::upstream::tls::{TlsConnect, Transport};
 
 impl Generation {
     /// Loads, validates and compiles everything reachable from `config_path`.
@@ -307,7 +307,10 @@ impl Generation {
                 return Err(ConfigError::new(
                     config_path,
                     line,
-                    format!("listener {}: h2c is for plain listeners (TLS negotiates h2 by ALPN)", l.listen),
+                    format!(
+                        "listener {}: h2c is for plain listeners (TLS negotiates h2 by ALPN)",
+                        l.listen
+                    ),
                 ));
             }
             match crate::generation::tls::server_config(l, &root, config_path, line)? {
@@ -402,19 +405,27 @@ fn transport(
         Some(t) => {
             let ca = t.ca.as_ref().map(|p| resolve(root, p));
             if t.insecure_skip_verify {
-                tracing::warn!(service = name, "TLS to nodes without certificate verification (insecure_skip_verify)");
+                tracing::warn!(
+                    service = name,
+                    "TLS to nodes without certificate verification (insecure_skip_verify)"
+                );
             }
             Some(
-                TlsConnect::new(ca.as_deref(), t.server_name.as_deref(), t.insecure_skip_verify, h2)
-                    .map_err(|m| {
-                        let file = ca.clone().unwrap_or_else(|| path.to_path_buf());
-                        let line = if ca.is_some() {
-                            None
-                        } else {
-                            find_line(text, Some(&format!("{name}:")), "tls")
-                        };
-                        ConfigError::new(file, line, format!("service {name:?}: {m}"))
-                    })?,
+                TlsConnect::new(
+                    ca.as_deref(),
+                    t.server_name.as_deref(),
+                    t.insecure_skip_verify,
+                    h2,
+                )
+                .map_err(|m| {
+                    let file = ca.clone().unwrap_or_else(|| path.to_path_buf());
+                    let line = if ca.is_some() {
+                        None
+                    } else {
+                        find_line(text, Some(&format!("{name}:")), "tls")
+                    };
+                    ConfigError::new(file, line, format!("service {name:?}: {m}"))
+                })?,
             )
         }
     };

@@ -92,11 +92,17 @@ pub fn load_pair(cert: &Path, key: &Path) -> Result<Arc<CertifiedKey>, ConfigErr
         ConfigError::new(
             key,
             None,
-            format!("private key does not match certificate {}: {e}", cert.display()),
+            format!(
+                "private key does not match certificate {}: {e}",
+                cert.display()
+            ),
         )
     })?;
     Ok(Arc::new(ck))
 }
+
+/// A listener's rustls configuration and the files it was read from.
+pub type Loaded = (Arc<ServerConfig>, Vec<PathBuf>);
 
 /// The rustls server configuration of one TLS listener, and the files it
 /// was read from.
@@ -105,7 +111,7 @@ pub fn server_config(
     root: &Path,
     config_path: &Path,
     line: Option<usize>,
-) -> Result<Option<(Arc<ServerConfig>, Vec<PathBuf>)>, ConfigError> {
+) -> Result<Option<Loaded>, ConfigError> {
     let Some(tls) = &listener.tls else {
         return Ok(None);
     };
@@ -216,7 +222,10 @@ mod tests {
     fn sni_picks_exact_then_wildcard_then_default() {
         let dir = tempfile::tempdir().unwrap();
         let mk = |n: &str| {
-            let (c, k) = (dir.path().join(format!("{n}.crt")), dir.path().join(format!("{n}.key")));
+            let (c, k) = (
+                dir.path().join(format!("{n}.crt")),
+                dir.path().join(format!("{n}.key")),
+            );
             ensure_self_signed(&c, &k).unwrap();
             load_pair(&c, &k).unwrap()
         };
@@ -228,7 +237,10 @@ mod tests {
         };
         assert!(Arc::ptr_eq(&r.pick(Some("A.example")), &a));
         assert!(Arc::ptr_eq(&r.pick(Some("x.b.example")), &b));
-        assert!(Arc::ptr_eq(&r.pick(Some("b.example")), &d), "a wildcard is one label");
+        assert!(
+            Arc::ptr_eq(&r.pick(Some("b.example")), &d),
+            "a wildcard is one label"
+        );
         assert!(Arc::ptr_eq(&r.pick(None), &d));
     }
 

@@ -188,7 +188,11 @@ impl HealthRegistry {
         #[allow(clippy::type_complexity)]
         let mut wanted: HashMap<
             Key,
-            (ActiveHealth, String, Option<Arc<crate::upstream::tls::Transport>>),
+            (
+                ActiveHealth,
+                String,
+                Option<Arc<crate::upstream::tls::Transport>>,
+            ),
         > = HashMap::new();
         let mut present: HashSet<Key> = HashSet::new();
         for (name, svc) in services {
@@ -305,7 +309,15 @@ async fn probe_loop(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let ok = probe(&client, transport.as_deref(), &tag_header, addr, &lane, &cfg).await;
+        let ok = probe(
+            &client,
+            transport.as_deref(),
+            &tag_header,
+            addr,
+            &lane,
+            &cfg,
+        )
+        .await;
         if ok {
             failures = 0;
             successes = successes.saturating_add(1);

@@ -274,18 +274,17 @@ async fn attempt_all(
             return Err(ErrorKind::TotalTimeout.into());
         }
         let per_try = Duration::from_millis(upstream.response_timeout_ms).min(out.deadline - now);
-        let outcome =
-            match tokio::time::timeout(
-                per_try,
-                plane
-                    .client
-                    .request_via(node.addr, service.transport.as_deref(), req, &out.added),
-            )
-            .await
-            {
-                Err(_) => Err(Error::new(ErrorKind::ResponseTimeout)),
-                Ok(r) => r,
-            };
+        let outcome = match tokio::time::timeout(
+            per_try,
+            plane
+                .client
+                .request_via(node.addr, service.transport.as_deref(), req, &out.added),
+        )
+        .await
+        {
+            Err(_) => Err(Error::new(ErrorKind::ResponseTimeout)),
+            Ok(r) => r,
+        };
         let e = match outcome {
             Ok(r) => {
                 if policy.fail_on_5xx && r.status().is_server_error() {

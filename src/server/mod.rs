@@ -398,7 +398,9 @@ fn is_grpc(h: &http::HeaderMap) -> bool {
 /// gRPC request, as gRPC clients expect it: a trailers-only response,
 /// HTTP 200, `grpc-status` mapped from the HTTP status as gRPC's
 /// HTTP-to-gRPC mapping says, the reason in `grpc-message`.
-fn grpc_error(resp: http::Response<crate::base::body::Body>) -> http::Response<crate::base::body::Body> {
+fn grpc_error(
+    resp: http::Response<crate::base::body::Body>,
+) -> http::Response<crate::base::body::Body> {
     let status = resp.status();
     let code: u32 = match status.as_u16() {
         400 => 13,

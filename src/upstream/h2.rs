@@ -24,8 +24,8 @@ use crate::base::error::{Error, ErrorKind};
 type Sender = SendRequest<UpBody>;
 
 thread_local! {
-    /// (node, TLS?) → this thread's connection to it.
-    static CONNS: RefCell<FxHashMap<(SocketAddr, bool), Sender>> = RefCell::new(FxHashMap::default());
+    /// (node, TLS settings id; 0 = h2c) → this thread's connection to it.
+    static CONNS: RefCell<FxHashMap<(SocketAddr, u64), Sender>> = RefCell::new(FxHashMap::default());
 }
 
 /// Headers that HTTP/2 forbids (RFC 9113 8.2.2) beyond the hop-by-hop
@@ -46,24 +46,23 @@ pub async fn request(
     connect_timeout: Duration,
 ) -> Result<Response<Incoming>, Error> {
     let tls = transport.tls.is_some();
+    let key = (addr, transport.tls.as_ref().map_or(0, |t| t.id));
     let mut req = to_h2(addr, tls, req, added);
-    if let Some(mut sender) = checkout(addr, tls) {
+    if let Some(mut sender) = checkout(key) {
         if sender.ready().await.is_ok() {
             match sender.try_send_request(req).await {
                 Ok(resp) => return Ok(resp),
                 Err(mut e) => match e.take_message() {
                     // Never sent (the connection went away): a fresh one.
                     Some(r) => req = r,
-                    None => {
-                        return Err(Error::new(ErrorKind::Exchange).with_source(e.into_error()))
-                    }
+                    None => return Err(Error::new(ErrorKind::Exchange).with_source(e.into_error())),
                 },
             }
         }
-        CONNS.with(|c| c.borrow_mut().remove(&(addr, tls)));
+        CONNS.with(|c| c.borrow_mut().remove(&key));
     }
     let mut sender = connect(addr, transport, connect_timeout).await?;
-    CONNS.with(|c| c.borrow_mut().insert((addr, tls), sender.clone()));
+    CONNS.with(|c| c.borrow_mut().insert(key, sender.clone()));
     sender
         .ready()
         .await
@@ -74,13 +73,13 @@ pub async fn request(
         .map_err(|e| Error::new(ErrorKind::Exchange).with_source(e))
 }
 
-fn checkout(addr: SocketAddr, tls: bool) -> Option<Sender> {
+fn checkout(key: (SocketAddr, u64)) -> Option<Sender> {
     CONNS.with(|c| {
         let mut c = c.borrow_mut();
-        match c.get(&(addr, tls)) {
+        match c.get(&key) {
             Some(s) if !s.is_closed() => Some(s.clone()),
             Some(_) => {
-                c.remove(&(addr, tls));
+                c.remove(&key);
                 None
             }
             None => None,
@@ -114,7 +113,9 @@ async fn connect(
         Some(t) => {
             let stream = tokio::time::timeout(connect_timeout, t.connect(tcp, addr))
                 .await
-                .map_err(|_| Error::new(ErrorKind::Connect).with_source("TLS handshake timed out"))??;
+                .map_err(|_| {
+                    Error::new(ErrorKind::Connect).with_source("TLS handshake timed out")
+                })??;
             if stream.get_ref().1.alpn_protocol() != Some(b"h2") {
                 return Err(Error::new(ErrorKind::Connect)
                     .with_source("the node did not negotiate h2 (ALPN)"));

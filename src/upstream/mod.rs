@@ -42,12 +42,11 @@ use fields::Added;
 type Sender = SendRequest<UpBody>;
 
 thread_local! {
-    static POOL: RefCell<pool::IdlePool<Sender>> = RefCell::new(pool::IdlePool::default());
-    /// HTTP/1.1-over-TLS connections to nodes (never mixed with plain ones).
-    static TLS_POOL: RefCell<pool::IdlePool<Sender>> = RefCell::new(pool::IdlePool::default());
+    /// hyper's HTTP/1.1 connections by (node, TLS settings id; 0 = plain):
+    /// a connection verified under one service's TLS settings is never
+    /// handed to a service with others.
+    static POOL: RefCell<pool::IdlePool<Sender, (SocketAddr, u64)>> = RefCell::new(pool::IdlePool::default());
 }
-
-type PoolKey = std::thread::LocalKey<RefCell<pool::IdlePool<Sender>>>;
 
 /// The client. Cheap to share; the pools live in thread-locals.
 #[derive(Debug, Clone)]
@@ -155,7 +154,7 @@ impl Upstream {
         req: Request<UpBody>,
         tls: Option<&tls::TlsConnect>,
     ) -> Result<Response<PooledBody>, Error> {
-        let pool: &'static PoolKey = if tls.is_some() { &TLS_POOL } else { &POOL };
+        let key = (addr, tls.map_or(0, |t| t.id));
         let mut req = req;
         // The target is origin-form: a client that sent no Host (HTTP/1.0)
         // gets the node's address, as on the inline path.
@@ -164,12 +163,12 @@ impl Upstream {
                 req.headers_mut().insert(http::header::HOST, v);
             }
         }
-        while let Some(mut sender) = self.checkout(pool, addr) {
+        while let Some(mut sender) = self.checkout(key) {
             if sender.ready().await.is_err() {
                 continue;
             }
             match sender.try_send_request(req).await {
-                Ok(resp) => return Ok(self.wrap(resp, sender, addr, pool)),
+                Ok(resp) => return Ok(self.wrap(resp, sender, key)),
                 Err(mut e) => match e.take_message() {
                     // Never sent: safe to try another connection.
                     Some(r) => req = r,
@@ -182,10 +181,14 @@ impl Upstream {
             .send_request(req)
             .await
             .map_err(|e| Error::new(ErrorKind::Exchange).with_source(e))?;
-        Ok(self.wrap(resp, sender, addr, pool))
+        Ok(self.wrap(resp, sender, key))
     }
 
-    async fn connect(&self, addr: SocketAddr, tls: Option<&tls::TlsConnect>) -> Result<Sender, Error> {
+    async fn connect(
+        &self,
+        addr: SocketAddr,
+        tls: Option<&tls::TlsConnect>,
+    ) -> Result<Sender, Error> {
         let stream = h1::connect(addr, self.connect_timeout).await?;
         let connect_err = |e: hyper::Error| Error::new(ErrorKind::Connect).with_source(e);
         let sender = match tls {
@@ -218,8 +221,8 @@ impl Upstream {
         Ok(sender)
     }
 
-    fn checkout(&self, pool: &'static PoolKey, addr: SocketAddr) -> Option<Sender> {
-        pool.with(|p| {
+    fn checkout(&self, addr: (SocketAddr, u64)) -> Option<Sender> {
+        POOL.with(|p| {
             p.borrow_mut()
                 .checkout(addr, self.idle_timeout, |s| !s.is_closed())
         })
@@ -229,8 +232,7 @@ impl Upstream {
         &self,
         resp: Response<Incoming>,
         sender: Sender,
-        addr: SocketAddr,
-        pool: &'static PoolKey,
+        addr: (SocketAddr, u64),
     ) -> Response<PooledBody> {
         let (head, body) = resp.into_parts();
         let reusable = head.status != http::StatusCode::SWITCHING_PROTOCOLS;
@@ -240,7 +242,6 @@ impl Upstream {
                 sender,
                 addr,
                 max_idle: self.max_idle,
-                pool,
             }),
         };
         if pooled.inner.is_end_stream() {
@@ -252,10 +253,9 @@ impl Upstream {
 
 struct Slot {
     sender: Sender,
-    addr: SocketAddr,
+    /// The pool key: node and TLS settings id.
+    addr: (SocketAddr, u64),
     max_idle: usize,
-    /// The pool it came from (plain or TLS).
-    pool: &'static PoolKey,
 }
 
 /// A response body that returns its connection to the pool at its end,
@@ -325,7 +325,7 @@ impl HyperBody {
             if slot.sender.is_closed() {
                 return;
             }
-            slot.pool.with(|p| {
+            POOL.with(|p| {
                 p.borrow_mut()
                     .checkin(slot.addr, slot.sender, slot.max_idle)
             });

@@ -33,6 +33,10 @@ pub struct TlsConnect {
     pub config: Arc<ClientConfig>,
     /// Fixed server name (SNI + verification); `None` = the node's IP.
     pub server_name: Option<ServerName<'static>>,
+    /// Identifies these settings (CA contents, name, insecure, ALPN) in the
+    /// connection pools, so a connection is only reused under the settings
+    /// it was verified with — across reloads too. Never 0.
+    pub id: u64,
 }
 
 impl std::fmt::Debug for TlsConnect {
@@ -89,6 +93,12 @@ impl TlsConnect {
         } else {
             vec![b"http/1.1".to_vec()]
         };
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        std::hash::Hash::hash(&(server_name, insecure, h2), &mut hasher);
+        if let Some(path) = ca {
+            std::hash::Hash::hash(&std::fs::read(path).unwrap_or_default(), &mut hasher);
+        }
+        let id = std::hash::Hasher::finish(&hasher).max(1);
         let server_name = match server_name {
             Some(n) => Some(
                 ServerName::try_from(n.to_string())
@@ -99,11 +109,16 @@ impl TlsConnect {
         Ok(TlsConnect {
             config: Arc::new(config),
             server_name,
+            id,
         })
     }
 
     /// The TLS handshake on a connected stream.
-    pub async fn connect(&self, tcp: TcpStream, addr: SocketAddr) -> Result<TlsStream<TcpStream>, Error> {
+    pub async fn connect(
+        &self,
+        tcp: TcpStream,
+        addr: SocketAddr,
+    ) -> Result<TlsStream<TcpStream>, Error> {
         let name = self
             .server_name
             .clone()
@@ -128,7 +143,9 @@ fn system_roots() -> Arc<RootCertStore> {
             let found = rustls_native_certs::load_native_certs();
             let (added, _) = roots.add_parsable_certificates(found.certs);
             if added == 0 {
-                tracing::warn!("no system root certificates found; TLS to nodes without a `ca` will fail");
+                tracing::warn!(
+                    "no system root certificates found; TLS to nodes without a `ca` will fail"
+                );
             }
             Arc::new(roots)
         })

@@ -79,7 +79,11 @@ pub fn s_client(addr: SocketAddr, args: &[&str], input: &str) -> String {
         .arg("-connect")
         .arg(addr.to_string())
         .args(args)
-        .args(if input.is_empty() { &[][..] } else { &["-ign_eof"][..] })
+        .args(if input.is_empty() {
+            &[][..]
+        } else {
+            &["-ign_eof"][..]
+        })
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -106,7 +110,10 @@ pub fn served_cn(addr: SocketAddr, sni: Option<&str>) -> String {
     }
     let out = s_client(addr, &args, "");
     out.lines()
-        .find_map(|l| l.strip_prefix("subject=CN = ").or(l.strip_prefix("subject=CN=")))
+        .find_map(|l| {
+            l.strip_prefix("subject=CN = ")
+                .or(l.strip_prefix("subject=CN="))
+        })
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|| format!("<no certificate: {out}>"))
 }
