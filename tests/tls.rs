@@ -535,3 +535,33 @@ async fn https_nodes_verified_by_ca_and_sni_or_insecure_for_tests() {
         "the insecure switch is logged"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listener_layout_changes_need_a_restart() {
+    let s = setup().await;
+    let cfg = s.fx.path("graygate.yaml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let changed = text.replace(
+        "{ listen: 127.0.0.1:0, h2c: true }",
+        "{ listen: 127.0.0.1:0, h2c: false }",
+    );
+    assert_ne!(text, changed);
+    s.fx.write_rename("graygate.yaml", &changed);
+    eventually(
+        "layout change rejected",
+        Duration::from_secs(10),
+        || async {
+            s.gw.status().await["last_reload_error"]
+                .as_str()
+                .is_some_and(|e| e.contains("needs a restart") && e.contains("graygate.yaml"))
+        },
+    )
+    .await;
+    // The running listeners are untouched.
+    let r = curl(
+        &["--http2-prior-knowledge"],
+        &format!("http://127.0.0.1:{}/api/x", s.h2c.port()),
+    );
+    assert_eq!(r.version, "2");
+    assert_eq!(curl(&["--http2"], &https(s.tls, "/api/x")).version, "2");
+}

@@ -90,6 +90,10 @@ impl Server {
                 log_limited(&CAP_LOG, || {
                     tracing::warn!(max, "connection cap reached; refusing connections")
                 });
+                if matches!(kind, Kind::Tls(_)) {
+                    // No plaintext answer on a TLS port: just close.
+                    continue;
+                }
                 tokio::spawn(async move {
                     let msg = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\ncontent-length: 21\r\nconnection: close\r\n\r\ntoo many connections\n";
                     let _ = tokio::time::timeout(Duration::from_secs(1), async {
