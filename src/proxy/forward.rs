@@ -274,14 +274,21 @@ async fn attempt_all(
             return Err(ErrorKind::TotalTimeout.into());
         }
         let per_try = Duration::from_millis(upstream.response_timeout_ms).min(out.deadline - now);
-        let outcome = match tokio::time::timeout(
-            per_try,
-            plane
-                .client
-                .request_via(node.addr, service.transport.as_deref(), req, &out.added),
-        )
-        .await
-        {
+        // A service with TLS or HTTP/2 to its nodes takes its own (boxed)
+        // exchange; the plain HTTP/1.1 call is unchanged.
+        let sent = match service.transport.as_deref() {
+            None => {
+                tokio::time::timeout(per_try, plane.client.request(node.addr, req, &out.added))
+                    .await
+            }
+            Some(t) => {
+                let call = plane
+                    .client
+                    .request_transport(node.addr, t, req, &out.added);
+                tokio::time::timeout(per_try, Box::pin(call)).await
+            }
+        };
+        let outcome = match sent {
             Err(_) => Err(Error::new(ErrorKind::ResponseTimeout)),
             Ok(r) => r,
         };

@@ -106,10 +106,18 @@ impl Server {
             }
             let guard = Counted::new(self.connections.clone());
             let server = self.clone();
+            // Plain connections get the same task as before other kinds
+            // existed (no dispatch in every poll of the connection).
+            if kind == Kind::Plain {
+                tokio::spawn(async move {
+                    server.serve_connection(stream, peer).await;
+                    drop(guard);
+                });
+                continue;
+            }
             tokio::spawn(async move {
                 match kind {
-                    Kind::Plain => server.serve_connection(stream, peer).await,
-                    Kind::H2c => server.serve_h2c(stream, peer).await,
+                    Kind::Plain | Kind::H2c => server.serve_h2c(stream, peer).await,
                     Kind::Tls(i) => tls::serve(server, stream, peer, i).await,
                 }
                 drop(guard);
@@ -187,6 +195,16 @@ impl Server {
                     };
                     rt.block_on(async move {
                         let mut serving = tokio::task::JoinSet::new();
+                        let mut ls = ls;
+                        // One listener (the usual plain set-up): served
+                        // inline, exactly as before listeners of other kinds.
+                        if ls.len() == 1 {
+                            let (kind, l) = ls.remove(0);
+                            match TcpListener::from_std(l) {
+                                Ok(l) => server.clone().serve_kind(l, kind).await,
+                                Err(e) => tracing::error!(error = %e, "worker listener failed"),
+                            }
+                        }
                         for (kind, l) in ls {
                             match TcpListener::from_std(l) {
                                 Ok(l) => {

@@ -118,9 +118,21 @@ impl Upstream {
         req: Request<UpBody>,
         added: &Added,
     ) -> Result<Response<PooledBody>, Error> {
-        let Some(t) = transport else {
-            return self.request(addr, req, added).await;
-        };
+        match transport {
+            None => self.request(addr, req, added).await,
+            // Boxed: the plain path's future stays as small as before.
+            Some(t) => Box::pin(self.request_transport(addr, t, req, added)).await,
+        }
+    }
+
+    /// HTTP/2 or TLS to the node (a service with a [`tls::Transport`]).
+    pub async fn request_transport(
+        &self,
+        addr: SocketAddr,
+        t: &tls::Transport,
+        req: Request<UpBody>,
+        added: &Added,
+    ) -> Result<Response<PooledBody>, Error> {
         if t.h2 {
             let resp = h2::request(addr, t, req, added, self.connect_timeout).await?;
             let (head, body) = resp.into_parts();
