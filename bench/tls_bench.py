@@ -119,7 +119,7 @@ def cpu(target):
 
 def run_h2load(target, args, duration):
     t0 = cpu(target)
-    out = subprocess.run(["taskset", "-c", "0", "h2load", "-t", "1", "-D", str(duration),
+    out = subprocess.run(["taskset", "-c", "0", "h2load", "-t", "1", "-D", f"{duration:g}",
                           "--warm-up-time", "1", *args, f"https://localhost:{target.port}/api/x"],
                          capture_output=True, text=True)
     used = cpu(target) - t0

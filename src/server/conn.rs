@@ -109,6 +109,64 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for TimedIo<T> {
     }
 }
 
+/// A [`TimedIo`] that also passes vectored writes through, for HTTP/2: the
+/// h2 codec writes a frame head and its payload as two buffers, which then
+/// go out in one write (over TLS: one record, one system call) instead of
+/// two. HTTP/1.1 keeps the plain [`TimedIo`], whose single flattened write
+/// per response hyper chooses for it.
+pub struct TimedIoV<T>(TimedIo<T>);
+
+impl<T> TimedIoV<T> {
+    pub fn new(inner: T, act: Arc<Activity>) -> TimedIoV<T> {
+        TimedIoV(TimedIo::new(inner, act))
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for TimedIoV<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for TimedIoV<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let io = &mut self.0;
+        let r = Pin::new(&mut io.inner).poll_write_vectored(cx, bufs);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            io.act.last.store(now_ms(), Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.0.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
+
 /// What the watchdog decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {

@@ -26,7 +26,7 @@ use crate::base::counter::{Counted, Counter};
 use crate::base::ratelog::log_limited;
 use crate::base::Https;
 use crate::proxy::{self, DataPlane};
-use conn::{verdict, Activity, TimedIo, Tracked, Verdict};
+use conn::{verdict, Activity, TimedIo, TimedIoV, Tracked, Verdict};
 
 /// What a client listener speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -379,7 +379,7 @@ impl Server {
                 .keep_alive_interval(Duration::from_millis(h2.keepalive_interval_ms))
                 .keep_alive_timeout(Duration::from_millis(h2.keepalive_interval_ms.max(1000)));
         }
-        let conn = builder.serve_connection(TokioIo::new(TimedIo::new(stream, act.clone())), svc);
+        let conn = builder.serve_connection(TokioIo::new(TimedIoV::new(stream, act.clone())), svc);
         tokio::pin!(conn);
         let mut shutdown = self.shutdown.clone();
         let mut closing = false;
