@@ -353,7 +353,9 @@ impl Server {
             }
             let grpc = is_grpc(req.headers());
             async move {
-                let mut resp = proxy::handle(&plane, peer, req).await?;
+                // Boxed: hyper spawns each stream as a task, and moving the
+                // whole request future into it costs more than a box.
+                let mut resp = Box::pin(proxy::handle(&plane, peer, req)).await?;
                 if grpc && !is_grpc(resp.headers()) && resp.status().as_u16() >= 400 {
                     resp = grpc_error(resp);
                 }
