@@ -213,7 +213,10 @@ mod tests {
         let mut a = Added::new(&mut h, tag(), HeaderValue::from(1u64), peer, true, None);
         a.https();
         a.apply(&mut h);
-        assert_eq!(h[X_FORWARDED_PROTO], "http", "the trusted proxy's own value is kept");
+        assert_eq!(
+            h[X_FORWARDED_PROTO], "http",
+            "the trusted proxy's own value is kept"
+        );
     }
 
     #[test]
