@@ -91,6 +91,29 @@ async fn h2load_burst_over_tls_is_served_completely() {
     let (ok, failed, errored, text) = h2load(&["-n", "2000", "-c", "1", "-m", "500"], &url);
     assert_eq!((ok, failed, errored), (2000, 0, 0), "{text}");
     assert_eq!(gw.get("/api/after").await.status, 200);
+    // The header list limit (http2.max_header_list_size, 32 KiB): 431.
+    let seen = formal.count();
+    let code = |size: usize| {
+        let big = format!("X-Big: {}", "a".repeat(size));
+        let out = std::process::Command::new("curl")
+            .args([
+                "-sk",
+                "--http2",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code} %{http_version}",
+                "-H",
+                &big,
+            ])
+            .arg(format!("https://localhost:{}/api/big", tls.port()))
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert_eq!(code(40_000), "431 2");
+    assert_eq!(formal.count(), seen, "refused before the node");
+    assert_eq!(code(20_000), "200 2");
 }
 
 fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
