@@ -249,3 +249,38 @@ async fn rapid_reset_flood_is_cut_off_and_bounded() {
     assert!(r.body.contains("\"node\":\"f1\""));
     assert_eq!(gw.get("/api/after").await.status, 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_larger_than_the_windows_stream_both_ways_over_h2() {
+    let fx = Fixture::new();
+    let echo = Backend::start_mode("echo", "formal", Mode::Echo).await;
+    write_cert(&fx.path("certs"), "site", "localhost");
+    fx.write(
+        "nodes.yaml",
+        &format!("services:\n  api:\n    nodes:\n{}", echo.node_yaml()),
+    );
+    let cfg = fx.write(
+        "graygate.yaml",
+        &main_config(
+            "node_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n\
+             http2: { initial_stream_window_bytes: 65535, initial_connection_window_bytes: 131072 }\n\
+             listeners:\n  - listen: 127.0.0.1:0\n    tls:\n      certificates:\n\
+             \x20       - { cert: certs/site.crt, key: certs/site.key }\n",
+        ),
+    );
+    let gw = Gateway::start(&cfg);
+    let tls = listeners(&gw)[0];
+    // 3 MiB: 48 stream windows' worth, so flow control must move it.
+    let body: Vec<u8> = (0..3 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();
+    let file = fx.path("upload.bin");
+    std::fs::write(&file, &body).unwrap();
+    let out = std::process::Command::new("curl")
+        .args(["-sk", "--http2", "--data-binary"])
+        .arg(format!("@{}", file.display()))
+        .arg(format!("https://localhost:{}/upload", tls.port()))
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert_eq!(out.stdout.len(), body.len(), "the whole body came back");
+    assert!(out.stdout == body, "byte for byte");
+}
