@@ -210,7 +210,7 @@ pub fn variable<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
         b"is_args" => b(if query(r).is_some() { "?" } else { "" }),
         b"host" => b(&r.host),
         b"request_method" => b(r.parts.method.as_str()),
-        b"scheme" => b("http"),
+        b"scheme" => b(crate::lane::scheme(r)),
         b"server_protocol" => b(match r.parts.version {
             http::Version::HTTP_10 => "HTTP/1.0",
             http::Version::HTTP_2 => "HTTP/2.0",

@@ -184,7 +184,15 @@ impl HealthRegistry {
         tag_header: &HeaderName,
         client: &Upstream,
     ) {
-        let mut wanted: HashMap<Key, (ActiveHealth, String)> = HashMap::new();
+        #[allow(clippy::type_complexity)]
+        let mut wanted: HashMap<
+            Key,
+            (
+                ActiveHealth,
+                String,
+                Option<Arc<crate::upstream::tls::Transport>>,
+            ),
+        > = HashMap::new();
         let mut present: HashSet<Key> = HashSet::new();
         for (name, svc) in services {
             for (lane, set) in &svc.lanes {
@@ -192,7 +200,7 @@ impl HealthRegistry {
                     let key = (name.clone(), node.addr);
                     present.insert(key.clone());
                     if let Some(a) = &svc.health.active {
-                        wanted.insert(key, (a.clone(), lane.clone()));
+                        wanted.insert(key, (a.clone(), lane.clone(), svc.transport.clone()));
                     }
                 }
             }
@@ -206,7 +214,7 @@ impl HealthRegistry {
         checkers.retain(|k, c| {
             let keep = wanted
                 .get(k)
-                .is_some_and(|(cfg, lane)| *cfg == c.cfg && *lane == c.lane);
+                .is_some_and(|(cfg, lane, _)| *cfg == c.cfg && *lane == c.lane);
             if !keep {
                 tracing::info!(service = %k.0, addr = %k.1, "health checker stopped");
             }
@@ -215,7 +223,7 @@ impl HealthRegistry {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        for (key, (cfg, lane)) in wanted {
+        for (key, (cfg, lane, transport)) in wanted {
             if checkers.contains_key(&key) {
                 continue;
             }
@@ -228,6 +236,7 @@ impl HealthRegistry {
             tracing::info!(service = %key.0, addr = %key.1, path = %cfg.path, "health checker started");
             let task = rt.spawn(probe_loop(
                 client.clone(),
+                transport,
                 tag_header.clone(),
                 key.1,
                 lane.clone(),
@@ -272,6 +281,7 @@ impl HealthRegistry {
 
 async fn probe_loop(
     client: Upstream,
+    transport: Option<Arc<crate::upstream::tls::Transport>>,
     tag_header: HeaderName,
     addr: SocketAddr,
     lane: String,
@@ -285,7 +295,15 @@ async fn probe_loop(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let ok = probe(&client, &tag_header, addr, &lane, &cfg).await;
+        let ok = probe(
+            &client,
+            transport.as_deref(),
+            &tag_header,
+            addr,
+            &lane,
+            &cfg,
+        )
+        .await;
         if ok {
             failures = 0;
             successes = successes.saturating_add(1);
@@ -304,6 +322,7 @@ async fn probe_loop(
 
 async fn probe(
     client: &Upstream,
+    transport: Option<&crate::upstream::tls::Transport>,
     tag_header: &HeaderName,
     addr: SocketAddr,
     lane: &str,
@@ -322,7 +341,7 @@ async fn probe(
     let fut = async {
         let read_timeout = Duration::from_millis(cfg.timeout_ms);
         let resp = client
-            .request(addr, req, &Added::none(), read_timeout)
+            .request_via(addr, transport, req, &Added::none(), read_timeout)
             .await
             .ok()?;
         let ok = resp.status().is_success() || resp.status().is_redirection();

@@ -194,7 +194,7 @@ fn rewrite_request(
     }
     // The gateway's own fields replace any the client sent; they are kept
     // apart from the client's map and written after it (no map inserts).
-    let added = Added::new(
+    let mut added = Added::new(
         &mut parts.headers,
         (gen.lane.tag_header.clone(), lane_tag(gen, decision)),
         gen.id_tag.clone(),
@@ -202,6 +202,9 @@ fn rewrite_request(
         client.peer_trusted,
         original_host,
     );
+    if client.https {
+        added.https();
+    }
     let target = Uri::from(
         parts
             .uri
@@ -298,14 +301,24 @@ async fn attempt_all(
             return Err(ErrorKind::TotalTimeout.into());
         }
         let per_try = Duration::from_millis(upstream.response_timeout_ms).min(out.deadline - now);
-        let outcome = match tokio::time::timeout(
-            per_try,
-            plane
-                .client
-                .request(node.addr, req, &out.added, read_timeout),
-        )
-        .await
-        {
+        // A service with TLS or HTTP/2 to its nodes takes its own (boxed)
+        // exchange; the plain HTTP/1.1 call is unchanged.
+        let sent = match service.transport.as_deref() {
+            None => {
+                let call = plane
+                    .client
+                    .request(node.addr, req, &out.added, read_timeout);
+                tokio::time::timeout(per_try, call).await
+            }
+            Some(t) => {
+                let call =
+                    plane
+                        .client
+                        .request_transport(node.addr, t, req, &out.added, read_timeout);
+                tokio::time::timeout(per_try, Box::pin(call)).await
+            }
+        };
+        let outcome = match sent {
             Err(_) => Err(Error::new(ErrorKind::ResponseTimeout)),
             Ok(r) => r,
         };
