@@ -156,6 +156,7 @@ impl Gateway {
     /// Starts the graceful shutdown: stop accepting, let connections finish
     /// their in-flight requests, close idle ones.
     pub fn begin_shutdown(&self) {
+        self.server.begin_drain();
         self.shutdown.send_replace(true);
     }
 
@@ -163,8 +164,11 @@ impl Gateway {
         *self.shutdown.borrow()
     }
 
-    /// Waits until every client connection has closed.
+    /// Waits until every client connection and WebSocket tunnel has closed
+    /// (tunnels are counted before their connection ends, so none slips
+    /// between the two waits).
     pub async fn drained(&self) {
-        self.connections.zero().await
+        self.connections.zero().await;
+        self.plane.tunnels.zero().await;
     }
 }

@@ -6,10 +6,14 @@
 //! connection's header-read and idle timeouts (`conn`) and the graceful drain
 //! live here. Requests go to `proxy::handle` with the [`DataPlane`]; nothing
 //! here reaches the control plane, which only flips the shutdown signal.
+//! `handover` moves the listening sockets to a successor process (binary
+//! upgrade).
 
 pub mod conn;
+pub mod handover;
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,6 +36,9 @@ pub struct Server {
     pub connections: Arc<Counter>,
     /// Becomes true when the graceful stop begins.
     shutdown: watch::Receiver<bool>,
+    /// The same, read per response: while draining, every answer carries
+    /// `Connection: close`.
+    draining: AtomicBool,
 }
 
 impl Server {
@@ -44,7 +51,14 @@ impl Server {
             plane,
             connections,
             shutdown,
+            draining: AtomicBool::new(false),
         }
+    }
+
+    /// Marks the drain as begun (the control plane calls this with the
+    /// shutdown signal): responses from now on close their connection.
+    pub fn begin_drain(&self) {
+        self.draining.store(true, Ordering::Relaxed);
     }
 
     /// Accepts client connections until shutdown begins (then the listener
@@ -117,14 +131,21 @@ impl Server {
         Ok(out)
     }
 
-    /// Starts one worker thread per listener, each with its own
-    /// single-threaded runtime serving that listener forever.
+    /// Starts `workers` worker threads, each with its own single-threaded
+    /// runtime serving its share of the listeners (normally one each; an
+    /// upgrade from a process with more workers leaves some with more).
     pub fn spawn_workers(
         self: &Arc<Self>,
         listeners: Vec<std::net::TcpListener>,
+        workers: usize,
     ) -> std::io::Result<Vec<std::thread::JoinHandle<()>>> {
-        let mut handles = Vec::new();
+        let workers = workers.clamp(1, listeners.len().max(1));
+        let mut shares: Vec<Vec<std::net::TcpListener>> = (0..workers).map(|_| Vec::new()).collect();
         for (i, l) in listeners.into_iter().enumerate() {
+            shares[i % workers].push(l);
+        }
+        let mut handles = Vec::new();
+        for (i, share) in shares.into_iter().enumerate() {
             let server = self.clone();
             let h = std::thread::Builder::new()
                 .name(format!("graygate-worker-{i}"))
@@ -140,13 +161,21 @@ impl Server {
                         }
                     };
                     rt.block_on(async move {
-                        match TcpListener::from_std(l) {
-                            Ok(l) => server.clone().serve(l).await,
-                            Err(e) => tracing::error!(error = %e, "worker listener failed"),
+                        let mut serving = Vec::new();
+                        for l in share {
+                            match TcpListener::from_std(l) {
+                                Ok(l) => serving.push(tokio::spawn(server.clone().serve(l))),
+                                Err(e) => tracing::error!(error = %e, "worker listener failed"),
+                            }
                         }
-                        // Keep this runtime (and its connections) alive
-                        // while they drain; the process exits after that.
+                        for s in serving {
+                            let _ = s.await;
+                        }
+                        // Keep this runtime (its connections and WebSocket
+                        // tunnels) alive while they drain; the process
+                        // exits after that or at the drain time.
                         server.connections.zero().await;
+                        server.plane.tunnels.zero().await;
                     });
                 })?;
             handles.push(h);
@@ -159,12 +188,25 @@ impl Server {
         let act = Activity::new();
         let plane = self.plane.clone();
         let svc_act = act.clone();
+        let server = self.clone();
         let svc = service_fn(move |req| {
             let plane = plane.clone();
             let guard = svc_act.request_started();
+            let server = server.clone();
             async move {
                 let resp = proxy::handle(&plane, peer, req).await?;
-                let (head, body) = resp.into_parts();
+                let (mut head, body) = resp.into_parts();
+                // Draining: this answer ends the keep-alive connection, so
+                // the client's next request opens a new one (to the
+                // successor, after an upgrade) instead of racing a close.
+                if server.draining.load(Ordering::Relaxed)
+                    && head.status != http::StatusCode::SWITCHING_PROTOCOLS
+                {
+                    head.headers.insert(
+                        http::header::CONNECTION,
+                        http::HeaderValue::from_static("close"),
+                    );
+                }
                 Ok::<_, std::convert::Infallible>(http::Response::from_parts(
                     head,
                     Tracked::new(body, guard),
@@ -184,7 +226,8 @@ impl Server {
         tokio::pin!(conn);
         let mut shutdown = self.shutdown.clone();
         let mut closing = false;
-        let timeouts = Timeouts {
+        let mut draining = false;
+        let mut timeouts = Timeouts {
             header_ms: limits.header_timeout_ms,
             idle_ms: limits.idle_timeout_ms,
             send_ms: limits.send_timeout_ms,
@@ -224,9 +267,12 @@ impl Server {
                     return;
                 }
                 _ = tokio::time::sleep(wait) => {}
-                _ = shutdown.wait_for(|s| *s), if !closing => {
-                    conn.as_mut().graceful_shutdown();
-                    closing = true;
+                // Drain: requests in flight finish (their answers carry
+                // `Connection: close`); a connection idle for
+                // `drain_idle_ms` is closed — never one that is mid-request.
+                _ = shutdown.wait_for(|s| *s), if !draining => {
+                    draining = true;
+                    timeouts.idle_ms = timeouts.idle_ms.min(limits.drain_idle_ms);
                 }
             }
         }
