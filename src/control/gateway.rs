@@ -164,11 +164,9 @@ impl Gateway {
         *self.shutdown.borrow()
     }
 
-    /// Waits until every client connection and WebSocket tunnel has closed
-    /// (tunnels are counted before their connection ends, so none slips
-    /// between the two waits).
+    /// Waits until the accept loops have stopped and every client
+    /// connection and WebSocket tunnel has closed.
     pub async fn drained(&self) {
-        self.connections.zero().await;
-        self.plane.tunnels.zero().await;
+        self.server.drained().await
     }
 }

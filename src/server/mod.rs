@@ -39,6 +39,9 @@ pub struct Server {
     /// The same, read per response: while draining, every answer carries
     /// `Connection: close`.
     draining: AtomicBool,
+    /// Accept loops still running (the drain waits for them, so no
+    /// connection accepted at the last moment is missed).
+    accepting: Arc<Counter>,
 }
 
 impl Server {
@@ -52,7 +55,17 @@ impl Server {
             connections,
             shutdown,
             draining: AtomicBool::new(false),
+            accepting: Arc::new(Counter::default()),
         }
+    }
+
+    /// Waits until every accept loop has stopped and every client
+    /// connection and WebSocket tunnel has closed (tunnels are counted
+    /// before their connection ends, so none slips between the waits).
+    pub async fn drained(&self) {
+        self.accepting.zero().await;
+        self.connections.zero().await;
+        self.plane.tunnels.zero().await;
     }
 
     /// Marks the drain as begun (the control plane calls this with the
@@ -147,6 +160,9 @@ impl Server {
         let mut handles = Vec::new();
         for (i, share) in shares.into_iter().enumerate() {
             let server = self.clone();
+            // Counted before the thread starts, so a drain never begins
+            // between here and the first accept.
+            let accepting = Counted::new(self.accepting.clone());
             let h = std::thread::Builder::new()
                 .name(format!("graygate-worker-{i}"))
                 .spawn(move || {
@@ -171,11 +187,11 @@ impl Server {
                         for s in serving {
                             let _ = s.await;
                         }
+                        drop(accepting);
                         // Keep this runtime (its connections and WebSocket
                         // tunnels) alive while they drain; the process
                         // exits after that or at the drain time.
-                        server.connections.zero().await;
-                        server.plane.tunnels.zero().await;
+                        server.drained().await;
                     });
                 })?;
             handles.push(h);
