@@ -42,6 +42,22 @@ fn alive(pid: u32) -> bool {
             .is_ok_and(|s| s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')))
 }
 
+/// Inodes of the listening TCP sockets on `port` (from /proc/net/tcp): the
+/// kernel objects themselves, so an upgrade that hands the sockets over keeps
+/// them, while one that binds anew (SO_REUSEPORT) shows new ones.
+fn listening_inodes(port: u16) -> std::collections::BTreeSet<u64> {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    let suffix = format!(":{port:04X}");
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() > 9 && f[1].ends_with(&suffix) && f[3] == "0A").then(|| f[9].parse().ok())?
+        })
+        .collect()
+}
+
 /// Copies the built binary to `path` through a temporary file renamed over
 /// it — what a package upgrade does to /usr/bin/graygate.
 fn install_binary(path: &Path) {
@@ -253,6 +269,8 @@ async fn binary_upgrade_under_load_loses_no_request_and_lets_the_websocket_finis
     let mut old = Gateway::start_cmd(Command::new(&exe), &s.cfg, &[]);
     let (addr, admin) = (old.addr, old.admin.unwrap());
     let old_pid = old.pid();
+    let sockets = listening_inodes(addr.port());
+    assert_eq!(sockets.len(), 2, "one listener per worker");
     let pid_file = s.fx.path("run/graygate.pid");
     eventually("pid file written", Duration::from_secs(10), || async {
         std::fs::read_to_string(&pid_file).is_ok_and(|p| p.trim() == old_pid.to_string())
@@ -280,6 +298,8 @@ async fn binary_upgrade_under_load_loses_no_request_and_lets_the_websocket_finis
     install_binary(&exe);
     old.signal("USR2");
     old.wait_log("binary upgrade done: stopped accepting").await;
+    // The successor writes to the same stderr.
+    old.wait_log("took over the listening sockets").await;
     let logs = old.logs();
     let new_pid = pid_in(&logs, "SIGUSR2; starting the new binary", "successor=")
         .expect("successor pid logged");
@@ -323,7 +343,9 @@ async fn binary_upgrade_under_load_loses_no_request_and_lets_the_websocket_finis
     assert!(status.success(), "{status:?}");
     assert!(old.logs().contains("drained; exiting"), "{}", old.logs());
 
-    // Only the new process serves now: same address, same admin listener.
+    // Only the new process serves now: on the very sockets the old one
+    // listened on (its accept queue included), same admin listener.
+    assert_eq!(listening_inodes(addr.port()), sockets, "the listening sockets were handed over");
     let after_exit = tally.ok();
     more_ok(&tally, after_exit, 200, "load served by the new process alone").await;
     stop.store(true, Ordering::SeqCst);
