@@ -63,7 +63,16 @@ fn listening_inodes(port: u16) -> std::collections::BTreeSet<u64> {
 fn install_binary(path: &Path) {
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
     let tmp = path.with_extension("new");
-    std::fs::copy(env!("CARGO_BIN_EXE_graygate"), &tmp).unwrap();
+    // Copied by `cp`, not by this process: a file open for writing here
+    // could leak into a process another test forks at that moment, and
+    // exec would then fail with "text file busy".
+    let ok = Command::new("cp")
+        .arg(env!("CARGO_BIN_EXE_graygate"))
+        .arg(&tmp)
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "cp failed");
     std::fs::rename(&tmp, path).unwrap();
 }
 
