@@ -329,7 +329,9 @@ async fn drain_time_bounds_the_shutdown() {
         || async { hang.count() == 1 },
     )
     .await;
-    gw.signal("INT");
+    // SIGTERM: the graceful stop whose drain is bounded (SIGINT is a fast
+    // stop since binary upgrades came, as in nginx; see tests/signals.rs).
+    gw.signal("TERM");
     let signalled = std::time::Instant::now();
     // The request never ends: only the configured 300 ms drain bound lets
     // the process exit this early (the default bound is 15 s).
@@ -338,7 +340,7 @@ async fn drain_time_bounds_the_shutdown() {
         .await
         .unwrap_or_else(|| {
             panic!(
-                "graygate still running {:?} after SIGINT with drain_timeout_ms 300",
+                "graygate still running {:?} after SIGTERM with drain_timeout_ms 300",
                 signalled.elapsed()
             )
         });

@@ -539,6 +539,24 @@ impl Req {
             .expect("response")
     }
 
+    /// Like [`Req::send_streaming`], the failure returned instead of a
+    /// panic (for a request the gateway is expected to cut).
+    pub async fn send_streaming_result(
+        &self,
+        addr: SocketAddr,
+    ) -> Result<Response<Incoming>, hyper::Error> {
+        let stream = TcpSocket::new_v4()
+            .unwrap()
+            .connect(addr)
+            .await
+            .expect("connect to gateway");
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        sender.send_request(self.build(addr)).await
+    }
+
     pub async fn send(&self, addr: SocketAddr) -> Resp {
         let resp = tokio::time::timeout(Duration::from_secs(30), async {
             let resp = self.send_streaming(addr).await;
