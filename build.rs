@@ -27,9 +27,7 @@ fn main() {
     // Only a checkout of this very repository counts (not a parent
     // repository the tarball was unpacked into).
     let top = git(dir, &["rev-parse", "--show-toplevel"]);
-    let own = top.is_some_and(|t| {
-        Path::new(&t).canonicalize().ok() == dir.canonicalize().ok()
-    });
+    let own = top.is_some_and(|t| Path::new(&t).canonicalize().ok() == dir.canonicalize().ok());
     let commit = std::env::var("GRAYGATE_GIT_COMMIT")
         .ok()
         .filter(|c| !c.is_empty())

@@ -82,7 +82,12 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match &cli.command {
         Some(Command::Completions { shell }) => {
-            clap_complete::generate(*shell, &mut Cli::command(), "graygate", &mut std::io::stdout());
+            clap_complete::generate(
+                *shell,
+                &mut Cli::command(),
+                "graygate",
+                &mut std::io::stdout(),
+            );
             return ExitCode::SUCCESS;
         }
         Some(Command::Manpage) => {
@@ -147,7 +152,9 @@ fn main() -> ExitCode {
     // sockets: a broken new config never disturbs the running process.
     let (predecessor, inherited) = if cli.upgrade {
         let Some(path) = paths.upgrade_socket.clone() else {
-            eprintln!("--upgrade needs upgrade_socket (or pid_file) in the config, or --upgrade-socket");
+            eprintln!(
+                "--upgrade needs upgrade_socket (or pid_file) in the config, or --upgrade-socket"
+            );
             return ExitCode::FAILURE;
         };
         match upgrade::take_over(&path) {
@@ -250,18 +257,22 @@ async fn run(
         }
     };
     let gen = gw.current();
-    let demo_result = demo::spawn(&gen.config.demo_nodes, gen.lane.tag_header.clone(), |addr| {
-        let l = match inherited.take("demo", addr).pop() {
-            Some(l) => tokio::net::TcpListener::from_std(l)?,
-            None => {
-                let s = std::net::TcpListener::bind(addr)?;
-                s.set_nonblocking(true)?;
-                tokio::net::TcpListener::from_std(s)?
-            }
-        };
-        up.register("demo", l.local_addr()?, &l);
-        Ok(l)
-    })
+    let demo_result = demo::spawn(
+        &gen.config.demo_nodes,
+        gen.lane.tag_header.clone(),
+        |addr| {
+            let l = match inherited.take("demo", addr).pop() {
+                Some(l) => tokio::net::TcpListener::from_std(l)?,
+                None => {
+                    let s = std::net::TcpListener::bind(addr)?;
+                    s.set_nonblocking(true)?;
+                    tokio::net::TcpListener::from_std(s)?
+                }
+            };
+            up.register("demo", l.local_addr()?, &l);
+            Ok(l)
+        },
+    )
     .await;
     if let Err(e) = demo_result {
         eprintln!("cannot start demo nodes: {e}");
@@ -332,9 +343,14 @@ async fn run(
         let from = p.pid;
         match tokio::task::spawn_blocking(move || p.ready()).await {
             Ok(Ok(())) => {
-                tracing::info!(predecessor = from, "binary upgrade: took over the listening sockets; the old process drains")
+                tracing::info!(
+                    predecessor = from,
+                    "binary upgrade: took over the listening sockets; the old process drains"
+                )
             }
-            Ok(Err(e)) => tracing::warn!(predecessor = from, error = %e, "binary upgrade: no answer from the old process"),
+            Ok(Err(e)) => {
+                tracing::warn!(predecessor = from, error = %e, "binary upgrade: no answer from the old process")
+            }
             Err(e) => tracing::warn!(error = %e, "binary upgrade: ready task failed"),
         }
     }
@@ -399,7 +415,13 @@ async fn run(
     let drain = Duration::from_millis(gw.current().config.client.drain_timeout_ms);
     match handed_over {
         Some(to) => {
-            tracing::info!(successor = to, connections = gw.connections.get(), tunnels = gw.plane.tunnels.get(), drain_ms = drain.as_millis() as u64, "binary upgrade done: stopped accepting, draining");
+            tracing::info!(
+                successor = to,
+                connections = gw.connections.get(),
+                tunnels = gw.plane.tunnels.get(),
+                drain_ms = drain.as_millis() as u64,
+                "binary upgrade done: stopped accepting, draining"
+            );
             // The successor serves admin now.
             if let Some(t) = admin_task.take() {
                 t.abort();

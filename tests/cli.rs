@@ -36,7 +36,10 @@ fn version_prints_the_version_and_how_the_binary_was_built() {
         .arg("--version")
         .output()
         .unwrap();
-    assert_eq!(line(&out, "rustc:"), String::from_utf8_lossy(&rustc.stdout).trim());
+    assert_eq!(
+        line(&out, "rustc:"),
+        String::from_utf8_lossy(&rustc.stdout).trim()
+    );
     assert!(line(&out, "target:").contains("linux"), "{out}");
     assert!(!line(&out, "features:").is_empty());
     // The commit this checkout is at (the test binary was built from it);
@@ -54,7 +57,10 @@ fn version_prints_the_version_and_how_the_binary_was_built() {
     }
     // -V: the short form, version only.
     let (_, short, _) = graygate(&["-V"]);
-    assert_eq!(short.trim(), format!("graygate {}", env!("CARGO_PKG_VERSION")));
+    assert_eq!(
+        short.trim(),
+        format!("graygate {}", env!("CARGO_PKG_VERSION"))
+    );
 }
 
 /// The compiled build script of this package (next to the binary's
@@ -90,17 +96,32 @@ fn build_script_works_from_a_tarball_without_git() {
             cmd.env("GRAYGATE_GIT_COMMIT", c);
         }
         let out = cmd.output().unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     let plain = run(None);
     assert!(
-        plain.contains("cargo:rustc-env=GRAYGATE_BUILD_COMMIT=unknown (not built from a git checkout)"),
+        plain.contains(
+            "cargo:rustc-env=GRAYGATE_BUILD_COMMIT=unknown (not built from a git checkout)"
+        ),
         "{plain}"
     );
-    assert!(plain.contains("cargo:rustc-env=GRAYGATE_BUILD_RUSTC=rustc "), "{plain}");
-    assert!(plain.contains("cargo:rustc-env=GRAYGATE_BUILD_FEATURES=demo"), "{plain}");
-    assert!(plain.contains("cargo:rustc-env=GRAYGATE_BUILD_PROFILE=release"), "{plain}");
+    assert!(
+        plain.contains("cargo:rustc-env=GRAYGATE_BUILD_RUSTC=rustc "),
+        "{plain}"
+    );
+    assert!(
+        plain.contains("cargo:rustc-env=GRAYGATE_BUILD_FEATURES=demo"),
+        "{plain}"
+    );
+    assert!(
+        plain.contains("cargo:rustc-env=GRAYGATE_BUILD_PROFILE=release"),
+        "{plain}"
+    );
     let given = run(Some("v0.1.0-3-gabcdef"));
     assert!(
         given.contains("cargo:rustc-env=GRAYGATE_BUILD_COMMIT=v0.1.0-3-gabcdef"),
@@ -121,7 +142,10 @@ fn completions_and_man_page_come_from_the_clap_definitions() {
         for flag in ["upgrade", "upgrade-socket", "config", "check", "pid-file"] {
             assert!(out.contains(flag), "{shell} completion lacks {flag}");
         }
-        assert!(out.contains("manpage"), "{shell} completion lacks the subcommands");
+        assert!(
+            out.contains("manpage"),
+            "{shell} completion lacks the subcommands"
+        );
     }
     let (ok, _, err) = graygate(&["completions", "tcsh"]);
     assert!(!ok && err.contains("invalid value"), "{err}");
@@ -129,9 +153,18 @@ fn completions_and_man_page_come_from_the_clap_definitions() {
     let (ok, man, err) = graygate(&["manpage"]);
     assert!(ok, "{err}");
     assert!(man.contains(".TH graygate 1"), "{man}");
-    for s in [".SH NAME", ".SH SYNOPSIS", ".SH OPTIONS", ".SH SUBCOMMANDS", ".SH VERSION"] {
+    for s in [
+        ".SH NAME",
+        ".SH SYNOPSIS",
+        ".SH OPTIONS",
+        ".SH SUBCOMMANDS",
+        ".SH VERSION",
+    ] {
         assert!(man.contains(s), "man page lacks {s}");
     }
     assert!(man.contains("\\-\\-upgrade"), "{man}");
-    assert!(man.contains("USR2 binary upgrade"), "the signals are documented: {man}");
+    assert!(
+        man.contains("USR2 binary upgrade"),
+        "the signals are documented: {man}"
+    );
 }

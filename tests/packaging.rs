@@ -29,7 +29,13 @@ fn build_package(out: &Path) -> PathBuf {
     let dir = env!("CARGO_MANIFEST_DIR");
     let deb = run(Command::new("bash")
         .arg(format!("{dir}/packaging/build-deb.sh"))
-        .args(["--binary", env!("CARGO_BIN_EXE_graygate"), "--compress", "none", "--out"])
+        .args([
+            "--binary",
+            env!("CARGO_BIN_EXE_graygate"),
+            "--compress",
+            "none",
+            "--out",
+        ])
         .arg(out));
     PathBuf::from(deb.trim())
 }
@@ -49,7 +55,11 @@ async fn debian_package_holds_a_gateway_that_starts_on_its_config() {
     let arch = run(Command::new("dpkg").arg("--print-architecture"));
     assert_eq!(
         deb.file_name().unwrap().to_string_lossy(),
-        format!("graygate_{}-1_{}.deb", env!("CARGO_PKG_VERSION"), arch.trim())
+        format!(
+            "graygate_{}-1_{}.deb",
+            env!("CARGO_PKG_VERSION"),
+            arch.trim()
+        )
     );
 
     // Control data.
@@ -63,12 +73,25 @@ async fn debian_package_holds_a_gateway_that_starts_on_its_config() {
     ] {
         assert!(info.contains(&field), "no {field:?} in\n{info}");
     }
-    let conffiles = run(Command::new("dpkg-deb").arg("-I").arg(&deb).arg("conffiles"));
-    for f in ["/etc/graygate/graygate.yaml", "/etc/graygate/nodes.yaml", "/etc/logrotate.d/graygate"] {
-        assert!(conffiles.lines().any(|l| l == f), "{f} not a conffile: {conffiles}");
+    let conffiles = run(Command::new("dpkg-deb")
+        .arg("-I")
+        .arg(&deb)
+        .arg("conffiles"));
+    for f in [
+        "/etc/graygate/graygate.yaml",
+        "/etc/graygate/nodes.yaml",
+        "/etc/logrotate.d/graygate",
+    ] {
+        assert!(
+            conffiles.lines().any(|l| l == f),
+            "{f} not a conffile: {conffiles}"
+        );
     }
     let postinst = run(Command::new("dpkg-deb").arg("-I").arg(&deb).arg("postinst"));
-    assert!(postinst.contains("--signal=USR2"), "upgrade hands over: {postinst}");
+    assert!(
+        postinst.contains("--signal=USR2"),
+        "upgrade hands over: {postinst}"
+    );
 
     // Contents: path → mode and owner.
     let listing = run(Command::new("dpkg-deb").arg("-c").arg(&deb));
@@ -101,7 +124,8 @@ async fn debian_package_holds_a_gateway_that_starts_on_its_config() {
     // Unpacked, as dpkg would install it (without running anything).
     let root = work.path().join("root");
     run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&root));
-    let unit = std::fs::read_to_string(root.join("usr/lib/systemd/system/graygate.service")).unwrap();
+    let unit =
+        std::fs::read_to_string(root.join("usr/lib/systemd/system/graygate.service")).unwrap();
     for line in [
         "Type=notify",
         "NotifyAccess=all",
@@ -114,19 +138,33 @@ async fn debian_package_holds_a_gateway_that_starts_on_its_config() {
         "LogsDirectory=graygate",
         "WantedBy=multi-user.target",
     ] {
-        assert!(unit.lines().any(|l| l == line), "unit lacks {line:?}:\n{unit}");
+        assert!(
+            unit.lines().any(|l| l == line),
+            "unit lacks {line:?}:\n{unit}"
+        );
     }
-    assert!(unit.contains("--signal=USR2"), "the upgrade path is documented in the unit");
+    assert!(
+        unit.contains("--signal=USR2"),
+        "the upgrade path is documented in the unit"
+    );
     let rotate = std::fs::read_to_string(root.join("etc/logrotate.d/graygate")).unwrap();
     assert!(rotate.contains("/var/log/graygate/*.log"), "{rotate}");
     assert!(
-        rotate.contains("postrotate") && rotate.contains("kill -USR1") && rotate.contains("/run/graygate/graygate.pid"),
+        rotate.contains("postrotate")
+            && rotate.contains("kill -USR1")
+            && rotate.contains("/run/graygate/graygate.pid"),
         "{rotate}"
     );
     let config = root.join("etc/graygate/graygate.yaml");
     let text = std::fs::read_to_string(&config).unwrap();
-    assert!(text.contains("pid_file: run/graygate/graygate.pid"), "logrotate's pid file");
-    assert!(text.contains("path: var/log/graygate/access.log"), "logrotate's log");
+    assert!(
+        text.contains("pid_file: run/graygate/graygate.pid"),
+        "logrotate's pid file"
+    );
+    assert!(
+        text.contains("path: var/log/graygate/access.log"),
+        "logrotate's log"
+    );
     let man = run(Command::new("gzip")
         .arg("-dc")
         .arg(root.join("usr/share/man/man1/graygate.1.gz")));
@@ -137,7 +175,10 @@ async fn debian_package_holds_a_gateway_that_starts_on_its_config() {
     assert!(version.starts_with(&format!("graygate {}\ncommit:", env!("CARGO_PKG_VERSION"))));
 
     // `graygate --check` on the packaged configuration, as it is.
-    let check = run(Command::new(&exe).arg("--check").arg("--config").arg(&config));
+    let check = run(Command::new(&exe)
+        .arg("--check")
+        .arg("--config")
+        .arg(&config));
     assert!(check.contains("configuration ok"), "{check}");
 
     // It serves on that configuration: only its fixed ports are replaced
@@ -159,7 +200,9 @@ async fn debian_package_holds_a_gateway_that_starts_on_its_config() {
     // systemd's readiness protocol, as the unit's Type=notify expects.
     let notify_path = work.path().join("notify.sock");
     let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
-    notify.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    notify
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
     let mut cmd = Command::new(&exe);
     cmd.env("NOTIFY_SOCKET", &notify_path);
     let mut gw = Gateway::start_cmd(cmd, &config, &[]);
@@ -180,10 +223,15 @@ async fn debian_package_holds_a_gateway_that_starts_on_its_config() {
     })
     .await;
     assert_eq!(
-        std::fs::read_to_string(root.join("run/graygate/graygate.pid")).unwrap().trim(),
+        std::fs::read_to_string(root.join("run/graygate/graygate.pid"))
+            .unwrap()
+            .trim(),
         gw.pid().to_string()
     );
     assert!(root.join("run/graygate/upgrade.sock").exists());
     let _ = gw.stop_and_read_stdout().await;
-    assert!(!root.join("run/graygate/graygate.pid").exists(), "pid file removed at exit");
+    assert!(
+        !root.join("run/graygate/graygate.pid").exists(),
+        "pid file removed at exit"
+    );
 }

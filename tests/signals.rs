@@ -43,26 +43,35 @@ async fn sigusr1_reopens_the_access_log_after_logrotate_renamed_it() {
     // logrotate: rename. Until the signal, lines follow the open file.
     std::fs::rename(&log, &rotated).unwrap();
     assert_eq!(gw.get("/between").await.status, 200);
-    eventually("line in the renamed file", Duration::from_secs(10), || async {
-        read(&rotated).contains("\"GET /between\"")
-    })
+    eventually(
+        "line in the renamed file",
+        Duration::from_secs(10),
+        || async { read(&rotated).contains("\"GET /between\"") },
+    )
     .await;
     assert!(!log.exists());
 
     gw.signal("USR1");
-    eventually("access log reopened by path", Duration::from_secs(10), || async {
-        log.exists()
-    })
+    eventually(
+        "access log reopened by path",
+        Duration::from_secs(10),
+        || async { log.exists() },
+    )
     .await;
     gw.wait_log("access log reopened").await;
     assert_eq!(gw.get("/after").await.status, 200);
-    eventually("new line in the new file", Duration::from_secs(10), || async {
-        read(&log).contains("\"GET /after\"")
-    })
+    eventually(
+        "new line in the new file",
+        Duration::from_secs(10),
+        || async { read(&log).contains("\"GET /after\"") },
+    )
     .await;
     let (old, new) = (read(&rotated), read(&log));
     assert!(!old.contains("/after"), "{old}");
-    assert!(!new.contains("/before") && !new.contains("/between"), "{new}");
+    assert!(
+        !new.contains("/before") && !new.contains("/between"),
+        "{new}"
+    );
     // USR1 did not stop the process (its default action would).
     assert_eq!(gw.get("/still").await.status, 200);
 }
@@ -83,9 +92,11 @@ async fn sigint_and_sigquit_stop_at_once_without_draining() {
             )
             .await
         });
-        eventually("request reached the node", Duration::from_secs(10), || async {
-            hang.count() == 1
-        })
+        eventually(
+            "request reached the node",
+            Duration::from_secs(10),
+            || async { hang.count() == 1 },
+        )
         .await;
         gw.signal(sig);
         let status = gw
@@ -108,9 +119,11 @@ async fn sigterm_drains_until_a_fast_signal_cuts_it_short() {
     let mut gw = Gateway::start(&cfg);
     let addr = gw.addr;
     let pending = tokio::spawn(async move { Req::get("/hang").send_streaming_result(addr).await });
-    eventually("request reached the node", Duration::from_secs(10), || async {
-        hang.count() == 1
-    })
+    eventually(
+        "request reached the node",
+        Duration::from_secs(10),
+        || async { hang.count() == 1 },
+    )
     .await;
     gw.signal("TERM");
     gw.wait_log("shutting down: draining connections").await;

@@ -38,8 +38,11 @@ impl Drop for Orphan {
 
 fn alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
-        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .is_ok_and(|s| s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')))
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            s.rsplit(')')
+                .next()
+                .is_some_and(|r| r.trim_start().starts_with('Z'))
+        })
 }
 
 /// Inodes of the listening TCP sockets on `port` (from /proc/net/tcp): the
@@ -137,7 +140,9 @@ async fn plain_client(addr: SocketAddr, tally: Arc<Tally>, stop: Arc<AtomicBool>
         })
         .await;
         match r {
-            Ok(Ok(text)) if text.starts_with("HTTP/1.1 200") && text.contains("\"node\":\"f1\"") => {
+            Ok(Ok(text))
+                if text.starts_with("HTTP/1.1 200") && text.contains("\"node\":\"f1\"") =>
+            {
                 tally.ok.fetch_add(1, Ordering::SeqCst);
             }
             Ok(Ok(text)) => tally.fail(format!("plain {id}: unexpected answer {text:?}")),
@@ -156,7 +161,9 @@ async fn keepalive_client(addr: SocketAddr, tally: Arc<Tally>, stop: Arc<AtomicB
         n += 1;
         let r = tokio::time::timeout(Duration::from_secs(20), async {
             if sender.is_none() {
-                let s = TcpStream::connect(addr).await.map_err(|e| format!("connect: {e}"))?;
+                let s = TcpStream::connect(addr)
+                    .await
+                    .map_err(|e| format!("connect: {e}"))?;
                 let (tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
                     .await
                     .map_err(|e| format!("handshake: {e}"))?;
@@ -164,18 +171,27 @@ async fn keepalive_client(addr: SocketAddr, tally: Arc<Tally>, stop: Arc<AtomicB
                 sender = Some(tx);
             }
             let tx = sender.as_mut().unwrap();
-            tx.ready().await.map_err(|e| format!("connection not ready: {e}"))?;
+            tx.ready()
+                .await
+                .map_err(|e| format!("connection not ready: {e}"))?;
             let req = http::Request::get(format!("/api/k{id}-{n}"))
                 .header("host", "gg")
                 .body(Empty::new())
                 .unwrap();
-            let resp = tx.send_request(req).await.map_err(|e| format!("request: {e}"))?;
+            let resp = tx
+                .send_request(req)
+                .await
+                .map_err(|e| format!("request: {e}"))?;
             let close = resp
                 .headers()
                 .get("connection")
                 .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
             let status = resp.status();
-            let body = resp.into_body().collect().await.map_err(|e| format!("body: {e}"))?;
+            let body = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| format!("body: {e}"))?;
             if close {
                 sender = None;
             }
@@ -206,7 +222,9 @@ async fn keepalive_client(addr: SocketAddr, tally: Arc<Tally>, stop: Arc<AtomicB
 type Ws = tokio_tungstenite::WebSocketStream<TcpStream>;
 
 async fn ws_connect(addr: SocketAddr) -> Ws {
-    let req = format!("ws://{addr}/ws/chat").into_client_request().unwrap();
+    let req = format!("ws://{addr}/ws/chat")
+        .into_client_request()
+        .unwrap();
     let tcp = TcpStream::connect(addr).await.unwrap();
     let (ws, resp) = tokio_tungstenite::client_async(req, tcp)
         .await
@@ -291,8 +309,18 @@ async fn binary_upgrade_under_load_loses_no_request_and_lets_the_websocket_finis
     let stop = Arc::new(AtomicBool::new(false));
     let mut clients = Vec::new();
     for id in 0..4 {
-        clients.push(tokio::spawn(plain_client(addr, tally.clone(), stop.clone(), id)));
-        clients.push(tokio::spawn(keepalive_client(addr, tally.clone(), stop.clone(), id)));
+        clients.push(tokio::spawn(plain_client(
+            addr,
+            tally.clone(),
+            stop.clone(),
+            id,
+        )));
+        clients.push(tokio::spawn(keepalive_client(
+            addr,
+            tally.clone(),
+            stop.clone(),
+            id,
+        )));
     }
     // A WebSocket conversation, begun on the old process.
     let mut ws = ws_connect(addr).await;
@@ -315,7 +343,8 @@ async fn binary_upgrade_under_load_loses_no_request_and_lets_the_websocket_finis
     let _reap = Orphan(new_pid);
     assert_ne!(new_pid, old_pid);
     assert!(
-        logs.contains(&format!("pid={new_pid}")) && logs.contains("took over the listening sockets"),
+        logs.contains(&format!("pid={new_pid}"))
+            && logs.contains("took over the listening sockets"),
         "{logs}"
     );
 
@@ -354,9 +383,19 @@ async fn binary_upgrade_under_load_loses_no_request_and_lets_the_websocket_finis
 
     // Only the new process serves now: on the very sockets the old one
     // listened on (its accept queue included), same admin listener.
-    assert_eq!(listening_inodes(addr.port()), sockets, "the listening sockets were handed over");
+    assert_eq!(
+        listening_inodes(addr.port()),
+        sockets,
+        "the listening sockets were handed over"
+    );
     let after_exit = tally.ok();
-    more_ok(&tally, after_exit, 200, "load served by the new process alone").await;
+    more_ok(
+        &tally,
+        after_exit,
+        200,
+        "load served by the new process alone",
+    )
+    .await;
     stop.store(true, Ordering::SeqCst);
     for c in clients {
         tokio::time::timeout(Duration::from_secs(30), c)
@@ -390,7 +429,10 @@ async fn binary_upgrade_under_load_loses_no_request_and_lets_the_websocket_finis
     assert_eq!(again.addr, addr);
     let deadline = Instant::now() + Duration::from_secs(30);
     while alive(new_pid) {
-        assert!(Instant::now() < deadline, "second upgrade: the predecessor did not exit");
+        assert!(
+            Instant::now() < deadline,
+            "second upgrade: the predecessor did not exit"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(again.get("/api/x").await.status, 200);
@@ -432,8 +474,13 @@ async fn a_successor_that_fails_leaves_the_running_process_serving() {
         .arg(&bad)
         .output()
         .unwrap();
-    assert!(!out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    old.wait_log("binary upgrade aborted; this process keeps serving").await;
+    assert!(
+        !out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    old.wait_log("binary upgrade aborted; this process keeps serving")
+        .await;
     assert_eq!(old.get("/api/x").await.status, 200);
     assert!(old.wait_exit(Duration::from_millis(1)).await.is_none());
 

@@ -49,15 +49,14 @@ impl Paths {
         cli_socket: Option<PathBuf>,
     ) -> Paths {
         let dir = config_path.parent().unwrap_or(Path::new("."));
-        let root = cfg.root.as_ref().map_or(dir.to_path_buf(), |r| resolve(dir, r));
+        let root = cfg
+            .root
+            .as_ref()
+            .map_or(dir.to_path_buf(), |r| resolve(dir, r));
         let pid_file = cli_pid_file.or_else(|| cfg.pid_file.as_ref().map(|p| resolve(&root, p)));
         let upgrade_socket = cli_socket
             .or_else(|| cfg.upgrade_socket.as_ref().map(|p| resolve(&root, p)))
-            .or_else(|| {
-                pid_file
-                    .as_ref()
-                    .map(|p| p.with_file_name("graygate.sock"))
-            });
+            .or_else(|| pid_file.as_ref().map(|p| p.with_file_name("graygate.sock")));
         Paths {
             pid_file,
             upgrade_socket,
@@ -104,7 +103,9 @@ impl Upgrade {
                     },
                     fd,
                 )),
-            Err(e) => tracing::warn!(role, error = %e, "cannot keep a listening socket for upgrades"),
+            Err(e) => {
+                tracing::warn!(role, error = %e, "cannot keep a listening socket for upgrades")
+            }
         }
     }
 
@@ -157,8 +158,12 @@ impl Upgrade {
             .await;
             match attempt {
                 Ok(Ok(pid)) => return pid,
-                Ok(Err(e)) => tracing::error!(error = %e, "binary upgrade aborted; this process keeps serving"),
-                Err(e) => tracing::error!(error = %e, "binary upgrade task failed; this process keeps serving"),
+                Ok(Err(e)) => {
+                    tracing::error!(error = %e, "binary upgrade aborted; this process keeps serving")
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "binary upgrade task failed; this process keeps serving")
+                }
             }
         }
     }
@@ -183,7 +188,11 @@ impl Upgrade {
                 .iter()
                 .map(|(e, fd)| Ok((e.clone(), fd.try_clone()?)))
                 .collect::<io::Result<Vec<_>>>()?;
-            tracing::info!(successor = pid, sockets = dups.len(), "binary upgrade: handing over the listening sockets");
+            tracing::info!(
+                successor = pid,
+                sockets = dups.len(),
+                "binary upgrade: handing over the listening sockets"
+            );
             handover::send(stream, &dups)?;
         }
         stream.set_read_timeout(Some(READY_WAIT))?;
@@ -251,10 +260,7 @@ pub fn take_over(path: &Path) -> io::Result<(Predecessor, Inherited)> {
     let stream = UnixStream::connect(path).map_err(|e| {
         io::Error::new(
             e.kind(),
-            format!(
-                "no running graygate answers on {} ({e})",
-                path.display()
-            ),
+            format!("no running graygate answers on {} ({e})", path.display()),
         )
     })?;
     let peer = rustix::net::sockopt::socket_peercred(&stream)?;
@@ -282,7 +288,8 @@ impl Predecessor {
     /// drains. Waits for its `ok`.
     pub fn ready(self) -> io::Result<()> {
         (&self.stream).write_all(b"ready\n")?;
-        self.stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        self.stream
+            .set_read_timeout(Some(Duration::from_secs(10)))?;
         match read_line(&self.stream)? {
             l if l == "ok" => Ok(()),
             l => Err(io::Error::other(format!("predecessor said {l:?}"))),

@@ -20,8 +20,8 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 
 use rustix::net::{
-    recvmsg, sendmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags,
-    SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
+    recvmsg, sendmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
 };
 use serde::{Deserialize, Serialize};
 
@@ -58,7 +58,12 @@ pub fn send(stream: &UnixStream, sockets: &[(Entry, OwnedFd)]) -> io::Result<()>
     if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(&fds)) {
         return Err(io::Error::other("ancillary buffer too small"));
     }
-    let sent = sendmsg(stream, &[IoSlice::new(&frame)], &mut control, SendFlags::empty())?;
+    let sent = sendmsg(
+        stream,
+        &[IoSlice::new(&frame)],
+        &mut control,
+        SendFlags::empty(),
+    )?;
     // The descriptors went with the first byte; the rest is plain data.
     (&*stream).write_all(&frame[sent..])?;
     Ok(())
@@ -83,7 +88,9 @@ pub fn receive(stream: &UnixStream) -> io::Result<Vec<(Entry, OwnedFd)>> {
         }
     }
     if got.flags.contains(rustix::net::ReturnFlags::CTRUNC) {
-        return Err(io::Error::other("listening sockets were cut off in transit"));
+        return Err(io::Error::other(
+            "listening sockets were cut off in transit",
+        ));
     }
     let mut data = buf[..got.bytes].to_vec();
     if got.bytes == 0 {

@@ -153,7 +153,8 @@ impl Server {
         workers: usize,
     ) -> std::io::Result<Vec<std::thread::JoinHandle<()>>> {
         let workers = workers.clamp(1, listeners.len().max(1));
-        let mut shares: Vec<Vec<std::net::TcpListener>> = (0..workers).map(|_| Vec::new()).collect();
+        let mut shares: Vec<Vec<std::net::TcpListener>> =
+            (0..workers).map(|_| Vec::new()).collect();
         for (i, l) in listeners.into_iter().enumerate() {
             shares[i % workers].push(l);
         }
