@@ -279,7 +279,8 @@ async fn sigterm_drains_in_flight_requests_then_exits_zero() {
     // waits on the gate.
     let resp = Req::get("/slow").send_streaming(addr).await;
     assert_eq!(resp.status(), 200);
-    // An idle connection, too: it is closed at once on shutdown.
+    // An idle connection, too: closed on shutdown once idle for
+    // `drain_idle_ms` (1 s by default).
     let mut idle = TcpStream::connect(addr).await.unwrap();
     gw.signal("TERM");
     eventually("listener closed", Duration::from_secs(10), || async {
