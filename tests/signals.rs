@@ -143,3 +143,62 @@ async fn sigterm_drains_until_a_fast_signal_cuts_it_short() {
     gw.wait_log("fast shutdown during the drain").await;
     pending.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draining_answers_a_keep_alive_request_with_connection_close() {
+    let f1 = Backend::start("f1", "formal").await;
+    let fx = Fixture::new();
+    // Idle connections are not closed for a minute while draining: the
+    // request below arrives on a connection that was idle when the drain
+    // began (closing it then would race the client's request).
+    let cfg = hang_config(
+        &fx,
+        &f1,
+        "client:\n  drain_timeout_ms: 600000\n  drain_idle_ms: 60000\n",
+    );
+    let mut gw = Gateway::start(&cfg);
+    let stream = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let (mut tx, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    let conn = tokio::spawn(conn);
+    let get = |p: &str| {
+        http::Request::get(p)
+            .header("host", "gg")
+            .body(http_body_util::Empty::<bytes::Bytes>::new())
+            .unwrap()
+    };
+    let first = tx.send_request(get("/first")).await.unwrap();
+    assert_eq!(first.status(), 200);
+    assert!(first.headers().get("connection").is_none());
+    http_body_util::BodyExt::collect(first.into_body()).await.unwrap();
+
+    gw.signal("TERM");
+    gw.wait_log("shutting down: draining connections").await;
+    eventually("listener closed", Duration::from_secs(10), || async {
+        tokio::net::TcpStream::connect(gw.addr).await.is_err()
+    })
+    .await;
+    // The idle keep-alive connection still answers, and says it closes.
+    tx.ready().await.expect("connection still open while draining");
+    let second = tx.send_request(get("/second")).await.expect("answered");
+    assert_eq!(second.status(), 200);
+    assert_eq!(
+        second.headers().get("connection").map(|v| v.as_bytes()),
+        Some(&b"close"[..])
+    );
+    http_body_util::BodyExt::collect(second.into_body()).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), conn)
+        .await
+        .expect("the gateway closed the connection after that answer")
+        .unwrap()
+        .unwrap();
+    // That was the last connection: the drain is over.
+    let status = gw
+        .wait_exit(Duration::from_secs(20))
+        .await
+        .unwrap_or_else(|| panic!("no exit after the last connection closed:\n{}", gw.logs()));
+    assert!(status.success());
+    gw.wait_log("drained; exiting").await;
+}

@@ -293,9 +293,22 @@ async fn binary_upgrade_under_load_loses_no_request_and_lets_the_websocket_finis
     let s = setup().await;
     let exe = s.fx.path("bin/graygate");
     install_binary(&exe);
-    let mut old = Gateway::start_cmd(Command::new(&exe), &s.cfg, &[]);
+    // systemd's notification socket (Type=notify, NotifyAccess=all): the
+    // successor inherits it and must announce itself as the main process.
+    let notify_path = s.fx.path("run/notify.sock");
+    let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
+    notify.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut cmd = Command::new(&exe);
+    cmd.env("NOTIFY_SOCKET", &notify_path);
+    let mut old = Gateway::start_cmd(cmd, &s.cfg, &[]);
     let (addr, admin) = (old.addr, old.admin.unwrap());
     let old_pid = old.pid();
+    let mut buf = [0u8; 256];
+    let n = notify.recv(&mut buf).unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&buf[..n]),
+        format!("READY=1\nMAINPID={old_pid}")
+    );
     let sockets = listening_inodes(addr.port());
     assert_eq!(sockets.len(), 2, "one listener per worker");
     let pid_file = s.fx.path("run/graygate.pid");
@@ -423,6 +436,14 @@ async fn binary_upgrade_under_load_loses_no_request_and_lets_the_websocket_finis
         "the pid file names the new process"
     );
     assert!(alive(new_pid));
+    // systemd heard of the new main process, and never of a stop.
+    let n = notify.recv(&mut buf).unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&buf[..n]),
+        format!("READY=1\nMAINPID={new_pid}")
+    );
+    notify.set_nonblocking(true).unwrap();
+    assert!(notify.recv(&mut buf).is_err(), "nothing else was sent to systemd");
 
     // The new process can be upgraded again (its own upgrade socket).
     let mut again = Gateway::start_cmd(Command::new(&exe), &s.cfg, &["--upgrade"]);
