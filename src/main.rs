@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::{CommandFactory, Parser, Subcommand};
+use clap::{CommandFactory, Parser};
 use graygate::control::upgrade::{self, Paths, Predecessor, Upgrade};
 use graygate::control::{reload, Gateway};
 use graygate::generation::Generation;
@@ -70,12 +70,64 @@ struct Cli {
     command: Option<Command>,
 }
 
-#[derive(Subcommand)]
+#[derive(clap::Subcommand)]
 enum Command {
+    /// Progressive releases, through a running gateway's admin API.
+    Release {
+        /// The admin listener.
+        #[arg(long, default_value = "127.0.0.1:9080", global = true)]
+        admin: String,
+        /// Admin bearer token (else `GRAYGATE_ADMIN_TOKEN`).
+        #[arg(long, env = "GRAYGATE_ADMIN_TOKEN", global = true)]
+        token: Option<String>,
+        #[command(subcommand)]
+        action: ReleaseAction,
+    },
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions { shell: clap_complete::Shell },
     /// Print the man page (roff, section 1).
     Manpage,
+}
+
+#[derive(clap::Subcommand)]
+enum ReleaseAction {
+    /// Every release, with its state, step and weight.
+    List,
+    /// One release with every decision and the values behind it.
+    Show { name: String },
+    /// Starts a release from a spec file (YAML or JSON).
+    Create { spec: PathBuf },
+    /// Ends a release now: its lane takes all of the release's traffic.
+    Promote { name: String },
+    /// Holds a release at its step.
+    Pause { name: String },
+    /// Continues a paused release (past a manual gate: the next step).
+    Resume { name: String },
+    /// Rolls a release back now.
+    Abort { name: String },
+}
+
+fn release_command(admin: &str, token: Option<&str>, action: ReleaseAction) -> ExitCode {
+    use graygate::admin::client::{release, ReleaseCommand as C};
+    let cmd = match action {
+        ReleaseAction::List => C::List,
+        ReleaseAction::Show { name } => C::Show(name),
+        ReleaseAction::Create { spec } => C::Create(spec),
+        ReleaseAction::Promote { name } => C::Act(name, "promote".into()),
+        ReleaseAction::Pause { name } => C::Act(name, "pause".into()),
+        ReleaseAction::Resume { name } => C::Act(name, "resume".into()),
+        ReleaseAction::Abort { name } => C::Act(name, "abort".into()),
+    };
+    match release(admin, token, cmd) {
+        Ok(text) => {
+            println!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("graygate release: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -100,7 +152,7 @@ fn main() -> ExitCode {
                 }
             };
         }
-        None => {}
+        _ => {}
     }
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -110,6 +162,14 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    if let Some(Command::Release {
+        admin,
+        token,
+        action,
+    }) = cli.command
+    {
+        return release_command(&admin, token.as_deref(), action);
+    }
     if cli.check {
         return match Generation::load(&cli.config, 0) {
             Ok(gen) => {
@@ -324,6 +384,9 @@ async fn run(
     for e in inherited.leftover() {
         tracing::warn!(role = %e.role, addr = %e.addr, "inherited socket not in the new configuration; closed");
     }
+    // Progressive releases: stopped in the old process at a handover, so
+    // only one controller steps them.
+    let release_task = tokio::spawn(graygate::control::release::controller::run(gw.clone()));
     let watcher_gw = gw.clone();
     tokio::spawn(async move {
         if let Err(e) = reload::run(watcher_gw).await {
@@ -422,10 +485,11 @@ async fn run(
                 drain_ms = drain.as_millis() as u64,
                 "binary upgrade done: stopped accepting, draining"
             );
-            // The successor serves admin now.
+            // The successor serves admin now, and steps the releases.
             if let Some(t) = admin_task.take() {
                 t.abort();
             }
+            release_task.abort();
         }
         None => {
             upgrade::notify_systemd("STOPPING=1");

@@ -172,7 +172,9 @@ async fn draining_answers_a_keep_alive_request_with_connection_close() {
     let first = tx.send_request(get("/first")).await.unwrap();
     assert_eq!(first.status(), 200);
     assert!(first.headers().get("connection").is_none());
-    http_body_util::BodyExt::collect(first.into_body()).await.unwrap();
+    http_body_util::BodyExt::collect(first.into_body())
+        .await
+        .unwrap();
 
     gw.signal("TERM");
     gw.wait_log("shutting down: draining connections").await;
@@ -181,14 +183,18 @@ async fn draining_answers_a_keep_alive_request_with_connection_close() {
     })
     .await;
     // The idle keep-alive connection still answers, and says it closes.
-    tx.ready().await.expect("connection still open while draining");
+    tx.ready()
+        .await
+        .expect("connection still open while draining");
     let second = tx.send_request(get("/second")).await.expect("answered");
     assert_eq!(second.status(), 200);
     assert_eq!(
         second.headers().get("connection").map(|v| v.as_bytes()),
         Some(&b"close"[..])
     );
-    http_body_util::BodyExt::collect(second.into_body()).await.unwrap();
+    http_body_util::BodyExt::collect(second.into_body())
+        .await
+        .unwrap();
     tokio::time::timeout(Duration::from_secs(10), conn)
         .await
         .expect("the gateway closed the connection after that answer")

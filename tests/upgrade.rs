@@ -297,7 +297,9 @@ async fn binary_upgrade_under_load_loses_no_request_and_lets_the_websocket_finis
     // successor inherits it and must announce itself as the main process.
     let notify_path = s.fx.path("run/notify.sock");
     let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
-    notify.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    notify
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
     let mut cmd = Command::new(&exe);
     cmd.env("NOTIFY_SOCKET", &notify_path);
     let mut old = Gateway::start_cmd(cmd, &s.cfg, &[]);
@@ -443,7 +445,10 @@ async fn binary_upgrade_under_load_loses_no_request_and_lets_the_websocket_finis
         format!("READY=1\nMAINPID={new_pid}")
     );
     notify.set_nonblocking(true).unwrap();
-    assert!(notify.recv(&mut buf).is_err(), "nothing else was sent to systemd");
+    assert!(
+        notify.recv(&mut buf).is_err(),
+        "nothing else was sent to systemd"
+    );
 
     // The new process can be upgraded again (its own upgrade socket).
     let mut again = Gateway::start_cmd(Command::new(&exe), &s.cfg, &["--upgrade"]);
