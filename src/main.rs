@@ -402,6 +402,14 @@ async fn run(
     let pid = std::process::id();
     tracing::info!(%addr, workers, generation = gen.id, pid, "graygate listening");
     drop(gen);
+    // Serving: the pid file, then systemd (Type=notify, NotifyAccess=all).
+    // After an upgrade the new process becomes the unit's main process —
+    // announced before the old one is told to go, so systemd knows the new
+    // main pid before the old process exits.
+    if let Err(e) = up.write_pid_file() {
+        tracing::error!(error = %e, "cannot write the pid file");
+    }
+    upgrade::notify_systemd(&format!("READY=1\nMAINPID={pid}"));
     if let Some(p) = predecessor {
         let from = p.pid;
         match tokio::task::spawn_blocking(move || p.ready()).await {
@@ -417,9 +425,6 @@ async fn run(
             Err(e) => tracing::warn!(error = %e, "binary upgrade: ready task failed"),
         }
     }
-    if let Err(e) = up.write_pid_file() {
-        tracing::error!(error = %e, "cannot write the pid file");
-    }
     let mut upgrade_wait = match up.bind() {
         Ok(Some(l)) => Some(tokio::spawn(up.clone().serve(l))),
         Ok(None) => None,
@@ -428,9 +433,6 @@ async fn run(
             None
         }
     };
-    // systemd (Type=notify, NotifyAccess=all): after an upgrade the new
-    // process becomes the unit's main process.
-    upgrade::notify_systemd(&format!("READY=1\nMAINPID={pid}"));
 
     let mut successor: Option<tokio::process::Child> = None;
     let handed_over = loop {
