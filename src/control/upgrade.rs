@@ -340,3 +340,72 @@ pub fn notify_systemd(state: &str) {
         tracing::warn!(error = %e, "cannot notify systemd");
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(extra: &str) -> MainConfig {
+        serde_yaml::from_str(&format!("listen: 127.0.0.1:0\n{extra}")).unwrap()
+    }
+
+    #[test]
+    fn paths_resolve_against_root_and_default_beside_the_pid_file() {
+        let conf = Path::new("/etc/graygate/graygate.yaml");
+        let p = Paths::new(
+            conf,
+            &cfg("root: ../..\npid_file: run/g/g.pid\n"),
+            None,
+            None,
+        );
+        assert_eq!(
+            p.pid_file.as_deref(),
+            Some(Path::new("/etc/graygate/../../run/g/g.pid"))
+        );
+        assert_eq!(
+            p.upgrade_socket.as_deref(),
+            Some(Path::new("/etc/graygate/../../run/g/graygate.sock"))
+        );
+        let p = Paths::new(conf, &cfg("upgrade_socket: up.sock\n"), None, None);
+        assert_eq!(p.pid_file, None);
+        assert_eq!(
+            p.upgrade_socket.as_deref(),
+            Some(Path::new("/etc/graygate/up.sock"))
+        );
+        // Neither: binary upgrades are off.
+        assert!(Paths::new(conf, &cfg(""), None, None)
+            .upgrade_socket
+            .is_none());
+        // The command line wins.
+        let p = Paths::new(
+            conf,
+            &cfg("pid_file: a.pid\nupgrade_socket: a.sock\n"),
+            Some("/run/b.pid".into()),
+            Some("/run/b.sock".into()),
+        );
+        assert_eq!(p.pid_file.as_deref(), Some(Path::new("/run/b.pid")));
+        assert_eq!(p.upgrade_socket.as_deref(), Some(Path::new("/run/b.sock")));
+    }
+
+    #[tokio::test]
+    async fn cleanup_removes_only_files_that_are_still_ours() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = Paths {
+            pid_file: Some(dir.path().join("g.pid")),
+            upgrade_socket: Some(dir.path().join("g.sock")),
+        };
+        let up = Upgrade::new(paths.clone());
+        up.write_pid_file().unwrap();
+        let _l = up.bind().unwrap();
+        let succ = Upgrade::new(paths.clone());
+        // A successor's socket replaces ours at the path; its pid file too.
+        let _l2 = succ.bind().unwrap();
+        std::fs::write(paths.pid_file.as_ref().unwrap(), "999999\n").unwrap();
+        up.cleanup();
+        assert!(paths.pid_file.as_ref().unwrap().exists());
+        assert!(paths.upgrade_socket.as_ref().unwrap().exists());
+        // The successor's own cleanup removes its socket.
+        succ.cleanup();
+        assert!(!paths.upgrade_socket.as_ref().unwrap().exists());
+    }
+}
