@@ -4,7 +4,9 @@
 #
 #   packaging/build-deb.sh                      # cargo build --release, then the .deb
 #   packaging/build-deb.sh --binary PATH        # package an already built binary
-#   options: --out DIR (default target/debian), --compress xz|gzip|none
+#   options: --out DIR (default target/debian), --compress xz|gzip|none,
+#            --no-strip (keep debug symbols; by default they are stripped,
+#            as dh_strip does, when binutils' strip is installed)
 #
 # Prints the path of the .deb. Contents: /usr/bin/graygate, the example
 # configuration under /etc/graygate/ (conffiles), the systemd unit, a
@@ -16,11 +18,13 @@ repo="$(dirname "$here")"
 binary=""
 out="$repo/target/debian"
 compress="xz"
+strip_debug=1
 while [ $# -gt 0 ]; do
 	case "$1" in
 	--binary) binary="$2"; shift 2 ;;
 	--out) out="$2"; shift 2 ;;
 	--compress) compress="$2"; shift 2 ;;
+	--no-strip) strip_debug=0; shift ;;
 	*) echo "unknown option $1" >&2; exit 2 ;;
 	esac
 done
@@ -35,6 +39,9 @@ chmod 0755 "$stage"
 trap 'rm -rf "$stage"' EXIT
 
 install -D -m 0755 "$binary" "$stage/usr/bin/graygate"
+if [ "$strip_debug" = 1 ] && command -v strip >/dev/null; then
+	strip --strip-debug "$stage/usr/bin/graygate"
+fi
 install -D -m 0644 "$here/graygate.yaml" "$stage/etc/graygate/graygate.yaml"
 install -D -m 0644 "$repo/config/nodes.yaml" "$stage/etc/graygate/nodes.yaml"
 install -D -m 0644 "$repo/config/gray_ips.txt" "$stage/etc/graygate/gray_ips.txt"
