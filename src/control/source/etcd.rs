@@ -400,6 +400,24 @@ impl EtcdSource {
         self.changed.notify_one();
     }
 
+    /// The store answered a watch from the serving snapshot's revision:
+    /// live (a cached start caught up), no store error.
+    fn mark_live(&self, gw: &Gateway) {
+        let mut st = gw.source.lock().unwrap_or_else(|e| e.into_inner());
+        if st.store_error.is_some() || st.source_state != Some("live") {
+            if st.source_state == Some("cached") {
+                tracing::info!(
+                    revision = st.revision,
+                    "etcd reached: the cached snapshot is current"
+                );
+            }
+            st.store_error = None;
+            st.source_state = Some("live");
+            drop(st);
+            self.changed.notify_one();
+        }
+    }
+
     fn set_store_error(&self, gw: &Gateway, e: &str) {
         let mut st = gw.source.lock().unwrap_or_else(|e| e.into_inner());
         if st.store_error.as_deref() != Some(e) {
@@ -514,6 +532,81 @@ impl EtcdSource {
     }
 }
 
+/// The revision an admin request says it read (`If-Match: <revision>`):
+/// when given it must be the one this gateway serves, else 409.
+fn check_if_match(src: &EtcdSource, if_match: Option<i64>) -> Result<(), EditError> {
+    let serving = src.applied().map_or(0, |s| s.revision);
+    match if_match {
+        Some(r) if r != serving => Err(EditError::Conflict(format!(
+            "you read revision {r}, this gateway serves revision {serving}: read again"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// An admin node edit when the source is etcd: the node document (the
+/// `node_files` key defining the service) is edited as in the files case
+/// and written back with compare-and-swap on the mod revision this
+/// gateway's snapshot holds. A concurrent edit → 409, never a lost update.
+pub async fn edit_node(
+    gw: &Gateway,
+    src: &EtcdSource,
+    service: &str,
+    change: crate::control::node_edit::NodeChange,
+    if_match: Option<i64>,
+) -> Result<serde_json::Value, EditError> {
+    use crate::control::node_edit;
+    check_if_match(src, if_match)?;
+    let gen = gw.current();
+    let root = node_edit::root_dir(&gen.config_path, &gen.config);
+    let mut found = None;
+    for p in &gen.config.node_files {
+        let path = crate::config::resolve(&root, p);
+        let (text, rev) = src.document(&path)?;
+        let nf: crate::config::NodeFile =
+            parse_yaml(&path, &text).map_err(|e| EditError::Conflict(e.to_string()))?;
+        if nf.services.contains_key(service) {
+            found = Some((path, text, rev));
+            break;
+        }
+    }
+    let (path, text, rev) = found.ok_or_else(|| {
+        EditError::NotFound(format!(
+            "no service {service:?} in any node document (registered instances change through their own keys)"
+        ))
+    })?;
+    let new_text = node_edit::edit(&path, &text, service, change)?;
+    let generation = src.compare_and_put(gw, &path, &new_text, rev).await?;
+    Ok(serde_json::json!({
+        "key": path,
+        "generation": generation,
+        "service": service,
+        "revision": src.applied().map(|s| s.revision),
+    }))
+}
+
+/// An admin rule edit when the source is etcd (compare-and-swap as above).
+pub async fn edit_rules(
+    gw: &Gateway,
+    src: &EtcdSource,
+    change: crate::control::rule_edit::RuleChange,
+    if_match: Option<i64>,
+) -> Result<serde_json::Value, EditError> {
+    use crate::control::rule_edit;
+    check_if_match(src, if_match)?;
+    let gen = gw.current();
+    let path = rule_edit::rules_file(&gen.config_path, &gen.config)?;
+    let (text, rev) = src.document(&path)?;
+    let new_text = rule_edit::apply(&path, &text, &change)?;
+    rule_edit::validate(&path, &new_text, &gen.lane.lists)?;
+    let generation = src.compare_and_put(gw, &path, &new_text, rev).await?;
+    Ok(serde_json::json!({
+        "key": path,
+        "generation": generation,
+        "revision": src.applied().map(|s| s.revision),
+    }))
+}
+
 /// Starts a gateway from a bootstrap file: generation 1 from etcd, or from
 /// the last-known-good snapshot when etcd cannot be read; with neither, an
 /// error (never an empty configuration).
@@ -568,12 +661,10 @@ pub async fn start(bootstrap_path: &Path) -> Result<(Arc<Gateway>, Arc<EtcdSourc
 pub async fn run(gw: Arc<Gateway>, src: Arc<EtcdSource>) {
     tokio::spawn(publish_status(gw.clone(), src.clone()));
     let debounce = Duration::from_millis(src.settings.debounce_ms);
-    let mut need_full = gw
-        .source
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .source_state
-        != Some("live");
+    // Started from the cache (or live): the watch resumes after the
+    // snapshot's revision, so no change made while this gateway was away is
+    // missed (etcd replays them); a compaction past it → a full re-read.
+    let mut need_full = false;
     // The newest revision seen (applied or rejected): the watch resumes after it.
     let mut seen = src.applied().map_or(0, |s| s.read_revision);
     let mut backoff = Duration::from_millis(100);
@@ -621,16 +712,20 @@ pub async fn run(gw: Arc<Gateway>, src: Arc<EtcdSource>) {
         let mut stream =
             match tokio::time::timeout(src.timeout(), client.watch(start, Some(opts))).await {
                 Ok(Ok(s)) => s,
+                // No watch yet: try again from the same revision (nothing
+                // is missed; a compaction meanwhile shows on the new watch).
                 Ok(Err(e)) => {
                     src.set_store_error(&gw, &format!("watch: {e}"));
                     src.failed().await;
-                    need_full = true;
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(3));
                     continue;
                 }
                 Err(_) => {
                     src.set_store_error(&gw, "watch: timed out");
                     src.failed().await;
-                    need_full = true;
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(3));
                     continue;
                 }
             };
@@ -682,11 +777,9 @@ pub async fn run(gw: Arc<Gateway>, src: Arc<EtcdSource>) {
                         need_full = true;
                         break;
                     }
-                    let mut st = gw.source.lock().unwrap_or_else(|e| e.into_inner());
-                    if st.store_error.is_some() || st.source_state != Some("live") {
-                        st.store_error = None;
-                    }
-                    drop(st);
+                    // The watch answers from the snapshot's revision on: the
+                    // store is reached and nothing is missed.
+                    src.mark_live(&gw);
                     for ev in resp.events() {
                         if let Some(kv) = ev.kv() {
                             let r = kv.mod_revision();
