@@ -660,6 +660,7 @@ pub async fn start(bootstrap_path: &Path) -> Result<(Arc<Gateway>, Arc<EtcdSourc
 /// Also publishes the gateway's status key. Runs until the process ends.
 pub async fn run(gw: Arc<Gateway>, src: Arc<EtcdSource>) {
     tokio::spawn(publish_status(gw.clone(), src.clone()));
+    tokio::spawn(sighup(gw.clone(), src.clone()));
     let debounce = Duration::from_millis(src.settings.debounce_ms);
     // Started from the cache (or live): the watch resumes after the
     // snapshot's revision, so no change made while this gateway was away is
@@ -806,6 +807,25 @@ pub async fn run(gw: Arc<Gateway>, src: Arc<EtcdSource>) {
     }
 }
 
+/// SIGHUP: a full re-read at the current revision (as a files gateway
+/// reloads its files).
+async fn sighup(gw: Arc<Gateway>, src: Arc<EtcdSource>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        return;
+    };
+    while hup.recv().await.is_some() {
+        tracing::info!("SIGHUP; re-reading etcd");
+        match src.read_any(None).await {
+            Ok(snap) => {
+                let (g, s) = (gw.clone(), src.clone());
+                let _ = tokio::task::spawn_blocking(move || s.apply(&g, snap)).await;
+            }
+            Err(e) => src.set_store_error(&gw, &e),
+        }
+    }
+}
+
 /// This gateway's status document (`<prefix>/status/<id>`).
 pub fn status_doc(gw: &Gateway, src: &EtcdSource) -> serde_json::Value {
     let st = gw.source.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -917,10 +937,24 @@ pub async fn fleet(src: &EtcdSource) -> Result<serde_json::Value, String> {
 }
 
 /// `--check --etcd`: builds what is in etcd. Returns the revision.
-pub async fn check(endpoint: &str, prefix: &str) -> Result<(i64, Vec<String>), String> {
+pub async fn check(endpoints: &str, prefix: &str) -> Result<(i64, Vec<String>), String> {
     let prefix = norm_prefix(prefix);
-    let mut c = connect(endpoint, Duration::from_secs(3)).await?;
-    let snap = read(&mut c, &prefix, None, Duration::from_secs(5)).await?;
+    let mut last = String::from("no endpoint");
+    let mut snap = None;
+    for ep in endpoints.split(',') {
+        let res = async {
+            let mut c = connect(ep, Duration::from_secs(3)).await?;
+            read(&mut c, &prefix, None, Duration::from_secs(5)).await
+        };
+        match res.await {
+            Ok(s) => {
+                snap = Some(s);
+                break;
+            }
+            Err(e) => last = format!("{ep}: {e}"),
+        }
+    }
+    let snap = snap.ok_or(last)?;
     let gen = build(&snap, None, Path::new("."), 0).map_err(err)?;
     Ok((snap.revision, gen.warnings))
 }
