@@ -156,7 +156,9 @@ impl Gateway {
     ) -> Result<u64, ConfigError> {
         let _guard = self.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
         let next = self.plane.generation.id() + 1;
+        let began = Instant::now();
         let result = build(next);
+        let build_ms = began.elapsed().as_secs_f64() * 1e3;
         let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
         status.last_reload_at = Some(SystemTime::now());
         match result {
@@ -173,7 +175,7 @@ impl Gateway {
                 let metrics = &self.plane.metrics;
                 metrics.reloads.with_label_values(&["applied"]).inc();
                 metrics.generation.set(next as i64);
-                tracing::info!(generation = next, "configuration reloaded");
+                tracing::info!(generation = next, build_ms, "configuration reloaded");
                 Ok(next)
             }
             Err(e) => {
