@@ -1058,3 +1058,52 @@ fn without_etcd_nothing_changes_status_says_files() {
         assert_eq!(gw.get("/x").await.node(), "f1");
     });
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn admin_rule_edits_are_written_to_etcd_with_compare_and_swap() {
+    let etcd = Etcd::start(1).await;
+    let (f, g) = (
+        Backend::start("f1", "formal").await,
+        Backend::start("g1", "gray").await,
+    );
+    let conf = Conf::new(
+        &nodes_yaml(&[&f, &g]),
+        "return function(req) return nil end\n",
+    );
+    conf.write(
+        "main.yaml",
+        "listen: 127.0.0.1:0\nscript: gray.lua\nnode_files: [nodes.yaml]\nrules_file: rules.yaml\nroutes:\n  - { prefix: /, service: api }\n",
+    );
+    conf.write(
+        "rules.yaml",
+        "uid: { header: X-User-Id }\nrules:\n  - name: everyone\n    lane: gray\n    percentage: 0\n    key: { ip: true }\n",
+    );
+    let r1 = push(&etcd, "/rules", &conf);
+    let root = tempfile::tempdir().unwrap();
+    let a = Gw::start(root.path(), "gw-a", &etcd, "/rules");
+    let b = Gw::start(root.path(), "gw-b", &etcd, "/rules");
+    a.wait_revision(r1).await;
+    b.wait_revision(r1).await;
+    assert_eq!(node_of(&b, false).await, "f1");
+    let set = |pct: u32, rev: i64| {
+        Req::get("/rules/everyone")
+            .method("PATCH")
+            .header("If-Match", &rev.to_string())
+            .header("content-type", "application/json")
+            .body(format!("{{\"percentage\": {pct}}}"))
+    };
+    let (first, second) = (set(100, r1), set(50, r1));
+    let ok = first.send(a.g().admin.unwrap()).await;
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    let stale = second.send(b.g().admin.unwrap()).await;
+    assert_eq!(stale.status, 409, "{}", stale.text());
+    let stored = etcd.get("/rules/config/rules.yaml").await.unwrap();
+    assert!(stored.contains("percentage: 100"), "{stored}");
+    let rev = a.status().await["revision"].as_i64().unwrap();
+    b.wait_revision(rev).await;
+    assert_eq!(
+        node_of(&b, false).await,
+        "g1",
+        "the edit reached the other gateway"
+    );
+}
