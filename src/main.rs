@@ -352,7 +352,7 @@ async fn run(gw: Arc<Gateway>, workers: usize, src: Option<Arc<EtcdSource>>) -> 
         }
     }
     let watcher_gw = gw.clone();
-    match src {
+    match src.clone() {
         Some(src) => {
             tokio::spawn(etcd::run(watcher_gw, src));
         }
@@ -364,6 +364,9 @@ async fn run(gw: Arc<Gateway>, workers: usize, src: Option<Arc<EtcdSource>>) -> 
             });
         }
     }
+    // Let the watcher (or the etcd task) install itself before "listening"
+    // is logged: a file changed right after start is then never missed.
+    tokio::task::yield_now().await;
     if let Err(e) = gw.server.spawn_workers(listeners) {
         eprintln!("cannot start workers: {e}");
         return ExitCode::FAILURE;
@@ -389,6 +392,9 @@ async fn run(gw: Arc<Gateway>, workers: usize, src: Option<Arc<EtcdSource>>) -> 
             connections = gw.connections.get(),
             "drain time over; closing remaining connections"
         ),
+    }
+    if let Some(src) = src {
+        etcd::leave(&src).await;
     }
     ExitCode::SUCCESS
 }

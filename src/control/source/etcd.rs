@@ -895,6 +895,15 @@ async fn publish_status(gw: Arc<Gateway>, src: Arc<EtcdSource>) {
     }
 }
 
+/// At a graceful stop: remove this gateway's status key (best effort; its
+/// lease would expire it anyway).
+pub async fn leave(src: &EtcdSource) {
+    let key = status_key(&src.prefix, &src.id);
+    if let Ok(mut c) = src.client().await {
+        let _ = tokio::time::timeout(Duration::from_secs(1), c.delete(key, None)).await;
+    }
+}
+
 /// Every gateway's status document under the prefix, and whether all run
 /// the same revision and configuration.
 pub async fn fleet(src: &EtcdSource) -> Result<serde_json::Value, String> {
