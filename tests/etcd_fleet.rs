@@ -679,7 +679,7 @@ async fn the_leader_killed_watches_resume_without_a_request_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn etcd_down_gateways_keep_serving_and_a_restart_serves_the_cached_snapshot() {
-    let mut etcd = Etcd::start(1).await;
+    let mut etcd = Etcd::start(3).await;
     let (f, g) = (
         Backend::start("f1", "formal").await,
         Backend::start("g1", "gray").await,
