@@ -238,7 +238,11 @@ def main():
         pulled = os.path.join(tmp, "pulled")
         subprocess.run([gg, "pull", "--etcd", etcd.url, "--prefix", prefix, "--dir", pulled], check=True,
                        capture_output=True)
-        files_gw = Proc([gg, "--config", os.path.join(pulled, "main.yaml")], tmp, "files")
+        # The same admin listener as the etcd gateway's (its stats history
+        # runs either way), so only the source differs.
+        with open(os.path.join(pulled, "main.yaml"), "a") as f:
+            f.write("admin_listen: 127.0.0.1:0\n")
+        files_gw = Proc([gg, "--config", os.path.join(pulled, "main.yaml")], tmp, "files-admin")
         etcd_gw = Proc([gg, "--config", boot("etcd-admin")], tmp, "etcd-admin")
         procs += [files_gw, etcd_gw]
         print(f"## request CPU, etcd source vs files (wrk -t1 -c16 -d{args.duration}s, 1 worker each, same config)\n")
