@@ -886,6 +886,21 @@ async fn registered_instances_carry_lane_metadata_and_leave_when_their_lease_exp
     assert_eq!(v["metadata"]["zone"], "hz");
     assert_eq!(node_of(&a, true).await, "g1");
 
+    // Drained through the admin API: the instance's own key changes (its
+    // lease kept), so gray goes to formal.
+    let drain = Req::get("/nodes/api/g1/drain")
+        .method("POST")
+        .send(a.g().admin.unwrap())
+        .await;
+    assert_eq!(drain.status, 200, "{}", drain.text());
+    let v: serde_json::Value =
+        serde_json::from_str(&etcd.get("/reg/services/api/nodes/g1").await.unwrap()).unwrap();
+    assert_eq!(v["drain"], true, "{v}");
+    let mut c = etcd.client().await;
+    let kv = c.get("/reg/services/api/nodes/g1", None).await.unwrap();
+    assert_ne!(kv.kvs()[0].lease(), 0, "the lease is kept");
+    assert_eq!(node_of(&a, true).await, "f1");
+
     // The sidecar dies without deregistering: the lease expires (TTL 2 s)
     // and the instance leaves the candidate set.
     let mut child = side.0.take().unwrap();

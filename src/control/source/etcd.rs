@@ -474,8 +474,34 @@ impl EtcdSource {
         text: &str,
         mod_revision: i64,
     ) -> Result<u64, EditError> {
+        self.compare_and_swap(gw, path, Some(text), mod_revision)
+            .await
+    }
+
+    /// Compare-and-swap on `path`'s mod revision: put `text` (keeping the
+    /// key's lease, if any) or, with `None`, delete the key.
+    pub async fn compare_and_swap(
+        &self,
+        gw: &Gateway,
+        path: &Path,
+        text: Option<&str>,
+        mod_revision: i64,
+    ) -> Result<u64, EditError> {
         use etcd_client::{Compare, CompareOp, Txn, TxnOp};
         let key = path.to_string_lossy().into_owned();
+        let op = match text {
+            Some(t) => {
+                let leased = self
+                    .applied()
+                    .and_then(|s| s.kvs.get(&key).map(|_| ()))
+                    .is_some()
+                    && key.contains("/nodes/")
+                    && key.starts_with(&format!("{}/services/", self.prefix));
+                let opts = leased.then(|| PutOptions::new().with_ignore_lease());
+                TxnOp::put(key.as_str(), t, opts)
+            }
+            None => TxnOp::delete(key.as_str(), None),
+        };
         let mut c = self
             .client()
             .await
@@ -486,7 +512,7 @@ impl EtcdSource {
                 CompareOp::Equal,
                 mod_revision,
             )])
-            .and_then(vec![TxnOp::put(key.as_str(), text, None)]);
+            .and_then(vec![op]);
         let resp = match tokio::time::timeout(self.timeout(), c.txn(txn)).await {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {
@@ -557,6 +583,52 @@ pub async fn edit_node(
 ) -> Result<serde_json::Value, EditError> {
     use crate::control::node_edit;
     check_if_match(src, if_match)?;
+    // A registered instance: weight and drain (or removal) change its own
+    // key, keeping its lease.
+    if let node_edit::NodeChange::Update { node, .. } | node_edit::NodeChange::Remove(node) =
+        &change
+    {
+        let key = PathBuf::from(registry::node_key(&src.prefix, service, node));
+        if let Ok((text, rev)) = src.document(&key) {
+            let new_text = match change {
+                node_edit::NodeChange::Remove(_) => None,
+                node_edit::NodeChange::Update {
+                    lane,
+                    weight,
+                    drain,
+                    ..
+                } => {
+                    if lane.is_some() {
+                        return Err(EditError::Invalid(
+                            "a registered instance's lane comes from its registration; register it again".into(),
+                        ));
+                    }
+                    let mut inst: registry::Instance = serde_json::from_str(&text)
+                        .map_err(|e| EditError::Conflict(format!("{}: {e}", key.display())))?;
+                    if let Some(w) = weight {
+                        inst.weight = w;
+                    }
+                    if let Some(d) = drain {
+                        inst.drain = d;
+                    }
+                    Some(
+                        serde_json::to_string(&inst)
+                            .map_err(|e| EditError::Invalid(e.to_string()))?,
+                    )
+                }
+                node_edit::NodeChange::Add(_) => unreachable!(),
+            };
+            let generation = src
+                .compare_and_swap(gw, &key, new_text.as_deref(), rev)
+                .await?;
+            return Ok(serde_json::json!({
+                "key": key,
+                "generation": generation,
+                "service": service,
+                "revision": src.applied().map(|s| s.revision),
+            }));
+        }
+    }
     let gen = gw.current();
     let root = node_edit::root_dir(&gen.config_path, &gen.config);
     let mut found = None;
