@@ -36,6 +36,8 @@ struct Etcd {
     dir: tempfile::TempDir,
     members: Vec<Member>,
     cluster: String,
+    /// The member bootstraps list first.
+    first: Option<usize>,
 }
 
 impl Drop for Etcd {
@@ -69,6 +71,7 @@ impl Etcd {
             dir,
             members,
             cluster,
+            first: None,
         };
         for i in 0..n {
             e.spawn(i);
@@ -274,8 +277,13 @@ impl Gw {
     fn boot(root: &Path, id: &str, etcd: &Etcd, prefix: &str) -> PathBuf {
         let dir = root.join(id);
         std::fs::create_dir_all(&dir).unwrap();
-        let eps = etcd
-            .endpoints()
+        let mut eps = etcd.endpoints();
+        // Gateways connect to the first endpoint first: the leader, when one
+        // is named (so killing it exercises the rotation).
+        if let Some(l) = etcd.first {
+            eps.rotate_left(l);
+        }
+        let eps = eps
             .iter()
             .map(|e| format!("\"{e}\""))
             .collect::<Vec<_>>()
@@ -644,6 +652,10 @@ async fn the_leader_killed_watches_resume_without_a_request_error() {
     );
     let conf = Conf::new(&nodes_yaml(&[&f, &g]), SCRIPT);
     let r1 = push(&etcd, "/ha", &conf);
+    // The gateways' first endpoint is the leader: killing it breaks their
+    // connection, so they must move to another member.
+    let l = leader(&etcd).await;
+    etcd.first = Some(l);
     let root = tempfile::tempdir().unwrap();
     let a = Gw::start(root.path(), "gw-a", &etcd, "/ha");
     let b = Gw::start(root.path(), "gw-b", &etcd, "/ha");
@@ -652,6 +664,8 @@ async fn the_leader_killed_watches_resume_without_a_request_error() {
     let load = Load::start(&[a.g().addr, b.g().addr]);
     load.wait_ok(20).await;
 
+    // (Normally still the same member; on a busy machine an election may
+    // have moved it: kill whichever leads now.)
     let l = leader(&etcd).await;
     etcd.kill(l);
     let new_leader = leader(&etcd).await;
