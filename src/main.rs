@@ -43,6 +43,17 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Progressive releases, through a running gateway's admin API.
+    Release {
+        /// The admin listener.
+        #[arg(long, default_value = "127.0.0.1:9080", global = true)]
+        admin: String,
+        /// Admin bearer token (else `GRAYGATE_ADMIN_TOKEN`).
+        #[arg(long, env = "GRAYGATE_ADMIN_TOKEN", global = true)]
+        token: Option<String>,
+        #[command(subcommand)]
+        action: ReleaseAction,
+    },
     /// Upload a files configuration (what --check accepts) to etcd in one
     /// transaction.
     Push {
@@ -93,6 +104,47 @@ enum Cmd {
     },
 }
 
+#[derive(clap::Subcommand)]
+enum ReleaseAction {
+    /// Every release, with its state, step and weight.
+    List,
+    /// One release with every decision and the values behind it.
+    Show { name: String },
+    /// Starts a release from a spec file (YAML or JSON).
+    Create { spec: PathBuf },
+    /// Ends a release now: its lane takes all of the release's traffic.
+    Promote { name: String },
+    /// Holds a release at its step.
+    Pause { name: String },
+    /// Continues a paused release (past a manual gate: the next step).
+    Resume { name: String },
+    /// Rolls a release back now.
+    Abort { name: String },
+}
+
+fn release_command(admin: &str, token: Option<&str>, action: ReleaseAction) -> ExitCode {
+    use graygate::admin::client::{release, ReleaseCommand as C};
+    let cmd = match action {
+        ReleaseAction::List => C::List,
+        ReleaseAction::Show { name } => C::Show(name),
+        ReleaseAction::Create { spec } => C::Create(spec),
+        ReleaseAction::Promote { name } => C::Act(name, "promote".into()),
+        ReleaseAction::Pause { name } => C::Act(name, "pause".into()),
+        ReleaseAction::Resume { name } => C::Act(name, "resume".into()),
+        ReleaseAction::Abort { name } => C::Act(name, "abort".into()),
+    };
+    match release(admin, token, cmd) {
+        Ok(text) => {
+            println!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("graygate release: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn parse_meta(s: &str) -> Result<(String, String), String> {
     let (k, v) = s.split_once('=').ok_or("expected k=v")?;
     Ok((k.to_string(), v.to_string()))
@@ -106,8 +158,17 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 fn subcommand(cmd: Cmd) -> ExitCode {
+    if let Cmd::Release {
+        admin,
+        token,
+        action,
+    } = cmd
+    {
+        return release_command(&admin, token.as_deref(), action);
+    }
     let rt = runtime();
     match cmd {
+        Cmd::Release { .. } => ExitCode::FAILURE,
         Cmd::Push {
             config,
             etcd: url,
@@ -351,6 +412,7 @@ async fn run(gw: Arc<Gateway>, workers: usize, src: Option<Arc<EtcdSource>>) -> 
             }
         }
     }
+    tokio::spawn(graygate::control::release::controller::run(gw.clone()));
     let watcher_gw = gw.clone();
     match src.clone() {
         Some(src) => {

@@ -11,6 +11,7 @@ use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 pub mod docs;
+pub mod release;
 pub mod rules;
 
 /// Instructions a single lane call may run before it is stopped: about
@@ -107,6 +108,11 @@ pub struct MainConfig {
     /// Declarative gray rules in their own hot-reloaded file.
     #[serde(default)]
     pub rules_file: Option<PathBuf>,
+    /// Where progressive releases keep their state (JSON, written by the
+    /// release controller; watched like every file). Default
+    /// `releases.json` under `root`.
+    #[serde(default)]
+    pub release_state_file: Option<PathBuf>,
     /// `ngx.shared` dictionaries: name → size (`10m`, `512k` or bytes).
     #[serde(default)]
     pub shared_dicts: BTreeMap<String, SizeValue>,

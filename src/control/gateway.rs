@@ -49,6 +49,8 @@ pub struct Gateway {
     reload_lock: Mutex<()>,
     /// Traffic history for the dashboard.
     pub history: History,
+    /// The release controller's in-memory side.
+    pub releases: super::release::controller::Runtime,
     /// Serialises admin changes to node files.
     pub edit_lock: tokio::sync::Mutex<()>,
     /// Where the configuration comes from and how that stands.
@@ -115,6 +117,7 @@ impl Gateway {
             shutdown,
             reload_lock: Mutex::new(()),
             history: Default::default(),
+            releases: Default::default(),
             edit_lock: tokio::sync::Mutex::new(()),
             source: Mutex::new(SourceStatus {
                 source: if etcd.is_some() { "etcd" } else { "files" },

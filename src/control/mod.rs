@@ -3,12 +3,13 @@
 //! (`gateway`); the file watcher and SIGHUP (`reload`); the etcd service
 //! registry and its sidecar (`registry`); admin edits written back to node
 //! and rule documents (`node_edit`, `rule_edit`); traffic history for the
-//! dashboard (`stats`). It may use every data-plane layer; none of them imports it.
+//! dashboard (`stats`); progressive releases (`release`). It may use every data-plane layer; none of them imports it.
 
 pub mod build;
 pub mod gateway;
 pub mod node_edit;
 pub mod registry;
+pub mod release;
 pub mod reload;
 pub mod rule_edit;
 pub mod source;

@@ -159,7 +159,6 @@ impl Drop for Checker {
 pub struct HealthRegistry {
     nodes: Mutex<HashMap<Key, Arc<NodeHealth>>>,
     checkers: Mutex<HashMap<Key, Checker>>,
-    fallbacks: Mutex<HashMap<String, u64>>,
 }
 
 impl HealthRegistry {
@@ -268,19 +267,6 @@ impl HealthRegistry {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .len()
-    }
-
-    /// Counts a request of `service` sent to formal because its lane's
-    /// nodes were all down.
-    pub fn count_fallback(&self, service: &str) {
-        let mut m = self.fallbacks.lock().unwrap_or_else(|e| e.into_inner());
-        *m.entry(service.to_string()).or_default() += 1;
-    }
-
-    /// Requests of `service` sent to formal because their lane was down.
-    pub fn fallback_count(&self, service: &str) -> u64 {
-        let m = self.fallbacks.lock().unwrap_or_else(|e| e.into_inner());
-        m.get(service).copied().unwrap_or(0)
     }
 }
 

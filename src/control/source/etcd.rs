@@ -1052,8 +1052,10 @@ pub fn documents_of_files(config: &Path) -> Result<BTreeMap<String, Vec<u8>>, St
         "main.yaml".to_string(),
         std::fs::read(&config).map_err(|e| format!("{}: {e}", config.display()))?,
     );
+    // The release state is each gateway's own local file, not configuration.
+    let release_state = crate::control::release::state_path(&config, &gen.config);
     for f in &gen.files {
-        if *f == config {
+        if *f == config || *f == release_state {
             continue;
         }
         let rel = f.strip_prefix(&root).map_err(|_| {
