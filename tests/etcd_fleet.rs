@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::*;
+use fantoccini::{Client, ClientBuilder, Locator};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 
@@ -1135,4 +1136,141 @@ async fn admin_rule_edits_are_written_to_etcd_with_compare_and_swap() {
         "g1",
         "the edit reached the other gateway"
     );
+}
+
+// The dashboard's fleet panel in headless Chromium (Debian's `chromium` +
+// `chromium-driver`, as tests/dashboard.rs).
+/// A chromedriver process on a free loopback port, killed on drop.
+struct Driver {
+    child: Child,
+    url: String,
+    _profile: tempfile::TempDir,
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Driver {
+    async fn start() -> Driver {
+        // Port 0: chromedriver binds an ephemeral port itself and says which.
+        let mut child = Command::new("chromedriver")
+            .arg("--port=0")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("chromedriver (Debian package chromium-driver) must be installed");
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if let Some(port) = line
+                    .strip_prefix("ChromeDriver was started successfully on port ")
+                    .and_then(|p| p.trim_end_matches('.').parse::<u16>().ok())
+                {
+                    let _ = tx.send(port);
+                }
+            }
+        });
+        let port = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("chromedriver reports its port");
+        let url = format!("http://127.0.0.1:{port}");
+        let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        eventually(
+            "chromedriver listens",
+            Duration::from_secs(20),
+            || async move { tokio::net::TcpStream::connect(addr).await.is_ok() },
+        )
+        .await;
+        Driver {
+            child,
+            url,
+            _profile: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    async fn browser(&self) -> Client {
+        let profile = self._profile.path().display().to_string();
+        let caps = serde_json::json!({
+            "goog:chromeOptions": {
+                "binary": "/usr/bin/chromium",
+                "args": [
+                    "--headless", "--no-sandbox", "--disable-gpu",
+                    "--disable-background-networking", "--disable-component-update",
+                    "--disable-sync", "--no-first-run", "--window-size=1280,1800",
+                    format!("--user-data-dir={profile}"),
+                ],
+            }
+        });
+        let caps = caps.as_object().unwrap().clone().into_iter().collect();
+        ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
+            .capabilities(caps)
+            .connect(&self.url)
+            .await
+            .expect("start a headless Chromium session")
+    }
+}
+
+/// Waits until the text of the first element matching `css` satisfies `ok`.
+async fn wait_text(c: &Client, css: &str, what: &str, ok: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut last = String::new();
+    loop {
+        if let Ok(e) = c.find(Locator::Css(css)).await {
+            if let Ok(t) = e.text().await {
+                if ok(&t) {
+                    return t;
+                }
+                last = t;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what} ({css}); last text {last:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_dashboard_lists_every_gateway_and_whether_all_run_the_same_revision() {
+    let etcd = Etcd::start(1).await;
+    let f = Backend::start("f1", "formal").await;
+    let conf = Conf::new(&nodes_yaml(&[&f]), SCRIPT);
+    let r1 = push(&etcd, "/dash", &conf);
+    let root = tempfile::tempdir().unwrap();
+    let a = Gw::start(root.path(), "gw-a", &etcd, "/dash");
+    let b = Gw::start(root.path(), "gw-b", &etcd, "/dash");
+    a.wait_revision(r1).await;
+    b.wait_revision(r1).await;
+    let driver = Driver::start().await;
+    let c = driver.browser().await;
+    c.goto(&format!("http://{}/", a.g().admin.unwrap()))
+        .await
+        .unwrap();
+    let want = format!("all 2 gateways on revision {r1}");
+    wait_text(&c, "#fleet-summary", "fleet summary", |t| t == want).await;
+    for id in ["gw-a", "gw-b"] {
+        let css = format!("tr[data-gateway='{id}'] td.revision");
+        wait_text(&c, &css, "revision cell", |t| t == r1.to_string()).await;
+    }
+    // A rejected change: still one revision, the error in each row.
+    etcd.put("/dash/config/gray.lua", "return function(req)\n")
+        .await;
+    let css = "tr[data-gateway='gw-b'] td:last-child";
+    let err = wait_text(&c, css, "error cell", |t| {
+        t.contains("/dash/config/gray.lua:")
+    })
+    .await;
+    assert!(err.contains("/dash/config/gray.lua:"), "{err}");
+    let cell = c.find(Locator::Css(css)).await.unwrap();
+    assert_eq!(cell.attr("class").await.unwrap().as_deref(), Some("fail"));
+    wait_text(&c, "#fleet-summary", "fleet summary", |t| t == want).await;
+    c.close().await.unwrap();
 }
