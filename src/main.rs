@@ -1,16 +1,20 @@
-//! Layer: the binary (top). `graygate --config FILE` runs the gateway;
-//! `--check` validates and exits; `--upgrade` takes over from a running
+//! Layer: the binary (top). `graygate --config FILE` runs the gateway (a
+//! main file, or a bootstrap with `etcd:`); `--check` validates and exits;
+//! `push`, `pull` and `register` talk to etcd; `--upgrade` takes over from a running
 //! graygate (binary upgrade); `completions SHELL` and `manpage` print what
 //! the package installs. Signals as nginx: HUP reload, USR1 reopen logs,
 //! USR2 binary upgrade, TERM graceful stop, QUIT/INT fast stop.
 #![forbid(unsafe_code)]
 
-use std::path::PathBuf;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{CommandFactory, Parser};
+use graygate::control::registry::{self, Instance, Registration};
+use graygate::control::source::etcd::{self, EtcdSource};
 use graygate::control::upgrade::{self, Paths, Predecessor, Upgrade};
 use graygate::control::{reload, Gateway};
 use graygate::generation::Generation;
@@ -67,6 +71,12 @@ struct Cli {
     /// Pid file (overrides `pid_file`).
     #[arg(long, value_name = "PATH")]
     pid_file: Option<PathBuf>,
+    /// With --check: check what is in etcd (this member's URL) instead.
+    #[arg(long, requires = "prefix")]
+    etcd: Option<String>,
+    /// With --check --etcd: the key prefix.
+    #[arg(long, requires = "etcd")]
+    prefix: Option<String>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -88,6 +98,54 @@ enum Command {
     Completions { shell: clap_complete::Shell },
     /// Print the man page (roff, section 1).
     Manpage,
+    /// Upload a files configuration (what --check accepts) to etcd in one
+    /// transaction.
+    Push {
+        #[arg(long, short)]
+        config: PathBuf,
+        #[arg(long)]
+        etcd: String,
+        #[arg(long)]
+        prefix: String,
+    },
+    /// Write the configuration in etcd back to files (DIR/main.yaml, …).
+    Pull {
+        #[arg(long)]
+        etcd: String,
+        #[arg(long)]
+        prefix: String,
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+    },
+    /// Sidecar: register an instance under a lease and keep it alive; on
+    /// SIGTERM deregister first, wait the drain period, exit.
+    Register {
+        /// Member URL(s), comma-separated.
+        #[arg(long)]
+        etcd: String,
+        #[arg(long)]
+        prefix: String,
+        #[arg(long)]
+        service: String,
+        #[arg(long)]
+        addr: SocketAddr,
+        #[arg(long)]
+        lane: Option<String>,
+        /// Free metadata, `k=v` (repeatable).
+        #[arg(long = "meta", value_parser = parse_meta)]
+        meta: Vec<(String, String)>,
+        /// Lease TTL: an instance whose sidecar dies leaves within it.
+        #[arg(long, default_value_t = 10)]
+        ttl: i64,
+        /// Instance id (default: the address).
+        #[arg(long)]
+        id: Option<String>,
+        #[arg(long, default_value_t = 1)]
+        weight: u32,
+        /// Seconds between deregistering and exiting.
+        #[arg(long, default_value_t = 5.0)]
+        drain: f64,
+    },
 }
 
 #[derive(clap::Subcommand)]
@@ -131,6 +189,145 @@ fn release_command(admin: &str, token: Option<&str>, action: ReleaseAction) -> E
     }
 }
 
+fn parse_meta(s: &str) -> Result<(String, String), String> {
+    let (k, v) = s.split_once('=').ok_or("expected k=v")?;
+    Ok((k.to_string(), v.to_string()))
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+/// `push`, `pull`, `register`: the etcd commands.
+fn etcd_command(cmd: Command) -> ExitCode {
+    let rt = runtime();
+    match cmd {
+        Command::Release { .. } | Command::Completions { .. } | Command::Manpage => {
+            ExitCode::FAILURE
+        }
+        Command::Push {
+            config,
+            etcd: url,
+            prefix,
+        } => {
+            let docs = match etcd::documents_of_files(&config) {
+                Ok(d) => d,
+                Err(e) => {
+                    eprintln!("{e}");
+                    println!(
+                        "{}: configuration test failed; nothing pushed",
+                        config.display()
+                    );
+                    return ExitCode::FAILURE;
+                }
+            };
+            match rt.block_on(etcd::push(&url, &prefix, &docs)) {
+                Ok(rev) => {
+                    println!(
+                        "pushed {} documents to {url} under {prefix}/config/ at revision {rev}",
+                        docs.len()
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("push failed: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Pull {
+            etcd: url,
+            prefix,
+            dir,
+        } => match rt.block_on(etcd::pull(&url, &prefix, &dir)) {
+            Ok((rev, files)) => {
+                for f in &files {
+                    println!("{}", f.display());
+                }
+                println!("pulled {} documents at revision {rev}", files.len());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("pull failed: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Register {
+            etcd: url,
+            prefix,
+            service,
+            addr,
+            lane,
+            meta,
+            ttl,
+            id,
+            weight,
+            drain,
+        } => {
+            let id = id.unwrap_or_else(|| addr.to_string());
+            if !registry::valid_segment(&service) || !registry::valid_segment(&id) {
+                eprintln!("service and id: letters, digits, - _ . : only");
+                return ExitCode::FAILURE;
+            }
+            if let Some(l) = lane.as_deref().filter(|l| !graygate::config::valid_lane(l)) {
+                eprintln!("invalid lane name {l:?}");
+                return ExitCode::FAILURE;
+            }
+            let reg = Registration {
+                endpoints: url.split(',').map(str::to_string).collect(),
+                prefix: etcd::norm_prefix(&prefix),
+                service,
+                id,
+                instance: Instance {
+                    addr,
+                    lane,
+                    weight,
+                    drain: false,
+                    metadata: meta.into_iter().collect(),
+                },
+                ttl_secs: ttl.max(1),
+                drain: Duration::from_secs_f64(drain.max(0.0)),
+            };
+            match rt.block_on(registry::run_sidecar(reg)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("register: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
+
+/// `--check` of what is in etcd.
+fn check_etcd(url: &str, prefix: &str) -> ExitCode {
+    match runtime().block_on(etcd::check(url, prefix)) {
+        Ok((rev, warnings)) => {
+            for w in &warnings {
+                eprintln!("warning: {w}");
+            }
+            println!("{url} {prefix} (revision {rev}): configuration ok");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            println!("{url} {prefix}: configuration test failed");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn read_bootstrap(path: &Path) -> Option<graygate::config::Bootstrap> {
+    let text = std::fs::read_to_string(path).ok()?;
+    if !graygate::config::is_bootstrap(&text) {
+        return None;
+    }
+    graygate::config::parse_yaml(path, &text).ok()
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match &cli.command {
@@ -163,15 +360,30 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    if let Some(Command::Release {
-        admin,
-        token,
-        action,
-    }) = cli.command
-    {
-        return release_command(&admin, token.as_deref(), action);
+    match cli.command {
+        Some(Command::Release {
+            admin,
+            token,
+            action,
+        }) => return release_command(&admin, token.as_deref(), action),
+        Some(cmd) => return etcd_command(cmd),
+        None => {}
     }
+    let bootstrap =
+        std::fs::read_to_string(&cli.config).is_ok_and(|t| graygate::config::is_bootstrap(&t));
     if cli.check {
+        if let (Some(url), Some(prefix)) = (&cli.etcd, &cli.prefix) {
+            return check_etcd(url, prefix);
+        }
+        if bootstrap {
+            return match read_bootstrap(&cli.config) {
+                Some(b) => check_etcd(&b.etcd.endpoints.join(","), &b.etcd.prefix),
+                None => {
+                    eprintln!("{}: not a valid bootstrap file", cli.config.display());
+                    ExitCode::FAILURE
+                }
+            };
+        }
         // The demo certificate is made as at start, so the shipped example
         // checks before its first run too.
         Generation::prepare(&cli.config);
@@ -199,11 +411,33 @@ fn main() -> ExitCode {
             }
         };
     }
-    let gw = match Gateway::load(&cli.config) {
-        Ok(gw) => gw,
+    // Control-plane runtime: admin, reload watcher or etcd watch, signals,
+    // demo nodes. Requests are served by the worker threads.
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
         Err(e) => {
-            eprintln!("{e}");
+            eprintln!("cannot start runtime: {e}");
             return ExitCode::FAILURE;
+        }
+    };
+    let (gw, src) = if bootstrap {
+        match rt.block_on(etcd::start(&cli.config)) {
+            Ok((gw, src)) => (gw, Some(src)),
+            Err(e) => {
+                eprintln!("{}: {e}", cli.config.display());
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        match Gateway::load(&cli.config) {
+            Ok(gw) => (gw, None),
+            Err(e) => {
+                eprintln!("{e}");
+                return ExitCode::FAILURE;
+            }
         }
     };
     let paths = Paths::new(
@@ -236,20 +470,8 @@ fn main() -> ExitCode {
         .config
         .workers
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    // Control-plane runtime: admin, reload watcher, signals, demo nodes.
-    // Requests are served by the worker threads.
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("cannot start runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
     let up = Arc::new(Upgrade::new(paths));
-    let code = rt.block_on(run(gw, workers, up, predecessor, inherited));
+    let code = rt.block_on(run(gw, workers, up, predecessor, inherited, src));
     // Do not wait for blocking tasks (an upgrade attempt in progress).
     rt.shutdown_background();
     code
@@ -311,6 +533,7 @@ async fn run(
     up: Arc<Upgrade>,
     predecessor: Option<Predecessor>,
     mut inherited: Inherited,
+    src: Option<Arc<EtcdSource>>,
 ) -> ExitCode {
     // Handlers first: USR1/USR2 would otherwise kill the process.
     let mut signals = match Signals::new() {
@@ -427,11 +650,21 @@ async fn run(
     // only one controller steps them.
     let release_task = tokio::spawn(graygate::control::release::controller::run(gw.clone()));
     let watcher_gw = gw.clone();
-    tokio::spawn(async move {
-        if let Err(e) = reload::run(watcher_gw).await {
-            tracing::error!(error = %e, "file watcher failed; reload with SIGHUP only");
+    match src.clone() {
+        Some(src) => {
+            tokio::spawn(etcd::run(watcher_gw, src));
         }
-    });
+        None => {
+            tokio::spawn(async move {
+                if let Err(e) = reload::run(watcher_gw).await {
+                    tracing::error!(error = %e, "file watcher failed; reload with SIGHUP only");
+                }
+            });
+        }
+    }
+    // Let the watcher (or the etcd task) install itself before "listening"
+    // is logged: a file changed right after start is then never missed.
+    tokio::task::yield_now().await;
     if let Err(e) = gw.server.spawn_worker_groups(groups, workers) {
         eprintln!("cannot start workers: {e}");
         return ExitCode::FAILURE;
@@ -559,6 +792,10 @@ async fn run(
         name = signals.fast(&gw) => {
             tracing::info!(signal = name, "fast shutdown during the drain: closing every connection now");
         }
+    }
+    // A gateway that stops (not one handing over) leaves the fleet.
+    if let (Some(src), None) = (src, handed_over) {
+        etcd::leave(&src).await;
     }
     up.cleanup();
     ExitCode::SUCCESS

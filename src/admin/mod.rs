@@ -69,7 +69,8 @@ pub fn status(gw: &Gateway) -> serde_json::Value {
     let gen = gw.current();
     let st = gw.status.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let secs = |t: std::time::SystemTime| t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    serde_json::json!({
+    let src = gw.source.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let mut doc = serde_json::json!({
         "version": env!("CARGO_PKG_VERSION"),
         "generation": gen.id,
         "loaded_at": secs(gen.loaded_at),
@@ -84,7 +85,31 @@ pub fn status(gw: &Gateway) -> serde_json::Value {
         "reloads_rejected": st.rejected,
         "uptime_secs": gw.started.elapsed().as_secs(),
         "warnings": gen.warnings,
-    })
+        "source": src.source,
+    });
+    if gw.etcd.is_some() {
+        doc["source_state"] = src.source_state.into();
+        doc["revision"] = src.revision.into();
+        doc["config_hash"] = src.config_hash.into();
+        doc["store_error"] = src.store_error.into();
+        doc["gateway_id"] = src.gateway_id.into();
+    }
+    doc
+}
+
+/// `GET /fleet`: every gateway's status key and whether all run the same
+/// revision (etcd source only).
+async fn fleet(gw: &Gateway) -> Response<Body> {
+    match &gw.etcd {
+        None => text(
+            StatusCode::NOT_FOUND,
+            "no fleet: this gateway runs on files (start it from an etcd bootstrap)",
+        ),
+        Some(src) => match crate::control::source::etcd::fleet(src).await {
+            Ok(v) => json(v),
+            Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, format!("etcd: {e}")),
+        },
+    }
 }
 
 /// A refused admin request: status and a short message.
@@ -129,6 +154,7 @@ async fn route(gw: &Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
             r
         }
         (&Method::GET, ["stats"]) => json(gw.history.report()),
+        (&Method::GET, ["fleet"]) => fleet(gw).await,
         (&Method::GET, ["config"]) => json(dashboard::config_doc(gw)),
         (&Method::GET, ["nodes"]) => json(nodes::list(gw)),
         (&Method::GET, ["explain"]) => explain::get(gw, req.uri().query().unwrap_or("")),
@@ -139,7 +165,7 @@ async fn route(gw: &Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
         (_, ["nodes", ..]) => nodes::manage(gw, req, &segs[1..]).await,
         (_, ["rules", ..]) => rules::handle(gw, req, &segs[1..]).await,
         (_, ["releases", ..]) => releases::handle(gw, req, &segs[1..]).await,
-        (_, ["status" | "metrics" | "stats" | "config" | "explain"]) => {
+        (_, ["status" | "metrics" | "stats" | "config" | "explain" | "fleet"]) => {
             plain(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n")
         }
         _ => plain(StatusCode::NOT_FOUND, "not found\n"),

@@ -142,6 +142,7 @@ struct PatchNode {
 /// Routes `/nodes/...` management requests (`rest` is the path after `nodes`).
 pub async fn manage(gw: &Arc<Gateway>, req: Request<Incoming>, rest: &[&str]) -> Response<Body> {
     let method = req.method().clone();
+    let if_match = if_match(&req);
     let change = match (&method, rest) {
         (&Method::POST, [service]) => {
             let add: AddNode = match read_json(req.into_body()).await {
@@ -228,12 +229,32 @@ pub async fn manage(gw: &Arc<Gateway>, req: Request<Incoming>, rest: &[&str]) ->
         NodeChange::Remove(n) => NodeChange::Remove(percent_decode(&n)),
         other => other,
     };
-    match edit(gw, &service, change).await {
+    let result = match &gw.etcd {
+        Some(src) => {
+            let _one_at_a_time = gw.edit_lock.lock().await;
+            crate::control::source::etcd::edit_node(gw, src, &service, change, if_match).await
+        }
+        None => edit(gw, &service, change).await,
+    };
+    match result {
         Ok(v) => json(v),
         Err(EditError::NotFound(m)) => text(StatusCode::NOT_FOUND, m),
         Err(EditError::Invalid(m)) => text(StatusCode::BAD_REQUEST, m),
         Err(EditError::Conflict(m)) => text(StatusCode::CONFLICT, m),
     }
+}
+
+/// `If-Match: <revision>`: the etcd revision the caller read (quotes
+/// allowed, as for an ETag).
+pub fn if_match<B>(req: &Request<B>) -> Option<i64> {
+    req.headers()
+        .get(http::header::IF_MATCH)?
+        .to_str()
+        .ok()?
+        .trim()
+        .trim_matches('"')
+        .parse()
+        .ok()
 }
 
 fn percent_decode(s: &str) -> String {

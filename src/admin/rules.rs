@@ -78,6 +78,7 @@ struct Percentage {
 /// Routes `/rules` requests (`rest` is the path after `rules`).
 pub async fn handle(gw: &Arc<Gateway>, req: Request<Incoming>, rest: &[&str]) -> Response<Body> {
     let method = req.method().clone();
+    let if_match = super::nodes::if_match(&req);
     let change = match (&method, rest) {
         (&Method::GET, []) => return json(list(gw)),
         (&Method::PATCH, []) => match read_json::<Switch>(req.into_body()).await {
@@ -96,7 +97,14 @@ pub async fn handle(gw: &Arc<Gateway>, req: Request<Incoming>, rest: &[&str]) ->
         (_, [] | [_]) => return text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed"),
         _ => return text(StatusCode::NOT_FOUND, "not found"),
     };
-    match edit(gw, change).await {
+    let result = match &gw.etcd {
+        Some(src) => {
+            let _one_at_a_time = gw.edit_lock.lock().await;
+            crate::control::source::etcd::edit_rules(gw, src, change, if_match).await
+        }
+        None => edit(gw, change).await,
+    };
+    match result {
         Ok(v) => json(v),
         Err(EditError::NotFound(m)) => text(StatusCode::NOT_FOUND, m),
         Err(EditError::Invalid(m)) => text(StatusCode::BAD_REQUEST, m),

@@ -41,6 +41,14 @@ impl IpList {
         IpList::parse(path, &text)
     }
 
+    /// Loads a list document from `docs` (files or a store's snapshot).
+    pub fn load_from(
+        docs: &dyn crate::config::docs::Docs,
+        path: &Path,
+    ) -> Result<IpList, ConfigError> {
+        IpList::parse(path, &docs.read(path)?)
+    }
+
     pub fn from_nets(nets: impl IntoIterator<Item = IpNet>) -> IpList {
         let mut v4 = Vec::new();
         let mut v6 = Vec::new();

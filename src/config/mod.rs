@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
+pub mod docs;
 pub mod release;
 pub mod rules;
 
@@ -773,6 +774,58 @@ pub struct NodeConfig {
 
 fn default_weight() -> u32 {
     1
+}
+
+/// The local bootstrap of a gateway whose configuration lives in etcd: its
+/// own addresses and where the store is. Everything else comes from keys
+/// under `etcd.prefix` (see the README's key layout).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Bootstrap {
+    pub listen: SocketAddr,
+    #[serde(default)]
+    pub admin_listen: Option<SocketAddr>,
+    pub etcd: EtcdSettings,
+}
+
+/// `etcd:` in a bootstrap file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EtcdSettings {
+    /// Client URLs of the cluster's members (`http://127.0.0.1:2379`).
+    pub endpoints: Vec<String>,
+    /// Key prefix, e.g. `/graygate` (no trailing slash).
+    pub prefix: String,
+    /// Directory for the last-known-good snapshot (relative to the
+    /// bootstrap file).
+    pub cache_dir: PathBuf,
+    /// This gateway's id in `<prefix>/status/<id>` (default: host name and
+    /// listen address).
+    #[serde(default)]
+    pub id: Option<String>,
+    /// Quiet time after a watch event before re-reading.
+    #[serde(default = "default_debounce_ms")]
+    pub debounce_ms: u64,
+    /// TTL of the gateway's status key's lease.
+    #[serde(default = "default_status_ttl")]
+    pub status_ttl_secs: i64,
+    /// Timeout of one connection attempt or request to a member.
+    #[serde(default = "default_etcd_timeout")]
+    pub timeout_ms: u64,
+}
+
+fn default_status_ttl() -> i64 {
+    10
+}
+fn default_etcd_timeout() -> u64 {
+    2_000
+}
+
+/// Does this YAML text look like a bootstrap (a top-level `etcd:` key)?
+pub fn is_bootstrap(text: &str) -> bool {
+    serde_yaml::from_str::<serde_yaml::Value>(text)
+        .ok()
+        .is_some_and(|v| v.get("etcd").is_some())
 }
 
 /// Is `s` usable as a lane name (and so as a header value)?

@@ -12,9 +12,10 @@ use std::time::SystemTime;
 use http::HeaderName;
 
 use crate::base::lists::IpList;
+use crate::config::docs::{Docs, FileDocs};
 use crate::config::NodeProtocol;
 use crate::config::{
-    find_line, parse_yaml, read_file, resolve, valid_lane, ConfigError, MainConfig, NodeFile,
+    find_line, parse_yaml, resolve, valid_lane, ConfigError, MainConfig, NodeFile, ServiceConfig,
     FORMAL,
 };
 use crate::generation::{Generation, Route, Target};
@@ -27,10 +28,27 @@ use crate::nodes::{Node, Service};
 use crate::static_files::StaticTree;
 use crate::upstream::tls::{TlsConnect, Transport};
 
+/// Services from a registry (e.g. etcd's `services/<svc>/nodes/<id>`):
+/// the document each came from (for errors), its name and settings. A
+/// registered service that a node file also defines gets its nodes appended.
+pub type RegisteredServices = Vec<(PathBuf, String, ServiceConfig)>;
+
 impl Generation {
     /// Loads, validates and compiles everything reachable from `config_path`.
     pub fn load(config_path: &Path, id: u64) -> Result<Generation, ConfigError> {
-        let text = read_file(config_path)?;
+        Generation::build(&FileDocs, config_path, Vec::new(), id)
+    }
+
+    /// Builds a generation from `docs` (the files, or one snapshot of a
+    /// store), `config_path` naming the main document, plus `registered`
+    /// services. The same validation whatever the source.
+    pub fn build(
+        docs: &dyn Docs,
+        config_path: &Path,
+        registered: RegisteredServices,
+        id: u64,
+    ) -> Result<Generation, ConfigError> {
+        let text = docs.read(config_path)?;
         let config: MainConfig = parse_yaml(config_path, &text)?;
         let config_dir = config_path
             .parent()
@@ -55,17 +73,20 @@ impl Generation {
         let mut lists = BTreeMap::new();
         for (name, p) in &config.lists {
             let path = resolve(&root, p);
-            lists.insert(name.clone(), IpList::load(&path)?);
+            lists.insert(name.clone(), IpList::load_from(docs, &path)?);
             files.push(path);
         }
         let lists = Arc::new(lists);
 
         let mut services: BTreeMap<String, Service> = BTreeMap::new();
         let mut service_file: BTreeMap<String, PathBuf> = BTreeMap::new();
+        // (document, its text, service name, settings), node files first.
+        let mut defs: Vec<(PathBuf, std::rc::Rc<String>, String, ServiceConfig)> = Vec::new();
         for p in &config.node_files {
             let path = resolve(&root, p);
-            let ntext = read_file(&path)?;
+            let ntext = docs.read(&path)?;
             let nf: NodeFile = parse_yaml(&path, &ntext)?;
+            let ntext = std::rc::Rc::new(ntext);
             for (name, svc) in nf.services {
                 if let Some(prev) = service_file.get(&name) {
                     return Err(ConfigError::new(
@@ -74,6 +95,19 @@ impl Generation {
                         format!("service {name:?} is also defined in {}", prev.display()),
                     ));
                 }
+                service_file.insert(name.clone(), path.clone());
+                defs.push((path.clone(), ntext.clone(), name, svc));
+            }
+            files.push(path);
+        }
+        for (key, name, svc) in registered {
+            match defs.iter_mut().find(|d| d.2 == name) {
+                Some(d) => d.3.nodes.extend(svc.nodes),
+                None => defs.push((key, Default::default(), name, svc)),
+            }
+        }
+        for (path, ntext, name, svc) in defs {
+            {
                 let mut nodes = Vec::new();
                 for (i, n) in svc.nodes.iter().enumerate() {
                     if !valid_lane(&n.lane) {
@@ -109,10 +143,8 @@ impl Generation {
                         path.display()
                     ));
                 }
-                service_file.insert(name.clone(), path.clone());
                 services.insert(name, service);
             }
-            files.push(path);
         }
 
         let mut routes = Vec::new();
@@ -137,7 +169,7 @@ impl Generation {
                     Target::Service(s.as_str().into())
                 }
                 (None, Some(dir)) => {
-                    let path = resolve(&root, dir);
+                    let path = resolve(docs.local_root().unwrap_or(&root), dir);
                     let canon = path.canonicalize().map_err(|e| {
                         ConfigError::new(
                             config_path,
@@ -204,7 +236,7 @@ impl Generation {
             )?),
             (None, Some(p)) => {
                 let path = resolve(&root, p);
-                let rtext = read_file(&path)?;
+                let rtext = docs.read(&path)?;
                 let cfg = parse_yaml(&path, &rtext)?;
                 files.push(path.clone());
                 Some(Rules::compile(&cfg, &path, &rtext, None, &lists)?)
@@ -221,7 +253,18 @@ impl Generation {
             }
         }
 
-        let release_path = super::release::state_path(config_path, &config);
+        // The release state is a local file (with etcd: beside the
+        // bootstrap, where the release controller writes it).
+        let release_path = match docs.local_root() {
+            Some(dir) => resolve(
+                dir,
+                config
+                    .release_state_file
+                    .as_deref()
+                    .unwrap_or(Path::new("releases.json")),
+            ),
+            None => super::release::state_path(config_path, &config),
+        };
         let (release_file, release_text) = super::release::load(&release_path)?;
         let (releases, revoked) =
             super::release::compile(&release_file, &release_path, &release_text, &lists)?;
@@ -273,7 +316,7 @@ impl Generation {
         let script = match &config.script {
             Some(p) => {
                 let path = resolve(&root, p);
-                let mut src = ScriptSource::load(&path)?;
+                let mut src = ScriptSource::load_from(docs, &path)?;
                 src.instruction_budget = config.script_limits.instruction_budget;
                 src.memory_limit = memory_limit;
                 src.dicts = dicts.clone();

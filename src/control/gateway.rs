@@ -11,6 +11,8 @@ use std::time::{Instant, SystemTime};
 
 use tokio::sync::watch;
 
+use super::source::etcd::EtcdSource;
+use super::source::SourceStatus;
 use super::stats::History;
 use crate::base::counter::Counter;
 use crate::config::{resolve, ConfigError};
@@ -51,6 +53,10 @@ pub struct Gateway {
     pub releases: super::release::controller::Runtime,
     /// Serialises admin changes to node files.
     pub edit_lock: tokio::sync::Mutex<()>,
+    /// Where the configuration comes from and how that stands.
+    pub source: Mutex<SourceStatus>,
+    /// The etcd source, when the gateway was started from a bootstrap.
+    pub etcd: Option<Arc<EtcdSource>>,
 }
 
 impl Gateway {
@@ -58,7 +64,17 @@ impl Gateway {
     pub fn load(config_path: &Path) -> Result<Arc<Gateway>, ConfigError> {
         let config_path = std::path::absolute(config_path).unwrap_or(config_path.to_path_buf());
         Generation::prepare(&config_path);
-        let mut gen = Generation::load(&config_path, 1)?;
+        let gen = Generation::load(&config_path, 1)?;
+        Ok(Gateway::with_generation(gen, config_path, None))
+    }
+
+    /// A gateway serving `gen` (generation 1). `config_path` is the main
+    /// file, or the bootstrap file when `etcd` is given.
+    pub fn with_generation(
+        mut gen: Generation,
+        config_path: PathBuf,
+        etcd: Option<Arc<EtcdSource>>,
+    ) -> Arc<Gateway> {
         for w in &gen.warnings {
             tracing::warn!("{w}");
         }
@@ -104,9 +120,14 @@ impl Gateway {
             history: Default::default(),
             releases: Default::default(),
             edit_lock: tokio::sync::Mutex::new(()),
+            source: Mutex::new(SourceStatus {
+                source: if etcd.is_some() { "etcd" } else { "files" },
+                ..Default::default()
+            }),
+            etcd,
         });
         gw.sync_health(&gw.current());
-        Ok(gw)
+        gw
     }
 
     /// The generation serving now.
@@ -124,9 +145,24 @@ impl Gateway {
     /// Builds a new generation from disk and swaps it in; on any error the
     /// old one keeps serving and the error is recorded. Blocking.
     pub fn reload(&self) -> Result<u64, ConfigError> {
+        if let Some(src) = &self.etcd {
+            return src.rebuild_current(self);
+        }
+        self.install(|next| Generation::load(&self.config_path, next))
+    }
+
+    /// Builds the next generation with `build` (given its id) and swaps it
+    /// in; on any error the old one keeps serving and the error is
+    /// recorded. Blocking.
+    pub fn install(
+        &self,
+        build: impl FnOnce(u64) -> Result<Generation, ConfigError>,
+    ) -> Result<u64, ConfigError> {
         let _guard = self.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
         let next = self.plane.generation.id() + 1;
-        let result = Generation::load(&self.config_path, next);
+        let began = Instant::now();
+        let result = build(next);
+        let build_ms = began.elapsed().as_secs_f64() * 1e3;
         let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
         status.last_reload_at = Some(SystemTime::now());
         // Listeners are bound at start: their layout cannot change under
@@ -168,7 +204,7 @@ impl Gateway {
                 let metrics = &self.plane.metrics;
                 metrics.reloads.with_label_values(&["applied"]).inc();
                 metrics.generation.set(next as i64);
-                tracing::info!(generation = next, "configuration reloaded");
+                tracing::info!(generation = next, build_ms, "configuration reloaded");
                 Ok(next)
             }
             Err(e) => {

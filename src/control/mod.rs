@@ -1,15 +1,20 @@
-//! Layer: control plane — the only writer. Config sources (the files today) →
-//! generation build and validation (`build`) → swap (`gateway`); the reload
-//! watcher and SIGHUP (`reload`); admin edits written back to node and rule
-//! files (`node_edit`, `rule_edit`); traffic history for the dashboard
-//! (`stats`); binary upgrade, pid file and systemd notification (`upgrade`). It may use every data-plane layer; none of them imports it.
+//! Layer: control plane — the only writer. Config sources (`source`: the
+//! files, or etcd) → generation build and validation (`build`) → swap
+//! (`gateway`); the file watcher and SIGHUP (`reload`); the etcd service
+//! registry and its sidecar (`registry`); admin edits written back to node
+//! and rule documents (`node_edit`, `rule_edit`); traffic history for the
+//! dashboard (`stats`); progressive releases (`release`); binary upgrade,
+//! pid file and systemd notification (`upgrade`). It may use every
+//! data-plane layer; none of them imports it.
 
 pub mod build;
 pub mod gateway;
 pub mod node_edit;
+pub mod registry;
 pub mod release;
 pub mod reload;
 pub mod rule_edit;
+pub mod source;
 pub mod stats;
 pub mod upgrade;
 

@@ -49,7 +49,16 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 impl ScriptSource {
     /// Reads the script and, transitively, the modules it `require`s.
     pub fn load(path: &Path) -> Result<ScriptSource, ConfigError> {
-        let source = read_script(path)?;
+        Self::load_from(&crate::config::docs::FileDocs, path)
+    }
+
+    /// As [`ScriptSource::load`], reading the script and its modules from
+    /// `docs` (files or a store's snapshot).
+    pub fn load_from(
+        docs: &dyn crate::config::docs::Docs,
+        path: &Path,
+    ) -> Result<ScriptSource, ConfigError> {
+        let source = read_script(docs, path)?;
         let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
         let mut modules = BTreeMap::new();
         let mut pending = vec![(path.to_path_buf(), source.clone())];
@@ -65,7 +74,7 @@ impl ScriptSource {
                         format!("invalid module name {name:?} (letters, digits, _ and . only)"),
                     )
                 })?;
-                let mtext = read_script(&mpath).map_err(|e| {
+                let mtext = read_script(docs, &mpath).map_err(|e| {
                     ConfigError::new(
                         &file,
                         find_line(&text, None, &name),
@@ -107,9 +116,8 @@ impl ScriptSource {
 const BUILTIN_MODULES: [&str; 6] = ["bit", "ngx", "string", "table", "math", "utf8"];
 
 /// Reads Lua source text; precompiled bytecode is refused.
-fn read_script(path: &Path) -> Result<String, ConfigError> {
-    let bytes = std::fs::read(path)
-        .map_err(|e| ConfigError::new(path, None, format!("cannot read: {e}")))?;
+fn read_script(docs: &dyn crate::config::docs::Docs, path: &Path) -> Result<String, ConfigError> {
+    let bytes = docs.read_bytes(path)?;
     if bytes.first() == Some(&0x1b) {
         return Err(ConfigError::new(
             path,

@@ -147,6 +147,26 @@ function renderConfig(cfg) {
   document.getElementById("script").textContent = text;
 }
 
+// The fleet (etcd source only): every gateway and whether all run the same
+// revision.
+function renderFleet(f) {
+  const sec = document.getElementById("fleet-section");
+  sec.hidden = false;
+  const sum = document.getElementById("fleet-summary");
+  if (f.error) {
+    sum.textContent = "etcd: " + f.error;
+    sum.className = "fail";
+    return;
+  }
+  sum.textContent = f.same_revision ? "all " + f.gateways.length + " gateways on revision " + (f.revisions[0] ?? "–")
+    : "gateways on different revisions: " + f.revisions.join(", ");
+  sum.className = f.same_revision ? "pass" : "fail";
+  fill(document.querySelector("#fleet tbody"), f.gateways.map((g) => el("tr", { "data-gateway": g.id },
+    el("td", {}, g.id), el("td", { class: "revision" }, g.revision), el("td", {}, (g.config_hash || "").slice(0, 12)),
+    el("td", {}, g.source_state), el("td", {}, g.generation), el("td", {}, g.version), el("td", {}, g.uptime_secs + " s"),
+    el("td", { class: g.last_error || g.store_error ? "fail" : "" }, g.last_error || g.store_error || "none"))));
+}
+
 // Releases: a row each, and the newest release's decisions as a timeline
 // (each with the values behind it).
 async function renderReleases(list) {
@@ -177,6 +197,9 @@ async function refresh() {
     renderStats(stats);
     renderNodes(nodes);
     renderConfig(cfg);
+    if (status.source === "etcd") {
+      renderFleet(await getJSON("fleet").catch((e) => ({ error: e.message })));
+    }
     const u = document.getElementById("updated");
     u.textContent = "updated " + new Date().toLocaleTimeString();
     u.className = "muted";

@@ -1,0 +1,1276 @@
+//! Fleet: etcd as the shared control plane, with a real etcd (Debian's
+//! `etcd-server`, started here on free loopback ports, data in a temp dir,
+//! killed at the end) and real graygate processes.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::*;
+use fantoccini::{Client, ClientBuilder, Locator};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Member {
+    name: String,
+    client: String,
+    peer: String,
+    child: Option<Child>,
+}
+
+/// An etcd cluster of real `etcd` processes; every one is killed on drop.
+struct Etcd {
+    dir: tempfile::TempDir,
+    members: Vec<Member>,
+    cluster: String,
+    /// The member bootstraps list first.
+    first: Option<usize>,
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        for m in &mut self.members {
+            if let Some(mut c) = m.child.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+}
+
+impl Etcd {
+    async fn start(n: usize) -> Etcd {
+        let dir = tempfile::tempdir().unwrap();
+        let members: Vec<Member> = (0..n)
+            .map(|i| Member {
+                name: format!("m{i}"),
+                client: format!("http://127.0.0.1:{}", free_port()),
+                peer: format!("http://127.0.0.1:{}", free_port()),
+                child: None,
+            })
+            .collect();
+        let cluster = members
+            .iter()
+            .map(|m| format!("{}={}", m.name, m.peer))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut e = Etcd {
+            dir,
+            members,
+            cluster,
+            first: None,
+        };
+        for i in 0..n {
+            e.spawn(i);
+        }
+        e.wait_healthy().await;
+        e
+    }
+
+    fn spawn(&mut self, i: usize) {
+        let m = &self.members[i];
+        let data = self.dir.path().join(&m.name);
+        let log = std::fs::File::create(self.dir.path().join(format!("{}.log", m.name))).unwrap();
+        let child = Command::new("etcd")
+            .args(["--name", &m.name])
+            .arg("--data-dir")
+            .arg(&data)
+            .args(["--listen-client-urls", &m.client])
+            .args(["--advertise-client-urls", &m.client])
+            .args(["--listen-peer-urls", &m.peer])
+            .args(["--initial-advertise-peer-urls", &m.peer])
+            .args(["--initial-cluster", &self.cluster])
+            .args(["--initial-cluster-state", "new"])
+            .args(["--initial-cluster-token", "graygate-test"])
+            .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("etcd (Debian package etcd-server) must be installed");
+        self.members[i].child = Some(child);
+    }
+
+    fn kill(&mut self, i: usize) {
+        if let Some(mut c) = self.members[i].child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn kill_all(&mut self) {
+        for i in 0..self.members.len() {
+            self.kill(i);
+        }
+    }
+
+    async fn restart_all(&mut self) {
+        for i in 0..self.members.len() {
+            self.spawn(i);
+        }
+        self.wait_healthy().await;
+    }
+
+    fn endpoints(&self) -> Vec<String> {
+        self.members.iter().map(|m| m.client.clone()).collect()
+    }
+
+    fn url(&self) -> String {
+        self.members[0].client.clone()
+    }
+
+    /// A client on any running member.
+    async fn client(&self) -> etcd_client::Client {
+        let live: Vec<String> = self
+            .members
+            .iter()
+            .filter(|m| m.child.is_some())
+            .map(|m| m.client.clone())
+            .collect();
+        etcd_client::Client::connect(live, None).await.unwrap()
+    }
+
+    async fn wait_healthy(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for m in self.members.iter().filter(|m| m.child.is_some()) {
+            loop {
+                let ok = async {
+                    let mut c = etcd_client::Client::connect([m.client.as_str()], None)
+                        .await
+                        .ok()?;
+                    tokio::time::timeout(Duration::from_secs(1), c.get("health", None))
+                        .await
+                        .ok()?
+                        .ok()
+                }
+                .await;
+                if ok.is_some() {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "etcd member {} not healthy",
+                    m.name
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+
+    /// Puts a key through any live member (retrying during an election);
+    /// returns the revision.
+    async fn put(&self, key: &str, value: &str) -> i64 {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let mut c = self.client().await;
+            if let Ok(Ok(r)) =
+                tokio::time::timeout(Duration::from_secs(2), c.put(key, value, None)).await
+            {
+                return r.header().unwrap().revision();
+            }
+            assert!(Instant::now() < deadline, "put {key} failed");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn get(&self, key: &str) -> Option<String> {
+        let mut c = self.client().await;
+        let r = c.get(key, None).await.unwrap();
+        r.kvs()
+            .first()
+            .map(|kv| kv.value_str().unwrap().to_string())
+    }
+}
+
+/// A files configuration to push: main.yaml, nodes.yaml, gray.lua.
+struct Conf {
+    dir: tempfile::TempDir,
+}
+
+impl Conf {
+    fn new(nodes: &str, script: &str) -> Conf {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Conf { dir };
+        c.write(
+            "main.yaml",
+            "listen: 127.0.0.1:0\nscript: gray.lua\nnode_files: [nodes.yaml]\nroutes:\n  - { prefix: /, service: api }\n",
+        );
+        c.write("nodes.yaml", nodes);
+        c.write("gray.lua", script);
+        c
+    }
+
+    fn write(&self, rel: &str, text: &str) {
+        std::fs::write(self.dir.path().join(rel), text).unwrap();
+    }
+
+    fn main(&self) -> PathBuf {
+        self.dir.path().join("main.yaml")
+    }
+}
+
+fn nodes_yaml(nodes: &[&Backend]) -> String {
+    let mut s = "services:\n  api:\n    nodes:\n".to_string();
+    for b in nodes {
+        s.push_str(&format!(
+            "      - {{ name: {}, addr: \"{}\", lane: {} }}\n",
+            b.name, b.addr, b.lane
+        ));
+    }
+    s
+}
+
+const SCRIPT: &str =
+    "return function(req)\n  if req:header('X-Gray') then return 'gray' end\nend\n";
+
+fn graygate(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_graygate"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// `graygate push`; returns the revision it printed.
+fn push(etcd: &Etcd, prefix: &str, conf: &Conf) -> i64 {
+    let (ok, out) = graygate(&[
+        "push",
+        "--config",
+        conf.main().to_str().unwrap(),
+        "--etcd",
+        &etcd.url(),
+        "--prefix",
+        prefix,
+    ]);
+    assert!(ok, "push failed: {out}");
+    out.split("at revision ")
+        .nth(1)
+        .and_then(|r| r.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no revision in {out:?}"))
+}
+
+/// A gateway started from a bootstrap in its own directory.
+struct Gw {
+    dir: PathBuf,
+    gw: Option<Gateway>,
+}
+
+impl Gw {
+    fn boot(root: &Path, id: &str, etcd: &Etcd, prefix: &str) -> PathBuf {
+        let dir = root.join(id);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut eps = etcd.endpoints();
+        // Gateways connect to the first endpoint first: the leader, when one
+        // is named (so killing it exercises the rotation).
+        if let Some(l) = etcd.first {
+            eps.rotate_left(l);
+        }
+        let eps = eps
+            .iter()
+            .map(|e| format!("\"{e}\""))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let boot = dir.join("boot.yaml");
+        std::fs::write(
+            &boot,
+            format!(
+                "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\netcd:\n  endpoints: [{eps}]\n  prefix: {prefix}\n  cache_dir: cache\n  id: {id}\n  timeout_ms: 500\n  status_ttl_secs: 3\n"
+            ),
+        )
+        .unwrap();
+        boot
+    }
+
+    fn start(root: &Path, id: &str, etcd: &Etcd, prefix: &str) -> Gw {
+        let boot = Gw::boot(root, id, etcd, prefix);
+        Gw {
+            dir: root.join(id),
+            gw: Some(Gateway::start(&boot)),
+        }
+    }
+
+    fn g(&self) -> &Gateway {
+        self.gw.as_ref().unwrap()
+    }
+
+    fn restart(&mut self) {
+        self.gw = None;
+        self.gw = Some(Gateway::start(&self.dir.join("boot.yaml")));
+    }
+
+    async fn status(&self) -> serde_json::Value {
+        self.g().status().await
+    }
+
+    async fn admin(&self, path: &str) -> Resp {
+        Req::get(path).send(self.g().admin.unwrap()).await
+    }
+
+    /// Waits until the gateway serves `revision`, live.
+    async fn wait_revision(&self, revision: i64) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let s = self.status().await;
+            if s["revision"] == revision && s["source_state"] == "live" {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "gateway never served revision {revision}: {s}\n{}",
+                self.g().logs()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// One request that may fail: Err on any transport error.
+async fn try_get(
+    addr: SocketAddr,
+    path: &str,
+    header: Option<(&str, &str)>,
+) -> Result<Resp, String> {
+    let work = async {
+        let stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| e.to_string())?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| e.to_string())?;
+        tokio::spawn(conn);
+        let mut b = http::Request::builder().uri(path).header("host", "t");
+        if let Some((k, v)) = header {
+            b = b.header(k, v);
+        }
+        let resp = sender
+            .send_request(b.body(Full::new(Bytes::new())).unwrap())
+            .await
+            .map_err(|e| e.to_string())?;
+        let (head, body) = resp.into_parts();
+        let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
+        Ok(Resp {
+            status: head.status.as_u16(),
+            headers: head.headers,
+            body,
+        })
+    };
+    tokio::time::timeout(Duration::from_secs(10), work)
+        .await
+        .map_err(|_| "timeout".to_string())?
+}
+
+/// Requests in a loop against `addrs` until stopped: (ok, errors, last error).
+struct Load {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    ok: Arc<AtomicUsize>,
+    errors: Arc<std::sync::Mutex<Vec<String>>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(addrs: &[SocketAddr]) -> Load {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let ok = Arc::new(AtomicUsize::new(0));
+        let errors = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let tasks = addrs
+            .iter()
+            .map(|&a| {
+                let (stop, ok, errors) = (stop.clone(), ok.clone(), errors.clone());
+                tokio::spawn(async move {
+                    while !stop.load(Ordering::Relaxed) {
+                        match try_get(a, "/api/x", None).await {
+                            Ok(r) if r.status == 200 => {
+                                ok.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Ok(r) => errors.lock().unwrap().push(format!(
+                                "{a}: {} {}",
+                                r.status,
+                                r.text()
+                            )),
+                            Err(e) => errors.lock().unwrap().push(format!("{a}: {e}")),
+                        }
+                    }
+                })
+            })
+            .collect();
+        Load {
+            stop,
+            ok,
+            errors,
+            tasks,
+        }
+    }
+
+    async fn wait_ok(&self, n: usize) {
+        let start = self.ok.load(Ordering::Relaxed);
+        eventually("load requests", Duration::from_secs(20), || async {
+            self.ok.load(Ordering::Relaxed) >= start + n
+        })
+        .await;
+    }
+
+    async fn stop(self) -> (usize, Vec<String>) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+        let errors = self.errors.lock().unwrap().clone();
+        (self.ok.load(Ordering::Relaxed), errors)
+    }
+}
+
+async fn node_of(gw: &Gw, gray: bool) -> String {
+    let h = gray.then_some(("X-Gray", "1"));
+    try_get(gw.g().addr, "/api/x", h).await.unwrap().node()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_gateways_converge_on_the_same_revision_after_a_push() {
+    let etcd = Etcd::start(1).await;
+    let (f, g) = (
+        Backend::start("f1", "formal").await,
+        Backend::start("g1", "gray").await,
+    );
+    let conf = Conf::new(&nodes_yaml(&[&f]), SCRIPT);
+    let r1 = push(&etcd, "/conv", &conf);
+    let root = tempfile::tempdir().unwrap();
+    let a = Gw::start(root.path(), "gw-a", &etcd, "/conv");
+    let b = Gw::start(root.path(), "gw-b", &etcd, "/conv");
+    a.wait_revision(r1).await;
+    b.wait_revision(r1).await;
+    assert_eq!(a.status().await["source"], "etcd");
+    assert_eq!(node_of(&a, true).await, "f1", "no gray node yet: formal");
+    let gen_before = (
+        a.status().await["generation"].clone(),
+        b.status().await["generation"].clone(),
+    );
+
+    // One push changing two documents (nodes and script): one transaction,
+    // one revision, one new generation on each gateway.
+    conf.write("nodes.yaml", &nodes_yaml(&[&f, &g]));
+    conf.write("gray.lua", "return function(req)\n  if req:header('X-Gray') then return 'gray' end\n  return nil\nend\n");
+    let r2 = push(&etcd, "/conv", &conf);
+    assert!(r2 > r1);
+    a.wait_revision(r2).await;
+    b.wait_revision(r2).await;
+    assert_eq!(node_of(&a, true).await, "g1");
+    assert_eq!(node_of(&b, true).await, "g1");
+    assert_eq!(node_of(&b, false).await, "f1");
+    assert_eq!(
+        a.status().await["generation"],
+        gen_before.0.as_u64().unwrap() + 1
+    );
+    assert_eq!(
+        b.status().await["generation"],
+        gen_before.1.as_u64().unwrap() + 1
+    );
+    let ha = a.status().await["config_hash"].clone();
+    assert_eq!(ha, b.status().await["config_hash"]);
+
+    // /fleet lists both, on the same revision.
+    eventually(
+        "fleet shows both on r2",
+        Duration::from_secs(10),
+        || async {
+            let fl = a.admin("/fleet").await.json();
+            let gws = fl["gateways"].as_array().cloned().unwrap_or_default();
+            gws.len() == 2
+                && gws
+                    .iter()
+                    .all(|g| g["revision"] == r2 && g["config_hash"] == ha)
+                && fl["same_revision"] == true
+        },
+    )
+    .await;
+    let fl = b.admin("/fleet").await.json();
+    let ids: Vec<&str> = fl["gateways"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["gw-a", "gw-b"]);
+    assert!(fl["gateways"][0]["uptime_secs"].is_u64() && fl["gateways"][0]["version"].is_string());
+
+    // --check of what is in etcd, and pull writes it back as pushed.
+    let (ok, out) = graygate(&["--check", "--etcd", &etcd.url(), "--prefix", "/conv"]);
+    assert!(ok && out.contains("configuration ok"), "{out}");
+    let pulled = tempfile::tempdir().unwrap();
+    let (ok, out) = graygate(&[
+        "pull",
+        "--etcd",
+        &etcd.url(),
+        "--prefix",
+        "/conv",
+        "--dir",
+        pulled.path().to_str().unwrap(),
+    ]);
+    assert!(ok, "{out}");
+    for f in ["main.yaml", "nodes.yaml", "gray.lua"] {
+        assert_eq!(
+            std::fs::read_to_string(pulled.path().join(f)).unwrap(),
+            std::fs::read_to_string(conf.dir.path().join(f)).unwrap(),
+            "{f}"
+        );
+    }
+    // And the pulled files run as a files configuration (--check).
+    let (ok, out) = graygate(&[
+        "--check",
+        "--config",
+        pulled.path().join("main.yaml").to_str().unwrap(),
+    ]);
+    assert!(ok, "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_broken_script_is_rejected_on_every_gateway_and_reported_per_gateway() {
+    let etcd = Etcd::start(1).await;
+    let (f, g) = (
+        Backend::start("f1", "formal").await,
+        Backend::start("g1", "gray").await,
+    );
+    let conf = Conf::new(&nodes_yaml(&[&f, &g]), SCRIPT);
+    let r1 = push(&etcd, "/bad", &conf);
+    let root = tempfile::tempdir().unwrap();
+    let a = Gw::start(root.path(), "gw-a", &etcd, "/bad");
+    let b = Gw::start(root.path(), "gw-b", &etcd, "/bad");
+    a.wait_revision(r1).await;
+    b.wait_revision(r1).await;
+
+    // `push` refuses what --check refuses: nothing reaches etcd.
+    conf.write(
+        "gray.lua",
+        "return function(req)\n  if req:header('X-Gray') then return 'gray'\nend\n",
+    );
+    let (ok, out) = graygate(&[
+        "push",
+        "--config",
+        conf.main().to_str().unwrap(),
+        "--etcd",
+        &etcd.url(),
+        "--prefix",
+        "/bad",
+    ]);
+    assert!(!ok && out.contains("gray.lua:"), "{out}");
+    assert_eq!(etcd.get("/bad/config/gray.lua").await.unwrap(), SCRIPT);
+
+    // Written to etcd directly: every gateway rejects it with key:line, the
+    // old generation keeps serving, the error shows in /status and /fleet.
+    let key = "/bad/config/gray.lua";
+    etcd.put(
+        key,
+        "return function(req)\n  if req:header('X-Gray') then return 'gray'\nend\n",
+    )
+    .await;
+    for gw in [&a, &b] {
+        eventually("rejected", Duration::from_secs(10), || async {
+            gw.status().await["last_reload_error"]
+                .as_str()
+                .is_some_and(|e| e.starts_with("/bad/config/gray.lua:"))
+        })
+        .await;
+        let s = gw.status().await;
+        assert_eq!(s["revision"], r1, "{s}");
+        assert_eq!(s["last_reload_result"], "rejected");
+        assert_eq!(
+            node_of(gw, true).await,
+            "g1",
+            "the old script keeps serving"
+        );
+    }
+    eventually(
+        "fleet reports the error per gateway",
+        Duration::from_secs(10),
+        || async {
+            let fl = a.admin("/fleet").await.json();
+            let gws = fl["gateways"].as_array().cloned().unwrap_or_default();
+            gws.len() == 2
+                && gws.iter().all(|g| {
+                    g["last_error"].as_str().is_some_and(|e| e.contains(key)) && g["revision"] == r1
+                })
+        },
+    )
+    .await;
+    let (ok, out) = graygate(&["--check", "--etcd", &etcd.url(), "--prefix", "/bad"]);
+    assert!(!ok && out.contains("/bad/config/gray.lua:"), "{out}");
+
+    // Fixed: applied on both, the error cleared.
+    let r3 = etcd.put(key, "return function(req) return nil end\n").await;
+    a.wait_revision(r3).await;
+    b.wait_revision(r3).await;
+    assert_eq!(node_of(&a, true).await, "f1");
+    assert!(a.status().await["last_reload_error"].is_null());
+}
+
+/// The member that leads the cluster now.
+async fn leader(etcd: &Etcd) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        for (i, m) in etcd
+            .members
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.child.is_some())
+        {
+            if let Ok(mut c) = etcd_client::Client::connect([m.client.as_str()], None).await {
+                if let Ok(Ok(s)) = tokio::time::timeout(Duration::from_secs(1), c.status()).await {
+                    if s.leader() != 0 && s.header().is_some_and(|h| h.member_id() == s.leader()) {
+                        return i;
+                    }
+                }
+            }
+        }
+        assert!(Instant::now() < deadline, "no leader");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_leader_killed_watches_resume_without_a_request_error() {
+    let mut etcd = Etcd::start(3).await;
+    let (f, g) = (
+        Backend::start("f1", "formal").await,
+        Backend::start("g1", "gray").await,
+    );
+    let conf = Conf::new(&nodes_yaml(&[&f, &g]), SCRIPT);
+    let r1 = push(&etcd, "/ha", &conf);
+    // The gateways' first endpoint is the leader: killing it breaks their
+    // connection, so they must move to another member.
+    let l = leader(&etcd).await;
+    etcd.first = Some(l);
+    let root = tempfile::tempdir().unwrap();
+    let a = Gw::start(root.path(), "gw-a", &etcd, "/ha");
+    let b = Gw::start(root.path(), "gw-b", &etcd, "/ha");
+    a.wait_revision(r1).await;
+    b.wait_revision(r1).await;
+    let load = Load::start(&[a.g().addr, b.g().addr]);
+    load.wait_ok(20).await;
+
+    // (Normally still the same member; on a busy machine an election may
+    // have moved it: kill whichever leads now.)
+    let l = leader(&etcd).await;
+    etcd.kill(l);
+    let new_leader = leader(&etcd).await;
+    assert_ne!(new_leader, l);
+    // A change after the failover reaches both gateways.
+    let r2 = etcd
+        .put(
+            "/ha/config/gray.lua",
+            "return function(req) return 'gray' end\n",
+        )
+        .await;
+    a.wait_revision(r2).await;
+    b.wait_revision(r2).await;
+    assert_eq!(node_of(&a, false).await, "g1");
+    assert_eq!(node_of(&b, false).await, "g1");
+    load.wait_ok(20).await;
+    let (ok, errors) = load.stop().await;
+    assert!(
+        errors.is_empty(),
+        "{} errors (of {ok}): {:?}",
+        errors.len(),
+        &errors[..errors.len().min(5)]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn etcd_down_gateways_keep_serving_and_a_restart_serves_the_cached_snapshot() {
+    let mut etcd = Etcd::start(3).await;
+    let (f, g) = (
+        Backend::start("f1", "formal").await,
+        Backend::start("g1", "gray").await,
+    );
+    let conf = Conf::new(&nodes_yaml(&[&f, &g]), SCRIPT);
+    let r1 = push(&etcd, "/down", &conf);
+    let root = tempfile::tempdir().unwrap();
+    let a = Gw::start(root.path(), "gw-a", &etcd, "/down");
+    let mut b = Gw::start(root.path(), "gw-b", &etcd, "/down");
+    a.wait_revision(r1).await;
+    b.wait_revision(r1).await;
+    assert!(root.path().join("gw-b/cache/snapshot.json").is_file());
+
+    // Every member stopped: both keep serving, the problem shows.
+    etcd.kill_all();
+    let load = Load::start(&[a.g().addr, b.g().addr]);
+    for gw in [&a, &b] {
+        eventually("store error shown", Duration::from_secs(15), || async {
+            !gw.status().await["store_error"].is_null()
+        })
+        .await;
+    }
+    load.wait_ok(50).await;
+    let (ok, errors) = load.stop().await;
+    assert!(
+        errors.is_empty(),
+        "{} errors (of {ok}): {:?}",
+        errors.len(),
+        &errors[..errors.len().min(5)]
+    );
+
+    // Restarted while etcd is down: serves the cached snapshot, says so.
+    b.restart();
+    let s = b.status().await;
+    assert_eq!(
+        (s["source"].as_str(), s["source_state"].as_str()),
+        (Some("etcd"), Some("cached")),
+        "{s}"
+    );
+    assert_eq!(s["revision"], r1);
+    assert_eq!(node_of(&b, true).await, "g1");
+    assert_eq!(node_of(&b, false).await, "f1");
+
+    // Without a cache it does not start (never an empty configuration).
+    let boot = Gw::boot(root.path(), "gw-new", &etcd, "/down");
+    let (ok, out) = graygate(&["--config", boot.to_str().unwrap()]);
+    assert!(!ok && out.contains("no usable cached snapshot"), "{out}");
+
+    // etcd back, a change: both catch up, live.
+    etcd.restart_all().await;
+    let r2 = etcd
+        .put(
+            "/down/config/gray.lua",
+            "return function(req) return 'gray' end\n",
+        )
+        .await;
+    a.wait_revision(r2).await;
+    b.wait_revision(r2).await;
+    assert_eq!(node_of(&b, false).await, "g1");
+    assert!(b.status().await["store_error"].is_null());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_compaction_past_the_watch_forces_a_full_reread() {
+    let mut etcd = Etcd::start(1).await;
+    let (f, g) = (
+        Backend::start("f1", "formal").await,
+        Backend::start("g1", "gray").await,
+    );
+    let conf = Conf::new(&nodes_yaml(&[&f, &g]), SCRIPT);
+    let r1 = push(&etcd, "/cmp", &conf);
+    let root = tempfile::tempdir().unwrap();
+    let mut a = Gw::start(root.path(), "gw-a", &etcd, "/cmp");
+    a.wait_revision(r1).await;
+    a.gw = None; // stopped, its cache at r1
+
+    // Changes while it is away, then their history compacted away.
+    etcd.put(
+        "/cmp/config/gray.lua",
+        "return function(req) return nil end\n",
+    )
+    .await;
+    let r3 = etcd
+        .put(
+            "/cmp/config/gray.lua",
+            "return function(req) return 'gray' end\n",
+        )
+        .await;
+    let mut c = etcd.client().await;
+    c.compact(
+        r3,
+        Some(etcd_client::CompactionOptions::new().with_physical()),
+    )
+    .await
+    .unwrap();
+    drop(c);
+
+    // It starts from the cache while etcd is down, then watches from r1 + 1
+    // when etcd is back: compacted → a full re-read at the current revision.
+    etcd.kill_all();
+    a.restart();
+    assert_eq!(a.status().await["source_state"], "cached");
+    assert_eq!(node_of(&a, false).await, "f1");
+    etcd.restart_all().await;
+    a.wait_revision(r3).await;
+    assert_eq!(node_of(&a, false).await, "g1");
+    assert!(
+        a.g().logs().contains("compact_revision="),
+        "{}",
+        a.g().logs()
+    );
+    // And the watch goes on after the re-read.
+    let r4 = etcd
+        .put(
+            "/cmp/config/gray.lua",
+            "return function(req) return nil end\n",
+        )
+        .await;
+    a.wait_revision(r4).await;
+    assert_eq!(node_of(&a, false).await, "f1");
+}
+
+fn register(etcd: &Etcd, prefix: &str, b: &Backend, extra: &[&str]) -> Child {
+    let eps = etcd.endpoints().join(",");
+    let addr = b.addr.to_string();
+    let mut args = vec![
+        "register",
+        "--etcd",
+        &eps,
+        "--prefix",
+        prefix,
+        "--service",
+        "api",
+        "--addr",
+        &addr,
+        "--id",
+        &b.name,
+    ];
+    args.extend_from_slice(extra);
+    Command::new(env!("CARGO_BIN_EXE_graygate"))
+        .args(&args)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+struct Killer(Option<Child>);
+impl Drop for Killer {
+    fn drop(&mut self) {
+        if let Some(c) = &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+async fn node_names(gw: &Gw) -> Vec<String> {
+    let n = gw.admin("/nodes").await.json();
+    n["services"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|s| s["name"] == "api")
+        .flat_map(|s| s["nodes"].as_array().cloned().unwrap_or_default())
+        .map(|n| {
+            format!(
+                "{}:{}",
+                n["name"].as_str().unwrap(),
+                n["lane"].as_str().unwrap()
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn registered_instances_carry_lane_metadata_and_leave_when_their_lease_expires() {
+    let etcd = Etcd::start(1).await;
+    let (f, g) = (
+        Backend::start("f1", "formal").await,
+        Backend::start("g1", "gray").await,
+    );
+    let conf = Conf::new(&nodes_yaml(&[&f]), SCRIPT);
+    let r1 = push(&etcd, "/reg", &conf);
+    // Spring-Cloud style: the lane is the `version` metadata.
+    etcd.put("/reg/services/api/config", "lane_key: version\n")
+        .await;
+    let root = tempfile::tempdir().unwrap();
+    let a = Gw::start(root.path(), "gw-a", &etcd, "/reg");
+    a.wait_revision(r1 + 1).await;
+    let mut side = Killer(Some(register(
+        &etcd,
+        "/reg",
+        &g,
+        &["--meta", "version=gray", "--meta", "zone=hz", "--ttl", "2"],
+    )));
+    eventually("registered", Duration::from_secs(10), || async {
+        node_names(&a).await.contains(&"g1:gray".to_string())
+    })
+    .await;
+    let v: serde_json::Value =
+        serde_json::from_str(&etcd.get("/reg/services/api/nodes/g1").await.unwrap()).unwrap();
+    assert_eq!(v["metadata"]["zone"], "hz");
+    assert_eq!(node_of(&a, true).await, "g1");
+
+    // Drained through the admin API: the instance's own key changes (its
+    // lease kept), so gray goes to formal.
+    let drain = Req::get("/nodes/api/g1/drain")
+        .method("POST")
+        .send(a.g().admin.unwrap())
+        .await;
+    assert_eq!(drain.status, 200, "{}", drain.text());
+    let v: serde_json::Value =
+        serde_json::from_str(&etcd.get("/reg/services/api/nodes/g1").await.unwrap()).unwrap();
+    assert_eq!(v["drain"], true, "{v}");
+    let mut c = etcd.client().await;
+    let kv = c.get("/reg/services/api/nodes/g1", None).await.unwrap();
+    assert_ne!(kv.kvs()[0].lease(), 0, "the lease is kept");
+    assert_eq!(node_of(&a, true).await, "f1");
+
+    // The sidecar dies without deregistering: the lease expires (TTL 2 s)
+    // and the instance leaves the candidate set.
+    let mut child = side.0.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let killed = Instant::now();
+    eventually(
+        "lease expiry removes the instance",
+        Duration::from_secs(8),
+        || async { !node_names(&a).await.iter().any(|n| n.starts_with("g1:")) },
+    )
+    .await;
+    assert!(etcd.get("/reg/services/api/nodes/g1").await.is_none());
+    assert_eq!(node_of(&a, true).await, "f1", "gray falls back to formal");
+    eprintln!(
+        "instance gone {:?} after the sidecar died (TTL 2 s)",
+        killed.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_deregisters_before_the_instance_stops_with_zero_client_errors() {
+    let etcd = Etcd::start(1).await;
+    let keep = Backend::start("keep", "formal").await;
+    let leaving = Backend::start("leaving", "formal").await;
+    // A service without retries whose nodes all come from the registry: a
+    // request sent to a stopped node would be a client error.
+    let conf = Conf::new("services:\n  api: { retries: 0 }\n", SCRIPT);
+    let mut s1 = Killer(Some(register(&etcd, "/term", &keep, &["--ttl", "5"])));
+    let mut s2 = Killer(Some(register(
+        &etcd,
+        "/term",
+        &leaving,
+        &["--ttl", "5", "--drain", "1.5"],
+    )));
+    eventually("both registered", Duration::from_secs(10), || async {
+        etcd.get("/term/services/api/nodes/keep").await.is_some()
+            && etcd.get("/term/services/api/nodes/leaving").await.is_some()
+    })
+    .await;
+    let r = push(&etcd, "/term", &conf);
+    let root = tempfile::tempdir().unwrap();
+    let a = Gw::start(root.path(), "gw-a", &etcd, "/term");
+    a.wait_revision(r).await;
+    let load = Load::start(&[a.g().addr, a.g().addr]);
+    eventually("both serve", Duration::from_secs(20), || async {
+        keep.count() > 10 && leaving.count() > 10
+    })
+    .await;
+
+    let pid = s2.0.as_ref().unwrap().id();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    eventually("deregistered first", Duration::from_secs(5), || async {
+        etcd.get("/term/services/api/nodes/leaving").await.is_none()
+    })
+    .await;
+    let mut child = s2.0.take().unwrap();
+    let st = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(st.success(), "sidecar exit {st}");
+    // By the time the sidecar exits (after its drain period) the gateway
+    // has dropped the instance; only now does the instance stop.
+    assert_eq!(node_names(&a).await, ["keep:formal"]);
+    let served = leaving.count();
+    drop(leaving);
+    load.wait_ok(100).await;
+    let (ok, errors) = load.stop().await;
+    assert!(
+        errors.is_empty(),
+        "{} errors (of {ok}): {:?}",
+        errors.len(),
+        &errors[..errors.len().min(5)]
+    );
+    assert!(served > 10);
+    drop(s1.0.take().map(|mut c| {
+        let _ = c.kill();
+        c.wait()
+    }));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_admin_edits_one_gets_409() {
+    let etcd = Etcd::start(1).await;
+    let (f, f2) = (
+        Backend::start("f1", "formal").await,
+        Backend::start("f2", "formal").await,
+    );
+    let conf = Conf::new(&nodes_yaml(&[&f, &f2]), SCRIPT);
+    let r1 = push(&etcd, "/cas", &conf);
+    let root = tempfile::tempdir().unwrap();
+    let a = Gw::start(root.path(), "gw-a", &etcd, "/cas");
+    let b = Gw::start(root.path(), "gw-b", &etcd, "/cas");
+    a.wait_revision(r1).await;
+    b.wait_revision(r1).await;
+    async fn patch(gw: &Gw, weight: u32, rev: i64) -> Resp {
+        let req = Req::get("/nodes/api/f1")
+            .method("PATCH")
+            .header("If-Match", &rev.to_string())
+            .header("content-type", "application/json")
+            .body(format!("{{\"weight\": {weight}}}"));
+        req.send(gw.g().admin.unwrap()).await
+    }
+    // Both read revision r1; the first write wins, the second is refused.
+    let first = patch(&a, 5, r1).await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    let second = patch(&b, 7, r1).await;
+    assert_eq!(second.status, 409, "{}", second.text());
+    let stored = etcd.get("/cas/config/nodes.yaml").await.unwrap();
+    assert!(
+        stored.contains("weight: 5") && !stored.contains("weight: 7"),
+        "{stored}"
+    );
+    // The edit reached every gateway through etcd.
+    let rev = a.status().await["revision"].as_i64().unwrap();
+    assert!(rev > r1);
+    b.wait_revision(rev).await;
+    let n = b.admin("/nodes").await.json();
+    assert_eq!(n["services"][0]["nodes"][0]["weight"], 5, "{n}");
+    // Read again, retried: accepted.
+    let again = patch(&b, 7, rev).await;
+    assert_eq!(again.status, 200, "{}", again.text());
+
+    // Two edits at the same moment, each on what its gateway serves: the
+    // compare-and-swap lets at most one through, never both silently.
+    let rev = b.status().await["revision"].as_i64().unwrap();
+    a.wait_revision(rev).await;
+    let edit = |w: u32| {
+        Req::get("/nodes/api/f2")
+            .method("PATCH")
+            .header("content-type", "application/json")
+            .body(format!("{{\"weight\": {w}}}"))
+    };
+    let (ea, eb) = (edit(3), edit(4));
+    let (x, y) = tokio::join!(ea.send(a.g().admin.unwrap()), eb.send(b.g().admin.unwrap()));
+    let mut codes = [x.status, y.status];
+    codes.sort();
+    let stored = etcd.get("/cas/config/nodes.yaml").await.unwrap();
+    if codes == [200, 200] {
+        // Only possible if one gateway already served the other's edit
+        // when it read: then the later one's value is stored.
+        assert!(
+            stored.contains("weight: 3") || stored.contains("weight: 4"),
+            "{stored}"
+        );
+    } else {
+        assert_eq!(codes, [200, 409], "{} / {}", x.text(), y.text());
+    }
+}
+
+#[test]
+fn without_etcd_nothing_changes_status_says_files() {
+    // The files default: /status has source "files" and no etcd fields
+    // (the shipped example itself is covered by tests/shipped_example.rs).
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let f = Backend::start("f1", "formal").await;
+        let conf = Conf::new(&nodes_yaml(&[&f]), SCRIPT);
+        conf.write("main.yaml", "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nscript: gray.lua\nnode_files: [nodes.yaml]\nroutes:\n  - { prefix: /, service: api }\n");
+        let gw = Gateway::start(&conf.main());
+        let s = gw.status().await;
+        assert_eq!(s["source"], "files");
+        assert!(s.get("source_state").is_none() && s.get("revision").is_none(), "{s}");
+        let fleet = Req::get("/fleet").send(gw.admin.unwrap()).await;
+        assert_eq!(fleet.status, 404);
+        assert_eq!(gw.get("/x").await.node(), "f1");
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn admin_rule_edits_are_written_to_etcd_with_compare_and_swap() {
+    let etcd = Etcd::start(1).await;
+    let (f, g) = (
+        Backend::start("f1", "formal").await,
+        Backend::start("g1", "gray").await,
+    );
+    let conf = Conf::new(
+        &nodes_yaml(&[&f, &g]),
+        "return function(req) return nil end\n",
+    );
+    conf.write(
+        "main.yaml",
+        "listen: 127.0.0.1:0\nscript: gray.lua\nnode_files: [nodes.yaml]\nrules_file: rules.yaml\nroutes:\n  - { prefix: /, service: api }\n",
+    );
+    conf.write(
+        "rules.yaml",
+        "uid: { header: X-User-Id }\nrules:\n  - name: everyone\n    lane: gray\n    percentage: 0\n    key: { ip: true }\n",
+    );
+    let r1 = push(&etcd, "/rules", &conf);
+    let root = tempfile::tempdir().unwrap();
+    let a = Gw::start(root.path(), "gw-a", &etcd, "/rules");
+    let b = Gw::start(root.path(), "gw-b", &etcd, "/rules");
+    a.wait_revision(r1).await;
+    b.wait_revision(r1).await;
+    assert_eq!(node_of(&b, false).await, "f1");
+    let set = |pct: u32, rev: i64| {
+        Req::get("/rules/everyone")
+            .method("PATCH")
+            .header("If-Match", &rev.to_string())
+            .header("content-type", "application/json")
+            .body(format!("{{\"percentage\": {pct}}}"))
+    };
+    let (first, second) = (set(100, r1), set(50, r1));
+    let ok = first.send(a.g().admin.unwrap()).await;
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    let stale = second.send(b.g().admin.unwrap()).await;
+    assert_eq!(stale.status, 409, "{}", stale.text());
+    let stored = etcd.get("/rules/config/rules.yaml").await.unwrap();
+    assert!(stored.contains("percentage: 100"), "{stored}");
+    let rev = a.status().await["revision"].as_i64().unwrap();
+    b.wait_revision(rev).await;
+    assert_eq!(
+        node_of(&b, false).await,
+        "g1",
+        "the edit reached the other gateway"
+    );
+}
+
+// The dashboard's fleet panel in headless Chromium (Debian's `chromium` +
+// `chromium-driver`, as tests/dashboard.rs).
+/// A chromedriver process on a free loopback port, killed on drop.
+struct Driver {
+    child: Child,
+    url: String,
+    _profile: tempfile::TempDir,
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Driver {
+    async fn start() -> Driver {
+        // Port 0: chromedriver binds an ephemeral port itself and says which.
+        let mut child = Command::new("chromedriver")
+            .arg("--port=0")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("chromedriver (Debian package chromium-driver) must be installed");
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if let Some(port) = line
+                    .strip_prefix("ChromeDriver was started successfully on port ")
+                    .and_then(|p| p.trim_end_matches('.').parse::<u16>().ok())
+                {
+                    let _ = tx.send(port);
+                }
+            }
+        });
+        let port = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("chromedriver reports its port");
+        let url = format!("http://127.0.0.1:{port}");
+        let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        eventually(
+            "chromedriver listens",
+            Duration::from_secs(20),
+            || async move { tokio::net::TcpStream::connect(addr).await.is_ok() },
+        )
+        .await;
+        Driver {
+            child,
+            url,
+            _profile: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    async fn browser(&self) -> Client {
+        let profile = self._profile.path().display().to_string();
+        let caps = serde_json::json!({
+            "goog:chromeOptions": {
+                "binary": "/usr/bin/chromium",
+                "args": [
+                    "--headless", "--no-sandbox", "--disable-gpu",
+                    "--disable-background-networking", "--disable-component-update",
+                    "--disable-sync", "--no-first-run", "--window-size=1280,1800",
+                    format!("--user-data-dir={profile}"),
+                ],
+            }
+        });
+        let caps = caps.as_object().unwrap().clone().into_iter().collect();
+        ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
+            .capabilities(caps)
+            .connect(&self.url)
+            .await
+            .expect("start a headless Chromium session")
+    }
+}
+
+/// Waits until the text of the first element matching `css` satisfies `ok`.
+async fn wait_text(c: &Client, css: &str, what: &str, ok: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut last = String::new();
+    loop {
+        if let Ok(e) = c.find(Locator::Css(css)).await {
+            if let Ok(t) = e.text().await {
+                if ok(&t) {
+                    return t;
+                }
+                last = t;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what} ({css}); last text {last:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_dashboard_lists_every_gateway_and_whether_all_run_the_same_revision() {
+    let etcd = Etcd::start(1).await;
+    let f = Backend::start("f1", "formal").await;
+    let conf = Conf::new(&nodes_yaml(&[&f]), SCRIPT);
+    let r1 = push(&etcd, "/dash", &conf);
+    let root = tempfile::tempdir().unwrap();
+    let a = Gw::start(root.path(), "gw-a", &etcd, "/dash");
+    let b = Gw::start(root.path(), "gw-b", &etcd, "/dash");
+    a.wait_revision(r1).await;
+    b.wait_revision(r1).await;
+    let driver = Driver::start().await;
+    let c = driver.browser().await;
+    c.goto(&format!("http://{}/", a.g().admin.unwrap()))
+        .await
+        .unwrap();
+    let want = format!("all 2 gateways on revision {r1}");
+    wait_text(&c, "#fleet-summary", "fleet summary", |t| t == want).await;
+    for id in ["gw-a", "gw-b"] {
+        let css = format!("tr[data-gateway='{id}'] td.revision");
+        wait_text(&c, &css, "revision cell", |t| t == r1.to_string()).await;
+    }
+    // A rejected change: still one revision, the error in each row.
+    etcd.put("/dash/config/gray.lua", "return function(req)\n")
+        .await;
+    let css = "tr[data-gateway='gw-b'] td:last-child";
+    let err = wait_text(&c, css, "error cell", |t| {
+        t.contains("/dash/config/gray.lua:")
+    })
+    .await;
+    assert!(err.contains("/dash/config/gray.lua:"), "{err}");
+    let cell = c.find(Locator::Css(css)).await.unwrap();
+    assert_eq!(cell.attr("class").await.unwrap().as_deref(), Some("fail"));
+    wait_text(&c, "#fleet-summary", "fleet summary", |t| t == want).await;
+    c.close().await.unwrap();
+}
