@@ -125,6 +125,8 @@ struct AddNode {
     weight: Option<u32>,
     #[serde(default)]
     drain: bool,
+    #[serde(default)]
+    zone: Option<String>,
 }
 
 /// Body of `PATCH /nodes/{service}/{node}`.
@@ -166,6 +168,7 @@ pub async fn manage(gw: &Arc<Gateway>, req: Request<Incoming>, rest: &[&str]) ->
                     lane,
                     weight: add.weight.unwrap_or(1),
                     drain: add.drain,
+                    zone: add.zone,
                 }),
             )
         }

@@ -76,12 +76,14 @@ impl Gateway {
         };
         let health = HealthRegistry::default();
         health.attach(&mut gen.services);
+        let node_stats = NodeStats::default();
+        attach_counters(&node_stats, &mut gen);
         let plane = Arc::new(DataPlane {
             generation: Live::new(gen),
             client,
             health,
             metrics,
-            node_stats: NodeStats::default(),
+            node_stats,
             access_log,
             fallback_log: FallbackLog::default(),
             tunnels: Arc::new(Counter::default()),
@@ -131,6 +133,7 @@ impl Gateway {
                     tracing::warn!("{w}");
                 }
                 self.plane.health.attach(&mut gen.services);
+                attach_counters(&self.plane.node_stats, &mut gen);
                 let gen = Arc::new(gen);
                 self.plane.generation.publish(gen.clone());
                 self.sync_health(&gen);
@@ -166,5 +169,13 @@ impl Gateway {
     /// Waits until every client connection has closed.
     pub async fn drained(&self) {
         self.connections.zero().await
+    }
+}
+
+/// Points every node of `gen` at its live counters (what least_request
+/// reads in flight from), before the swap.
+fn attach_counters(stats: &NodeStats, gen: &mut Generation) {
+    for (name, svc) in gen.services.iter_mut() {
+        svc.attach_counters(|addr| stats.get(name, addr));
     }
 }

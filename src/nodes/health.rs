@@ -31,6 +31,9 @@ pub struct NodeHealth {
     ejected_until: AtomicU64,
     active_down: AtomicBool,
     ejections: AtomicU64,
+    /// 0 = warm; else the `now_ms` when the node joined or was re-admitted,
+    /// from which slow start ramps its weight (see `nodes::balance`).
+    warm_since: AtomicU64,
 }
 
 /// A point-in-time view of a node's health (for status pages and metrics).
@@ -67,10 +70,29 @@ impl NodeHealth {
         }
     }
 
+    /// A node new to the registry (or re-admitted) at `now`: slow start
+    /// ramps its weight from here.
+    pub fn joined(now: u64) -> NodeHealth {
+        let h = NodeHealth::default();
+        h.warm_since.store(now, Ordering::Relaxed);
+        h
+    }
+
+    /// The `now_ms` from which the node's slow start runs (0 = none).
+    pub fn warm_since(&self) -> u64 {
+        self.warm_since.load(Ordering::Relaxed)
+    }
+
+    /// Starts (or restarts) the node's slow start at `now`.
+    pub fn start_warming(&self, now: u64) {
+        self.warm_since.store(now, Ordering::Relaxed);
+    }
+
     /// A request reached the node and got an acceptable answer.
     pub fn success(&self, node: &str) {
         self.fails.store(0, Ordering::Relaxed);
         if self.ejected_until.swap(0, Ordering::Relaxed) != 0 {
+            self.start_warming(now_ms());
             tracing::info!(node, "node passed its trial request; re-admitted");
         }
     }
@@ -134,6 +156,7 @@ impl NodeHealth {
             if down {
                 tracing::warn!(node, "active health check: node unhealthy");
             } else {
+                self.start_warming(now_ms());
                 tracing::info!(node, "active health check: node healthy again");
             }
         }
@@ -158,6 +181,9 @@ impl Drop for Checker {
 #[derive(Default)]
 pub struct HealthRegistry {
     nodes: Mutex<HashMap<Key, Arc<NodeHealth>>>,
+    /// Set after the first generation: nodes first seen later have joined
+    /// (slow start); those of the first generation start warm.
+    primed: AtomicBool,
     checkers: Mutex<HashMap<Key, Checker>>,
     fallbacks: Mutex<HashMap<String, u64>>,
 }
@@ -165,12 +191,23 @@ pub struct HealthRegistry {
 impl HealthRegistry {
     /// Points every node of `gen` at its registry entry, so state carries
     /// over from the previous generation. Call before the swap.
+    ///
+    /// A node first seen after the first generation has *joined*: its
+    /// slow start (if the service has one) runs from now.
     pub fn attach(&self, services: &mut BTreeMap<String, Service>) {
         let mut map = self.nodes.lock().unwrap_or_else(|e| e.into_inner());
+        let joined = self.primed.swap(true, Ordering::Relaxed);
+        let now = now_ms();
         for (name, svc) in services.iter_mut() {
             svc.attach_health(|addr| {
                 map.entry((name.clone(), addr))
-                    .or_insert_with(|| Arc::new(NodeHealth::default()))
+                    .or_insert_with(|| {
+                        Arc::new(if joined {
+                            NodeHealth::joined(now)
+                        } else {
+                            NodeHealth::default()
+                        })
+                    })
                     .clone()
             });
         }

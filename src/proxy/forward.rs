@@ -1,7 +1,7 @@
 //! Layer: proxy — the forward phases of a service route: select the candidate
 //! set of the lane (or formal) → rewrite the request for the node (hop-by-hop
 //! fields out; tag, generation and X-Forwarded-* in) → buffer the body when a
-//! retry may need it → attempt on a node picked by round-robin, retrying on
+//! retry may need it → attempt on a node picked by the service's balance policy, retrying on
 //! another node of the same set → respond (pass the answer back, or join an
 //! upgraded tunnel).
 
@@ -66,7 +66,8 @@ pub async fn forward(
         .services
         .get(&**service_name)
         .ok_or(ErrorKind::NoSuchService)?;
-    let choice = select_node(plane, service, decision)?;
+    let key = service.request_key(&info.parts, info.client_ip);
+    let choice = select_node(plane, service, decision)?.keyed(key);
     let upstream = &gen.config.upstream;
     let out = rewrite_request(gen, client, decision, info.parts, upstream);
     // No body (the common GET): nothing to wait for, no timer.
@@ -239,7 +240,7 @@ async fn attempt_all(
     let mut tried: Vec<usize> = Vec::with_capacity(max_attempts);
     let mut last_error = None;
     while tried.len() < max_attempts {
-        let Some(idx) = set.pick_for(now_ms(), &tried, choice.ignore_health) else {
+        let Some(idx) = choice.pick(now_ms(), &tried) else {
             break;
         };
         let Some(up_body) = replay.next_body() else {
