@@ -165,7 +165,8 @@ pub fn run(gw: &Gateway, q: Query) -> Response<Body> {
             let now = crate::base::clock::now_ms();
             let service = gen.services.get(&**name);
             let picked = service.map(|s| s.choose(&decision.lane, now));
-            let key = service.and_then(|s| s.request_key(&info.parts, info.client_ip));
+            let key = service
+                .and_then(|s| s.request_key(&info.parts.headers, &info.parts.uri, info.client_ip));
             if let Some(s) = service {
                 let hashing = s.select.balance == Balance::Hash;
                 out["balance"] = serde_json::json!({

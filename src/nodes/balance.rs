@@ -305,7 +305,7 @@ impl Picker {
         // Nearly everything down or tried: the first eligible member from
         // the key's position, slow start ignored.
         let n = self.members.len();
-        let start = (key.0 % n as u64) as usize;
+        let start = (key.get() % n as u64) as usize;
         (0..n)
             .map(|k| self.members[(start + k) % n] as usize)
             .find(|&i| set.eligible(i, w))

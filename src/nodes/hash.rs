@@ -1,6 +1,6 @@
 //! Layer: nodes. Consistent hashing for `balance: hash`: the request key
 //! (`hash_key`: a header, a cookie, a query argument or the client IP), its
-//! 128-bit MurmurHash3 (stable across builds and gateways, so every replica
+//! MurmurHash3 (x64 128, first 64 bits; stable across builds and gateways, so every replica
 //! pins a key to the same node), and a weighted Maglev table.
 //!
 //! Why Maglev rather than a ketama ring: a lookup is one table index however
@@ -13,10 +13,10 @@
 
 use std::fmt;
 use std::net::IpAddr;
+use std::num::NonZeroU64;
 use std::str::FromStr;
 
-use http::request::Parts;
-use http::HeaderName;
+use http::{HeaderMap, HeaderName, Uri};
 
 /// Entries of a Maglev table (a prime; Envoy's default). Lanes of more than
 /// [`SMALL_TABLE_NODES`] nodes use [`LARGE_TABLE`] so that every node keeps
@@ -82,17 +82,17 @@ impl fmt::Display for HashKey {
 impl HashKey {
     /// The request's key hashed, or `None` when the request has no such
     /// key (absent or empty): such a request is picked by round-robin.
-    pub fn hash(&self, parts: &Parts, client_ip: IpAddr) -> Option<KeyHash> {
+    pub fn hash(&self, headers: &HeaderMap, uri: &Uri, client_ip: IpAddr) -> Option<KeyHash> {
         match self {
             HashKey::Header(h) => {
-                let v = parts.headers.get(h)?.as_bytes();
+                let v = headers.get(h)?.as_bytes();
                 (!v.is_empty()).then(|| KeyHash::of(v))
             }
-            HashKey::Cookie(c) => crate::lane::cookie_value(&parts.headers, c)
+            HashKey::Cookie(c) => crate::lane::cookie_value(headers, c)
                 .filter(|v| !v.is_empty())
                 .map(|v| KeyHash::of(v.as_bytes())),
             HashKey::Arg(a) => {
-                let q = parts.uri.query()?;
+                let q = uri.query()?;
                 form_urlencoded::parse(q.as_bytes())
                     .find(|(k, _)| k == a.as_str())
                     .filter(|(_, v)| !v.is_empty())
@@ -109,21 +109,34 @@ impl HashKey {
     }
 }
 
-/// A request key's 128-bit MurmurHash3 (x64, seed 0): the first half picks
-/// the table entry, the second decides slow-start admission.
+/// A request key's hash: the first 64 bits of its MurmurHash3 x64 128
+/// (seed 0), never 0 (so `Option<KeyHash>` is one word). It picks the table
+/// entry; a remix of it decides slow-start admission.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KeyHash(pub u64, pub u64);
+pub struct KeyHash(NonZeroU64);
 
 impl KeyHash {
     pub fn of(key: &[u8]) -> KeyHash {
-        let (a, b) = mur3::murmurhash3_x64_128(key, 0);
-        KeyHash(a, b)
+        let (a, _) = mur3::murmurhash3_x64_128(key, 0);
+        KeyHash(NonZeroU64::new(a).unwrap_or(NonZeroU64::MIN))
+    }
+
+    /// The hash value.
+    pub fn get(self) -> u64 {
+        self.0.get()
     }
 
     /// Does a node warming at `factor` take this key yet? The keys it takes
     /// grow with the factor, so each key moves to a new node once.
     pub fn admits(self, factor: f64) -> bool {
-        factor >= 1.0 || ((self.1 >> 11) as f64 / (1u64 << 53) as f64) < factor
+        // A second, independent-looking value from the same hash
+        // (splitmix64's finaliser), so admission does not follow the
+        // table position.
+        let mut z = self.get().wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        factor >= 1.0 || ((z >> 11) as f64 / (1u64 << 53) as f64) < factor
     }
 }
 
@@ -213,7 +226,7 @@ impl Maglev {
         if len == 0 {
             return None;
         }
-        let start = (key.0 % len as u64) as usize;
+        let start = (key.get() % len as u64) as usize;
         let limit = len.min(64 + 4 * members);
         (0..limit)
             .map(|k| self.table[(start + k) % len] as usize)
@@ -268,7 +281,11 @@ mod tests {
             .unwrap();
         let (parts, _) = req.into_parts();
         let ip: IpAddr = "10.1.2.3".parse().unwrap();
-        let k = |s: &str| s.parse::<HashKey>().unwrap().hash(&parts, ip);
+        let k = |s: &str| {
+            s.parse::<HashKey>()
+                .unwrap()
+                .hash(&parts.headers, &parts.uri, ip)
+        };
         assert_eq!(k("header:X-User-Id"), Some(KeyHash::of(b"42")));
         assert_eq!(k("cookie:uid"), Some(KeyHash::of(b"u 42")));
         assert_eq!(k("arg:uid"), Some(KeyHash::of(b"u 42")), "percent-decoded");
@@ -276,17 +293,15 @@ mod tests {
         // IPv4-mapped IPv6 is the same client.
         let mapped: IpAddr = "::ffff:10.1.2.3".parse().unwrap();
         assert_eq!(
-            HashKey::ClientIp.hash(&parts, mapped),
+            HashKey::ClientIp.hash(&parts.headers, &parts.uri, mapped),
             Some(KeyHash::of(&[10, 1, 2, 3]))
         );
         for missing in ["header:x-other", "cookie:nope", "arg:nope"] {
             assert_eq!(k(missing), None, "{missing}");
         }
         // The key is stable across builds (MurmurHash3 x64 128, seed 0).
-        assert_eq!(
-            KeyHash::of(b"hello"),
-            KeyHash(0xcbd8a7b341bd9b02, 0x5b1e906a48ae1d19)
-        );
+        assert_eq!(KeyHash::of(b"hello").get(), 0xcbd8a7b341bd9b02);
+        assert_eq!(std::mem::size_of::<Option<KeyHash>>(), 8);
     }
 
     #[test]

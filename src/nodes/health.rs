@@ -450,4 +450,41 @@ mod tests {
         }
         assert!(h.available(now_ms()));
     }
+
+    #[test]
+    fn readmission_and_joining_start_slow_start() {
+        let h = NodeHealth::default();
+        assert_eq!(h.warm_since(), 0, "warm unless it joined");
+        h.failure("n", &policy(1, 0));
+        assert_eq!(h.warm_since(), 0, "ejection alone does not warm");
+        h.success("n");
+        assert_ne!(h.warm_since(), 0, "a passed trial restarts the ramp");
+        let a = NodeHealth::default();
+        a.set_active_down("n", true);
+        a.set_active_down("n", false);
+        assert_ne!(a.warm_since(), 0, "back from an active check: ramp");
+    }
+
+    #[test]
+    fn nodes_joining_after_the_first_generation_warm_up() {
+        use crate::nodes::{Node, Service};
+        let node = |port: u16| Node {
+            name: format!("n{port}").into(),
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            lane: "formal".into(),
+            weight: 1,
+            drain: false,
+            zone: None,
+        };
+        let reg = HealthRegistry::default();
+        let mut first = BTreeMap::from([("s".to_string(), Service::new("s", vec![node(1)]))]);
+        reg.attach(&mut first);
+        assert_eq!(first["s"].lanes["formal"].health[0].warm_since(), 0);
+        let mut second =
+            BTreeMap::from([("s".to_string(), Service::new("s", vec![node(1), node(2)]))]);
+        reg.attach(&mut second);
+        let set = &second["s"].lanes["formal"];
+        assert_eq!(set.health[0].warm_since(), 0, "kept: still warm");
+        assert_ne!(set.health[1].warm_since(), 0, "joined: warming");
+    }
 }

@@ -17,7 +17,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use http::request::Parts;
+use http::{HeaderMap, Uri};
 
 use crate::config::{Balance, HealthConfig, NodeConfig, FORMAL};
 use crate::observe::node_stats::NodeCounters;
@@ -374,11 +374,16 @@ impl Service {
 
     /// The request's hash key when the service balances by `hash` (and the
     /// request carries the key).
-    pub fn request_key(&self, parts: &Parts, client_ip: IpAddr) -> Option<KeyHash> {
+    pub fn request_key(
+        &self,
+        headers: &HeaderMap,
+        uri: &Uri,
+        client_ip: IpAddr,
+    ) -> Option<KeyHash> {
         if self.select.balance != Balance::Hash {
             return None;
         }
-        self.select.hash_key.as_ref()?.hash(parts, client_ip)
+        self.select.hash_key.as_ref()?.hash(headers, uri, client_ip)
     }
 
     /// Replaces each node's counters with `lookup(addr)` (the ones the
@@ -584,5 +589,208 @@ mod tests {
     fn zero_weight_nodes_are_skipped() {
         let s = Service::new("s", vec![node("f", FORMAL, 1), node("z", FORMAL, 0)]);
         assert_eq!(s.count(FORMAL), 1);
+    }
+
+    fn zoned(name: &str, zone: Option<&str>) -> Node {
+        Node {
+            zone: zone.map(Into::into),
+            ..node(name, FORMAL, 1)
+        }
+    }
+
+    fn zone_service(min_healthy: u32, zone: Option<&str>, balance: Balance) -> Service {
+        let mut nodes = vec![
+            zoned("a1", Some("a")),
+            zoned("a2", Some("a")),
+            zoned("b1", Some("b")),
+            zoned("none", None),
+        ];
+        for (i, n) in nodes.iter_mut().enumerate() {
+            n.addr = format!("127.0.0.{}:80", i + 1).parse().unwrap();
+        }
+        let select = Select {
+            balance,
+            hash_key: Some(HashKey::ClientIp),
+            zone: zone.map(Into::into),
+            zone_min_healthy: min_healthy,
+            ..Select::default()
+        };
+        Service::with_select("s", nodes, select)
+    }
+
+    fn names(c: &Choice, now: u64, n: usize) -> std::collections::BTreeSet<String> {
+        (0..n)
+            .map(|_| c.set.nodes[c.pick(now, &[]).unwrap()].name.to_string())
+            .collect()
+    }
+
+    fn set_of(names: &[&str]) -> std::collections::BTreeSet<String> {
+        names.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn same_zone_first_then_every_zone_below_min_healthy() {
+        use crate::config::PassiveHealth;
+        let p = PassiveHealth {
+            max_fails: 1,
+            cooldown_ms: 60_000,
+            fail_on_5xx: true,
+        };
+        for balance in [
+            Balance::RoundRobin,
+            Balance::LeastRequest,
+            Balance::Random,
+            Balance::Hash,
+        ] {
+            fastrand::seed(9);
+            let s = zone_service(2, Some("a"), balance);
+            let now = crate::base::clock::now_ms();
+            let c = s.choose(FORMAL, now).unwrap();
+            assert_eq!(c.zone, ZoneStep::Local, "{balance:?}");
+            let c = c.keyed(None);
+            assert_eq!(names(&c, now, 50), set_of(&["a1", "a2"]), "{balance:?}");
+            // Retries leave the zone only once its nodes are all tried.
+            let tried: Vec<usize> = vec![0, 1];
+            let next = c.pick(now, &tried).unwrap();
+            assert!(next >= 2, "{balance:?}");
+            // One of two same-zone nodes down: below min_healthy 2, so every
+            // zone (the healthy same-zone node, the other zone and the node
+            // without a zone).
+            s.lanes[FORMAL].health[0].failure("a1", &p);
+            let later = now + 1;
+            let c = s.choose(FORMAL, later).unwrap();
+            assert_eq!(c.zone, ZoneStep::Spill, "{balance:?}");
+            // (Keyless hash requests are round-robin.)
+            let want = set_of(&["a2", "b1", "none"]);
+            assert_eq!(names(&c, later, 200), want, "{balance:?}");
+        }
+    }
+
+    #[test]
+    fn zone_steps_never_empty_the_set() {
+        let now = crate::base::clock::now_ms();
+        // The gateway has no zone: every node.
+        let s = zone_service(1, None, Balance::RoundRobin);
+        let c = s.choose(FORMAL, now).unwrap();
+        assert_eq!(c.zone, ZoneStep::Off);
+        assert_eq!(names(&c, now, 8), set_of(&["a1", "a2", "b1", "none"]));
+        // min_healthy 0 turns the preference off.
+        let s = zone_service(0, Some("a"), Balance::RoundRobin);
+        assert_eq!(s.choose(FORMAL, now).unwrap().zone, ZoneStep::Off);
+        // No candidate in the gateway's zone: every zone, zone-less nodes
+        // included.
+        let s = zone_service(1, Some("c"), Balance::RoundRobin);
+        let c = s.choose(FORMAL, now).unwrap();
+        assert_eq!(c.zone, ZoneStep::NoLocalNodes);
+        assert_eq!(names(&c, now, 8), set_of(&["a1", "a2", "b1", "none"]));
+        // Everything down: panic mode spans every zone.
+        let p = crate::config::PassiveHealth {
+            max_fails: 1,
+            cooldown_ms: 60_000,
+            fail_on_5xx: true,
+        };
+        let s = zone_service(1, Some("a"), Balance::RoundRobin);
+        for (i, h) in s.lanes[FORMAL].health.iter().enumerate() {
+            h.failure(&i.to_string(), &p);
+        }
+        let c = s.choose(FORMAL, now).unwrap();
+        assert_eq!(c.zone, ZoneStep::Panic);
+        assert_eq!(names(&c, now, 8), set_of(&["a1", "a2", "b1", "none"]));
+    }
+
+    #[test]
+    fn slow_start_ramps_a_joined_node_with_an_injected_clock() {
+        // Deterministic: a fixed seed and clock values passed in.
+        fastrand::seed(21);
+        for balance in [Balance::RoundRobin, Balance::Random, Balance::LeastRequest] {
+            let select = Select {
+                balance,
+                slow_start_ms: 10_000,
+                ..Select::default()
+            };
+            let mut a = node("old", FORMAL, 1);
+            a.addr = "127.0.0.1:1".parse().unwrap();
+            let mut b = node("new", FORMAL, 1);
+            b.addr = "127.0.0.1:2".parse().unwrap();
+            let mut s = Service::with_select("s", vec![a, b], select);
+            let joined_at = 1_000;
+            s.attach_health(|addr| {
+                Arc::new(if addr.port() == 2 {
+                    NodeHealth::joined(joined_at)
+                } else {
+                    NodeHealth::default()
+                })
+            });
+            let share = |now: u64| {
+                let c = s.choose(FORMAL, now).unwrap();
+                let n = 20_000;
+                let new = (0..n).filter(|_| c.pick(now, &[]) == Some(1)).count();
+                new as f64 / n as f64
+            };
+            // Effective weights old 1 : new f → share f / (1 + f).
+            for (now, f) in [(1_000, 0.1), (3_500, 0.25), (6_000, 0.5), (8_500, 0.75)] {
+                let got = share(now);
+                let want = f / (1.0 + f);
+                assert!(
+                    (got - want).abs() < 0.02,
+                    "{balance:?} at {now}: {got} vs {want}"
+                );
+            }
+            // The window has passed: full weight.
+            let got = share(11_000);
+            assert!((got - 0.5).abs() < 0.02, "{balance:?}: {got}");
+            if balance == Balance::RoundRobin {
+                assert_eq!(got, 0.5, "warm round-robin is exact");
+            }
+        }
+    }
+
+    #[test]
+    fn hash_pins_keys_and_retries_walk_to_the_next_node() {
+        let nodes: Vec<Node> = (0..5)
+            .map(|i| {
+                let mut n = node(&format!("n{i}"), FORMAL, 1);
+                n.addr = format!("127.0.0.{}:80", i + 1).parse().unwrap();
+                n
+            })
+            .collect();
+        let select = Select {
+            balance: Balance::Hash,
+            hash_key: Some("header:x-user-id".parse().unwrap()),
+            ..Select::default()
+        };
+        let s = Service::with_select("s", nodes, select);
+        let now = crate::base::clock::now_ms();
+        let req = |uid: &str| {
+            let mut h = HeaderMap::new();
+            h.insert("x-user-id", uid.parse().unwrap());
+            h
+        };
+        let uri = Uri::from_static("/");
+        let ip: IpAddr = "10.0.0.1".parse().unwrap();
+        let key = s.request_key(&req("u-7"), &uri, ip);
+        assert!(key.is_some());
+        let c = s.choose(FORMAL, now).unwrap().keyed(key);
+        let first = c.pick(now, &[]).unwrap();
+        assert!((0..20).all(|_| c.pick(now, &[]) == Some(first)), "pinned");
+        assert_eq!(c.peek(now), Some(first));
+        // A retry walks on, deterministically, never to a tried node.
+        let second = c.pick(now, &[first]).unwrap();
+        assert_ne!(second, first);
+        assert_eq!(c.pick(now, &[first]), Some(second));
+        // No key: round-robin over the lane.
+        let c = s
+            .choose(FORMAL, now)
+            .unwrap()
+            .keyed(s.request_key(&req(""), &uri, ip));
+        assert!(c.key.is_none());
+        let spread: std::collections::BTreeSet<usize> =
+            (0..5).map(|_| c.pick(now, &[]).unwrap()).collect();
+        assert_eq!(spread.len(), 5);
+        // Other policies never hash.
+        assert_eq!(
+            Service::new("t", vec![]).request_key(&req("u-7"), &uri, ip),
+            None
+        );
     }
 }

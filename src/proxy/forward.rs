@@ -66,10 +66,11 @@ pub async fn forward(
         .services
         .get(&**service_name)
         .ok_or(ErrorKind::NoSuchService)?;
-    let key = service.request_key(&info.parts, info.client_ip);
-    let choice = select_node(plane, service, decision)?.keyed(key);
+    let choice = select_node(plane, service, decision)?;
     let upstream = &gen.config.upstream;
     let out = rewrite_request(gen, client, decision, info.parts, upstream);
+    // The hash key (balance: hash) from the fields going upstream.
+    let choice = choice.keyed(service.request_key(&out.headers, &out.target, client.ip));
     // No body (the common GET): nothing to wait for, no timer.
     let replay = if hyper::body::Body::is_end_stream(&body) {
         Replay::Empty
