@@ -793,4 +793,65 @@ mod tests {
             None
         );
     }
+
+    #[test]
+    fn every_policy_keeps_the_lane_guarantee() {
+        use crate::config::PassiveHealth;
+        let p = PassiveHealth {
+            max_fails: 1,
+            cooldown_ms: 60_000,
+            fail_on_5xx: true,
+        };
+        for balance in [
+            Balance::RoundRobin,
+            Balance::LeastRequest,
+            Balance::Random,
+            Balance::Hash,
+        ] {
+            let nodes: Vec<Node> = [
+                ("f1", FORMAL),
+                ("f2", FORMAL),
+                ("g1", "gray"),
+                ("g2", "gray"),
+                ("v", "v2"),
+            ]
+            .iter()
+            .enumerate()
+            .map(|(i, (n, l))| Node {
+                addr: format!("127.0.0.{}:80", i + 1).parse().unwrap(),
+                zone: Some(if i % 2 == 0 { "a" } else { "b" }.into()),
+                ..node(n, l, 1)
+            })
+            .collect();
+            let select = Select {
+                balance,
+                hash_key: Some(HashKey::ClientIp),
+                zone: Some("a".into()),
+                slow_start_ms: 5_000,
+                ..Select::default()
+            };
+            let s = Service::with_select("s", nodes, select);
+            let now = crate::base::clock::now_ms();
+            let key = Some(KeyHash::of(b"k"));
+            let lanes_of = |lane: &str, now: u64| {
+                let c = s.choose(lane, now).unwrap().keyed(key);
+                let mut tried = Vec::new();
+                while let Some(i) = c.pick(now, &tried) {
+                    assert!(!tried.contains(&i));
+                    tried.push(i);
+                }
+                tried
+                    .iter()
+                    .map(|&i| c.set.nodes[i].lane.to_string())
+                    .collect::<std::collections::BTreeSet<_>>()
+            };
+            assert_eq!(lanes_of("gray", now), set_of(&["gray"]), "{balance:?}");
+            assert_eq!(lanes_of("gray-b", now), set_of(&[FORMAL]), "{balance:?}");
+            // Gray down: formal, never v2.
+            for h in &s.lanes["gray"].health {
+                h.failure("g", &p);
+            }
+            assert_eq!(lanes_of("gray", now + 1), set_of(&[FORMAL]), "{balance:?}");
+        }
+    }
 }
