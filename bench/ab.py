@@ -28,6 +28,8 @@ def main():
     ap.add_argument("--conns", default="32,256")
     a = ap.parse_args()
     conns = [int(c) for c in a.conns.split(",")]
+    # Pinned like bench.py's full run when CPUs 0 and 1 are there.
+    bench.PIN["on"] = {0, 1} <= os.sched_getaffinity(0)
     work = tempfile.mkdtemp(prefix="graygate-ab-")
     backends = bench.start_backends(work)
     runs = {}

@@ -3,7 +3,11 @@
 gray-release job on loopback.
 
 Each gateway runs ONE worker pinned to CPU 1; the two backends (an nginx
-serving fixed JSON for the formal and the gray lane) and wrk run on CPU 0.
+serving fixed JSON for the formal and the gray lane) and wrk run on CPU 0
+(pinning needs two CPUs and is off with --quick or --no-pin). Every listener
+is on an ephemeral port: nginx and HAProxy get a socket this script bound
+(inherited, never released and re-bound), graygate listens on port 0 and its
+logged address is read back.
 Decision for all three: client IP in 127.0.9.0/24 -> gray, `X-Gray: 1` -> gray,
 10% of `X-User-Id` (MurmurHash3 bucket < 10) -> gray, else formal; the lane goes
 upstream in X-Gray-Tag.
@@ -33,8 +37,10 @@ import urllib.request
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH)
-PORT_FORMAL, PORT_GRAY = 19101, 19102
-PORTS = {"graygate": 19180, "graygate-2w": 19183, "nginx-lua": 19181, "haproxy-lua": 19182}
+# The backends' ports, set by start_backends().
+BACKEND_PORTS = {}
+# Pin processes to CPUs (see main()); off unless asked for and possible.
+PIN = {"on": False}
 CLK = os.sysconf("SC_CLK_TCK")
 MIXES = {
     "untagged": [],
@@ -72,17 +78,53 @@ def bucket(s: str) -> int:
 
 # ---------------------------------------------------------------- processes
 
-def wait_port(port, proc, what, limit=20.0):
+def listen_socket():
+    """A listening socket on an ephemeral loopback port, to hand to a child."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen(8192)
+    return s
+
+
+def wait_http(port, proc, what, limit=20.0):
+    """Waits until the process answers HTTP on the port (any status)."""
     deadline = time.time() + limit
     while time.time() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"{what} exited early (code {proc.returncode}); see its log in the work dir")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1):
                 return
+        except urllib.error.HTTPError:
+            return
         except OSError:
             time.sleep(0.05)
-    raise SystemExit(f"{what} did not listen on {port}")
+    raise SystemExit(f"{what} did not answer on {port}")
+
+
+def logged_port(log, proc, what, limit=20.0):
+    """The port graygate logs it listens on ("graygate listening … addr=…")."""
+    deadline = time.time() + limit
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited early (code {proc.returncode}); see its log in the work dir")
+        with open(log, errors="replace") as f:
+            for line in f:
+                if "graygate listening" in line:
+                    m = re.search(r"addr=127\.0\.0\.1:(\d+)", line)
+                    if m:
+                        return int(m.group(1))
+        time.sleep(0.05)
+    raise SystemExit(f"{what} logged no listening address")
+
+
+def preexec(cpus):
+    """New session, and (when pinning) the given CPUs."""
+    def f():
+        os.setsid()
+        if PIN["on"] and cpus is not None:
+            os.sched_setaffinity(0, cpus)
+    return f
 
 
 def children(pid):
@@ -127,19 +169,32 @@ def peak_rss_kb(pids):
 
 
 class Target:
-    def __init__(self, name, cmd, port, log, cpus="1", env=None):
-        self.name, self.port = name, port
+    """A gateway or backend process. `socks` are listening sockets it
+    inherits (for nginx also named in $NGINX); without them it listens on
+    port 0 and logs the address (graygate)."""
+
+    def __init__(self, name, cmd, log, cpus=frozenset({1}), env=None, socks=(), nginx=False):
+        self.name = name
         self.log = open(log, "w")
-        self.proc = subprocess.Popen(["taskset", "-c", cpus] + cmd, stdout=self.log,
-                                     stderr=subprocess.STDOUT, env=env, preexec_fn=os.setsid)
+        env = dict(env if env is not None else os.environ)
+        fds = tuple(s.fileno() for s in socks)
+        self.ports = [s.getsockname()[1] for s in socks]
+        if nginx and fds:
+            env["NGINX"] = "".join(f"{fd};" for fd in fds)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     pass_fds=fds, preexec_fn=preexec(cpus))
+        for s in socks:
+            s.close()  # the child holds its own copy
         try:
-            wait_port(port, self.proc, name)
+            self.port = self.ports[0] if self.ports else logged_port(log, self.proc, name)
+            for port in self.ports or [self.port]:
+                wait_http(port, self.proc, name)
         except SystemExit:
             self.log.close()
             with open(log) as f:
                 sys.stderr.write(f.read())
+            self.stop()
             raise
-        time.sleep(0.2)  # let workers fork (nginx) before sampling pids
 
     def pids(self):
         return [self.proc.pid] + children(self.proc.pid)
@@ -176,27 +231,30 @@ events {{ worker_connections 16384; }}
 
 
 def start_backends(work):
+    """The formal and gray backends (one nginx); their ports go to BACKEND_PORTS."""
+    formal, gray = listen_socket(), listen_socket()
+    BACKEND_PORTS["formal"] = formal.getsockname()[1]
+    BACKEND_PORTS["gray"] = gray.getsockname()[1]
     main, http = nginx_common(work, "backends")
     conf = main + f"""
 http {{
 {http}
     default_type application/json;
-    server {{ listen 127.0.0.1:{PORT_FORMAL} backlog=8192;
+    server {{ listen 127.0.0.1:{BACKEND_PORTS['formal']} backlog=8192;
              location / {{ return 200 '{{"lane":"formal","tag":"$http_x_gray_tag"}}'; }} }}
-    server {{ listen 127.0.0.1:{PORT_GRAY} backlog=8192;
+    server {{ listen 127.0.0.1:{BACKEND_PORTS['gray']} backlog=8192;
              location / {{ return 200 '{{"lane":"gray","tag":"$http_x_gray_tag"}}'; }} }}
 }}
 """
     path = os.path.join(work, "backends.conf")
     with open(path, "w") as f:
         f.write(conf)
-    t = Target("backends", ["nginx", "-p", work, "-e", "stderr", "-c", path], PORT_FORMAL,
-               os.path.join(work, "backends.log"), cpus="0")
-    wait_port(PORT_GRAY, t.proc, "backends")
-    return t
+    return Target("backends", ["nginx", "-p", work, "-e", "stderr", "-c", path],
+                  os.path.join(work, "backends.log"), cpus={0}, socks=[formal, gray], nginx=True)
 
 
-def start_nginx(work):
+def nginx_lua_conf(work, port):
+    """Writes the nginx+lua gateway's config for `port`; returns its path."""
     main, http = nginx_common(work, "nginx-lua")
     conf = """
 load_module /usr/lib/nginx/modules/ndk_http_module.so;
@@ -205,10 +263,10 @@ load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;
 http {{
 {http}
     lua_package_path "{BENCH}/?.lua;;";
-    upstream formal {{ server 127.0.0.1:{PORT_FORMAL}; keepalive 1024; keepalive_requests 100000000; }}
-    upstream gray   {{ server 127.0.0.1:{PORT_GRAY}; keepalive 1024; keepalive_requests 100000000; }}
+    upstream formal {{ server 127.0.0.1:{BACKEND_PORTS['formal']}; keepalive 1024; keepalive_requests 100000000; }}
+    upstream gray   {{ server 127.0.0.1:{BACKEND_PORTS['gray']}; keepalive 1024; keepalive_requests 100000000; }}
     server {{
-        listen 127.0.0.1:{PORTS['nginx-lua']} backlog=8192;
+        listen 127.0.0.1:{port} backlog=8192;
         location / {{
             set $lane formal;
             access_by_lua_file {BENCH}/nginx_gray.lua;
@@ -227,11 +285,18 @@ http {{
     path = os.path.join(work, "nginx-lua.conf")
     with open(path, "w") as f:
         f.write(conf)
-    return Target("nginx-lua", ["nginx", "-p", work, "-e", "stderr", "-c", path], PORTS["nginx-lua"],
-                  os.path.join(work, "nginx-lua.log"))
+    return path
 
 
-def start_haproxy(work):
+def start_nginx(work):
+    sock = listen_socket()
+    path = nginx_lua_conf(work, sock.getsockname()[1])
+    return Target("nginx-lua", ["nginx", "-p", work, "-e", "stderr", "-c", path],
+                  os.path.join(work, "nginx-lua.log"), socks=[sock], nginx=True)
+
+
+def haproxy_conf(work, fd):
+    """Writes the HAProxy+Lua config listening on inherited socket `fd`."""
     conf = f"""
 global
     nbthread 1
@@ -246,7 +311,7 @@ defaults
     option http-keep-alive
     http-reuse always
 frontend fe
-    bind 127.0.0.1:{PORTS['haproxy-lua']}
+    bind fd@{fd}
     http-request set-var(txn.lane) lua.gray_lane
     http-request set-header X-Gray-Tag %[var(txn.lane)]
     http-request set-header X-Forwarded-Proto http
@@ -255,18 +320,25 @@ frontend fe
     use_backend gray if {{ var(txn.lane) -m str gray }}
     default_backend formal
 backend formal
-    server f1 127.0.0.1:{PORT_FORMAL}
+    server f1 127.0.0.1:{BACKEND_PORTS['formal']}
 backend gray
-    server g1 127.0.0.1:{PORT_GRAY}
+    server g1 127.0.0.1:{BACKEND_PORTS['gray']}
 """
     path = os.path.join(work, "haproxy.cfg")
     with open(path, "w") as f:
         f.write(conf)
-    return Target("haproxy-lua", ["haproxy", "-db", "-f", path], PORTS["haproxy-lua"],
-                  os.path.join(work, "haproxy.log"))
+    return path
 
 
-def write_graygate_config(work, name, port, workers, list_entries=1, nodes_per_lane=1):
+def start_haproxy(work):
+    sock = listen_socket()
+    path = haproxy_conf(work, sock.fileno())
+    return Target("haproxy-lua", ["haproxy", "-db", "-f", path], os.path.join(work, "haproxy.log"),
+                  socks=[sock])
+
+
+def write_graygate_config(work, name, workers, list_entries=1, nodes_per_lane=1):
+    """graygate's config (listening on port 0: the address is logged)."""
     lst = os.path.join(work, f"{name}-ips.txt")
     with open(lst, "w") as f:
         f.write("127.0.9.0/24\n")
@@ -276,11 +348,11 @@ def write_graygate_config(work, name, port, workers, list_entries=1, nodes_per_l
     with open(nodes, "w") as f:
         f.write("services:\n  api:\n    nodes:\n")
         for i in range(nodes_per_lane):
-            f.write(f"      - {{ name: f{i}, addr: \"127.0.0.1:{PORT_FORMAL}\", lane: formal }}\n")
-            f.write(f"      - {{ name: g{i}, addr: \"127.0.0.1:{PORT_GRAY}\", lane: gray }}\n")
+            f.write(f"      - {{ name: f{i}, addr: \"127.0.0.1:{BACKEND_PORTS['formal']}\", lane: formal }}\n")
+            f.write(f"      - {{ name: g{i}, addr: \"127.0.0.1:{BACKEND_PORTS['gray']}\", lane: gray }}\n")
     cfg = os.path.join(work, f"{name}.yaml")
     with open(cfg, "w") as f:
-        f.write(f"""listen: 127.0.0.1:{port}
+        f.write(f"""listen: 127.0.0.1:0
 workers: {workers}
 root: {REPO}
 script: scripts/gray.lua
@@ -294,11 +366,14 @@ routes:
     return cfg
 
 
-def start_graygate(work, binary, name="graygate", workers=1, cpus="1", **kw):
-    port = PORTS.get(name, 19190)
-    cfg = write_graygate_config(work, name, port, workers, **kw)
-    env = dict(os.environ, RUST_LOG="warn")
-    return Target(name, [binary, "--config", cfg], port, os.path.join(work, f"{name}.log"),
+# Warnings, plus graygate's start-up lines (the listening address).
+GRAYGATE_LOG = "warn,graygate=info"
+
+
+def start_graygate(work, binary, name="graygate", workers=1, cpus=frozenset({1}), **kw):
+    cfg = write_graygate_config(work, name, workers, **kw)
+    env = dict(os.environ, RUST_LOG=GRAYGATE_LOG)
+    return Target(name, [binary, "--config", cfg], os.path.join(work, f"{name}.log"),
                   cpus=cpus, env=env)
 
 
@@ -330,9 +405,10 @@ def to_ms(s):
 
 
 def run_wrk(port, mix, conns, duration):
-    cmd = ["taskset", "-c", "0", "wrk", "-t1", f"-c{conns}", f"-d{duration}s", "--latency",
+    cmd = ["wrk", "-t1", f"-c{conns}", f"-d{duration}s", "--latency",
            "--timeout", "5s"] + MIXES[mix] + [f"http://127.0.0.1:{port}/api/x"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True,
+                         preexec_fn=preexec({0})).stdout
     res = {"rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),
            "requests": int(re.search(r"(\d+) requests in", out).group(1))}
     for pct in ("50", "99"):
@@ -396,15 +472,18 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--conns", default="32,256")
     ap.add_argument("--mixes", default="untagged,user-id,x-gray")
-    ap.add_argument("--quick", action="store_true", help="a few seconds, for the test suite")
+    ap.add_argument("--quick", action="store_true", help="a few seconds, for the test suite (no pinning)")
+    ap.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     ap.add_argument("--no-scaling", action="store_true")
     ap.add_argument("--json", help="also write results here")
     a = ap.parse_args()
     if a.quick:
         a.duration, a.rounds, a.conns = 1, 1, "32"
-    for tool in ("nginx", "haproxy", "wrk", "taskset"):
+    for tool in ("nginx", "haproxy", "wrk"):
         if not shutil.which(tool):
-            raise SystemExit(f"{tool} not found: apt-get install nginx-core libnginx-mod-http-lua haproxy wrk util-linux")
+            raise SystemExit(f"{tool} not found: apt-get install nginx-core libnginx-mod-http-lua haproxy wrk")
+    # Pinning needs CPUs 0 and 1; the quick mode (the test suite) never pins.
+    PIN["on"] = not (a.quick or a.no_pin) and {0, 1} <= os.sched_getaffinity(0)
     if not os.path.exists(a.graygate):
         raise SystemExit(f"{a.graygate} not found: cargo build --release")
     dur = max(1, int(a.duration))
@@ -419,7 +498,7 @@ def main():
                     lambda: start_haproxy(work)]
         if not a.quick:
             starters.append(lambda: start_graygate(work, a.graygate, name="graygate-2w", workers=2,
-                                                   cpus="0,1"))
+                                                   cpus={0, 1}))
         for start in starters:
             targets.append(start())
             started.append(targets[-1])
@@ -440,8 +519,9 @@ def main():
             t.stop()
             started.remove(t)
         print("## graygate vs nginx+lua vs HAProxy+Lua\n")
-        print(f"wrk -t1, {dur}s per run, {a.rounds} round(s), targets alternated; gateways pinned to CPU 1, "
-              f"backends and wrk to CPU 0 (graygate-2w: 2 workers on CPUs 0,1).\n")
+        pinning = ("gateways pinned to CPU 1, backends and wrk to CPU 0 (graygate-2w: 2 workers on CPUs 0,1)"
+                   if PIN["on"] else "nothing pinned")
+        print(f"wrk -t1, {dur}s per run, {a.rounds} round(s), targets alternated; {pinning}.\n")
         print(table(results, names))
         scaling = []
         if not a.no_scaling:
@@ -451,10 +531,9 @@ def main():
             # over the rounds, like the main table, so machine noise falls
             # on every size alike.
             scale_targets = []
-            for i, (kind, n) in enumerate(points):
+            for kind, n in points:
                 kw = {"list_entries": n} if kind == "list" else {"nodes_per_lane": n}
                 name = f"graygate-{kind}-{n}"
-                PORTS[name] = 19190 + i
                 t = start_graygate(work, a.graygate, name=name, **kw)
                 started.append(t)
                 sanity_check(t)

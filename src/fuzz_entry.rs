@@ -13,7 +13,7 @@ use crate::base::decision::Decision;
 use crate::config::{parse_yaml, valid_lane, ConfigError, MainConfig};
 use crate::generation::{Generation, Target};
 use crate::lane::sticky::decide_on_route;
-use crate::proxy::resolve::{check_limits, resolve_request};
+use crate::proxy::resolve::{resolve_request, validate};
 
 /// Separates the files inside one fuzz input.
 pub const FILE_SEPARATOR: &[u8] = b"\n%%%%\n";
@@ -99,7 +99,7 @@ pub fn request_decision(gen: &Generation, data: &[u8]) -> Option<Decision> {
         };
         req.headers_mut().append(n, v);
     }
-    if let Some(kind) = check_limits(&req, &gen.config.client) {
+    if let Some(kind) = validate(&mut req, &gen.config.client, &gen.lane.tag_header) {
         assert!(crate::base::error::Error::new(kind)
             .status()
             .is_client_error());

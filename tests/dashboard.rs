@@ -27,13 +27,30 @@ impl Drop for Driver {
 
 impl Driver {
     async fn start() -> Driver {
-        let port = closed_port().port();
-        let child = Command::new("chromedriver")
-            .arg(format!("--port={port}"))
-            .stdout(Stdio::null())
+        // Port 0: chromedriver binds an ephemeral port itself and says which.
+        let mut child = Command::new("chromedriver")
+            .arg("--port=0")
+            .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
             .expect("chromedriver (Debian package chromium-driver) must be installed");
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if let Some(port) = line
+                    .strip_prefix("ChromeDriver was started successfully on port ")
+                    .and_then(|p| p.trim_end_matches('.').parse::<u16>().ok())
+                {
+                    let _ = tx.send(port);
+                }
+            }
+        });
+        let port = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("chromedriver reports its port");
         let url = format!("http://127.0.0.1:{port}");
         let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         eventually(

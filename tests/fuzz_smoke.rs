@@ -155,5 +155,8 @@ fn request_decision_survives_mutated_requests() {
         }
     }
     eprintln!("request inputs: {decided} of 5000 reached a decision");
-    assert!(decided > 500);
+    // Most mutations are refused before routing (400/414/431: a repeated,
+    // missing or mangled Host is one since the RFC 9112 checks); enough
+    // still reach the lane and node choice to exercise them.
+    assert!(decided > 400);
 }

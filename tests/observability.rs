@@ -367,9 +367,12 @@ async fn nodes_show_lane_weight_health_in_flight_requests_and_errors() {
     );
     let fx = Fixture::new();
     fx.write("lane.lua", SCRIPT);
+    // The default max_fails (3); a cool-down no test run outlasts.
     fx.write(
         "nodes.yaml",
-        &format!("services:\n  api:\n    nodes:\n{fx_nodes}"),
+        &format!(
+            "services:\n  api:\n    health:\n      passive: {{ cooldown_ms: 600000 }}\n    nodes:\n{fx_nodes}"
+        ),
     );
     let cfg = fx.write(
         "gg.yaml",
@@ -450,15 +453,16 @@ async fn nodes_show_lane_weight_health_in_flight_requests_and_errors() {
         .await;
     assert_eq!(held.status(), 200);
     drop(held);
-    let m = s.metrics().await;
-    assert_eq!(
+    // A request is recorded when its response body ends — here when the
+    // client drops it.
+    eventually("the fallback counted", Duration::from_secs(10), || async {
+        let m = s.metrics().await;
         sample(
             &m,
-            "graygate_lane_fallbacks_total{lane=\"v2\",reason=\"lane_unhealthy\"}"
-        ),
-        Some(1.0),
-        "{m}"
-    );
+            "graygate_lane_fallbacks_total{lane=\"v2\",reason=\"lane_unhealthy\"}",
+        ) == Some(1.0)
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -615,7 +619,26 @@ async fn node_management_writes_the_file_back_and_applies_it() {
     assert_eq!(s.nodes_file(), before, "refused changes write nothing");
     assert_eq!(s.gw.status().await["reloads_rejected"], rejected);
 
-    // Weight 0 by PATCH, then remove it.
+    // Weight 0 by PATCH: written back, and g2 takes no traffic (v2 has no
+    // other node, so it falls back to formal).
+    let g2_before = g2.count();
+    let r = send("PATCH", "/nodes/api/g2", r#"{"weight":0}"#).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let file: serde_yaml::Value = serde_yaml::from_str(&s.nodes_file()).unwrap();
+    let g2_entry = file["services"]["api"]["nodes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|n| n["name"].as_str() == Some("g2"))
+        .cloned()
+        .unwrap();
+    assert_eq!(g2_entry["weight"].as_u64(), Some(0));
+    for _ in 0..4 {
+        assert_eq!(lane_req(&s.gw, "v2").await.node(), "f1");
+    }
+    assert_eq!(g2.count(), g2_before, "a weight-0 node takes no traffic");
+
+    // Then remove it.
     let r = send("DELETE", "/nodes/api/g2", "").await;
     assert_eq!(r.status, 200, "{}", r.text());
     assert!(!s.nodes_file().contains(&g2.addr.to_string()));
@@ -717,9 +740,32 @@ async fn access_log_json_and_text_and_off_by_default() {
         "{line}"
     );
 
-    // Off by default: no file appears.
-    let u = setup(&[&f1], "");
-    u.gw.get("/api/z").await;
+    // `stdout` as the target: the line arrives there (this also shows the
+    // harness sees what the process writes to stdout, and that a line
+    // written before a graceful exit is kept).
+    let mut o = setup(&[&f1], "access_log: { path: stdout }\n");
+    o.gw.get("/api/to-stdout").await;
+    eventually("line on stdout", Duration::from_secs(10), || async {
+        o.gw.stdout()
+            .contains("\"GET /api/to-stdout\" 200 lane=formal")
+    })
+    .await;
+    let out = o.gw.stop_and_read_stdout().await;
+    assert_eq!(out.lines().count(), 1, "{out}");
+
+    // Off by default: no file appears, and nothing goes to stdout or to
+    // the gateway's own log (stderr) up to a graceful exit.
+    let mut u = setup(&[&f1], "");
+    for _ in 0..3 {
+        assert_eq!(u.gw.get("/api/z").await.status, 200);
+    }
+    let out = u.gw.stop_and_read_stdout().await;
+    assert_eq!(out, "", "no access log on stdout by default");
+    let logs = u.gw.logs();
+    assert!(
+        !logs.contains("/api/z"),
+        "no access log on stderr by default: {logs}"
+    );
     let files: Vec<String> = std::fs::read_dir(u.fx.dir.path())
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())

@@ -6,6 +6,7 @@
 mod common;
 
 use std::net::TcpStream;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -20,21 +21,49 @@ struct Nginx {
 
 impl Drop for Nginx {
     fn drop(&mut self) {
-        let _ = self.child.kill();
+        // nginx runs as a master and one worker in their own process group:
+        // stop both.
+        let group = format!("-{}", self.child.id());
+        for sig in ["-TERM", "-KILL"] {
+            let _ = Command::new("kill").args([sig, "--", &group]).status();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = self.child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
         let _ = self.child.wait();
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// Does something answer an HTTP request on the port within a second?
+fn answers(port: u16) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+    if s.write_all(b"GET / HTTP/1.0\r\nHost: ready\r\n\r\n")
+        .is_err()
+    {
+        return false;
+    }
+    let mut buf = [0u8; 16];
+    matches!(s.read(&mut buf), Ok(n) if n > 0)
 }
 
 fn start_nginx(dir: &Path, lua_dir: &Path) -> Nginx {
-    let port = free_port();
+    // The listening socket is bound here once and inherited by nginx
+    // (named in $NGINX, as on nginx's own binary upgrade), so no other
+    // process can take the port between choosing and binding it.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    socket2::SockRef::from(&listener)
+        .set_cloexec(false)
+        .unwrap();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&listener);
     let tmp = dir.join("tmp");
     std::fs::create_dir_all(&tmp).unwrap();
     let conf = format!(
@@ -43,7 +72,9 @@ load_module /usr/lib/nginx/modules/ndk_http_module.so;
 load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;
 worker_processes 1;
 daemon off;
-master_process off;
+# A master and one worker: nginx 1.22 crashes on inherited sockets without
+# a master.
+master_process on;
 pid {dir}/nginx.pid;
 error_log {dir}/error.log info;
 events {{ worker_connections 64; }}
@@ -52,6 +83,7 @@ http {{
     client_body_temp_path {tmp}; proxy_temp_path {tmp}; fastcgi_temp_path {tmp};
     uwsgi_temp_path {tmp}; scgi_temp_path {tmp};
     lua_package_path "{lua}/?.lua;;";
+    lua_shared_dict probe 1m;
     server {{
         listen 127.0.0.1:{port};
         location / {{
@@ -76,18 +108,23 @@ http {{
         .arg(dir)
         .args(["-e", "stderr", "-c"])
         .arg(&path)
+        .env("NGINX", format!("{fd};"))
+        .process_group(0)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .expect("nginx runs (apt-get install nginx-core libnginx-mod-http-lua, see .ci/run)");
+    // nginx has its own copy now.
+    drop(listener);
+    // The socket accepts connections before nginx runs: ready once nginx
+    // answers a request.
     let deadline = Instant::now() + Duration::from_secs(20);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+    while !answers(port) {
         if let Ok(Some(st)) = child.try_wait() {
             let log = std::fs::read_to_string(dir.join("error.log")).unwrap_or_default();
             panic!("nginx exited with {st}:\n{log}");
         }
         assert!(Instant::now() < deadline, "nginx did not start");
-        std::thread::sleep(Duration::from_millis(20));
     }
     Nginx {
         child,
@@ -111,6 +148,10 @@ fn requests() -> Vec<Req> {
             .header("accept", "c/d")
             .header("X-User-Id", "298"),
         Req::get("/").header("Cookie", "UID=alice; sid=zz"),
+        Req::get("/q")
+            .header("X-Probe-Clear", "gone")
+            .header("X-Probe-Nil", "gone too"),
+        Req::get("/q?only").header("X-Probe-Set", "client"),
     ];
     for i in 0..30 {
         v.push(Req::get("/").header("X-User-Id", &format!("u{i}")));
@@ -141,7 +182,7 @@ async fn same_lanes_and_values_as_nginx_lua() {
     let cfg = fx.write(
         "gg.yaml",
         &main_config(
-            "script: lua/main.lua\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n",
+            "script: lua/main.lua\nshared_dicts:\n  probe: 1m\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n",
         ),
     );
     let gw = Gateway::start(&cfg);
@@ -150,6 +191,7 @@ async fn same_lanes_and_values_as_nginx_lua() {
     let nginx_addr = std::net::SocketAddr::from(([127, 0, 0, 1], nginx.port));
 
     let mut lanes = std::collections::BTreeSet::new();
+    let mut mismatches = Vec::new();
     for req in requests() {
         let want = req.send(nginx_addr).await;
         assert_eq!(
@@ -187,7 +229,12 @@ async fn same_lanes_and_values_as_nginx_lua() {
                 assert_eq!(*g, "http_accept=a/b, c/d");
                 continue;
             }
-            assert_eq!(g, w, "{} {}", req.method, req.path);
+            if g != w {
+                mismatches.push(format!(
+                    "{} {}: nginx {w:?}, graygate {g:?}",
+                    req.method, req.path
+                ));
+            }
         }
         assert_eq!(
             got_lane, want_lane,
@@ -196,6 +243,54 @@ async fn same_lanes_and_values_as_nginx_lua() {
         );
         lanes.insert(want_lane);
     }
+    assert!(
+        mismatches.is_empty(),
+        "values differ:\n{}",
+        mismatches.join("\n")
+    );
+
+    // ngx.log: each level lands in both logs at the same file:line, at
+    // nginx's level in nginx and at the README's level in graygate (the
+    // level is the token after graygate's timestamp).
+    let nginx_log = std::fs::read_to_string(nginx.dir.join("error.log")).unwrap();
+    for (name, nginx_level, graygate_level) in [
+        ("STDERR", "[]", "ERROR"), // nginx prints no name for STDERR
+        ("EMERG", "[emerg]", "ERROR"),
+        ("ALERT", "[alert]", "ERROR"),
+        ("CRIT", "[crit]", "ERROR"),
+        ("ERR", "[error]", "ERROR"),
+        ("WARN", "[warn]", "WARN"),
+        ("NOTICE", "[notice]", "INFO"),
+        ("INFO", "[info]", "INFO"),
+    ] {
+        let msg = format!("probe level {name}");
+        let line = nginx_log
+            .lines()
+            .find(|l| l.contains(&format!("{msg},")))
+            .unwrap_or_else(|| panic!("nginx logged no {msg:?}:\n{nginx_log}"));
+        assert!(line.contains(nginx_level), "{line}");
+        let at = line
+            .split_whitespace()
+            .find(|w| w.starts_with("probe.lua:"))
+            .unwrap_or_else(|| panic!("no file:line in {line}"))
+            .trim_end_matches(':')
+            .to_string();
+        gw.wait_log_line(&format!("{msg} at {at} ({graygate_level})"), |l| {
+            l.split_whitespace().nth(1) == Some(graygate_level)
+                && l.contains(&at)
+                && l.contains(&format!("{msg} "))
+        })
+        .await;
+    }
+    let multi = nginx_log
+        .lines()
+        .find(|l| l.contains("probe log 42 nil true"))
+        .expect("nginx logged the multi-argument line");
+    assert!(multi.contains("[error]"), "{multi}");
+    gw.wait_log_line("probe log 42 nil true (ERROR)", |l| {
+        l.split_whitespace().nth(1) == Some("ERROR") && l.contains("probe log 42 nil true")
+    })
+    .await;
     for l in ["formal", "gray", "gray-a", "gray-b", "v2"] {
         assert!(lanes.contains(l), "{l} never decided: {lanes:?}");
     }

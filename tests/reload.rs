@@ -188,11 +188,8 @@ async fn bad_changes_are_rejected_and_the_old_generation_keeps_serving() {
     let err = wait_error(gw, "unknown service").await;
     assert!(err.contains("gg.yaml:"), "{err}");
     assert_eq!(node_for(gw, gray()).await, "g1");
-    // The log is read from the child's stderr by another thread: poll it.
-    eventually("the rejection in the log", LIMIT, || async {
-        gw.logs()
-            .lines()
-            .any(|l| l.contains("reload rejected") && l.contains("unknown service"))
+    gw.wait_log_line("reload rejected: unknown service", |l| {
+        l.contains("reload rejected") && l.contains("unknown service")
     })
     .await;
 }
@@ -207,7 +204,7 @@ async fn sighup_reloads() {
         generation(gw).await > gen0
     })
     .await;
-    assert!(gw.logs().contains("SIGHUP"));
+    gw.wait_log("SIGHUP").await;
 }
 
 fn check(config: &std::path::Path) -> (bool, String) {

@@ -188,19 +188,31 @@ async fn invalid_lane_names_never_reach_a_header() {
         assert_eq!(r.node(), "f1", "{l}");
         assert_eq!(r.json()["tag"], "formal");
     }
-    // A trusted proxy's tag with bytes outside the lane alphabet: formal too.
+    // A trusted proxy's tag with bytes outside the lane alphabet: formal
+    // too, and the tag the node receives is formal, not the bad name.
+    for bad in ["gray;x", "gray x", "gray,gray", "gray\"x"] {
+        let r = Req::get("/x").header("X-Gray-Tag", bad).send(gw.addr).await;
+        assert_eq!(r.node(), "f1", "{bad}");
+        assert_eq!(r.json()["tag"], "formal", "{bad}");
+        assert_eq!(
+            f1.got.lock().unwrap().last().unwrap().tag.as_deref(),
+            Some("formal")
+        );
+    }
+    // The same proxy's valid tag is honoured, so the formal above is the
+    // validation's doing.
     let r = Req::get("/x")
-        .header("X-Gray-Tag", "gray;x")
+        .header("X-Gray-Tag", "gray")
         .send(gw.addr)
         .await;
-    assert_eq!(r.node(), "f1");
-    assert_eq!(g1.count(), 0);
-    let logs = gw.logs();
-    assert!(
-        logs.contains("script returned an invalid lane name; using formal"),
-        "{logs}"
+    assert_eq!(
+        (r.node(), r.json()["tag"].clone()),
+        ("g1".to_string(), "gray".into())
     );
-    assert!(!logs.contains("\nX-Evil"), "raw CR/LF reached the log");
+    assert_eq!(g1.count(), 1);
+    gw.wait_log("script returned an invalid lane name; using formal")
+        .await;
+    assert!(!gw.logs().contains("\nX-Evil"), "raw CR/LF reached the log");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -240,10 +252,7 @@ async fn static_traversal_variants_are_404() {
             format!("GET {p} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").as_bytes(),
         )
         .await;
-        assert!(
-            text.starts_with("HTTP/1.1 404") || text.starts_with("HTTP/1.1 400"),
-            "{p}: {text}"
-        );
+        assert!(text.starts_with("HTTP/1.1 404"), "{p}: {text}");
         assert!(!text.contains("top secret"), "{p}");
     }
 }
@@ -293,7 +302,7 @@ async fn sigterm_drains_in_flight_requests_then_exits_zero() {
         .await
         .unwrap_or_else(|| panic!("graygate did not exit:\n{}", gw.logs()));
     assert!(status.success(), "{status:?}");
-    assert!(gw.logs().contains("drained; exiting"), "{}", gw.logs());
+    gw.wait_log("drained; exiting").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -321,11 +330,19 @@ async fn drain_time_bounds_the_shutdown() {
     )
     .await;
     gw.signal("INT");
+    let signalled = std::time::Instant::now();
+    // The request never ends: only the configured 300 ms drain bound lets
+    // the process exit this early (the default bound is 15 s).
     let status = gw
-        .wait_exit(Duration::from_secs(20))
+        .wait_exit(Duration::from_secs(10))
         .await
-        .expect("graygate exits once the drain time is over");
+        .unwrap_or_else(|| {
+            panic!(
+                "graygate still running {:?} after SIGINT with drain_timeout_ms 300",
+                signalled.elapsed()
+            )
+        });
     assert!(status.success(), "{status:?}");
-    assert!(gw.logs().contains("drain time over"), "{}", gw.logs());
+    gw.wait_log("drain time over").await;
     pending.abort();
 }

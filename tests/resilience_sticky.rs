@@ -189,6 +189,7 @@ fn sticky_route_without_a_key_is_rejected_with_file_and_line() {
         &main_config("sticky:\n  key_env: GRAYGATE_TEST_UNSET_KEY_VAR\nroutes:\n  - prefix: /\n    static: site\n    sticky: true\n"),
     );
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_graygate"))
+        .env_remove("GRAYGATE_TEST_UNSET_KEY_VAR")
         .arg("--check")
         .arg("--config")
         .arg(&cfg)
@@ -200,4 +201,65 @@ fn sticky_route_without_a_key_is_rejected_with_file_and_line() {
         err.contains("gg.yaml:4:") && err.contains("GRAYGATE_TEST_UNSET_KEY_VAR"),
         "{err}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trusted_tag_beats_the_cookie_and_a_script_failure_sets_none() {
+    let f1 = Backend::start("f1", "formal").await;
+    let g1 = Backend::start("g1", "gray").await;
+    let fx = Fixture::new();
+    fx.write("ips.txt", "127.0.9.0/24\n");
+    fx.write(
+        "lane.lua",
+        "return function(req)\n  if req:header('X-Boom') then error('boom') end\n  if req:in_list('gray_ips') then return 'gray' end\nend\n",
+    );
+    fx.write(
+        "nodes.yaml",
+        &format!(
+            "services:\n  api:\n    nodes:\n{}{}",
+            f1.node_yaml(),
+            g1.node_yaml()
+        ),
+    );
+    // 127.0.0.1 is a trusted proxy; 127.0.9.x clients are not.
+    let cfg = fx.write(
+        "gg.yaml",
+        &main_config(&format!(
+            "script: lane.lua\nlists:\n  gray_ips: ips.txt\ntrusted_proxies: [127.0.0.1/32]\nnode_files: [nodes.yaml]\nsticky:\n  key: {KEY}\nroutes:\n  - prefix: /\n    service: api\n    sticky: true\n"
+        )),
+    );
+    let gw = Gateway::start(&cfg);
+    let gray = cookie_of(&Req::get("/a").from_ip("127.0.9.5").send(gw.addr).await).unwrap();
+    assert!(gray.starts_with("graygate_lane=gray."), "{gray}");
+    let formal = cookie_of(&gw.get("/a").await).unwrap();
+    assert!(formal.starts_with("graygate_lane=formal."), "{formal}");
+    // The cookies hold on their own (from the trusted peer, without a tag)…
+    assert_eq!(with_cookie(&gw, "/b", &gray).await.node(), "g1");
+    assert_eq!(with_cookie(&gw, "/b", &formal).await.node(), "f1");
+    // …but the trusted proxy's tag wins over either.
+    for (cookie, tag, node) in [(&gray, "formal", "f1"), (&formal, "gray", "g1")] {
+        let r = Req::get("/c")
+            .header("Cookie", cookie)
+            .header("X-Gray-Tag", tag)
+            .send(gw.addr)
+            .await;
+        assert_eq!(r.node(), node, "cookie {cookie}, tag {tag}");
+        assert_eq!(r.json()["tag"], tag);
+    }
+
+    // A script failure goes formal and pins nothing; the same request
+    // without the failure gets a cookie.
+    for _ in 0..2 {
+        let r = Req::get("/d")
+            .from_ip("127.0.9.6")
+            .header("X-Boom", "1")
+            .send(gw.addr)
+            .await;
+        assert_eq!(r.node(), "f1");
+        assert_eq!(cookie_of(&r), None, "no cookie after a script failure");
+        assert!(r.header("set-cookie").is_none());
+    }
+    let r = Req::get("/d").from_ip("127.0.9.6").send(gw.addr).await;
+    assert_eq!(r.node(), "g1");
+    assert!(cookie_of(&r).unwrap().starts_with("graygate_lane=gray."));
 }

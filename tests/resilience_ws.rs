@@ -6,6 +6,8 @@
 mod common;
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
@@ -18,13 +20,24 @@ use tokio_tungstenite::tungstenite::Message;
 /// A WebSocket echo server: greets with `<name> tag=<lane tag>`, then
 /// answers every text message with `<name>:<text>`.
 async fn ws_node(name: &'static str) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let (addr, task, _) = ws_node_counted(name).await;
+    (addr, task)
+}
+
+/// [`ws_node`], also counting the WebSocket connections that ended.
+async fn ws_node_counted(
+    name: &'static str,
+) -> (SocketAddr, tokio::task::JoinHandle<()>, Arc<AtomicUsize>) {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
+    let ended = Arc::new(AtomicUsize::new(0));
+    let ended_in = ended.clone();
     let task = tokio::spawn(async move {
         loop {
             let Ok((s, _)) = l.accept().await else {
                 continue;
             };
+            let ended = ended_in.clone();
             tokio::spawn(async move {
                 let mut tag = String::new();
                 #[allow(clippy::result_large_err)] // tungstenite's callback signature
@@ -52,10 +65,11 @@ async fn ws_node(name: &'static str) -> (SocketAddr, tokio::task::JoinHandle<()>
                         }
                     }
                 }
+                ended.fetch_add(1, Ordering::SeqCst);
             });
         }
     });
-    (addr, task)
+    (addr, task, ended)
 }
 
 async fn connect(
@@ -158,4 +172,48 @@ async fn upgrade_refused_by_the_node_is_passed_back() {
     // The node saw the upgrade request headers.
     let seen = b.last();
     assert_eq!(seen.header("upgrade").as_deref(), Some("websocket"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn websocket_tunnels_are_cut_at_exit() {
+    let (addr, _task, ended) = ws_node_counted("fws").await;
+    let fx = Fixture::new();
+    fx.write(
+        "nodes.yaml",
+        &format!("services:\n  chat:\n    nodes:\n      - {{ name: fws, addr: \"{addr}\" }}\n"),
+    );
+    // A long drain time: only the tunnels' being cut lets the process exit
+    // well before it.
+    let cfg = fx.write(
+        "gg.yaml",
+        &main_config(
+            "node_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: chat\nclient:\n  drain_timeout_ms: 60000\n",
+        ),
+    );
+    let mut gw = Gateway::start(&cfg);
+    let mut ws = connect(gw.addr, None).await;
+    assert_eq!(next_text(&mut ws).await, "fws tag=formal");
+    ws.send(Message::text("hi")).await.unwrap();
+    assert_eq!(next_text(&mut ws).await, "fws:hi");
+    gw.signal("TERM");
+    let status = gw
+        .wait_exit(Duration::from_secs(20))
+        .await
+        .unwrap_or_else(|| panic!("an open tunnel held up the exit:\n{}", gw.logs()));
+    assert!(status.success(), "{status:?}");
+    // Both ends of the tunnel see it end.
+    let end = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match ws.next().await {
+                None | Some(Err(_)) | Some(Ok(Message::Close(_))) => return,
+                Some(Ok(_)) => {}
+            }
+        }
+    })
+    .await;
+    assert!(end.is_ok(), "the client's tunnel stayed open");
+    eventually("the node's side ended", Duration::from_secs(10), || async {
+        ended.load(Ordering::SeqCst) == 1
+    })
+    .await;
 }

@@ -106,13 +106,10 @@ async fn rules_file_deny_first_ordered_rules_fallback_and_hot_reload() {
     let r = Req::get("/ghost/x").send(gw.addr).await;
     assert_eq!(r.json()["tag"], "ghost");
     assert_eq!(r.json()["lane"], "formal");
-    assert!(
-        gw.logs()
-            .lines()
-            .any(|l| l.contains("WARN") && l.contains("lane \"ghost\" is served by no node")),
-        "{}",
-        gw.logs()
-    );
+    gw.wait_log_line("ghost lane warning", |l| {
+        l.contains("WARN") && l.contains("lane \"ghost\" is served by no node")
+    })
+    .await;
 
     // Hot reload of the rule file: a new fallback.
     let g0 = gw.status().await["generation"].as_u64().unwrap();

@@ -285,32 +285,60 @@ async fn set_header_reaches_upstream_and_ngx_log_is_located() {
 async fn shared_dict_is_shared_across_workers_and_survives_reload() {
     let backends = lane_backends(&["formal", "gray"]).await;
     let fx = Fixture::new();
-    let script = "return function()\n  local n = ngx.shared.hits:incr('n', 1, 0)\n  ngx.req.set_header('X-Hits', n)\n  return (n % 2 == 0) and 'gray' or nil\nend\n";
-    let gw = start(&fx, &backends, script, "shared_dicts:\n  hits: 1m\n");
-    // Concurrent requests land on both worker threads' VMs; one counter.
-    let mut tasks = Vec::new();
-    for _ in 0..20 {
-        let addr = gw.addr;
-        tasks.push(tokio::spawn(async move { Req::get("/").send(addr).await }));
-    }
-    for t in tasks {
-        assert_eq!(t.await.unwrap().status, 200);
-    }
-    let mut hits: Vec<u64> = backends
-        .iter()
-        .flat_map(|b| b.seen.lock().unwrap().clone())
-        .map(|s| s.header("x-hits").unwrap().parse().unwrap())
-        .collect();
+    // `vm` names the worker thread's VM (a table address of its own).
+    let script = "local vm = tostring({})\nreturn function()\n  local n = ngx.shared.hits:incr('n', 1, 0)\n  ngx.req.set_header('X-Hits', n)\n  ngx.req.set_header('X-VM', vm)\n  return (n % 2 == 0) and 'gray' or nil\nend\n";
+    let gw = start(
+        &fx,
+        &backends,
+        script,
+        "workers: 2\nshared_dicts:\n  hits: 1m\n",
+    );
+    let seen = || -> Vec<(u64, String, bool)> {
+        backends
+            .iter()
+            .flat_map(|b| {
+                let gray = b.lane == "gray";
+                b.seen.lock().unwrap().clone().into_iter().map(move |s| {
+                    (
+                        s.header("x-hits").unwrap().parse().unwrap(),
+                        s.header("x-vm").unwrap(),
+                        gray,
+                    )
+                })
+            })
+            .collect()
+    };
+    // Concurrent requests, each on its own connection, until both worker
+    // threads' VMs have served some (the kernel spreads connections over
+    // the two SO_REUSEPORT listeners).
+    eventually("both workers served", Duration::from_secs(30), || async {
+        let mut tasks = Vec::new();
+        for _ in 0..10 {
+            let addr = gw.addr;
+            tasks.push(tokio::spawn(async move { Req::get("/").send(addr).await }));
+        }
+        for t in tasks {
+            assert_eq!(t.await.unwrap().status, 200);
+        }
+        let vms: std::collections::BTreeSet<String> = seen().into_iter().map(|s| s.1).collect();
+        vms.len() >= 2
+    })
+    .await;
+    let all = seen();
+    let vms: std::collections::BTreeSet<&str> = all.iter().map(|s| s.1.as_str()).collect();
+    assert_eq!(vms.len(), 2, "two workers, two VMs: {vms:?}");
+    // One counter: every request got its own number, 1..=n, whichever VM
+    // ran it.
+    let mut hits: Vec<u64> = all.iter().map(|s| s.0).collect();
     hits.sort_unstable();
-    assert_eq!(hits, (1..=20).collect::<Vec<u64>>());
+    let n = hits.len() as u64;
+    assert_eq!(hits, (1..=n).collect::<Vec<u64>>());
     // Even counts went gray, odd ones formal.
-    assert!(backends[1].seen.lock().unwrap().iter().all(|s| s
-        .header("x-hits")
-        .unwrap()
-        .parse::<u64>()
-        .unwrap()
-        % 2
-        == 0));
+    for (h, vm, gray) in &all {
+        assert_eq!(*gray, h % 2 == 0, "hit {h} on {vm}");
+    }
+    assert_eq!(backends[1].count() as u64, n / 2);
+    assert_eq!(backends[0].count() as u64, n - n / 2);
 
     // A reload (new script text, new generation) keeps the dict's contents.
     let g0 = gw.status().await["generation"].as_u64().unwrap();
@@ -327,7 +355,7 @@ async fn shared_dict_is_shared_across_workers_and_survives_reload() {
         .map(|h| h.parse::<u64>().unwrap())
         .max()
         .unwrap();
-    assert_eq!(last, 21);
+    assert_eq!(last, n + 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -456,4 +484,243 @@ async fn sandbox_breaches_are_rejected_or_go_formal() {
     })
     .await;
     assert!(!marker.exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn top_level_gets_a_hundred_budgets_and_no_more() {
+    let backends = lane_backends(&["formal", "gray"]).await;
+    let fx = Fixture::new();
+    // ~2 instructions per iteration: 250k iterations are ~50 budgets of
+    // 10,000 instructions, 2.5M iterations ~500.
+    let script = |n: u64| {
+        format!(
+            "local function work(n)\n  local x = 0\n  for i = 1, n do x = x + i end\n  return x\nend\nlocal total = work({n})\nreturn function()\n  if ngx.var.http_x_work then work(250000) end\n  return total > 0 and 'gray' or nil\nend\n"
+        )
+    };
+    let gw = start(
+        &fx,
+        &backends,
+        &script(250_000),
+        "script_limits:\n  instruction_budget: 10000\n",
+    );
+    // ~50 budgets at the top level: loaded, and serving.
+    assert_eq!(gw.get("/").await.json()["tag"], "gray");
+    // The same work inside one lane call exceeds that call's single budget.
+    let r = Req::get("/").header("X-Work", "1").send(gw.addr).await;
+    assert_eq!(r.json()["tag"], "formal");
+    eventually("budget stop logged", Duration::from_secs(5), || async {
+        gw.logs().lines().any(|l| {
+            l.contains("sandbox limit") && l.contains("main.lua:3: instruction budget exceeded")
+        })
+    })
+    .await;
+    // ~500 budgets at the top level: the load is rejected with file:line,
+    // and the loaded script keeps serving.
+    fx.write_rename("scripts/main.lua", &script(2_500_000));
+    eventually("rejected", Duration::from_secs(30), || async {
+        gw.status().await["last_reload_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("main.lua:3:") && e.contains("instruction budget exceeded"))
+    })
+    .await;
+    assert_eq!(gw.get("/").await.json()["tag"], "gray");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_environment_isolation_and_unsupported_calls() {
+    let backends = lane_backends(&["formal", "gray"]).await;
+    let fx = Fixture::new();
+    let script = r#"
+local function present()
+  local p = {}
+  for _, name in ipairs({'io', 'debug', 'package', 'load', 'loadfile', 'dofile',
+                         'collectgarbage', 'ffi', 'jit'}) do
+    if _G[name] ~= nil then p[#p + 1] = name end
+  end
+  if string.dump ~= nil then p[#p + 1] = 'string.dump' end
+  for k in pairs(os) do
+    if k ~= 'time' and k ~= 'clock' then p[#p + 1] = 'os.' .. k end
+  end
+  if type(os.time()) ~= 'number' or type(os.clock()) ~= 'number' then p[#p + 1] = 'no os.time/clock' end
+  if require('bit') ~= bit or require('ngx') ~= ngx then p[#p + 1] = 'require builtins' end
+  for _, lib in ipairs({'string', 'table', 'math', 'utf8', 'coroutine'}) do
+    if type(_G[lib]) ~= 'table' then p[#p + 1] = 'missing ' .. lib end
+  end
+  return table.concat(p, ',')
+end
+local at_load = present()
+counter = 0
+return function()
+  local h = ngx.var.http_x_case
+  ngx.req.set_header('X-Present', at_load .. '|' .. present())
+  if h == 'pcall' then pcall(function() while true do end end) end
+  if h == 'xpcall' then xpcall(function() while true do end end, function() return 1 end) end
+  if h == 'coroutine' then coroutine.resume(coroutine.create(function() while true do end end)) end
+  if h == 'globals' then
+    counter = counter + 1
+    leaked = (leaked or 0) + 1
+    ngx.req.set_header('X-Counts', counter .. ',' .. leaked)
+  end
+  if h == 'meta' then setmetatable(_G, {}) end
+  if h == 'say' then ngx.say('hello') end
+  if h == 'exit' then ngx.exit(200) end
+  if h == 're' then ngx.re.match('a', 'a') end
+  return 'gray'
+end
+"#;
+    let gw = start(
+        &fx,
+        &backends,
+        script,
+        "script_limits:\n  instruction_budget: 100000\n",
+    );
+    let r = gw.get("/").await;
+    assert_eq!(r.json()["tag"], "gray");
+    assert_eq!(backends[1].last().header("x-present").as_deref(), Some("|"));
+    // The budget cannot be swallowed by pcall, xpcall or a coroutine;
+    // unsupported OpenResty calls and replacing _G's metatable fail the
+    // call. Each goes formal, and nothing the failed call set reaches the
+    // node.
+    for case in ["pcall", "xpcall", "coroutine", "meta", "say", "exit", "re"] {
+        let r = Req::get("/").header("X-Case", case).send(gw.addr).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.json()["tag"], "formal", "{case}");
+        assert_eq!(backends[0].last().header("x-present"), None, "{case}");
+    }
+    // Globals: a top-level one reads as its load-time value in every call,
+    // one created in a call is gone by the next.
+    for _ in 0..3 {
+        let r = Req::get("/")
+            .header("X-Case", "globals")
+            .send(gw.addr)
+            .await;
+        assert_eq!(r.json()["tag"], "gray");
+        assert_eq!(
+            backends[1].last().header("x-counts").as_deref(),
+            Some("1,1")
+        );
+    }
+    assert!(!gw.logs().contains("panicked"), "{}", gw.logs());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_dict_evicts_lru_when_full_expires_items_and_resizes_on_reload() {
+    let backends = lane_backends(&["formal", "gray"]).await;
+    let fx = Fixture::new();
+    let script = r#"return function()
+  local d = ngx.shared.small
+  local case = ngx.var.http_x_case
+  if case == 'fill' then
+    local forced = false
+    for i = 1, 200 do
+      local ok, err, forcible = d:set('k' .. i, string.rep('v', 100))
+      if not ok then error(err) end
+      forced = forced or forcible
+    end
+    ngx.req.set_header('X-Result', tostring(forced) .. ',' .. tostring(d:get('k1') ~= nil)
+      .. ',' .. tostring(d:get('k200') ~= nil))
+  elseif case == 'expire' then
+    d:set('e', 'soon', 0.2)
+    d:set('stays', 'here')
+    ngx.req.set_header('X-Result', tostring(d:get('e')))
+  else
+    ngx.req.set_header('X-Result', tostring(d:get('e')) .. ',' .. tostring(d:get('stays')))
+  end
+  return 'gray'
+end
+"#;
+    let extra = |size: &str| format!("shared_dicts:\n  small: {size}\n");
+    let gw = start(&fx, &backends, script, &extra("10k"));
+    let result = |case: &'static str| {
+        let addr = gw.addr;
+        let gray = &backends[1];
+        async move {
+            let r = Req::get("/").header("X-Case", case).send(addr).await;
+            assert_eq!(r.json()["tag"], "gray", "{case}");
+            gray.last().header("x-result").unwrap()
+        }
+    };
+    // 200 items of ~170 bytes do not fit in 10 KiB: the least recently
+    // used go (reported as forcible), the newest stay.
+    assert_eq!(result("fill").await, "true,false,true");
+    // exptime: the item is there, then (polled) gone; others stay.
+    assert_eq!(result("expire").await, "soon");
+    eventually("the item expired", Duration::from_secs(10), || async {
+        result("read").await == "nil,here"
+    })
+    .await;
+    // A reload with a larger size resizes the same dictionary: its contents
+    // stay, and 200 items now fit.
+    let g0 = gw.status().await["generation"].as_u64().unwrap();
+    let cfg = std::fs::read_to_string(fx.path("gg.yaml")).unwrap();
+    fx.write_rename("gg.yaml", &cfg.replace("small: 10k", "small: 1m"));
+    eventually("reloaded", Duration::from_secs(10), || async {
+        gw.status().await["generation"].as_u64().unwrap() > g0
+    })
+    .await;
+    assert_eq!(
+        result("read").await,
+        "nil,here",
+        "contents kept across the resize"
+    );
+    assert_eq!(result("fill").await, "false,true,true");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn require_resolves_only_modules_found_at_load() {
+    let backends = lane_backends(&["formal", "gray"]).await;
+    let fx = Fixture::new();
+    fx.write("scripts/mods/a.lua", "return { lane = 'gray' }\n");
+    fx.write("scripts/mods/b.lua", "return { lane = 'gray' }\n");
+    let main = "local a = require('mods.a')\nreturn function()\n  local name = ngx.var.http_x_mod\n  if name then return require(name).lane end\n  return a.lane\nend\n";
+    let gw = start(&fx, &backends, main, "");
+    assert_eq!(gw.get("/").await.json()["tag"], "gray");
+    // A name computed at run time resolves among the modules found at load
+    // (mods.a), not to another file in the directory (mods.b).
+    let tag = |m: &'static str| {
+        let addr = gw.addr;
+        async move {
+            Req::get("/").header("X-Mod", m).send(addr).await.json()["tag"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        }
+    };
+    assert_eq!(tag("mods.a").await, "gray");
+    assert_eq!(tag("mods.b").await, "formal");
+    assert_eq!(tag("bit").await, "formal", "a built-in has no `lane`");
+    // At load: a missing module and a precompiled module are rejected with
+    // file:line; the loaded script keeps serving.
+    let lua = mlua::Lua::new();
+    let bytecode = lua
+        .load("return { lane = 'v2' }")
+        .into_function()
+        .unwrap()
+        .dump(true);
+    std::fs::write(fx.path("scripts/mods/bc.lua"), bytecode).unwrap();
+    for (text, located) in [
+        (
+            "local x = require('mods.nope')\nreturn function() return 'v2' end\n",
+            "main.lua:1:",
+        ),
+        // Located at the require (the module named in the message).
+        (
+            "\nlocal x = require('mods.bc')\nreturn function() return x.lane end\n",
+            "main.lua:2: require \"mods.bc\": precompiled Lua bytecode is not allowed",
+        ),
+    ] {
+        fx.write_rename("scripts/main.lua", text);
+        eventually(located, Duration::from_secs(10), || async {
+            gw.status().await["last_reload_error"]
+                .as_str()
+                .is_some_and(|e| e.contains(located))
+        })
+        .await;
+        assert_eq!(gw.get("/").await.json()["tag"], "gray");
+        fx.write_rename("scripts/main.lua", main);
+        eventually("good script back", Duration::from_secs(10), || async {
+            gw.status().await["last_reload_error"].is_null()
+        })
+        .await;
+    }
 }

@@ -3,12 +3,127 @@
 
 mod common;
 
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::time::Duration;
+
 use common::*;
+
+/// Ports on 127.0.0.1 that process `pid` listens on, read from /proc.
+fn listening_ports(pid: u32) -> BTreeSet<u16> {
+    let mut inodes = BTreeSet::new();
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap() {
+        let Ok(e) = e else { continue };
+        if let Ok(target) = std::fs::read_link(e.path()) {
+            let t = target.to_string_lossy();
+            if let Some(i) = t.strip_prefix("socket:[").and_then(|r| r.strip_suffix(']')) {
+                inodes.insert(i.to_string());
+            }
+        }
+    }
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // sl local_address rem_address st … inode: state 0A = LISTEN.
+            if f.len() < 10 || f[3] != "0A" || !inodes.contains(f[9]) {
+                return None;
+            }
+            let (ip, port) = f[1].split_once(':')?;
+            (ip == "0100007F").then(|| u16::from_str_radix(port, 16).unwrap())
+        })
+        .collect()
+}
+
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let dest = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_tree(&e.path(), &dest);
+        } else {
+            std::fs::copy(e.path(), dest).unwrap();
+        }
+    }
+}
+
+/// The shipped example's addresses: the README's tour uses these.
+const SHIPPED: [(&str, &str); 5] = [
+    ("listen", "127.0.0.1:8080"),
+    ("admin_listen", "127.0.0.1:9080"),
+    ("api-formal-1", "127.0.0.1:18081"),
+    ("api-formal-2", "127.0.0.1:18082"),
+    ("api-gray-1", "127.0.0.1:18091"),
+];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shipped_config_shows_formal_and_gray() {
-    let gw = Gateway::start(std::path::Path::new("config/graygate.yaml"));
-    assert_eq!(gw.addr.to_string(), "127.0.0.1:8080");
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let main = std::fs::read_to_string(repo.join("config/graygate.yaml")).unwrap();
+    let nodes = std::fs::read_to_string(repo.join("config/nodes.yaml")).unwrap();
+    // The shipped files say what the README says…
+    assert!(main.contains("\nlisten: 127.0.0.1:8080\n"), "{main}");
+    assert!(main.contains("\nadmin_listen: 127.0.0.1:9080 "), "{main}");
+    for (name, addr) in &SHIPPED[2..] {
+        let demo = format!("{{ name: {name}, addr: \"{addr}\", lane: ");
+        assert!(main.contains(&demo), "demo node {name} at {addr}");
+        let node = format!("{{ name: {name}, addr: \"{addr}\", lane: ");
+        assert!(nodes.contains(&node), "node {name} at {addr}");
+    }
+    // …and run, unchanged but for the addresses, on ports of their own: a
+    // copy with the listeners and demo nodes on port 0, and the node file
+    // first pointing at reserved closed ports, then (once the demo nodes'
+    // ports are known) at them.
+    let fx = Fixture::new();
+    for dir in ["config", "scripts", "static"] {
+        copy_tree(&repo.join(dir), &fx.path(dir));
+    }
+    let mut copy = main.clone();
+    for (_, addr) in SHIPPED {
+        assert_eq!(copy.matches(addr).count(), 1, "{addr}");
+        copy = copy.replace(addr, "127.0.0.1:0");
+    }
+    fx.write("config/graygate.yaml", &copy);
+    let mut first = nodes.clone();
+    for (_, shipped) in &SHIPPED[2..] {
+        first = first.replace(shipped, &closed_port().to_string());
+    }
+    fx.write("config/nodes.yaml", &first);
+    let gw = Gateway::start(&fx.path("config/graygate.yaml"));
+    // The demo nodes' ports, read back from the process; each names itself.
+    let known: BTreeSet<u16> = [gw.addr.port(), gw.admin.unwrap().port()].into();
+    let mut demo = std::collections::BTreeMap::new();
+    eventually(
+        "three demo nodes listening",
+        Duration::from_secs(10),
+        || {
+            let ports: Vec<u16> = listening_ports(gw.pid())
+                .difference(&known)
+                .copied()
+                .collect();
+            async move { ports.len() == 3 }
+        },
+    )
+    .await;
+    for port in listening_ports(gw.pid()).difference(&known) {
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], *port));
+        let name = Req::get("/").send(addr).await.node();
+        demo.insert(name, addr.to_string());
+    }
+    let mut live = nodes.clone();
+    for (name, shipped) in &SHIPPED[2..] {
+        live = live.replace(shipped, &demo[*name]);
+    }
+    assert_ne!(live, nodes);
+    fx.write_rename("config/nodes.yaml", &live);
+    eventually("node file reloaded", Duration::from_secs(10), || async {
+        gw.status().await["generation"] == 2
+    })
+    .await;
+
     let mut formal_nodes = std::collections::BTreeSet::new();
     for _ in 0..4 {
         let r = gw.get("/api/hello").await;
@@ -63,7 +178,7 @@ async fn shipped_config_shows_formal_and_gray() {
     assert_eq!(css.status, 200);
     assert!(css.header("etag").unwrap().starts_with("\"formal-"));
     let st = gw.status().await;
-    assert_eq!(st["generation"], 1);
+    assert_eq!(st["generation"], 2);
     assert!(st["last_reload_error"].is_null());
 }
 

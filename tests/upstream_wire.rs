@@ -93,12 +93,15 @@ struct Setup {
 }
 
 fn setup(wire: &Wire) -> Setup {
+    setup_addr(wire.addr)
+}
+
+fn setup_addr(addr: SocketAddr) -> Setup {
     let fx = Fixture::new();
     fx.write(
         "nodes.yaml",
         &format!(
-            "services:\n  api:\n    nodes:\n      - {{ name: w, addr: \"{}\", lane: formal }}\n",
-            wire.addr
+            "services:\n  api:\n    nodes:\n      - {{ name: w, addr: \"{addr}\", lane: formal }}\n"
         ),
     );
     let cfg = fx.write(
@@ -266,8 +269,115 @@ async fn broken_response_heads_are_502() {
     }
 }
 
+/// An upstream that answers the first request with `bytes`, then holds the
+/// connection open until `cut` fires and closes it mid-body.
+async fn cut_after(bytes: &'static [u8], cut: Arc<tokio::sync::Notify>) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let Ok((mut sock, _)) = listener.accept().await else {
+            return;
+        };
+        let mut buf = Vec::new();
+        while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+            let mut chunk = [0u8; 4096];
+            match sock.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+        if sock.write_all(bytes).await.is_err() {
+            return;
+        }
+        cut.notified().await;
+        let _ = sock.shutdown().await;
+    });
+    addr
+}
+
+/// Reads from `sock` into `got` until `done(got)` holds (`None`), or until
+/// the connection ends (`Some(how)`), within 10 s.
+async fn read_until(
+    sock: &mut tokio::net::TcpStream,
+    got: &mut Vec<u8>,
+    done: impl Fn(&[u8]) -> bool,
+) -> Option<String> {
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        let mut buf = [0u8; 4096];
+        while !done(got) {
+            match sock.read(&mut buf).await {
+                Ok(0) => return Some("closed".to_string()),
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                // A reset ends the response as surely as a close; what
+                // arrived before it is in `got`.
+                Err(e) => return Some(format!("error: {e}")),
+            }
+        }
+        None
+    })
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "nothing conclusive within 10 s: {:?}",
+            String::from_utf8_lossy(got)
+        )
+    })
+}
+
 #[tokio::test]
 async fn a_body_cut_short_fails_the_client_response() {
+    // Content-Length and chunked framing: the gateway has passed the head
+    // and the first bytes on to the client when the upstream breaks off;
+    // the client's response must then end without being complete — no more
+    // bytes than arrived, no chunked terminator.
+    for (upstream, framing, sent) in [
+        (
+            &b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly ten.."[..],
+            "content-length: 100",
+            &b"only ten.."[..],
+        ),
+        (
+            &b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n"[..],
+            "transfer-encoding: chunked",
+            &b"5\r\nhello\r\n"[..],
+        ),
+    ] {
+        let cut = Arc::new(tokio::sync::Notify::new());
+        let s = setup_addr(cut_after(upstream, cut.clone()).await);
+        let mut sock = tokio::net::TcpStream::connect(s.gw.addr).await.unwrap();
+        sock.write_all(b"GET /short HTTP/1.1\r\nhost: t\r\n\r\n")
+            .await
+            .unwrap();
+        let body_start = |got: &[u8]| got.windows(4).position(|w| w == b"\r\n\r\n").map(|p| p + 4);
+        let mut got = Vec::new();
+        let early = read_until(&mut sock, &mut got, |g| {
+            body_start(g).is_some_and(|b| g.len() - b >= sent.len())
+        })
+        .await;
+        let text = String::from_utf8_lossy(&got).into_owned();
+        assert_eq!(early, None, "ended before the upstream broke off: {text:?}");
+        cut.notify_one();
+        // Read to the end of the connection, or to a complete body (which
+        // would be the failure this test is about).
+        let complete = |g: &[u8]| {
+            body_start(g).is_some_and(|b| g.len() - b >= 100 || g.ends_with(b"\r\n0\r\n\r\n"))
+        };
+        let ended = read_until(&mut sock, &mut got, complete).await;
+        let text = String::from_utf8_lossy(&got).into_owned();
+        assert!(ended.is_some(), "a complete response: {text:?}");
+        let start = body_start(&got).unwrap();
+        let head = text[..start].to_ascii_lowercase();
+        assert!(head.starts_with("http/1.1 200"), "{text}");
+        assert!(head.contains(framing), "{framing}: {text:?}");
+        assert_eq!(
+            &got[start..],
+            sent,
+            "{framing}: the client got what the upstream sent and no end of body"
+        );
+    }
+
+    // Cut at once, with the head: whatever the gateway managed to send,
+    // the connection ends without a complete response.
     let wire = Wire::start(|_| {
         (
             b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly ten..".to_vec(),
@@ -276,20 +386,13 @@ async fn a_body_cut_short_fails_the_client_response() {
     })
     .await;
     let s = setup(&wire);
-    // A raw client: whatever the gateway managed to send before the upstream
-    // broke off, the connection must end without a complete response.
     let mut sock = tokio::net::TcpStream::connect(s.gw.addr).await.unwrap();
     sock.write_all(b"GET /short HTTP/1.1\r\nhost: t\r\n\r\n")
         .await
         .unwrap();
     let mut got = Vec::new();
-    tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        sock.read_to_end(&mut got),
-    )
-    .await
-    .expect("the gateway closed the client connection")
-    .ok();
+    let ended = read_until(&mut sock, &mut got, |_| false).await;
+    assert!(ended.is_some());
     let text = String::from_utf8_lossy(&got);
     if let Some(end) = text.find("\r\n\r\n") {
         assert!(text.contains("content-length: 100"), "{text}");

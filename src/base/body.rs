@@ -22,13 +22,13 @@ where
 
 /// A response body that holds `guard` (an in-flight marker) until the body
 /// has been sent to its end, or is dropped.
-pub struct Guarded<G> {
-    inner: Body,
+pub struct Guarded<G, B = Body> {
+    inner: B,
     guard: Option<G>,
 }
 
-impl<G> Guarded<G> {
-    pub fn new(inner: Body, guard: G) -> Guarded<G> {
+impl<G, B> Guarded<G, B> {
+    pub fn new(inner: B, guard: G) -> Guarded<G, B> {
         Guarded {
             inner,
             guard: Some(guard),
@@ -36,14 +36,17 @@ impl<G> Guarded<G> {
     }
 }
 
-impl<G: Unpin> hyper::body::Body for Guarded<G> {
+impl<G: Unpin, B> hyper::body::Body for Guarded<G, B>
+where
+    B: hyper::body::Body<Data = Bytes> + Unpin,
+{
     type Data = Bytes;
-    type Error = BoxError;
+    type Error = B::Error;
 
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, BoxError>>> {
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, B::Error>>> {
         let r = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
         if let std::task::Poll::Ready(None) = r {
             self.guard = None;

@@ -14,6 +14,8 @@ use super::body::{plain, Body, BoxError};
 /// What went wrong while serving one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorKind {
+    /// The request breaks RFC 9112 (missing, repeated or invalid `Host`).
+    BadRequest,
     /// No route matches the host and path.
     NoRoute,
     /// The request target is over `client.max_uri_bytes`.
@@ -22,8 +24,11 @@ pub enum ErrorKind {
     HeadersTooLarge,
     /// The client's request body failed (bad framing, reset).
     ClientBody,
-    /// The client's request body did not arrive within the total timeout.
+    /// The client stalled mid-body longer than `client.body_timeout_ms`
+    /// (or the body outlasted `upstream.total_timeout_ms`).
     ClientBodyTimeout,
+    /// The client went away before its request or response was complete.
+    ClientAbort,
     /// The route names a service this generation does not have.
     NoSuchService,
     /// Neither the request's lane nor formal has nodes.
@@ -42,17 +47,44 @@ pub enum ErrorKind {
     TotalTimeout,
     /// The node accepted an upgrade the client connection cannot complete.
     UpgradeUnavailable,
+    /// The node's response body failed after its head (reset, bad framing).
+    UpstreamBody,
+    /// The node's response body stalled longer than the read timeout.
+    UpstreamBodyTimeout,
+}
+
+/// Whose fault an error is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// The client's request or connection: never charged to a node.
+    Client,
+    /// The node: counts against its health.
+    Upstream,
+    /// The gateway's own answer (no route, no nodes, deadlines).
+    Gateway,
+}
+
+impl Side {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Side::Client => "client",
+            Side::Upstream => "upstream",
+            Side::Gateway => "gateway",
+        }
+    }
 }
 
 impl ErrorKind {
     /// Short machine-readable name (logs).
     pub fn as_str(self) -> &'static str {
         match self {
+            ErrorKind::BadRequest => "bad_request",
             ErrorKind::NoRoute => "no_route",
             ErrorKind::UriTooLong => "uri_too_long",
             ErrorKind::HeadersTooLarge => "headers_too_large",
             ErrorKind::ClientBody => "client_body",
             ErrorKind::ClientBodyTimeout => "client_body_timeout",
+            ErrorKind::ClientAbort => "client_abort",
             ErrorKind::NoSuchService => "no_such_service",
             ErrorKind::NoNodes => "no_nodes",
             ErrorKind::LaneUnhealthyStrict => "lane_unhealthy_strict",
@@ -62,12 +94,33 @@ impl ErrorKind {
             ErrorKind::ResponseTimeout => "response_timeout",
             ErrorKind::TotalTimeout => "total_timeout",
             ErrorKind::UpgradeUnavailable => "upgrade_unavailable",
+            ErrorKind::UpstreamBody => "upstream_body",
+            ErrorKind::UpstreamBodyTimeout => "upstream_body_timeout",
+        }
+    }
+
+    /// Whose fault it is.
+    pub fn side(self) -> Side {
+        match self {
+            ErrorKind::BadRequest
+            | ErrorKind::UriTooLong
+            | ErrorKind::HeadersTooLarge
+            | ErrorKind::ClientBody
+            | ErrorKind::ClientBodyTimeout
+            | ErrorKind::ClientAbort => Side::Client,
+            ErrorKind::Connect
+            | ErrorKind::Exchange
+            | ErrorKind::ResponseTimeout
+            | ErrorKind::UpstreamBody
+            | ErrorKind::UpstreamBodyTimeout => Side::Upstream,
+            _ => Side::Gateway,
         }
     }
 
     /// The client's status and short body for this kind.
     fn answer(self) -> (StatusCode, &'static str) {
         match self {
+            ErrorKind::BadRequest => (StatusCode::BAD_REQUEST, "bad request\n"),
             ErrorKind::NoRoute => (StatusCode::NOT_FOUND, "no route\n"),
             ErrorKind::UriTooLong => (StatusCode::URI_TOO_LONG, "request target too long\n"),
             ErrorKind::HeadersTooLarge => (
@@ -78,6 +131,8 @@ impl ErrorKind {
             ErrorKind::ClientBodyTimeout => {
                 (StatusCode::REQUEST_TIMEOUT, "request body timed out\n")
             }
+            // nginx's 499: nobody reads it, but logs and metrics show it.
+            ErrorKind::ClientAbort => (CLIENT_CLOSED, "client closed request\n"),
             ErrorKind::NoSuchService => (StatusCode::SERVICE_UNAVAILABLE, "no such service\n"),
             ErrorKind::NoNodes => (
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -94,9 +149,17 @@ impl ErrorKind {
                 (StatusCode::GATEWAY_TIMEOUT, "upstream timed out\n")
             }
             ErrorKind::UpgradeUnavailable => (StatusCode::BAD_GATEWAY, "upgrade unavailable\n"),
+            ErrorKind::UpstreamBody => (StatusCode::BAD_GATEWAY, "upstream error\n"),
+            ErrorKind::UpstreamBodyTimeout => (StatusCode::GATEWAY_TIMEOUT, "upstream timed out\n"),
         }
     }
 }
+
+/// nginx's "client closed request" status (logged, never sent).
+pub const CLIENT_CLOSED: StatusCode = match StatusCode::from_u16(499) {
+    Ok(s) => s,
+    Err(_) => StatusCode::BAD_REQUEST,
+};
 
 /// A request-path failure.
 #[derive(Debug)]
@@ -150,10 +213,7 @@ impl Error {
 
     /// Is the node to blame (passive health, node error counters)?
     pub fn node_fault(&self) -> bool {
-        matches!(
-            self.kind,
-            ErrorKind::Connect | ErrorKind::Exchange | ErrorKind::ResponseTimeout
-        )
+        self.kind.side() == Side::Upstream
     }
 
     /// The status the client gets.

@@ -10,3 +10,4 @@ pub mod decision;
 pub mod error;
 pub mod lists;
 pub mod ratelog;
+pub mod stall;

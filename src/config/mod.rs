@@ -270,6 +270,15 @@ pub struct RouteConfig {
     /// Keep a browser in its decided lane with a signed cookie.
     #[serde(default)]
     pub sticky: bool,
+    /// Protocols a client may upgrade to on this route (`Upgrade` tokens,
+    /// case-insensitive). Any other upgrade request is proxied as a plain
+    /// request with its `Upgrade`/`Connection` tokens removed.
+    #[serde(default = "default_upgrades")]
+    pub upgrades: Vec<String>,
+}
+
+fn default_upgrades() -> Vec<String> {
+    vec!["websocket".to_string()]
 }
 
 fn default_prefix() -> String {
@@ -307,6 +316,15 @@ pub struct UpstreamConfig {
     /// replayed on a retry.
     #[serde(default = "default_retry_buffer")]
     pub retry_buffer_bytes: usize,
+    /// Longest wait between two reads of an upstream response body (nginx's
+    /// `proxy_read_timeout`); the exchange then ends and counts against the
+    /// node. A service may override it.
+    #[serde(default = "default_read_ms")]
+    pub read_timeout_ms: u64,
+}
+
+fn default_read_ms() -> u64 {
+    60_000
 }
 
 fn default_retries() -> u32 {
@@ -342,6 +360,7 @@ impl Default for UpstreamConfig {
             retries: default_retries(),
             total_timeout_ms: default_total_ms(),
             retry_buffer_bytes: default_retry_buffer(),
+            read_timeout_ms: default_read_ms(),
         }
     }
 }
@@ -368,6 +387,26 @@ pub struct ClientConfig {
     /// On SIGTERM/SIGINT, in-flight requests get this long to finish.
     #[serde(default = "default_drain_ms")]
     pub drain_timeout_ms: u64,
+    /// Longest wait between two reads of a client's request body (nginx's
+    /// `client_body_timeout`): then 408, never charged to a node.
+    #[serde(default = "default_body_ms")]
+    pub body_timeout_ms: u64,
+    /// Longest a response write to the client may stall (nginx's
+    /// `send_timeout`): then the connection is closed.
+    #[serde(default = "default_send_ms")]
+    pub send_timeout_ms: u64,
+    /// Pass header fields whose names contain `_` (nginx's
+    /// `underscores_in_headers`); off: they are dropped before routing,
+    /// scripts and forwarding.
+    #[serde(default)]
+    pub underscores_in_headers: bool,
+}
+
+fn default_body_ms() -> u64 {
+    60_000
+}
+fn default_send_ms() -> u64 {
+    60_000
 }
 
 fn default_header_ms() -> u64 {
@@ -398,6 +437,9 @@ impl Default for ClientConfig {
             max_uri_bytes: default_max_uri(),
             max_header_bytes: default_max_header(),
             drain_timeout_ms: default_drain_ms(),
+            body_timeout_ms: default_body_ms(),
+            send_timeout_ms: default_send_ms(),
+            underscores_in_headers: false,
         }
     }
 }
@@ -543,6 +585,9 @@ pub struct ServiceConfig {
     /// Overrides `upstream.retries` for this service.
     #[serde(default)]
     pub retries: Option<u32>,
+    /// Overrides `upstream.read_timeout_ms` for this service.
+    #[serde(default)]
+    pub read_timeout_ms: Option<u64>,
     /// How a node is picked among the candidates of the lane.
     #[serde(default)]
     pub balance: Balance,

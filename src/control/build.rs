@@ -150,6 +150,7 @@ impl Generation {
                 service.health = svc.health.clone();
                 service.strict = svc.strict;
                 service.retries = svc.retries;
+                service.read_timeout_ms = svc.read_timeout_ms;
                 if let Some(a) = &svc.health.active {
                     if !a.path.starts_with('/') {
                         return Err(ConfigError::new(
@@ -239,6 +240,7 @@ impl Generation {
                 prefix: r.prefix.as_str().into(),
                 target,
                 sticky: r.sticky,
+                upgrades: r.upgrades.iter().map(|u| u.to_ascii_lowercase()).collect(),
             });
         }
 

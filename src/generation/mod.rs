@@ -33,6 +33,8 @@ pub struct Route {
     pub target: Target,
     /// Keep browsers in their lane with the signed cookie.
     pub sticky: bool,
+    /// Upgrade protocols allowed (lower-case); others are not upgraded.
+    pub upgrades: Vec<String>,
 }
 
 #[derive(Debug)]

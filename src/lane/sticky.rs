@@ -38,9 +38,17 @@ impl Sticky {
     /// Builds from config; the key comes from `key`, else the environment
     /// variable `key_env`. Errors are plain messages (the caller locates them).
     pub fn from_config(cfg: &StickyConfig) -> Result<Sticky, String> {
+        Sticky::from_config_with(cfg, |name| std::env::var(name).ok())
+    }
+
+    /// [`Sticky::from_config`] with the environment lookup passed in.
+    pub fn from_config_with(
+        cfg: &StickyConfig,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Sticky, String> {
         let key = match &cfg.key {
             Some(k) => k.clone(),
-            None => std::env::var(&cfg.key_env).map_err(|_| {
+            None => env(&cfg.key_env).ok_or_else(|| {
                 format!(
                     "sticky: no `key` and environment variable {} is not set",
                     cfg.key_env
@@ -229,10 +237,12 @@ mod tests {
             max_age_secs: 10,
             secure: true,
         };
-        let err = Sticky::from_config(&cfg).unwrap_err();
+        let err = Sticky::from_config_with(&cfg, |_| None).unwrap_err();
         assert!(err.contains("GRAYGATE_STICKY_UNIT_TEST_KEY"), "{err}");
-        std::env::set_var("GRAYGATE_STICKY_UNIT_TEST_KEY", "env-key-0123456789");
-        let from_env = Sticky::from_config(&cfg).unwrap();
+        let env = |name: &str| {
+            (name == "GRAYGATE_STICKY_UNIT_TEST_KEY").then(|| "env-key-0123456789".to_string())
+        };
+        let from_env = Sticky::from_config_with(&cfg, env).unwrap();
         let direct = Sticky::new("gl", b"env-key-0123456789", 10, true);
         assert_eq!(direct.verify(&from_env.sign("gray", 1), 2), Some("gray"));
         assert!(from_env

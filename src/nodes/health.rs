@@ -371,7 +371,11 @@ async fn probe(
         HeaderValue::from_static("graygate-health"),
     );
     let fut = async {
-        let resp = client.request(addr, req, &Added::none()).await.ok()?;
+        let read_timeout = Duration::from_millis(cfg.timeout_ms);
+        let resp = client
+            .request(addr, req, &Added::none(), read_timeout)
+            .await
+            .ok()?;
         let ok = resp.status().is_success() || resp.status().is_redirection();
         // Drain the body so the connection can be reused.
         let _ = http_body_util::BodyExt::collect(resp.into_body())

@@ -342,6 +342,8 @@ pub struct Service {
     pub strict: bool,
     /// Per-service retry count (else `upstream.retries`).
     pub retries: Option<u32>,
+    /// Per-service body read timeout (else `upstream.read_timeout_ms`).
+    pub read_timeout_ms: Option<u64>,
     /// Balance policy, hash key, slow start and zone preference.
     pub select: Select,
 }
@@ -368,6 +370,7 @@ impl Service {
             health: HealthConfig::default(),
             strict: false,
             retries: None,
+            read_timeout_ms: None,
             select,
         }
     }

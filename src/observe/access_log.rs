@@ -30,8 +30,11 @@ pub struct Entry {
     pub node: String,
     /// Milliseconds waiting for the upstream's response head (API routes).
     pub upstream_ms: Option<f64>,
-    /// Milliseconds from request head to response head.
+    /// Milliseconds from request head to the end of the response body.
     pub total_ms: f64,
+    /// What failed (`client_abort`, `client_body`, `upstream_body`,
+    /// `connect`, …), when the request did not end as the node answered.
+    pub error: Option<&'static str>,
 }
 
 impl Entry {
@@ -53,7 +56,7 @@ impl Entry {
                     .upstream_ms
                     .map_or_else(|| "-".to_string(), |u| format!("{u:.3}"));
                 format!(
-                    "{} {} \"{} {}\" {} lane={} decided_by={} rule={} node={} upstream_ms={} total_ms={:.3}",
+                    "{} {} \"{} {}\" {} lane={} decided_by={} rule={} node={} upstream_ms={} total_ms={:.3} error={}",
                     self.time,
                     self.client_ip,
                     self.method,
@@ -64,7 +67,8 @@ impl Entry {
                     self.rule.as_deref().unwrap_or("-"),
                     self.node,
                     up,
-                    self.total_ms
+                    self.total_ms,
+                    self.error.unwrap_or("-")
                 )
             }
         }
@@ -159,6 +163,7 @@ mod tests {
             node: "g1".into(),
             upstream_ms: Some(1.5),
             total_ms: 2.25,
+            error: None,
         }
     }
 
@@ -166,7 +171,7 @@ mod tests {
     fn text_line() {
         assert_eq!(
             entry().format(AccessLogFormat::Text),
-            "2026-01-02T03:04:05.678Z 127.0.9.1 \"GET /api/x\" 200 lane=gray decided_by=script rule=- node=g1 upstream_ms=1.500 total_ms=2.250"
+            "2026-01-02T03:04:05.678Z 127.0.9.1 \"GET /api/x\" 200 lane=gray decided_by=script rule=- node=g1 upstream_ms=1.500 total_ms=2.250 error=-"
         );
     }
 

@@ -18,6 +18,7 @@ use prometheus::{
 use rustc_hash::{FxHashMap, FxHasher};
 
 use crate::base::decision::{DecidedBy, Decision};
+use crate::base::error::ErrorKind;
 use crate::observe::node_stats::NodeCounters;
 
 /// Latency buckets in seconds (1 ms … 30 s).
@@ -40,6 +41,7 @@ pub struct Metrics {
     pub node_in_flight: IntGaugeVec,
     pub node_weight: IntGaugeVec,
     pub access_log_dropped: IntCounter,
+    pub errors: IntCounterVec,
     /// Lane label values seen so far (bounded; see [`MAX_LANE_LABELS`]).
     lanes: RwLock<HashSet<String>>,
     /// Distinguishes instances in the per-thread handle cache.
@@ -123,7 +125,7 @@ impl Metrics {
         let duration = histogram_vec(
             &r,
             "graygate_request_duration_seconds",
-            "Time from request head to response head, by lane and node.",
+            "Time from request head to the end of the response body, by lane and node.",
             &["lane", "node"],
         );
         let upstream_duration = histogram_vec(
@@ -184,6 +186,12 @@ impl Metrics {
             "Configured weight of the node (0 while draining).",
             &["service", "node", "lane"],
         );
+        let errors = counter_vec(
+            &r,
+            "graygate_request_errors_total",
+            "Requests that did not end as the node answered, by side (client: bad request, aborted or stalled body, never charged to a node; upstream: the node's failure; gateway: no route, no node, deadline) and kind.",
+            &["side", "kind"],
+        );
         let access_log_dropped = IntCounter::new(
             "graygate_access_log_dropped_total",
             "Access log lines dropped because the writer fell behind.",
@@ -205,6 +213,7 @@ impl Metrics {
             node_in_flight,
             node_weight,
             access_log_dropped,
+            errors,
             lanes: RwLock::new(HashSet::new()),
             id: METRICS_IDS.fetch_add(1, Ordering::Relaxed),
         }
@@ -279,6 +288,11 @@ impl Metrics {
                 cache.entry(key).or_default().push(handles);
             }
         });
+        if let Some(kind) = o.error {
+            self.errors
+                .with_label_values(&[kind.side().as_str(), kind.as_str()])
+                .inc();
+        }
         let Some(d) = o.decision else { return };
         if let Some(reason) = d.fallback {
             let lane = self.lane_label(&d.lane);
@@ -338,6 +352,8 @@ pub struct Observation<'a> {
     pub status: u16,
     pub total: Duration,
     pub upstream: Option<Duration>,
+    /// What failed, if anything.
+    pub error: Option<ErrorKind>,
 }
 
 pub fn status_class(status: u16) -> &'static str {
@@ -416,6 +432,7 @@ mod tests {
             status: 503,
             total: Duration::from_millis(3),
             upstream: Some(Duration::from_millis(2)),
+            error: None,
         };
         m.observe(&o);
         m.observe(&o);
@@ -473,6 +490,7 @@ mod tests {
             status,
             total: Duration::from_millis(3),
             upstream,
+            error: None,
         };
         for _ in 0..3 {
             a.observe(&obs(200, Some(Duration::from_millis(2))));

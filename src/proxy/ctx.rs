@@ -8,11 +8,19 @@ use std::time::{Duration, Instant};
 use http::header::HeaderValue;
 use http::request::Parts;
 
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
 use super::resolve::resolve_request;
 use crate::base::decision::Decision;
+use crate::base::error::ErrorKind;
+use crate::config::PassiveHealth;
 use crate::generation::Generation;
 use crate::lane::RequestInfo;
+use crate::nodes::health::NodeHealth;
 use crate::observe::access_log::AccessLog;
+use crate::observe::node_stats::NodeCounters;
+use crate::upstream::body::ClientFault;
 
 /// Who sent the request.
 #[derive(Debug, Clone, Copy)]
@@ -43,6 +51,42 @@ pub struct RequestCtx {
     pub log_head: Option<(String, String)>,
     /// The route sends to a service (upstream time is recorded).
     pub upstream_route: bool,
+    /// What failed, when the request did not end as the node answered.
+    pub error: Option<ErrorKind>,
+    /// The passive-health verdict on the node that answered, given when
+    /// its response body ends (or fails).
+    pub verdict: Option<Verdict>,
+    /// A HEAD request (hyper sends no body for it).
+    pub head_request: bool,
+    /// Where the client's request body notes its failures (requests with
+    /// a body).
+    pub client_fault: Option<Arc<ClientFault>>,
+}
+
+/// The node that answered a request, judged at the end of its body.
+pub struct Verdict {
+    pub health: Arc<NodeHealth>,
+    pub node: Arc<str>,
+    pub policy: PassiveHealth,
+    /// The status alone already counts as a failure (5xx, `fail_on_5xx`).
+    pub failed_status: bool,
+    /// The node's counters (a broken body is one more error).
+    pub counters: Arc<NodeCounters>,
+}
+
+impl Verdict {
+    /// The body ended as `body_ok` says: a success unless the status or the
+    /// body failed.
+    pub fn give(self, body_ok: bool) {
+        if !body_ok {
+            self.counters.errors.fetch_add(1, Ordering::Relaxed);
+        }
+        if body_ok && !self.failed_status {
+            self.health.success(&self.node);
+        } else {
+            self.health.failure(&self.node, &self.policy);
+        }
+    }
 }
 
 impl RequestCtx {
@@ -55,6 +99,7 @@ impl RequestCtx {
         log: &AccessLog,
     ) -> (RequestInfo, RequestCtx) {
         let info = resolve_request(parts, peer.ip(), &gen.trusted);
+        let head_request = info.parts.method == http::Method::HEAD;
         let log_head = log.enabled().then(|| {
             (
                 info.parts.method.to_string(),
@@ -74,6 +119,10 @@ impl RequestCtx {
             set_cookie: None,
             log_head,
             upstream_route: false,
+            error: None,
+            verdict: None,
+            head_request,
+            client_fault: None,
         };
         (info, ctx)
     }

@@ -1,9 +1,9 @@
 //! Layer: proxy — the forward phases of a service route: select the candidate
 //! set of the lane (or formal) → rewrite the request for the node (hop-by-hop
 //! fields out; tag, generation and X-Forwarded-* in) → buffer the body when a
-//! retry may need it → attempt on a node picked by the service's balance policy, retrying on
-//! another node of the same set → respond (pass the answer back, or join an
-//! upgraded tunnel).
+//! retry may need it → attempt on a node picked by the service's balance
+//! policy, retrying on another node of the same set → respond (pass the
+//! answer back, or join an upgraded tunnel).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -15,7 +15,7 @@ use http::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 
-use super::ctx::Client;
+use super::ctx::{Client, RequestCtx, Verdict};
 use super::{lane_tag, DataPlane};
 use crate::base::body::{boxed, Body};
 use crate::base::clock::now_ms;
@@ -27,7 +27,7 @@ use crate::generation::Generation;
 use crate::lane::RequestInfo;
 use crate::nodes::{Choice, Fallback, NoCandidates, Service};
 use crate::observe::metrics::NodeTracker;
-use crate::upstream::body::Replay;
+use crate::upstream::body::{ClientBody, Replay};
 use crate::upstream::fields::{idempotent, strip_hop_by_hop, Added};
 use crate::upstream::PooledBody;
 
@@ -55,12 +55,13 @@ impl FallbackLog {
 pub async fn forward(
     plane: &DataPlane,
     gen: &Generation,
-    client: &Client,
-    decision: &mut Decision,
-    service_name: &Arc<str>,
+    ctx: &mut RequestCtx,
+    (service_name, upgrades): (&Arc<str>, &[String]),
     info: RequestInfo,
     body: Incoming,
 ) -> Result<Response<Body>, Error> {
+    let client = &ctx.client;
+    let decision = ctx.decision.as_mut().expect("decided before forwarding");
     decision.service = Some(service_name.clone());
     let service = gen
         .services
@@ -68,16 +69,31 @@ pub async fn forward(
         .ok_or(ErrorKind::NoSuchService)?;
     let choice = select_node(plane, service, decision)?;
     let upstream = &gen.config.upstream;
-    let out = rewrite_request(gen, client, decision, info.parts, upstream);
+    let out = rewrite_request(gen, client, decision, info.parts, upstream, upgrades);
     // The hash key (balance: hash) from the fields going upstream.
     let choice = choice.keyed(service.request_key(&out.headers, &out.target, client.ip));
     // No body (the common GET): nothing to wait for, no timer.
     let replay = if hyper::body::Body::is_end_stream(&body) {
         Replay::Empty
     } else {
+        let timeout = Duration::from_millis(gen.config.client.body_timeout_ms);
+        let body = ClientBody::new(body, timeout);
+        // Kept for the record: a client body that fails after the node's
+        // head arrived still makes the failure the client's.
+        ctx.client_fault = Some(body.fault().clone());
         buffer_body(body, out.idempotent, out.deadline, upstream).await?
     };
-    attempt_all(plane, service, choice, decision, out, replay, upstream).await
+    let verdict = &mut ctx.verdict;
+    attempt_all(
+        plane,
+        service,
+        choice,
+        (decision, verdict),
+        out,
+        replay,
+        upstream,
+    )
+    .await
 }
 
 /// The node-choice phase: the lane's healthy nodes, else formal (never
@@ -150,18 +166,20 @@ struct Outbound {
     deadline: Instant,
 }
 
-/// The rewrite phase: hop-by-hop fields out (an upgrade's kept), the lane
-/// tag, generation and X-Forwarded-* computed (client copies removed).
+/// The rewrite phase: hop-by-hop fields out (an allowed upgrade's kept),
+/// the lane tag, generation and X-Forwarded-* computed (client copies
+/// removed).
 fn rewrite_request(
     gen: &Generation,
     client: &Client,
     decision: &Decision,
     mut parts: Parts,
     upstream: &UpstreamConfig,
+    upgrades: &[String],
 ) -> Outbound {
     let t0 = Instant::now();
     let original_host = parts.headers.get(header::HOST).cloned();
-    let upgrade = upgrade_requested(&parts.headers);
+    let upgrade = upgrade_requested(&parts.headers).filter(|u| upgrade_allowed(u, upgrades));
     let client_upgrade = upgrade
         .as_ref()
         .and_then(|_| parts.extensions.remove::<hyper::upgrade::OnUpgrade>());
@@ -203,9 +221,11 @@ fn rewrite_request(
 }
 
 /// The body phase (for a request with a body): an idempotent body up to
-/// `retry_buffer_bytes` is buffered for replay, a larger one streams. A failing client body is the client's error (400/408).
+/// `retry_buffer_bytes` is buffered for replay, a larger one streams. A
+/// failing client body is the client's error (400, 408, or 499 when the
+/// client went away), never a node's.
 async fn buffer_body(
-    body: Incoming,
+    body: ClientBody,
     idempotent: bool,
     deadline: Instant,
     upstream: &UpstreamConfig,
@@ -217,7 +237,7 @@ async fn buffer_body(
     .await
     {
         Ok(Ok(r)) => Ok(r),
-        Ok(Err(e)) => Err(Error::new(ErrorKind::ClientBody).with_source(e)),
+        Ok(Err(kind)) => Err(kind.into()),
         Err(_) => Err(ErrorKind::ClientBodyTimeout.into()),
     }
 }
@@ -229,7 +249,7 @@ async fn attempt_all(
     plane: &DataPlane,
     service: &Service,
     choice: Choice<'_>,
-    decision: &mut Decision,
+    (decision, verdict): (&mut Decision, &mut Option<Verdict>),
     mut out: Outbound,
     mut replay: Replay,
     upstream: &UpstreamConfig,
@@ -238,6 +258,8 @@ async fn attempt_all(
     let policy = &service.health.passive;
     let retries = service.retries.unwrap_or(upstream.retries) as usize;
     let max_attempts = (retries + 1).min(set.nodes.len());
+    let read_timeout =
+        Duration::from_millis(service.read_timeout_ms.unwrap_or(upstream.read_timeout_ms));
     let mut tried: Vec<usize> = Vec::with_capacity(max_attempts);
     let mut last_error = None;
     while tried.len() < max_attempts {
@@ -250,7 +272,8 @@ async fn attempt_all(
         tried.push(idx);
         let node = &set.nodes[idx];
         let health = &set.health[idx];
-        let tracker = NodeTracker::begin(plane.node_stats.get(&service.name, node.addr));
+        let counters = plane.node_stats.get(&service.name, node.addr);
+        let tracker = NodeTracker::begin(counters.clone());
         decision.served_lane = Some(node.lane.clone());
         decision.node = Some(node.name.clone());
         let mut req = Request::new(up_body);
@@ -273,24 +296,38 @@ async fn attempt_all(
             return Err(ErrorKind::TotalTimeout.into());
         }
         let per_try = Duration::from_millis(upstream.response_timeout_ms).min(out.deadline - now);
-        let outcome =
-            match tokio::time::timeout(per_try, plane.client.request(node.addr, req, &out.added))
-                .await
-            {
-                Err(_) => Err(Error::new(ErrorKind::ResponseTimeout)),
-                Ok(r) => r,
-            };
+        let outcome = match tokio::time::timeout(
+            per_try,
+            plane
+                .client
+                .request(node.addr, req, &out.added, read_timeout),
+        )
+        .await
+        {
+            Err(_) => Err(Error::new(ErrorKind::ResponseTimeout)),
+            Ok(r) => r,
+        };
         let e = match outcome {
             Ok(r) => {
-                if policy.fail_on_5xx && r.status().is_server_error() {
-                    health.failure(&node.name, policy);
-                } else {
-                    health.success(&node.name);
-                }
+                // Judged when the body ends (`record`): a body the node
+                // breaks off is its failure too.
+                *verdict = Some(Verdict {
+                    health: health.clone(),
+                    node: node.name.clone(),
+                    policy: policy.clone(),
+                    failed_status: policy.fail_on_5xx && r.status().is_server_error(),
+                    counters,
+                });
                 return respond(plane, r, out.client_upgrade, out.upgrade.is_some(), tracker);
             }
             Err(e) => e,
         };
+        // The client's body failed the exchange (bad framing, gone,
+        // stalled): the client's error — no node blamed, no retry.
+        if let Some(kind) = replay.client_fault() {
+            tracing::debug!(node = %node.name, error = %e, kind = kind.as_str(), "client body failed the upstream exchange");
+            return Err(Error::new(kind).with_source(e));
+        }
         match e.kind() {
             ErrorKind::Connect => {
                 tracing::warn!(node = %node.name, addr = %node.addr, error = %e, "upstream connect failed")
@@ -355,6 +392,20 @@ fn respond(
     strip_hop_by_hop(&mut head.headers);
     // One box for the upstream body and the node's in-flight marker.
     Ok(Response::from_parts(head, boxed(body.tracked(tracker))))
+}
+
+/// Is every protocol of an `Upgrade` value (`name[/version]`, comma
+/// separated) in the route's allow-list? Others — `h2c` above all, the
+/// known smuggling tunnel — are not upgraded: the request goes on as a
+/// plain one, its `Upgrade`/`Connection` tokens removed.
+fn upgrade_allowed(value: &HeaderValue, allowed: &[String]) -> bool {
+    let Ok(v) = value.to_str() else {
+        return false;
+    };
+    let mut protocols = v
+        .split(',')
+        .map(|p| p.trim().split('/').next().unwrap_or(""));
+    protocols.all(|p| !p.is_empty() && allowed.iter().any(|a| a.eq_ignore_ascii_case(p)))
 }
 
 fn upgrade_requested(h: &HeaderMap) -> Option<HeaderValue> {

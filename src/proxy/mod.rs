@@ -26,7 +26,6 @@ use http::header::{self, HeaderValue};
 use http::{Request, Response};
 use hyper::body::Incoming;
 
-use crate::base::body::Body;
 use crate::base::counter::Counter;
 use crate::base::decision::Decision;
 use crate::base::error::{Error, ErrorKind};
@@ -67,39 +66,45 @@ impl DataPlane {
     }
 }
 
-/// Serves one client request, phase by phase.
+/// Serves one client request, phase by phase. The response body records
+/// the request when it ends ([`record::Recorded`]).
 pub async fn handle(
-    plane: &DataPlane,
+    plane: &Arc<DataPlane>,
     peer: SocketAddr,
     req: Request<Incoming>,
-) -> Result<Response<Body>, Infallible> {
+) -> Result<Response<record::Recorded>, Infallible> {
     let start = Instant::now();
     let gen = plane.current();
-    if let Some(kind) = resolve::check_limits(&req, &gen.config.client) {
-        return Ok(Error::new(kind).response());
-    }
+    let mut req = req;
+    let invalid = resolve::validate(&mut req, &gen.config.client, &gen.lane.tag_header);
     let (parts, body) = req.into_parts();
     let (info, mut ctx) = RequestCtx::begin(&gen, parts, peer, start, &plane.access_log);
-    let mut resp = match route(&gen, &mut ctx, info) {
-        Err(e) => e.response(),
-        Ok((route, info)) => {
-            let decision = ctx.decision.as_mut().expect("decided by route()");
-            let served = match &route.target {
-                Target::Service(name) => {
-                    forward::forward(plane, &gen, &ctx.client, decision, name, info, body).await
-                }
-                Target::Static(tree) => {
-                    Ok(crate::static_files::serve(tree, &info.parts, decision).await)
-                }
-            };
-            served.unwrap_or_else(|e| e.response())
-        }
+    let routed = match invalid {
+        Some(kind) => Err(Error::new(kind)),
+        None => route(&gen, &mut ctx, info),
     };
+    let served = match routed {
+        Err(e) => Err(e),
+        Ok((route, info)) => match &route.target {
+            Target::Service(name) => {
+                let service = (name, &route.upgrades[..]);
+                forward::forward(plane, &gen, &mut ctx, service, info, body).await
+            }
+            Target::Static(tree) => {
+                let decision = ctx.decision.as_mut().expect("decided by route()");
+                Ok(crate::static_files::serve(tree, &info.parts, decision).await)
+            }
+        },
+    };
+    let mut resp = served.unwrap_or_else(|e| {
+        ctx.error = Some(e.kind());
+        e.response()
+    });
     if let Some(c) = ctx.set_cookie.take() {
         resp.headers_mut().append(header::SET_COOKIE, c);
     }
     ctx.end = Instant::now();
-    Ok(record::finish(plane, &gen, &mut ctx, resp))
+    Ok(record::respond(plane, gen, ctx, resp))
 }
 
 /// The route phase, then the lane phase: the route for host and path (404

@@ -1,71 +1,201 @@
-//! Layer: proxy — the last phase of every request: metrics, the access log and
-//! the optional lane response header, all read from the context's `Decision`,
-//! status and timings.
+//! Layer: proxy — the last phase of every request. At the response head the
+//! optional lane header is added ([`respond`]); the request is *recorded*
+//! when its response body ends, fails or is dropped ([`Recorded`]): the
+//! passive-health verdict on the node, metrics, the access log — so a body
+//! the node cuts off, a stalled node, or a client that goes away shows with
+//! its real outcome, and only a node's own failure counts against it.
 
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use bytes::Bytes;
 use http::header::HeaderValue;
-use http::Response;
+use http::{Response, StatusCode};
+use hyper::body::{Body as _, Frame, SizeHint};
 
 use super::ctx::RequestCtx;
 use super::DataPlane;
-use crate::base::body::Body;
+use crate::base::body::{Body, BoxError};
+use crate::base::error::{Error, ErrorKind};
 use crate::generation::Generation;
 use crate::observe::access_log::Entry;
 use crate::observe::metrics::Observation;
 
-/// Records the request and returns its response (with the lane header
-/// when configured).
-pub fn finish(
-    plane: &DataPlane,
-    gen: &Generation,
-    ctx: &mut RequestCtx,
-    mut resp: Response<Body>,
-) -> Response<Body> {
-    let total = ctx.total();
-    let upstream = ctx.upstream_time();
-    let status = resp.status().as_u16();
-    let decision = ctx.decision.as_ref();
-    if let Some(d) = decision {
-        tracing::debug!(
-            generation = gen.id,
-            lane = %d.lane,
-            decided_by = d.decided_by.as_str(),
-            node = d.node.as_deref().unwrap_or("-"),
-            fallback = d.fallback.unwrap_or("-"),
-            status,
-            "request"
-        );
-    }
-    plane.metrics.observe(&Observation {
-        decision,
-        rule: decision.and_then(|d| d.decided_by.rule_name()),
-        status,
-        total,
-        upstream,
-    });
-    if let Some((method, path)) = ctx.log_head.take() {
-        plane.access_log.log(Entry {
-            time: Entry::now_string(),
-            client_ip: ctx.client.ip,
-            method,
-            path,
-            status,
-            lane: decision.map_or("-", |d| d.lane.as_str()).to_string(),
-            decided_by: decision.map_or("-", |d| d.decided_by.as_str()).to_string(),
-            rule: decision
-                .and_then(|d| d.decided_by.rule_name())
-                .map(str::to_string),
-            node: decision
-                .and_then(|d| d.node.as_deref())
-                .unwrap_or("-")
-                .to_string(),
-            upstream_ms: upstream.map(Entry::ms),
-            total_ms: Entry::ms(total),
-        });
-    }
-    if let (Some(h), Some(d)) = (&gen.config.lane_response_header, decision) {
+/// What is left to do for a request once its body is done.
+struct Pending {
+    plane: Arc<DataPlane>,
+    gen: Arc<Generation>,
+    ctx: RequestCtx,
+    status: u16,
+}
+
+/// A response body that records its request when it ends. (What is left
+/// to do is boxed: the body moves several times on its way into hyper.)
+pub struct Recorded {
+    inner: Body,
+    pending: Option<Box<Pending>>,
+}
+
+/// The response head's last touches (the lane response header), and the
+/// body that will record the request at its end.
+pub fn respond(
+    plane: &Arc<DataPlane>,
+    gen: Arc<Generation>,
+    ctx: RequestCtx,
+    resp: Response<Body>,
+) -> Response<Recorded> {
+    let (mut head, inner) = resp.into_parts();
+    if let (Some(h), Some(d)) = (&gen.config.lane_response_header, &ctx.decision) {
         if let Ok(v) = HeaderValue::from_str(&d.lane) {
-            resp.headers_mut().insert(h.0.clone(), v);
+            head.headers.insert(h.0.clone(), v);
         }
     }
-    resp
+    let status = head.status.as_u16();
+    let pending = Box::new(Pending {
+        plane: plane.clone(),
+        gen,
+        ctx,
+        status,
+    });
+    Response::from_parts(
+        head,
+        Recorded {
+            inner,
+            pending: Some(pending),
+        },
+    )
+}
+
+impl Recorded {
+    fn record(&mut self, outcome: Result<(), ErrorKind>) {
+        if let Some(mut p) = self.pending.take() {
+            p.finish(outcome);
+        }
+    }
+}
+
+impl hyper::body::Body for Recorded {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let r = Pin::new(&mut self.inner).poll_frame(cx);
+        match &r {
+            Poll::Ready(None) => self.record(Ok(())),
+            Poll::Ready(Some(Ok(_))) if self.inner.is_end_stream() => self.record(Ok(())),
+            Poll::Ready(Some(Err(e))) => {
+                let kind = e
+                    .downcast_ref::<Error>()
+                    .map_or(ErrorKind::UpstreamBody, Error::kind);
+                tracing::warn!(error = %e, "response body failed");
+                self.record(Err(kind));
+            }
+            _ => {}
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for Recorded {
+    fn drop(&mut self) {
+        let Some(p) = &self.pending else { return };
+        // Nothing is sent for these: not an abort.
+        let s = p.status;
+        let bodiless = p.ctx.head_request
+            || s < 200
+            || s == StatusCode::NO_CONTENT.as_u16()
+            || s == StatusCode::NOT_MODIFIED.as_u16();
+        let outcome = if bodiless || self.inner.is_end_stream() {
+            Ok(())
+        } else {
+            Err(ErrorKind::ClientAbort)
+        };
+        self.record(outcome);
+    }
+}
+
+impl Pending {
+    /// Records the finished request: the node verdict, metrics, the access
+    /// log (and a debug line).
+    fn finish(&mut self, outcome: Result<(), ErrorKind>) {
+        let ctx = &mut self.ctx;
+        // A failure while the client's own body was failing is the
+        // client's, whatever broke first on the upstream side.
+        let outcome = match (outcome, ctx.client_fault.as_ref().and_then(|f| f.kind())) {
+            (Err(_), Some(client)) => Err(client),
+            (o, _) => o,
+        };
+        let error = match outcome {
+            Ok(()) => ctx.error,
+            Err(kind) => Some(ctx.error.unwrap_or(kind)),
+        };
+        // The node is judged on what it did: a body it broke off is its
+        // failure; a client that went away says nothing about it.
+        if let Some(v) = ctx.verdict.take() {
+            match outcome {
+                Ok(()) => v.give(true),
+                Err(kind) if kind.side() == crate::base::error::Side::Upstream => v.give(false),
+                Err(_) => {}
+            }
+        }
+        let total = Instant::now().saturating_duration_since(ctx.start);
+        let upstream = ctx.upstream_time();
+        let status = self.status;
+        let decision = ctx.decision.as_ref();
+        if let Some(d) = decision {
+            tracing::debug!(
+                generation = self.gen.id,
+                lane = %d.lane,
+                decided_by = d.decided_by.as_str(),
+                node = d.node.as_deref().unwrap_or("-"),
+                fallback = d.fallback.unwrap_or("-"),
+                status,
+                error = error.map_or("-", ErrorKind::as_str),
+                "request"
+            );
+        }
+        let plane = &self.plane;
+        plane.metrics.observe(&Observation {
+            decision,
+            rule: decision.and_then(|d| d.decided_by.rule_name()),
+            status,
+            total,
+            upstream,
+            error,
+        });
+        if let Some((method, path)) = ctx.log_head.take() {
+            plane.access_log.log(Entry {
+                time: Entry::now_string(),
+                client_ip: ctx.client.ip,
+                method,
+                path,
+                status,
+                lane: decision.map_or("-", |d| d.lane.as_str()).to_string(),
+                decided_by: decision.map_or("-", |d| d.decided_by.as_str()).to_string(),
+                rule: decision
+                    .and_then(|d| d.decided_by.rule_name())
+                    .map(str::to_string),
+                node: decision
+                    .and_then(|d| d.node.as_deref())
+                    .unwrap_or("-")
+                    .to_string(),
+                upstream_ms: upstream.map(Entry::ms),
+                total_ms: Entry::ms(total),
+                error: error.map(ErrorKind::as_str),
+            });
+        }
+    }
 }

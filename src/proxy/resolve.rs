@@ -1,18 +1,146 @@
-//! Layer: proxy — the first phase. Who is asking and for what: request limits
-//! (414/431), the host (lower-case, no port) and the client address (from
-//! X-Forwarded-For only behind a trusted proxy). Shared by real traffic,
-//! `/explain` and the fuzz entry.
+//! Layer: proxy — the first phase. Is the request acceptable (limits →
+//! 414/431; RFC 9112's one-`Host` rule → 400; header names with `_`
+//! dropped, as nginx does), who is asking and for what: the host
+//! (lower-case, no port; an absolute-form target's authority) and the
+//! client address (from X-Forwarded-For only behind a trusted proxy).
+//! Shared by real traffic, `/explain` and the fuzz entry.
 
 use std::net::IpAddr;
 
-use http::header::{self, HeaderMap};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::request::Parts;
-use http::{Request, Uri};
+use http::{Request, Uri, Version};
 
 use crate::base::error::ErrorKind;
 use crate::base::lists::IpList;
 use crate::config::ClientConfig;
 use crate::lane::RequestInfo;
+
+/// The checks every request passes before routing: [`check_limits`], the
+/// `Host` rule of RFC 9112 §3.2 (an HTTP/1.1 request has exactly one valid
+/// `Host`; an absolute-form target's authority replaces it, §3.2.2), and
+/// header names with underscores (dropped unless allowed; even when allowed,
+/// no spelling of the tag header, `X-Forwarded-*`, `Forwarded` or
+/// `X-Real-IP` with `_` passes).
+pub fn validate<B>(
+    req: &mut Request<B>,
+    limits: &ClientConfig,
+    tag_header: &HeaderName,
+) -> Option<ErrorKind> {
+    if let Some(e) = check_limits(req, limits) {
+        return Some(e);
+    }
+    if let Some(e) = check_host(req) {
+        return Some(e);
+    }
+    drop_underscored(req.headers_mut(), limits.underscores_in_headers, tag_header);
+    None
+}
+
+/// RFC 9112 §3.2: one `Host` on HTTP/1.1, a valid authority (no userinfo)
+/// when not empty; the target's own authority wins over it.
+fn check_host<B>(req: &mut Request<B>) -> Option<ErrorKind> {
+    let mut hosts = req.headers().get_all(header::HOST).iter();
+    let first = hosts.next();
+    if hosts.next().is_some() {
+        return Some(ErrorKind::BadRequest);
+    }
+    match first {
+        None if req.version() == Version::HTTP_11 => return Some(ErrorKind::BadRequest),
+        Some(h) if !h.is_empty() && !valid_authority(h.as_bytes()) => {
+            return Some(ErrorKind::BadRequest)
+        }
+        _ => {}
+    }
+    if let Some(a) = req.uri().authority() {
+        if a.as_str().contains('@') {
+            return Some(ErrorKind::BadRequest);
+        }
+        let v = HeaderValue::from_str(a.as_str()).ok()?;
+        req.headers_mut().insert(header::HOST, v);
+    }
+    None
+}
+
+/// Bytes of a reg-name or IPv4 host (RFC 3986 unreserved, sub-delims,
+/// pct-encoding): one table lookup per byte.
+const REG_NAME: [bool; 256] = {
+    let mut t = [false; 256];
+    let mut c = 0;
+    while c < 256 {
+        let b = c as u8;
+        t[c] = b.is_ascii_alphanumeric()
+            || matches!(
+                b,
+                b'-' | b'.'
+                    | b'_'
+                    | b'~'
+                    | b'!'
+                    | b'$'
+                    | b'&'
+                    | b'\''
+                    | b'('
+                    | b')'
+                    | b'*'
+                    | b'+'
+                    | b','
+                    | b';'
+                    | b'='
+                    | b'%'
+            );
+        c += 1;
+    }
+    t
+};
+
+/// `host[:port]` as a Host field may carry: a reg-name, IPv4 or
+/// `[IPv6]`, an optional numeric port, no userinfo.
+fn valid_authority(b: &[u8]) -> bool {
+    let (host, port) = match b.iter().rposition(|&c| c == b':') {
+        Some(i) if !b[i..].contains(&b']') => (&b[..i], Some(&b[i + 1..])),
+        _ => (b, None),
+    };
+    let port_ok = port.is_none_or(|p| p.len() <= 5 && p.iter().all(u8::is_ascii_digit));
+    let host_ok = match host {
+        [b'[', inner @ .., b']'] => {
+            !inner.is_empty()
+                && inner
+                    .iter()
+                    .all(|c| c.is_ascii_hexdigit() || b":.".contains(c))
+        }
+        _ => !host.is_empty() && host.iter().all(|&c| REG_NAME[usize::from(c)]),
+    };
+    port_ok && host_ok
+}
+
+/// Removes header fields whose names contain `_` (nginx's default
+/// `underscores_in_headers off`). With `allow`, only those that would read
+/// as a field the gateway sets or trusts once `_` becomes `-` go.
+fn drop_underscored(headers: &mut HeaderMap, allow: bool, tag_header: &HeaderName) {
+    let underscored = |n: &HeaderName| n.as_str().as_bytes().contains(&b'_');
+    if !headers.keys().any(underscored) {
+        return;
+    }
+    let doomed: Vec<HeaderName> = headers
+        .keys()
+        .filter(|n| underscored(n))
+        .filter(|n| !allow || impersonates(n.as_str(), tag_header.as_str()))
+        .cloned()
+        .collect();
+    for n in doomed {
+        headers.remove(n);
+    }
+}
+
+/// Does `name` (lower-case) read as the tag header or a forwarding field
+/// with `_` for `-`?
+fn impersonates(name: &str, tag_header: &str) -> bool {
+    let normal = name.replace('_', "-");
+    normal == tag_header
+        || normal.starts_with("x-forwarded-")
+        || normal == "forwarded"
+        || normal == "x-real-ip"
+}
 
 /// 414/431 for request targets or heads over the configured limits.
 pub fn check_limits<B>(req: &Request<B>, limits: &ClientConfig) -> Option<ErrorKind> {
@@ -32,12 +160,13 @@ pub fn check_limits<B>(req: &Request<B>, limits: &ClientConfig) -> Option<ErrorK
     None
 }
 
-/// Host without port, lower-case, from the Host header or the URI.
+/// Host without port, lower-case: an absolute-form target's authority
+/// (RFC 9112 §3.2.2), else the Host header.
 pub fn host_of(headers: &HeaderMap, uri: &Uri) -> String {
-    let raw = headers
-        .get(header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .or_else(|| uri.authority().map(|a| a.as_str()))
+    let raw = uri
+        .authority()
+        .map(|a| a.as_str())
+        .or_else(|| headers.get(header::HOST).and_then(|h| h.to_str().ok()))
         .unwrap_or("");
     let host = if let Some(rest) = raw.strip_prefix('[') {
         // [v6]:port

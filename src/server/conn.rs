@@ -1,7 +1,8 @@
 //! Layer: server. One client connection: an I/O wrapper that records activity,
 //! a response-body guard that marks requests in flight, and the watchdog that
-//! enforces the header-read (slowloris) and idle keep-alive timeouts and turns
-//! a shutdown signal into hyper's graceful close.
+//! enforces the header-read (slowloris), send (a client that stops reading)
+//! and idle keep-alive timeouts and turns a shutdown signal into hyper's
+//! graceful close.
 
 use std::io;
 use std::pin::Pin;
@@ -23,6 +24,8 @@ pub struct Activity {
     head_started: AtomicU64,
     /// Requests whose response has not been fully sent.
     in_flight: AtomicUsize,
+    /// Since when a write has been waiting for the client to read; 0 = none.
+    write_blocked: AtomicU64,
 }
 
 impl Activity {
@@ -51,7 +54,7 @@ impl Drop for InFlight {
 }
 
 /// A response body that keeps its request "in flight" until done.
-pub type Tracked = crate::base::body::Guarded<InFlight>;
+pub type Tracked = crate::base::body::Guarded<InFlight, crate::proxy::record::Recorded>;
 
 /// A client stream that records reads and writes in [`Activity`].
 pub struct TimedIo<T> {
@@ -94,8 +97,20 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for TimedIo<T> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let r = Pin::new(&mut self.inner).poll_write(cx, buf);
-        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
-            self.act.last.store(now_ms(), Ordering::Relaxed);
+        match r {
+            Poll::Ready(Ok(n)) if n > 0 => {
+                self.act.last.store(now_ms(), Ordering::Relaxed);
+                self.act.write_blocked.store(0, Ordering::Relaxed);
+            }
+            Poll::Pending => {
+                let _ = self.act.write_blocked.compare_exchange(
+                    0,
+                    now_ms(),
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                );
+            }
+            _ => {}
         }
         r
     }
@@ -116,12 +131,31 @@ pub enum Verdict {
     Wait(Duration),
     /// A request head has been arriving for too long: drop the connection.
     HeaderTimeout,
+    /// A response write has waited for the client too long: drop it.
+    SendTimeout,
     /// Idle keep-alive connection: close it gracefully.
     Idle,
 }
 
+/// The connection's timeouts, in milliseconds.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    pub header_ms: u64,
+    pub idle_ms: u64,
+    pub send_ms: u64,
+}
+
 /// Decides what to do with a connection at `now`.
-pub fn verdict(act: &Activity, now: u64, header_ms: u64, idle_ms: u64) -> Verdict {
+pub fn verdict(act: &Activity, now: u64, t: Timeouts) -> Verdict {
+    let Timeouts {
+        header_ms,
+        idle_ms,
+        send_ms,
+    } = t;
+    let blocked = act.write_blocked.load(Ordering::Relaxed);
+    if blocked != 0 && now >= blocked + send_ms {
+        return Verdict::SendTimeout;
+    }
     let started = act.head_started.load(Ordering::Relaxed);
     if started != 0 {
         let due = started + header_ms;
@@ -132,7 +166,8 @@ pub fn verdict(act: &Activity, now: u64, header_ms: u64, idle_ms: u64) -> Verdic
         };
     }
     if act.in_flight.load(Ordering::Relaxed) > 0 {
-        return Verdict::Wait(Duration::from_millis(idle_ms.min(header_ms).max(10)));
+        let next = idle_ms.min(header_ms).min(send_ms).max(10);
+        return Verdict::Wait(Duration::from_millis(next));
     }
     let due = act.last.load(Ordering::Relaxed) + idle_ms;
     if now >= due {
@@ -146,23 +181,38 @@ pub fn verdict(act: &Activity, now: u64, header_ms: u64, idle_ms: u64) -> Verdic
 mod tests {
     use super::*;
 
+    const T: Timeouts = Timeouts {
+        header_ms: 100,
+        idle_ms: 1000,
+        send_ms: 100_000,
+    };
+
+    #[test]
+    fn send_timer_runs_only_while_a_write_waits() {
+        let a = Activity::new();
+        let t0 = a.last.load(Ordering::Relaxed);
+        let _g = a.request_started();
+        let t = Timeouts { send_ms: 50, ..T };
+        assert!(matches!(verdict(&a, t0 + 10_000, t), Verdict::Wait(_)));
+        a.write_blocked.store(t0, Ordering::Relaxed);
+        assert!(matches!(verdict(&a, t0 + 40, t), Verdict::Wait(_)));
+        assert_eq!(verdict(&a, t0 + 50, t), Verdict::SendTimeout);
+    }
+
     #[test]
     fn header_timer_runs_only_while_a_head_arrives() {
         let a = Activity::new();
         let t0 = a.last.load(Ordering::Relaxed);
-        assert!(matches!(verdict(&a, t0, 100, 1000), Verdict::Wait(_)));
-        assert_eq!(verdict(&a, t0 + 1000, 100, 1000), Verdict::Idle);
+        assert!(matches!(verdict(&a, t0, T), Verdict::Wait(_)));
+        assert_eq!(verdict(&a, t0 + 1000, T), Verdict::Idle);
         a.head_started.store(t0 + 500, Ordering::Relaxed);
-        assert!(matches!(verdict(&a, t0 + 550, 100, 1000), Verdict::Wait(_)));
-        assert_eq!(verdict(&a, t0 + 600, 100, 1000), Verdict::HeaderTimeout);
+        assert!(matches!(verdict(&a, t0 + 550, T), Verdict::Wait(_)));
+        assert_eq!(verdict(&a, t0 + 600, T), Verdict::HeaderTimeout);
         let g = a.request_started();
-        assert!(matches!(
-            verdict(&a, t0 + 9999, 100, 1000),
-            Verdict::Wait(_)
-        ));
+        assert!(matches!(verdict(&a, t0 + 9999, T), Verdict::Wait(_)));
         drop(g);
         assert_eq!(
-            verdict(&a, now_ms() + 1000, 100, 1000),
+            verdict(&a, now_ms() + 1000, T),
             Verdict::Idle,
             "idle counts from the end of the response"
         );

@@ -23,7 +23,7 @@ use crate::base::clock::now_ms;
 use crate::base::counter::{Counted, Counter};
 use crate::base::ratelog::log_limited;
 use crate::proxy::{self, DataPlane};
-use conn::{verdict, Activity, TimedIo, Tracked, Verdict};
+use conn::{verdict, Activity, TimedIo, Timeouts, Tracked, Verdict};
 
 /// The client side of the gateway: what the workers serve with.
 pub struct Server {
@@ -184,16 +184,23 @@ impl Server {
         tokio::pin!(conn);
         let mut shutdown = self.shutdown.clone();
         let mut closing = false;
+        let timeouts = Timeouts {
+            header_ms: limits.header_timeout_ms,
+            idle_ms: limits.idle_timeout_ms,
+            send_ms: limits.send_timeout_ms,
+        };
         loop {
-            let wait = match verdict(
-                &act,
-                now_ms(),
-                limits.header_timeout_ms,
-                limits.idle_timeout_ms,
-            ) {
+            let wait = match verdict(&act, now_ms(), timeouts) {
                 Verdict::Wait(d) => d,
                 Verdict::HeaderTimeout => {
                     tracing::debug!(%peer, "request head not received in time; closing");
+                    return;
+                }
+                Verdict::SendTimeout => {
+                    log_limited(
+                        &SEND_LOG,
+                        || tracing::warn!(%peer, send_timeout_ms = timeouts.send_ms, "client stopped reading the response; closing"),
+                    );
                     return;
                 }
                 Verdict::Idle => {
@@ -227,3 +234,4 @@ impl Server {
 }
 
 static CAP_LOG: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static SEND_LOG: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

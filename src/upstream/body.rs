@@ -4,12 +4,125 @@
 //! connect failure), so a body that reached an upstream is never sent twice.
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use tokio::sync::oneshot;
+
+use super::BoxError;
+use crate::base::error::ErrorKind;
+use crate::base::stall::Stall;
+
+/// What went wrong with a client's request body, shared between the body
+/// (wherever it is being read: buffering, or hyper's client connection)
+/// and the request that decides whom to blame.
+#[derive(Debug, Default)]
+pub struct ClientFault(AtomicU8);
+
+impl ClientFault {
+    const NONE: u8 = 0;
+    const BAD: u8 = 1;
+    const ABORT: u8 = 2;
+    const TIMEOUT: u8 = 3;
+
+    fn set(&self, v: u8) {
+        let _ = self
+            .0
+            .compare_exchange(Self::NONE, v, Ordering::Relaxed, Ordering::Relaxed);
+    }
+
+    /// The client's fault, if its body failed.
+    pub fn kind(&self) -> Option<ErrorKind> {
+        match self.0.load(Ordering::Relaxed) {
+            Self::BAD => Some(ErrorKind::ClientBody),
+            Self::ABORT => Some(ErrorKind::ClientAbort),
+            Self::TIMEOUT => Some(ErrorKind::ClientBodyTimeout),
+            _ => None,
+        }
+    }
+}
+
+/// A client's request body as the gateway reads it: every error is noted
+/// as the client's (bad framing, or the client went away), and a read that
+/// waits longer than the body timeout fails it.
+pub struct ClientBody {
+    inner: Incoming,
+    stall: Stall,
+    fault: Arc<ClientFault>,
+}
+
+impl ClientBody {
+    pub fn new(inner: Incoming, timeout: Duration) -> ClientBody {
+        ClientBody {
+            inner,
+            stall: Stall::new(timeout),
+            fault: Arc::default(),
+        }
+    }
+
+    pub fn fault(&self) -> &Arc<ClientFault> {
+        &self.fault
+    }
+
+    fn failed(&self, e: &hyper::Error) -> u8 {
+        let gone = e.is_incomplete_message()
+            || std::error::Error::source(e)
+                .and_then(|s| s.downcast_ref::<std::io::Error>())
+                .is_some_and(|io| {
+                    matches!(
+                        io.kind(),
+                        std::io::ErrorKind::UnexpectedEof
+                            | std::io::ErrorKind::ConnectionReset
+                            | std::io::ErrorKind::BrokenPipe
+                    )
+                });
+        if gone {
+            ClientFault::ABORT
+        } else {
+            ClientFault::BAD
+        }
+    }
+}
+
+impl Body for ClientBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Err(e))) => {
+                this.fault.set(this.failed(&e));
+                Poll::Ready(Some(Err(e.into())))
+            }
+            Poll::Ready(r) => {
+                this.stall.progress();
+                Poll::Ready(r.map(|f| f.map_err(Into::into)))
+            }
+            Poll::Pending if this.stall.stalled(cx) => {
+                this.fault.set(ClientFault::TIMEOUT);
+                Poll::Ready(Some(Err("client request body timed out".into())))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
 
 /// The body of one upstream attempt.
 pub enum UpBody {
@@ -20,12 +133,12 @@ pub enum UpBody {
 
 impl Body for UpBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
             UpBody::Empty => Poll::Ready(None),
             UpBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
@@ -53,19 +166,19 @@ impl Body for UpBody {
 /// A streamed client body that returns itself through a channel when it is
 /// dropped before anything read it.
 pub struct TakeBack {
-    inner: Option<Incoming>,
+    inner: Option<ClientBody>,
     touched: bool,
-    back: Option<oneshot::Sender<Incoming>>,
+    back: Option<oneshot::Sender<ClientBody>>,
 }
 
 impl Body for TakeBack {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         self.touched = true;
         match self.inner.as_mut() {
             Some(b) => Pin::new(b).poll_frame(cx),
@@ -99,8 +212,9 @@ pub enum Replay {
     Empty,
     Buffered(Bytes),
     Streaming {
-        body: Option<Incoming>,
-        back: Option<oneshot::Receiver<Incoming>>,
+        body: Option<ClientBody>,
+        back: Option<oneshot::Receiver<ClientBody>>,
+        fault: Arc<ClientFault>,
     },
 }
 
@@ -108,10 +222,10 @@ impl Replay {
     /// Empty bodies and (for idempotent requests) bodies with a
     /// Content-Length up to `limit` become replayable; larger ones stream.
     pub async fn new(
-        body: Incoming,
+        body: ClientBody,
         idempotent: bool,
         limit: usize,
-    ) -> Result<Replay, hyper::Error> {
+    ) -> Result<Replay, ErrorKind> {
         if body.is_end_stream() {
             return Ok(Replay::Empty);
         }
@@ -120,10 +234,14 @@ impl Replay {
             .exact()
             .is_some_and(|n| n as usize <= limit);
         if idempotent && small {
-            let bytes = body.collect().await?.to_bytes();
-            return Ok(Replay::Buffered(bytes));
+            let fault = body.fault().clone();
+            return match body.collect().await {
+                Ok(c) => Ok(Replay::Buffered(c.to_bytes())),
+                Err(_) => Err(fault.kind().unwrap_or(ErrorKind::ClientBody)),
+            };
         }
         Ok(Replay::Streaming {
+            fault: body.fault().clone(),
             body: Some(body),
             back: None,
         })
@@ -135,7 +253,7 @@ impl Replay {
         match self {
             Replay::Empty => Some(UpBody::Empty),
             Replay::Buffered(b) => Some(UpBody::Full(Some(b.clone()))),
-            Replay::Streaming { body, back } => {
+            Replay::Streaming { body, back, .. } => {
                 let inner = body.take()?;
                 let (tx, rx) = oneshot::channel();
                 *back = Some(rx);
@@ -150,7 +268,7 @@ impl Replay {
 
     /// After a failed attempt: takes back a streamed body nobody read.
     pub fn recover(&mut self) {
-        if let Replay::Streaming { body, back } = self {
+        if let Replay::Streaming { body, back, .. } = self {
             if let Some(mut rx) = back.take() {
                 if let Ok(b) = rx.try_recv() {
                     *body = Some(b);
@@ -164,6 +282,14 @@ impl Replay {
         match self {
             Replay::Empty | Replay::Buffered(_) => true,
             Replay::Streaming { body, .. } => body.is_some(),
+        }
+    }
+
+    /// When an attempt failed: was it the client's body that failed it?
+    pub fn client_fault(&self) -> Option<ErrorKind> {
+        match self {
+            Replay::Streaming { fault, .. } => fault.kind(),
+            _ => None,
         }
     }
 

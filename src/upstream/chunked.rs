@@ -1,7 +1,10 @@
 //! Layer: upstream. Incremental decoder for `Transfer-Encoding: chunked`
 //! response bodies: fed from the connection's read buffer, it hands out chunk
 //! data without copying and drops chunk extensions and trailers (as nginx
-//! does).
+//! does). Strict, as RFC 9112 §7.1 reads: every line ends in CRLF (a bare
+//! LF is an error), sizes are hex digits only (httparse's chunk-size parser,
+//! the one hyper uses; at most 15 digits), and size and trailer lines are
+//! bounded.
 
 use bytes::{Buf, Bytes, BytesMut};
 
@@ -40,15 +43,15 @@ impl Default for Chunked {
     }
 }
 
-/// Takes one `\n`-terminated line (without `\r\n`) off the front of `buf`.
+/// Takes one CRLF-terminated line (without its CRLF) off the front of
+/// `buf`; a bare LF is an error.
 fn line(buf: &mut BytesMut) -> Result<Option<Bytes>, &'static str> {
     match buf.iter().position(|&b| b == b'\n') {
+        Some(i) if i > MAX_LINE => Err("chunk line too long"),
+        Some(i) if i == 0 || buf[i - 1] != b'\r' => Err("bare LF in a chunked body"),
         Some(i) => {
             let mut l = buf.split_to(i + 1).freeze();
-            l.truncate(i);
-            if l.last() == Some(&b'\r') {
-                l.truncate(i - 1);
-            }
+            l.truncate(i - 1);
             Ok(Some(l))
         }
         None if buf.len() > MAX_LINE => Err("chunk line too long"),
@@ -56,14 +59,28 @@ fn line(buf: &mut BytesMut) -> Result<Option<Bytes>, &'static str> {
     }
 }
 
-fn chunk_size(l: &[u8]) -> Result<u64, &'static str> {
-    let digits = l.split(|&b| b == b';').next().unwrap_or_default();
-    let digits = digits.trim_ascii();
-    if digits.is_empty() || digits.len() > 15 {
+/// Reads a chunk-size line at the front of `buf` without consuming it:
+/// `Some((line length, size))` when complete, `None` when more bytes are
+/// needed.
+pub fn parse_size(buf: &[u8]) -> Result<Option<(usize, u64)>, &'static str> {
+    if !buf.first().is_none_or(u8::is_ascii_hexdigit) {
         return Err("bad chunk size");
     }
-    let s = std::str::from_utf8(digits).map_err(|_| "bad chunk size")?;
-    u64::from_str_radix(s, 16).map_err(|_| "bad chunk size")
+    match httparse::parse_chunk_size(buf) {
+        Ok(httparse::Status::Complete(r)) => Ok(Some(r)),
+        Ok(httparse::Status::Partial) if buf.len() > MAX_LINE => Err("chunk line too long"),
+        Ok(httparse::Status::Partial) => Ok(None),
+        Err(_) => Err("bad chunk size"),
+    }
+}
+
+/// Takes a chunk-size line off the front of `buf`.
+fn chunk_size(buf: &mut BytesMut) -> Result<Option<u64>, &'static str> {
+    let parsed = parse_size(buf)?;
+    Ok(parsed.map(|(used, size)| {
+        buf.advance(used);
+        size
+    }))
 }
 
 impl Chunked {
@@ -73,10 +90,10 @@ impl Chunked {
             match self.state {
                 State::Done => return Ok(Step::Done),
                 State::Size => {
-                    let Some(l) = line(buf)? else {
+                    let Some(size) = chunk_size(buf)? else {
                         return Ok(Step::More);
                     };
-                    self.state = match chunk_size(&l)? {
+                    self.state = match size {
                         0 => State::Trailers,
                         n => State::Data(n),
                     };
@@ -96,10 +113,6 @@ impl Chunked {
                 }
                 State::DataEnd => match buf.first() {
                     None => return Ok(Step::More),
-                    Some(b'\n') => {
-                        buf.advance(1);
-                        self.state = State::Size;
-                    }
                     Some(b'\r') if buf.len() < 2 => return Ok(Step::More),
                     Some(b'\r') if buf[1] == b'\n' => {
                         buf.advance(2);
@@ -164,6 +177,35 @@ mod tests {
         assert_eq!(c.step(&mut buf).unwrap(), Step::Done);
         assert_eq!(c.state, State::Done);
         assert_eq!(&buf[..], b"HTTP/1.1");
+    }
+
+    #[test]
+    fn strict_lines() {
+        for bad in [
+            &b"5\nhello\r\n0\r\n\r\n"[..], // bare LF after the size
+            b"5\r\nhello\n0\r\n\r\n",      // bare LF after the data
+            b"5\r\nhello\r\n0\r\n\n",      // bare LF ending the trailers
+            b" 5\r\nhello\r\n0\r\n\r\n",   // leading space
+            b"+5\r\nhello\r\n0\r\n\r\n",   // sign
+            b"0x5\r\nhello\r\n0\r\n\r\n",  // prefix
+            b"5 6\r\nhello\r\n0\r\n\r\n",  // digits after white space
+            b"ffffffffffffffffff\r\n",     // 18 digits: overflow
+        ] {
+            assert!(
+                decode(bad, 64).is_err(),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        // Extensions and white space before them are allowed.
+        assert_eq!(
+            decode(b"5 ;a=b\r\nhello\r\n0\r\n\r\n", 3).unwrap().0,
+            b"hello"
+        );
+        // A long extension is bounded even when no LF has arrived.
+        let mut long = b"5;".to_vec();
+        long.extend(std::iter::repeat_n(b'x', MAX_LINE + 10));
+        assert!(decode(&long, 64).is_err());
     }
 
     #[test]

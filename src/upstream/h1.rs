@@ -32,6 +32,7 @@ use super::fields::{Added, HOP_BY_HOP};
 use super::pool::IdlePool;
 use super::BoxError;
 use crate::base::error::{Error, ErrorKind};
+use crate::base::stall::Stall;
 
 /// Most response header fields parsed (hyper's default too).
 const MAX_HEADERS: usize = 100;
@@ -178,6 +179,8 @@ pub struct Settings {
     pub connect_timeout: Duration,
     pub idle_timeout: Duration,
     pub max_idle: usize,
+    /// Longest wait between two reads of the response body.
+    pub read_timeout: Duration,
 }
 
 /// Sends `req` to `addr` and returns the response with its body streaming
@@ -194,7 +197,7 @@ pub async fn request(
     let head_request = *req.method == Method::HEAD;
     if let Some(mut conn) = checkout(addr, s.idle_timeout) {
         match exchange(&mut conn, addr, &req).await {
-            Ok(head) => return finish(head, conn, addr, head_request, s.max_idle),
+            Ok(head) => return finish(head, conn, addr, head_request, s),
             Err((f, written)) if f.nothing_back && (!written || idempotent) => {
                 tracing::debug!(%addr, error = %f.error, "pooled upstream connection was closed; reconnecting");
             }
@@ -211,7 +214,7 @@ pub async fn request(
         spans: Vec::new(),
     });
     match exchange(&mut conn, addr, &req).await {
-        Ok(head) => finish(head, conn, addr, head_request, s.max_idle),
+        Ok(head) => finish(head, conn, addr, head_request, s),
         Err((f, _)) => Err(Error::new(ErrorKind::Exchange).with_source(f.error)),
     }
 }
@@ -342,8 +345,14 @@ fn parse_head(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Result<Option<Head>,
         }
         let head = buf.split_to(n).freeze();
         let mut headers = HeaderMap::with_capacity(spans.len());
+        // RFC 9112 §6.3: Transfer-Encoding overrides Content-Length, which
+        // must not be passed on (the body goes out de-chunked).
+        let drop_length = meta.chunked.is_some() && meta.saw_length;
         for &(ns, ne, vs, ve) in spans.iter() {
             let (ns, ne, vs, ve) = (ns as usize, ne as usize, vs as usize, ve as usize);
+            if drop_length && head[ns..ne].eq_ignore_ascii_case(b"content-length") {
+                continue;
+            }
             let name = HeaderName::from_bytes(&head[ns..ne]).map_err(|_| bad("header name"))?;
             let value = HeaderValue::from_maybe_shared(head.slice(vs..ve))
                 .map_err(|_| bad("header value"))?;
@@ -369,6 +378,8 @@ struct Meta {
     chunked: Option<bool>,
     /// Content-Length, if any.
     length: Option<u64>,
+    /// Some Content-Length field was present (valid or not).
+    saw_length: bool,
     /// A malformed or conflicting Content-Length.
     length_error: Option<&'static str>,
 }
@@ -400,10 +411,13 @@ impl Meta {
             return false;
         }
         if name.eq_ignore_ascii_case("content-length") {
-            match text().trim().parse::<u64>() {
-                Ok(n) if self.length.is_none_or(|l| l == n) => self.length = Some(n),
-                Ok(_) => self.length_error = Some("conflicting content-length"),
-                Err(_) => self.length_error = Some("bad content-length"),
+            self.saw_length = true;
+            let v = text().trim();
+            let digits = !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit());
+            match v.parse::<u64>().ok().filter(|_| digits) {
+                Some(n) if self.length.is_none_or(|l| l == n) => self.length = Some(n),
+                Some(_) => self.length_error = Some("conflicting content-length"),
+                None => self.length_error = Some("bad content-length"),
             }
             return true;
         }
@@ -417,12 +431,14 @@ impl Meta {
         if head_request || s == 204 || s == 304 {
             return Ok(Framing::Done);
         }
+        // Transfer-Encoding wins over Content-Length; a final coding other
+        // than chunked cannot be delimited safely by a proxy: refused.
         if let Some(chunked) = self.chunked {
-            return Ok(if chunked {
-                Framing::Chunked(Chunked::default())
+            return if chunked {
+                Ok(Framing::Chunked(Chunked::default()))
             } else {
-                Framing::UntilClose
-            });
+                Err("transfer-encoding does not end in chunked")
+            };
         }
         if let Some(e) = self.length_error {
             return Err(e);
@@ -448,12 +464,21 @@ fn finish(
     conn: Box<Conn>,
     addr: SocketAddr,
     head_request: bool,
-    max_idle: usize,
+    s: &Settings,
 ) -> Result<Response<RawBody>, Error> {
-    let framing = head.meta.framing(head.status, head_request).map_err(|e| {
-        Error::new(ErrorKind::Exchange).with_source(format!("invalid response head: {e}"))
-    })?;
+    let bad =
+        |e: &str| Error::new(ErrorKind::Exchange).with_source(format!("invalid response: {e}"));
+    let framing = head.meta.framing(head.status, head_request).map_err(bad)?;
+    // A broken first chunk that came with the head is refused before the
+    // head goes out (a 502, not a truncated 200).
+    if matches!(framing, Framing::Chunked(_)) {
+        super::chunked::parse_size(&conn.rbuf).map_err(bad)?;
+    }
+    // An upstream that sent both Transfer-Encoding and Content-Length may
+    // disagree with us about where its message ends: never reuse it.
+    let ambiguous = head.meta.chunked.is_some() && head.meta.saw_length;
     let keep_alive = !matches!(framing, Framing::UntilClose)
+        && !ambiguous
         && match head.version {
             Version::HTTP_10 => head.meta.keep_alive,
             _ => !head.meta.close,
@@ -463,7 +488,8 @@ fn finish(
         framing,
         keep_alive,
         addr,
-        max_idle,
+        max_idle: s.max_idle,
+        stall: Stall::new(s.read_timeout),
     };
     body.release_if_done();
     let mut resp = Response::new(body);
@@ -480,6 +506,8 @@ pub struct RawBody {
     keep_alive: bool,
     addr: SocketAddr,
     max_idle: usize,
+    /// The read timeout between two reads of the body.
+    stall: Stall,
 }
 
 impl RawBody {
@@ -496,7 +524,9 @@ impl RawBody {
         }
     }
 
-    fn fail(&mut self, e: &str) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    /// Ends the body with an error; the connection is closed, never
+    /// reused.
+    fn fail(&mut self, e: Error) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         self.conn = None;
         self.framing = Framing::Done;
         Poll::Ready(Some(Err(e.into())))
@@ -535,7 +565,7 @@ impl Body for RawBody {
                         None
                     }
                     Ok(Step::More) => None,
-                    Err(e) => return this.fail(e),
+                    Err(e) => return this.fail(Error::new(ErrorKind::UpstreamBody).with_source(e)),
                 },
                 Framing::UntilClose => (!conn.rbuf.is_empty()).then(|| conn.rbuf.split().freeze()),
             };
@@ -548,18 +578,27 @@ impl Body for RawBody {
                 this.conn = None;
                 return Poll::Ready(None);
             }
-            match ready!(conn.poll_fill(cx)) {
+            let filled = match conn.poll_fill(cx) {
+                Poll::Ready(r) => r,
+                Poll::Pending if this.stall.stalled(cx) => {
+                    return this.fail(Error::new(ErrorKind::UpstreamBodyTimeout));
+                }
+                Poll::Pending => return Poll::Pending,
+            };
+            this.stall.progress();
+            match filled {
                 Ok(0) if matches!(this.framing, Framing::UntilClose) => {
                     this.conn = None;
                     this.framing = Framing::Done;
                     return Poll::Ready(None);
                 }
-                Ok(0) => return this.fail("upstream closed the connection mid-body"),
-                Ok(_) => {}
-                Err(e) => {
-                    let e = e.to_string();
-                    return this.fail(&e);
+                Ok(0) => {
+                    let e = Error::new(ErrorKind::UpstreamBody)
+                        .with_source("upstream closed the connection mid-body");
+                    return this.fail(e);
                 }
+                Ok(_) => {}
+                Err(e) => return this.fail(Error::new(ErrorKind::UpstreamBody).with_source(e)),
             }
         }
     }

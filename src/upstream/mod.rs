@@ -32,6 +32,7 @@ use hyper_util::rt::TokioIo;
 
 pub use crate::base::body::BoxError;
 use crate::base::error::{Error, ErrorKind};
+use crate::base::stall::Stall;
 use crate::config::UpstreamConfig;
 use crate::observe::metrics::NodeTracker;
 use body::UpBody;
@@ -60,21 +61,24 @@ impl Upstream {
         }
     }
 
-    fn settings(&self) -> h1::Settings {
+    fn settings(&self, read_timeout: Duration) -> h1::Settings {
         h1::Settings {
             connect_timeout: self.connect_timeout,
             idle_timeout: self.idle_timeout,
             max_idle: self.max_idle,
+            read_timeout,
         }
     }
 
     /// Sends `req` (origin-form URI) to the node at `addr` and returns the
-    /// response with its body still streaming.
+    /// response with its body still streaming; a body read that waits
+    /// longer than `read_timeout` fails the body.
     pub async fn request(
         &self,
         addr: SocketAddr,
         req: Request<UpBody>,
         added: &Added,
+        read_timeout: Duration,
     ) -> Result<Response<PooledBody>, Error> {
         if !req.headers().contains_key(http::header::UPGRADE) {
             let (parts, body) = req.into_parts();
@@ -84,7 +88,7 @@ impl Upstream {
                 stream @ UpBody::Stream(_) => {
                     let mut req = Request::from_parts(parts, stream);
                     added.apply(req.headers_mut());
-                    return self.request_hyper(addr, req).await;
+                    return self.request_hyper(addr, req, read_timeout).await;
                 }
             };
             let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
@@ -95,12 +99,12 @@ impl Upstream {
                 added,
                 body,
             };
-            let resp = h1::request(addr, out, &self.settings()).await?;
+            let resp = h1::request(addr, out, &self.settings(read_timeout)).await?;
             return Ok(resp.map(|b| PooledBody::Raw(b, None)));
         }
         let mut req = req;
         added.apply(req.headers_mut());
-        self.request_hyper(addr, req).await
+        self.request_hyper(addr, req, read_timeout).await
     }
 
     /// The full-duplex path over hyper's client connection.
@@ -108,6 +112,7 @@ impl Upstream {
         &self,
         addr: SocketAddr,
         req: Request<UpBody>,
+        read_timeout: Duration,
     ) -> Result<Response<PooledBody>, Error> {
         let mut req = req;
         // The target is origin-form: a client that sent no Host (HTTP/1.0)
@@ -122,7 +127,7 @@ impl Upstream {
                 continue;
             }
             match sender.try_send_request(req).await {
-                Ok(resp) => return Ok(self.wrap(resp, sender, addr)),
+                Ok(resp) => return Ok(self.wrap(resp, sender, addr, read_timeout)),
                 Err(mut e) => match e.take_message() {
                     // Never sent: safe to try another connection.
                     Some(r) => req = r,
@@ -135,7 +140,7 @@ impl Upstream {
             .send_request(req)
             .await
             .map_err(|e| Error::new(ErrorKind::Exchange).with_source(e))?;
-        Ok(self.wrap(resp, sender, addr))
+        Ok(self.wrap(resp, sender, addr, read_timeout))
     }
 
     async fn connect(&self, addr: SocketAddr) -> Result<Sender, Error> {
@@ -162,11 +167,13 @@ impl Upstream {
         resp: Response<Incoming>,
         sender: Sender,
         addr: SocketAddr,
+        read_timeout: Duration,
     ) -> Response<PooledBody> {
         let (head, body) = resp.into_parts();
         let reusable = head.status != http::StatusCode::SWITCHING_PROTOCOLS;
         let mut pooled = HyperBody {
             inner: body,
+            stall: Stall::new(read_timeout),
             slot: reusable.then_some(Slot {
                 sender,
                 addr,
@@ -218,9 +225,11 @@ impl Body for PooledBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let (r, tracker) = match self.get_mut() {
             PooledBody::Raw(b, t) => (Pin::new(b).poll_frame(cx), t),
-            PooledBody::Hyper(b, t) => (Pin::new(b).poll_frame(cx).map_err(Into::into), t),
+            PooledBody::Hyper(b, t) => (Pin::new(b).poll_frame(cx), t),
         };
-        if let Poll::Ready(None) = r {
+        // At the end or on an error the node's request is no longer in
+        // flight (whose error it was is judged when it is recorded).
+        if let Poll::Ready(None | Some(Err(_))) = &r {
             *tracker = None;
         }
         r
@@ -244,6 +253,7 @@ impl Body for PooledBody {
 /// hyper's response body plus the connection it came on.
 pub struct HyperBody {
     inner: Incoming,
+    stall: Stall,
     slot: Option<Slot>,
 }
 
@@ -263,20 +273,27 @@ impl HyperBody {
 
 impl Body for HyperBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let r = Pin::new(&mut self.inner).poll_frame(cx);
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        let r = Pin::new(&mut this.inner).poll_frame(cx);
         match &r {
-            Poll::Ready(None) => self.release(),
-            Poll::Ready(Some(Ok(_))) if self.inner.is_end_stream() => self.release(),
-            Poll::Ready(Some(Err(_))) => self.slot = None,
-            _ => {}
+            Poll::Ready(None) => this.release(),
+            Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => this.release(),
+            Poll::Ready(Some(Err(_))) => this.slot = None,
+            Poll::Ready(Some(Ok(_))) => this.stall.progress(),
+            Poll::Pending if this.stall.stalled(cx) => {
+                this.slot = None;
+                let e = Error::new(ErrorKind::UpstreamBodyTimeout);
+                return Poll::Ready(Some(Err(e.into())));
+            }
+            Poll::Pending => {}
         }
-        r
+        r.map_err(|e| Error::new(ErrorKind::UpstreamBody).with_source(e).into())
     }
 
     fn is_end_stream(&self) -> bool {

@@ -60,6 +60,8 @@ pub struct Backend {
     pub lane: String,
     pub seen: Arc<Mutex<Vec<Seen>>>,
     pub connections: Arc<AtomicUsize>,
+    /// Connections that have ended.
+    pub closed: Arc<AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -79,11 +81,13 @@ impl Backend {
         let addr = listener.local_addr().unwrap();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let connections = Arc::new(AtomicUsize::new(0));
-        let (n, l, s, c) = (
+        let closed = Arc::new(AtomicUsize::new(0));
+        let (n, l, s, c, cl) = (
             name.to_string(),
             lane.to_string(),
             seen.clone(),
             connections.clone(),
+            closed.clone(),
         );
         let task = tokio::spawn(async move {
             loop {
@@ -92,6 +96,7 @@ impl Backend {
                 };
                 c.fetch_add(1, Ordering::SeqCst);
                 let (n, l, s, mode) = (n.clone(), l.clone(), s.clone(), mode.clone());
+                let cl = cl.clone();
                 tokio::spawn(async move {
                     let svc = service_fn(move |req: Request<Incoming>| {
                         let (n, l, s, mode) = (n.clone(), l.clone(), s.clone(), mode.clone());
@@ -101,6 +106,7 @@ impl Backend {
                         .serve_connection(TokioIo::new(stream), svc)
                         .with_upgrades()
                         .await;
+                    cl.fetch_add(1, Ordering::SeqCst);
                 });
             }
         });
@@ -110,6 +116,7 @@ impl Backend {
             lane: lane.to_string(),
             seen,
             connections,
+            closed,
             task,
         }
     }
@@ -190,10 +197,16 @@ pub fn full(s: impl Into<Bytes>) -> BoxBody {
     Full::new(s.into()).map_err(|never| match never {}).boxed()
 }
 
-/// A port on 127.0.0.1 with nothing listening.
+/// A port on 127.0.0.1 with nothing listening: a socket stays bound to it
+/// (never listening) for the life of the test process, so connects are
+/// refused and no other test or process can take the port meanwhile.
 pub fn closed_port() -> SocketAddr {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap()
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    s.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .unwrap();
+    let addr = s.local_addr().unwrap().as_socket().unwrap();
+    std::mem::forget(s);
+    addr
 }
 
 /// A temporary directory holding a gateway's files.
@@ -237,6 +250,9 @@ pub struct Gateway {
     pub addr: SocketAddr,
     pub admin: Option<SocketAddr>,
     logs: Arc<Mutex<String>>,
+    /// Everything the process wrote to stdout, and whether stdout has
+    /// reached its end (the process exited).
+    stdout: Arc<Mutex<(String, bool)>>,
 }
 
 impl Drop for Gateway {
@@ -264,11 +280,25 @@ impl Gateway {
             .arg("--config")
             .arg(config)
             .env("RUST_LOG", "info")
+            // The suite's own environment never configures the gateway.
+            .env_remove("GRAYGATE_ADMIN_TOKEN")
             .envs(env.iter().copied())
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn graygate");
+        let stdout = Arc::new(Mutex::new((String::new(), false)));
+        let out = child.stdout.take().unwrap();
+        let o = stdout.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                let mut g = o.lock().unwrap();
+                g.0.push_str(&line);
+                g.0.push('\n');
+            }
+            o.lock().unwrap().1 = true;
+        });
         let logs = Arc::new(Mutex::new(String::new()));
         let stderr = child.stderr.take().unwrap();
         let l = logs.clone();
@@ -302,6 +332,7 @@ impl Gateway {
                             addr,
                             admin,
                             logs,
+                            stdout,
                         };
                     }
                 }
@@ -324,6 +355,51 @@ impl Gateway {
 
     pub fn logs(&self) -> String {
         self.logs.lock().unwrap().clone()
+    }
+
+    /// Waits (up to 10 s) until a log line satisfies `pred`: lines reach
+    /// [`Gateway::logs`] through a pipe and a reader thread, after the
+    /// response that caused them may already be in hand.
+    pub async fn wait_log_line(&self, what: &str, pred: impl Fn(&str) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if self.logs().lines().any(&pred) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no log line {what} in:\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits (up to 10 s) until the log contains `needle`.
+    pub async fn wait_log(&self, needle: &str) {
+        self.wait_log_line(needle, |l| l.contains(needle)).await;
+    }
+
+    /// What the process has written to stdout so far.
+    pub fn stdout(&self) -> String {
+        self.stdout.lock().unwrap().0.clone()
+    }
+
+    /// Stops the process with SIGTERM and returns all it wrote to stdout.
+    pub async fn stop_and_read_stdout(&mut self) -> String {
+        self.signal("TERM");
+        let status = self.wait_exit(Duration::from_secs(20)).await;
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "graygate did not exit cleanly: {status:?}\n{}",
+            self.logs()
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.stdout.lock().unwrap().1 {
+            assert!(Instant::now() < deadline, "stdout never reached its end");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        self.stdout()
     }
 
     /// Sends a signal with the system `kill` command.

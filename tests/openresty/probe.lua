@@ -16,10 +16,144 @@ local function s(v)
     return tostring(v)
 end
 
+local function hex(b)
+    return (string.gsub(b, ".", function(c)
+        return string.format("%02x", string.byte(c))
+    end))
+end
+
+local function count(t)
+    local n = 0
+    for _ in pairs(t) do
+        n = n + 1
+    end
+    return n
+end
+
+-- The keys of a table, sorted.
+local function keys(t)
+    local k = {}
+    for name in pairs(t) do
+        k[#k + 1] = tostring(name)
+    end
+    table.sort(k)
+    return "{" .. table.concat(k, ",") .. "}"
+end
+
+-- The values of an array, sorted.
+local function sorted(t)
+    local v = {}
+    for i = 1, #t do
+        v[i] = tostring(t[i])
+    end
+    table.sort(v)
+    return "{" .. table.concat(v, ",") .. "}"
+end
+
+-- A fixed sequence of ngx.shared operations (the dictionary is emptied
+-- first, so every request sees the same results).
+local function shared()
+    local d = ngx.shared.probe
+    local out = {}
+    local function put(...)
+        local parts = {}
+        for i = 1, select("#", ...) do
+            parts[i] = tostring((select(i, ...)))
+        end
+        out[#out + 1] = table.concat(parts, ",")
+    end
+    d:flush_all()
+    put(#d:get_keys(0))
+    put(d:set("a", 1))
+    put(d:get("a"))
+    put(d:add("a", 2))
+    put(d:add("b", "two"))
+    put(d:replace("a", 40))
+    put(d:replace("zz", 1))
+    local v, err = d:incr("a", 2)
+    put(v, err)
+    v, err = d:incr("nx", 1)
+    put(v, err)
+    v, err = d:incr("ny", 1, 10)
+    put(v, err)
+    v, err = d:incr("b", 1)
+    put(v, err)
+    v, err = d:incr("nz", 1, 0, 100)
+    put(v, err)
+    put(d:get("nz"))
+    put(d:set("f", 1.5))
+    put(d:get("f"))
+    put(d:set("t", true))
+    put(d:get("t"))
+    put(d:set("e", "later", 100))
+    put(d:get("e"))
+    put(d:get("missing"))
+    put(sorted(d:get_keys(0)))
+    put(#d:get_keys(2))
+    d:delete("t")
+    put(d:get("t"))
+    put(d:set("n", nil))
+    put(d:get("n"))
+    -- (ok and err only: nginx reports forcible = true here, having evicted
+    -- the other items on the way, graygate false.)
+    local ok
+    ok, err = d:set("big", string.rep("x", 2 * 1024 * 1024))
+    put(ok, err)
+    put(d:get("big"))
+    d:flush_all()
+    put(d:get("a"), #d:get_keys(0))
+    return table.concat(out, ";")
+end
+
+-- One line at every level (the test compares where each lands).
+local LEVELS = { "STDERR", "EMERG", "ALERT", "CRIT", "ERR", "WARN", "NOTICE", "INFO" }
+local function log_levels()
+    for _, name in ipairs(LEVELS) do
+        ngx.log(ngx[name], "probe level ", name)
+    end
+    return #LEVELS
+end
+
 function _M.probe()
+    -- Before anything reads the headers: the change must be visible below.
+    ngx.req.set_header("X-Probe-Set", "set-by-probe")
+    ngx.req.clear_header("X-Probe-Clear")
+    ngx.req.set_header("X-Probe-Num", 5)
+    ngx.req.set_header("X-Probe-Nil", nil)
     local h = ngx.req.get_headers()
     local a = ngx.req.get_uri_args()
+    local now, t = ngx.now(), ngx.time()
+    local wrote = pcall(function()
+        ngx.var.probe_undefined = "x"
+    end)
     return {
+        "is_args=" .. s(ngx.var.is_args),
+        "server_protocol=" .. s(ngx.var.server_protocol),
+        "query_string=" .. s(ngx.var.query_string),
+        "set_header=" .. s(ngx.var.http_x_probe_set) .. "," .. s(h["x-probe-set"]),
+        "clear_header=" .. s(ngx.var.http_x_probe_clear) .. "," .. s(h["x-probe-clear"]),
+        "set_number=" .. s(ngx.var.http_x_probe_num),
+        "set_nil=" .. s(ngx.var.http_x_probe_nil) .. "," .. s(h["x-probe-nil"]),
+        "other_var=" .. s(ngx.var.probe_no_such_variable),
+        "h.max1=" .. keys(ngx.req.get_headers(1)),
+        "h.max2=" .. s(count(ngx.req.get_headers(2))),
+        "a.max1=" .. keys(ngx.req.get_uri_args(1)),
+        "a.max2=" .. s(count(ngx.req.get_uri_args(2))),
+        "md5_bin=" .. hex(ngx.md5_bin(ngx.var.request_uri)) .. "," .. s(#ngx.md5_bin("")),
+        "md5_bin_is_md5=" .. s(hex(ngx.md5_bin("abc")) == ngx.md5("abc")),
+        "time=" .. s(type(t)) .. "," .. s(t == math.floor(t)) .. "," .. s(math.abs(t - os.time()) <= 1),
+        "now=" .. s(type(now)) .. "," .. s(math.abs(now - t) <= 1)
+            .. "," .. s(math.abs(now * 1000 - math.floor(now * 1000 + 0.5)) < 0.01),
+        "update_time=" .. s(select("#", ngx.update_time())),
+        "log=" .. s(select("#", ngx.log(ngx.ERR, "probe log ", 42, " ", nil, " ", true))),
+        "log_levels=" .. s(log_levels()),
+        "levels=" .. table.concat({ ngx.STDERR, ngx.EMERG, ngx.ALERT, ngx.CRIT, ngx.ERR,
+            ngx.WARN, ngx.NOTICE, ngx.INFO, ngx.DEBUG }, ","),
+        "var_write=" .. s(wrote),
+        "shared=" .. shared(),
+        "ror=" .. s(bit.ror(0x12345678, 12)),
+        "ror0=" .. s(bit.ror(1, 1)),
+        "rol40=" .. s(bit.rol(0x12345678, 40)),
         "remote_addr=" .. s(ngx.var.remote_addr),
         "uri=" .. s(ngx.var.uri),
         "request_uri=" .. s(ngx.var.request_uri),

@@ -30,6 +30,8 @@ pub struct Got {
     pub path: String,
     pub body: Bytes,
     pub tag: Option<String>,
+    /// When it arrived.
+    pub at: std::time::Instant,
 }
 
 pub struct Node {
@@ -43,7 +45,20 @@ pub struct Node {
     pub mode: Arc<AtomicU8>,
     pub got: Arc<Mutex<Vec<Got>>>,
     pub health_hits: Arc<AtomicUsize>,
+    /// Every health probe: path, lane tag and User-Agent.
+    pub probes: Arc<Mutex<Vec<Probe>>>,
+    /// Requests (not health probes) that arrived, counted before the mode
+    /// applies: a hanging or dropping node counts them too.
+    pub arrived: Arc<AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
+}
+
+/// One health probe as a node received it.
+#[derive(Debug, Clone)]
+pub struct Probe {
+    pub path: String,
+    pub tag: Option<String>,
+    pub user_agent: Option<String>,
 }
 
 impl Drop for Node {
@@ -61,7 +76,11 @@ impl Node {
         let mode = Arc::new(AtomicU8::new(NORMAL));
         let got = Arc::new(Mutex::new(Vec::new()));
         let health_hits = Arc::new(AtomicUsize::new(0));
+        let probes = Arc::new(Mutex::new(Vec::new()));
+        let arrived = Arc::new(AtomicUsize::new(0));
         let st = Shared {
+            probes: probes.clone(),
+            arrived: arrived.clone(),
             name: name.to_string(),
             lane: lane.to_string(),
             status: status.clone(),
@@ -96,8 +115,24 @@ impl Node {
             mode,
             got,
             health_hits,
+            probes,
+            arrived,
             task,
         }
+    }
+
+    /// Requests that reached this node, answered or not.
+    pub fn arrived(&self) -> usize {
+        self.arrived.load(Ordering::SeqCst)
+    }
+
+    pub fn probes(&self) -> Vec<Probe> {
+        self.probes.lock().unwrap().clone()
+    }
+
+    /// Health probes received on `path`.
+    pub fn probes_on(&self, path: &str) -> usize {
+        self.probes().iter().filter(|p| p.path == path).count()
     }
 
     pub fn count(&self) -> usize {
@@ -137,6 +172,8 @@ struct Shared {
     mode: Arc<AtomicU8>,
     got: Arc<Mutex<Vec<Got>>>,
     health_hits: Arc<AtomicUsize>,
+    probes: Arc<Mutex<Vec<Probe>>>,
+    arrived: Arc<AtomicUsize>,
 }
 
 impl Shared {
@@ -151,15 +188,22 @@ impl Shared {
         };
         let tag = header("x-gray-tag");
         let gen = header("x-graygate-generation");
-        if req.uri().path() == "/health" {
+        if req.uri().path().starts_with("/health") {
+            self.probes.lock().unwrap().push(Probe {
+                path: req.uri().path().to_string(),
+                tag: tag.clone(),
+                user_agent: header("user-agent"),
+            });
             self.health_hits.fetch_add(1, Ordering::SeqCst);
             let s = self.health_status.load(Ordering::SeqCst);
             let mut r = Response::new(Full::new(Bytes::from_static(b"health")));
             *r.status_mut() = http::StatusCode::from_u16(s).unwrap();
             return Ok(r);
         }
+        let at = std::time::Instant::now();
         let method = req.method().to_string();
         let path = req.uri().path().to_string();
+        self.arrived.fetch_add(1, Ordering::SeqCst);
         let mode = self.mode.load(Ordering::SeqCst);
         if mode == HANG {
             std::future::pending::<()>().await;
@@ -175,6 +219,7 @@ impl Shared {
             path,
             body: body.clone(),
             tag: tag.clone(),
+            at,
         });
         if mode == DROP {
             // A service error makes hyper close the connection unanswered.

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Memory held by slow readers: N clients each request a large static file
+and never read it. Reports graygate's RSS before, while they hang (after the
+kernel's socket buffers and graygate's own buffers have filled), and after
+the send timeout has cut them off. Not a test: a measurement for the README.
+
+Usage:
+  cargo build --release
+  python3 bench/slow_readers.py [--clients 1000] [--size-mb 4] [--send-timeout-ms 5000]
+"""
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def rss_kb(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def settle(pid, secs=3.0):
+    """RSS once it stops growing (sampled every 200 ms)."""
+    last, stable_since = rss_kb(pid), time.time()
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        time.sleep(0.2)
+        now = rss_kb(pid)
+        if abs(now - last) > 256:
+            last, stable_since = now, time.time()
+        elif time.time() - stable_since >= secs:
+            return now
+    return last
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--binary", default="target/release/graygate")
+    ap.add_argument("--clients", type=int, default=1000)
+    ap.add_argument("--size-mb", type=int, default=4)
+    ap.add_argument("--send-timeout-ms", type=int, default=5000)
+    a = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="graygate-slow-")
+    os.makedirs(os.path.join(work, "static", "formal"))
+    with open(os.path.join(work, "static", "formal", "big.bin"), "wb") as f:
+        f.write(os.urandom(a.size_mb << 20))
+    cfg = os.path.join(work, "gg.yaml")
+    with open(cfg, "w") as f:
+        f.write(
+            "listen: 127.0.0.1:0\nworkers: 1\n"
+            f"client: {{ send_timeout_ms: {a.send_timeout_ms}, max_connections: {a.clients + 100} }}\n"
+            "routes:\n  - { prefix: /, static: static }\n"
+        )
+    proc = subprocess.Popen([a.binary, "--config", cfg], stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, RUST_LOG="info"))
+    port = None
+    for line in proc.stderr:
+        if "graygate listening" in line:
+            port = int(line.split("addr=")[1].split()[0].rsplit(":", 1)[1])
+            break
+    base = settle(proc.pid, 1.0)
+    socks = []
+    for _ in range(a.clients):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", port))
+        s.sendall(b"GET /big.bin HTTP/1.1\r\nHost: a\r\n\r\n")
+        socks.append(s)
+    held = settle(proc.pid)
+    # The send timeout cuts them off; RSS after.
+    time.sleep(a.send_timeout_ms / 1000 + 2)
+    after = settle(proc.pid)
+    for s in socks:
+        s.close()
+    proc.terminate()
+    proc.wait()
+    per = (held - base) / a.clients
+    print(f"slow readers: {a.clients} x {a.size_mb} MiB static file, send_timeout_ms={a.send_timeout_ms}")
+    print(f"RSS idle {base/1024:.1f} MB, with readers hanging {held/1024:.1f} MB "
+          f"(+{(held-base)/1024:.1f} MB, {per:.1f} KB each), after the send timeout {after/1024:.1f} MB")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
