@@ -58,7 +58,7 @@ fn bench(c: &mut Criterion) {
                     let choice = s.choose(FORMAL, now).unwrap();
                     let key = (policy == Balance::Hash).then(|| keys[k % keys.len()]);
                     k += 1;
-                    black_box(choice.keyed(key).pick(now, &[]));
+                    black_box(choice.pick(now, &[], key));
                 })
             });
         }
@@ -91,13 +91,13 @@ fn bench(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::new("round_robin+zone", n), &n, |b, _| {
             timed(b, || {
                 let choice = zoned.choose(FORMAL, now).unwrap();
-                black_box(choice.pick(now, &[]));
+                black_box(choice.pick(now, &[], None));
             })
         });
         g.bench_with_input(BenchmarkId::new("round_robin+slow_start", n), &n, |b, _| {
             timed(b, || {
                 let choice = warming.choose(FORMAL, now).unwrap();
-                black_box(choice.pick(now, &[]));
+                black_box(choice.pick(now, &[], None));
             })
         });
     }
@@ -113,16 +113,11 @@ fn bench(c: &mut Criterion) {
         );
         let now = graygate::base::clock::now_ms();
         let key = s.request_key(&http::HeaderMap::new(), &http::Uri::from_static("/"), ip);
-        let first = s
-            .choose(FORMAL, now)
-            .unwrap()
-            .keyed(key)
-            .pick(now, &[])
-            .unwrap();
+        let first = s.choose(FORMAL, now).unwrap().pick(now, &[], key).unwrap();
         g.bench_with_input(BenchmarkId::new("hash_retry", n), &n, |b, _| {
             timed(b, || {
-                let choice = s.choose(FORMAL, now).unwrap().keyed(key);
-                black_box(choice.pick(now, &[first]));
+                let choice = s.choose(FORMAL, now).unwrap();
+                black_box(choice.pick(now, &[first], key));
             })
         });
     }

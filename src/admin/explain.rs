@@ -183,10 +183,9 @@ pub fn run(gw: &Gateway, q: Query) -> Response<Body> {
             match picked {
                 Some(Ok(choice)) => {
                     let service = service.expect("a choice comes from a service");
-                    let choice = choice.keyed(key);
                     let set = choice.set;
                     let fallback = choice.fallback;
-                    let chosen = choice.peek(now).map(|i| &set.nodes[i]);
+                    let chosen = choice.peek(now, key).map(|i| &set.nodes[i]);
                     out["zone"] = serde_json::json!({
                         "gateway_zone": service.select.zone.as_deref(),
                         "step": choice.zone.as_str(),

@@ -286,8 +286,6 @@ pub struct Choice<'a> {
     pub ignore_health: bool,
     /// The zone step inside the set.
     pub zone: ZoneStep,
-    /// The request's hash key (`balance: hash`), if it has one.
-    pub key: Option<KeyHash>,
 }
 
 impl<'a> Choice<'a> {
@@ -297,33 +295,34 @@ impl<'a> Choice<'a> {
             fallback,
             ignore_health: ignore,
             zone: set.zone_step(now, ignore),
-            key: None,
         }
     }
 
-    /// The same choice for a request with hash key `key`.
-    pub fn keyed(self, key: Option<KeyHash>) -> Choice<'a> {
-        Choice { key, ..self }
-    }
-
-    /// The node for the next attempt: the policy's pick among the set's
-    /// nodes not in `tried` (same zone first when the step says so).
-    pub fn pick(&self, now: u64, tried: &[usize]) -> Option<usize> {
-        self.pick_with(now, tried, true)
+    /// The node for the next attempt of a request with hash key `key`
+    /// (`Service::request_key`): the policy's pick among the set's nodes not
+    /// in `tried` (same zone first when the step says so).
+    pub fn pick(&self, now: u64, tried: &[usize], key: Option<KeyHash>) -> Option<usize> {
+        self.pick_with(now, tried, key, true)
     }
 
     /// What [`pick`](Self::pick) would return for a first attempt, without
     /// moving the round-robin state (random policies draw afresh).
-    pub fn peek(&self, now: u64) -> Option<usize> {
-        self.pick_with(now, &[], false)
+    pub fn peek(&self, now: u64, key: Option<KeyHash>) -> Option<usize> {
+        self.pick_with(now, &[], key, false)
     }
 
-    fn pick_with(&self, now: u64, tried: &[usize], advance: bool) -> Option<usize> {
+    fn pick_with(
+        &self,
+        now: u64,
+        tried: &[usize],
+        key: Option<KeyHash>,
+        advance: bool,
+    ) -> Option<usize> {
         let w = Want {
             now,
             tried,
             ignore_health: self.ignore_health,
-            key: self.key,
+            key,
             advance,
         };
         self.set.pick_in(self.zone, &w)
@@ -623,7 +622,11 @@ mod tests {
 
     fn names(c: &Choice, now: u64, n: usize) -> std::collections::BTreeSet<String> {
         (0..n)
-            .map(|_| c.set.nodes[c.pick(now, &[]).unwrap()].name.to_string())
+            .map(|_| {
+                c.set.nodes[c.pick(now, &[], None).unwrap()]
+                    .name
+                    .to_string()
+            })
             .collect()
     }
 
@@ -650,11 +653,10 @@ mod tests {
             let now = crate::base::clock::now_ms();
             let c = s.choose(FORMAL, now).unwrap();
             assert_eq!(c.zone, ZoneStep::Local, "{balance:?}");
-            let c = c.keyed(None);
             assert_eq!(names(&c, now, 50), set_of(&["a1", "a2"]), "{balance:?}");
             // Retries leave the zone only once its nodes are all tried.
             let tried: Vec<usize> = vec![0, 1];
-            let next = c.pick(now, &tried).unwrap();
+            let next = c.pick(now, &tried, None).unwrap();
             assert!(next >= 2, "{balance:?}");
             // One of two same-zone nodes down: below min_healthy 2, so every
             // zone (the healthy same-zone node, the other zone and the node
@@ -727,7 +729,7 @@ mod tests {
             let share = |now: u64| {
                 let c = s.choose(FORMAL, now).unwrap();
                 let n = 20_000;
-                let new = (0..n).filter(|_| c.pick(now, &[]) == Some(1)).count();
+                let new = (0..n).filter(|_| c.pick(now, &[], None) == Some(1)).count();
                 new as f64 / n as f64
             };
             // Effective weights old 1 : new f → share f / (1 + f).
@@ -773,22 +775,23 @@ mod tests {
         let ip: IpAddr = "10.0.0.1".parse().unwrap();
         let key = s.request_key(&req("u-7"), &uri, ip);
         assert!(key.is_some());
-        let c = s.choose(FORMAL, now).unwrap().keyed(key);
-        let first = c.pick(now, &[]).unwrap();
-        assert!((0..20).all(|_| c.pick(now, &[]) == Some(first)), "pinned");
-        assert_eq!(c.peek(now), Some(first));
+        let c = s.choose(FORMAL, now).unwrap();
+        let first = c.pick(now, &[], key).unwrap();
+        assert!(
+            (0..20).all(|_| c.pick(now, &[], key) == Some(first)),
+            "pinned"
+        );
+        assert_eq!(c.peek(now, key), Some(first));
         // A retry walks on, deterministically, never to a tried node.
-        let second = c.pick(now, &[first]).unwrap();
+        let second = c.pick(now, &[first], key).unwrap();
         assert_ne!(second, first);
-        assert_eq!(c.pick(now, &[first]), Some(second));
+        assert_eq!(c.pick(now, &[first], key), Some(second));
         // No key: round-robin over the lane.
-        let c = s
-            .choose(FORMAL, now)
-            .unwrap()
-            .keyed(s.request_key(&req(""), &uri, ip));
-        assert!(c.key.is_none());
+        let c = s.choose(FORMAL, now).unwrap();
+        let none = s.request_key(&req(""), &uri, ip);
+        assert!(none.is_none());
         let spread: std::collections::BTreeSet<usize> =
-            (0..5).map(|_| c.pick(now, &[]).unwrap()).collect();
+            (0..5).map(|_| c.pick(now, &[], none).unwrap()).collect();
         assert_eq!(spread.len(), 5);
         // Other policies never hash.
         assert_eq!(
@@ -837,9 +840,9 @@ mod tests {
             let now = crate::base::clock::now_ms();
             let key = Some(KeyHash::of(b"k"));
             let lanes_of = |lane: &str, now: u64| {
-                let c = s.choose(lane, now).unwrap().keyed(key);
+                let c = s.choose(lane, now).unwrap();
                 let mut tried = Vec::new();
-                while let Some(i) = c.pick(now, &tried) {
+                while let Some(i) = c.pick(now, &tried, key) {
                     assert!(!tried.contains(&i));
                     tried.push(i);
                 }

@@ -25,6 +25,7 @@ use crate::base::error::{Error, ErrorKind};
 use crate::config::{UpstreamConfig, FORMAL};
 use crate::generation::Generation;
 use crate::lane::RequestInfo;
+use crate::nodes::hash::KeyHash;
 use crate::nodes::{Choice, Fallback, NoCandidates, Service};
 use crate::observe::metrics::NodeTracker;
 use crate::upstream::body::{ClientBody, Replay};
@@ -71,7 +72,7 @@ pub async fn forward(
     let upstream = &gen.config.upstream;
     let out = rewrite_request(gen, client, decision, info.parts, upstream, upgrades);
     // The hash key (balance: hash) from the fields going upstream.
-    let choice = choice.keyed(service.request_key(&out.headers, &out.target, client.ip));
+    let key = service.request_key(&out.headers, &out.target, client.ip);
     // No body (the common GET): nothing to wait for, no timer.
     let replay = if hyper::body::Body::is_end_stream(&body) {
         Replay::Empty
@@ -87,7 +88,7 @@ pub async fn forward(
     attempt_all(
         plane,
         service,
-        choice,
+        (choice, key),
         (decision, verdict),
         out,
         replay,
@@ -248,7 +249,7 @@ async fn buffer_body(
 async fn attempt_all(
     plane: &DataPlane,
     service: &Service,
-    choice: Choice<'_>,
+    (choice, key): (Choice<'_>, Option<KeyHash>),
     (decision, verdict): (&mut Decision, &mut Option<Verdict>),
     mut out: Outbound,
     mut replay: Replay,
@@ -263,7 +264,7 @@ async fn attempt_all(
     let mut tried: Vec<usize> = Vec::with_capacity(max_attempts);
     let mut last_error = None;
     while tried.len() < max_attempts {
-        let Some(idx) = choice.pick(now_ms(), &tried) else {
+        let Some(idx) = choice.pick(now_ms(), &tried, key) else {
             break;
         };
         let Some(up_body) = replay.next_body() else {
