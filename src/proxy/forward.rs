@@ -25,7 +25,6 @@ use crate::base::error::{Error, ErrorKind};
 use crate::config::{UpstreamConfig, FORMAL};
 use crate::generation::Generation;
 use crate::lane::RequestInfo;
-use crate::nodes::hash::KeyHash;
 use crate::nodes::{Choice, Fallback, NoCandidates, Service};
 use crate::observe::metrics::NodeTracker;
 use crate::upstream::body::{ClientBody, Replay};
@@ -71,8 +70,6 @@ pub async fn forward(
     let choice = select_node(plane, service, decision)?;
     let upstream = &gen.config.upstream;
     let out = rewrite_request(gen, client, decision, info.parts, upstream, upgrades);
-    // The hash key (balance: hash) from the fields going upstream.
-    let key = service.request_key(&out.headers, &out.target, client.ip);
     // No body (the common GET): nothing to wait for, no timer.
     let replay = if hyper::body::Body::is_end_stream(&body) {
         Replay::Empty
@@ -88,7 +85,7 @@ pub async fn forward(
     attempt_all(
         plane,
         service,
-        (choice, key),
+        (choice, client),
         (decision, verdict),
         out,
         replay,
@@ -249,12 +246,14 @@ async fn buffer_body(
 async fn attempt_all(
     plane: &DataPlane,
     service: &Service,
-    (choice, key): (Choice<'_>, Option<KeyHash>),
+    (choice, client): (Choice<'_>, &Client),
     (decision, verdict): (&mut Decision, &mut Option<Verdict>),
     mut out: Outbound,
     mut replay: Replay,
     upstream: &UpstreamConfig,
 ) -> Result<Response<Body>, Error> {
+    // The hash key (balance: hash) from the fields going upstream.
+    let key = service.request_key(&out.headers, &out.target, client.ip);
     let set = choice.set;
     let policy = &service.health.passive;
     let retries = service.retries.unwrap_or(upstream.retries) as usize;
