@@ -27,6 +27,64 @@ struct Cli {
     /// Validate the configuration (YAML, node files, lists, Lua) and exit.
     #[arg(long, short = 't')]
     check: bool,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(clap::Subcommand)]
+enum Command {
+    /// Progressive releases, through a running gateway's admin API.
+    Release {
+        /// The admin listener.
+        #[arg(long, default_value = "127.0.0.1:9080", global = true)]
+        admin: String,
+        /// Admin bearer token (else `GRAYGATE_ADMIN_TOKEN`).
+        #[arg(long, env = "GRAYGATE_ADMIN_TOKEN", global = true)]
+        token: Option<String>,
+        #[command(subcommand)]
+        action: ReleaseAction,
+    },
+}
+
+#[derive(clap::Subcommand)]
+enum ReleaseAction {
+    /// Every release, with its state, step and weight.
+    List,
+    /// One release with every decision and the values behind it.
+    Show { name: String },
+    /// Starts a release from a spec file (YAML or JSON).
+    Create { spec: PathBuf },
+    /// Ends a release now: its lane takes all of the release's traffic.
+    Promote { name: String },
+    /// Holds a release at its step.
+    Pause { name: String },
+    /// Continues a paused release (past a manual gate: the next step).
+    Resume { name: String },
+    /// Rolls a release back now.
+    Abort { name: String },
+}
+
+fn release_command(admin: &str, token: Option<&str>, action: ReleaseAction) -> ExitCode {
+    use graygate::admin::client::{release, ReleaseCommand as C};
+    let cmd = match action {
+        ReleaseAction::List => C::List,
+        ReleaseAction::Show { name } => C::Show(name),
+        ReleaseAction::Create { spec } => C::Create(spec),
+        ReleaseAction::Promote { name } => C::Act(name, "promote".into()),
+        ReleaseAction::Pause { name } => C::Act(name, "pause".into()),
+        ReleaseAction::Resume { name } => C::Act(name, "resume".into()),
+        ReleaseAction::Abort { name } => C::Act(name, "abort".into()),
+    };
+    match release(admin, token, cmd) {
+        Ok(text) => {
+            println!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("graygate release: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -39,6 +97,14 @@ fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
+    if let Some(Command::Release {
+        admin,
+        token,
+        action,
+    }) = cli.command
+    {
+        return release_command(&admin, token.as_deref(), action);
+    }
     if cli.check {
         return match Generation::load(&cli.config, 0) {
             Ok(gen) => {
@@ -125,6 +191,7 @@ async fn run(gw: Arc<Gateway>, workers: usize) -> ExitCode {
             }
         }
     }
+    tokio::spawn(graygate::control::release::controller::run(gw.clone()));
     let watcher_gw = gw.clone();
     tokio::spawn(async move {
         if let Err(e) = reload::run(watcher_gw).await {

@@ -371,3 +371,68 @@ async fn dashboard_works_behind_the_admin_token_with_http_basic() {
     .await;
     c.close().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_shows_releases_and_their_decision_timeline() {
+    let f1 = Backend::start("f1", "formal").await;
+    let g1 = Backend::start("g1", "gray").await;
+    let fx = Fixture::new();
+    fx.write(
+        "nodes.yaml",
+        &format!(
+            "services:\n  api:\n    nodes:\n{}{}",
+            f1.node_yaml(),
+            g1.node_yaml()
+        ),
+    );
+    let cfg = fx.write(
+        "gg.yaml",
+        &main_config("node_files: [nodes.yaml]\nroutes:\n  - prefix: /api/\n    service: api\n"),
+    );
+    let gw = Gateway::start(&cfg);
+    let admin = gw.admin.unwrap();
+    let spec = "name: web-v2\nlane: gray\nkey: { header: X-User }\nsteps:\n  - { weight: 30, min_duration_ms: 600000 }\nanalysis: { interval_ms: 200, min_requests: 1000000 }\n";
+    let r = Req::get("/releases")
+        .method("POST")
+        .body(spec)
+        .send(admin)
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    for i in 0..20 {
+        Req::get("/api/x")
+            .header("X-User", &format!("d{i}"))
+            .send(gw.addr)
+            .await;
+    }
+    let driver = Driver::start().await;
+    let c = driver.browser().await;
+    c.goto(&format!("http://{admin}/")).await.unwrap();
+    let row = wait_text(
+        &c,
+        "#releases tr[data-release='web-v2']",
+        "the release row",
+        |t| t.contains("progressing") && t.contains("30.0 %"),
+    )
+    .await;
+    assert!(row.contains("gray"), "{row}");
+    // The timeline shows judged intervals with their values and reasons.
+    let tl = wait_text(&c, "#release-timeline", "inconclusive decisions", |t| {
+        t.contains("inconclusive") && t.contains("too few requests")
+    })
+    .await;
+    assert!(tl.contains("step 1 (30.0 %)"), "{tl}");
+    // An abort shows as rolled back.
+    let r = Req::get("/releases/web-v2/abort")
+        .method("POST")
+        .send(admin)
+        .await;
+    assert_eq!(r.status, 200);
+    wait_text(
+        &c,
+        "#releases tr[data-release='web-v2'] .state",
+        "rolled back",
+        |t| t == "rolled_back",
+    )
+    .await;
+    c.close().await.unwrap();
+}

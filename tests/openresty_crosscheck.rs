@@ -152,6 +152,9 @@ fn requests() -> Vec<Req> {
             .header("X-Probe-Clear", "gone")
             .header("X-Probe-Nil", "gone too"),
         Req::get("/q?only").header("X-Probe-Set", "client"),
+        // A bare `?`: no arguments (args nil, is_args "").
+        Req::get("/p?"),
+        Req::get("/p?&"),
     ];
     for i in 0..30 {
         v.push(Req::get("/").header("X-User-Id", &format!("u{i}")));

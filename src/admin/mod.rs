@@ -6,9 +6,11 @@
 //! passes [`auth`] first.
 
 pub mod auth;
+pub mod client;
 pub mod dashboard;
 pub mod explain;
 pub mod nodes;
+pub mod releases;
 pub mod rules;
 
 use std::convert::Infallible;
@@ -136,6 +138,7 @@ async fn route(gw: &Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
         },
         (_, ["nodes", ..]) => nodes::manage(gw, req, &segs[1..]).await,
         (_, ["rules", ..]) => rules::handle(gw, req, &segs[1..]).await,
+        (_, ["releases", ..]) => releases::handle(gw, req, &segs[1..]).await,
         (_, ["status" | "metrics" | "stats" | "config" | "explain"]) => {
             plain(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n")
         }

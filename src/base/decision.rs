@@ -25,6 +25,10 @@ pub enum DecidedBy {
     RuleFallback,
     /// A valid signed sticky cookie kept the lane of an earlier decision.
     StickyCookie,
+    /// A progressive release's current step (named) took the request.
+    Release(Arc<str>),
+    /// The lane was rolled back by a release: the request went formal.
+    RolledBack(Arc<str>),
 }
 
 impl DecidedBy {
@@ -39,13 +43,15 @@ impl DecidedBy {
             DecidedBy::Deny(_) => "deny",
             DecidedBy::Rule(_) => "rule",
             DecidedBy::RuleFallback => "rule_fallback",
+            DecidedBy::Release(_) => "release",
+            DecidedBy::RolledBack(_) => "rolled_back",
         }
     }
 
     /// The deny or rule name, when a named rule decided.
     pub fn rule_name(&self) -> Option<&str> {
         match self {
-            DecidedBy::Deny(n) | DecidedBy::Rule(n) => Some(n),
+            DecidedBy::Deny(n) | DecidedBy::Rule(n) | DecidedBy::Release(n) => Some(n),
             _ => None,
         }
     }

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
+pub mod release;
 pub mod rules;
 
 /// Instructions a single lane call may run before it is stopped: about
@@ -106,6 +107,11 @@ pub struct MainConfig {
     /// Declarative gray rules in their own hot-reloaded file.
     #[serde(default)]
     pub rules_file: Option<PathBuf>,
+    /// Where progressive releases keep their state (JSON, written by the
+    /// release controller; watched like every file). Default
+    /// `releases.json` under `root`.
+    #[serde(default)]
+    pub release_state_file: Option<PathBuf>,
     /// `ngx.shared` dictionaries: name → size (`10m`, `512k` or bytes).
     #[serde(default)]
     pub shared_dicts: BTreeMap<String, SizeValue>,

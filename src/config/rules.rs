@@ -1,10 +1,10 @@
 //! Layer: config (bottom). The YAML form of the declarative gray rules (inline
 //! `rules:` or a `rules_file`); `lane::rules` compiles it.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// A rule file (or the inline `rules:` block of the main config).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct RulesConfig {
     /// Master switch: `false` skips deny, rules and fallback alike.
@@ -30,7 +30,7 @@ fn yes() -> bool {
 
 /// Exactly one of `header`, `cookie`, `query` (and, for percentage keys
 /// only, `ip: true`).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct SourceConfig {
     #[serde(default)]
@@ -43,7 +43,7 @@ pub struct SourceConfig {
     pub ip: bool,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(untagged)]
 pub enum OneOrMany<T> {
     One(T),
@@ -60,7 +60,7 @@ impl<T: Clone> OneOrMany<T> {
 }
 
 /// A YAML scalar taken as text (`42` and `"42"` alike).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(untagged)]
 pub enum Scalar {
     Int(i64),
@@ -76,7 +76,7 @@ impl Scalar {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct RuleConfig {
     pub name: String,
@@ -104,14 +104,14 @@ pub struct RuleConfig {
 }
 
 /// CIDRs/addresses, or `{ list: name }` naming a configured IP list.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(untagged)]
 pub enum IpConfig {
     Cidrs(Vec<String>),
     List { list: String },
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct MatchConfig {
     pub name: String,
@@ -123,7 +123,7 @@ pub struct MatchConfig {
 
 /// ABTestingGateway's uidappoint (`in`), uidrange (`ranges`) and
 /// uidsuffix (`suffix`); the condition holds when any given form matches.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct UidConfig {
     #[serde(default, rename = "in")]
@@ -135,7 +135,7 @@ pub struct UidConfig {
 }
 
 /// `[lo, hi]` or `"lo-hi"`, inclusive.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(untagged)]
 pub enum RangeConfig {
     Pair([u64; 2]),

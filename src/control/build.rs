@@ -278,6 +278,20 @@ impl Generation {
             }
         }
 
+        let release_path = super::release::state_path(config_path, &config);
+        let (release_file, release_text) = super::release::load(&release_path)?;
+        let (releases, revoked) =
+            super::release::compile(&release_file, &release_path, &release_text, &lists)?;
+        for r in &release_file.releases {
+            if !services.values().any(|s| s.count(&r.spec.lane) > 0) {
+                warnings.push(format!(
+                    "release {:?}: lane {:?} is served by no node (its requests go to formal nodes)",
+                    r.spec.name, r.spec.lane
+                ));
+            }
+        }
+        files.push(release_path);
+
         let mut dict_sizes = Vec::new();
         for (name, size) in &config.shared_dicts {
             let bytes = size.bytes().filter(|b| *b > 0).ok_or_else(|| {
@@ -378,6 +392,8 @@ impl Generation {
                 script,
                 sticky,
                 served_lanes,
+                releases,
+                revoked,
             },
             services,
             routes,

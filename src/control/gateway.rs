@@ -47,6 +47,8 @@ pub struct Gateway {
     reload_lock: Mutex<()>,
     /// Traffic history for the dashboard.
     pub history: History,
+    /// The release controller's in-memory side.
+    pub releases: super::release::controller::Runtime,
     /// Serialises admin changes to node files.
     pub edit_lock: tokio::sync::Mutex<()>,
 }
@@ -101,6 +103,7 @@ impl Gateway {
             shutdown,
             reload_lock: Mutex::new(()),
             history: Default::default(),
+            releases: Default::default(),
             edit_lock: tokio::sync::Mutex::new(()),
         });
         gw.sync_health(&gw.current());

@@ -7,6 +7,7 @@
 pub mod build;
 pub mod gateway;
 pub mod node_edit;
+pub mod release;
 pub mod reload;
 pub mod rule_edit;
 pub mod stats;

@@ -88,6 +88,24 @@ pub struct LanePolicy {
     /// Lanes some node or static tree serves (a sticky cookie naming any
     /// other lane is ignored).
     pub served_lanes: BTreeSet<String>,
+    /// Progressive releases' current steps, as rules (`release:<name>`,
+    /// scoped to the release's routes by path prefix).
+    pub releases: Option<rules::Rules>,
+    /// Lanes rolled back by a release: never decided, never kept by a
+    /// sticky cookie.
+    pub revoked: BTreeSet<String>,
+}
+
+/// The decision a rule verdict stands for (none when rules are off).
+fn rule_verdict(verdict: &rules::Verdict) -> Option<Decision> {
+    match verdict {
+        rules::Verdict::Deny(name) => Some(Decision::new(FORMAL, DecidedBy::Deny(name.clone()))),
+        rules::Verdict::Disabled => None,
+        rules::Verdict::Rule { name, lane } => {
+            Some(Decision::new(&**lane, DecidedBy::Rule(name.clone())))
+        }
+        rules::Verdict::Fallback(lane) => Some(Decision::new(&**lane, DecidedBy::RuleFallback)),
+    }
 }
 
 /// A decided request: the request handed back (as the script left it —
@@ -110,8 +128,19 @@ impl Decided {
     }
 }
 
-/// Decides the lane of `req` under `gen`.
+/// Decides the lane of `req` under `gen`: the trusted tag, deny rules,
+/// progressive releases' current steps, declarative rules, the script; a
+/// lane a release rolled back is never the answer (formal instead).
 pub fn decide(gen: &LanePolicy, req: RequestInfo) -> Decided {
+    let mut d = decide_lane(gen, req);
+    if !gen.revoked.is_empty() && gen.revoked.contains(&d.decision.lane) {
+        let lane: Arc<str> = d.decision.lane.as_str().into();
+        d.decision = Decision::new(FORMAL, DecidedBy::RolledBack(lane));
+    }
+    d
+}
+
+fn decide_lane(gen: &LanePolicy, req: RequestInfo) -> Decided {
     if req.peer_trusted {
         if let Some(v) = req.parts.headers.get(&gen.tag_header) {
             let tag = v.to_str().unwrap_or("");
@@ -136,11 +165,15 @@ pub fn decide(gen: &LanePolicy, req: RequestInfo) -> Decided {
         rules::Verdict::Deny(name) => {
             return Decided::new(req, Decision::new(FORMAL, DecidedBy::Deny(name.clone())));
         }
-        rules::Verdict::Disabled => None,
-        rules::Verdict::Rule { name, lane } => {
-            Some(Decision::new(&**lane, DecidedBy::Rule(name.clone())))
+        _ if gen.releases.is_some() => {
+            let step = gen.releases.as_ref().and_then(|r| r.first_match(&req));
+            if let Some(step) = step {
+                let d = Decision::new(&*step.lane, DecidedBy::Release(step.name.clone()));
+                return Decided::new(req, d);
+            }
+            rule_verdict(&verdict)
         }
-        rules::Verdict::Fallback(lane) => Some(Decision::new(&**lane, DecidedBy::RuleFallback)),
+        _ => rule_verdict(&verdict),
     };
     let Some(src) = &gen.script else {
         let d = rule_decision.unwrap_or_else(|| Decision::new(FORMAL, DecidedBy::Default));

@@ -118,16 +118,80 @@ fn var_table(lua: &Lua) -> mlua::Result<Table> {
     )?;
     mt.raw_set(
         "__newindex",
-        lua.create_function(|_, (_, name): (Table, LuaString)| -> mlua::Result<()> {
-            Err(mlua::Error::runtime(format!(
-                "ngx.var.{} is read-only in graygate",
-                name.to_string_lossy()
-            )))
-        })?,
+        lua.create_function(
+            |lua, (_, name, value): (Table, LuaString, Value)| -> mlua::Result<()> {
+                match &*name.as_bytes() {
+                    b"args" | b"query_string" => set_args(lua, value),
+                    other => Err(mlua::Error::runtime(format!(
+                        "variable \"{}\" not changeable",
+                        String::from_utf8_lossy(other)
+                    ))),
+                }
+            },
+        )?,
     )?;
     mt.raw_set("__metatable", false)?;
     t.set_metatable(Some(mt))?;
     Ok(t)
+}
+
+/// The query string, `None` when absent or empty (as nginx's `$args`).
+fn query(r: &RequestInfo) -> Option<&str> {
+    r.parts.uri.query().filter(|q| !q.is_empty())
+}
+
+/// `ngx.var.args = …`: the query string sent upstream (a string, a number,
+/// or nil/"" for none), as nginx's changeable `$args`.
+fn set_args(lua: &Lua, value: Value) -> mlua::Result<()> {
+    let q = match value {
+        Value::Nil => String::new(),
+        v @ (Value::String(_) | Value::Integer(_) | Value::Number(_)) => lua
+            .coerce_string(v)?
+            .map(|s| s.to_string_lossy())
+            .unwrap_or_default(),
+        other => {
+            return Err(mlua::Error::runtime(format!(
+                "bad args value type {}",
+                other.type_name()
+            )))
+        }
+    };
+    with_current(|c| -> mlua::Result<()> {
+        let uri = &c.req.parts.uri;
+        let target = if q.is_empty() {
+            uri.path().to_string()
+        } else {
+            format!("{}?{}", uri.path(), escape_target(&q))
+        };
+        let mut parts = uri.clone().into_parts();
+        parts.path_and_query = Some(
+            target
+                .parse()
+                .map_err(|_| mlua::Error::runtime("bad args value"))?,
+        );
+        let new =
+            http::Uri::from_parts(parts).map_err(|_| mlua::Error::runtime("bad args value"))?;
+        if c.saved_uri.is_none() {
+            c.saved_uri = Some(c.req.parts.uri.clone());
+        }
+        c.req.parts.uri = new;
+        Ok(())
+    })?
+}
+
+/// Bytes a request target cannot carry raw, percent-encoded (nginx sends
+/// them as they are; a URI type cannot hold them).
+fn escape_target(q: &str) -> Cow<'_, str> {
+    const RAW: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS
+        .add(b' ')
+        .add(b'"')
+        .add(b'#')
+        .add(b'<')
+        .add(b'>')
+        .add(b'`')
+        .add(b'{')
+        .add(b'}');
+    percent_encoding::utf8_percent_encode(q, RAW).into()
 }
 
 /// The value of nginx variable `name` for `r`, or `None` (nil).
@@ -141,12 +205,9 @@ pub fn variable<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
             .uri
             .path_and_query()
             .map_or(r.parts.uri.path(), |pq| pq.as_str())),
-        b"args" | b"query_string" => r.parts.uri.query().and_then(b),
-        b"is_args" => b(if r.parts.uri.query().is_some() {
-            "?"
-        } else {
-            ""
-        }),
+        // nginx: a bare `?` is no arguments (nil, and `is_args` "").
+        b"args" | b"query_string" => query(r).and_then(b),
+        b"is_args" => b(if query(r).is_some() { "?" } else { "" }),
         b"host" => b(&r.host),
         b"request_method" => b(r.parts.method.as_str()),
         b"scheme" => b("http"),
@@ -377,13 +438,29 @@ fn has_crlf(b: &[u8]) -> bool {
     b.iter().any(|&c| c == b'\r' || c == b'\n')
 }
 
+/// CR and LF percent-encoded, as lua-nginx-module does for header names
+/// and values (so a script cannot split a header).
+fn escape_crlf(b: &[u8]) -> Cow<'_, [u8]> {
+    if !has_crlf(b) {
+        return Cow::Borrowed(b);
+    }
+    let mut out = Vec::with_capacity(b.len() + 8);
+    for &c in b {
+        match c {
+            b'\r' => out.extend_from_slice(b"%0D"),
+            b'\n' => out.extend_from_slice(b"%0A"),
+            c => out.push(c),
+        }
+    }
+    Cow::Owned(out)
+}
+
 /// `ngx.req.set_header`: replaces (or with nil removes) a request header
-/// that goes upstream. CR/LF and other invalid bytes are refused.
+/// that goes upstream. CR/LF are percent-encoded (as lua-nginx-module
+/// does); other invalid bytes are refused.
 fn set_header(lua: &Lua, name: &LuaString, value: Value) -> mlua::Result<()> {
     let name_b = name.as_bytes();
-    if has_crlf(&name_b) {
-        return Err(mlua::Error::runtime("header name contains CR or LF"));
-    }
+    let name_b = escape_crlf(&name_b);
     let hname = HeaderName::from_bytes(&name_b).map_err(|_| {
         mlua::Error::runtime(format!("invalid header name {:?}", name.to_string_lossy()))
     })?;
@@ -401,12 +478,7 @@ fn set_header(lua: &Lua, name: &LuaString, value: Value) -> mlua::Result<()> {
             }
         };
         let b = s.as_bytes();
-        if has_crlf(&b) {
-            return Err(mlua::Error::runtime(format!(
-                "header {:?} value contains CR or LF",
-                hname.as_str()
-            )));
-        }
+        let b = escape_crlf(&b);
         values.push(HeaderValue::from_bytes(&b).map_err(|_| {
             mlua::Error::runtime(format!("invalid value for header {:?}", hname.as_str()))
         })?);
@@ -847,9 +919,31 @@ pub(crate) mod tests {
         assert_eq!(v("no_such_variable"), "nil");
         let no_args = request("/x", "::1", &[]);
         assert_eq!(eval("return tostring(ngx.var.args)", no_args), "nil");
-        // Read-only.
+        let bare = request("/x?", "::1", &[]);
+        assert_eq!(
+            eval(
+                "return tostring(ngx.var.args) .. '|' .. ngx.var.is_args",
+                bare
+            ),
+            "nil|"
+        );
+        // Only `$args` is changeable, as in nginx.
         let (_, r) = run_with("ngx.var.uri = '/x'", std_req(), BTreeMap::new());
-        assert!(r.unwrap_err().message.contains("read-only"));
+        assert!(r.unwrap_err().message.contains("not changeable"));
+        let (req, r) = run_with(
+            "ngx.var.args = 'a=1&b=x y'\nreturn ngx.var.args .. '|' .. ngx.var.arg_b",
+            std_req(),
+            BTreeMap::new(),
+        );
+        assert_eq!(r.unwrap().as_deref(), Some("a=1&b=x%20y|x%20y"));
+        assert_eq!(req.parts.uri.query(), Some("a=1&b=x%20y"));
+        let (req, r) = run_with(
+            "ngx.var.args = nil\nreturn tostring(ngx.var.args)",
+            std_req(),
+            BTreeMap::new(),
+        );
+        assert_eq!(r.unwrap().as_deref(), Some("nil"));
+        assert_eq!(req.parts.uri.query(), None);
     }
 
     #[test]
@@ -877,7 +971,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn ngx_req_set_header_goes_upstream_and_refuses_crlf() {
+    fn ngx_req_set_header_goes_upstream_and_escapes_crlf() {
         let (req, r) = run_with(
             "ngx.req.set_header('X-Gray-Reason', 'uid')
              ngx.req.set_header('X-Multi', {'a', 'b'})
@@ -894,10 +988,19 @@ pub(crate) mod tests {
         assert_eq!(h["x-num"], "7");
         assert!(!h.contains_key("accept"));
 
+        // CR/LF are percent-encoded (lua-nginx-module): no header splits.
+        let (req, r) = run_with(
+            "ngx.req.set_header('X-A', 'v\\r\\nX-Evil: 1')\nngx.req.set_header('X-B\\n', 'w')\nreturn 'gray'",
+            std_req(),
+            BTreeMap::new(),
+        );
+        assert!(r.is_ok());
+        assert_eq!(req.parts.headers["x-a"], "v%0D%0AX-Evil: 1");
+        assert_eq!(req.parts.headers["x-b%0a"], "w");
+        assert!(!req.parts.headers.contains_key("x-evil"));
         for bad in [
-            "ngx.req.set_header('X-A', 'v\\r\\nX-Evil: 1')",
-            "ngx.req.set_header('X-A\\n', 'v')",
             "ngx.req.set_header('X A', 'v')",
+            "ngx.req.set_header('X-A', 'v\\0')",
         ] {
             let body = format!("ngx.req.set_header('X-Before', '1')\n{bad}\nreturn 'gray'");
             let (req, r) = run_with(&body, std_req(), BTreeMap::new());

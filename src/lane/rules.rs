@@ -189,6 +189,12 @@ impl Rules {
         }
     }
 
+    /// The first rule that matches, ignoring deny rules and the fallback
+    /// (release splits: no match means "not in the release").
+    pub fn first_match(&self, r: &RequestInfo) -> Option<&Rule> {
+        self.rules.iter().find(|x| x.matches(r))
+    }
+
     /// Every lane a rule (or the fallback) can produce.
     pub fn lanes(&self) -> impl Iterator<Item = &str> {
         self.rules

@@ -177,6 +177,9 @@ pub(crate) struct Current {
     /// Request headers before the first `ngx.req.set_header`; restored if
     /// the call fails so a failing script leaves the request untouched.
     pub saved_headers: Option<http::HeaderMap>,
+    /// The request target before the first `ngx.var.args = …`; restored
+    /// likewise.
+    pub saved_uri: Option<http::Uri>,
 }
 
 // Per-thread slots: the request being decided and this thread's VM.
@@ -724,6 +727,7 @@ pub fn call_lane(
             req,
             rule,
             saved_headers: None,
+            saved_uri: None,
         })
     });
     let result = VM.with(|vm| {
@@ -777,6 +781,9 @@ pub fn call_lane(
     if result.is_err() {
         if let Some(h) = cur.saved_headers {
             req.parts.headers = h;
+        }
+        if let Some(u) = cur.saved_uri {
+            req.parts.uri = u;
         }
     }
     (req, result)

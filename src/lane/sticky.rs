@@ -159,7 +159,7 @@ pub fn decide_sticky(gen: &LanePolicy, st: &Sticky, info: RequestInfo) -> Decide
     if !tagged && !denied {
         let kept = cookie_value(&info.parts.headers, &st.cookie)
             .and_then(|v| st.verify(v, now))
-            .filter(|l| gen.served_lanes.contains(*l))
+            .filter(|l| gen.served_lanes.contains(*l) && !gen.revoked.contains(*l))
             .map(str::to_string);
         if let Some(l) = kept {
             return Decided {
@@ -173,7 +173,11 @@ pub fn decide_sticky(gen: &LanePolicy, st: &Sticky, info: RequestInfo) -> Decide
     let d = &decided.decision;
     let cookie = matches!(
         d.decided_by,
-        DecidedBy::Script | DecidedBy::Default | DecidedBy::Rule(_) | DecidedBy::RuleFallback
+        DecidedBy::Script
+            | DecidedBy::Default
+            | DecidedBy::Rule(_)
+            | DecidedBy::RuleFallback
+            | DecidedBy::Release(_)
     )
     .then(|| st.set_cookie(&d.lane, now));
     decided.set_cookie = cookie;

@@ -42,8 +42,15 @@ pub struct Metrics {
     pub node_weight: IntGaugeVec,
     pub access_log_dropped: IntCounter,
     pub errors: IntCounterVec,
+    /// Per-lane counts and fine latency (release analysis).
+    pub lanes: super::lanes::LaneStats,
+    /// Release progress: current step index, weight (percent), and each
+    /// judged interval by outcome.
+    pub release_step: IntGaugeVec,
+    pub release_weight: prometheus::GaugeVec,
+    pub release_analyses: IntCounterVec,
     /// Lane label values seen so far (bounded; see [`MAX_LANE_LABELS`]).
-    lanes: RwLock<HashSet<String>>,
+    lanes_seen: RwLock<HashSet<String>>,
     /// Distinguishes instances in the per-thread handle cache.
     id: u64,
 }
@@ -192,6 +199,28 @@ impl Metrics {
             "Requests that did not end as the node answered, by side (client: bad request, aborted or stalled body, never charged to a node; upstream: the node's failure; gateway: no route, no node, deadline) and kind.",
             &["side", "kind"],
         );
+        let release_step = gauge_vec(
+            &r,
+            "graygate_release_step",
+            "Current step (index from 0) of each progressive release.",
+            &["release", "lane"],
+        );
+        let release_weight = prometheus::GaugeVec::new(
+            Opts::new(
+                "graygate_release_weight",
+                "Traffic share (percent of the release's routes) its lane gets now.",
+            ),
+            &["release", "lane"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(release_weight.clone()))
+            .expect("unique metric");
+        let release_analyses = counter_vec(
+            &r,
+            "graygate_release_analyses_total",
+            "Judged release intervals and actions, by outcome (pass, fail, inconclusive, error, step, promote, rollback, held).",
+            &["release", "outcome"],
+        );
         let access_log_dropped = IntCounter::new(
             "graygate_access_log_dropped_total",
             "Access log lines dropped because the writer fell behind.",
@@ -214,7 +243,11 @@ impl Metrics {
             node_weight,
             access_log_dropped,
             errors,
-            lanes: RwLock::new(HashSet::new()),
+            lanes_seen: RwLock::new(HashSet::new()),
+            lanes: Default::default(),
+            release_step,
+            release_weight,
+            release_analyses,
             id: METRICS_IDS.fetch_add(1, Ordering::Relaxed),
         }
     }
@@ -223,14 +256,14 @@ impl Metrics {
     /// [`MAX_LANE_LABELS`] lanes have been seen, else `other`.
     fn lane_label<'a>(&self, lane: &'a str) -> &'a str {
         if self
-            .lanes
+            .lanes_seen
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .contains(lane)
         {
             return lane;
         }
-        let mut seen = self.lanes.write().unwrap_or_else(|e| e.into_inner());
+        let mut seen = self.lanes_seen.write().unwrap_or_else(|e| e.into_inner());
         if seen.len() < MAX_LANE_LABELS {
             seen.insert(lane.to_string());
             lane
@@ -294,6 +327,8 @@ impl Metrics {
                 .inc();
         }
         let Some(d) = o.decision else { return };
+        let served = d.served_lane.as_deref().unwrap_or(d.lane.as_str());
+        self.lanes.record(served, o.status, o.total);
         if let Some(reason) = d.fallback {
             let lane = self.lane_label(&d.lane);
             self.fallbacks.with_label_values(&[reason, lane]).inc();

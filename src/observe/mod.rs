@@ -3,5 +3,6 @@
 //! access log. The data plane writes into it; admin reads it.
 
 pub mod access_log;
+pub mod lanes;
 pub mod metrics;
 pub mod node_stats;

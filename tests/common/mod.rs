@@ -27,6 +27,7 @@ pub type BoxBody = http_body_util::combinators::BoxBody<Bytes, hyper::Error>;
 pub struct Seen {
     pub method: String,
     pub path: String,
+    pub query: Option<String>,
     pub headers: HeaderMap,
 }
 
@@ -162,6 +163,7 @@ async fn answer(
     seen.lock().unwrap().push(Seen {
         method: req.method().to_string(),
         path: req.uri().path().to_string(),
+        query: req.uri().query().map(str::to_string),
         headers: req.headers().clone(),
     });
     match mode {

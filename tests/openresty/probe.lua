@@ -126,6 +126,11 @@ function _M.probe()
     local wrote = pcall(function()
         ngx.var.probe_undefined = "x"
     end)
+    -- CR/LF in a header is percent-encoded, not an error.
+    local crlf_ok = pcall(ngx.req.set_header, "X-Probe-Crlf", "a\r\nb")
+    -- A value larger than the dictionary: "no memory", forcible.
+    local big_ok, big_err, big_forcible =
+        ngx.shared.probe:set("probe-big", string.rep("x", 2 * 1024 * 1024))
     return {
         "is_args=" .. s(ngx.var.is_args),
         "server_protocol=" .. s(ngx.var.server_protocol),
@@ -150,6 +155,8 @@ function _M.probe()
         "levels=" .. table.concat({ ngx.STDERR, ngx.EMERG, ngx.ALERT, ngx.CRIT, ngx.ERR,
             ngx.WARN, ngx.NOTICE, ngx.INFO, ngx.DEBUG }, ","),
         "var_write=" .. s(wrote),
+        "crlf=" .. s(crlf_ok) .. "," .. s(ngx.var.http_x_probe_crlf),
+        "nomem=" .. s(big_ok) .. "," .. s(big_err) .. "," .. s(big_forcible),
         "shared=" .. shared(),
         "ror=" .. s(bit.ror(0x12345678, 12)),
         "ror0=" .. s(bit.ror(1, 1)),

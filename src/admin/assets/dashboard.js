@@ -147,10 +147,32 @@ function renderConfig(cfg) {
   document.getElementById("script").textContent = text;
 }
 
+// Releases: a row each, and the newest release's decisions as a timeline
+// (each with the values behind it).
+async function renderReleases(list) {
+  fill(document.querySelector("#releases tbody"), list.releases.map((r) => {
+    const last = r.last || {};
+    return el("tr", { "data-release": r.name, class: r.state },
+      el("td", {}, r.name), el("td", {}, r.lane), el("td", { class: "state" }, r.state),
+      el("td", {}, (r.step + 1) + " / " + r.steps), el("td", {}, num(r.weight, 1) + " %"),
+      el("td", {}, r.failures), el("td", {}, (last.outcome || "–") + (last.reason ? ": " + last.reason : "")));
+  }));
+  const tl = document.getElementById("release-timeline");
+  if (!list.releases.length) { tl.replaceChildren(); return; }
+  const newest = list.releases[list.releases.length - 1];
+  const full = await getJSON("releases/" + encodeURIComponent(newest.name));
+  tl.replaceChildren(...full.analyses.slice(-20).reverse().map((a) => el("li", { class: a.outcome },
+    new Date(a.at).toLocaleTimeString() + " step " + (a.step + 1) + " (" + num(a.weight, 1) + " %) " + a.outcome +
+    (a.gray.requests ? " — gray " + a.gray.requests + " req, " + num(a.gray.error_rate_pct, 2) + " % err, p99 " + ms(a.gray.p99_ms) +
+      "; formal " + a.formal.requests + " req, " + num(a.formal.error_rate_pct, 2) + " % err, p99 " + ms(a.formal.p99_ms) : "") +
+    (a.reason ? " — " + a.reason : ""))));
+}
+
 async function refresh() {
   try {
-    const [status, stats, nodes, cfg] = await Promise.all([
-      getJSON("status"), getJSON("stats"), getJSON("nodes"), getJSON("config")]);
+    const [status, stats, nodes, cfg, releases] = await Promise.all([
+      getJSON("status"), getJSON("stats"), getJSON("nodes"), getJSON("config"), getJSON("releases")]);
+    await renderReleases(releases);
     renderStatus(status);
     renderStats(stats);
     renderNodes(nodes);

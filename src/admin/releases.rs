@@ -1,0 +1,105 @@
+//! Layer: admin. `/releases`: create a progressive release (`POST`, YAML or
+//! JSON spec), list them, show one with every decision and the values behind
+//! it, and act on one (`POST /releases/NAME/promote|pause|resume|abort`).
+//! The work is the release controller's (`control::release`).
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+
+use super::{json, json_status, text};
+use crate::base::body::Body;
+use crate::config::release::ReleaseRecord;
+use crate::control::release::controller::{self, Action, Refused};
+use crate::control::release::weight;
+use crate::control::Gateway;
+
+/// Largest release spec accepted.
+const MAX_SPEC: usize = 256 * 1024;
+
+fn view(r: &ReleaseRecord, full: bool) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "name": r.spec.name,
+        "lane": r.spec.lane,
+        "routes": r.spec.routes,
+        "state": r.state.phase.as_str(),
+        "step": r.state.step,
+        "steps": r.spec.steps.len(),
+        "weight": weight(r),
+        "failures": r.state.failures,
+        "awaiting_promote": r.state.awaiting_promote,
+        "last": r.state.history.last(),
+    });
+    if full {
+        v["spec"] = serde_json::to_value(&r.spec).unwrap_or_default();
+        v["analyses"] = serde_json::to_value(&r.state.history).unwrap_or_default();
+    }
+    v
+}
+
+fn refused(e: Refused) -> Response<Body> {
+    match e {
+        Refused::NotFound(m) => text(StatusCode::NOT_FOUND, m),
+        Refused::Conflict(m) => text(StatusCode::CONFLICT, m),
+        Refused::Invalid(m) => text(StatusCode::BAD_REQUEST, m),
+    }
+}
+
+async fn read_text(body: Incoming) -> Result<String, Response<Body>> {
+    let bytes: Bytes = match Limited::new(body, MAX_SPEC).collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(_) => {
+            return Err(text(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "spec too large or unreadable",
+            ))
+        }
+    };
+    String::from_utf8(bytes.to_vec())
+        .map_err(|_| text(StatusCode::BAD_REQUEST, "spec is not UTF-8"))
+}
+
+/// Routes `/releases` requests (`rest` is the path after `releases`).
+pub async fn handle(gw: &Arc<Gateway>, req: Request<Incoming>, rest: &[&str]) -> Response<Body> {
+    let method = req.method().clone();
+    match (&method, rest) {
+        (&Method::GET, []) => {
+            let all: Vec<_> = controller::list(gw)
+                .iter()
+                .map(|r| view(r, false))
+                .collect();
+            json(serde_json::json!({ "releases": all }))
+        }
+        (&Method::POST, []) => {
+            let spec = match read_text(req.into_body()).await {
+                Ok(s) => s,
+                Err(r) => return r,
+            };
+            match controller::create(gw, &spec).await {
+                Ok(r) => json_status(StatusCode::CREATED, view(&r, true)),
+                Err(e) => refused(e),
+            }
+        }
+        (&Method::GET, [name]) => {
+            match controller::list(gw).iter().find(|r| r.spec.name == *name) {
+                Some(r) => json(view(r, true)),
+                None => text(StatusCode::NOT_FOUND, format!("no release {name:?}")),
+            }
+        }
+        (&Method::POST, [name, action]) => match Action::parse(action) {
+            Some(a) => match controller::act(gw, name, a).await {
+                Ok(r) => json(view(&r, true)),
+                Err(e) => refused(e),
+            },
+            None => text(
+                StatusCode::NOT_FOUND,
+                "actions: promote, pause, resume, abort",
+            ),
+        },
+        (_, [] | [_] | [_, _]) => text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed"),
+        _ => text(StatusCode::NOT_FOUND, "not found"),
+    }
+}

@@ -1,0 +1,231 @@
+//! Layer: config. A progressive release as written by its operator (YAML or
+//! JSON), and the release's durable state as the controller keeps it in the
+//! release state file (JSON; one file holds every release).
+
+use serde::{Deserialize, Serialize};
+
+use super::rules::{IpConfig, MatchConfig, OneOrMany, SourceConfig};
+
+/// A named release: one lane on some routes, stepped by traffic share or
+/// by match, judged interval by interval against formal.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseSpec {
+    pub name: String,
+    /// The lane being released (its nodes and static tree already exist).
+    pub lane: String,
+    /// Route prefixes the release covers (API and static); default `/`.
+    #[serde(default = "default_routes")]
+    pub routes: Vec<String>,
+    /// What the traffic share hashes (stable bucket 0–99, so raising the
+    /// share only adds users); default the client IP.
+    #[serde(default)]
+    pub key: Option<SourceConfig>,
+    pub steps: Vec<StepSpec>,
+    #[serde(default)]
+    pub analysis: AnalysisSpec,
+    #[serde(default)]
+    pub webhooks: WebhooksSpec,
+}
+
+fn default_routes() -> Vec<String> {
+    vec!["/".to_string()]
+}
+
+/// One step: a traffic share (`weight`, percent of the key's buckets) or a
+/// match (A/B style), held at least `min_duration_ms`.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StepSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<f64>,
+    #[serde(default, rename = "match", skip_serializing_if = "Option::is_none")]
+    pub matches: Option<MatchSpec>,
+    #[serde(default = "default_step_ms")]
+    pub min_duration_ms: u64,
+    /// `manual`: after this step's analysis passes, wait for `promote`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gate: Option<String>,
+}
+
+fn default_step_ms() -> u64 {
+    60_000
+}
+
+/// The requests a match step sends to the lane (every condition holds).
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MatchSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header: Option<OneOrMany<MatchConfig>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cookie: Option<OneOrMany<MatchConfig>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub query: Option<OneOrMany<MatchConfig>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip: Option<IpConfig>,
+}
+
+/// How each interval is judged: gray against formal, both live at once.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AnalysisSpec {
+    #[serde(default = "default_interval_ms")]
+    pub interval_ms: u64,
+    /// Fewer requests than this in either lane: inconclusive.
+    #[serde(default = "default_min_requests")]
+    pub min_requests: u64,
+    /// Gray's error rate may exceed formal's by this many percentage points.
+    #[serde(default = "default_error_delta")]
+    pub max_error_delta_pp: f64,
+    /// Gray's p99 may be at most this multiple of formal's.
+    #[serde(default = "default_p99_ratio")]
+    pub max_p99_ratio: f64,
+    /// Optional absolute ceilings for gray.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_error_rate_pct: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_p99_ms: Option<f64>,
+    /// Failed intervals (counted within the release) that roll it back.
+    #[serde(default = "default_threshold")]
+    pub failure_threshold: u32,
+}
+
+fn default_interval_ms() -> u64 {
+    10_000
+}
+fn default_min_requests() -> u64 {
+    100
+}
+fn default_error_delta() -> f64 {
+    0.5
+}
+fn default_p99_ratio() -> f64 {
+    1.2
+}
+fn default_threshold() -> u32 {
+    2
+}
+
+impl Default for AnalysisSpec {
+    fn default() -> Self {
+        AnalysisSpec {
+            interval_ms: default_interval_ms(),
+            min_requests: default_min_requests(),
+            max_error_delta_pp: default_error_delta(),
+            max_p99_ratio: default_p99_ratio(),
+            max_error_rate_pct: None,
+            max_p99_ms: None,
+            failure_threshold: default_threshold(),
+        }
+    }
+}
+
+/// URLs called with a JSON POST; a non-2xx answer or a timeout holds the
+/// release where it is.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct WebhooksSpec {
+    /// Before each step is applied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub before_step: Option<String>,
+    /// Before promotion.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confirm: Option<String>,
+    /// After a rollback (informational: its answer cannot hold anything).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollback: Option<String>,
+    #[serde(default = "default_hook_ms")]
+    pub timeout_ms: u64,
+}
+
+fn default_hook_ms() -> u64 {
+    2_000
+}
+
+/// Where a release is.
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    Progressing,
+    Paused,
+    Promoted,
+    RolledBack,
+}
+
+impl Phase {
+    /// Promoted and rolled-back releases never move again.
+    pub fn is_final(self) -> bool {
+        matches!(self, Phase::Promoted | Phase::RolledBack)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Progressing => "progressing",
+            Phase::Paused => "paused",
+            Phase::Promoted => "promoted",
+            Phase::RolledBack => "rolled_back",
+        }
+    }
+}
+
+/// One lane's figures over one interval.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+pub struct LaneFigures {
+    pub requests: u64,
+    pub errors: u64,
+    pub error_rate_pct: f64,
+    /// `None` without requests.
+    pub p99_ms: Option<f64>,
+}
+
+/// One judged interval (or an action), with the values behind it.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+pub struct Analysis {
+    /// Unix milliseconds.
+    pub at: u64,
+    pub step: usize,
+    pub weight: f64,
+    /// `pass`, `fail`, `inconclusive`, `error`, or an action (`step`,
+    /// `promote`, `rollback`, `pause`, `resume`, `held`).
+    pub outcome: String,
+    pub gray: LaneFigures,
+    pub formal: LaneFigures,
+    pub thresholds: AnalysisSpec,
+    pub reason: String,
+}
+
+/// The durable state of one release.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+pub struct ReleaseState {
+    pub phase: Phase,
+    /// Index into `steps`.
+    pub step: usize,
+    /// Unix milliseconds when the current step was applied.
+    pub step_started: u64,
+    /// Failed intervals so far.
+    pub failures: u32,
+    /// Passed intervals in the current step.
+    #[serde(default)]
+    pub step_passes: u32,
+    /// A manual gate is waiting for `promote`.
+    #[serde(default)]
+    pub awaiting_promote: bool,
+    pub created: u64,
+    /// Newest last, capped.
+    pub history: Vec<Analysis>,
+}
+
+/// A release: what the operator asked for and where it stands.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+pub struct ReleaseRecord {
+    pub spec: ReleaseSpec,
+    pub state: ReleaseState,
+}
+
+/// The release state file.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+pub struct ReleasesFile {
+    #[serde(default)]
+    pub releases: Vec<ReleaseRecord>,
+}

@@ -1,0 +1,287 @@
+//! Layer: control plane. Progressive releases: a named release moves one
+//! lane through traffic steps on some routes, judged interval by interval
+//! against formal, and promotes or rolls back by itself.
+//!
+//! The release state file (`release_state_file`, JSON) is the single source
+//! of truth, like node and rule files: the controller ([`controller`])
+//! writes a changed state atomically and reloads; the generation build
+//! ([`compile`]) turns every release's current step into `release:<name>`
+//! rules (scoped by path prefix to its routes) and the rolled-back lanes
+//! into a revoked set, so a step, a promotion or a rollback goes live in one
+//! generation swap — and survives a restart.
+
+pub mod controller;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use crate::base::lists::IpList;
+use crate::config::release::{Phase, ReleaseRecord, ReleaseSpec, ReleasesFile};
+use crate::config::rules::{OneOrMany, RuleConfig, RulesConfig, SourceConfig};
+use crate::config::{valid_lane, ConfigError, MainConfig, FORMAL};
+use crate::lane::rules::Rules;
+
+/// Where the release state lives for `config`.
+pub fn state_path(config_path: &Path, config: &MainConfig) -> PathBuf {
+    let root = super::node_edit::root_dir(config_path, config);
+    crate::config::resolve(
+        &root,
+        config
+            .release_state_file
+            .as_deref()
+            .unwrap_or(Path::new("releases.json")),
+    )
+}
+
+/// Reads the state file (no file: no releases).
+pub fn load(path: &Path) -> Result<(ReleasesFile, String), ConfigError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Ok((ReleasesFile::default(), String::new()))
+        }
+        Err(e) => return Err(ConfigError::new(path, None, format!("cannot read: {e}"))),
+    };
+    let file = serde_json::from_str(&text).map_err(|e| {
+        ConfigError::new(path, Some(e.line()), format!("invalid release state: {e}"))
+    })?;
+    Ok((file, text))
+}
+
+/// The traffic share of a release now: its step's weight while it runs,
+/// 100 once promoted, 0 once rolled back (or on a match step).
+pub fn weight(r: &ReleaseRecord) -> f64 {
+    match r.state.phase {
+        Phase::Promoted => 100.0,
+        Phase::RolledBack => 0.0,
+        _ => r
+            .spec
+            .steps
+            .get(r.state.step)
+            .and_then(|s| s.weight)
+            .unwrap_or(0.0),
+    }
+}
+
+/// The rule standing for a release's current step (none once rolled back).
+fn step_rule(r: &ReleaseRecord) -> Option<RuleConfig> {
+    let spec = &r.spec;
+    let mut rule = RuleConfig {
+        name: format!("release:{}", spec.name),
+        lane: Some(spec.lane.clone()),
+        ip: None,
+        header: None,
+        cookie: None,
+        query: None,
+        uid: None,
+        path_prefix: Some(OneOrMany::Many(spec.routes.clone())),
+        percentage: None,
+        key: None,
+    };
+    let key = || {
+        spec.key.clone().unwrap_or(SourceConfig {
+            header: None,
+            cookie: None,
+            query: None,
+            ip: true,
+        })
+    };
+    match r.state.phase {
+        Phase::RolledBack => return None,
+        Phase::Promoted => {
+            rule.percentage = Some(100.0);
+            rule.key = Some(key());
+        }
+        Phase::Progressing | Phase::Paused => {
+            let step = spec.steps.get(r.state.step)?;
+            match (&step.weight, &step.matches) {
+                (Some(w), _) => {
+                    rule.percentage = Some(*w);
+                    rule.key = Some(key());
+                }
+                (None, Some(m)) => {
+                    rule.header = m.header.clone();
+                    rule.cookie = m.cookie.clone();
+                    rule.query = m.query.clone();
+                    rule.ip = m.ip.clone();
+                }
+                (None, None) => return None,
+            }
+        }
+    }
+    Some(rule)
+}
+
+/// What the generation takes from the release state: the current steps as
+/// rules and the rolled-back lanes.
+pub fn compile(
+    file: &ReleasesFile,
+    path: &Path,
+    text: &str,
+    lists: &BTreeMap<String, IpList>,
+) -> Result<(Option<Rules>, BTreeSet<String>), ConfigError> {
+    let mut revoked = BTreeSet::new();
+    let mut rules = Vec::new();
+    for r in &file.releases {
+        check_spec(&r.spec).map_err(|m| ConfigError::new(path, None, m))?;
+        if r.state.phase == Phase::RolledBack {
+            revoked.insert(r.spec.lane.clone());
+        }
+        rules.extend(step_rule(r));
+    }
+    // A lane promoted or in progress in another release is not revoked.
+    for r in &file.releases {
+        if !matches!(r.state.phase, Phase::RolledBack) {
+            revoked.remove(&r.spec.lane);
+        }
+    }
+    if rules.is_empty() {
+        return Ok((None, revoked));
+    }
+    let cfg = RulesConfig {
+        enabled: true,
+        uid: None,
+        deny: Vec::new(),
+        rules,
+        fallback: None,
+    };
+    Ok((
+        Some(Rules::compile(&cfg, path, text, None, lists)?),
+        revoked,
+    ))
+}
+
+/// A spec's own sanity (the rule compiler checks keys and matchers).
+pub fn check_spec(spec: &ReleaseSpec) -> Result<(), String> {
+    let name_ok = !spec.name.is_empty()
+        && spec
+            .name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+    if !name_ok {
+        return Err(format!(
+            "release name {:?}: letters, digits, - _ . only",
+            spec.name
+        ));
+    }
+    if !valid_lane(&spec.lane) || spec.lane == FORMAL {
+        return Err(format!(
+            "release {:?}: lane {:?} must be a gray lane name",
+            spec.name, spec.lane
+        ));
+    }
+    if spec.routes.is_empty() || spec.routes.iter().any(|r| !r.starts_with('/')) {
+        return Err(format!(
+            "release {:?}: routes are path prefixes starting with /",
+            spec.name
+        ));
+    }
+    if spec.steps.is_empty() {
+        return Err(format!("release {:?}: no steps", spec.name));
+    }
+    let mut last = 0.0;
+    for (i, s) in spec.steps.iter().enumerate() {
+        match (&s.weight, &s.matches) {
+            (Some(w), None) => {
+                if !(*w > 0.0 && *w <= 100.0) || *w < last {
+                    return Err(format!(
+                        "release {:?} step {i}: weight {w} must be in (0, 100] and never fall",
+                        spec.name
+                    ));
+                }
+                last = *w;
+            }
+            (None, Some(_)) => {}
+            _ => {
+                return Err(format!(
+                    "release {:?} step {i}: exactly one of `weight` or `match`",
+                    spec.name
+                ))
+            }
+        }
+        if s.gate.as_deref().is_some_and(|g| g != "manual") {
+            return Err(format!(
+                "release {:?} step {i}: gate must be `manual`",
+                spec.name
+            ));
+        }
+    }
+    let a = &spec.analysis;
+    if a.interval_ms == 0 || a.failure_threshold == 0 || a.max_p99_ratio <= 0.0 {
+        return Err(format!(
+            "release {:?}: analysis interval, failure threshold and p99 ratio must be positive",
+            spec.name
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::release::{ReleaseState, StepSpec};
+
+    fn rec(phase: Phase, step: usize) -> ReleaseRecord {
+        ReleaseRecord {
+            spec: ReleaseSpec {
+                name: "r1".into(),
+                lane: "gray".into(),
+                routes: vec!["/api/".into()],
+                key: None,
+                steps: vec![
+                    StepSpec {
+                        weight: Some(10.0),
+                        matches: None,
+                        min_duration_ms: 1,
+                        gate: None,
+                    },
+                    StepSpec {
+                        weight: Some(50.0),
+                        matches: None,
+                        min_duration_ms: 1,
+                        gate: None,
+                    },
+                ],
+                analysis: Default::default(),
+                webhooks: Default::default(),
+            },
+            state: ReleaseState {
+                phase,
+                step,
+                step_started: 0,
+                failures: 0,
+                step_passes: 0,
+                awaiting_promote: false,
+                created: 0,
+                history: vec![],
+            },
+        }
+    }
+
+    #[test]
+    fn phases_compile_to_shares_and_revocations() {
+        let lists = BTreeMap::new();
+        let p = Path::new("releases.json");
+        let one = |r| ReleasesFile { releases: vec![r] };
+        let (rules, revoked) = compile(&one(rec(Phase::Progressing, 1)), p, "", &lists).unwrap();
+        assert!(rules.is_some() && revoked.is_empty());
+        assert_eq!(weight(&rec(Phase::Progressing, 1)), 50.0);
+        assert_eq!(weight(&rec(Phase::Promoted, 0)), 100.0);
+        let (rules, revoked) = compile(&one(rec(Phase::RolledBack, 1)), p, "", &lists).unwrap();
+        assert!(rules.is_none());
+        assert!(revoked.contains("gray"));
+    }
+
+    #[test]
+    fn bad_specs_are_refused() {
+        let mut r = rec(Phase::Progressing, 0);
+        r.spec.steps[1].weight = Some(5.0);
+        assert!(check_spec(&r.spec).unwrap_err().contains("never fall"));
+        let mut r = rec(Phase::Progressing, 0);
+        r.spec.lane = "formal".into();
+        assert!(check_spec(&r.spec).is_err());
+        let mut r = rec(Phase::Progressing, 0);
+        r.spec.routes = vec!["api".into()];
+        assert!(check_spec(&r.spec).is_err());
+    }
+}
