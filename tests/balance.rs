@@ -152,6 +152,12 @@ async fn least_request_avoids_a_slow_node_under_concurrent_load() {
         t.await.unwrap();
     }
     let total = clients * each;
+    eprintln!(
+        "least_request: slow {} fast {} {} of {total}",
+        slow.served(),
+        fast1.served(),
+        fast2.served()
+    );
     assert_eq!(fast1.served() + fast2.served() + slow.served(), total);
     // Round-robin would give the slow node a third (60); with requests in
     // flight piling up on it, power of two choices sends it few.
@@ -293,6 +299,7 @@ async fn traffic_to_a_node_that_joins_rises_over_slow_start() {
     let f = elapsed.clamp(0.1, 1.0);
     let bound = batch as f64 * f / (1.0 + f);
     let sd = (batch as f64 * 0.25).sqrt();
+    eprintln!("slow start: {early} of {batch} to the new node within {elapsed:.2} windows");
     assert!(
         (early as f64) <= bound + 4.0 * sd,
         "{early} of {batch} to the new node within {elapsed:.2} windows (bound {bound:.1})"
@@ -309,6 +316,7 @@ async fn traffic_to_a_node_that_joins_rises_over_slow_start() {
             "the new node never reached full weight ({n} of {batch})"
         );
     };
+    eprintln!("slow start: {late} of {batch} once warm");
     assert!(late > early, "late {late} vs early {early}");
     let ex = admin(&gw, "/explain?path=/").await;
     assert_eq!(ex["balance"]["slow_start_ms"], 4_000);
