@@ -10,7 +10,7 @@ use std::time::Duration;
 use clap::Parser;
 use graygate::control::{reload, Gateway};
 use graygate::generation::Generation;
-use graygate::server::Server;
+use graygate::server::{Kind, Server};
 use graygate::{admin, demo};
 
 // mimalloc: faster small allocations and lower fragmentation than glibc's
@@ -106,6 +106,9 @@ fn main() -> ExitCode {
         return release_command(&admin, token.as_deref(), action);
     }
     if cli.check {
+        // The demo certificate is made as at start, so the shipped example
+        // checks before its first run too.
+        Generation::prepare(&cli.config);
         return match Generation::load(&cli.config, 0) {
             Ok(gen) => {
                 for w in &gen.warnings {
@@ -174,6 +177,34 @@ async fn run(gw: Arc<Gateway>, workers: usize) -> ExitCode {
         .local_addr()
         .map(|a| a.to_string())
         .unwrap_or_default();
+    let mut groups = vec![(Kind::Plain, listeners)];
+    for (i, l) in gen.config.listeners.iter().enumerate() {
+        let kind = match (&l.tls, l.h2c) {
+            (Some(_), _) => Kind::Tls(i),
+            (None, true) => Kind::H2c,
+            (None, false) => Kind::Plain,
+        };
+        match Server::bind_listeners(l.listen, workers) {
+            Ok(ls) => {
+                let a = ls[0]
+                    .local_addr()
+                    .map(|a| a.to_string())
+                    .unwrap_or_default();
+                let proto = match kind {
+                    Kind::Tls(_) if l.http2 => "https (h2, http/1.1)",
+                    Kind::Tls(_) => "https (http/1.1)",
+                    Kind::H2c => "http (http/1.1, h2c)",
+                    Kind::Plain => "http (http/1.1)",
+                };
+                tracing::info!(addr = %a, proto, "listening");
+                groups.push((kind, ls));
+            }
+            Err(e) => {
+                eprintln!("cannot listen on {}: {e}", l.listen);
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     if let Some(admin_addr) = gen.config.admin_listen {
         if let Err(e) = admin::auth::check_bind(admin_addr, &gen.config) {
             eprintln!("{}: {e}", gw.config_path.display());
@@ -198,7 +229,7 @@ async fn run(gw: Arc<Gateway>, workers: usize) -> ExitCode {
             tracing::error!(error = %e, "file watcher failed; reload with SIGHUP only");
         }
     });
-    if let Err(e) = gw.server.spawn_workers(listeners) {
+    if let Err(e) = gw.server.spawn_worker_groups(groups) {
         eprintln!("cannot start workers: {e}");
         return ExitCode::FAILURE;
     }

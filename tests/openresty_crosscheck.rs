@@ -155,6 +155,13 @@ fn requests() -> Vec<Req> {
         // A bare `?`: no arguments (args nil, is_args "").
         Req::get("/p?"),
         Req::get("/p?&"),
+        // Cookies with white space around `=` and `;`, kept raw by nginx.
+        Req::get("/").header("Cookie", "uid = 7 ;sid= s1 ; x=1"),
+        Req::get("/").header("Cookie", "  uid=  alice  ;  sid =zz"),
+        Req::get("/").header("Cookie", "uid=a=b; sid=\"q\""),
+        // Repeated and flag arguments, encoded paths and arguments.
+        Req::get("/%7Euser/a%2Fb?uid=1&uid=2&flag&name=%41%20b&=x&k="),
+        Req::get("/p?uid&uid=3&UID=4"),
     ];
     for i in 0..30 {
         v.push(Req::get("/").header("X-User-Id", &format!("u{i}")));
@@ -239,11 +246,12 @@ async fn same_lanes_and_values_as_nginx_lua() {
                 ));
             }
         }
-        assert_eq!(
-            got_lane, want_lane,
-            "{} {} {:?}",
-            req.method, req.path, req.headers
-        );
+        if got_lane != want_lane {
+            mismatches.push(format!(
+                "{} {} {:?}: lane nginx {want_lane:?}, graygate {got_lane:?}",
+                req.method, req.path, req.headers
+            ));
+        }
         lanes.insert(want_lane);
     }
     assert!(

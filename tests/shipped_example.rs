@@ -86,6 +86,9 @@ async fn shipped_config_shows_formal_and_gray() {
         assert_eq!(copy.matches(addr).count(), 1, "{addr}");
         copy = copy.replace(addr, "127.0.0.1:0");
     }
+    // The HTTPS listener of the README's tour, on a port of its own too.
+    assert!(main.contains("  - listen: 127.0.0.1:8443\n"), "{main}");
+    copy = copy.replace("  - listen: 127.0.0.1:8443\n", "  - listen: 127.0.0.1:0\n");
     fx.write("config/graygate.yaml", &copy);
     let mut first = nodes.clone();
     for (_, shipped) in &SHIPPED[2..] {
@@ -93,8 +96,16 @@ async fn shipped_config_shows_formal_and_gray() {
     }
     fx.write("config/nodes.yaml", &first);
     let gw = Gateway::start(&fx.path("config/graygate.yaml"));
+    // The HTTPS listener's port, as the gateway logs it.
+    let https: std::net::SocketAddr = gw
+        .logs()
+        .lines()
+        .find(|l| l.contains(" listening ") && l.contains("https"))
+        .and_then(|l| l.split_whitespace().find_map(|t| t.strip_prefix("addr=")))
+        .and_then(|a| a.parse().ok())
+        .expect("the HTTPS listener is logged");
     // The demo nodes' ports, read back from the process; each names itself.
-    let known: BTreeSet<u16> = [gw.addr.port(), gw.admin.unwrap().port()].into();
+    let known: BTreeSet<u16> = [gw.addr.port(), gw.admin.unwrap().port(), https.port()].into();
     let mut demo = std::collections::BTreeMap::new();
     eventually(
         "three demo nodes listening",
@@ -180,6 +191,41 @@ async fn shipped_config_shows_formal_and_gray() {
     let st = gw.status().await;
     assert_eq!(st["generation"], 2);
     assert!(st["last_reload_error"].is_null());
+
+    // HTTPS + HTTP/2 on 8443 with the generated self-signed certificate,
+    // exactly as the README's tour runs it.
+    assert!(
+        fx.path("config/certs/demo.crt").exists(),
+        "generated at start"
+    );
+    let url = |path: &str| format!("https://localhost:{}{path}", https.port());
+    let curl = |args: &[&str]| {
+        let out = std::process::Command::new("curl")
+            .args(["-sk", "--http2"])
+            .args(args)
+            .args(["-w", "\n%{http_version}"])
+            .output()
+            .expect("curl");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (body, version) = text.rsplit_once('\n').unwrap_or(("", ""));
+        (body.to_string(), version.to_string())
+    };
+    let (body, version) = curl(&[&url("/api/hello")]);
+    assert_eq!(version, "2", "HTTP/2 over TLS");
+    let j: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (j["lane"].as_str(), j["tag"].as_str()),
+        (Some("formal"), Some("formal"))
+    );
+    let (body, _) = curl(&["-H", "X-Gray: 1", &url("/api/hello")]);
+    let j: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (j["lane"].as_str(), j["node"].as_str()),
+        (Some("gray"), Some("api-gray-1"))
+    );
+    let (body, version) = curl(&["-H", "X-Gray: 1", &url("/")]);
+    assert_eq!(version, "2");
+    assert!(body.contains("Gray lane"), "static files over h2: {body}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

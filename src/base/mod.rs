@@ -11,3 +11,9 @@ pub mod error;
 pub mod lists;
 pub mod ratelog;
 pub mod stall;
+
+/// Request extension: the request arrived over TLS (the server layer sets
+/// it; `X-Forwarded-Proto`, `ngx.var.scheme` and `req.scheme` read it).
+/// Absent on plain connections, so plain requests pay nothing for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Https;

@@ -138,6 +138,12 @@ pub struct MainConfig {
     /// Response header showing clients their lane (off when absent).
     #[serde(default)]
     pub lane_response_header: Option<HeaderNameConf>,
+    /// More client listeners besides `listen`, each plain or TLS.
+    #[serde(default)]
+    pub listeners: Vec<ListenerConfig>,
+    /// HTTP/2 limits of client connections (TLS with ALPN `h2`, or h2c).
+    #[serde(default)]
+    pub http2: Http2Config,
     /// The gateway's own zone (availability zone, rack, data centre): nodes
     /// of the same `zone` are preferred. `GRAYGATE_ZONE`, when set and not
     /// empty, wins over this key (one config file shipped to every zone).
@@ -157,6 +163,131 @@ impl MainConfig {
             .map(|z| z.trim().to_string())
             .filter(|z| !z.is_empty())
             .or_else(|| self.zone.clone().filter(|z| !z.is_empty()))
+    }
+}
+
+/// One more client listener: plain (optionally accepting h2c with prior
+/// knowledge) or TLS (HTTP/2 and HTTP/1.1 by ALPN).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenerConfig {
+    pub listen: SocketAddr,
+    /// TLS termination; absent = plain HTTP.
+    #[serde(default)]
+    pub tls: Option<TlsConfig>,
+    /// Plain listener only: accept HTTP/2 with prior knowledge (h2c) besides
+    /// HTTP/1.1.
+    #[serde(default)]
+    pub h2c: bool,
+    /// TLS listener only: offer `h2` in ALPN (else HTTP/1.1 only).
+    #[serde(default = "default_true")]
+    pub http2: bool,
+}
+
+/// Certificates of a TLS listener, chosen by SNI.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    pub certificates: Vec<CertConfig>,
+    /// Oldest protocol version accepted: `"1.2"` or `"1.3"`.
+    #[serde(default = "default_min_tls")]
+    pub min_version: String,
+    /// Stateless session tickets (TLS 1.3 and 1.2) besides the
+    /// server-side session cache.
+    #[serde(default = "default_true")]
+    pub session_tickets: bool,
+}
+
+fn default_min_tls() -> String {
+    "1.2".to_string()
+}
+
+/// A certificate chain and its key (PEM files, relative to `root`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CertConfig {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// SNI names this certificate answers (`*.example.com` wildcards);
+    /// empty = only as the default.
+    #[serde(default)]
+    pub server_names: Vec<String>,
+    /// The certificate for clients whose SNI matches no name (or that send
+    /// none). Default: the first certificate.
+    #[serde(default)]
+    pub default: bool,
+    /// Demo: generate a self-signed pair for localhost at start when both
+    /// files are missing.
+    #[serde(default)]
+    pub self_signed: bool,
+}
+
+/// HTTP/2 server limits (client side).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Http2Config {
+    /// SETTINGS_MAX_CONCURRENT_STREAMS per connection.
+    #[serde(default = "default_h2_streams")]
+    pub max_concurrent_streams: u32,
+    /// SETTINGS_MAX_HEADER_LIST_SIZE (decoded header bytes of one request).
+    #[serde(default = "default_h2_header_list")]
+    pub max_header_list_size: u32,
+    /// Flow-control window of one stream (request body bytes in flight).
+    #[serde(default = "default_h2_stream_window")]
+    pub initial_stream_window_bytes: u32,
+    /// Flow-control window of the whole connection.
+    #[serde(default = "default_h2_conn_window")]
+    pub initial_connection_window_bytes: u32,
+    /// Largest frame payload the gateway accepts.
+    #[serde(default = "default_h2_frame")]
+    pub max_frame_size: u32,
+    /// Streams the client may reset before the gateway accepted them
+    /// (rapid reset, CVE-2023-44487); beyond, GOAWAY and close.
+    #[serde(default = "default_h2_resets")]
+    pub max_pending_accept_reset_streams: usize,
+    /// Streams the gateway may reset because of client protocol errors
+    /// before it closes the connection.
+    #[serde(default = "default_h2_local_resets")]
+    pub max_local_error_reset_streams: usize,
+    /// PING an idle connection this often (0 = off).
+    #[serde(default)]
+    pub keepalive_interval_ms: u64,
+}
+
+fn default_h2_streams() -> u32 {
+    128
+}
+fn default_h2_header_list() -> u32 {
+    32 * 1024
+}
+fn default_h2_stream_window() -> u32 {
+    256 * 1024
+}
+fn default_h2_conn_window() -> u32 {
+    1024 * 1024
+}
+fn default_h2_frame() -> u32 {
+    16 * 1024
+}
+fn default_h2_resets() -> usize {
+    20
+}
+fn default_h2_local_resets() -> usize {
+    1024
+}
+
+impl Default for Http2Config {
+    fn default() -> Self {
+        Http2Config {
+            max_concurrent_streams: default_h2_streams(),
+            max_header_list_size: default_h2_header_list(),
+            initial_stream_window_bytes: default_h2_stream_window(),
+            initial_connection_window_bytes: default_h2_conn_window(),
+            max_frame_size: default_h2_frame(),
+            max_pending_accept_reset_streams: default_h2_resets(),
+            max_local_error_reset_streams: default_h2_local_resets(),
+            keepalive_interval_ms: 0,
+        }
     }
 }
 
@@ -594,6 +725,13 @@ pub struct ServiceConfig {
     /// Overrides `upstream.read_timeout_ms` for this service.
     #[serde(default)]
     pub read_timeout_ms: Option<u64>,
+    /// How the gateway talks to the nodes: `http1` (default) or `h2`
+    /// (h2c with prior knowledge, or h2 by ALPN over TLS; e.g. gRPC).
+    #[serde(default)]
+    pub protocol: NodeProtocol,
+    /// TLS to the nodes (absent = plain TCP).
+    #[serde(default)]
+    pub tls: Option<NodeTlsConfig>,
     /// How a node is picked among the candidates of the lane.
     #[serde(default)]
     pub balance: Balance,
@@ -640,6 +778,33 @@ impl Balance {
             Balance::Random => "random",
         }
     }
+}
+
+/// The protocol spoken to a service's nodes.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum NodeProtocol {
+    #[default]
+    Http1,
+    H2,
+}
+
+/// TLS to a service's nodes.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NodeTlsConfig {
+    /// SNI and the name verified in the node's certificate (default: the
+    /// node's IP address, verified against the certificate's IP SANs, no
+    /// SNI sent).
+    #[serde(default)]
+    pub server_name: Option<String>,
+    /// PEM file of CA certificates to verify against (default: the
+    /// system's roots).
+    #[serde(default)]
+    pub ca: Option<PathBuf>,
+    /// Accept any certificate. For tests only; logged as a warning.
+    #[serde(default)]
+    pub insecure_skip_verify: bool,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Eq)]

@@ -12,6 +12,7 @@ use std::time::SystemTime;
 use http::HeaderName;
 
 use crate::base::lists::IpList;
+use crate::config::NodeProtocol;
 use crate::config::{
     find_line, parse_yaml, read_file, resolve, valid_lane, Balance, ConfigError, MainConfig,
     NodeFile, FORMAL, ZONE_ENV,
@@ -25,6 +26,7 @@ use crate::lane::LanePolicy;
 use crate::nodes::hash::HashKey;
 use crate::nodes::{Node, Select, Service};
 use crate::static_files::StaticTree;
+use crate::upstream::tls::{TlsConnect, Transport};
 
 impl Generation {
     /// Loads, validates and compiles everything reachable from `config_path`.
@@ -151,6 +153,7 @@ impl Generation {
                 service.strict = svc.strict;
                 service.retries = svc.retries;
                 service.read_timeout_ms = svc.read_timeout_ms;
+                service.transport = transport(&svc, &root, &path, &ntext, &name)?;
                 if let Some(a) = &svc.health.active {
                     if !a.path.starts_with('/') {
                         return Err(ConfigError::new(
@@ -373,6 +376,27 @@ impl Generation {
                 d.set_capacity(*bytes);
             }
         }
+        let mut tls = Vec::with_capacity(config.listeners.len());
+        for l in &config.listeners {
+            let line = find_line(&text, Some("listeners:"), &l.listen.to_string());
+            if l.tls.is_some() && l.h2c {
+                return Err(ConfigError::new(
+                    config_path,
+                    line,
+                    format!(
+                        "listener {}: h2c is for plain listeners (TLS negotiates h2 by ALPN)",
+                        l.listen
+                    ),
+                ));
+            }
+            match crate::generation::tls::server_config(l, &root, config_path, line)? {
+                Some((cfg, tls_files)) => {
+                    files.extend(tls_files);
+                    tls.push(Some(cfg));
+                }
+                None => tls.push(None),
+            }
+        }
         let trusted = IpList::from_nets(config.trusted_proxies.iter().copied());
         let lane_tags = served_lanes
             .iter()
@@ -403,6 +427,85 @@ impl Generation {
             warnings,
             lane_tags,
             id_tag: http::HeaderValue::from(id),
+            tls,
         })
     }
+
+    /// Before the first load: creates the self-signed demo certificates
+    /// (`self_signed: true`) whose files are both missing. Errors are
+    /// left for the load to report.
+    pub fn prepare(config_path: &Path) {
+        let Ok(text) = std::fs::read_to_string(config_path) else {
+            return;
+        };
+        let Ok(config) = parse_yaml::<MainConfig>(config_path, &text) else {
+            return;
+        };
+        let config_dir = config_path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let root = match &config.root {
+            Some(r) => resolve(config_dir, r),
+            None => config_dir.to_path_buf(),
+        };
+        for l in &config.listeners {
+            for c in l.tls.iter().flat_map(|t| &t.certificates) {
+                if !c.self_signed {
+                    continue;
+                }
+                let (cert, key) = (resolve(&root, &c.cert), resolve(&root, &c.key));
+                match crate::generation::tls::ensure_self_signed(&cert, &key) {
+                    Ok(true) => tracing::info!(
+                        cert = %cert.display(),
+                        "generated a self-signed demo certificate for localhost"
+                    ),
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!(error = %e, "cannot generate the demo certificate"),
+                }
+            }
+        }
+    }
+}
+
+/// A service's transport to its nodes (TLS, HTTP/2), `None` for plain
+/// HTTP/1.1.
+fn transport(
+    svc: &crate::config::ServiceConfig,
+    root: &Path,
+    path: &Path,
+    text: &str,
+    name: &str,
+) -> Result<Option<Arc<Transport>>, ConfigError> {
+    let h2 = svc.protocol == NodeProtocol::H2;
+    let tls = match &svc.tls {
+        None => None,
+        Some(t) => {
+            let ca = t.ca.as_ref().map(|p| resolve(root, p));
+            if t.insecure_skip_verify {
+                tracing::warn!(
+                    service = name,
+                    "TLS to nodes without certificate verification (insecure_skip_verify)"
+                );
+            }
+            Some(
+                TlsConnect::new(
+                    ca.as_deref(),
+                    t.server_name.as_deref(),
+                    t.insecure_skip_verify,
+                    h2,
+                )
+                .map_err(|m| {
+                    let file = ca.clone().unwrap_or_else(|| path.to_path_buf());
+                    let line = if ca.is_some() {
+                        None
+                    } else {
+                        find_line(text, Some(&format!("{name}:")), "tls")
+                    };
+                    ConfigError::new(file, line, format!("service {name:?}: {m}"))
+                })?,
+            )
+        }
+    };
+    Ok((h2 || tls.is_some()).then(|| Arc::new(Transport { h2, tls })))
 }

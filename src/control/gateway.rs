@@ -57,6 +57,7 @@ impl Gateway {
     /// Loads generation 1 from `config_path`.
     pub fn load(config_path: &Path) -> Result<Arc<Gateway>, ConfigError> {
         let config_path = std::path::absolute(config_path).unwrap_or(config_path.to_path_buf());
+        Generation::prepare(&config_path);
         let mut gen = Generation::load(&config_path, 1)?;
         for w in &gen.warnings {
             tracing::warn!("{w}");
@@ -130,6 +131,31 @@ impl Gateway {
         let result = Generation::load(&self.config_path, next);
         let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
         status.last_reload_at = Some(SystemTime::now());
+        // Listeners are bound at start: their layout cannot change under
+        // the running workers (TLS listeners find their certificates by
+        // position).
+        let result = result.and_then(|gen| {
+            let layout = |g: &Generation| {
+                g.config
+                    .listeners
+                    .iter()
+                    .map(|l| (l.listen, l.tls.is_some(), l.h2c))
+                    .collect::<Vec<_>>()
+            };
+            if layout(&gen) == layout(&self.current()) {
+                Ok(gen)
+            } else {
+                Err(ConfigError::new(
+                    &self.config_path,
+                    crate::config::find_line(
+                        &std::fs::read_to_string(&self.config_path).unwrap_or_default(),
+                        None,
+                        "listeners:",
+                    ),
+                    "listeners: adding, removing or changing a listener's address, tls or h2c needs a restart",
+                ))
+            }
+        });
         match result {
             Ok(mut gen) => {
                 for w in &gen.warnings {

@@ -5,6 +5,8 @@
 //! whole (`control::build`) and swaps it in through [`Live`]; the request path
 //! only reads it, and a request in flight keeps the generation it started with.
 
+pub mod tls;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -62,6 +64,9 @@ pub struct Generation {
     pub lane_tags: BTreeMap<String, http::HeaderValue>,
     /// This generation's id as a header value.
     pub id_tag: http::HeaderValue,
+    /// TLS server configuration of each `config.listeners` entry (`None`
+    /// for plain ones), read at each TLS handshake.
+    pub tls: Vec<Option<Arc<rustls::ServerConfig>>>,
 }
 
 impl Generation {

@@ -39,6 +39,16 @@ pub struct RequestInfo {
     pub peer_trusted: bool,
 }
 
+/// `https` for a request that came over TLS, else `http`
+/// (`ngx.var.scheme`, `req.scheme`).
+pub fn scheme(r: &RequestInfo) -> &'static str {
+    if r.parts.extensions.get::<crate::base::Https>().is_some() {
+        "https"
+    } else {
+        "http"
+    }
+}
+
 impl RequestInfo {
     /// Header by name, case-insensitive.
     pub fn header(&self, name: &str) -> Option<&HeaderValue> {

@@ -210,7 +210,7 @@ pub fn variable<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
         b"is_args" => b(if query(r).is_some() { "?" } else { "" }),
         b"host" => b(&r.host),
         b"request_method" => b(r.parts.method.as_str()),
-        b"scheme" => b("http"),
+        b"scheme" => b(crate::lane::scheme(r)),
         b"server_protocol" => b(match r.parts.version {
             http::Version::HTTP_10 => "HTTP/1.0",
             http::Version::HTTP_2 => "HTTP/2.0",
@@ -263,7 +263,9 @@ fn http_var<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
     Some(Cow::Owned(out))
 }
 
-/// `$cookie_<name>`: case-insensitive name, raw value.
+/// `$cookie_<name>`: case-insensitive name (white space around it
+/// ignored), the value raw as nginx keeps it: leading white space skipped,
+/// everything up to the `;` kept (`a = 7 ;` gives `"7 "`).
 fn cookie_var<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<&'a [u8]> {
     r.parts
         .headers
@@ -271,12 +273,11 @@ fn cookie_var<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<&'a [u8]> {
         .iter()
         .flat_map(|v| v.as_bytes().split(|&c| c == b';'))
         .find_map(|kv| {
-            let kv = kv.trim_ascii();
             let eq = kv.iter().position(|&c| c == b'=')?;
             kv[..eq]
                 .trim_ascii()
                 .eq_ignore_ascii_case(name)
-                .then(|| kv[eq + 1..].trim_ascii())
+                .then(|| kv[eq + 1..].trim_ascii_start())
         })
 }
 

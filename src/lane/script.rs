@@ -272,6 +272,7 @@ fn req_object(lua: &Lua, lists: Arc<BTreeMap<String, IpList>>) -> mlua::Result<T
                         b"host" => Some(r.host.as_str().into()),
                         b"path" => Some(r.parts.uri.path().into()),
                         b"query" => Some(r.parts.uri.query().unwrap_or("").into()),
+                        b"scheme" => Some(crate::lane::scheme(r).into()),
                         _ => None,
                     };
                     opt_str(lua, v.as_deref().map(str::as_bytes))

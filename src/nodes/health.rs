@@ -185,7 +185,6 @@ pub struct HealthRegistry {
     /// (slow start); those of the first generation start warm.
     primed: AtomicBool,
     checkers: Mutex<HashMap<Key, Checker>>,
-    fallbacks: Mutex<HashMap<String, u64>>,
 }
 
 impl HealthRegistry {
@@ -222,7 +221,15 @@ impl HealthRegistry {
         tag_header: &HeaderName,
         client: &Upstream,
     ) {
-        let mut wanted: HashMap<Key, (ActiveHealth, String)> = HashMap::new();
+        #[allow(clippy::type_complexity)]
+        let mut wanted: HashMap<
+            Key,
+            (
+                ActiveHealth,
+                String,
+                Option<Arc<crate::upstream::tls::Transport>>,
+            ),
+        > = HashMap::new();
         let mut present: HashSet<Key> = HashSet::new();
         for (name, svc) in services {
             for (lane, set) in &svc.lanes {
@@ -230,7 +237,7 @@ impl HealthRegistry {
                     let key = (name.clone(), node.addr);
                     present.insert(key.clone());
                     if let Some(a) = &svc.health.active {
-                        wanted.insert(key, (a.clone(), lane.clone()));
+                        wanted.insert(key, (a.clone(), lane.clone(), svc.transport.clone()));
                     }
                 }
             }
@@ -244,7 +251,7 @@ impl HealthRegistry {
         checkers.retain(|k, c| {
             let keep = wanted
                 .get(k)
-                .is_some_and(|(cfg, lane)| *cfg == c.cfg && *lane == c.lane);
+                .is_some_and(|(cfg, lane, _)| *cfg == c.cfg && *lane == c.lane);
             if !keep {
                 tracing::info!(service = %k.0, addr = %k.1, "health checker stopped");
             }
@@ -253,7 +260,7 @@ impl HealthRegistry {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        for (key, (cfg, lane)) in wanted {
+        for (key, (cfg, lane, transport)) in wanted {
             if checkers.contains_key(&key) {
                 continue;
             }
@@ -266,6 +273,7 @@ impl HealthRegistry {
             tracing::info!(service = %key.0, addr = %key.1, path = %cfg.path, "health checker started");
             let task = rt.spawn(probe_loop(
                 client.clone(),
+                transport,
                 tag_header.clone(),
                 key.1,
                 lane.clone(),
@@ -306,23 +314,11 @@ impl HealthRegistry {
             .unwrap_or_else(|e| e.into_inner())
             .len()
     }
-
-    /// Counts a request of `service` sent to formal because its lane's
-    /// nodes were all down.
-    pub fn count_fallback(&self, service: &str) {
-        let mut m = self.fallbacks.lock().unwrap_or_else(|e| e.into_inner());
-        *m.entry(service.to_string()).or_default() += 1;
-    }
-
-    /// Requests of `service` sent to formal because their lane was down.
-    pub fn fallback_count(&self, service: &str) -> u64 {
-        let m = self.fallbacks.lock().unwrap_or_else(|e| e.into_inner());
-        m.get(service).copied().unwrap_or(0)
-    }
 }
 
 async fn probe_loop(
     client: Upstream,
+    transport: Option<Arc<crate::upstream::tls::Transport>>,
     tag_header: HeaderName,
     addr: SocketAddr,
     lane: String,
@@ -336,7 +332,15 @@ async fn probe_loop(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let ok = probe(&client, &tag_header, addr, &lane, &cfg).await;
+        let ok = probe(
+            &client,
+            transport.as_deref(),
+            &tag_header,
+            addr,
+            &lane,
+            &cfg,
+        )
+        .await;
         if ok {
             failures = 0;
             successes = successes.saturating_add(1);
@@ -355,6 +359,7 @@ async fn probe_loop(
 
 async fn probe(
     client: &Upstream,
+    transport: Option<&crate::upstream::tls::Transport>,
     tag_header: &HeaderName,
     addr: SocketAddr,
     lane: &str,
@@ -373,7 +378,7 @@ async fn probe(
     let fut = async {
         let read_timeout = Duration::from_millis(cfg.timeout_ms);
         let resp = client
-            .request(addr, req, &Added::none(), read_timeout)
+            .request_via(addr, transport, req, &Added::none(), read_timeout)
             .await
             .ok()?;
         let ok = resp.status().is_success() || resp.status().is_redirection();

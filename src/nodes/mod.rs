@@ -343,6 +343,8 @@ pub struct Service {
     pub retries: Option<u32>,
     /// Per-service body read timeout (else `upstream.read_timeout_ms`).
     pub read_timeout_ms: Option<u64>,
+    /// TLS and/or HTTP/2 to the nodes; `None` = plain HTTP/1.1.
+    pub transport: Option<Arc<crate::upstream::tls::Transport>>,
     /// Balance policy, hash key, slow start and zone preference.
     pub select: Select,
 }
@@ -370,6 +372,7 @@ impl Service {
             strict: false,
             retries: None,
             read_timeout_ms: None,
+            transport: None,
             select,
         }
     }

@@ -32,6 +32,8 @@ pub struct Client {
     /// The client address: the peer, or from X-Forwarded-For behind a
     /// trusted proxy.
     pub ip: IpAddr,
+    /// The request came over TLS (`X-Forwarded-Proto: https`).
+    pub https: bool,
 }
 
 /// One request's context.
@@ -98,6 +100,7 @@ impl RequestCtx {
         start: Instant,
         log: &AccessLog,
     ) -> (RequestInfo, RequestCtx) {
+        let https = parts.extensions.get::<crate::base::Https>().is_some();
         let info = resolve_request(parts, peer.ip(), &gen.trusted);
         let head_request = info.parts.method == http::Method::HEAD;
         let log_head = log.enabled().then(|| {
@@ -111,6 +114,7 @@ impl RequestCtx {
                 peer,
                 peer_trusted: info.peer_trusted,
                 ip: info.client_ip,
+                https,
             },
             start,
             serve_start: None,

@@ -5,8 +5,9 @@
 //! policy, retrying on another node of the same set → respond (pass the
 //! answer back, or join an upgraded tunnel).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use http::header::{self, HeaderMap, HeaderValue};
@@ -31,22 +32,28 @@ use crate::upstream::body::{ClientBody, Replay};
 use crate::upstream::fields::{idempotent, strip_hop_by_hop, Added};
 use crate::upstream::PooledBody;
 
-/// Rate-limits the lane-fallback WARN per (service, lane).
-#[derive(Default)]
-pub struct FallbackLog(Mutex<HashMap<(String, String), Instant>>);
+/// Rate-limits the lane-fallback WARN to once per 10 s per (service,
+/// lane): a slot per hash of the pair holding when it last logged — no
+/// lock, no allocation (two pairs sharing a slot share the limit).
+pub struct FallbackLog([AtomicU64; 256]);
+
+impl Default for FallbackLog {
+    fn default() -> Self {
+        FallbackLog([const { AtomicU64::new(0) }; 256])
+    }
+}
 
 impl FallbackLog {
     fn should_log(&self, service: &str, lane: &str) -> bool {
-        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let now = Instant::now();
-        let key = (service.to_string(), lane.to_string());
-        match m.get(&key) {
-            Some(t) if now.duration_since(*t) < Duration::from_secs(10) => false,
-            _ => {
-                m.insert(key, now);
-                true
-            }
-        }
+        let mut h = rustc_hash::FxHasher::default();
+        (service, lane).hash(&mut h);
+        let slot = &self.0[(h.finish() % 256) as usize];
+        let now = now_ms();
+        let last = slot.load(Ordering::Relaxed);
+        (last == 0 || now.saturating_sub(last) >= 10_000)
+            && slot
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
     }
 }
 
@@ -121,9 +128,6 @@ fn select_node<'g>(
     };
     if let Some(fb) = choice.fallback {
         decision.fallback = Some(fb.as_str());
-        if fb == Fallback::LaneUnhealthy {
-            plane.health.count_fallback(service_name);
-        }
         if plane.fallback_log.should_log(service_name, &decision.lane) {
             let (lane_nodes, formal_nodes) = (service.count(&decision.lane), service.count(FORMAL));
             let what = match fb {
@@ -190,7 +194,7 @@ fn rewrite_request(
     }
     // The gateway's own fields replace any the client sent; they are kept
     // apart from the client's map and written after it (no map inserts).
-    let added = Added::new(
+    let mut added = Added::new(
         &mut parts.headers,
         (gen.lane.tag_header.clone(), lane_tag(gen, decision)),
         gen.id_tag.clone(),
@@ -198,6 +202,9 @@ fn rewrite_request(
         client.peer_trusted,
         original_host,
     );
+    if client.https {
+        added.https();
+    }
     let target = Uri::from(
         parts
             .uri
@@ -296,14 +303,24 @@ async fn attempt_all(
             return Err(ErrorKind::TotalTimeout.into());
         }
         let per_try = Duration::from_millis(upstream.response_timeout_ms).min(out.deadline - now);
-        let outcome = match tokio::time::timeout(
-            per_try,
-            plane
-                .client
-                .request(node.addr, req, &out.added, read_timeout),
-        )
-        .await
-        {
+        // A service with TLS or HTTP/2 to its nodes takes its own (boxed)
+        // exchange; the plain HTTP/1.1 call is unchanged.
+        let sent = match service.transport.as_deref() {
+            None => {
+                let call = plane
+                    .client
+                    .request(node.addr, req, &out.added, read_timeout);
+                tokio::time::timeout(per_try, call).await
+            }
+            Some(t) => {
+                let call =
+                    plane
+                        .client
+                        .request_transport(node.addr, t, req, &out.added, read_timeout);
+                tokio::time::timeout(per_try, Box::pin(call)).await
+            }
+        };
+        let outcome = match sent {
             Err(_) => Err(Error::new(ErrorKind::ResponseTimeout)),
             Ok(r) => r,
         };

@@ -69,6 +69,12 @@ pub fn respond(
 }
 
 impl Recorded {
+    /// Replaces what the client is sent (the record stays: e.g. a gateway
+    /// error reshaped for gRPC is still recorded with its own status).
+    pub fn set_inner(&mut self, inner: Body) {
+        self.inner = inner;
+    }
+
     fn record(&mut self, outcome: Result<(), ErrorKind>) {
         if let Some(mut p) = self.pending.take() {
             p.finish(outcome);

@@ -124,6 +124,64 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for TimedIo<T> {
     }
 }
 
+/// A [`TimedIo`] that also passes vectored writes through, for HTTP/2: the
+/// h2 codec writes a frame head and its payload as two buffers, which then
+/// go out in one write (over TLS: one record, one system call) instead of
+/// two. HTTP/1.1 keeps the plain [`TimedIo`], whose single flattened write
+/// per response hyper chooses for it.
+pub struct TimedIoV<T>(TimedIo<T>);
+
+impl<T> TimedIoV<T> {
+    pub fn new(inner: T, act: Arc<Activity>) -> TimedIoV<T> {
+        TimedIoV(TimedIo::new(inner, act))
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for TimedIoV<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for TimedIoV<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let io = &mut self.0;
+        let r = Pin::new(&mut io.inner).poll_write_vectored(cx, bufs);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            io.act.last.store(now_ms(), Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.0.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
+
 /// What the watchdog decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
@@ -168,6 +226,21 @@ pub fn verdict(act: &Activity, now: u64, t: Timeouts) -> Verdict {
     if act.in_flight.load(Ordering::Relaxed) > 0 {
         let next = idle_ms.min(header_ms).min(send_ms).max(10);
         return Verdict::Wait(Duration::from_millis(next));
+    }
+    let due = act.last.load(Ordering::Relaxed) + idle_ms;
+    if now >= due {
+        Verdict::Idle
+    } else {
+        Verdict::Wait(Duration::from_millis(due - now))
+    }
+}
+
+/// The watchdog of an HTTP/2 connection: no header timer (its streams'
+/// heads arrive as frames between others'), only the idle timeout while no
+/// stream is open.
+pub fn idle_verdict(act: &Activity, now: u64, idle_ms: u64) -> Verdict {
+    if act.in_flight.load(Ordering::Relaxed) > 0 {
+        return Verdict::Wait(Duration::from_millis(idle_ms.max(10)));
     }
     let due = act.last.load(Ordering::Relaxed) + idle_ms;
     if now >= due {

@@ -8,22 +8,38 @@
 //! here reaches the control plane, which only flips the shutdown signal.
 
 pub mod conn;
+pub mod tls;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use http_body_util::BodyExt;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::io::AsyncWriteExt;
-use tokio::net::TcpListener;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use crate::base::clock::now_ms;
 use crate::base::counter::{Counted, Counter};
 use crate::base::ratelog::log_limited;
+use crate::base::Https;
+use crate::proxy::record::Recorded;
 use crate::proxy::{self, DataPlane};
-use conn::{verdict, Activity, TimedIo, Timeouts, Tracked, Verdict};
+use conn::{verdict, Activity, TimedIo, TimedIoV, Timeouts, Tracked, Verdict};
+
+/// What a client listener speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// HTTP/1.1 (the `listen` address).
+    Plain,
+    /// HTTP/1.1, or HTTP/2 with prior knowledge (h2c).
+    H2c,
+    /// TLS; HTTP/2 or HTTP/1.1 by ALPN. The index of the listener in
+    /// `config.listeners` (and of its certificates in `Generation::tls`).
+    Tls(usize),
+}
 
 /// The client side of the gateway: what the workers serve with.
 pub struct Server {
@@ -50,6 +66,11 @@ impl Server {
     /// Accepts client connections until shutdown begins (then the listener
     /// is closed, so new connections are refused).
     pub async fn serve(self: Arc<Self>, listener: TcpListener) {
+        self.serve_kind(listener, Kind::Plain).await
+    }
+
+    /// [`serve`](Self::serve) for a listener of any [`Kind`].
+    pub async fn serve_kind(self: Arc<Self>, listener: TcpListener, kind: Kind) {
         let mut shutdown = self.shutdown.clone();
         loop {
             let accepted = tokio::select! {
@@ -70,6 +91,10 @@ impl Server {
                 log_limited(&CAP_LOG, || {
                     tracing::warn!(max, "connection cap reached; refusing connections")
                 });
+                if matches!(kind, Kind::Tls(_)) {
+                    // No plaintext answer on a TLS port: just close.
+                    continue;
+                }
                 tokio::spawn(async move {
                     let msg = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\ncontent-length: 21\r\nconnection: close\r\n\r\ntoo many connections\n";
                     let _ = tokio::time::timeout(Duration::from_secs(1), async {
@@ -82,8 +107,20 @@ impl Server {
             }
             let guard = Counted::new(self.connections.clone());
             let server = self.clone();
+            // Plain connections get the same task as before other kinds
+            // existed (no dispatch in every poll of the connection).
+            if kind == Kind::Plain {
+                tokio::spawn(async move {
+                    server.serve_connection(stream, peer).await;
+                    drop(guard);
+                });
+                continue;
+            }
             tokio::spawn(async move {
-                server.serve_connection(stream, peer).await;
+                match kind {
+                    Kind::Plain | Kind::H2c => server.serve_h2c(stream, peer).await,
+                    Kind::Tls(i) => tls::serve(server, stream, peer, i).await,
+                }
                 drop(guard);
             });
             continue;
@@ -123,8 +160,26 @@ impl Server {
         self: &Arc<Self>,
         listeners: Vec<std::net::TcpListener>,
     ) -> std::io::Result<Vec<std::thread::JoinHandle<()>>> {
+        self.spawn_worker_groups(vec![(Kind::Plain, listeners)])
+    }
+
+    /// Starts the worker threads for several listener groups (each bound
+    /// with [`bind_listeners`](Self::bind_listeners) for the same worker
+    /// count): worker `i` serves the `i`-th listener of every group.
+    pub fn spawn_worker_groups(
+        self: &Arc<Self>,
+        groups: Vec<(Kind, Vec<std::net::TcpListener>)>,
+    ) -> std::io::Result<Vec<std::thread::JoinHandle<()>>> {
+        let workers = groups.iter().map(|g| g.1.len()).max().unwrap_or(0);
+        let mut per_worker: Vec<Vec<(Kind, std::net::TcpListener)>> =
+            (0..workers).map(|_| Vec::new()).collect();
+        for (kind, ls) in groups {
+            for (i, l) in ls.into_iter().enumerate() {
+                per_worker[i].push((kind, l));
+            }
+        }
         let mut handles = Vec::new();
-        for (i, l) in listeners.into_iter().enumerate() {
+        for (i, ls) in per_worker.into_iter().enumerate() {
             let server = self.clone();
             let h = std::thread::Builder::new()
                 .name(format!("graygate-worker-{i}"))
@@ -140,10 +195,26 @@ impl Server {
                         }
                     };
                     rt.block_on(async move {
-                        match TcpListener::from_std(l) {
-                            Ok(l) => server.clone().serve(l).await,
-                            Err(e) => tracing::error!(error = %e, "worker listener failed"),
+                        let mut serving = tokio::task::JoinSet::new();
+                        let mut ls = ls;
+                        // One listener (the usual plain set-up): served
+                        // inline, exactly as before listeners of other kinds.
+                        if ls.len() == 1 {
+                            let (kind, l) = ls.remove(0);
+                            match TcpListener::from_std(l) {
+                                Ok(l) => server.clone().serve_kind(l, kind).await,
+                                Err(e) => tracing::error!(error = %e, "worker listener failed"),
+                            }
                         }
+                        for (kind, l) in ls {
+                            match TcpListener::from_std(l) {
+                                Ok(l) => {
+                                    serving.spawn(server.clone().serve_kind(l, kind));
+                                }
+                                Err(e) => tracing::error!(error = %e, "worker listener failed"),
+                            }
+                        }
+                        while serving.join_next().await.is_some() {}
                         // Keep this runtime (and its connections) alive
                         // while they drain; the process exits after that.
                         server.connections.zero().await;
@@ -154,14 +225,37 @@ impl Server {
         Ok(handles)
     }
 
-    async fn serve_connection(self: Arc<Self>, stream: tokio::net::TcpStream, peer: SocketAddr) {
+    async fn serve_connection(self: Arc<Self>, stream: TcpStream, peer: SocketAddr) {
+        self.serve_h1(stream, peer, false).await
+    }
+
+    /// A plain connection on an h2c listener: the HTTP/2 preface → h2c,
+    /// anything else → HTTP/1.1.
+    async fn serve_h2c(self: Arc<Self>, stream: TcpStream, peer: SocketAddr) {
+        let header_ms = self.plane.current().config.client.header_timeout_ms;
+        let sniff = tokio::time::timeout(Duration::from_millis(header_ms), sniff_preface(&stream));
+        match sniff.await {
+            Ok(Ok(true)) => self.serve_h2(stream, peer, false).await,
+            Ok(Ok(false)) => self.serve_h1(stream, peer, false).await,
+            Ok(Err(_)) | Err(_) => {}
+        }
+    }
+
+    /// HTTP/1.1 on a plain or TLS stream.
+    async fn serve_h1<I>(self: Arc<Self>, stream: I, peer: SocketAddr, secure: bool)
+    where
+        I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
         let limits = self.plane.current().config.client.clone();
         let act = Activity::new();
         let plane = self.plane.clone();
         let svc_act = act.clone();
-        let svc = service_fn(move |req| {
+        let svc = service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
             let plane = plane.clone();
             let guard = svc_act.request_started();
+            if secure {
+                req.extensions_mut().insert(Https);
+            }
             async move {
                 let resp = proxy::handle(&plane, peer, req).await?;
                 let (head, body) = resp.into_parts();
@@ -230,6 +324,165 @@ impl Server {
                 }
             }
         }
+    }
+}
+
+impl Server {
+    /// HTTP/2 on a TLS stream (ALPN `h2`) or a plain one (h2c), with the
+    /// configured stream, header-list, window and reset limits. Each stream
+    /// is one request through `proxy::handle`, as on HTTP/1.1.
+    async fn serve_h2<I>(self: Arc<Self>, stream: I, peer: SocketAddr, secure: bool)
+    where
+        I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let gen = self.plane.current();
+        let limits = gen.config.client.clone();
+        let h2 = gen.config.http2.clone();
+        drop(gen);
+        let act = Activity::new();
+        let plane = self.plane.clone();
+        let svc_act = act.clone();
+        let svc = service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
+            let plane = plane.clone();
+            let guard = svc_act.request_started();
+            if secure {
+                req.extensions_mut().insert(Https);
+            }
+            // `:authority` stands for Host (as nginx's $host): routes, the
+            // lane script and the node see it as a Host field.
+            if !req.headers().contains_key(http::header::HOST) {
+                let host = req
+                    .uri()
+                    .authority()
+                    .and_then(|a| http::HeaderValue::from_str(a.as_str()).ok());
+                if let Some(h) = host {
+                    req.headers_mut().insert(http::header::HOST, h);
+                }
+            }
+            let grpc = is_grpc(req.headers());
+            async move {
+                // Boxed: hyper spawns each stream as a task, and moving the
+                // whole request future into it costs more than a box.
+                let mut resp = Box::pin(proxy::handle(&plane, peer, req)).await?;
+                if grpc && !is_grpc(resp.headers()) && resp.status().as_u16() >= 400 {
+                    resp = grpc_error(resp);
+                }
+                let (head, body) = resp.into_parts();
+                Ok::<_, std::convert::Infallible>(http::Response::from_parts(
+                    head,
+                    Tracked::new(body, guard),
+                ))
+            }
+        });
+        let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+        builder
+            .timer(TokioTimer::new())
+            .max_concurrent_streams(h2.max_concurrent_streams)
+            .max_header_list_size(h2.max_header_list_size)
+            .initial_stream_window_size(h2.initial_stream_window_bytes)
+            .initial_connection_window_size(h2.initial_connection_window_bytes)
+            .max_frame_size(h2.max_frame_size)
+            .max_pending_accept_reset_streams(h2.max_pending_accept_reset_streams)
+            .max_local_error_reset_streams(h2.max_local_error_reset_streams);
+        if h2.keepalive_interval_ms > 0 {
+            builder
+                .keep_alive_interval(Duration::from_millis(h2.keepalive_interval_ms))
+                .keep_alive_timeout(Duration::from_millis(h2.keepalive_interval_ms.max(1000)));
+        }
+        let conn = builder.serve_connection(TokioIo::new(TimedIoV::new(stream, act.clone())), svc);
+        tokio::pin!(conn);
+        let mut shutdown = self.shutdown.clone();
+        let mut closing = false;
+        loop {
+            let wait = match conn::idle_verdict(&act, now_ms(), limits.idle_timeout_ms) {
+                Verdict::Wait(d) => d,
+                _ => {
+                    if !closing {
+                        conn.as_mut().graceful_shutdown();
+                        closing = true;
+                    }
+                    Duration::from_millis(limits.header_timeout_ms.max(10))
+                }
+            };
+            tokio::select! {
+                r = conn.as_mut() => {
+                    if let Err(e) = r {
+                        tracing::debug!(%peer, error = %e, "HTTP/2 client connection ended with an error");
+                    }
+                    return;
+                }
+                _ = tokio::time::sleep(wait) => {}
+                _ = shutdown.wait_for(|s| *s), if !closing => {
+                    conn.as_mut().graceful_shutdown();
+                    closing = true;
+                }
+            }
+        }
+    }
+}
+
+fn is_grpc(h: &http::HeaderMap) -> bool {
+    h.get(http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+}
+
+/// The gateway's own error answer (no route, no node, 502/503/504…) to a
+/// gRPC request, as gRPC clients expect it: a trailers-only response,
+/// HTTP 200, `grpc-status` mapped from the HTTP status as gRPC's
+/// HTTP-to-gRPC mapping says, the reason in `grpc-message`.
+fn grpc_error(resp: http::Response<Recorded>) -> http::Response<Recorded> {
+    let status = resp.status();
+    let code: u32 = match status.as_u16() {
+        400 => 13,
+        401 => 16,
+        403 => 7,
+        404 => 12,
+        429 | 502..=504 => 14,
+        _ => 2,
+    };
+    let reason = status.canonical_reason().unwrap_or("error");
+    let empty = http_body_util::Empty::<bytes::Bytes>::new()
+        .map_err(|never| -> crate::base::body::BoxError { match never {} });
+    let (head, mut body) = resp.into_parts();
+    // The request is still recorded as what it was (its real status).
+    body.set_inner(crate::base::body::boxed(empty));
+    let mut out = http::Response::new(body);
+    let h = out.headers_mut();
+    h.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    h.insert("grpc-status", http::HeaderValue::from(code));
+    if let Ok(v) = http::HeaderValue::from_str(&format!("gateway: {} {reason}", status.as_u16())) {
+        h.insert("grpc-message", v);
+    }
+    for (k, v) in &head.headers {
+        // Keep the gateway's own annotations (e.g. the lane header).
+        if k != http::header::CONTENT_TYPE && k != http::header::CONTENT_LENGTH {
+            h.entry(k).or_insert(v.clone());
+        }
+    }
+    out
+}
+
+/// Does the stream start with the HTTP/2 connection preface? Peeks (the
+/// bytes stay for the protocol that serves the connection).
+async fn sniff_preface(stream: &TcpStream) -> std::io::Result<bool> {
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    let mut buf = [0u8; 24];
+    loop {
+        let n = stream.peek(&mut buf).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        if buf[..n] != PREFACE[..n] {
+            return Ok(false);
+        }
+        if n == PREFACE.len() {
+            return Ok(true);
+        }
+        // A prefix of the preface so far: wait for more bytes.
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
 

@@ -161,6 +161,16 @@ impl Added {
         }
     }
 
+    /// The client came over TLS: `X-Forwarded-Proto: https` (unless a
+    /// trusted proxy's own value is kept).
+    pub fn https(&mut self) {
+        if let Some((n, v)) = &mut self.fields[3] {
+            if *n == X_FORWARDED_PROTO {
+                *v = HeaderValue::from_static("https");
+            }
+        }
+    }
+
     /// No fields (health probes).
     pub fn none() -> Added {
         Added {
@@ -183,6 +193,31 @@ impl Added {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn https_sets_forwarded_proto_unless_a_trusted_proxy_said_it() {
+        let tag = || {
+            (
+                HeaderName::from_static("x-gray-tag"),
+                HeaderValue::from_static("formal"),
+            )
+        };
+        let peer: IpAddr = "10.0.0.1".parse().unwrap();
+        let mut h = HeaderMap::new();
+        let mut a = Added::new(&mut h, tag(), HeaderValue::from(1u64), peer, false, None);
+        a.https();
+        a.apply(&mut h);
+        assert_eq!(h[X_FORWARDED_PROTO], "https");
+        let mut h = HeaderMap::new();
+        h.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+        let mut a = Added::new(&mut h, tag(), HeaderValue::from(1u64), peer, true, None);
+        a.https();
+        a.apply(&mut h);
+        assert_eq!(
+            h[X_FORWARDED_PROTO], "http",
+            "the trusted proxy's own value is kept"
+        );
+    }
 
     #[test]
     fn hop_by_hop_and_connection_named_headers_go() {

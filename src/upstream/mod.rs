@@ -16,7 +16,9 @@ pub mod body;
 mod chunked;
 pub mod fields;
 mod h1;
+mod h2;
 mod pool;
+pub mod tls;
 
 use std::cell::RefCell;
 use std::net::SocketAddr;
@@ -41,7 +43,10 @@ use fields::Added;
 type Sender = SendRequest<UpBody>;
 
 thread_local! {
-    static POOL: RefCell<pool::IdlePool<Sender>> = RefCell::new(pool::IdlePool::default());
+    /// hyper's HTTP/1.1 connections by (node, TLS settings id; 0 = plain):
+    /// a connection verified under one service's TLS settings is never
+    /// handed to a service with others.
+    static POOL: RefCell<pool::IdlePool<Sender, (SocketAddr, u64)>> = RefCell::new(pool::IdlePool::default());
 }
 
 /// The client. Cheap to share; the pools live in thread-locals.
@@ -107,6 +112,52 @@ impl Upstream {
         self.request_hyper(addr, req, read_timeout).await
     }
 
+    /// [`request`](Self::request) over a service's [`tls::Transport`]:
+    /// HTTP/2 (h2c or h2 over TLS), HTTP/1.1 over TLS, or (`None`) the
+    /// plain HTTP/1.1 engines.
+    pub async fn request_via(
+        &self,
+        addr: SocketAddr,
+        transport: Option<&tls::Transport>,
+        req: Request<UpBody>,
+        added: &Added,
+        read_timeout: Duration,
+    ) -> Result<Response<PooledBody>, Error> {
+        match transport {
+            None => self.request(addr, req, added, read_timeout).await,
+            // Boxed: the plain path's future stays as small as before.
+            Some(t) => Box::pin(self.request_transport(addr, t, req, added, read_timeout)).await,
+        }
+    }
+
+    /// HTTP/2 or TLS to the node (a service with a [`tls::Transport`]).
+    pub async fn request_transport(
+        &self,
+        addr: SocketAddr,
+        t: &tls::Transport,
+        req: Request<UpBody>,
+        added: &Added,
+        read_timeout: Duration,
+    ) -> Result<Response<PooledBody>, Error> {
+        if t.h2 {
+            let resp = h2::request(addr, t, req, added, self.connect_timeout).await?;
+            let (head, body) = resp.into_parts();
+            let body = HyperBody {
+                inner: body,
+                stall: Stall::new(read_timeout),
+                slot: None,
+            };
+            return Ok(Response::from_parts(head, PooledBody::Hyper(body, None)));
+        }
+        let Some(tls) = &t.tls else {
+            return self.request(addr, req, added, read_timeout).await;
+        };
+        let mut req = req;
+        added.apply(req.headers_mut());
+        self.request_hyper_on(addr, req, Some(tls), read_timeout)
+            .await
+    }
+
     /// The full-duplex path over hyper's client connection.
     async fn request_hyper(
         &self,
@@ -114,6 +165,18 @@ impl Upstream {
         req: Request<UpBody>,
         read_timeout: Duration,
     ) -> Result<Response<PooledBody>, Error> {
+        self.request_hyper_on(addr, req, None, read_timeout).await
+    }
+
+    /// hyper's HTTP/1.1 client connection, plain or over TLS.
+    async fn request_hyper_on(
+        &self,
+        addr: SocketAddr,
+        req: Request<UpBody>,
+        tls: Option<&tls::TlsConnect>,
+        read_timeout: Duration,
+    ) -> Result<Response<PooledBody>, Error> {
+        let key = (addr, tls.map_or(0, |t| t.id));
         let mut req = req;
         // The target is origin-form: a client that sent no Host (HTTP/1.0)
         // gets the node's address, as on the inline path.
@@ -122,12 +185,12 @@ impl Upstream {
                 req.headers_mut().insert(http::header::HOST, v);
             }
         }
-        while let Some(mut sender) = self.checkout(addr) {
+        while let Some(mut sender) = self.checkout(key) {
             if sender.ready().await.is_err() {
                 continue;
             }
             match sender.try_send_request(req).await {
-                Ok(resp) => return Ok(self.wrap(resp, sender, addr, read_timeout)),
+                Ok(resp) => return Ok(self.wrap(resp, sender, key, read_timeout)),
                 Err(mut e) => match e.take_message() {
                     // Never sent: safe to try another connection.
                     Some(r) => req = r,
@@ -135,27 +198,52 @@ impl Upstream {
                 },
             }
         }
-        let mut sender = self.connect(addr).await?;
+        let mut sender = self.connect(addr, tls).await?;
         let resp = sender
             .send_request(req)
             .await
             .map_err(|e| Error::new(ErrorKind::Exchange).with_source(e))?;
-        Ok(self.wrap(resp, sender, addr, read_timeout))
+        Ok(self.wrap(resp, sender, key, read_timeout))
     }
 
-    async fn connect(&self, addr: SocketAddr) -> Result<Sender, Error> {
+    async fn connect(
+        &self,
+        addr: SocketAddr,
+        tls: Option<&tls::TlsConnect>,
+    ) -> Result<Sender, Error> {
         let stream = h1::connect(addr, self.connect_timeout).await?;
-        let (sender, conn) = http1::Builder::new()
-            .handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| Error::new(ErrorKind::Connect).with_source(e))?;
-        tokio::spawn(async move {
-            let _ = conn.with_upgrades().await;
-        });
+        let connect_err = |e: hyper::Error| Error::new(ErrorKind::Connect).with_source(e);
+        let sender = match tls {
+            None => {
+                let (sender, conn) = http1::Builder::new()
+                    .handshake(TokioIo::new(stream))
+                    .await
+                    .map_err(connect_err)?;
+                tokio::spawn(async move {
+                    let _ = conn.with_upgrades().await;
+                });
+                sender
+            }
+            Some(t) => {
+                let stream = tokio::time::timeout(self.connect_timeout, t.connect(stream, addr))
+                    .await
+                    .map_err(|_| {
+                        Error::new(ErrorKind::Connect).with_source("TLS handshake timed out")
+                    })??;
+                let (sender, conn) = http1::Builder::new()
+                    .handshake(TokioIo::new(stream))
+                    .await
+                    .map_err(connect_err)?;
+                tokio::spawn(async move {
+                    let _ = conn.with_upgrades().await;
+                });
+                sender
+            }
+        };
         Ok(sender)
     }
 
-    fn checkout(&self, addr: SocketAddr) -> Option<Sender> {
+    fn checkout(&self, addr: (SocketAddr, u64)) -> Option<Sender> {
         POOL.with(|p| {
             p.borrow_mut()
                 .checkout(addr, self.idle_timeout, |s| !s.is_closed())
@@ -166,7 +254,7 @@ impl Upstream {
         &self,
         resp: Response<Incoming>,
         sender: Sender,
-        addr: SocketAddr,
+        addr: (SocketAddr, u64),
         read_timeout: Duration,
     ) -> Response<PooledBody> {
         let (head, body) = resp.into_parts();
@@ -189,7 +277,8 @@ impl Upstream {
 
 struct Slot {
     sender: Sender,
-    addr: SocketAddr,
+    /// The pool key: node and TLS settings id.
+    addr: (SocketAddr, u64),
     max_idle: usize,
 }
 

@@ -12,11 +12,11 @@ use crate::base::clock::now_ms;
 /// Idle connections of type `T` by node address. FxHash: an address is
 /// hashed twice per request (checkout and checkin), and SipHash's flooding
 /// resistance buys nothing for our own node list.
-pub struct IdlePool<T> {
-    by_addr: FxHashMap<SocketAddr, Vec<(T, u64)>>,
+pub struct IdlePool<T, K = SocketAddr> {
+    by_addr: FxHashMap<K, Vec<(T, u64)>>,
 }
 
-impl<T> Default for IdlePool<T> {
+impl<T, K> Default for IdlePool<T, K> {
     fn default() -> Self {
         IdlePool {
             by_addr: FxHashMap::default(),
@@ -24,13 +24,13 @@ impl<T> Default for IdlePool<T> {
     }
 }
 
-impl<T> IdlePool<T> {
+impl<T, K: std::hash::Hash + Eq> IdlePool<T, K> {
     /// The newest idle connection to `addr` that has been idle less than
     /// `idle_timeout` and is still `usable`; the others met on the way are
     /// dropped (closed).
     pub fn checkout(
         &mut self,
-        addr: SocketAddr,
+        addr: K,
         idle_timeout: Duration,
         usable: impl Fn(&T) -> bool,
     ) -> Option<T> {
@@ -45,7 +45,7 @@ impl<T> IdlePool<T> {
     }
 
     /// Keeps `conn` for reuse unless `addr` already has `max_idle` idle.
-    pub fn checkin(&mut self, addr: SocketAddr, conn: T, max_idle: usize) {
+    pub fn checkin(&mut self, addr: K, conn: T, max_idle: usize) {
         let list = self.by_addr.entry(addr).or_default();
         if list.len() < max_idle {
             list.push((conn, now_ms()));

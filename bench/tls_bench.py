@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""HTTPS benchmark: graygate vs nginx+lua, TLS termination side by side.
+
+Same job and pinning as bench/bench.py: each gateway runs ONE worker pinned
+to CPU 1, the two nginx backends (fixed JSON for formal and gray) and the
+load generators run on CPU 0; the lane decision is the shipped
+scripts/gray.lua for graygate and bench/nginx_gray.lua for nginx. Both
+terminate TLS with the same ECDSA P-256 certificate, TLS 1.3, session cache
+and tickets on.
+
+Measured, alternating the targets over rounds (median reported):
+  h2      HTTPS + HTTP/2 with h2load (-c 32 -m 10, one thread): req/s and the
+          gateway's CPU time per request (user+sys from /proc ÷ requests);
+  h1-tls  HTTPS + HTTP/1.1 keep-alive with h2load --h1 (-c 32);
+  handshakes  new full TLS handshakes per second with `openssl s_time -new`
+          (two clients), and the gateway's CPU time per handshake.
+
+Usage:
+  apt-get install nginx-core libnginx-mod-http-lua nghttp2-client   # once
+  cargo build --release
+  python3 bench/tls_bench.py                 # ~2 minutes
+  python3 bench/tls_bench.py --duration 3 --rounds 1   # quicker
+Not part of the test suite.
+"""
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import bench
+
+PORT_GG, PORT_NGINX = 19280, 19281
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+def make_cert(work):
+    cert, key = os.path.join(work, "bench.crt"), os.path.join(work, "bench.key")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-days", "30", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                    "-keyout", key, "-out", cert], check=True, capture_output=True)
+    return cert, key
+
+
+def start_graygate(work, binary, cert, key):
+    cfg = bench.write_graygate_config(work, "graygate-tls", 19290, 1)
+    with open(cfg, "a") as f:
+        f.write(f"""listeners:
+  - listen: 127.0.0.1:{PORT_GG}
+    tls:
+      certificates:
+        - {{ cert: {cert}, key: {key} }}
+""")
+    env = dict(os.environ, RUST_LOG="warn")
+    return bench.Target("graygate", [binary, "--config", cfg], PORT_GG,
+                        os.path.join(work, "graygate-tls.log"), cpus="1", env=env)
+
+
+def start_nginx(work, cert, key):
+    main, http = bench.nginx_common(work, "nginx-tls")
+    conf = """
+load_module /usr/lib/nginx/modules/ndk_http_module.so;
+load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;
+""" + main + f"""
+http {{
+{http}
+    lua_package_path "{bench.BENCH}/?.lua;;";
+    upstream formal {{ server 127.0.0.1:{bench.PORT_FORMAL}; keepalive 1024; keepalive_requests 100000000; }}
+    upstream gray   {{ server 127.0.0.1:{bench.PORT_GRAY}; keepalive 1024; keepalive_requests 100000000; }}
+    server {{
+        listen 127.0.0.1:{PORT_NGINX} ssl http2 backlog=8192;
+        ssl_certificate {cert};
+        ssl_certificate_key {key};
+        ssl_protocols TLSv1.2 TLSv1.3;
+        ssl_session_cache shared:SSL:10m;
+        ssl_session_tickets on;
+        http2_max_concurrent_streams 128;
+        location / {{
+            set $lane formal;
+            access_by_lua_file {bench.BENCH}/nginx_gray.lua;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_set_header Host $http_host;
+            proxy_set_header X-Gray-Tag $lane;
+            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+            proxy_set_header X-Forwarded-Proto $scheme;
+            proxy_set_header X-Forwarded-Host $http_host;
+            proxy_pass http://$lane;
+        }}
+    }}
+}}
+"""
+    path = os.path.join(work, "nginx-tls.conf")
+    with open(path, "w") as f:
+        f.write(conf)
+    return bench.Target("nginx-lua", ["nginx", "-p", work, "-e", "stderr", "-c", path], PORT_NGINX,
+                        os.path.join(work, "nginx-tls.log"))
+
+
+def check(port, name):
+    """Both lanes over HTTPS + h2 before measuring."""
+    for hdr, want in (([], "formal"), (["-H", "X-Gray: 1"], "gray")):
+        out = subprocess.run(["curl", "-sk", "--http2", "-w", "\n%{http_version}", *hdr,
+                              f"https://localhost:{port}/api/x"], capture_output=True, text=True)
+        body, _, ver = out.stdout.rpartition("\n")
+        if ver.strip() != "2" or f'"lane":"{want}"' not in body or f'"tag":"{want}"' not in body:
+            raise SystemExit(f"{name}: {hdr} -> {out.stdout!r}, expected h2 and lane {want}")
+
+
+def cpu(target):
+    u, s = bench.cpu_ticks(target.pids())
+    return (u + s) / CLK
+
+
+def run_h2load(target, args, duration):
+    t0 = cpu(target)
+    out = subprocess.run(["taskset", "-c", "0", "h2load", "-t", "1", "-D", f"{duration:g}",
+                          "--warm-up-time", "1", *args, f"https://localhost:{target.port}/api/x"],
+                         capture_output=True, text=True)
+    used = cpu(target) - t0
+    text = out.stdout
+    m = re.search(r"finished in [\d.]+\w+, ([\d.]+) req/s", text)
+    done = re.search(r"requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded, (\d+) failed, (\d+) errored", text)
+    if not m or not done:
+        raise SystemExit(f"h2load output:\n{text}\n{out.stderr}")
+    ok, failed, errored = int(done.group(2)), int(done.group(3)), int(done.group(4))
+    # CPU is sampled over warm-up + measurement; requests counted are the
+    # measured ones, so scale by the measured share of the time.
+    share = duration / (duration + 1.0)
+    return {"rps": float(m.group(1)), "errors": failed + errored,
+            "cpu_us": used * share / max(ok, 1) * 1e6}
+
+
+def run_handshakes(target, duration, clients=2):
+    t0 = cpu(target)
+    procs = [subprocess.Popen(["taskset", "-c", "0", "openssl", "s_time", "-connect",
+                               f"127.0.0.1:{target.port}", "-new", "-time", str(duration)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(clients)]
+    total = 0.0
+    conns = 0
+    for p in procs:
+        out, _ = p.communicate()
+        m = re.search(r"(\d+) connections in ([\d.]+)s; ([\d.]+) connections/user sec", out)
+        m2 = re.search(r"(\d+) connections in (\d+) real seconds", out)
+        if not m2:
+            raise SystemExit(f"s_time output:\n{out}")
+        conns += int(m2.group(1))
+        total += int(m2.group(1)) / max(int(m2.group(2)), 1)
+    used = cpu(target) - t0
+    return {"hs": total, "cpu_us": used / max(conns, 1) * 1e6}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--graygate", default=os.path.join(bench.REPO, "target", "release", "graygate"))
+    ap.add_argument("--duration", type=float, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="gg-tls-bench-")
+    cert, key = make_cert(work)
+    backends = bench.start_backends(work)
+    targets = []
+    try:
+        targets = [start_graygate(work, a.graygate, cert, key), start_nginx(work, cert, key)]
+        for t in targets:
+            check(t.port, t.name)
+        tests = {
+            "h2 (HTTPS + HTTP/2, 32 conns × 10 streams)": lambda t: run_h2load(t, ["-c", "32", "-m", "10"], a.duration),
+            "h1-tls (HTTPS + HTTP/1.1 keep-alive, 32 conns)": lambda t: run_h2load(t, ["--h1", "-c", "32"], a.duration),
+            "new TLS 1.3 handshakes (2 × openssl s_time -new)": lambda t: run_handshakes(t, int(max(a.duration, 2))),
+        }
+        results = {(test, t.name): [] for test in tests for t in targets}
+        for r in range(a.rounds):
+            for test, fn in tests.items():
+                order = targets if r % 2 == 0 else list(reversed(targets))
+                for t in order:
+                    results[(test, t.name)].append(fn(t))
+                    time.sleep(0.5)
+        print(f"\nTLS benchmark, {a.rounds} rounds × {a.duration:g} s, medians; one worker each on CPU 1\n")
+        print("| test | target | rate (req/s or handshakes/s) | errors | gateway CPU µs per request/handshake | rate ÷ nginx | CPU ÷ nginx |")
+        print("|---|---|---|---|---|---|---|")
+        for test in tests:
+            med = {}
+            for t in targets:
+                runs = results[(test, t.name)]
+                key_rate = "hs" if "hs" in runs[0] else "rps"
+                med[t.name] = (statistics.median(x[key_rate] for x in runs),
+                               statistics.median(x["cpu_us"] for x in runs),
+                               sum(x.get("errors", 0) for x in runs))
+            base = med["nginx-lua"]
+            for t in targets:
+                rate, c, err = med[t.name]
+                print(f"| {test} | {t.name} | {rate:.0f} | {err} | {c:.1f} | {rate / base[0]:.2f} | {c / base[1]:.2f} |")
+        sys.stdout.flush()
+    finally:
+        for t in targets:
+            t.stop()
+        backends.stop()
+
+
+if __name__ == "__main__":
+    main()
