@@ -39,10 +39,16 @@ fn answer(
     r
 }
 
-/// Binds every demo node and serves it in the background.
-pub async fn spawn(nodes: &[DemoNode], tag_header: HeaderName) -> std::io::Result<()> {
+/// Binds every demo node and serves it in the background. `listener`
+/// gives the socket for an address (inherited on a binary upgrade, else
+/// freshly bound).
+pub async fn spawn(
+    nodes: &[DemoNode],
+    tag_header: HeaderName,
+    mut listener: impl FnMut(std::net::SocketAddr) -> std::io::Result<TcpListener>,
+) -> std::io::Result<()> {
     for node in nodes {
-        let listener = TcpListener::bind(node.addr).await?;
+        let listener = listener(node.addr)?;
         tracing::info!(node = %node.name, lane = %node.lane, addr = %node.addr, "demo node listening");
         let node = node.clone();
         let tag_header = tag_header.clone();

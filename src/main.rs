@@ -1,5 +1,8 @@
 //! Layer: the binary (top). `graygate --config FILE` runs the gateway;
-//! `--check` validates and exits.
+//! `--check` validates and exits; `--upgrade` takes over from a running
+//! graygate (binary upgrade); `completions SHELL` and `manpage` print what
+//! the package installs. Signals as nginx: HUP reload, USR1 reopen logs,
+//! USR2 binary upgrade, TERM graceful stop, QUIT/INT fast stop.
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
@@ -7,19 +10,46 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{CommandFactory, Parser};
+use graygate::control::upgrade::{self, Paths, Predecessor, Upgrade};
 use graygate::control::{reload, Gateway};
 use graygate::generation::Generation;
-use graygate::server::{Kind, Server};
+use graygate::server::handover::{self, Inherited};
+use graygate::server::Kind;
 use graygate::{admin, demo};
+use tokio::signal::unix::{signal, SignalKind};
 
 // mimalloc: faster small allocations and lower fragmentation than glibc's
 // malloc for a proxy's many short-lived buffers (see README, Design).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// `--version`: version and how this binary was built (see build.rs).
+const LONG_VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    "\ncommit:   ",
+    env!("GRAYGATE_BUILD_COMMIT"),
+    "\nrustc:    ",
+    env!("GRAYGATE_BUILD_RUSTC"),
+    "\ntarget:   ",
+    env!("GRAYGATE_BUILD_TARGET"),
+    "\nprofile:  ",
+    env!("GRAYGATE_BUILD_PROFILE"),
+    "\nfeatures: ",
+    env!("GRAYGATE_BUILD_FEATURES"),
+    "\nlua:      Lua 5.4 (vendored)",
+);
+
 #[derive(Parser)]
-#[command(version, about = "Lane-routing edge gateway for gray releases")]
+#[command(
+    name = "graygate",
+    version,
+    long_version = LONG_VERSION,
+    about = "Lane-routing edge gateway for gray releases",
+    after_help = "Signals: HUP reload the configuration, USR1 reopen the access log, \
+USR2 binary upgrade (start the binary again with --upgrade), TERM graceful stop \
+(drain up to client.drain_timeout_ms), QUIT or INT fast stop."
+)]
 struct Cli {
     /// Main configuration file.
     #[arg(long, short, default_value = "config/graygate.yaml")]
@@ -27,6 +57,16 @@ struct Cli {
     /// Validate the configuration (YAML, node files, lists, Lua) and exit.
     #[arg(long, short = 't')]
     check: bool,
+    /// Take over the listening sockets of the graygate running on the
+    /// upgrade socket, serve, then let it drain and exit (binary upgrade).
+    #[arg(long)]
+    upgrade: bool,
+    /// Unix socket for binary upgrades (overrides `upgrade_socket`).
+    #[arg(long, value_name = "PATH")]
+    upgrade_socket: Option<PathBuf>,
+    /// Pid file (overrides `pid_file`).
+    #[arg(long, value_name = "PATH")]
+    pid_file: Option<PathBuf>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -44,6 +84,10 @@ enum Command {
         #[command(subcommand)]
         action: ReleaseAction,
     },
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions { shell: clap_complete::Shell },
+    /// Print the man page (roff, section 1).
+    Manpage,
 }
 
 #[derive(clap::Subcommand)]
@@ -88,6 +132,29 @@ fn release_command(admin: &str, token: Option<&str>, action: ReleaseAction) -> E
 }
 
 fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match &cli.command {
+        Some(Command::Completions { shell }) => {
+            clap_complete::generate(
+                *shell,
+                &mut Cli::command(),
+                "graygate",
+                &mut std::io::stdout(),
+            );
+            return ExitCode::SUCCESS;
+        }
+        Some(Command::Manpage) => {
+            let man = clap_mangen::Man::new(Cli::command());
+            return match man.render(&mut std::io::stdout()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("cannot write the man page: {e}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        _ => {}
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -96,7 +163,6 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse();
     if let Some(Command::Release {
         admin,
         token,
@@ -140,6 +206,31 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let paths = Paths::new(
+        &gw.config_path,
+        &gw.current().config,
+        cli.pid_file.clone(),
+        cli.upgrade_socket.clone(),
+    );
+    // A successor validates its configuration first (above), then takes the
+    // sockets: a broken new config never disturbs the running process.
+    let (predecessor, inherited) = if cli.upgrade {
+        let Some(path) = paths.upgrade_socket.clone() else {
+            eprintln!(
+                "--upgrade needs upgrade_socket (or pid_file) in the config, or --upgrade-socket"
+            );
+            return ExitCode::FAILURE;
+        };
+        match upgrade::take_over(&path) {
+            Ok((p, inh)) => (Some(p), inh),
+            Err(e) => {
+                eprintln!("binary upgrade failed: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        (None, Inherited::default())
+    };
     let workers = gw
         .current()
         .config
@@ -157,22 +248,114 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    rt.block_on(run(gw, workers))
+    let up = Arc::new(Upgrade::new(paths));
+    let code = rt.block_on(run(gw, workers, up, predecessor, inherited));
+    // Do not wait for blocking tasks (an upgrade attempt in progress).
+    rt.shutdown_background();
+    code
 }
 
-async fn run(gw: Arc<Gateway>, workers: usize) -> ExitCode {
-    let gen = gw.current();
-    if let Err(e) = demo::spawn(&gen.config.demo_nodes, gen.lane.tag_header.clone()).await {
-        eprintln!("cannot start demo nodes: {e}");
-        return ExitCode::FAILURE;
+/// The signals the process acts on besides HUP (`control::reload`).
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    quit: tokio::signal::unix::Signal,
+    usr1: tokio::signal::unix::Signal,
+    usr2: tokio::signal::unix::Signal,
+}
+
+enum Sig {
+    Graceful,
+    Fast(&'static str),
+    Reopen,
+    Upgrade,
+}
+
+impl Signals {
+    fn new() -> std::io::Result<Signals> {
+        Ok(Signals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+            quit: signal(SignalKind::quit())?,
+            usr1: signal(SignalKind::user_defined1())?,
+            usr2: signal(SignalKind::user_defined2())?,
+        })
     }
-    let listeners = match Server::bind_listeners(gen.config.listen, workers) {
-        Ok(l) => l,
+
+    async fn next(&mut self) -> Sig {
+        tokio::select! {
+            _ = self.term.recv() => Sig::Graceful,
+            _ = self.int.recv() => Sig::Fast("SIGINT"),
+            _ = self.quit.recv() => Sig::Fast("SIGQUIT"),
+            _ = self.usr1.recv() => Sig::Reopen,
+            _ = self.usr2.recv() => Sig::Upgrade,
+        }
+    }
+
+    /// During a drain only the fast-stop signals matter (a second TERM is
+    /// ignored; USR1 still reopens the log).
+    async fn fast(&mut self, gw: &Gateway) -> &'static str {
+        loop {
+            match self.next().await {
+                Sig::Fast(name) => return name,
+                Sig::Reopen => gw.plane.access_log.reopen().await,
+                Sig::Graceful | Sig::Upgrade => {}
+            }
+        }
+    }
+}
+
+async fn run(
+    gw: Arc<Gateway>,
+    workers: usize,
+    up: Arc<Upgrade>,
+    predecessor: Option<Predecessor>,
+    mut inherited: Inherited,
+) -> ExitCode {
+    // Handlers first: USR1/USR2 would otherwise kill the process.
+    let mut signals = match Signals::new() {
+        Ok(s) => s,
         Err(e) => {
-            eprintln!("cannot listen on {}: {e}", gen.config.listen);
+            eprintln!("cannot install signal handlers: {e}");
             return ExitCode::FAILURE;
         }
     };
+    let gen = gw.current();
+    let demo_result = demo::spawn(
+        &gen.config.demo_nodes,
+        gen.lane.tag_header.clone(),
+        |addr| {
+            let l = match inherited.take("demo", addr).pop() {
+                Some(l) => tokio::net::TcpListener::from_std(l)?,
+                None => {
+                    let s = std::net::TcpListener::bind(addr)?;
+                    s.set_nonblocking(true)?;
+                    tokio::net::TcpListener::from_std(s)?
+                }
+            };
+            up.register("demo", l.local_addr()?, &l);
+            Ok(l)
+        },
+    )
+    .await;
+    if let Err(e) = demo_result {
+        eprintln!("cannot start demo nodes: {e}");
+        return ExitCode::FAILURE;
+    }
+    let listen = gen.config.listen;
+    let taken = inherited.take("client", listen);
+    let listeners = match handover::client_listeners(listen, workers, taken) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("cannot listen on {listen}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    for l in &listeners {
+        if let Ok(a) = l.local_addr() {
+            up.register("client", a, l);
+        }
+    }
     let addr = listeners[0]
         .local_addr()
         .map(|a| a.to_string())
@@ -184,8 +367,15 @@ async fn run(gw: Arc<Gateway>, workers: usize) -> ExitCode {
             (None, true) => Kind::H2c,
             (None, false) => Kind::Plain,
         };
-        match Server::bind_listeners(l.listen, workers) {
+        // Inherited at an upgrade like the main listener (by address).
+        let taken = inherited.take("client", l.listen);
+        match handover::client_listeners(l.listen, workers, taken) {
             Ok(ls) => {
+                for s in &ls {
+                    if let Ok(a) = s.local_addr() {
+                        up.register("client", a, s);
+                    }
+                }
                 let a = ls[0]
                     .local_addr()
                     .map(|a| a.to_string())
@@ -205,16 +395,24 @@ async fn run(gw: Arc<Gateway>, workers: usize) -> ExitCode {
             }
         }
     }
+    let mut admin_task = None;
     if let Some(admin_addr) = gen.config.admin_listen {
         if let Err(e) = admin::auth::check_bind(admin_addr, &gen.config) {
             eprintln!("{}: {e}", gw.config_path.display());
             return ExitCode::FAILURE;
         }
-        match tokio::net::TcpListener::bind(admin_addr).await {
+        let bound = match inherited.take("admin", admin_addr).pop() {
+            Some(l) => tokio::net::TcpListener::from_std(l),
+            None => tokio::net::TcpListener::bind(admin_addr).await,
+        };
+        match bound {
             Ok(l) => {
                 let a = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
+                if let Ok(sa) = l.local_addr() {
+                    up.register("admin", sa, &l);
+                }
                 tracing::info!(addr = %a, "admin listening");
-                tokio::spawn(admin::serve(gw.clone(), l));
+                admin_task = Some(tokio::spawn(admin::serve(gw.clone(), l)));
             }
             Err(e) => {
                 eprintln!("cannot listen on {admin_addr}: {e}");
@@ -222,50 +420,146 @@ async fn run(gw: Arc<Gateway>, workers: usize) -> ExitCode {
             }
         }
     }
-    tokio::spawn(graygate::control::release::controller::run(gw.clone()));
+    for e in inherited.leftover() {
+        tracing::warn!(role = %e.role, addr = %e.addr, "inherited socket not in the new configuration; closed");
+    }
+    // Progressive releases: stopped in the old process at a handover, so
+    // only one controller steps them.
+    let release_task = tokio::spawn(graygate::control::release::controller::run(gw.clone()));
     let watcher_gw = gw.clone();
     tokio::spawn(async move {
         if let Err(e) = reload::run(watcher_gw).await {
             tracing::error!(error = %e, "file watcher failed; reload with SIGHUP only");
         }
     });
-    if let Err(e) = gw.server.spawn_worker_groups(groups) {
+    if let Err(e) = gw.server.spawn_worker_groups(groups, workers) {
         eprintln!("cannot start workers: {e}");
         return ExitCode::FAILURE;
     }
     // Active health checks run on this control-plane runtime.
     gw.sync_health(&gen);
-    tracing::info!(%addr, workers, generation = gen.id, "graygate listening");
+    let pid = std::process::id();
+    tracing::info!(%addr, workers, generation = gen.id, pid, "graygate listening");
     drop(gen);
-    shutdown_signal().await;
-    // Graceful stop: close the listeners, let in-flight requests finish
-    // (idle keep-alive connections close at once), exit 0 within the drain
-    // time.
-    let drain = Duration::from_millis(gw.current().config.client.drain_timeout_ms);
-    tracing::info!(
-        connections = gw.connections.get(),
-        drain_ms = drain.as_millis() as u64,
-        "shutting down: draining connections"
-    );
-    gw.begin_shutdown();
-    match tokio::time::timeout(drain, gw.drained()).await {
-        Ok(()) => tracing::info!("drained; exiting"),
-        Err(_) => tracing::warn!(
-            connections = gw.connections.get(),
-            "drain time over; closing remaining connections"
-        ),
+    // Serving: the pid file, then systemd (Type=notify, NotifyAccess=all).
+    // After an upgrade the new process becomes the unit's main process —
+    // announced before the old one is told to go, so systemd knows the new
+    // main pid before the old process exits.
+    if let Err(e) = up.write_pid_file() {
+        tracing::error!(error = %e, "cannot write the pid file");
     }
-    ExitCode::SUCCESS
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(_) => return std::future::pending().await,
+    upgrade::notify_systemd(&format!("READY=1\nMAINPID={pid}"));
+    if let Some(p) = predecessor {
+        let from = p.pid;
+        match tokio::task::spawn_blocking(move || p.ready()).await {
+            Ok(Ok(())) => {
+                tracing::info!(
+                    predecessor = from,
+                    "binary upgrade: took over the listening sockets; the old process drains"
+                )
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(predecessor = from, error = %e, "binary upgrade: no answer from the old process")
+            }
+            Err(e) => tracing::warn!(error = %e, "binary upgrade: ready task failed"),
+        }
+    }
+    let mut upgrade_wait = match up.bind() {
+        Ok(Some(l)) => Some(tokio::spawn(up.clone().serve(l))),
+        Ok(None) => None,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot bind the upgrade socket; binary upgrades are off");
+            None
+        }
     };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
+
+    let mut successor: Option<tokio::process::Child> = None;
+    let handed_over = loop {
+        tokio::select! {
+            sig = signals.next() => match sig {
+                Sig::Graceful => break None,
+                Sig::Fast(name) => {
+                    tracing::info!(signal = name, "fast shutdown: closing every connection now");
+                    up.cleanup();
+                    return ExitCode::SUCCESS;
+                }
+                Sig::Reopen => {
+                    tracing::info!("SIGUSR1; reopening the access log");
+                    gw.plane.access_log.reopen().await;
+                }
+                Sig::Upgrade => {
+                    if upgrade_wait.is_none() {
+                        tracing::warn!("SIGUSR2 ignored: binary upgrade needs upgrade_socket (or pid_file)");
+                    } else if successor.is_some() {
+                        tracing::warn!("SIGUSR2 ignored: an upgrade is in progress");
+                    } else {
+                        match up.spawn_successor() {
+                            Ok(c) => {
+                                tracing::info!(successor = c.id().unwrap_or(0), "SIGUSR2; starting the new binary");
+                                successor = Some(c);
+                            }
+                            Err(e) => tracing::error!(error = %e, "SIGUSR2: cannot start the new binary"),
+                        }
+                    }
+                }
+            },
+            pid = async { upgrade_wait.as_mut().expect("guarded").await }, if upgrade_wait.is_some() => {
+                break pid.ok();
+            }
+            status = async { successor.as_mut().expect("guarded").wait().await }, if successor.is_some() => {
+                tracing::error!(status = ?status.ok(), "the new binary exited before taking over; this process keeps serving");
+                successor = None;
+            }
+        }
+    };
+    // Graceful stop (SIGTERM) or handover: stop accepting (the listeners
+    // close — or live on in the successor), let in-flight requests finish,
+    // close keep-alive connections cleanly, wait for WebSocket tunnels; exit
+    // 0 within the drain time. INT/QUIT meanwhile turn it into a fast stop.
+    let drain = Duration::from_millis(gw.current().config.client.drain_timeout_ms);
+    match handed_over {
+        Some(to) => {
+            tracing::info!(
+                successor = to,
+                connections = gw.connections.get(),
+                tunnels = gw.plane.tunnels.get(),
+                drain_ms = drain.as_millis() as u64,
+                "binary upgrade done: stopped accepting, draining"
+            );
+            // The successor serves admin now, and steps the releases.
+            if let Some(t) = admin_task.take() {
+                t.abort();
+            }
+            release_task.abort();
+        }
+        None => {
+            upgrade::notify_systemd("STOPPING=1");
+            tracing::info!(
+                connections = gw.connections.get(),
+                tunnels = gw.plane.tunnels.get(),
+                drain_ms = drain.as_millis() as u64,
+                "shutting down: draining connections"
+            );
+        }
     }
+    if let Some(t) = upgrade_wait.take() {
+        t.abort();
+    }
+    up.release();
+    gw.begin_shutdown();
+    tokio::select! {
+        r = tokio::time::timeout(drain, gw.drained()) => match r {
+            Ok(()) => tracing::info!("drained; exiting"),
+            Err(_) => tracing::warn!(
+                connections = gw.connections.get(),
+                tunnels = gw.plane.tunnels.get(),
+                "drain time over; closing remaining connections"
+            ),
+        },
+        name = signals.fast(&gw) => {
+            tracing::info!(signal = name, "fast shutdown during the drain: closing every connection now");
+        }
+    }
+    up.cleanup();
+    ExitCode::SUCCESS
 }

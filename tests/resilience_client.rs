@@ -279,7 +279,8 @@ async fn sigterm_drains_in_flight_requests_then_exits_zero() {
     // waits on the gate.
     let resp = Req::get("/slow").send_streaming(addr).await;
     assert_eq!(resp.status(), 200);
-    // An idle connection, too: it is closed at once on shutdown.
+    // An idle connection, too: closed on shutdown once idle for
+    // `drain_idle_ms` (1 s by default).
     let mut idle = TcpStream::connect(addr).await.unwrap();
     gw.signal("TERM");
     eventually("listener closed", Duration::from_secs(10), || async {
@@ -329,7 +330,9 @@ async fn drain_time_bounds_the_shutdown() {
         || async { hang.count() == 1 },
     )
     .await;
-    gw.signal("INT");
+    // SIGTERM: the graceful stop whose drain is bounded (SIGINT is a fast
+    // stop since binary upgrades came, as in nginx; see tests/signals.rs).
+    gw.signal("TERM");
     let signalled = std::time::Instant::now();
     // The request never ends: only the configured 300 ms drain bound lets
     // the process exit this early (the default bound is 15 s).
@@ -338,7 +341,7 @@ async fn drain_time_bounds_the_shutdown() {
         .await
         .unwrap_or_else(|| {
             panic!(
-                "graygate still running {:?} after SIGINT with drain_timeout_ms 300",
+                "graygate still running {:?} after SIGTERM with drain_timeout_ms 300",
                 signalled.elapsed()
             )
         });

@@ -174,22 +174,64 @@ async fn upgrade_refused_by_the_node_is_passed_back() {
     assert_eq!(seen.header("upgrade").as_deref(), Some("websocket"));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn websocket_tunnels_are_cut_at_exit() {
-    let (addr, _task, ended) = ws_node_counted("fws").await;
-    let fx = Fixture::new();
+fn chat_config(fx: &Fixture, addr: SocketAddr, drain_ms: u64) -> std::path::PathBuf {
     fx.write(
         "nodes.yaml",
         &format!("services:\n  chat:\n    nodes:\n      - {{ name: fws, addr: \"{addr}\" }}\n"),
     );
-    // A long drain time: only the tunnels' being cut lets the process exit
-    // well before it.
-    let cfg = fx.write(
+    fx.write(
         "gg.yaml",
-        &main_config(
-            "node_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: chat\nclient:\n  drain_timeout_ms: 60000\n",
-        ),
+        &main_config(&format!(
+            "node_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: chat\nclient:\n  drain_timeout_ms: {drain_ms}\n"
+        )),
+    )
+}
+
+/// A graceful stop drains WebSocket tunnels: the conversation goes on
+/// after SIGTERM, and the process exits once it has ended. (Before binary
+/// upgrades, tunnels were cut at once.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn websocket_tunnels_are_drained_on_sigterm() {
+    let (addr, _task, ended) = ws_node_counted("fws").await;
+    let fx = Fixture::new();
+    let cfg = chat_config(&fx, addr, 60000);
+    let mut gw = Gateway::start(&cfg);
+    let mut ws = connect(gw.addr, None).await;
+    assert_eq!(next_text(&mut ws).await, "fws tag=formal");
+    gw.signal("TERM");
+    eventually("listener closed", Duration::from_secs(10), || async {
+        TcpStream::connect(gw.addr).await.is_err()
+    })
+    .await;
+    for m in ["during", "the", "drain"] {
+        ws.send(Message::text(m)).await.unwrap();
+        assert_eq!(next_text(&mut ws).await, format!("fws:{m}"));
+    }
+    assert!(
+        gw.wait_exit(Duration::from_millis(1)).await.is_none(),
+        "exited with a tunnel open"
     );
+    ws.close(None).await.unwrap();
+    drop(ws);
+    let status = gw
+        .wait_exit(Duration::from_secs(20))
+        .await
+        .unwrap_or_else(|| panic!("no exit after the tunnel ended:\n{}", gw.logs()));
+    assert!(status.success(), "{status:?}");
+    gw.wait_log("drained; exiting").await;
+    eventually("the node's side ended", Duration::from_secs(10), || async {
+        ended.load(Ordering::SeqCst) == 1
+    })
+    .await;
+}
+
+/// A tunnel that outlives `drain_timeout_ms` is cut at exit, both ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn websocket_tunnels_are_cut_at_the_drain_time() {
+    let (addr, _task, ended) = ws_node_counted("fws").await;
+    let fx = Fixture::new();
+    // A short drain: the open tunnel holds the exit up to it, not longer.
+    let cfg = chat_config(&fx, addr, 300);
     let mut gw = Gateway::start(&cfg);
     let mut ws = connect(gw.addr, None).await;
     assert_eq!(next_text(&mut ws).await, "fws tag=formal");
@@ -201,6 +243,7 @@ async fn websocket_tunnels_are_cut_at_exit() {
         .await
         .unwrap_or_else(|| panic!("an open tunnel held up the exit:\n{}", gw.logs()));
     assert!(status.success(), "{status:?}");
+    gw.wait_log("drain time over").await;
     // Both ends of the tunnel see it end.
     let end = tokio::time::timeout(Duration::from_secs(10), async {
         loop {

@@ -144,6 +144,13 @@ pub struct MainConfig {
     /// HTTP/2 limits of client connections (TLS with ALPN `h2`, or h2c).
     #[serde(default)]
     pub http2: Http2Config,
+    /// File the process writes its pid to (read at start-up).
+    #[serde(default)]
+    pub pid_file: Option<PathBuf>,
+    /// Unix socket a successor connects to for the listening sockets
+    /// (binary upgrade); defaults to `graygate.sock` beside `pid_file`.
+    #[serde(default)]
+    pub upgrade_socket: Option<PathBuf>,
     /// The gateway's own zone (availability zone, rack, data centre): nodes
     /// of the same `zone` are preferred. `GRAYGATE_ZONE`, when set and not
     /// empty, wins over this key (one config file shipped to every zone).
@@ -524,6 +531,10 @@ pub struct ClientConfig {
     /// On SIGTERM/SIGINT, in-flight requests get this long to finish.
     #[serde(default = "default_drain_ms")]
     pub drain_timeout_ms: u64,
+    /// While draining, a keep-alive connection idle this long is closed
+    /// (one that sends sooner gets its answer with `Connection: close`).
+    #[serde(default = "default_drain_idle_ms")]
+    pub drain_idle_ms: u64,
     /// Longest wait between two reads of a client's request body (nginx's
     /// `client_body_timeout`): then 408, never charged to a node.
     #[serde(default = "default_body_ms")]
@@ -564,6 +575,9 @@ fn default_max_header() -> usize {
 fn default_drain_ms() -> u64 {
     15_000
 }
+fn default_drain_idle_ms() -> u64 {
+    1_000
+}
 
 impl Default for ClientConfig {
     fn default() -> Self {
@@ -574,6 +588,7 @@ impl Default for ClientConfig {
             max_uri_bytes: default_max_uri(),
             max_header_bytes: default_max_header(),
             drain_timeout_ms: default_drain_ms(),
+            drain_idle_ms: default_drain_idle_ms(),
             body_timeout_ms: default_body_ms(),
             send_timeout_ms: default_send_ms(),
             underscores_in_headers: false,

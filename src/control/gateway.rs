@@ -188,6 +188,7 @@ impl Gateway {
     /// Starts the graceful shutdown: stop accepting, let connections finish
     /// their in-flight requests, close idle ones.
     pub fn begin_shutdown(&self) {
+        self.server.begin_drain();
         self.shutdown.send_replace(true);
     }
 
@@ -195,9 +196,10 @@ impl Gateway {
         *self.shutdown.borrow()
     }
 
-    /// Waits until every client connection has closed.
+    /// Waits until the accept loops have stopped and every client
+    /// connection and WebSocket tunnel has closed.
     pub async fn drained(&self) {
-        self.connections.zero().await
+        self.server.drained().await
     }
 }
 

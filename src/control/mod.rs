@@ -2,7 +2,7 @@
 //! generation build and validation (`build`) → swap (`gateway`); the reload
 //! watcher and SIGHUP (`reload`); admin edits written back to node and rule
 //! files (`node_edit`, `rule_edit`); traffic history for the dashboard
-//! (`stats`). It may use every data-plane layer; none of them imports it.
+//! (`stats`); binary upgrade, pid file and systemd notification (`upgrade`). It may use every data-plane layer; none of them imports it.
 
 pub mod build;
 pub mod gateway;
@@ -11,5 +11,6 @@ pub mod release;
 pub mod reload;
 pub mod rule_edit;
 pub mod stats;
+pub mod upgrade;
 
 pub use gateway::Gateway;

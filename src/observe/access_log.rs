@@ -1,7 +1,9 @@
 //! Layer: observe (uses base, config). The access log: one line per request,
 //! text or JSON, written by a dedicated thread. Requests hand their line over a
 //! bounded channel and never wait: when the writer falls behind, lines are
-//! dropped and counted (`graygate_access_log_dropped_total`).
+//! dropped and counted (`graygate_access_log_dropped_total`). On SIGUSR1 the
+//! writer reopens its file by path ([`AccessLog::reopen`]), so logrotate can
+//! rename the file away and the next lines land in a new one.
 
 use std::io::Write;
 use std::net::IpAddr;
@@ -75,10 +77,33 @@ impl Entry {
     }
 }
 
+/// What the writer thread receives. Lines are nearly every message, so they
+/// stay unboxed (no allocation per line; a channel slot held an `Entry`
+/// before reopening existed).
+#[allow(clippy::large_enum_variant)]
+enum Msg {
+    Line(Entry),
+    /// Reopen the file by its path (log rotation).
+    Reopen,
+}
+
 /// The request-side handle: off, or a bounded sender.
 pub struct AccessLog {
-    tx: Option<mpsc::Sender<Entry>>,
+    tx: Option<mpsc::Sender<Msg>>,
     dropped: IntCounter,
+}
+
+fn open_target(target: &Path, path: &Path) -> std::io::Result<Box<dyn Write>> {
+    Ok(match target.to_str() {
+        Some("stdout") => Box::new(std::io::stdout()),
+        Some("stderr") => Box::new(std::io::stderr()),
+        _ => Box::new(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)?,
+        ),
+    })
 }
 
 impl AccessLog {
@@ -90,34 +115,45 @@ impl AccessLog {
     /// The file is opened by the writer, so a slow or blocked target never
     /// stalls start-up or requests.
     pub fn start(cfg: &AccessLogConfig, root: &Path, dropped: IntCounter) -> AccessLog {
-        let (tx, mut rx) = mpsc::channel::<Entry>(cfg.buffer.max(1));
+        let (tx, mut rx) = mpsc::channel::<Msg>(cfg.buffer.max(1));
         let format = cfg.format;
         let target = cfg.path.clone();
         let path = crate::config::resolve(root, &cfg.path);
         let spawned = std::thread::Builder::new()
             .name("access-log".into())
             .spawn(move || {
-                let mut out: Box<dyn Write> = match target.to_str() {
-                    Some("stdout") => Box::new(std::io::stdout()),
-                    Some("stderr") => Box::new(std::io::stderr()),
-                    _ => match std::fs::OpenOptions::new()
-                        .create(true)
-                        .append(true)
-                        .open(&path)
-                    {
-                        Ok(f) => Box::new(f),
-                        Err(e) => {
-                            tracing::error!(path = %path.display(), error = %e, "cannot open access log; it stays off");
-                            return;
-                        }
-                    },
+                let out = match open_target(&target, &path) {
+                    Ok(out) => out,
+                    Err(e) => {
+                        tracing::error!(path = %path.display(), error = %e, "cannot open access log; it stays off");
+                        return;
+                    }
                 };
-                let mut buf = std::io::BufWriter::new(&mut out);
-                while let Some(e) = rx.blocking_recv() {
-                    let _ = writeln!(buf, "{}", e.format(format));
+                let mut buf = std::io::BufWriter::new(out);
+                while let Some(mut msg) = rx.blocking_recv() {
                     // Batch whatever is already queued, then flush.
-                    while let Ok(e) = rx.try_recv() {
-                        let _ = writeln!(buf, "{}", e.format(format));
+                    loop {
+                        match msg {
+                            Msg::Line(e) => {
+                                let _ = writeln!(buf, "{}", e.format(format));
+                            }
+                            Msg::Reopen => {
+                                let _ = buf.flush();
+                                match open_target(&target, &path) {
+                                    Ok(out) => {
+                                        buf = std::io::BufWriter::new(out);
+                                        tracing::info!(path = %path.display(), "access log reopened");
+                                    }
+                                    // Keep writing to the old file rather
+                                    // than lose lines.
+                                    Err(e) => tracing::error!(path = %path.display(), error = %e, "cannot reopen access log; writing on to the old file"),
+                                }
+                            }
+                        }
+                        match rx.try_recv() {
+                            Ok(m) => msg = m,
+                            Err(_) => break,
+                        }
                     }
                     let _ = buf.flush();
                 }
@@ -139,9 +175,17 @@ impl AccessLog {
     /// Queues `entry` without waiting; drops (and counts) it when full.
     pub fn log(&self, entry: Entry) {
         if let Some(tx) = &self.tx {
-            if tx.try_send(entry).is_err() {
+            if tx.try_send(Msg::Line(entry)).is_err() {
                 self.dropped.inc();
             }
+        }
+    }
+
+    /// Asks the writer to reopen the file (SIGUSR1). Waits for room in the
+    /// queue (control plane only), so the request is never dropped.
+    pub async fn reopen(&self) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(Msg::Reopen).await;
         }
     }
 }

@@ -391,13 +391,15 @@ fn respond(
             return Err(ErrorKind::UpgradeUnavailable.into());
         };
         let upstream_up = hyper::upgrade::on(&mut resp);
-        let tunnels = plane.tunnels.clone();
+        // Counted from now, while the client connection is still counted
+        // too, so a drain never sees a gap between the two.
+        let guard = Counted::new(plane.tunnels.clone());
         tokio::spawn(async move {
+            let _guard = guard;
             let (Ok(c), Ok(u)) = tokio::join!(client_up, upstream_up) else {
                 tracing::debug!("upgrade handshake did not complete");
                 return;
             };
-            let _guard = Counted::new(tunnels);
             let mut c = TokioIo::new(c);
             let mut u = TokioIo::new(u);
             let _ = tokio::io::copy_bidirectional(&mut c, &mut u).await;

@@ -6,11 +6,15 @@
 //! connection's header-read and idle timeouts (`conn`) and the graceful drain
 //! live here. Requests go to `proxy::handle` with the [`DataPlane`]; nothing
 //! here reaches the control plane, which only flips the shutdown signal.
+//! `handover` moves the listening sockets to a successor process (binary
+//! upgrade).
 
 pub mod conn;
+pub mod handover;
 pub mod tls;
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,6 +52,12 @@ pub struct Server {
     pub connections: Arc<Counter>,
     /// Becomes true when the graceful stop begins.
     shutdown: watch::Receiver<bool>,
+    /// The same, read per response: while draining, every answer carries
+    /// `Connection: close`.
+    draining: AtomicBool,
+    /// Accept loops still running (the drain waits for them, so no
+    /// connection accepted at the last moment is missed).
+    accepting: Arc<Counter>,
 }
 
 impl Server {
@@ -60,7 +70,24 @@ impl Server {
             plane,
             connections,
             shutdown,
+            draining: AtomicBool::new(false),
+            accepting: Arc::new(Counter::default()),
         }
+    }
+
+    /// Waits until every accept loop has stopped and every client
+    /// connection and WebSocket tunnel has closed (tunnels are counted
+    /// before their connection ends, so none slips between the waits).
+    pub async fn drained(&self) {
+        self.accepting.zero().await;
+        self.connections.zero().await;
+        self.plane.tunnels.zero().await;
+    }
+
+    /// Marks the drain as begun (the control plane calls this with the
+    /// shutdown signal): responses from now on close their connection.
+    pub fn begin_drain(&self) {
+        self.draining.store(true, Ordering::Relaxed);
     }
 
     /// Accepts client connections until shutdown begins (then the listener
@@ -154,33 +181,42 @@ impl Server {
         Ok(out)
     }
 
-    /// Starts one worker thread per listener, each with its own
-    /// single-threaded runtime serving that listener forever.
+    /// Starts `workers` worker threads, each with its own single-threaded
+    /// runtime serving its share of the listeners (normally one each; an
+    /// upgrade from a process with more workers leaves some with more).
     pub fn spawn_workers(
         self: &Arc<Self>,
         listeners: Vec<std::net::TcpListener>,
+        workers: usize,
     ) -> std::io::Result<Vec<std::thread::JoinHandle<()>>> {
-        self.spawn_worker_groups(vec![(Kind::Plain, listeners)])
+        self.spawn_worker_groups(vec![(Kind::Plain, listeners)], workers)
     }
 
-    /// Starts the worker threads for several listener groups (each bound
-    /// with [`bind_listeners`](Self::bind_listeners) for the same worker
-    /// count): worker `i` serves the `i`-th listener of every group.
+    /// Starts `workers` worker threads for several listener groups (each
+    /// bound with [`bind_listeners`](Self::bind_listeners), or inherited at
+    /// an upgrade): the `j`-th listener of every group goes to worker
+    /// `j % workers` (normally one of each per worker; an upgrade from a
+    /// process with more workers leaves some with more).
     pub fn spawn_worker_groups(
         self: &Arc<Self>,
         groups: Vec<(Kind, Vec<std::net::TcpListener>)>,
+        workers: usize,
     ) -> std::io::Result<Vec<std::thread::JoinHandle<()>>> {
-        let workers = groups.iter().map(|g| g.1.len()).max().unwrap_or(0);
+        let most = groups.iter().map(|g| g.1.len()).max().unwrap_or(0);
+        let workers = workers.clamp(1, most.max(1));
         let mut per_worker: Vec<Vec<(Kind, std::net::TcpListener)>> =
             (0..workers).map(|_| Vec::new()).collect();
         for (kind, ls) in groups {
-            for (i, l) in ls.into_iter().enumerate() {
-                per_worker[i].push((kind, l));
+            for (j, l) in ls.into_iter().enumerate() {
+                per_worker[j % workers].push((kind, l));
             }
         }
         let mut handles = Vec::new();
         for (i, ls) in per_worker.into_iter().enumerate() {
             let server = self.clone();
+            // Counted before the thread starts, so a drain never begins
+            // between here and the first accept.
+            let accepting = Counted::new(self.accepting.clone());
             let h = std::thread::Builder::new()
                 .name(format!("graygate-worker-{i}"))
                 .spawn(move || {
@@ -215,9 +251,11 @@ impl Server {
                             }
                         }
                         while serving.join_next().await.is_some() {}
-                        // Keep this runtime (and its connections) alive
-                        // while they drain; the process exits after that.
-                        server.connections.zero().await;
+                        drop(accepting);
+                        // Keep this runtime (its connections and WebSocket
+                        // tunnels) alive while they drain; the process
+                        // exits after that or at the drain time.
+                        server.drained().await;
                     });
                 })?;
             handles.push(h);
@@ -250,15 +288,28 @@ impl Server {
         let act = Activity::new();
         let plane = self.plane.clone();
         let svc_act = act.clone();
+        let server = self.clone();
         let svc = service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
             let plane = plane.clone();
             let guard = svc_act.request_started();
+            let server = server.clone();
             if secure {
                 req.extensions_mut().insert(Https);
             }
             async move {
                 let resp = proxy::handle(&plane, peer, req).await?;
-                let (head, body) = resp.into_parts();
+                let (mut head, body) = resp.into_parts();
+                // Draining: this answer ends the keep-alive connection, so
+                // the client's next request opens a new one (to the
+                // successor, after an upgrade) instead of racing a close.
+                if server.draining.load(Ordering::Relaxed)
+                    && head.status != http::StatusCode::SWITCHING_PROTOCOLS
+                {
+                    head.headers.insert(
+                        http::header::CONNECTION,
+                        http::HeaderValue::from_static("close"),
+                    );
+                }
                 Ok::<_, std::convert::Infallible>(http::Response::from_parts(
                     head,
                     Tracked::new(body, guard),
@@ -278,7 +329,8 @@ impl Server {
         tokio::pin!(conn);
         let mut shutdown = self.shutdown.clone();
         let mut closing = false;
-        let timeouts = Timeouts {
+        let mut draining = false;
+        let mut timeouts = Timeouts {
             header_ms: limits.header_timeout_ms,
             idle_ms: limits.idle_timeout_ms,
             send_ms: limits.send_timeout_ms,
@@ -318,9 +370,12 @@ impl Server {
                     return;
                 }
                 _ = tokio::time::sleep(wait) => {}
-                _ = shutdown.wait_for(|s| *s), if !closing => {
-                    conn.as_mut().graceful_shutdown();
-                    closing = true;
+                // Drain: requests in flight finish (their answers carry
+                // `Connection: close`); a connection idle for
+                // `drain_idle_ms` is closed — never one that is mid-request.
+                _ = shutdown.wait_for(|s| *s), if !draining => {
+                    draining = true;
+                    timeouts.idle_ms = timeouts.idle_ms.min(limits.drain_idle_ms);
                 }
             }
         }

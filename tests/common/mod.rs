@@ -278,13 +278,21 @@ impl Gateway {
 
     /// Like [`Gateway::start`], with extra environment variables.
     pub fn start_env(config: &Path, env: &[(&str, &str)]) -> Gateway {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_graygate"))
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_graygate"));
+        // The suite's own environment never configures the gateway.
+        cmd.env_remove("GRAYGATE_ADMIN_TOKEN")
+            .envs(env.iter().copied());
+        Gateway::start_cmd(cmd, config, &[])
+    }
+
+    /// Starts `cmd --config <config> <args…>` (any graygate binary, e.g. a
+    /// copy or an unpacked package's) and waits until it listens.
+    pub fn start_cmd(mut cmd: Command, config: &Path, args: &[&str]) -> Gateway {
+        let mut child = cmd
             .arg("--config")
             .arg(config)
+            .args(args)
             .env("RUST_LOG", "info")
-            // The suite's own environment never configures the gateway.
-            .env_remove("GRAYGATE_ADMIN_TOKEN")
-            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -531,6 +539,24 @@ impl Req {
             .send_request(self.build(addr))
             .await
             .expect("response")
+    }
+
+    /// Like [`Req::send_streaming`], the failure returned instead of a
+    /// panic (for a request the gateway is expected to cut).
+    pub async fn send_streaming_result(
+        &self,
+        addr: SocketAddr,
+    ) -> Result<Response<Incoming>, hyper::Error> {
+        let stream = TcpSocket::new_v4()
+            .unwrap()
+            .connect(addr)
+            .await
+            .expect("connect to gateway");
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        sender.send_request(self.build(addr)).await
     }
 
     pub async fn send(&self, addr: SocketAddr) -> Resp {
