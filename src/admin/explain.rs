@@ -1,9 +1,11 @@
 //! Layer: admin (control plane, top; may use everything below). `/explain`: a
 //! dry run of the request path for a described request — the route, the lane
 //! and what decided it, the candidate nodes, the node that would be chosen next
-//! and any fallback. It calls the same `lane::decide` and candidate choice as
-//! real traffic, but only `peek`s the round-robin state and records no metric
-//! or node counter.
+//! and any fallback, with the balance policy, the hash key, the zone step and
+//! each candidate's zone and slow-start factor. It calls the same
+//! `lane::decide`, candidate choice and pick as real traffic, but only `peek`s
+//! the round-robin state and records no metric or node counter (`random` and
+//! `least_request` draw afresh, so their `chosen` is one possible pick).
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -13,11 +15,12 @@ use serde::Deserialize;
 
 use crate::base::body::Body;
 use crate::base::decision::DecidedBy;
-use crate::config::FORMAL;
+use crate::config::{Balance, FORMAL};
 use crate::control::Gateway;
 use crate::generation::Target;
 use crate::lane::sticky::decide_on_route;
 use crate::lane::Decided;
+use crate::nodes::balance::slow_start_factor;
 use crate::nodes::NoCandidates;
 use crate::proxy::resolve::resolve_request;
 
@@ -160,17 +163,36 @@ pub fn run(gw: &Gateway, q: Query) -> Response<Body> {
         Target::Service(name) => {
             out["target"] = serde_json::json!({"service": name});
             let now = crate::base::clock::now_ms();
-            let picked = gen
-                .services
-                .get(&**name)
-                .map(|s| s.choose(&decision.lane, now));
+            let service = gen.services.get(&**name);
+            let picked = service.map(|s| s.choose(&decision.lane, now));
+            let key = service
+                .and_then(|s| s.request_key(&info.parts.headers, &info.parts.uri, info.client_ip));
+            if let Some(s) = service {
+                let hashing = s.select.balance == Balance::Hash;
+                out["balance"] = serde_json::json!({
+                    "policy": s.select.balance.as_str(),
+                    "hash_key": s.select.hash_key.as_ref().filter(|_| hashing).map(|k| k.to_string()),
+                    "key_present": hashing.then_some(key.is_some()),
+                    "slow_start_ms": s.select.slow_start_ms,
+                });
+                if hashing && key.is_none() {
+                    out["balance"]["note"] =
+                        "the request has no hash key: picked by round_robin".into();
+                }
+            }
             match picked {
                 Some(Ok(choice)) => {
+                    let service = service.expect("a choice comes from a service");
                     let set = choice.set;
                     let fallback = choice.fallback;
-                    let chosen = set
-                        .peek_for(now, choice.ignore_health)
-                        .map(|i| &set.nodes[i]);
+                    let chosen = choice.peek(now, key).map(|i| &set.nodes[i]);
+                    out["zone"] = serde_json::json!({
+                        "gateway_zone": service.select.zone.as_deref(),
+                        "step": choice.zone.as_str(),
+                        "local_nodes": set.local_members().len(),
+                        "local_healthy": set.local_healthy(now),
+                        "min_healthy": service.select.zone_min_healthy,
+                    });
                     out["candidates"] = set
                         .nodes
                         .iter()
@@ -179,7 +201,10 @@ pub fn run(gw: &Gateway, q: Query) -> Response<Body> {
                             serde_json::json!({
                                 "name": n.name, "addr": n.addr.to_string(),
                                 "lane": n.lane, "weight": n.weight,
+                                "zone": n.zone.as_deref(),
                                 "available": h.available(now),
+                                "slow_start_factor": slow_start_factor(
+                                    h.warm_since(), now, set.slow_start_ms),
                             })
                         })
                         .collect();

@@ -69,6 +69,7 @@ pub fn list(gw: &Gateway) -> serde_json::Value {
                         "lane": n.lane,
                         "weight": n.weight,
                         "drain": n.drain,
+                        "zone": n.zone.as_deref(),
                         "selectable": n.weight > 0 && !n.drain,
                         "health": health(gw, &s.name, n.addr),
                         "health_detail": health_detail(gw, &s.name, n.addr),
@@ -78,7 +79,11 @@ pub fn list(gw: &Gateway) -> serde_json::Value {
                     })
                 })
                 .collect();
-            serde_json::json!({"name": s.name, "nodes": nodes})
+            serde_json::json!({
+                "name": s.name,
+                "balance": s.select.balance.as_str(),
+                "nodes": nodes,
+            })
         })
         .collect();
     serde_json::json!({"generation": gen.id, "services": services})
@@ -125,6 +130,8 @@ struct AddNode {
     weight: Option<u32>,
     #[serde(default)]
     drain: bool,
+    #[serde(default)]
+    zone: Option<String>,
 }
 
 /// Body of `PATCH /nodes/{service}/{node}`.
@@ -167,6 +174,7 @@ pub async fn manage(gw: &Arc<Gateway>, req: Request<Incoming>, rest: &[&str]) ->
                     lane,
                     weight: add.weight.unwrap_or(1),
                     drain: add.drain,
+                    zone: add.zone,
                 }),
             )
         }

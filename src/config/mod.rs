@@ -152,6 +152,26 @@ pub struct MainConfig {
     /// (binary upgrade); defaults to `graygate.sock` beside `pid_file`.
     #[serde(default)]
     pub upgrade_socket: Option<PathBuf>,
+    /// The gateway's own zone (availability zone, rack, data centre): nodes
+    /// of the same `zone` are preferred. `GRAYGATE_ZONE`, when set and not
+    /// empty, wins over this key (one config file shipped to every zone).
+    #[serde(default)]
+    pub zone: Option<String>,
+}
+
+/// Environment variable naming the gateway's zone; it wins over `zone:`.
+pub const ZONE_ENV: &str = "GRAYGATE_ZONE";
+
+impl MainConfig {
+    /// The gateway's zone: `GRAYGATE_ZONE` if set and not empty, else the
+    /// `zone` key; `None` means no zone preference.
+    pub fn gateway_zone(&self) -> Option<String> {
+        std::env::var(ZONE_ENV)
+            .ok()
+            .map(|z| z.trim().to_string())
+            .filter(|z| !z.is_empty())
+            .or_else(|| self.zone.clone().filter(|z| !z.is_empty()))
+    }
 }
 
 /// One more client listener: plain (optionally accepting h2c with prior
@@ -728,6 +748,52 @@ pub struct ServiceConfig {
     /// TLS to the nodes (absent = plain TCP).
     #[serde(default)]
     pub tls: Option<NodeTlsConfig>,
+    /// How a node is picked among the candidates of the lane.
+    #[serde(default)]
+    pub balance: Balance,
+    /// The request key of `balance: hash`: `header:<name>`, `cookie:<name>`,
+    /// `arg:<name>` (query argument) or `client_ip`.
+    #[serde(default)]
+    pub hash_key: Option<String>,
+    /// A node that joins (new in a reload) or is re-admitted after ejection
+    /// ramps its weight from 10% to 100% over this time; 0 = off.
+    #[serde(default)]
+    pub slow_start_ms: u64,
+    /// The gateway's zone is used while at least this many of the lane's
+    /// same-zone nodes are healthy; below, every zone of the lane. 0 turns
+    /// zone preference off for the service.
+    #[serde(default = "default_zone_min_healthy")]
+    pub zone_min_healthy: u32,
+}
+
+pub fn default_zone_min_healthy() -> u32 {
+    1
+}
+
+/// Node selection policy within the candidate set of a lane.
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Balance {
+    /// Smooth weighted round-robin (nginx's), precomputed per generation.
+    #[default]
+    RoundRobin,
+    /// Power of two choices over in-flight requests, weight-aware.
+    LeastRequest,
+    /// Consistent hashing (Maglev) on `hash_key`.
+    Hash,
+    /// Weighted random.
+    Random,
+}
+
+impl Balance {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Balance::RoundRobin => "round_robin",
+            Balance::LeastRequest => "least_request",
+            Balance::Hash => "hash",
+            Balance::Random => "random",
+        }
+    }
 }
 
 /// The protocol spoken to a service's nodes.
@@ -770,6 +836,9 @@ pub struct NodeConfig {
     /// Draining: selection skips the node; requests in flight finish.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub drain: bool,
+    /// The node's zone (compared with the gateway's); none = no zone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zone: Option<String>,
 }
 
 fn default_weight() -> u32 {

@@ -15,8 +15,8 @@ use crate::base::lists::IpList;
 use crate::config::docs::{Docs, FileDocs};
 use crate::config::NodeProtocol;
 use crate::config::{
-    find_line, parse_yaml, resolve, valid_lane, ConfigError, MainConfig, NodeFile, ServiceConfig,
-    FORMAL,
+    find_line, parse_yaml, resolve, valid_lane, Balance, ConfigError, MainConfig, NodeFile,
+    ServiceConfig, FORMAL, ZONE_ENV,
 };
 use crate::generation::{Generation, Route, Target};
 use crate::lane::rules::Rules;
@@ -24,7 +24,8 @@ use crate::lane::script::ScriptSource;
 use crate::lane::shared_dict::{self, SharedDict};
 use crate::lane::sticky::Sticky;
 use crate::lane::LanePolicy;
-use crate::nodes::{Node, Service};
+use crate::nodes::hash::HashKey;
+use crate::nodes::{Node, Select, Service};
 use crate::static_files::StaticTree;
 use crate::upstream::tls::{TlsConnect, Transport};
 
@@ -78,6 +79,21 @@ impl Generation {
         }
         let lists = Arc::new(lists);
 
+        let gateway_zone: Option<Arc<str>> = match config.gateway_zone() {
+            Some(z) if !valid_lane(&z) => {
+                let from_env = std::env::var(ZONE_ENV).is_ok_and(|e| !e.trim().is_empty());
+                return Err(ConfigError::new(
+                    config_path,
+                    if from_env { None } else { at("zone:") },
+                    format!(
+                        "invalid zone name {z:?}{} (letters, digits, - _ . only)",
+                        if from_env { " in GRAYGATE_ZONE" } else { "" }
+                    ),
+                ));
+            }
+            z => z.map(Into::into),
+        };
+
         let mut services: BTreeMap<String, Service> = BTreeMap::new();
         let mut service_file: BTreeMap<String, PathBuf> = BTreeMap::new();
         // (document, its text, service name, settings), node files first.
@@ -120,9 +136,53 @@ impl Generation {
                             ),
                         ));
                     }
+                    if let Some(z) = n.zone.as_deref().filter(|z| !valid_lane(z)) {
+                        return Err(ConfigError::new(
+                            &path,
+                            find_line(&ntext, Some(&format!("{name}:")), z),
+                            format!("invalid zone name {z:?} (letters, digits, - _ . only)"),
+                        ));
+                    }
                     nodes.push(Node::from_config(&name, i, n));
                 }
-                let mut service = Service::new(&name, nodes);
+                let service_line =
+                    |needle: &str| find_line(&ntext, Some(&format!("{name}:")), needle);
+                let hash_key = match &svc.hash_key {
+                    Some(k) => Some(k.parse::<HashKey>().map_err(|m| {
+                        ConfigError::new(
+                            &path,
+                            service_line("hash_key:"),
+                            format!("service {name:?}: {m}"),
+                        )
+                    })?),
+                    None => None,
+                };
+                match (svc.balance, &hash_key) {
+                    (Balance::Hash, None) => {
+                        return Err(ConfigError::new(
+                            &path,
+                            service_line("balance:"),
+                            format!(
+                                "service {name:?}: balance: hash needs a hash_key \
+                                 (header:<name>, cookie:<name>, arg:<name> or client_ip)"
+                            ),
+                        ))
+                    }
+                    (b, Some(k)) if b != Balance::Hash => warnings.push(format!(
+                        "{}: service {name:?}: hash_key {k} is unused with balance: {}",
+                        path.display(),
+                        b.as_str()
+                    )),
+                    _ => {}
+                }
+                let select = Select {
+                    balance: svc.balance,
+                    hash_key,
+                    slow_start_ms: svc.slow_start_ms,
+                    zone: gateway_zone.clone(),
+                    zone_min_healthy: svc.zone_min_healthy,
+                };
+                let mut service = Service::with_select(&name, nodes, select);
                 service.health = svc.health.clone();
                 service.strict = svc.strict;
                 service.retries = svc.retries;

@@ -95,12 +95,14 @@ impl Gateway {
         };
         let health = HealthRegistry::default();
         health.attach(&mut gen.services);
+        let node_stats = NodeStats::default();
+        attach_counters(&node_stats, &mut gen);
         let plane = Arc::new(DataPlane {
             generation: Live::new(gen),
             client,
             health,
             metrics,
-            node_stats: NodeStats::default(),
+            node_stats,
             access_log,
             fallback_log: FallbackLog::default(),
             tunnels: Arc::new(Counter::default()),
@@ -196,6 +198,7 @@ impl Gateway {
                     tracing::warn!("{w}");
                 }
                 self.plane.health.attach(&mut gen.services);
+                attach_counters(&self.plane.node_stats, &mut gen);
                 let gen = Arc::new(gen);
                 self.plane.generation.publish(gen.clone());
                 self.sync_health(&gen);
@@ -233,5 +236,13 @@ impl Gateway {
     /// connection and WebSocket tunnel has closed.
     pub async fn drained(&self) {
         self.server.drained().await
+    }
+}
+
+/// Points every node of `gen` at its live counters (what least_request
+/// reads in flight from), before the swap.
+fn attach_counters(stats: &NodeStats, gen: &mut Generation) {
+    for (name, svc) in gen.services.iter_mut() {
+        svc.attach_counters(|addr| stats.get(name, addr));
     }
 }

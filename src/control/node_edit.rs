@@ -228,6 +228,11 @@ fn validate(nodes: &[NodeConfig], service: &str) -> Result<(), EditError> {
                 n.lane
             )));
         }
+        if let Some(z) = n.zone.as_deref().filter(|z| !valid_lane(z)) {
+            return Err(EditError::Invalid(format!(
+                "invalid zone name {z:?} (letters, digits, - _ . only)"
+            )));
+        }
         let name = effective_name(service, i, n);
         if !names.insert(name.clone()) {
             return Err(EditError::Invalid(format!(
@@ -301,6 +306,7 @@ mod tests {
             lane: lane.into(),
             weight: 1,
             drain: false,
+            zone: None,
         }
     }
 

@@ -61,6 +61,16 @@ pub struct RegistryService {
     /// TLS to the instances, as in node files.
     #[serde(default)]
     pub tls: Option<crate::config::NodeTlsConfig>,
+    /// Node selection, as in node files (`balance`, `hash_key`,
+    /// `slow_start_ms`, `zone_min_healthy`).
+    #[serde(default)]
+    pub balance: crate::config::Balance,
+    #[serde(default)]
+    pub hash_key: Option<String>,
+    #[serde(default)]
+    pub slow_start_ms: u64,
+    #[serde(default = "crate::config::default_zone_min_healthy")]
+    pub zone_min_healthy: u32,
 }
 
 /// The key of an instance.
@@ -130,7 +140,12 @@ pub fn services<'a>(
                 format!("invalid service name {svc:?}"),
             ));
         }
-        let (cfg_path, cfg) = configs.remove(&svc).unwrap_or_default();
+        // No `config` key: the node-file defaults (YAML `{}`).
+        let (cfg_path, cfg) = configs.remove(&svc).unwrap_or_else(|| {
+            let none: RegistryService =
+                serde_yaml::from_str("{}").expect("every field has a default");
+            (PathBuf::new(), none)
+        });
         let mut nodes = Vec::new();
         for (id, path, text, inst) in &list {
             let lane = lane_of(inst, cfg.lane_key.as_deref());
@@ -147,6 +162,8 @@ pub fn services<'a>(
                 lane,
                 weight: inst.weight,
                 drain: inst.drain,
+                // Spring-Cloud style: the instance's `zone` metadata.
+                zone: inst.metadata.get("zone").cloned(),
             });
         }
         let key = if cfg_path.as_os_str().is_empty() {
@@ -165,6 +182,10 @@ pub fn services<'a>(
                 read_timeout_ms: cfg.read_timeout_ms,
                 protocol: cfg.protocol,
                 tls: cfg.tls,
+                balance: cfg.balance,
+                hash_key: cfg.hash_key,
+                slow_start_ms: cfg.slow_start_ms,
+                zone_min_healthy: cfg.zone_min_healthy,
             },
         ));
     }

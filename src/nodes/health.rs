@@ -31,6 +31,9 @@ pub struct NodeHealth {
     ejected_until: AtomicU64,
     active_down: AtomicBool,
     ejections: AtomicU64,
+    /// 0 = warm; else the `now_ms` when the node joined or was re-admitted,
+    /// from which slow start ramps its weight (see `nodes::balance`).
+    warm_since: AtomicU64,
 }
 
 /// A point-in-time view of a node's health (for status pages and metrics).
@@ -67,10 +70,29 @@ impl NodeHealth {
         }
     }
 
+    /// A node new to the registry (or re-admitted) at `now`: slow start
+    /// ramps its weight from here.
+    pub fn joined(now: u64) -> NodeHealth {
+        let h = NodeHealth::default();
+        h.warm_since.store(now, Ordering::Relaxed);
+        h
+    }
+
+    /// The `now_ms` from which the node's slow start runs (0 = none).
+    pub fn warm_since(&self) -> u64 {
+        self.warm_since.load(Ordering::Relaxed)
+    }
+
+    /// Starts (or restarts) the node's slow start at `now`.
+    pub fn start_warming(&self, now: u64) {
+        self.warm_since.store(now, Ordering::Relaxed);
+    }
+
     /// A request reached the node and got an acceptable answer.
     pub fn success(&self, node: &str) {
         self.fails.store(0, Ordering::Relaxed);
         if self.ejected_until.swap(0, Ordering::Relaxed) != 0 {
+            self.start_warming(now_ms());
             tracing::info!(node, "node passed its trial request; re-admitted");
         }
     }
@@ -134,6 +156,7 @@ impl NodeHealth {
             if down {
                 tracing::warn!(node, "active health check: node unhealthy");
             } else {
+                self.start_warming(now_ms());
                 tracing::info!(node, "active health check: node healthy again");
             }
         }
@@ -158,18 +181,32 @@ impl Drop for Checker {
 #[derive(Default)]
 pub struct HealthRegistry {
     nodes: Mutex<HashMap<Key, Arc<NodeHealth>>>,
+    /// Set after the first generation: nodes first seen later have joined
+    /// (slow start); those of the first generation start warm.
+    primed: AtomicBool,
     checkers: Mutex<HashMap<Key, Checker>>,
 }
 
 impl HealthRegistry {
     /// Points every node of `gen` at its registry entry, so state carries
     /// over from the previous generation. Call before the swap.
+    ///
+    /// A node first seen after the first generation has *joined*: its
+    /// slow start (if the service has one) runs from now.
     pub fn attach(&self, services: &mut BTreeMap<String, Service>) {
         let mut map = self.nodes.lock().unwrap_or_else(|e| e.into_inner());
+        let joined = self.primed.swap(true, Ordering::Relaxed);
+        let now = now_ms();
         for (name, svc) in services.iter_mut() {
             svc.attach_health(|addr| {
                 map.entry((name.clone(), addr))
-                    .or_insert_with(|| Arc::new(NodeHealth::default()))
+                    .or_insert_with(|| {
+                        Arc::new(if joined {
+                            NodeHealth::joined(now)
+                        } else {
+                            NodeHealth::default()
+                        })
+                    })
                     .clone()
             });
         }
@@ -421,5 +458,42 @@ mod tests {
             h.failure("n", &policy(0, 1000));
         }
         assert!(h.available(now_ms()));
+    }
+
+    #[test]
+    fn readmission_and_joining_start_slow_start() {
+        let h = NodeHealth::default();
+        assert_eq!(h.warm_since(), 0, "warm unless it joined");
+        h.failure("n", &policy(1, 0));
+        assert_eq!(h.warm_since(), 0, "ejection alone does not warm");
+        h.success("n");
+        assert_ne!(h.warm_since(), 0, "a passed trial restarts the ramp");
+        let a = NodeHealth::default();
+        a.set_active_down("n", true);
+        a.set_active_down("n", false);
+        assert_ne!(a.warm_since(), 0, "back from an active check: ramp");
+    }
+
+    #[test]
+    fn nodes_joining_after_the_first_generation_warm_up() {
+        use crate::nodes::{Node, Service};
+        let node = |port: u16| Node {
+            name: format!("n{port}").into(),
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            lane: "formal".into(),
+            weight: 1,
+            drain: false,
+            zone: None,
+        };
+        let reg = HealthRegistry::default();
+        let mut first = BTreeMap::from([("s".to_string(), Service::new("s", vec![node(1)]))]);
+        reg.attach(&mut first);
+        assert_eq!(first["s"].lanes["formal"].health[0].warm_since(), 0);
+        let mut second =
+            BTreeMap::from([("s".to_string(), Service::new("s", vec![node(1), node(2)]))]);
+        reg.attach(&mut second);
+        let set = &second["s"].lanes["formal"];
+        assert_eq!(set.health[0].warm_since(), 0, "kept: still warm");
+        assert_ne!(set.health[1].warm_since(), 0, "joined: warming");
     }
 }

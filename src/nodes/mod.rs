@@ -1,18 +1,30 @@
 //! Layer: node choice (data plane, above upstream; uses upstream for active
-//! probes, base, config). API services and their nodes, grouped by lane, and
-//! the selection rule: healthy nodes of the request's lane, else formal nodes
-//! (never another gray lane), picked by smooth weighted round-robin (nginx's
-//! algorithm).
+//! probes, observe's node counters, lane's cookie parser, base, config). API
+//! services and their nodes, grouped by lane, and the selection rule: healthy
+//! nodes of the request's lane, else formal nodes (never another gray lane);
+//! within that set the gateway's zone first (`zone`), then the service's
+//! `balance` policy (`balance`: round-robin, least-request, Maglev hash,
+//! random; `hash`: the request key and the table), with slow start for nodes
+//! that joined or were re-admitted.
 
+pub mod balance;
+pub mod hash;
 pub mod health;
+pub mod zone;
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
-use crate::config::{HealthConfig, NodeConfig, FORMAL};
+use http::{HeaderMap, Uri};
+
+use crate::config::{Balance, HealthConfig, NodeConfig, FORMAL};
+use crate::observe::node_stats::NodeCounters;
+use balance::{slow_start_factor, Members, Picker, Want};
+use hash::{HashKey, KeyHash};
 use health::NodeHealth;
+use zone::{HealthyCount, ZoneStep};
 
 /// One upstream node.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,6 +37,9 @@ pub struct Node {
     pub weight: u32,
     /// Draining nodes are listed but never selected.
     pub drain: bool,
+    /// The node's zone, from its node file entry (or, later, a registry's
+    /// metadata); `None` = in no zone.
+    pub zone: Option<Arc<str>>,
 }
 
 impl Node {
@@ -39,69 +54,106 @@ impl Node {
             lane: c.lane.as_str().into(),
             weight: c.weight,
             drain: c.drain,
+            zone: c.zone.as_deref().map(Into::into),
         }
     }
 }
 
-/// Longest precomputed round-robin schedule (entries); a lane whose total
-/// weight is larger falls back to computing smooth WRR per pick.
-const MAX_SCHEDULE: u64 = 1 << 16;
-/// Most work (total weight × nodes) spent precomputing a schedule.
-const MAX_SCHEDULE_WORK: u64 = 1 << 26;
+/// How a service picks nodes (its node-file keys, resolved).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Select {
+    pub balance: Balance,
+    /// The request key of `balance: hash`.
+    pub hash_key: Option<HashKey>,
+    /// Slow-start window; 0 = off.
+    pub slow_start_ms: u64,
+    /// The gateway's zone (`None`: no zone preference).
+    pub zone: Option<Arc<str>>,
+    /// Healthy same-zone nodes needed to stay in the zone; 0 = off.
+    pub zone_min_healthy: u32,
+}
 
-/// The nodes of one lane of a service with their round-robin state.
+impl Default for Select {
+    fn default() -> Select {
+        Select {
+            balance: Balance::RoundRobin,
+            hash_key: None,
+            slow_start_ms: 0,
+            zone: None,
+            zone_min_healthy: 1,
+        }
+    }
+}
+
+/// The nodes of one lane of a service with their selection state.
 ///
-/// Smooth weighted round-robin (nginx's algorithm) is periodic with period
-/// = total weight, so the whole sequence is computed once per generation
-/// and a pick is one atomic increment plus, when some nodes are down or
-/// already tried, a scan to the next eligible entry — O(1) in the usual
-/// case however many nodes the lane has, and lock-free.
+/// The policy's state (round-robin schedule, alias table or Maglev table)
+/// is computed once per generation, over all the lane's nodes and over
+/// those in the gateway's zone; a pick reads it lock-free, O(1) in the
+/// usual case however many nodes the lane has.
 #[derive(Debug)]
 pub struct LaneNodes {
     pub nodes: Vec<Node>,
     /// Health of `nodes[i]`, shared with the registry across reloads.
     pub health: Vec<Arc<NodeHealth>>,
-    schedule: Option<Vec<u32>>,
-    cursor: AtomicUsize,
-    /// Live smooth-WRR state, for lanes too heavy to precompute.
-    current: Mutex<Vec<i64>>,
+    /// Live counters of `nodes[i]` (in flight: least_request), shared with
+    /// `observe::node_stats` across reloads.
+    pub counters: Vec<Arc<NodeCounters>>,
+    pub balance: Balance,
+    pub slow_start_ms: u64,
+    pub zone_min_healthy: u32,
+    /// Is zone preference on (the gateway has a zone, min_healthy > 0)?
+    zone_pref: bool,
+    all: Picker,
+    /// Over the nodes in the gateway's zone, when there are any.
+    local: Option<Picker>,
+    local_healthy: HealthyCount,
 }
 
-/// One full period of smooth weighted round-robin over `weights`.
-fn smooth_schedule(weights: &[u32]) -> Option<Vec<u32>> {
-    let total: u64 = weights.iter().map(|&w| u64::from(w)).sum();
-    if total == 0
-        || total > MAX_SCHEDULE
-        || total.saturating_mul(weights.len() as u64) > MAX_SCHEDULE_WORK
-    {
-        return None;
+impl Members for LaneNodes {
+    fn weight(&self, i: usize) -> u32 {
+        self.nodes[i].weight
     }
-    let mut cur = vec![0i64; weights.len()];
-    let mut out = Vec::with_capacity(total as usize);
-    for _ in 0..total {
-        let mut best = 0usize;
-        for (i, &w) in weights.iter().enumerate() {
-            cur[i] += i64::from(w);
-            if cur[i] > cur[best] {
-                best = i;
-            }
-        }
-        cur[best] -= total as i64;
-        out.push(best as u32);
+
+    fn eligible(&self, i: usize, w: &Want) -> bool {
+        !w.tried.contains(&i) && (w.ignore_health || self.health[i].available(w.now))
     }
-    Some(out)
+
+    fn factor(&self, i: usize, now: u64) -> f64 {
+        slow_start_factor(self.health[i].warm_since(), now, self.slow_start_ms)
+    }
+
+    fn in_flight(&self, i: usize) -> i64 {
+        self.counters[i].in_flight.load(Ordering::Relaxed)
+    }
+
+    fn slow_start(&self) -> bool {
+        self.slow_start_ms != 0
+    }
 }
 
 impl LaneNodes {
-    fn new(nodes: Vec<Node>) -> LaneNodes {
+    fn new(nodes: Vec<Node>, sel: &Select) -> LaneNodes {
         let n = nodes.len();
-        let weights: Vec<u32> = nodes.iter().map(|n| n.weight).collect();
+        let all = Picker::new(&nodes, (0..n as u32).collect(), sel.balance);
+        let zone_pref = sel.zone.is_some() && sel.zone_min_healthy > 0;
+        let local = sel.zone.as_ref().filter(|_| zone_pref).and_then(|z| {
+            let members: Vec<u32> = (0..n as u32)
+                .filter(|&i| nodes[i as usize].zone.as_ref() == Some(z))
+                .collect();
+            (!members.is_empty()).then(|| Picker::new(&nodes, members, sel.balance))
+        });
         LaneNodes {
             health: (0..n).map(|_| Arc::new(NodeHealth::default())).collect(),
-            schedule: smooth_schedule(&weights),
-            cursor: AtomicUsize::new(0),
+            counters: (0..n).map(|_| Arc::default()).collect(),
+            balance: sel.balance,
+            slow_start_ms: sel.slow_start_ms,
+            zone_min_healthy: sel.zone_min_healthy,
+            zone_pref,
+            all,
+            local,
+            local_healthy: HealthyCount::default(),
             nodes,
-            current: Mutex::new(vec![0; n]),
         }
     }
 
@@ -110,79 +162,88 @@ impl LaneNodes {
         self.health.iter().any(|h| h.available(now))
     }
 
-    fn eligible(&self, i: usize, now: u64, tried: &[usize], ignore_health: bool) -> bool {
-        !tried.contains(&i) && (ignore_health || self.health[i].available(now))
+    /// Lane-node indices of the nodes in the gateway's zone.
+    pub fn local_members(&self) -> &[u32] {
+        self.local.as_ref().map_or(&[], |l| &l.members)
     }
 
-    /// Smooth weighted round-robin over the nodes not in `tried` and (unless
+    /// Healthy same-zone nodes at `now` (recounted at most once a ms).
+    pub fn local_healthy(&self, now: u64) -> u32 {
+        let Some(local) = &self.local else {
+            return 0;
+        };
+        self.local_healthy.get(now, || {
+            local
+                .members
+                .iter()
+                .filter(|&&i| self.health[i as usize].available(now))
+                .count()
+        })
+    }
+
+    /// The zone step for a request at `now`.
+    pub fn zone_step(&self, now: u64, ignore_health: bool) -> ZoneStep {
+        if !self.zone_pref {
+            ZoneStep::Off
+        } else if self.local.is_none() {
+            ZoneStep::NoLocalNodes
+        } else if ignore_health {
+            ZoneStep::Panic
+        } else if self.local_healthy(now) >= self.zone_min_healthy {
+            ZoneStep::Local
+        } else {
+            ZoneStep::Spill
+        }
+    }
+
+    /// The node the policy picks for `w` after zone step `step`: a
+    /// same-zone node when the step is `local` (others once every
+    /// same-zone node is down or tried), else any node of the set.
+    pub fn pick_in(&self, step: ZoneStep, w: &Want) -> Option<usize> {
+        if step == ZoneStep::Local {
+            if let Some(i) = self
+                .local
+                .as_ref()
+                .and_then(|l| l.pick(self, self.balance, w))
+            {
+                return Some(i);
+            }
+        }
+        self.all.pick(self, self.balance, w)
+    }
+
+    /// A pick over the whole set without a key (round-robin order for
+    /// `round_robin` and `hash`) of the nodes not in `tried` and (unless
     /// `ignore_health`) available at `now`. Returns the node's index.
     pub fn pick_for(&self, now: u64, tried: &[usize], ignore_health: bool) -> Option<usize> {
-        if self.nodes.len() == 1 {
-            return self.eligible(0, now, tried, ignore_health).then_some(0);
-        }
-        match &self.schedule {
-            Some(seq) => {
-                let start = self.cursor.fetch_add(1, Ordering::Relaxed);
-                scan(seq, start, |i| self.eligible(i, now, tried, ignore_health))
-            }
-            None => self.live_pick(|i| self.eligible(i, now, tried, ignore_health), true),
-        }
+        let w = Want {
+            now,
+            tried,
+            ignore_health,
+            key: None,
+            advance: true,
+        };
+        self.pick_in(ZoneStep::Off, &w)
     }
 
     /// The index [`pick_for`](Self::pick_for) would return next (with
     /// nothing tried yet), without moving the round-robin state — for dry
     /// runs such as `/explain`.
     pub fn peek_for(&self, now: u64, ignore_health: bool) -> Option<usize> {
-        if self.nodes.len() == 1 {
-            return self.eligible(0, now, &[], ignore_health).then_some(0);
-        }
-        match &self.schedule {
-            Some(seq) => {
-                let start = self.cursor.load(Ordering::Relaxed);
-                scan(seq, start, |i| self.eligible(i, now, &[], ignore_health))
-            }
-            None => self.live_pick(|i| self.eligible(i, now, &[], ignore_health), false),
-        }
-    }
-
-    /// Smooth WRR computed live (lanes too heavy to precompute).
-    fn live_pick(&self, eligible: impl Fn(usize) -> bool, advance: bool) -> Option<usize> {
-        let mut cur = self.current.lock().unwrap_or_else(|e| e.into_inner());
-        let mut total = 0i64;
-        let mut best: Option<(usize, i64)> = None;
-        for (i, node) in self.nodes.iter().enumerate() {
-            if !eligible(i) {
-                continue;
-            }
-            let w = i64::from(node.weight);
-            total += w;
-            let v = cur[i] + w;
-            if advance {
-                cur[i] = v;
-            }
-            if best.is_none_or(|(_, b)| v > b) {
-                best = Some((i, v));
-            }
-        }
-        let (b, _) = best?;
-        if advance {
-            cur[b] -= total;
-        }
-        Some(b)
+        let w = Want {
+            now,
+            tried: &[],
+            ignore_health,
+            key: None,
+            advance: false,
+        };
+        self.pick_in(ZoneStep::Off, &w)
     }
 
     /// The next node in round-robin order, ignoring health.
     pub fn pick(&self) -> Option<&Node> {
         self.pick_for(0, &[], true).map(|i| &self.nodes[i])
     }
-}
-
-/// The first entry of `seq` from `start` (wrapping) that is `eligible`.
-fn scan(seq: &[u32], start: usize, eligible: impl Fn(usize) -> bool) -> Option<usize> {
-    let len = seq.len();
-    (0..len)
-        .map(|k| seq[(start + k) % len] as usize)
-        .find(|&i| eligible(i))
 }
 
 /// Why a request did not go to nodes of its own lane.
@@ -223,6 +284,49 @@ pub struct Choice<'a> {
     pub fallback: Option<Fallback>,
     /// Panic mode: health is ignored because nothing is healthy.
     pub ignore_health: bool,
+    /// The zone step inside the set.
+    pub zone: ZoneStep,
+}
+
+impl<'a> Choice<'a> {
+    fn new(set: &'a LaneNodes, fallback: Option<Fallback>, ignore: bool, now: u64) -> Choice<'a> {
+        Choice {
+            set,
+            fallback,
+            ignore_health: ignore,
+            zone: set.zone_step(now, ignore),
+        }
+    }
+
+    /// The node for the next attempt of a request with hash key `key`
+    /// (`Service::request_key`): the policy's pick among the set's nodes not
+    /// in `tried` (same zone first when the step says so).
+    pub fn pick(&self, now: u64, tried: &[usize], key: Option<KeyHash>) -> Option<usize> {
+        self.pick_with(now, tried, key, true)
+    }
+
+    /// What [`pick`](Self::pick) would return for a first attempt, without
+    /// moving the round-robin state (random policies draw afresh).
+    pub fn peek(&self, now: u64, key: Option<KeyHash>) -> Option<usize> {
+        self.pick_with(now, &[], key, false)
+    }
+
+    fn pick_with(
+        &self,
+        now: u64,
+        tried: &[usize],
+        key: Option<KeyHash>,
+        advance: bool,
+    ) -> Option<usize> {
+        let w = Want {
+            now,
+            tried,
+            ignore_health: self.ignore_health,
+            key,
+            advance,
+        };
+        self.set.pick_in(self.zone, &w)
+    }
 }
 
 /// A named service: its nodes split by lane.
@@ -241,10 +345,17 @@ pub struct Service {
     pub read_timeout_ms: Option<u64>,
     /// TLS and/or HTTP/2 to the nodes; `None` = plain HTTP/1.1.
     pub transport: Option<Arc<crate::upstream::tls::Transport>>,
+    /// Balance policy, hash key, slow start and zone preference.
+    pub select: Select,
 }
 
 impl Service {
     pub fn new(name: &str, nodes: Vec<Node>) -> Service {
+        Service::with_select(name, nodes, Select::default())
+    }
+
+    /// A service whose lanes pick nodes as `select` says.
+    pub fn with_select(name: &str, nodes: Vec<Node>, select: Select) -> Service {
         let mut by_lane: BTreeMap<String, Vec<Node>> = BTreeMap::new();
         let all = nodes.clone();
         for n in nodes.into_iter().filter(|n| n.weight > 0 && !n.drain) {
@@ -255,13 +366,36 @@ impl Service {
             all,
             lanes: by_lane
                 .into_iter()
-                .map(|(lane, nodes)| (lane, LaneNodes::new(nodes)))
+                .map(|(lane, nodes)| (lane, LaneNodes::new(nodes, &select)))
                 .collect(),
             health: HealthConfig::default(),
             strict: false,
             retries: None,
             read_timeout_ms: None,
             transport: None,
+            select,
+        }
+    }
+
+    /// The request's hash key when the service balances by `hash` (and the
+    /// request carries the key).
+    pub fn request_key(
+        &self,
+        headers: &HeaderMap,
+        uri: &Uri,
+        client_ip: IpAddr,
+    ) -> Option<KeyHash> {
+        if self.select.balance != Balance::Hash {
+            return None;
+        }
+        self.select.hash_key.as_ref()?.hash(headers, uri, client_ip)
+    }
+
+    /// Replaces each node's counters with `lookup(addr)` (the ones the
+    /// request path counts in flight into).
+    pub fn attach_counters(&mut self, mut lookup: impl FnMut(SocketAddr) -> Arc<NodeCounters>) {
+        for set in self.lanes.values_mut() {
+            set.counters = set.nodes.iter().map(|n| lookup(n.addr)).collect();
         }
     }
 
@@ -279,36 +413,21 @@ impl Service {
         let formal = self.lanes.get(FORMAL).filter(|s| !s.nodes.is_empty());
         let Some(own) = self.lanes.get(lane).filter(|s| !s.nodes.is_empty()) else {
             let set = formal.ok_or(NoCandidates::NoNodes)?;
-            return Ok(Choice {
-                set,
-                fallback: (lane != FORMAL).then_some(Fallback::LaneHasNoNodes),
-                ignore_health: !set.any_available(now),
-            });
+            let fallback = (lane != FORMAL).then_some(Fallback::LaneHasNoNodes);
+            return Ok(Choice::new(set, fallback, !set.any_available(now), now));
         };
         if own.any_available(now) {
-            return Ok(Choice {
-                set: own,
-                fallback: None,
-                ignore_health: false,
-            });
+            return Ok(Choice::new(own, None, false, now));
         }
         if lane != FORMAL {
             if self.strict {
                 return Err(NoCandidates::StrictUnhealthy);
             }
             if let Some(f) = formal.filter(|f| f.any_available(now)) {
-                return Ok(Choice {
-                    set: f,
-                    fallback: Some(Fallback::LaneUnhealthy),
-                    ignore_health: false,
-                });
+                return Ok(Choice::new(f, Some(Fallback::LaneUnhealthy), false, now));
             }
         }
-        Ok(Choice {
-            set: own,
-            fallback: Some(Fallback::AllUnhealthy),
-            ignore_health: true,
-        })
+        Ok(Choice::new(own, Some(Fallback::AllUnhealthy), true, now))
     }
 
     /// The candidate set for `lane`: that lane's nodes, else formal's.
@@ -338,37 +457,8 @@ mod tests {
             lane: lane.into(),
             weight,
             drain: false,
+            zone: None,
         }
-    }
-
-    #[test]
-    fn precomputed_schedule_equals_live_smooth_wrr() {
-        for weights in [
-            vec![5, 1, 1],
-            vec![3, 2],
-            vec![1; 1000],
-            vec![7, 3, 9, 1, 4],
-        ] {
-            let nodes: Vec<Node> = weights
-                .iter()
-                .enumerate()
-                .map(|(i, &w)| node(&format!("n{i}"), FORMAL, w))
-                .collect();
-            let set = LaneNodes::new(nodes);
-            assert!(set.schedule.is_some());
-            let total: u32 = weights.iter().sum();
-            for _ in 0..2 * total {
-                let live = set.live_pick(|_| true, true).unwrap();
-                assert_eq!(set.pick_for(0, &[], true), Some(live), "{weights:?}");
-            }
-        }
-        // Too heavy to precompute: live smooth WRR still spreads by weight.
-        let heavy = LaneNodes::new(vec![node("a", FORMAL, 100_000), node("b", FORMAL, 50_000)]);
-        assert!(heavy.schedule.is_none());
-        let a = (0..300)
-            .filter(|_| heavy.pick().unwrap().name.as_ref() == "a")
-            .count();
-        assert_eq!(a, 200);
     }
 
     #[test]
@@ -504,5 +594,273 @@ mod tests {
     fn zero_weight_nodes_are_skipped() {
         let s = Service::new("s", vec![node("f", FORMAL, 1), node("z", FORMAL, 0)]);
         assert_eq!(s.count(FORMAL), 1);
+    }
+
+    fn zoned(name: &str, zone: Option<&str>) -> Node {
+        Node {
+            zone: zone.map(Into::into),
+            ..node(name, FORMAL, 1)
+        }
+    }
+
+    fn zone_service(min_healthy: u32, zone: Option<&str>, balance: Balance) -> Service {
+        let mut nodes = vec![
+            zoned("a1", Some("a")),
+            zoned("a2", Some("a")),
+            zoned("b1", Some("b")),
+            zoned("none", None),
+        ];
+        for (i, n) in nodes.iter_mut().enumerate() {
+            n.addr = format!("127.0.0.{}:80", i + 1).parse().unwrap();
+        }
+        let select = Select {
+            balance,
+            hash_key: Some(HashKey::ClientIp),
+            zone: zone.map(Into::into),
+            zone_min_healthy: min_healthy,
+            ..Select::default()
+        };
+        Service::with_select("s", nodes, select)
+    }
+
+    fn names(c: &Choice, now: u64, n: usize) -> std::collections::BTreeSet<String> {
+        (0..n)
+            .map(|_| {
+                c.set.nodes[c.pick(now, &[], None).unwrap()]
+                    .name
+                    .to_string()
+            })
+            .collect()
+    }
+
+    fn set_of(names: &[&str]) -> std::collections::BTreeSet<String> {
+        names.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn same_zone_first_then_every_zone_below_min_healthy() {
+        use crate::config::PassiveHealth;
+        let p = PassiveHealth {
+            max_fails: 1,
+            cooldown_ms: 60_000,
+            fail_on_5xx: true,
+        };
+        for balance in [
+            Balance::RoundRobin,
+            Balance::LeastRequest,
+            Balance::Random,
+            Balance::Hash,
+        ] {
+            fastrand::seed(9);
+            let s = zone_service(2, Some("a"), balance);
+            let now = crate::base::clock::now_ms();
+            let c = s.choose(FORMAL, now).unwrap();
+            assert_eq!(c.zone, ZoneStep::Local, "{balance:?}");
+            assert_eq!(names(&c, now, 50), set_of(&["a1", "a2"]), "{balance:?}");
+            // Retries leave the zone only once its nodes are all tried.
+            let tried: Vec<usize> = vec![0, 1];
+            let next = c.pick(now, &tried, None).unwrap();
+            assert!(next >= 2, "{balance:?}");
+            // One of two same-zone nodes down: below min_healthy 2, so every
+            // zone (the healthy same-zone node, the other zone and the node
+            // without a zone).
+            s.lanes[FORMAL].health[0].failure("a1", &p);
+            let later = now + 1;
+            let c = s.choose(FORMAL, later).unwrap();
+            assert_eq!(c.zone, ZoneStep::Spill, "{balance:?}");
+            // (Keyless hash requests are round-robin.)
+            let want = set_of(&["a2", "b1", "none"]);
+            assert_eq!(names(&c, later, 200), want, "{balance:?}");
+        }
+    }
+
+    #[test]
+    fn zone_steps_never_empty_the_set() {
+        let now = crate::base::clock::now_ms();
+        // The gateway has no zone: every node.
+        let s = zone_service(1, None, Balance::RoundRobin);
+        let c = s.choose(FORMAL, now).unwrap();
+        assert_eq!(c.zone, ZoneStep::Off);
+        assert_eq!(names(&c, now, 8), set_of(&["a1", "a2", "b1", "none"]));
+        // min_healthy 0 turns the preference off.
+        let s = zone_service(0, Some("a"), Balance::RoundRobin);
+        assert_eq!(s.choose(FORMAL, now).unwrap().zone, ZoneStep::Off);
+        // No candidate in the gateway's zone: every zone, zone-less nodes
+        // included.
+        let s = zone_service(1, Some("c"), Balance::RoundRobin);
+        let c = s.choose(FORMAL, now).unwrap();
+        assert_eq!(c.zone, ZoneStep::NoLocalNodes);
+        assert_eq!(names(&c, now, 8), set_of(&["a1", "a2", "b1", "none"]));
+        // Everything down: panic mode spans every zone.
+        let p = crate::config::PassiveHealth {
+            max_fails: 1,
+            cooldown_ms: 60_000,
+            fail_on_5xx: true,
+        };
+        let s = zone_service(1, Some("a"), Balance::RoundRobin);
+        for (i, h) in s.lanes[FORMAL].health.iter().enumerate() {
+            h.failure(&i.to_string(), &p);
+        }
+        let c = s.choose(FORMAL, now).unwrap();
+        assert_eq!(c.zone, ZoneStep::Panic);
+        assert_eq!(names(&c, now, 8), set_of(&["a1", "a2", "b1", "none"]));
+    }
+
+    #[test]
+    fn slow_start_ramps_a_joined_node_with_an_injected_clock() {
+        // Deterministic: a fixed seed and clock values passed in.
+        fastrand::seed(21);
+        for balance in [Balance::RoundRobin, Balance::Random, Balance::LeastRequest] {
+            let select = Select {
+                balance,
+                slow_start_ms: 10_000,
+                ..Select::default()
+            };
+            let mut a = node("old", FORMAL, 1);
+            a.addr = "127.0.0.1:1".parse().unwrap();
+            let mut b = node("new", FORMAL, 1);
+            b.addr = "127.0.0.1:2".parse().unwrap();
+            let mut s = Service::with_select("s", vec![a, b], select);
+            let joined_at = 1_000;
+            s.attach_health(|addr| {
+                Arc::new(if addr.port() == 2 {
+                    NodeHealth::joined(joined_at)
+                } else {
+                    NodeHealth::default()
+                })
+            });
+            let share = |now: u64| {
+                let c = s.choose(FORMAL, now).unwrap();
+                let n = 20_000;
+                let new = (0..n).filter(|_| c.pick(now, &[], None) == Some(1)).count();
+                new as f64 / n as f64
+            };
+            // Effective weights old 1 : new f → share f / (1 + f).
+            for (now, f) in [(1_000, 0.1), (3_500, 0.25), (6_000, 0.5), (8_500, 0.75)] {
+                let got = share(now);
+                let want = f / (1.0 + f);
+                assert!(
+                    (got - want).abs() < 0.02,
+                    "{balance:?} at {now}: {got} vs {want}"
+                );
+            }
+            // The window has passed: full weight.
+            let got = share(11_000);
+            assert!((got - 0.5).abs() < 0.02, "{balance:?}: {got}");
+            if balance == Balance::RoundRobin {
+                assert_eq!(got, 0.5, "warm round-robin is exact");
+            }
+        }
+    }
+
+    #[test]
+    fn hash_pins_keys_and_retries_walk_to_the_next_node() {
+        let nodes: Vec<Node> = (0..5)
+            .map(|i| {
+                let mut n = node(&format!("n{i}"), FORMAL, 1);
+                n.addr = format!("127.0.0.{}:80", i + 1).parse().unwrap();
+                n
+            })
+            .collect();
+        let select = Select {
+            balance: Balance::Hash,
+            hash_key: Some("header:x-user-id".parse().unwrap()),
+            ..Select::default()
+        };
+        let s = Service::with_select("s", nodes, select);
+        let now = crate::base::clock::now_ms();
+        let req = |uid: &str| {
+            let mut h = HeaderMap::new();
+            h.insert("x-user-id", uid.parse().unwrap());
+            h
+        };
+        let uri = Uri::from_static("/");
+        let ip: IpAddr = "10.0.0.1".parse().unwrap();
+        let key = s.request_key(&req("u-7"), &uri, ip);
+        assert!(key.is_some());
+        let c = s.choose(FORMAL, now).unwrap();
+        let first = c.pick(now, &[], key).unwrap();
+        assert!(
+            (0..20).all(|_| c.pick(now, &[], key) == Some(first)),
+            "pinned"
+        );
+        assert_eq!(c.peek(now, key), Some(first));
+        // A retry walks on, deterministically, never to a tried node.
+        let second = c.pick(now, &[first], key).unwrap();
+        assert_ne!(second, first);
+        assert_eq!(c.pick(now, &[first], key), Some(second));
+        // No key: round-robin over the lane.
+        let c = s.choose(FORMAL, now).unwrap();
+        let none = s.request_key(&req(""), &uri, ip);
+        assert!(none.is_none());
+        let spread: std::collections::BTreeSet<usize> =
+            (0..5).map(|_| c.pick(now, &[], none).unwrap()).collect();
+        assert_eq!(spread.len(), 5);
+        // Other policies never hash.
+        assert_eq!(
+            Service::new("t", vec![]).request_key(&req("u-7"), &uri, ip),
+            None
+        );
+    }
+
+    #[test]
+    fn every_policy_keeps_the_lane_guarantee() {
+        use crate::config::PassiveHealth;
+        let p = PassiveHealth {
+            max_fails: 1,
+            cooldown_ms: 60_000,
+            fail_on_5xx: true,
+        };
+        for balance in [
+            Balance::RoundRobin,
+            Balance::LeastRequest,
+            Balance::Random,
+            Balance::Hash,
+        ] {
+            let nodes: Vec<Node> = [
+                ("f1", FORMAL),
+                ("f2", FORMAL),
+                ("g1", "gray"),
+                ("g2", "gray"),
+                ("v", "v2"),
+            ]
+            .iter()
+            .enumerate()
+            .map(|(i, (n, l))| Node {
+                addr: format!("127.0.0.{}:80", i + 1).parse().unwrap(),
+                zone: Some(if i % 2 == 0 { "a" } else { "b" }.into()),
+                ..node(n, l, 1)
+            })
+            .collect();
+            let select = Select {
+                balance,
+                hash_key: Some(HashKey::ClientIp),
+                zone: Some("a".into()),
+                slow_start_ms: 5_000,
+                ..Select::default()
+            };
+            let s = Service::with_select("s", nodes, select);
+            let now = crate::base::clock::now_ms();
+            let key = Some(KeyHash::of(b"k"));
+            let lanes_of = |lane: &str, now: u64| {
+                let c = s.choose(lane, now).unwrap();
+                let mut tried = Vec::new();
+                while let Some(i) = c.pick(now, &tried, key) {
+                    assert!(!tried.contains(&i));
+                    tried.push(i);
+                }
+                tried
+                    .iter()
+                    .map(|&i| c.set.nodes[i].lane.to_string())
+                    .collect::<std::collections::BTreeSet<_>>()
+            };
+            assert_eq!(lanes_of("gray", now), set_of(&["gray"]), "{balance:?}");
+            assert_eq!(lanes_of("gray-b", now), set_of(&[FORMAL]), "{balance:?}");
+            // Gray down: formal, never v2.
+            for h in &s.lanes["gray"].health {
+                h.failure("g", &p);
+            }
+            assert_eq!(lanes_of("gray", now + 1), set_of(&[FORMAL]), "{balance:?}");
+        }
     }
 }

@@ -1,9 +1,9 @@
 //! Layer: proxy — the forward phases of a service route: select the candidate
 //! set of the lane (or formal) → rewrite the request for the node (hop-by-hop
 //! fields out; tag, generation and X-Forwarded-* in) → buffer the body when a
-//! retry may need it → attempt on a node picked by round-robin, retrying on
-//! another node of the same set → respond (pass the answer back, or join an
-//! upgraded tunnel).
+//! retry may need it → attempt on a node picked by the service's balance
+//! policy, retrying on another node of the same set → respond (pass the
+//! answer back, or join an upgraded tunnel).
 
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -92,7 +92,7 @@ pub async fn forward(
     attempt_all(
         plane,
         service,
-        choice,
+        (choice, client),
         (decision, verdict),
         out,
         replay,
@@ -253,12 +253,14 @@ async fn buffer_body(
 async fn attempt_all(
     plane: &DataPlane,
     service: &Service,
-    choice: Choice<'_>,
+    (choice, client): (Choice<'_>, &Client),
     (decision, verdict): (&mut Decision, &mut Option<Verdict>),
     mut out: Outbound,
     mut replay: Replay,
     upstream: &UpstreamConfig,
 ) -> Result<Response<Body>, Error> {
+    // The hash key (balance: hash) from the fields going upstream.
+    let key = service.request_key(&out.headers, &out.target, client.ip);
     let set = choice.set;
     let policy = &service.health.passive;
     let retries = service.retries.unwrap_or(upstream.retries) as usize;
@@ -268,7 +270,7 @@ async fn attempt_all(
     let mut tried: Vec<usize> = Vec::with_capacity(max_attempts);
     let mut last_error = None;
     while tried.len() < max_attempts {
-        let Some(idx) = set.pick_for(now_ms(), &tried, choice.ignore_health) else {
+        let Some(idx) = choice.pick(now_ms(), &tried, key) else {
             break;
         };
         let Some(up_body) = replay.next_body() else {
@@ -277,7 +279,11 @@ async fn attempt_all(
         tried.push(idx);
         let node = &set.nodes[idx];
         let health = &set.health[idx];
-        let counters = plane.node_stats.get(&service.name, node.addr);
+        // Attached to the lane at each swap: no shared lookup per attempt.
+        let counters = match set.counters.get(idx) {
+            Some(c) => c.clone(),
+            None => plane.node_stats.get(&service.name, node.addr),
+        };
         let tracker = NodeTracker::begin(counters.clone());
         decision.served_lane = Some(node.lane.clone());
         decision.node = Some(node.name.clone());

@@ -1,0 +1,653 @@
+//! Layer: nodes. How one node is picked among the candidates of a lane (the
+//! set `Service::choose` returned — the request's lane or formal, never
+//! another gray lane), per service `balance:`:
+//!
+//! - `round_robin` (default): smooth weighted round-robin (nginx's), one
+//!   period precomputed per generation; a pick is an atomic increment.
+//! - `random`: weighted random from a Walker/Vose alias table (O(1)).
+//! - `least_request`: power of two choices — two weighted draws, the one
+//!   with fewer requests in flight per unit of weight wins, a tie goes to the
+//!   first draw (so an idle lane is weighted random).
+//! - `hash`: Maglev consistent hashing on a request key (`nodes::hash`);
+//!   a request without the key is picked by `round_robin`.
+//!
+//! Every policy skips nodes that are down (unless the choice is in panic
+//! mode) and nodes already tried by this request, and applies slow start: a
+//! warming node's weight is scaled by [`slow_start_factor`]. Every pick is
+//! O(1) in the usual case however many nodes the lane has; only when most
+//! draws land on nodes that are down or tried does a pick fall back to one
+//! exact pass over the members.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use super::hash::{KeyHash, Maglev};
+use super::Node;
+use crate::config::Balance;
+
+/// A warming node starts at this share of its weight (Envoy's
+/// `min_weight_percent` default, 10%).
+pub const SLOW_START_MIN: f64 = 0.1;
+
+/// Weighted draws tried before the exact pass.
+const DRAWS: usize = 8;
+
+/// Longest precomputed round-robin schedule (entries); a lane whose total
+/// weight is larger falls back to computing smooth WRR per pick.
+const MAX_SCHEDULE: u64 = 1 << 16;
+/// Most work (total weight × nodes) spent precomputing a schedule.
+const MAX_SCHEDULE_WORK: u64 = 1 << 26;
+
+/// The share of its weight a node warming since `since` (a `now_ms` value;
+/// 0 = not warming) carries at `now`, over a slow-start window of
+/// `window_ms`: Envoy's linear ramp, `max(10%, elapsed / window)`, and 1.0
+/// once the window has passed (or with no window).
+pub fn slow_start_factor(since: u64, now: u64, window_ms: u64) -> f64 {
+    if window_ms == 0 || since == 0 {
+        return 1.0;
+    }
+    let elapsed = now.saturating_sub(since);
+    if elapsed >= window_ms {
+        return 1.0;
+    }
+    (elapsed as f64 / window_ms as f64).max(SLOW_START_MIN)
+}
+
+/// What one pick must respect.
+#[derive(Debug, Clone, Copy)]
+pub struct Want<'t> {
+    pub now: u64,
+    /// Lane-node indices this request already tried.
+    pub tried: &'t [usize],
+    /// Panic mode: pick among nodes that are down too.
+    pub ignore_health: bool,
+    /// The request's hash key (policy `hash`).
+    pub key: Option<KeyHash>,
+    /// Move the round-robin cursor (false for `/explain`'s dry run).
+    pub advance: bool,
+}
+
+/// What a picker reads of the lane: its nodes and their live state.
+pub trait Members {
+    fn weight(&self, i: usize) -> u32;
+    /// Selectable for `w` (not tried; healthy unless panic mode).
+    fn eligible(&self, i: usize, w: &Want) -> bool;
+    /// Slow-start share of the weight at `now` (1.0 when warm).
+    fn factor(&self, i: usize, now: u64) -> f64;
+    /// Requests in flight to node `i`.
+    fn in_flight(&self, i: usize) -> i64;
+    /// Is slow start configured at all (skips every `factor` call if not)?
+    fn slow_start(&self) -> bool;
+}
+
+/// Precomputed selection state over some members of a lane (all of them,
+/// or those in the gateway's zone), built once per generation.
+#[derive(Debug)]
+pub struct Picker {
+    /// Lane-node indices of the members.
+    pub members: Vec<u32>,
+    /// Sum of the members' weights.
+    pub total_weight: u64,
+    /// One period of smooth WRR (lane-node indices): round_robin, and
+    /// hash's keyless requests.
+    schedule: Option<Vec<u32>>,
+    cursor: AtomicUsize,
+    /// Live smooth-WRR state (by member position) for lanes too heavy to
+    /// precompute.
+    current: Mutex<Vec<i64>>,
+    /// Weighted draws (member positions): random and least_request.
+    alias: Option<Alias>,
+    /// Consistent-hash table: hash.
+    maglev: Option<Maglev>,
+}
+
+impl Picker {
+    /// Builds the state `policy` needs over `members` (indices into `nodes`).
+    pub fn new(nodes: &[Node], members: Vec<u32>, policy: Balance) -> Picker {
+        let weights: Vec<u32> = members.iter().map(|&i| nodes[i as usize].weight).collect();
+        let rr = matches!(policy, Balance::RoundRobin | Balance::Hash);
+        let schedule = rr
+            .then(|| smooth_schedule(&weights))
+            .flatten()
+            .map(|s| s.into_iter().map(|m| members[m as usize]).collect());
+        let alias =
+            matches!(policy, Balance::Random | Balance::LeastRequest).then(|| Alias::new(&weights));
+        let maglev = (policy == Balance::Hash).then(|| {
+            let entries: Vec<(u32, String, u32)> = members
+                .iter()
+                .map(|&i| {
+                    let n = &nodes[i as usize];
+                    (i, n.addr.to_string(), n.weight)
+                })
+                .collect();
+            Maglev::build(&entries)
+        });
+        Picker {
+            total_weight: weights.iter().map(|&w| u64::from(w)).sum(),
+            current: Mutex::new(vec![0; members.len()]),
+            members,
+            schedule,
+            cursor: AtomicUsize::new(0),
+            alias,
+            maglev,
+        }
+    }
+
+    /// The lane-node index `policy` picks for `w`, if any member is
+    /// eligible.
+    pub fn pick(&self, set: &impl Members, policy: Balance, w: &Want) -> Option<usize> {
+        if let [only] = self.members[..] {
+            let i = only as usize;
+            return set.eligible(i, w).then_some(i);
+        }
+        match policy {
+            Balance::RoundRobin => self.round_robin(set, w),
+            Balance::Hash => match w.key {
+                Some(k) => self.hash(set, w, k),
+                None => self.round_robin(set, w),
+            },
+            Balance::Random => self.random(set, w, None),
+            Balance::LeastRequest => self.least_request(set, w),
+        }
+    }
+
+    /// Smooth WRR: the next eligible schedule entry. A warming node's entry
+    /// is kept with probability `factor`; a rejected entry restarts the
+    /// scan at a random position of the schedule (a weighted draw), so the
+    /// node gets exactly `factor × weight` against the others' weights and
+    /// what it gives up is spread over them by weight.
+    fn round_robin(&self, set: &impl Members, w: &Want) -> Option<usize> {
+        let Some(seq) = &self.schedule else {
+            return self.live_round_robin(set, w);
+        };
+        let mut start = if w.advance {
+            self.cursor.fetch_add(1, Ordering::Relaxed)
+        } else {
+            self.cursor.load(Ordering::Relaxed)
+        };
+        let len = seq.len();
+        let slow = set.slow_start();
+        let mut spare = None;
+        let mut restarts = 0;
+        let mut k = 0;
+        while k < len {
+            let i = seq[(start + k) % len] as usize;
+            k += 1;
+            if !set.eligible(i, w) {
+                continue;
+            }
+            if slow {
+                let f = set.factor(i, w.now);
+                if f < 1.0 && !coin(f) {
+                    spare.get_or_insert(i);
+                    if restarts < DRAWS {
+                        restarts += 1;
+                        start = fastrand::usize(..len);
+                        k = 0;
+                    }
+                    continue;
+                }
+            }
+            return Some(i);
+        }
+        spare
+    }
+
+    /// Smooth WRR computed live (lanes too heavy to precompute), with
+    /// slow-start weights applied exactly.
+    fn live_round_robin(&self, set: &impl Members, w: &Want) -> Option<usize> {
+        let mut cur = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        let slow = set.slow_start();
+        let mut total = 0i64;
+        let mut best: Option<(usize, i64)> = None;
+        for (m, &i) in self.members.iter().enumerate() {
+            let i = i as usize;
+            if !set.eligible(i, w) {
+                continue;
+            }
+            let mut weight = i64::from(set.weight(i));
+            if slow {
+                weight = ((weight as f64 * set.factor(i, w.now)) as i64).max(1);
+            }
+            total += weight;
+            let v = cur[m] + weight;
+            if w.advance {
+                cur[m] = v;
+            }
+            if best.is_none_or(|(_, b)| v > b) {
+                best = Some((m, v));
+            }
+        }
+        let (b, _) = best?;
+        if w.advance {
+            cur[b] -= total;
+        }
+        Some(self.members[b] as usize)
+    }
+
+    /// Weighted random: alias-table draws, a warming node kept with
+    /// probability `factor` (rejection sampling: exact effective weights).
+    fn random(&self, set: &impl Members, w: &Want, exclude: Option<usize>) -> Option<usize> {
+        let alias = self.alias.as_ref()?;
+        let slow = set.slow_start();
+        for _ in 0..DRAWS {
+            let i = self.members[alias.sample()] as usize;
+            if Some(i) == exclude || !set.eligible(i, w) {
+                continue;
+            }
+            if slow {
+                let f = set.factor(i, w.now);
+                if f < 1.0 && !coin(f) {
+                    continue;
+                }
+            }
+            return Some(i);
+        }
+        self.weighted_scan(set, w, exclude)
+    }
+
+    /// One exact weighted draw over the eligible members (the slow path
+    /// when draws keep landing on nodes that are down or tried).
+    fn weighted_scan(&self, set: &impl Members, w: &Want, exclude: Option<usize>) -> Option<usize> {
+        let ok = |i: usize| Some(i) != exclude && set.eligible(i, w);
+        let eff = |i: usize| f64::from(set.weight(i)) * set.factor(i, w.now);
+        let total: f64 = self
+            .members
+            .iter()
+            .map(|&i| i as usize)
+            .filter(|&i| ok(i))
+            .map(eff)
+            .sum();
+        if total <= 0.0 {
+            return None;
+        }
+        let mut x = fastrand::f64() * total;
+        let mut last = None;
+        for i in self.members.iter().map(|&i| i as usize).filter(|&i| ok(i)) {
+            x -= eff(i);
+            last = Some(i);
+            if x < 0.0 {
+                break;
+            }
+        }
+        last
+    }
+
+    /// Power of two choices: two distinct weighted draws; the second wins
+    /// only with strictly fewer requests in flight per unit of effective
+    /// weight.
+    fn least_request(&self, set: &impl Members, w: &Want) -> Option<usize> {
+        let a = self.random(set, w, None)?;
+        let Some(b) = self.random(set, w, Some(a)) else {
+            return Some(a);
+        };
+        let eff = |i: usize| f64::from(set.weight(i)) * set.factor(i, w.now);
+        let (la, lb) = (set.in_flight(a) as f64, set.in_flight(b) as f64);
+        Some(if lb * eff(a) < la * eff(b) { b } else { a })
+    }
+
+    /// Consistent hashing: the key's Maglev entry, walking on to the next
+    /// entries past nodes that are down or tried (so only the keys of a
+    /// missing node move, spread over the others). A warming node takes
+    /// the keys whose second hash falls under its factor — each key moves
+    /// to it once, as the factor rises.
+    fn hash(&self, set: &impl Members, w: &Want, key: KeyHash) -> Option<usize> {
+        let Some(table) = &self.maglev else {
+            return self.round_robin(set, w);
+        };
+        let slow = set.slow_start();
+        let found = table.walk(key, self.members.len(), |i| {
+            set.eligible(i, w) && (!slow || key.admits(set.factor(i, w.now)))
+        });
+        if found.is_some() {
+            return found;
+        }
+        // Nearly everything down or tried: the first eligible member from
+        // the key's position, slow start ignored.
+        let n = self.members.len();
+        let start = (key.get() % n as u64) as usize;
+        (0..n)
+            .map(|k| self.members[(start + k) % n] as usize)
+            .find(|&i| set.eligible(i, w))
+    }
+}
+
+/// True with probability `p` (thread-local generator).
+fn coin(p: f64) -> bool {
+    fastrand::f64() < p
+}
+
+/// One full period of smooth weighted round-robin over `weights` (positions).
+pub fn smooth_schedule(weights: &[u32]) -> Option<Vec<u32>> {
+    let total: u64 = weights.iter().map(|&w| u64::from(w)).sum();
+    if total == 0
+        || total > MAX_SCHEDULE
+        || total.saturating_mul(weights.len() as u64) > MAX_SCHEDULE_WORK
+    {
+        return None;
+    }
+    let mut cur = vec![0i64; weights.len()];
+    let mut out = Vec::with_capacity(total as usize);
+    for _ in 0..total {
+        let mut best = 0usize;
+        for (i, &w) in weights.iter().enumerate() {
+            cur[i] += i64::from(w);
+            if cur[i] > cur[best] {
+                best = i;
+            }
+        }
+        cur[best] -= total as i64;
+        out.push(best as u32);
+    }
+    Some(out)
+}
+
+/// Walker's alias method (Vose's construction, exact integer arithmetic):
+/// a weighted draw is one uniform index and one coin.
+#[derive(Debug)]
+pub struct Alias {
+    /// Chance (× 2³²) of keeping column `i` rather than its alias.
+    keep: Vec<u64>,
+    alias: Vec<u32>,
+}
+
+impl Alias {
+    pub fn new(weights: &[u32]) -> Alias {
+        let n = weights.len();
+        let total: u128 = weights.iter().map(|&w| u128::from(w)).sum::<u128>().max(1);
+        let mut scaled: Vec<u128> = weights.iter().map(|&w| u128::from(w) * n as u128).collect();
+        let mut keep = vec![1u64 << 32; n];
+        let mut alias: Vec<u32> = (0..n as u32).collect();
+        let (mut small, mut large): (Vec<usize>, Vec<usize>) =
+            (0..n).partition(|&i| scaled[i] < total);
+        while let (Some(&s), Some(&l)) = (small.last(), large.last()) {
+            small.pop();
+            keep[s] = ((scaled[s] << 32) / total) as u64;
+            alias[s] = l as u32;
+            scaled[l] = scaled[l] + scaled[s] - total;
+            if scaled[l] < total {
+                large.pop();
+                small.push(l);
+            }
+        }
+        Alias { keep, alias }
+    }
+
+    /// A position drawn with probability weight / total.
+    pub fn sample(&self) -> usize {
+        let i = fastrand::usize(..self.keep.len());
+        if u64::from(fastrand::u32(..)) < self.keep[i] {
+            i
+        } else {
+            self.alias[i] as usize
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A lane for the pickers: weights, which are down, warming factors and
+    /// in-flight counts set by hand.
+    pub struct Fake {
+        pub weights: Vec<u32>,
+        pub down: Vec<bool>,
+        pub factor: Vec<f64>,
+        pub in_flight: Vec<i64>,
+    }
+
+    impl Fake {
+        pub fn new(weights: &[u32]) -> Fake {
+            let n = weights.len();
+            Fake {
+                weights: weights.to_vec(),
+                down: vec![false; n],
+                factor: vec![1.0; n],
+                in_flight: vec![0; n],
+            }
+        }
+
+        pub fn nodes(&self) -> Vec<Node> {
+            self.weights
+                .iter()
+                .enumerate()
+                .map(|(i, &w)| Node {
+                    name: format!("n{i}").into(),
+                    addr: format!("10.0.{}.{}:80", i / 250, i % 250 + 1)
+                        .parse()
+                        .unwrap(),
+                    lane: "formal".into(),
+                    weight: w,
+                    drain: false,
+                    zone: None,
+                })
+                .collect()
+        }
+
+        pub fn picker(&self, policy: Balance) -> Picker {
+            let n = self.weights.len() as u32;
+            Picker::new(&self.nodes(), (0..n).collect(), policy)
+        }
+    }
+
+    impl Members for Fake {
+        fn weight(&self, i: usize) -> u32 {
+            self.weights[i]
+        }
+        fn eligible(&self, i: usize, w: &Want) -> bool {
+            !w.tried.contains(&i) && (w.ignore_health || !self.down[i])
+        }
+        fn factor(&self, i: usize, _now: u64) -> f64 {
+            self.factor[i]
+        }
+        fn in_flight(&self, i: usize) -> i64 {
+            self.in_flight[i]
+        }
+        fn slow_start(&self) -> bool {
+            self.factor.iter().any(|&f| f < 1.0)
+        }
+    }
+
+    pub fn want(tried: &[usize]) -> Want<'_> {
+        Want {
+            now: 1,
+            tried,
+            ignore_health: false,
+            key: None,
+            advance: true,
+        }
+    }
+
+    fn counts(f: &Fake, p: &Picker, policy: Balance, n: usize) -> Vec<u64> {
+        let mut c = vec![0u64; f.weights.len()];
+        for _ in 0..n {
+            c[p.pick(f, policy, &want(&[])).unwrap()] += 1;
+        }
+        c
+    }
+
+    /// Pearson's chi-square of `observed` against `expected_share`.
+    fn chi_square(observed: &[u64], expected_share: &[f64]) -> f64 {
+        let n: u64 = observed.iter().sum();
+        observed
+            .iter()
+            .zip(expected_share)
+            .map(|(&o, &p)| {
+                let e = p * n as f64;
+                (o as f64 - e).powi(2) / e
+            })
+            .sum()
+    }
+
+    fn shares(weights: &[f64]) -> Vec<f64> {
+        let t: f64 = weights.iter().sum();
+        weights.iter().map(|w| w / t).collect()
+    }
+
+    /// χ² critical value at p = 0.001 for 4 degrees of freedom.
+    const CHI2_4DF_P001: f64 = 18.47;
+
+    #[test]
+    fn precomputed_schedule_equals_live_smooth_wrr() {
+        for weights in [
+            vec![5, 1, 1],
+            vec![3, 2],
+            vec![1; 1000],
+            vec![7, 3, 9, 1, 4],
+        ] {
+            let f = Fake::new(&weights);
+            let p = f.picker(Balance::RoundRobin);
+            assert!(p.schedule.is_some());
+            let mut live = f.picker(Balance::RoundRobin);
+            live.schedule = None;
+            let total: u32 = weights.iter().sum();
+            for _ in 0..2 * total {
+                let w = want(&[]);
+                assert_eq!(
+                    p.pick(&f, Balance::RoundRobin, &w),
+                    live.pick(&f, Balance::RoundRobin, &w),
+                    "{weights:?}"
+                );
+            }
+        }
+        // Too heavy to precompute: live smooth WRR still spreads by weight.
+        let f = Fake::new(&[100_000, 50_000]);
+        let heavy = f.picker(Balance::RoundRobin);
+        assert!(heavy.schedule.is_none());
+        let c = counts(&f, &heavy, Balance::RoundRobin, 300);
+        assert_eq!(c, vec![200, 100]);
+    }
+
+    #[test]
+    fn round_robin_follows_weights_exactly() {
+        let f = Fake::new(&[5, 1, 1, 3, 2]);
+        let p = f.picker(Balance::RoundRobin);
+        // Whole periods: smooth WRR is exact, χ² = 0.
+        let c = counts(&f, &p, Balance::RoundRobin, 12 * 1000);
+        assert_eq!(c, vec![5000, 1000, 1000, 3000, 2000]);
+        assert!(chi_square(&c, &shares(&[5.0, 1.0, 1.0, 3.0, 2.0])) < 1e-9);
+    }
+
+    #[test]
+    fn weighted_random_follows_weights_chi_square() {
+        fastrand::seed(17);
+        let weights = [5, 1, 1, 3, 2];
+        let f = Fake::new(&weights);
+        let p = f.picker(Balance::Random);
+        let c = counts(&f, &p, Balance::Random, 120_000);
+        let chi = chi_square(&c, &shares(&[5.0, 1.0, 1.0, 3.0, 2.0]));
+        assert!(chi < CHI2_4DF_P001, "χ² = {chi}, counts {c:?}");
+        // …and the test can fail: uniform shares are far off.
+        let uniform = chi_square(&c, &[0.2; 5]);
+        assert!(uniform > 100.0 * CHI2_4DF_P001, "uniform χ² = {uniform}");
+    }
+
+    #[test]
+    fn alias_table_is_exact() {
+        // Column probabilities recombine to the weights exactly.
+        let weights = [7u32, 1, 0, 13, 2, 2];
+        let a = Alias::new(&weights);
+        let n = weights.len() as f64;
+        let mut mass = vec![0f64; weights.len()];
+        for i in 0..weights.len() {
+            let keep = a.keep[i] as f64 / (1u64 << 32) as f64;
+            mass[i] += keep / n;
+            mass[a.alias[i] as usize] += (1.0 - keep) / n;
+        }
+        let total: u32 = weights.iter().sum();
+        for (m, &w) in mass.iter().zip(&weights) {
+            assert!(
+                (m - f64::from(w) / f64::from(total)).abs() < 1e-9,
+                "{mass:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn slow_start_scales_random_and_round_robin_weights() {
+        fastrand::seed(3);
+        // Node 2 warming at 25%: effective weights 4, 4, 1.
+        let mut f = Fake::new(&[4, 4, 4]);
+        f.factor[2] = 0.25;
+        let expect = shares(&[4.0, 4.0, 1.0]);
+        for policy in [Balance::Random, Balance::RoundRobin] {
+            let p = f.picker(policy);
+            let c = counts(&f, &p, policy, 90_000);
+            let chi = chi_square(&c, &expect);
+            // 2 degrees of freedom, p = 0.001.
+            assert!(chi < 13.82, "{policy:?}: χ² = {chi}, {c:?}");
+        }
+    }
+
+    #[test]
+    fn every_policy_skips_down_and_tried_nodes() {
+        fastrand::seed(5);
+        let mut f = Fake::new(&[1, 1, 1, 1]);
+        f.down[1] = true;
+        for policy in [
+            Balance::RoundRobin,
+            Balance::Random,
+            Balance::LeastRequest,
+            Balance::Hash,
+        ] {
+            let p = f.picker(policy);
+            let mut tried = Vec::new();
+            let mut w = want(&[]);
+            w.key = Some(KeyHash::of(b"user-1"));
+            loop {
+                let w = Want { tried: &tried, ..w };
+                let Some(i) = p.pick(&f, policy, &w) else {
+                    break;
+                };
+                assert!(i != 1 && !tried.contains(&i), "{policy:?}");
+                tried.push(i);
+            }
+            tried.sort();
+            assert_eq!(tried, vec![0, 2, 3], "{policy:?}");
+            // Panic mode takes the down node too.
+            let all: Vec<usize> = vec![0, 2, 3];
+            let w = Want {
+                tried: &all,
+                ignore_health: true,
+                ..w
+            };
+            assert_eq!(p.pick(&f, policy, &w), Some(1), "{policy:?}");
+        }
+    }
+
+    #[test]
+    fn least_request_prefers_fewer_in_flight_per_weight() {
+        fastrand::seed(11);
+        let mut f = Fake::new(&[1, 1, 1, 1]);
+        f.in_flight = vec![0, 9, 9, 9];
+        let p = f.picker(Balance::LeastRequest);
+        let c = counts(&f, &p, Balance::LeastRequest, 10_000);
+        // Node 0 wins whenever drawn (7/16 of pairs include it).
+        assert!(c[0] > 4_000, "{c:?}");
+        // Weight-aware: a node of weight 4 with 2 in flight (0.5 per unit)
+        // beats a node of weight 1 with 1 in flight.
+        let mut g = Fake::new(&[4, 1]);
+        g.in_flight = vec![2, 1];
+        let p = g.picker(Balance::LeastRequest);
+        let c = counts(&g, &p, Balance::LeastRequest, 1_000);
+        assert_eq!(c, vec![1_000, 0]);
+        // Idle: weighted random.
+        g.in_flight = vec![0, 0];
+        let c = counts(&g, &p, Balance::LeastRequest, 50_000);
+        let chi = chi_square(&c, &shares(&[4.0, 1.0]));
+        assert!(chi < 10.83, "χ² = {chi}, {c:?}");
+    }
+
+    #[test]
+    fn slow_start_factor_ramps_linearly_from_ten_percent() {
+        assert_eq!(slow_start_factor(0, 5_000, 10_000), 1.0, "not warming");
+        assert_eq!(slow_start_factor(1_000, 5_000, 0), 1.0, "no window");
+        assert_eq!(slow_start_factor(1_000, 1_000, 10_000), SLOW_START_MIN);
+        assert_eq!(slow_start_factor(1_000, 1_500, 10_000), SLOW_START_MIN);
+        assert!((slow_start_factor(1_000, 3_500, 10_000) - 0.25).abs() < 1e-12);
+        assert!((slow_start_factor(1_000, 8_500, 10_000) - 0.75).abs() < 1e-12);
+        assert_eq!(slow_start_factor(1_000, 11_000, 10_000), 1.0);
+        assert_eq!(slow_start_factor(1_000, 900, 10_000), SLOW_START_MIN);
+    }
+}
