@@ -1274,3 +1274,84 @@ async fn the_dashboard_lists_every_gateway_and_whether_all_run_the_same_revision
     wait_text(&c, "#fleet-summary", "fleet summary", |t| t == want).await;
     c.close().await.unwrap();
 }
+
+/// Kills a process by pid at the end (the successor of an upgrade is not
+/// the harness's child).
+struct KillPid(Option<u32>);
+impl Drop for KillPid {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0 {
+            let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn binary_upgrade_on_an_etcd_sourced_config_loses_no_request() {
+    let etcd = Etcd::start(1).await;
+    let f1 = Backend::start("f1", "formal").await;
+    let conf = Conf::new(&nodes_yaml(&[&f1]), SCRIPT);
+    let rev = push(&etcd, "/up", &conf);
+    let root = tempfile::tempdir().unwrap();
+    let boot = Gw::boot(root.path(), "g1", &etcd, "/up");
+    let dir = root.path().join("g1");
+    let pid_file = dir.join("graygate.pid");
+    let sock = dir.join("graygate.sock");
+    let (pid_arg, sock_arg) = (pid_file.display().to_string(), sock.display().to_string());
+    let mut gw = Gateway::start_cmd(
+        Command::new(env!("CARGO_BIN_EXE_graygate")),
+        &boot,
+        &["--pid-file", &pid_arg, "--upgrade-socket", &sock_arg],
+    );
+    let old = gw.pid();
+    let admin = gw.admin.unwrap();
+    eventually(
+        "serving the pushed revision",
+        Duration::from_secs(20),
+        || async {
+            let s = Req::get("/status").send(admin).await.json();
+            s["source"] == "etcd" && s["revision"] == rev
+        },
+    )
+    .await;
+    let load = Load::start(&[gw.addr, gw.addr, gw.addr]);
+    load.wait_ok(100).await;
+    // USR2: the running process starts its own binary with --upgrade; the
+    // successor loads its configuration from etcd, takes the sockets, and
+    // the old process drains and exits.
+    gw.signal("USR2");
+    let read_pid = || {
+        std::fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|t| t.trim().parse::<u32>().ok())
+    };
+    eventually(
+        "the successor's pid file",
+        Duration::from_secs(30),
+        || async { read_pid().is_some_and(|p| p != old) },
+    )
+    .await;
+    let _successor = KillPid(read_pid());
+    assert!(
+        gw.wait_exit(Duration::from_secs(30))
+            .await
+            .is_some_and(|s| s.success()),
+        "the old process drains and exits 0:\n{}",
+        gw.logs()
+    );
+    // Served by the successor now: same sockets, same etcd revision.
+    load.wait_ok(100).await;
+    let (ok, errors) = load.stop().await;
+    assert!(
+        errors.is_empty(),
+        "{} failed of {}: {:?}",
+        errors.len(),
+        ok,
+        &errors[..errors.len().min(5)]
+    );
+    let s = Req::get("/status").send(admin).await.json();
+    assert_eq!(s["source"], "etcd");
+    assert_eq!(s["revision"], rev);
+    assert_eq!(s["source_state"], "live");
+    assert_ne!(read_pid(), Some(old));
+}
