@@ -40,6 +40,17 @@ pub struct LaneCounters {
     buckets: Box<[AtomicU64]>,
 }
 
+impl LaneCounters {
+    /// Counts one finished request.
+    pub fn record(&self, status: u16, total: Duration) {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        if status >= 500 {
+            self.errors.fetch_add(1, Ordering::Relaxed);
+        }
+        self.buckets[bucket_of(total)].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 impl Default for LaneCounters {
     fn default() -> Self {
         LaneCounters {
@@ -97,7 +108,10 @@ impl LaneSnapshot {
 pub struct LaneStats(RwLock<HashMap<String, Arc<LaneCounters>>>);
 
 impl LaneStats {
-    fn lane(&self, lane: &str) -> Option<Arc<LaneCounters>> {
+    /// The lane's counters, created on first use (`None` past the lane
+    /// cap). Resolved once per label set and worker thread by the metrics
+    /// handle cache, not per request.
+    pub fn counters(&self, lane: &str) -> Option<Arc<LaneCounters>> {
         if let Some(c) = self.0.read().unwrap_or_else(|e| e.into_inner()).get(lane) {
             return Some(c.clone());
         }
@@ -110,17 +124,14 @@ impl LaneStats {
 
     /// Counts one finished request of `lane`.
     pub fn record(&self, lane: &str, status: u16, total: Duration) {
-        let Some(c) = self.lane(lane) else { return };
-        c.requests.fetch_add(1, Ordering::Relaxed);
-        if status >= 500 {
-            c.errors.fetch_add(1, Ordering::Relaxed);
+        if let Some(c) = self.counters(lane) {
+            c.record(status, total);
         }
-        c.buckets[bucket_of(total)].fetch_add(1, Ordering::Relaxed);
     }
 
     /// The lane's counters now (`None`: the lane is not tracked).
     pub fn snapshot(&self, lane: &str) -> Option<LaneSnapshot> {
-        let c = self.lane(lane)?;
+        let c = self.counters(lane)?;
         Some(LaneSnapshot {
             requests: c.requests.load(Ordering::Relaxed),
             errors: c.errors.load(Ordering::Relaxed),

@@ -64,6 +64,8 @@ struct Handles {
     duration: Histogram,
     upstream: Option<Histogram>,
     decisions: Option<IntCounter>,
+    /// The serving lane's release-analysis counters (`observe::lanes`).
+    lane_counters: Option<Arc<super::lanes::LaneCounters>>,
 }
 
 /// What selects the series of one request (raw values; the lane label is
@@ -77,6 +79,8 @@ struct Labels {
     decided_by: &'static str,
     rule: Box<str>,
     upstream: bool,
+    /// The lane that served (the candidate set's; differs on fallback).
+    served: Option<Box<str>>,
 }
 
 /// Entries per thread; beyond, requests take the uncached path.
@@ -281,9 +285,12 @@ impl Metrics {
         let decided_by = o.decision.map_or("", |d| d.decided_by.as_str());
         let rule = o.rule.unwrap_or("");
         let upstream = o.upstream.is_some();
+        let served = o
+            .decision
+            .map(|d| d.served_lane.as_deref().unwrap_or(d.lane.as_str()));
         let mut h = FxHasher::default();
         (
-            self.id, route, raw_lane, node, status, decided_by, rule, upstream,
+            self.id, route, raw_lane, node, status, decided_by, rule, upstream, served,
         )
             .hash(&mut h);
         let key = h.finish();
@@ -296,6 +303,7 @@ impl Metrics {
                 && l.decided_by == decided_by
                 && &*l.rule == rule
                 && l.upstream == upstream
+                && l.served.as_deref() == served
         };
         HANDLES.with(|cache| {
             let mut cache = cache.borrow_mut();
@@ -314,6 +322,7 @@ impl Metrics {
                 decided_by,
                 rule: rule.into(),
                 upstream,
+                served: served.map(Into::into),
             });
             self.record(&handles, o);
             // Past the cap (label churn), series are resolved per request.
@@ -327,8 +336,6 @@ impl Metrics {
                 .inc();
         }
         let Some(d) = o.decision else { return };
-        let served = d.served_lane.as_deref().unwrap_or(d.lane.as_str());
-        self.lanes.record(served, o.status, o.total);
         if let Some(reason) = d.fallback {
             let lane = self.lane_label(&d.lane);
             self.fallbacks.with_label_values(&[reason, lane]).inc();
@@ -346,6 +353,9 @@ impl Metrics {
         }
         if let Some(c) = &h.decisions {
             c.inc();
+        }
+        if let Some(c) = &h.lane_counters {
+            c.record(o.status, o.total);
         }
     }
 
@@ -366,6 +376,10 @@ impl Metrics {
                 self.decisions
                     .with_label_values(&[labels.decided_by, &labels.rule, lane])
             }),
+            lane_counters: labels
+                .served
+                .as_deref()
+                .and_then(|l| self.lanes.counters(l)),
             labels,
         }
     }
