@@ -12,7 +12,9 @@
 use std::hint::black_box;
 use std::net::IpAddr;
 use std::path::Path;
-use std::time::Duration;
+
+mod common;
+use common::{config, timed};
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use graygate::base::lists::IpList;
@@ -265,34 +267,6 @@ fn bench(c: &mut Criterion) {
             black_box(list.contains(black_box(ips[i])));
         })
     });
-}
-
-/// Runs `f` per iteration, timed by the wall clock or (`BENCH_CLOCK=cpu`)
-/// by this thread's CPU clock.
-fn timed(b: &mut criterion::Bencher<'_>, mut f: impl FnMut()) {
-    if std::env::var("BENCH_CLOCK").as_deref() == Ok("cpu") {
-        b.iter_custom(|iters| {
-            let start = cpu_time::ThreadTime::now();
-            for _ in 0..iters {
-                f();
-            }
-            start.elapsed()
-        })
-    } else {
-        b.iter(f)
-    }
-}
-
-fn config() -> Criterion {
-    let secs = |var: &str, default: u64| {
-        std::env::var(var)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    };
-    Criterion::default()
-        .warm_up_time(Duration::from_secs(secs("BENCH_WARMUP_SECS", 1)))
-        .measurement_time(Duration::from_secs(secs("BENCH_MEASURE_SECS", 3)))
 }
 
 criterion_group! {
