@@ -1,113 +1,17 @@
 //! The admin dashboard end to end in headless Chromium (Debian's
 //! `chromium` + `chromium-driver`), driven over WebDriver by fantoccini.
 
+#[path = "common/browser.rs"]
+mod browser;
 mod common;
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use browser::{wait_text, Driver};
 use common::*;
-use fantoccini::{Client, ClientBuilder, Locator};
+use fantoccini::Locator;
 
 const SCRIPT: &str = "return function(req) return req:header('X-Lane') end\n";
-
-/// A chromedriver process on a free loopback port, killed on drop.
-struct Driver {
-    child: Child,
-    url: String,
-    _profile: tempfile::TempDir,
-}
-
-impl Drop for Driver {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Driver {
-    async fn start() -> Driver {
-        // Port 0: chromedriver binds an ephemeral port itself and says which.
-        let mut child = Command::new("chromedriver")
-            .arg("--port=0")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("chromedriver (Debian package chromium-driver) must be installed");
-        let out = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            use std::io::BufRead;
-            for line in std::io::BufReader::new(out).lines() {
-                let Ok(line) = line else { break };
-                if let Some(port) = line
-                    .strip_prefix("ChromeDriver was started successfully on port ")
-                    .and_then(|p| p.trim_end_matches('.').parse::<u16>().ok())
-                {
-                    let _ = tx.send(port);
-                }
-            }
-        });
-        let port = rx
-            .recv_timeout(Duration::from_secs(20))
-            .expect("chromedriver reports its port");
-        let url = format!("http://127.0.0.1:{port}");
-        let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        eventually(
-            "chromedriver listens",
-            Duration::from_secs(20),
-            || async move { tokio::net::TcpStream::connect(addr).await.is_ok() },
-        )
-        .await;
-        Driver {
-            child,
-            url,
-            _profile: tempfile::tempdir().unwrap(),
-        }
-    }
-
-    async fn browser(&self) -> Client {
-        let profile = self._profile.path().display().to_string();
-        let caps = serde_json::json!({
-            "goog:chromeOptions": {
-                "binary": "/usr/bin/chromium",
-                "args": [
-                    "--headless", "--no-sandbox", "--disable-gpu",
-                    "--disable-background-networking", "--disable-component-update",
-                    "--disable-sync", "--no-first-run", "--window-size=1280,1800",
-                    format!("--user-data-dir={profile}"),
-                ],
-            }
-        });
-        let caps = caps.as_object().unwrap().clone().into_iter().collect();
-        ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
-            .capabilities(caps)
-            .connect(&self.url)
-            .await
-            .expect("start a headless Chromium session")
-    }
-}
-
-/// Waits until the text of the first element matching `css` satisfies `ok`.
-async fn wait_text(c: &Client, css: &str, what: &str, ok: impl Fn(&str) -> bool) -> String {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut last = String::new();
-    loop {
-        if let Ok(e) = c.find(Locator::Css(css)).await {
-            if let Ok(t) = e.text().await {
-                if ok(&t) {
-                    return t;
-                }
-                last = t;
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for {what} ({css}); last text {last:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {

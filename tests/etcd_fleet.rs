@@ -2,6 +2,8 @@
 //! `etcd-server`, started here on free loopback ports, data in a temp dir,
 //! killed at the end) and real graygate processes.
 
+#[path = "common/browser.rs"]
+mod browser;
 mod common;
 
 use std::net::SocketAddr;
@@ -11,9 +13,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use browser::{wait_text, Driver};
 use bytes::Bytes;
 use common::*;
-use fantoccini::{Client, ClientBuilder, Locator};
+use fantoccini::Locator;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 
@@ -1140,103 +1143,6 @@ async fn admin_rule_edits_are_written_to_etcd_with_compare_and_swap() {
 
 // The dashboard's fleet panel in headless Chromium (Debian's `chromium` +
 // `chromium-driver`, as tests/dashboard.rs).
-/// A chromedriver process on a free loopback port, killed on drop.
-struct Driver {
-    child: Child,
-    url: String,
-    _profile: tempfile::TempDir,
-}
-
-impl Drop for Driver {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Driver {
-    async fn start() -> Driver {
-        // Port 0: chromedriver binds an ephemeral port itself and says which.
-        let mut child = Command::new("chromedriver")
-            .arg("--port=0")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("chromedriver (Debian package chromium-driver) must be installed");
-        let out = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            use std::io::BufRead;
-            for line in std::io::BufReader::new(out).lines() {
-                let Ok(line) = line else { break };
-                if let Some(port) = line
-                    .strip_prefix("ChromeDriver was started successfully on port ")
-                    .and_then(|p| p.trim_end_matches('.').parse::<u16>().ok())
-                {
-                    let _ = tx.send(port);
-                }
-            }
-        });
-        let port = rx
-            .recv_timeout(Duration::from_secs(20))
-            .expect("chromedriver reports its port");
-        let url = format!("http://127.0.0.1:{port}");
-        let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        eventually(
-            "chromedriver listens",
-            Duration::from_secs(20),
-            || async move { tokio::net::TcpStream::connect(addr).await.is_ok() },
-        )
-        .await;
-        Driver {
-            child,
-            url,
-            _profile: tempfile::tempdir().unwrap(),
-        }
-    }
-
-    async fn browser(&self) -> Client {
-        let profile = self._profile.path().display().to_string();
-        let caps = serde_json::json!({
-            "goog:chromeOptions": {
-                "binary": "/usr/bin/chromium",
-                "args": [
-                    "--headless", "--no-sandbox", "--disable-gpu",
-                    "--disable-background-networking", "--disable-component-update",
-                    "--disable-sync", "--no-first-run", "--window-size=1280,1800",
-                    format!("--user-data-dir={profile}"),
-                ],
-            }
-        });
-        let caps = caps.as_object().unwrap().clone().into_iter().collect();
-        ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
-            .capabilities(caps)
-            .connect(&self.url)
-            .await
-            .expect("start a headless Chromium session")
-    }
-}
-
-/// Waits until the text of the first element matching `css` satisfies `ok`.
-async fn wait_text(c: &Client, css: &str, what: &str, ok: impl Fn(&str) -> bool) -> String {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut last = String::new();
-    loop {
-        if let Ok(e) = c.find(Locator::Css(css)).await {
-            if let Ok(t) = e.text().await {
-                if ok(&t) {
-                    return t;
-                }
-                last = t;
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for {what} ({css}); last text {last:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_dashboard_lists_every_gateway_and_whether_all_run_the_same_revision() {
