@@ -795,6 +795,7 @@ async fn run(
     }
     // A gateway that stops (not one handing over) leaves the fleet.
     if let (Some(src), None) = (src, handed_over) {
+        graygate::control::release::fleet::resign(&gw, &src).await;
         etcd::leave(&src).await;
     }
     up.cleanup();

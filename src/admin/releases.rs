@@ -45,6 +45,7 @@ fn refused(e: Refused) -> Response<Body> {
         Refused::NotFound(m) => text(StatusCode::NOT_FOUND, m),
         Refused::Conflict(m) => text(StatusCode::CONFLICT, m),
         Refused::Invalid(m) => text(StatusCode::BAD_REQUEST, m),
+        Refused::Unavailable(m) => text(StatusCode::SERVICE_UNAVAILABLE, m),
     }
 }
 
@@ -71,7 +72,12 @@ pub async fn handle(gw: &Arc<Gateway>, req: Request<Incoming>, rest: &[&str]) ->
                 .iter()
                 .map(|r| view(r, false))
                 .collect();
-            json(serde_json::json!({ "releases": all }))
+            let mut doc = serde_json::json!({ "releases": all, "source": "files" });
+            if gw.etcd.is_some() {
+                doc["source"] = "etcd".into();
+                doc["fleet"] = crate::control::release::fleet::leadership_view(gw);
+            }
+            json(doc)
         }
         (&Method::POST, []) => {
             let spec = match read_text(req.into_body()).await {

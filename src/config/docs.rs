@@ -27,6 +27,12 @@ pub trait Docs: Sync {
     fn local_root(&self) -> Option<&Path> {
         None
     }
+
+    /// The release records held by the store (key → JSON), when releases
+    /// live there rather than in the local state file.
+    fn releases(&self) -> Option<&BTreeMap<PathBuf, Vec<u8>>> {
+        None
+    }
 }
 
 /// The files on disk.
@@ -44,6 +50,8 @@ pub struct MemDocs {
     pub docs: BTreeMap<PathBuf, Vec<u8>>,
     /// Directory on this machine for static trees and the access log.
     pub local_root: PathBuf,
+    /// The store's release records (`<prefix>/releases/<name>`), if any.
+    pub releases: Option<BTreeMap<PathBuf, Vec<u8>>>,
 }
 
 impl Docs for MemDocs {
@@ -56,5 +64,9 @@ impl Docs for MemDocs {
 
     fn local_root(&self) -> Option<&Path> {
         Some(&self.local_root)
+    }
+
+    fn releases(&self) -> Option<&BTreeMap<PathBuf, Vec<u8>>> {
+        self.releases.as_ref()
     }
 }

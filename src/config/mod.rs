@@ -881,6 +881,20 @@ pub struct EtcdSettings {
     /// Timeout of one connection attempt or request to a member.
     #[serde(default = "default_etcd_timeout")]
     pub timeout_ms: u64,
+    /// TTL of the release leader's lease (and of each gateway's counters
+    /// key): a leader that stops renewing is replaced within it.
+    #[serde(default = "default_leader_ttl")]
+    pub leader_ttl_secs: i64,
+    /// How often each gateway publishes its per-lane counters.
+    #[serde(default = "default_counters_ms")]
+    pub counters_ms: u64,
+}
+
+fn default_leader_ttl() -> i64 {
+    5
+}
+fn default_counters_ms() -> u64 {
+    500
 }
 
 fn default_status_ttl() -> i64 {

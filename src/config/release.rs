@@ -193,6 +193,9 @@ pub struct Analysis {
     pub formal: LaneFigures,
     pub thresholds: AnalysisSpec,
     pub reason: String,
+    /// In a fleet: how many gateways' counters were summed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateways: Option<usize>,
 }
 
 /// The durable state of one release.

@@ -313,19 +313,20 @@ impl Generation {
             }
         }
 
-        // The release state is a local file (with etcd: beside the
-        // bootstrap, where the release controller writes it).
-        let release_path = match docs.local_root() {
-            Some(dir) => resolve(
-                dir,
-                config
-                    .release_state_file
-                    .as_deref()
-                    .unwrap_or(Path::new("releases.json")),
-            ),
-            None => super::release::state_path(config_path, &config),
+        // The release state: the store's release keys (etcd), else the
+        // local state file next to the rules.
+        let (release_file, release_path, release_text) = match docs.releases() {
+            Some(kvs) => {
+                let (file, path) = super::release::from_store(kvs)?;
+                (file, path, String::new())
+            }
+            None => {
+                let path = super::release::state_path(config_path, &config);
+                let (file, text) = super::release::load(&path)?;
+                files.push(path.clone());
+                (file, path, text)
+            }
         };
-        let (release_file, release_text) = super::release::load(&release_path)?;
         let (releases, revoked) =
             super::release::compile(&release_file, &release_path, &release_text, &lists)?;
         for r in &release_file.releases {
@@ -336,7 +337,6 @@ impl Generation {
                 ));
             }
         }
-        files.push(release_path);
 
         let mut dict_sizes = Vec::new();
         for (name, size) in &config.shared_dicts {

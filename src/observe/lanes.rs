@@ -129,6 +129,12 @@ impl LaneStats {
         }
     }
 
+    /// The lanes tracked so far.
+    pub fn lanes(&self) -> Vec<String> {
+        let m = self.0.read().unwrap_or_else(|e| e.into_inner());
+        m.keys().cloned().collect()
+    }
+
     /// The lane's counters now (`None`: the lane is not tracked).
     pub fn snapshot(&self, lane: &str) -> Option<LaneSnapshot> {
         let c = self.counters(lane)?;

@@ -5,23 +5,34 @@
 //! behind it, and steps, holds, promotes or rolls back. Only `fail` counts
 //! toward the rollback threshold; `inconclusive` and `error` never move a
 //! release by themselves. Admin actions (create, promote, pause, resume,
-//! abort) go through the same state file, one change at a time.
+//! abort) go through the same state file, one change at a time. With the
+//! etcd source the state is the fleet's release keys instead: the elected
+//! gateway ticks and judges on every gateway's summed counters, any gateway
+//! applies an admin action by compare-and-swap (`super::fleet`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use super::fleet::{self, Guard, Leadership, Sample};
 use super::{load, state_path, weight};
 use crate::config::release::{
     Analysis, AnalysisSpec, LaneFigures, Phase, ReleaseRecord, ReleaseSpec, ReleaseState,
+    ReleasesFile,
 };
 use crate::config::FORMAL;
 use crate::control::node_edit::write_atomic;
+use crate::control::source::etcd::EtcdSource;
 use crate::control::Gateway;
 use crate::observe::lanes::LaneSnapshot;
 
 /// Decisions kept per release (newest last).
 const HISTORY: usize = 500;
+/// Decisions kept per release in etcd (the whole record is one value,
+/// rewritten at every decision).
+const FLEET_HISTORY: usize = 100;
+/// Compare-and-swap attempts of an admin action before giving up.
+const CAS_TRIES: usize = 5;
 
 fn unix_ms() -> u64 {
     SystemTime::now()
@@ -32,8 +43,11 @@ fn unix_ms() -> u64 {
 /// Where each release's current interval started.
 struct Mark {
     at: Instant,
-    gray: Option<LaneSnapshot>,
-    formal: Option<LaneSnapshot>,
+    at_unix: u64,
+    sample: Sample,
+    /// In a fleet: the release key's mod revision the interval belongs to
+    /// (another writer's change starts a new interval).
+    rev: i64,
 }
 
 /// The controller's in-memory side (the durable side is the state file).
@@ -44,6 +58,8 @@ pub struct Runtime {
     next_due: Mutex<Option<Instant>>,
     /// One change of the state file at a time (controller and admin).
     pub lock: tokio::sync::Mutex<()>,
+    /// In a fleet: the election as this gateway sees it.
+    pub fleet: Mutex<Leadership>,
 }
 
 /// What an action or the controller asks of a release.
@@ -73,6 +89,8 @@ pub enum Refused {
     NotFound(String),
     Conflict(String),
     Invalid(String),
+    /// The store cannot be reached (etcd down): nothing changed.
+    Unavailable(String),
 }
 
 fn figures(s: &Option<LaneSnapshot>) -> LaneFigures {
@@ -148,7 +166,13 @@ pub fn judge(
     }
 }
 
-fn record(r: &mut ReleaseRecord, outcome: &str, reason: String, g: LaneFigures, f: LaneFigures) {
+fn record(
+    r: &mut ReleaseRecord,
+    outcome: &str,
+    reason: String,
+    (g, f): (LaneFigures, LaneFigures),
+    gateways: Option<usize>,
+) {
     let entry = Analysis {
         at: unix_ms(),
         step: r.state.step,
@@ -158,6 +182,7 @@ fn record(r: &mut ReleaseRecord, outcome: &str, reason: String, g: LaneFigures, 
         formal: f,
         thresholds: r.spec.analysis.clone(),
         reason,
+        gateways,
     };
     tracing::info!(
         release = %r.spec.name,
@@ -170,6 +195,7 @@ fn record(r: &mut ReleaseRecord, outcome: &str, reason: String, g: LaneFigures, 
         formal_requests = entry.formal.requests,
         formal_error_pct = entry.formal.error_rate_pct,
         formal_p99_ms = entry.formal.p99_ms.unwrap_or(f64::NAN),
+        gateways = entry.gateways.unwrap_or(1),
         reason = %entry.reason,
         "release decision"
     );
@@ -179,13 +205,7 @@ fn record(r: &mut ReleaseRecord, outcome: &str, reason: String, g: LaneFigures, 
 }
 
 fn note(r: &mut ReleaseRecord, outcome: &str, reason: impl Into<String>) {
-    record(
-        r,
-        outcome,
-        reason.into(),
-        LaneFigures::default(),
-        LaneFigures::default(),
-    );
+    record(r, outcome, reason.into(), Default::default(), None);
 }
 
 /// Calls a webhook with the release's situation: `Ok` on a 2xx in time.
@@ -261,10 +281,7 @@ async fn roll_back(r: &mut ReleaseRecord, reason: String) {
 }
 
 /// Writes the state and reloads, so the change is live in one swap.
-async fn commit(
-    gw: &Arc<Gateway>,
-    file: &crate::config::release::ReleasesFile,
-) -> Result<(), String> {
+async fn commit(gw: &Arc<Gateway>, file: &ReleasesFile) -> Result<(), String> {
     let gen = gw.current();
     let path = state_path(&gw.config_path, &gen.config);
     let text = serde_json::to_string_pretty(file).map_err(|e| e.to_string())?;
@@ -279,9 +296,9 @@ async fn commit(
     }
 }
 
-fn publish(gw: &Gateway, file: &crate::config::release::ReleasesFile) {
+fn publish(gw: &Gateway, releases: &[ReleaseRecord]) {
     let m = &gw.plane.metrics;
-    for r in &file.releases {
+    for r in releases {
         let labels = [r.spec.name.as_str(), r.spec.lane.as_str()];
         m.release_step
             .with_label_values(&labels)
@@ -290,7 +307,157 @@ fn publish(gw: &Gateway, file: &crate::config::release::ReleasesFile) {
     }
 }
 
-/// One pass over every release: judge those whose interval is over.
+/// This gateway's own counters of `lane` and formal (one "gateway").
+fn local_sample(gw: &Gateway, lane: &str) -> Sample {
+    let lanes = &gw.plane.metrics.lanes;
+    let counts = fleet::GatewayCounts {
+        boot: 0,
+        lanes: [lane, FORMAL]
+            .iter()
+            .filter_map(|l| lanes.snapshot(l).map(|s| (l.to_string(), s)))
+            .collect(),
+    };
+    Sample {
+        gateways: [("local".to_string(), counts)].into_iter().collect(),
+    }
+}
+
+fn marks(gw: &Gateway) -> std::sync::MutexGuard<'_, HashMap<String, Mark>> {
+    gw.releases.marks.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn set_due(gw: &Gateway, at: Option<Instant>) {
+    *gw.releases
+        .next_due
+        .lock()
+        .unwrap_or_else(|e| e.into_inner()) = at;
+}
+
+/// Every release and its key's mod revision (0 on files).
+async fn load_all(gw: &Gateway) -> Result<Vec<(ReleaseRecord, i64)>, Refused> {
+    match &gw.etcd {
+        Some(src) => Ok(fleet::load(src).await.map_err(Refused::Unavailable)?.0),
+        None => {
+            let path = state_path(&gw.config_path, &gw.current().config);
+            let (file, _) = load(&path).map_err(|e| Refused::Conflict(e.to_string()))?;
+            Ok(file.releases.into_iter().map(|r| (r, 0)).collect())
+        }
+    }
+}
+
+/// Judges one due release on `sample` against its interval's mark, and
+/// moves it. `None`: not due (or its interval just began).
+async fn judge_due(
+    gw: &Gateway,
+    r: &mut ReleaseRecord,
+    rev: i64,
+    sample: &Result<Sample, String>,
+    next: &mut Instant,
+) -> Option<()> {
+    let now = Instant::now();
+    let interval = Duration::from_millis(r.spec.analysis.interval_ms);
+    let fresh = |s: &Sample| Mark {
+        at: now,
+        at_unix: unix_ms(),
+        sample: s.clone(),
+        rev,
+    };
+    let mark = {
+        let mut marks = marks(gw);
+        match (marks.get(&r.spec.name), sample) {
+            (Some(m), _) if m.rev == rev && now.duration_since(m.at) < interval => {
+                *next = (*next).min(m.at + interval);
+                return None;
+            }
+            (Some(m), Ok(s)) if m.rev == rev => marks.insert(r.spec.name.clone(), fresh(s)),
+            (Some(m), Err(_)) if m.rev == rev => marks.remove(&r.spec.name),
+            (_, Ok(s)) => {
+                marks.insert(r.spec.name.clone(), fresh(s));
+                *next = (*next).min(now + interval);
+                return None;
+            }
+            (_, Err(_)) => None,
+        }
+    };
+    *next = (*next).min(now + interval);
+    let fleet = gw.etcd.is_some();
+    let (outcome, reason, figs, counted) = match (sample, &mark) {
+        (Ok(s), Some(m)) => {
+            let (dg, counted) = s.since(&m.sample, m.at_unix, &r.spec.lane);
+            let (df, _) = s.since(&m.sample, m.at_unix, FORMAL);
+            let (o, why) = judge(&r.spec.analysis, &dg, &df);
+            (o, why, (figures(&dg), figures(&df)), Some(counted))
+        }
+        (Err(e), _) => (
+            "error",
+            format!("counters unavailable: {e}"),
+            Default::default(),
+            Some(0),
+        ),
+        (Ok(_), None) => return None,
+    };
+    gw.plane
+        .metrics
+        .release_analyses
+        .with_label_values(&[r.spec.name.as_str(), outcome])
+        .inc();
+    record(r, outcome, reason, figs, counted.filter(|_| fleet));
+    match outcome {
+        "pass" => {
+            r.state.step_passes += 1;
+            let min = r.spec.steps[r.state.step].min_duration_ms;
+            if unix_ms().saturating_sub(r.state.step_started) >= min {
+                advance(r).await;
+            }
+        }
+        "fail" => {
+            r.state.failures += 1;
+            if r.state.failures >= r.spec.analysis.failure_threshold {
+                let why = format!(
+                    "{} failed intervals (threshold {})",
+                    r.state.failures, r.spec.analysis.failure_threshold
+                );
+                roll_back(r, why).await;
+            }
+        }
+        _ => {}
+    }
+    Some(())
+}
+
+/// The leader's write of a judged release, fenced by its term; the
+/// interval goes on from the written revision (or starts again).
+async fn write_judged(src: &EtcdSource, gw: &Gateway, r: &mut ReleaseRecord, rev: i64, fence: i64) {
+    trim(r);
+    let guard = Guard {
+        fence: Some(fence),
+        mod_revision: rev,
+        range_read_at: None,
+    };
+    match fleet::write(src, r, &guard).await {
+        Ok(Some(written)) => {
+            if let Some(m) = marks(gw).get_mut(&r.spec.name) {
+                m.rev = written;
+            }
+        }
+        Ok(None) => {
+            tracing::warn!(release = %r.spec.name, "release state not written: a concurrent change or a lost term");
+            marks(gw).remove(&r.spec.name);
+        }
+        Err(e) => {
+            tracing::error!(release = %r.spec.name, error = %e, "release state not written");
+            marks(gw).remove(&r.spec.name);
+        }
+    }
+}
+
+fn trim(r: &mut ReleaseRecord) {
+    let excess = r.state.history.len().saturating_sub(FLEET_HISTORY);
+    r.state.history.drain(..excess);
+}
+
+/// One pass over every release: judge those whose interval is over. In a
+/// fleet only the leader does, on every gateway's counters.
 pub async fn tick(gw: &Arc<Gateway>) {
     let due = *gw
         .releases
@@ -300,144 +467,123 @@ pub async fn tick(gw: &Arc<Gateway>) {
     if due.is_some_and(|d| Instant::now() < d) {
         return;
     }
+    let fence = gw
+        .releases
+        .fleet
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .fence();
+    if gw.etcd.is_some() && fence.is_none() {
+        // Not (or no longer) leading: the next term starts new intervals.
+        marks(gw).clear();
+        return;
+    }
     let _one = gw.releases.lock.lock().await;
-    let gen = gw.current();
-    let path = state_path(&gw.config_path, &gen.config);
-    let Ok((mut file, _)) = load(&path) else {
+    let Ok(mut all) = load_all(gw).await else {
+        set_due(gw, Some(Instant::now() + Duration::from_secs(1)));
         return;
     };
-    let lanes = &gw.plane.metrics.lanes;
-    let mut changed = false;
+    let mut changed = Vec::new();
     // Nothing running: look again in a second (creation wakes it sooner).
     let mut next = Instant::now() + Duration::from_secs(1);
-    for r in file.releases.iter_mut() {
+    let mut fleet_sample = None;
+    for (i, (r, rev)) in all.iter_mut().enumerate() {
         if r.state.phase != Phase::Progressing {
             continue;
         }
-        let now = Instant::now();
-        let interval = Duration::from_millis(r.spec.analysis.interval_ms);
-        let (gray, formal) = (lanes.snapshot(&r.spec.lane), lanes.snapshot(FORMAL));
-        let mark = {
-            let mut marks = gw.releases.marks.lock().unwrap_or_else(|e| e.into_inner());
-            match marks.get(&r.spec.name) {
-                Some(m) if now.duration_since(m.at) < interval => {
-                    next = next.min(m.at + interval);
-                    continue;
+        let sample = match &gw.etcd {
+            Some(src) => {
+                if fleet_sample.is_none() {
+                    fleet_sample = Some(fleet::sample(src).await);
                 }
-                Some(_) => marks.insert(
-                    r.spec.name.clone(),
-                    Mark {
-                        at: now,
-                        gray: gray.clone(),
-                        formal: formal.clone(),
-                    },
-                ),
-                None => {
-                    marks.insert(
-                        r.spec.name.clone(),
-                        Mark {
-                            at: now,
-                            gray,
-                            formal,
-                        },
-                    );
-                    next = next.min(now + interval);
-                    continue;
-                }
+                fleet_sample.clone().unwrap_or_else(|| Err(String::new()))
             }
+            None => Ok(local_sample(gw, &r.spec.lane)),
         };
-        next = next.min(now + interval);
-        let Some(mark) = mark else { continue };
-        let delta = |now: &Option<LaneSnapshot>, then: &Option<LaneSnapshot>| match (now, then) {
-            (Some(n), Some(t)) => Some(n.since(t)),
-            _ => None,
-        };
-        let (dg, df) = (delta(&gray, &mark.gray), delta(&formal, &mark.formal));
-        let (outcome, reason) = judge(&r.spec.analysis, &dg, &df);
-        gw.plane
-            .metrics
-            .release_analyses
-            .with_label_values(&[r.spec.name.as_str(), outcome])
-            .inc();
-        record(r, outcome, reason, figures(&dg), figures(&df));
-        changed = true;
-        match outcome {
-            "pass" => {
-                r.state.step_passes += 1;
-                let min = r.spec.steps[r.state.step].min_duration_ms;
-                if unix_ms().saturating_sub(r.state.step_started) >= min {
-                    advance(r).await;
-                }
-            }
-            "fail" => {
-                r.state.failures += 1;
-                if r.state.failures >= r.spec.analysis.failure_threshold {
-                    let why = format!(
-                        "{} failed intervals (threshold {})",
-                        r.state.failures, r.spec.analysis.failure_threshold
-                    );
-                    roll_back(r, why).await;
-                }
-            }
-            _ => {}
+        if judge_due(gw, r, *rev, &sample, &mut next).await.is_some() {
+            changed.push(i);
         }
     }
-    if changed {
-        if let Err(e) = commit(gw, &file).await {
-            tracing::error!(error = %e, "release state not applied");
+    match (&gw.etcd, fence) {
+        (Some(src), Some(fence)) => {
+            for i in changed {
+                let (r, rev) = &mut all[i];
+                write_judged(src, gw, r, *rev, fence).await;
+            }
         }
-        publish(gw, &file);
+        _ if !changed.is_empty() => {
+            let file = ReleasesFile {
+                releases: all.into_iter().map(|(r, _)| r).collect(),
+            };
+            if let Err(e) = commit(gw, &file).await {
+                tracing::error!(error = %e, "release state not applied");
+            }
+            publish(gw, &file.releases);
+        }
+        _ => {}
     }
-    *gw.releases
-        .next_due
-        .lock()
-        .unwrap_or_else(|e| e.into_inner()) = Some(next);
+    set_due(gw, Some(next));
 }
 
-/// Makes the controller look at the state file at its next tick.
-fn wake(gw: &Gateway) {
-    *gw.releases
-        .next_due
-        .lock()
-        .unwrap_or_else(|e| e.into_inner()) = None;
-}
-
-/// Runs the controller until the process ends.
+/// Runs the controller until the process ends (in a fleet also the
+/// election and the counters' publication).
 pub async fn run(gw: Arc<Gateway>) {
-    if let Ok((file, _)) = load(&state_path(&gw.config_path, &gw.current().config)) {
-        publish(&gw, &file);
+    /// The fleet tasks end with the controller (e.g. at a handover).
+    struct Tasks(Vec<tokio::task::JoinHandle<()>>);
+    impl Drop for Tasks {
+        fn drop(&mut self) {
+            self.0.iter().for_each(|t| t.abort());
+        }
     }
+    let _tasks = Tasks(match &gw.etcd {
+        Some(src) => vec![
+            tokio::spawn(fleet::campaign(gw.clone(), src.clone())),
+            tokio::spawn(fleet::publish_counters(gw.clone(), src.clone())),
+        ],
+        None => Vec::new(),
+    });
+    publish(&gw, &list(&gw));
+    let mut shown = 0;
     let mut every = tokio::time::interval(Duration::from_millis(100));
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         every.tick().await;
         tick(&gw).await;
+        // Every gateway's gauges follow the state it serves.
+        if let Some(rev) = gw
+            .etcd
+            .as_ref()
+            .and_then(|s| s.applied())
+            .map(|s| s.revision)
+        {
+            if rev != shown {
+                shown = rev;
+                publish(&gw, &list(&gw));
+            }
+        }
     }
 }
 
-/// Creates a release from its spec (YAML or JSON): validated like a reload
-/// (the whole state must compile), then live at its first step.
-pub async fn create(gw: &Arc<Gateway>, spec_text: &str) -> Result<ReleaseRecord, Refused> {
-    let spec: ReleaseSpec = serde_yaml::from_str(spec_text)
-        .map_err(|e| Refused::Invalid(format!("release spec: {e}")))?;
-    super::check_spec(&spec).map_err(Refused::Invalid)?;
-    let _one = gw.releases.lock.lock().await;
-    let gen = gw.current();
-    let path = state_path(&gw.config_path, &gen.config);
-    let (mut file, _) = load(&path).map_err(|e| Refused::Conflict(e.to_string()))?;
-    if file.releases.iter().any(|r| r.spec.name == spec.name) {
-        return Err(Refused::Conflict(format!("release {:?} exists", spec.name)));
-    }
-    if let Some(r) = file
-        .releases
-        .iter()
-        .find(|r| r.spec.lane == spec.lane && !r.state.phase.is_final())
-    {
-        return Err(Refused::Conflict(format!(
-            "lane {:?} is already being released by {:?}",
-            spec.lane, r.spec.name
-        )));
-    }
+/// Refuses a new release whose name or lane is taken.
+fn check_new<'a>(
+    mut existing: impl Iterator<Item = &'a ReleaseRecord>,
+    spec: &ReleaseSpec,
+) -> Result<(), Refused> {
+    existing.try_for_each(|r| {
+        if r.spec.name == spec.name {
+            return Err(Refused::Conflict(format!("release {:?} exists", spec.name)));
+        }
+        if r.spec.lane == spec.lane && !r.state.phase.is_final() {
+            return Err(Refused::Conflict(format!(
+                "lane {:?} is already being released by {:?}",
+                spec.lane, r.spec.name
+            )));
+        }
+        Ok(())
+    })
+}
+
+fn new_record(spec: ReleaseSpec) -> ReleaseRecord {
     let now = unix_ms();
     let mut rec = ReleaseRecord {
         spec,
@@ -453,29 +599,80 @@ pub async fn create(gw: &Arc<Gateway>, spec_text: &str) -> Result<ReleaseRecord,
         },
     };
     note(&mut rec, "step", "created: first step applied");
-    file.releases.push(rec.clone());
-    super::compile(&file, &path, "", &gen.lane.lists)
-        .map_err(|e| Refused::Invalid(e.to_string()))?;
-    commit(gw, &file).await.map_err(Refused::Conflict)?;
-    publish(gw, &file);
-    wake(gw);
-    Ok(rec)
+    rec
 }
 
-/// Applies an operator's action.
-pub async fn act(gw: &Arc<Gateway>, name: &str, action: Action) -> Result<ReleaseRecord, Refused> {
+/// Creates a release from its spec (YAML or JSON): validated like a reload
+/// (the whole state must compile), then live at its first step. In a
+/// fleet: written to its key if no release changed meanwhile, answered
+/// once this gateway serves it.
+pub async fn create(gw: &Arc<Gateway>, spec_text: &str) -> Result<ReleaseRecord, Refused> {
+    let spec: ReleaseSpec = serde_yaml::from_str(spec_text)
+        .map_err(|e| Refused::Invalid(format!("release spec: {e}")))?;
+    super::check_spec(&spec).map_err(Refused::Invalid)?;
     let _one = gw.releases.lock.lock().await;
     let gen = gw.current();
     let path = state_path(&gw.config_path, &gen.config);
-    let (mut file, _) = load(&path).map_err(|e| Refused::Conflict(e.to_string()))?;
-    let r = file
-        .releases
-        .iter_mut()
-        .find(|r| r.spec.name == name)
-        .ok_or_else(|| Refused::NotFound(format!("no release {name:?}")))?;
+    let compiles = |releases: Vec<ReleaseRecord>| {
+        super::compile(&ReleasesFile { releases }, &path, "", &gen.lane.lists)
+            .map_err(|e| Refused::Invalid(e.to_string()))
+    };
+    let Some(src) = gw.etcd.clone() else {
+        let (mut file, _) = load(&path).map_err(|e| Refused::Conflict(e.to_string()))?;
+        check_new(file.releases.iter(), &spec)?;
+        let rec = new_record(spec);
+        file.releases.push(rec.clone());
+        compiles(file.releases.clone())?;
+        commit(gw, &file).await.map_err(Refused::Conflict)?;
+        publish(gw, &file.releases);
+        set_due(gw, None);
+        return Ok(rec);
+    };
+    for _ in 0..CAS_TRIES {
+        let (all, at) = fleet::load(&src).await.map_err(Refused::Unavailable)?;
+        check_new(all.iter().map(|(r, _)| r), &spec)?;
+        let rec = new_record(spec.clone());
+        let mut releases: Vec<_> = all.into_iter().map(|(r, _)| r).collect();
+        releases.push(rec.clone());
+        compiles(releases)?;
+        let guard = Guard {
+            fence: None,
+            mod_revision: 0,
+            range_read_at: Some(at),
+        };
+        if let Some(rev) = fleet::write(&src, &rec, &guard)
+            .await
+            .map_err(Refused::Unavailable)?
+        {
+            return applied(gw, &src, rec, rev).await;
+        }
+    }
+    Err(Refused::Conflict(
+        "the releases in etcd kept changing; try again".into(),
+    ))
+}
+
+/// Answers a fleet write once this gateway serves it.
+async fn applied(
+    gw: &Gateway,
+    src: &EtcdSource,
+    rec: ReleaseRecord,
+    rev: i64,
+) -> Result<ReleaseRecord, Refused> {
+    let key = fleet::key_path(src, &rec.spec.name);
+    src.wait_applied(gw, &key.to_string_lossy(), rev)
+        .await
+        .map_err(Refused::Conflict)?;
+    set_due(gw, None);
+    Ok(rec)
+}
+
+/// Applies an operator's action to the release record.
+async fn apply_action(r: &mut ReleaseRecord, action: Action) -> Result<(), Refused> {
     if r.state.phase.is_final() {
         return Err(Refused::Conflict(format!(
-            "release {name:?} is {} and never moves again",
+            "release {:?} is {} and never moves again",
+            r.spec.name,
             r.state.phase.as_str()
         )));
     }
@@ -500,20 +697,61 @@ pub async fn act(gw: &Arc<Gateway>, name: &str, action: Action) -> Result<Releas
         }
         Action::Abort => roll_back(r, "aborted by the operator".into()).await,
     }
-    let out = r.clone();
-    gw.releases
-        .marks
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(name);
-    commit(gw, &file).await.map_err(Refused::Conflict)?;
-    publish(gw, &file);
-    wake(gw);
-    Ok(out)
+    Ok(())
 }
 
-/// Every release (spec and state).
+/// Applies an operator's action (in a fleet: compare-and-swap on the
+/// release's key, whichever gateway leads; the leader's interval starts
+/// again).
+pub async fn act(gw: &Arc<Gateway>, name: &str, action: Action) -> Result<ReleaseRecord, Refused> {
+    let _one = gw.releases.lock.lock().await;
+    let not_found = || Refused::NotFound(format!("no release {name:?}"));
+    let Some(src) = gw.etcd.clone() else {
+        let path = state_path(&gw.config_path, &gw.current().config);
+        let (mut file, _) = load(&path).map_err(|e| Refused::Conflict(e.to_string()))?;
+        let r = file
+            .releases
+            .iter_mut()
+            .find(|r| r.spec.name == name)
+            .ok_or_else(not_found)?;
+        apply_action(r, action).await?;
+        let out = r.clone();
+        marks(gw).remove(name);
+        commit(gw, &file).await.map_err(Refused::Conflict)?;
+        publish(gw, &file.releases);
+        set_due(gw, None);
+        return Ok(out);
+    };
+    for _ in 0..CAS_TRIES {
+        let (all, _) = fleet::load(&src).await.map_err(Refused::Unavailable)?;
+        let (mut r, rev) = all
+            .into_iter()
+            .find(|(r, _)| r.spec.name == name)
+            .ok_or_else(not_found)?;
+        apply_action(&mut r, action).await?;
+        trim(&mut r);
+        let guard = Guard {
+            fence: None,
+            mod_revision: rev,
+            range_read_at: None,
+        };
+        if let Some(written) = fleet::write(&src, &r, &guard)
+            .await
+            .map_err(Refused::Unavailable)?
+        {
+            return applied(gw, &src, r, written).await;
+        }
+    }
+    Err(Refused::Conflict(format!(
+        "release {name:?} kept changing in etcd; try again"
+    )))
+}
+
+/// Every release (spec and state) this gateway serves.
 pub fn list(gw: &Gateway) -> Vec<ReleaseRecord> {
+    if let Some(src) = &gw.etcd {
+        return fleet::list(src);
+    }
     load(&state_path(&gw.config_path, &gw.current().config))
         .map(|(f, _)| f.releases)
         .unwrap_or_default()

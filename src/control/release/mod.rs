@@ -11,6 +11,7 @@
 //! generation swap — and survives a restart.
 
 pub mod controller;
+pub mod fleet;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -46,6 +47,37 @@ pub fn load(path: &Path) -> Result<(ReleasesFile, String), ConfigError> {
         ConfigError::new(path, Some(e.line()), format!("invalid release state: {e}"))
     })?;
     Ok((file, text))
+}
+
+/// The release records a store holds (key → JSON, one release per key,
+/// `<prefix>/releases/<name>`): each checked, a bad one named by its key
+/// and line. Returns them and the directory-like path errors name.
+pub fn from_store(
+    kvs: &BTreeMap<PathBuf, Vec<u8>>,
+) -> Result<(ReleasesFile, PathBuf), ConfigError> {
+    let mut file = ReleasesFile::default();
+    let mut dir = PathBuf::from("releases");
+    for (key, value) in kvs {
+        let r: ReleaseRecord = serde_json::from_slice(value).map_err(|e| {
+            ConfigError::new(key, Some(e.line()), format!("invalid release state: {e}"))
+        })?;
+        check_spec(&r.spec).map_err(|m| ConfigError::new(key, None, m))?;
+        if key.file_name().and_then(|n| n.to_str()) != Some(r.spec.name.as_str()) {
+            return Err(ConfigError::new(
+                key,
+                None,
+                format!(
+                    "holds release {:?}: the key must end in its name",
+                    r.spec.name
+                ),
+            ));
+        }
+        if let Some(d) = key.parent() {
+            dir = d.to_path_buf();
+        }
+        file.releases.push(r);
+    }
+    Ok((file, dir))
 }
 
 /// The traffic share of a release now: its step's weight while it runs,

@@ -171,8 +171,14 @@ pub fn documents(
     let mut docs = MemDocs {
         docs: BTreeMap::new(),
         local_root: local_root.to_path_buf(),
+        releases: Some(BTreeMap::new()),
     };
+    let (rel, _) = crate::control::release::fleet::releases_range(prefix);
     for (k, kv) in &snap.kvs {
+        if let (Some(_), Some(r)) = (k.strip_prefix(&rel), docs.releases.as_mut()) {
+            r.insert(PathBuf::from(k), kv.value.clone());
+            continue;
+        }
         if !k.starts_with(&cfg) {
             continue;
         }
@@ -291,7 +297,7 @@ impl EtcdSource {
         }
     }
 
-    fn timeout(&self) -> Duration {
+    pub fn timeout(&self) -> Duration {
         Duration::from_millis(self.settings.timeout_ms.max(100))
     }
 
@@ -530,7 +536,14 @@ impl EtcdSource {
             )));
         }
         let rev = resp.header().map_or(0, |h| h.revision());
-        // Wait for this gateway to apply it (or reject it).
+        self.wait_applied(gw, &key, rev)
+            .await
+            .map_err(EditError::Conflict)
+    }
+
+    /// Waits until this gateway applied revision `rev` (written to `key`),
+    /// or rejected its build. Returns the generation serving.
+    pub async fn wait_applied(&self, gw: &Gateway, key: &str, rev: i64) -> Result<u64, String> {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         loop {
             if self.applied().is_some_and(|s| s.revision >= rev) {
@@ -544,14 +557,14 @@ impl EtcdSource {
                     .last_reload_error
                     .clone()
                     .unwrap_or_default();
-                return Err(EditError::Conflict(format!(
+                return Err(format!(
                     "written to {key} at revision {rev}, but the build was rejected: {e}"
-                )));
+                ));
             }
             if tokio::time::Instant::now() > deadline {
-                return Err(EditError::Conflict(format!(
+                return Err(format!(
                     "written to {key} at revision {rev}, but not applied yet"
-                )));
+                ));
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -1004,6 +1017,15 @@ pub async fn fleet(src: &EtcdSource) -> Result<serde_json::Value, String> {
         .collect();
     let revs: std::collections::BTreeSet<String> =
         gateways.iter().map(|g| g["revision"].to_string()).collect();
+    // Who drives the releases (the leader key's holder).
+    let leader_key = crate::control::release::fleet::leader_key(&src.prefix);
+    let release_leader = match tokio::time::timeout(src.timeout(), c.get(leader_key, None)).await {
+        Ok(Ok(r)) => r
+            .kvs()
+            .first()
+            .map(|kv| String::from_utf8_lossy(kv.value()).into_owned()),
+        _ => None,
+    };
     let hashes: std::collections::BTreeSet<String> = gateways
         .iter()
         .map(|g| g["config_hash"].to_string())
@@ -1013,6 +1035,7 @@ pub async fn fleet(src: &EtcdSource) -> Result<serde_json::Value, String> {
         "gateways": gateways,
         "same_revision": revs.len() <= 1,
         "same_config": hashes.len() <= 1,
+        "release_leader": release_leader,
         "revisions": revs.iter().filter_map(|r| r.parse::<i64>().ok()).collect::<Vec<_>>(),
     }))
 }
