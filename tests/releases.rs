@@ -7,67 +7,23 @@
 
 mod common;
 
-use std::convert::Infallible;
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use common::*;
-use http::{Request, Response, StatusCode};
-use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
-use tokio::net::TcpListener;
-
-/// A node answering `<name>`; every `fail_every`-th answer is a 503.
-struct Node {
-    addr: SocketAddr,
-    count: Arc<AtomicU64>,
-}
-
-async fn node(name: &'static str, fail_every: u64, status: StatusCode) -> Node {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let count = Arc::new(AtomicU64::new(0));
-    let c = count.clone();
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let c = c.clone();
-            tokio::spawn(async move {
-                let svc = service_fn(move |_req: Request<Incoming>| {
-                    let n = c.fetch_add(1, Ordering::SeqCst) + 1;
-                    async move {
-                        let mut r = Response::new(Full::new(Bytes::from(name)));
-                        if fail_every > 0 && n.is_multiple_of(fail_every) {
-                            *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
-                        } else {
-                            *r.status_mut() = status;
-                        }
-                        Ok::<_, Infallible>(r)
-                    }
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), svc)
-                    .await;
-            });
-        }
-    });
-    Node { addr, count }
-}
+use http::StatusCode;
 
 struct Setup {
     fx: Fixture,
     gw: Gateway,
-    gray: Node,
-    _formal: Node,
+    gray: PlainNode,
+    _formal: PlainNode,
 }
 
 async fn setup(gray_fail_every: u64) -> Setup {
-    let formal = node("formal", 0, StatusCode::OK).await;
-    let gray = node("gray", gray_fail_every, StatusCode::OK).await;
+    let formal = plain_node("formal", 0, StatusCode::OK).await;
+    let gray = plain_node("gray", gray_fail_every, StatusCode::OK).await;
     let fx = Fixture::new();
     fx.write(
         "nodes.yaml",
@@ -89,19 +45,6 @@ async fn setup(gray_fail_every: u64) -> Setup {
         gray,
         _formal: formal,
     }
-}
-
-/// Sends requests from many users (header `X-User`) until stopped.
-fn traffic(addr: SocketAddr, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<u64> {
-    tokio::spawn(async move {
-        let mut sent = 0u64;
-        while !stop.load(Ordering::Relaxed) {
-            let user = format!("u{}", sent % 997);
-            let _ = Req::get("/api/x").header("X-User", &user).send(addr).await;
-            sent += 1;
-        }
-        sent
-    })
 }
 
 async fn admin_post(gw: &Gateway, path: &str, body: &str) -> Resp {
@@ -131,7 +74,7 @@ async fn a_gray_with_five_percent_errors_is_rolled_back_and_gets_nothing_after()
     let r = admin_post(&s.gw, "/releases", &spec).await;
     assert_eq!(r.status, 201, "{}", r.text());
     let stop = Arc::new(AtomicBool::new(false));
-    let t = traffic(s.gw.addr, stop.clone());
+    let t = user_traffic(s.gw.addr, stop.clone());
     eventually("rolled back", Duration::from_secs(30), || async {
         release(&s.gw, "bad").await["state"] == "rolled_back"
     })
@@ -182,7 +125,7 @@ async fn a_healthy_gray_is_promoted_through_every_step() {
     );
     assert_eq!(admin_post(&s.gw, "/releases", &spec).await.status, 201);
     let stop = Arc::new(AtomicBool::new(false));
-    let t = traffic(s.gw.addr, stop.clone());
+    let t = user_traffic(s.gw.addr, stop.clone());
     eventually("promoted", Duration::from_secs(30), || async {
         release(&s.gw, "good").await["state"] == "promoted"
     })
@@ -216,7 +159,7 @@ async fn too_little_traffic_is_inconclusive_and_holds_the_release() {
     let spec = "name: quiet\nlane: gray\nkey: { header: X-User }\nsteps:\n  - { weight: 50, min_duration_ms: 1 }\n  - { weight: 100 }\nanalysis: { interval_ms: 200, min_requests: 1000000 }\n";
     assert_eq!(admin_post(&s.gw, "/releases", spec).await.status, 201);
     let stop = Arc::new(AtomicBool::new(false));
-    let t = traffic(s.gw.addr, stop.clone());
+    let t = user_traffic(s.gw.addr, stop.clone());
     eventually(
         "three inconclusive intervals",
         Duration::from_secs(30),
@@ -243,14 +186,14 @@ async fn too_little_traffic_is_inconclusive_and_holds_the_release() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_webhook_answering_500_holds_the_release() {
     let s = setup(0).await;
-    let hook = node("hook", 0, StatusCode::INTERNAL_SERVER_ERROR).await;
+    let hook = plain_node("hook", 0, StatusCode::INTERNAL_SERVER_ERROR).await;
     let spec = format!(
         "name: hooked\nlane: gray\nkey: {{ header: X-User }}\nsteps:\n  - {{ weight: 10, min_duration_ms: 1 }}\n  - {{ weight: 50 }}\nwebhooks: {{ before_step: \"http://{}/check\" }}\n{ANALYSIS}\n",
         hook.addr
     );
     assert_eq!(admin_post(&s.gw, "/releases", &spec).await.status, 201);
     let stop = Arc::new(AtomicBool::new(false));
-    let t = traffic(s.gw.addr, stop.clone());
+    let t = user_traffic(s.gw.addr, stop.clone());
     eventually("held twice", Duration::from_secs(30), || async {
         let doc = release(&s.gw, "hooked").await;
         doc["analyses"]
@@ -285,7 +228,7 @@ async fn a_restarted_gateway_resumes_the_release_at_its_step() {
     );
     assert_eq!(admin_post(&s.gw, "/releases", &spec).await.status, 201);
     let stop = Arc::new(AtomicBool::new(false));
-    let t = traffic(s.gw.addr, stop.clone());
+    let t = user_traffic(s.gw.addr, stop.clone());
     eventually("at the manual gate", Duration::from_secs(30), || async {
         let doc = release(&s.gw, "durable").await;
         doc["awaiting_promote"] == true && doc["step"] == 1

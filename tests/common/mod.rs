@@ -611,3 +611,59 @@ impl Gateway {
         }
     }
 }
+
+/// A node answering the text `<name>` with `status`; every `fail_every`-th answer is a 503.
+pub struct PlainNode {
+    pub addr: SocketAddr,
+    pub count: Arc<std::sync::atomic::AtomicU64>,
+}
+
+pub async fn plain_node(
+    name: &'static str,
+    fail_every: u64,
+    status: http::StatusCode,
+) -> PlainNode {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let count = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let c = count.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let c = c.clone();
+            tokio::spawn(async move {
+                let svc = service_fn(move |_req: Request<Incoming>| {
+                    let n = c.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                    async move {
+                        let mut r = Response::new(Full::new(Bytes::from(name)));
+                        if fail_every > 0 && n.is_multiple_of(fail_every) {
+                            *r.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
+                        } else {
+                            *r.status_mut() = status;
+                        }
+                        Ok::<_, Infallible>(r)
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    PlainNode { addr, count }
+}
+
+/// Sends requests from many users (header `X-User`) until stopped.
+pub fn user_traffic(
+    addr: SocketAddr,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<u64> {
+    tokio::spawn(async move {
+        let mut sent = 0u64;
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let user = format!("u{}", sent % 997);
+            let _ = Req::get("/api/x").header("X-User", &user).send(addr).await;
+            sent += 1;
+        }
+        sent
+    })
+}
