@@ -305,6 +305,24 @@ mod tests {
     }
 
     #[test]
+    fn store_records_are_named_by_their_key_when_bad() {
+        let good = serde_json::to_vec(&rec(Phase::Progressing, 1)).unwrap();
+        let key = PathBuf::from("/g/releases/r1");
+        let kvs = BTreeMap::from([(key.clone(), good.clone())]);
+        let (file, dir) = from_store(&kvs).unwrap();
+        assert_eq!(file.releases.len(), 1);
+        assert_eq!(dir, PathBuf::from("/g/releases"));
+        // Broken JSON: the key and the line.
+        let kvs = BTreeMap::from([(key.clone(), b"{\n  \"spec\": 1\n}".to_vec())]);
+        let e = from_store(&kvs).unwrap_err().to_string();
+        assert!(e.starts_with("/g/releases/r1:2:"), "{e}");
+        // A record under another release's name.
+        let kvs = BTreeMap::from([(PathBuf::from("/g/releases/other"), good)]);
+        let e = from_store(&kvs).unwrap_err().to_string();
+        assert!(e.contains("must end in its name"), "{e}");
+    }
+
+    #[test]
     fn bad_specs_are_refused() {
         let mut r = rec(Phase::Progressing, 0);
         r.spec.steps[1].weight = Some(5.0);
