@@ -403,3 +403,56 @@ async fn etcd_down_both_keep_serving_the_step_and_the_release_waits_for_etcd() {
     assert!(analyses(&doc, "fail").is_empty(), "{doc}");
     assert!(analyses(&doc, "rollback").is_empty(), "{doc}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_restarted_gateway_resumes_at_the_step_and_an_abort_through_it_applies_on_both() {
+    let mut f = fleet("/rf5", 0).await;
+    let l = {
+        let all: Vec<&Gw> = f.gws.iter().collect();
+        leader_of(&all).await
+    };
+    let spec = "name: r5\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 20, min_duration_ms: 300 }\n  - { weight: 50, min_duration_ms: 600000 }\nanalysis: { interval_ms: 300, min_requests: 10, failure_threshold: 2, max_p99_ratio: 50 }\n";
+    let r = post(&f.gws[1 - l], "/releases", spec).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let traffic = Traffic::start(&[f.gws[0].g().addr, f.gws[1].g().addr]);
+    {
+        let all: Vec<&Gw> = f.gws.iter().collect();
+        on_all(&all, "r5", "step 1", |d| d["step"] == 1).await;
+    }
+    // The leader stopped gracefully (it resigns) and started again.
+    f.gws[l].g().signal("TERM");
+    let status = f.gws[l]
+        .gw
+        .as_mut()
+        .unwrap()
+        .wait_exit(Duration::from_secs(20))
+        .await;
+    assert!(status.is_some_and(|s| s.success()), "{status:?}");
+    f.gws[l].restart();
+    traffic.stop().await;
+    let all: Vec<&Gw> = f.gws.iter().collect();
+    let back = &f.gws[l];
+    let doc = release(back, "r5").await;
+    assert_eq!(
+        (doc["step"].as_u64(), doc["state"].as_str()),
+        (Some(1), Some("progressing")),
+        "{doc}"
+    );
+    let (a, b) = (
+        gray_users(back, 200).await,
+        gray_users(&f.gws[1 - l], 200).await,
+    );
+    assert_eq!(a, b);
+    assert!(a.iter().filter(|g| **g).count() >= 50);
+    // An abort through the restarted gateway: rolled back on both, and no
+    // gray request after on either.
+    let r = post(back, "/releases/r5/abort", "").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["state"], "rolled_back");
+    on_all(&all, "r5", "rolled back", |d| d["state"] == "rolled_back").await;
+    let before = f.gray.count.load(Ordering::SeqCst);
+    for g in &all {
+        assert!(gray_users(g, 200).await.iter().all(|g| !*g));
+    }
+    assert_eq!(f.gray.count.load(Ordering::SeqCst), before);
+}
