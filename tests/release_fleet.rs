@@ -6,7 +6,8 @@
 //! → the other takes over within the lease TTL and the release goes on to
 //! promotion; a failing gray is rolled back on both with no gray request
 //! after; etcd down → both keep serving the step and the release does not
-//! move until etcd is back.
+//! move until etcd is back; a restarted gateway resumes at the step, and an
+//! abort through it applies on both.
 
 mod common;
 #[path = "common/etcd.rs"]

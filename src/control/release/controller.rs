@@ -612,7 +612,10 @@ pub async fn create(gw: &Arc<Gateway>, spec_text: &str) -> Result<ReleaseRecord,
     super::check_spec(&spec).map_err(Refused::Invalid)?;
     let _one = gw.releases.lock.lock().await;
     let gen = gw.current();
-    let path = state_path(&gw.config_path, &gen.config);
+    let path = match &gw.etcd {
+        Some(src) => fleet::key_path(src, &spec.name),
+        None => state_path(&gw.config_path, &gen.config),
+    };
     let compiles = |releases: Vec<ReleaseRecord>| {
         super::compile(&ReleasesFile { releases }, &path, "", &gen.lane.lists)
             .map_err(|e| Refused::Invalid(e.to_string()))
