@@ -6,7 +6,8 @@
 //! → the other takes over within the lease TTL and the release goes on to
 //! promotion; a failing gray is rolled back on both with no gray request
 //! after; etcd down → both keep serving the step and the release does not
-//! move until etcd is back; a restarted gateway resumes at the step, and an
+//! move until etcd is back (a gateway restarted meanwhile serves the step
+//! from its cache); a restarted gateway resumes at the step, and an
 //! abort through it applies on both.
 
 mod common;
@@ -393,7 +394,15 @@ async fn etcd_down_both_keep_serving_the_step_and_the_release_waits_for_etcd() {
     assert!(a.iter().any(|g| *g));
     for (g, then) in f.gws.iter().zip(&at_kill) {
         assert_eq!(&release(g, "r4").await, then, "moved without etcd");
+        // An operator's action cannot be stored: 503, nothing changed.
+        let r = post(g, "/releases/r4/pause", "").await;
+        assert_eq!(r.status, 503, "{}", r.text());
+        assert_eq!(&release(g, "r4").await, then);
     }
+    // A gateway restarted while etcd is down serves the release's step
+    // from its last-known-good snapshot.
+    f.gws[0].restart();
+    assert_eq!(gray_users(&f.gws[0], 200).await, b);
     // Back: led again, and the release goes on — with no failed interval
     // from the outage.
     f.etcd.restart_all().await;
