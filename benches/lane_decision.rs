@@ -164,8 +164,16 @@ fn bench(c: &mut Criterion) {
     // The two OpenResty scripts of bench/openresty_bench.py, as wrk sends
     // its requests (a uid that no policy picks: the whole chain runs).
     for (name, file, pct) in [
-        ("script/bench openresty_simple.lua", "bench/openresty_simple.lua", 10),
-        ("script/bench openresty_heavy.lua", "bench/openresty_heavy.lua", 5),
+        (
+            "script/bench openresty_simple.lua",
+            "bench/openresty_simple.lua",
+            10,
+        ),
+        (
+            "script/bench openresty_heavy.lua",
+            "bench/openresty_heavy.lua",
+            5,
+        ),
     ] {
         let gen = load(
             dir.path(),
@@ -178,11 +186,7 @@ fn bench(c: &mut Criterion) {
         run(
             name,
             &gen,
-            request(
-                "/api/x",
-                "127.0.0.1",
-                &[("x-user-id", &uid)],
-            ),
+            request("/api/x", "127.0.0.1", &[("x-user-id", &uid)]),
             "formal",
         );
     }
@@ -272,7 +276,9 @@ fn bench(c: &mut Criterion) {
             );
             std::fs::write(
                 dir.path().join(&file),
-                format!("return function()\n  for i = 1, {reps} do {call} end\n  return nil\nend\n"),
+                format!(
+                    "return function()\n  for i = 1, {reps} do {call} end\n  return nil\nend\n"
+                ),
             )
             .unwrap();
             let gen = load(

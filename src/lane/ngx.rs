@@ -66,7 +66,11 @@ pub(crate) fn install(
         ngx.raw_set(name, n)?;
     }
     let var = lua.create_table()?;
-    let per_request = Rc::new(PerRequest([var.clone(), lua.create_table()?, lua.create_table()?]));
+    let per_request = Rc::new(PerRequest([
+        var.clone(),
+        lua.create_table()?,
+        lua.create_table()?,
+    ]));
     ngx.raw_set("var", var)?;
     ngx.raw_set("req", req_table(lua, &per_request)?)?;
     ngx.raw_set("log", lua.create_function(log)?)?;
@@ -469,7 +473,10 @@ fn unescape(s: &[u8]) -> Cow<'_, [u8]> {
 /// `max` of `get_headers` / `get_uri_args`: OpenResty's 100 by default,
 /// 0 or less for no limit.
 fn limit(max: Option<i64>) -> usize {
-    max.map_or(DEFAULT_MAX, |m| if m <= 0 { usize::MAX } else { m as usize })
+    max.map_or(
+        DEFAULT_MAX,
+        |m| if m <= 0 { usize::MAX } else { m as usize },
+    )
 }
 
 /// One entry of a `get_headers()` / `get_uri_args()` table: a string, a
@@ -528,10 +535,7 @@ fn args_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Table> {
     let parts = q.as_bytes().split(|&c| c == b'&').filter(|p| !p.is_empty());
     for part in parts.take(max) {
         let (k, v) = match part.iter().position(|&c| c == b'=') {
-            Some(eq) => (
-                unescape(&part[..eq]),
-                Entry::Str(unescape(&part[eq + 1..])),
-            ),
+            Some(eq) => (unescape(&part[..eq]), Entry::Str(unescape(&part[eq + 1..]))),
             None => (unescape(part), Entry::Flag),
         };
         if k.is_empty() {
@@ -566,10 +570,8 @@ fn req_table(lua: &Lua, per_request: &Rc<PerRequest>) -> mlua::Result<Table> {
             args_table(lua, &c.req, limit(max))
         })?
     })?;
-    let (get_headers, get_uri_args): (Function, Function) = lua
-        .load(GLUE)
-        .set_name("=graygate_ngx")
-        .call((
+    let (get_headers, get_uri_args): (Function, Function) =
+        lua.load(GLUE).set_name("=graygate_ngx").call((
             var,
             vcache,
             rcache,
@@ -1205,7 +1207,9 @@ pub(crate) mod tests {
         );
         assert_eq!(
             r.unwrap().as_deref(),
-            Some("u-7|u-7|abc|42|42|Name=J%20o&name=x&flag&uid=42 -> new|new|zz|42|42 -> 9|9|uid=9")
+            Some(
+                "u-7|u-7|abc|42|42|Name=J%20o&name=x&flag&uid=42 -> new|new|zz|42|42 -> 9|9|uid=9"
+            )
         );
         assert_eq!(req.parts.headers["x-user-id"], "new");
     }
@@ -1240,7 +1244,10 @@ pub(crate) mod tests {
         );
         let second = request("/two?uid=2", "10.0.0.2", &[("X-User-Id", "b")]);
         assert_eq!(call(first).as_deref(), Some("a|a|s1|1|1|10.0.0.1|/one|xy"));
-        assert_eq!(call(second).as_deref(), Some("b|b|nil|2|2|10.0.0.2|/two|xy"));
+        assert_eq!(
+            call(second).as_deref(),
+            Some("b|b|nil|2|2|10.0.0.2|/two|xy")
+        );
         let third = request("/", "::1", &[]);
         assert_eq!(call(third).as_deref(), Some("nil|nil|nil|nil|nil|::1|/|xy"));
     }
