@@ -9,6 +9,7 @@
 //! cargo run --release --features lua54 -- ../openresty_heavy.lua hook     # count hook every 1,000
 //! cargo run --release --features lua54 -- ../openresty_heavy.lua hookbig  # count hook, never firing
 //! cargo run --release --features luajit -- ../openresty_heavy.lua nojit   # LuaJIT interpreter
+//! cargo run --release --features luajit -- ../openresty_heavy.lua nojithook  # …with the count hook
 //! cargo run --release --features luau -- ../openresty_heavy.lua hook      # Luau interrupt
 //! cargo run --release --features luajit -- ../openresty_heavy.lua runaway # stopped? (LuaJIT: no)
 //! ```
@@ -84,6 +85,14 @@ fn main() {
         #[cfg(feature = "luajit")]
         "nojit" => {
             lua.load("jit.off()").exec().unwrap();
+        }
+        #[cfg(feature = "luajit")]
+        "nojithook" => {
+            lua.load("jit.off()").exec().unwrap();
+            lua.set_global_hook(mlua::HookTriggers::new().every_nth_instruction(1000), |_, _| {
+                Ok(mlua::VmState::Continue)
+            })
+            .unwrap();
         }
         _ => {}
     }
