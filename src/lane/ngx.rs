@@ -558,18 +558,17 @@ fn req_table(lua: &Lua, per_request: &Rc<PerRequest>) -> mlua::Result<Table> {
         pr.clear();
         Ok(())
     })?;
-    let build_headers = lua.create_function(|lua, max: Option<i64>| {
-        with_current(|c| {
-            c.ngx_cached = true;
-            headers_table(lua, &c.req, limit(max))
-        })?
-    })?;
-    let build_args = lua.create_function(|lua, max: Option<i64>| {
-        with_current(|c| {
-            c.ngx_cached = true;
-            args_table(lua, &c.req, limit(max))
-        })?
-    })?;
+    type Build = fn(&Lua, &RequestInfo, usize) -> mlua::Result<Table>;
+    let builder = |build: Build| {
+        lua.create_function(move |lua, max: Option<i64>| {
+            with_current(|c| {
+                c.ngx_cached = true;
+                build(lua, &c.req, limit(max))
+            })?
+        })
+    };
+    let build_headers = builder(headers_table)?;
+    let build_args = builder(args_table)?;
     let (get_headers, get_uri_args): (Function, Function) =
         lua.load(GLUE).set_name("=graygate_ngx").call((
             var,
