@@ -43,12 +43,23 @@ const DEFAULT_MAX: usize = 100;
 /// cached `get_headers()` / `get_uri_args()`): emptied after every call.
 pub(crate) struct PerRequest(pub [Table; 3]);
 
+/// `Current::ngx_cached` bits: what the request left in which table.
+pub(crate) const CACHED_VARS: u8 = 1;
+pub(crate) const CACHED_TABLES: u8 = 2;
+
 impl PerRequest {
-    /// Forgets what was cached for the request (after a call, or when
-    /// `set_header` / `ngx.var.args = …` changed what it was built from).
+    /// Forgets what was cached for the request (when `set_header` /
+    /// `ngx.var.args = …` changed what it was built from).
     pub fn clear(&self) {
-        for t in &self.0 {
-            if !t.is_empty() {
+        self.clear_cached(CACHED_VARS | CACHED_TABLES);
+        let _ = self.0[0].clear();
+    }
+
+    /// After a call: empties the caches the request used (`cached`:
+    /// `CACHED_*` bits), leaving the others untouched.
+    pub fn clear_cached(&self, cached: u8) {
+        for (bit, t) in [(CACHED_VARS, &self.0[1]), (CACHED_TABLES, &self.0[2])] {
+            if cached & bit != 0 {
                 let _ = t.clear();
             }
         }
@@ -179,7 +190,7 @@ return get_headers, get_uri_args
 fn fetch(lua: &Lua, name: LuaString) -> mlua::Result<Value> {
     let name = name.as_bytes();
     with_current(|c| {
-        c.ngx_cached = true;
+        c.ngx_cached |= CACHED_VARS;
         let v = match &*name {
             n if n.starts_with(b"cookie_") => {
                 cookie_var(&c.req, &mut c.parsed, &n[7..]).map(Cow::Borrowed)
@@ -562,7 +573,7 @@ fn req_table(lua: &Lua, per_request: &Rc<PerRequest>) -> mlua::Result<Table> {
     let builder = |build: Build| {
         lua.create_function(move |lua, max: Option<i64>| {
             with_current(|c| {
-                c.ngx_cached = true;
+                c.ngx_cached |= CACHED_TABLES;
                 build(lua, &c.req, limit(max))
             })?
         })

@@ -190,9 +190,9 @@ pub(crate) struct Current {
     pub saved_uri: Option<http::Uri>,
     /// Cookies and arguments split once per request, on first use.
     pub parsed: super::ngx::Parsed,
-    /// Set once the `ngx` layer cached something of this request in Lua
-    /// (so the caches are emptied after the call).
-    pub ngx_cached: bool,
+    /// What the `ngx` layer cached of this request in Lua (`CACHED_*`
+    /// bits of `ngx`), emptied after the call.
+    pub ngx_cached: u8,
 }
 
 // Per-thread slots: the request being decided and this thread's VM.
@@ -568,8 +568,9 @@ impl ScriptVm {
         if !self.env.is_empty() {
             let _ = self.env.clear();
         }
-        if with_current(|c| c.ngx_cached).unwrap_or(true) {
-            self.per_request.clear();
+        let cached = with_current(|c| c.ngx_cached).unwrap_or(u8::MAX);
+        if cached != 0 {
+            self.per_request.clear_cached(cached);
         }
         match r? {
             Value::Nil => Ok(None),
@@ -756,7 +757,7 @@ pub fn call_lane(
             saved_headers: None,
             saved_uri: None,
             parsed: Default::default(),
-            ngx_cached: false,
+            ngx_cached: 0,
         })
     });
     let result = VM.with(|vm| {
