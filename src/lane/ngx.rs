@@ -2,7 +2,9 @@
 //! `ngx.req.*`, `ngx.log`, `ngx.crc32_*`, `ngx.md5`, `ngx.time/now`,
 //! `ngx.shared.<dict>` and LuaJIT's `bit` library. Everything reads the request
 //! being decided through the script module's thread-local slot, lazily: nothing
-//! is built per request unless the script asks for it (e.g. `get_headers()`).
+//! is built per request unless the script asks for it, and what it asks for is
+//! built once per request (`ngx.var` values, `get_headers()`, `get_uri_args()`
+//! are kept in per-request Lua tables, emptied after the call).
 //! Semantics follow nginx/lua-nginx-module (see the README's "OpenResty
 //! compatibility" section for the exact subset).
 
