@@ -468,6 +468,13 @@ def table(results, names):
     return head + "\n" + "\n".join(lines)
 
 
+def stop_all(started, work):
+    """Stops every started target and removes the work directory."""
+    for t in started:
+        t.stop()
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--graygate", default=os.path.join(REPO, "target", "release", "graygate"))
@@ -560,9 +567,7 @@ def main():
                 json.dump({"results": {f"{m}@{c}": v for (m, c), v in results.items()},
                            "scaling": [{"kind": k, "size": n, **s} for k, n, s in scaling]}, f, indent=1)
     finally:
-        for t in started:
-            t.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        stop_all(started, work)
 
 
 if __name__ == "__main__":

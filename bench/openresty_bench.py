@@ -143,9 +143,7 @@ def main():
             with open(a.json, "w") as f:
                 json.dump({f"{s}/{m}@{c}": per for (s, m, c), (_, per) in out.items()}, f, indent=1)
     finally:
-        for t in started:
-            t.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        bench.stop_all(started, work)
 
 
 if __name__ == "__main__":
