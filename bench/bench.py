@@ -253,9 +253,11 @@ http {{
                   os.path.join(work, "backends.log"), cpus={0}, socks=[formal, gray], nginx=True)
 
 
-def nginx_lua_conf(work, port):
-    """Writes the nginx+lua gateway's config for `port`; returns its path."""
-    main, http = nginx_common(work, "nginx-lua")
+def nginx_lua_conf(work, port, name="nginx-lua", access=None):
+    """Writes the nginx+lua gateway's config for `port`; returns its path.
+    `access` replaces the access phase directive (default: bench/nginx_gray.lua)."""
+    main, http = nginx_common(work, name)
+    access = access or f"access_by_lua_file {BENCH}/nginx_gray.lua;"
     conf = """
 load_module /usr/lib/nginx/modules/ndk_http_module.so;
 load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;
@@ -269,7 +271,7 @@ http {{
         listen 127.0.0.1:{port} backlog=8192;
         location / {{
             set $lane formal;
-            access_by_lua_file {BENCH}/nginx_gray.lua;
+            {access}
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_set_header Host $http_host;
@@ -282,17 +284,17 @@ http {{
     }}
 }}
 """
-    path = os.path.join(work, "nginx-lua.conf")
+    path = os.path.join(work, f"{name}.conf")
     with open(path, "w") as f:
         f.write(conf)
     return path
 
 
-def start_nginx(work):
+def start_nginx(work, name="nginx-lua", access=None):
     sock = listen_socket()
-    path = nginx_lua_conf(work, sock.getsockname()[1])
-    return Target("nginx-lua", ["nginx", "-p", work, "-e", "stderr", "-c", path],
-                  os.path.join(work, "nginx-lua.log"), socks=[sock], nginx=True)
+    path = nginx_lua_conf(work, sock.getsockname()[1], name=name, access=access)
+    return Target(name, ["nginx", "-p", work, "-e", "stderr", "-c", path],
+                  os.path.join(work, f"{name}.log"), socks=[sock], nginx=True)
 
 
 def haproxy_conf(work, fd):
@@ -337,7 +339,8 @@ def start_haproxy(work):
                   socks=[sock])
 
 
-def write_graygate_config(work, name, workers, list_entries=1, nodes_per_lane=1):
+def write_graygate_config(work, name, workers, list_entries=1, nodes_per_lane=1,
+                          script="scripts/gray.lua"):
     """graygate's config (listening on port 0: the address is logged)."""
     lst = os.path.join(work, f"{name}-ips.txt")
     with open(lst, "w") as f:
@@ -355,7 +358,7 @@ def write_graygate_config(work, name, workers, list_entries=1, nodes_per_lane=1)
         f.write(f"""listen: 127.0.0.1:0
 workers: {workers}
 root: {REPO}
-script: scripts/gray.lua
+script: {script}
 lists:
   gray_ips: {lst}
 node_files: [{nodes}]
@@ -465,6 +468,13 @@ def table(results, names):
     return head + "\n" + "\n".join(lines)
 
 
+def stop_all(started, work):
+    """Stops every started target and removes the work directory."""
+    for t in started:
+        t.stop()
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--graygate", default=os.path.join(REPO, "target", "release", "graygate"))
@@ -557,9 +567,7 @@ def main():
                 json.dump({"results": {f"{m}@{c}": v for (m, c), v in results.items()},
                            "scaling": [{"kind": k, "size": n, **s} for k, n, s in scaling]}, f, indent=1)
     finally:
-        for t in started:
-            t.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        stop_all(started, work)
 
 
 if __name__ == "__main__":

@@ -4,21 +4,27 @@
 
 use std::process::Command;
 
-#[test]
-fn bench_quick_mode_runs_all_targets() {
+/// Runs a bench script in quick mode on this build; returns what it printed.
+fn quick(script: &str) -> String {
     let out = Command::new("python3")
         .args([
-            "bench/bench.py",
+            script,
             "--quick",
             "--graygate",
             env!("CARGO_BIN_EXE_graygate"),
         ])
         .output()
         .expect("python3 runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "harness failed:\n{stdout}\n{stderr}");
     println!("{stdout}");
+    stdout
+}
+
+#[test]
+fn bench_quick_mode_runs_all_targets() {
+    let stdout = quick("bench/bench.py");
     for target in ["graygate", "nginx-lua", "haproxy-lua"] {
         for mix in ["untagged", "user-id", "x-gray"] {
             let row = stdout
@@ -34,4 +40,27 @@ fn bench_quick_mode_runs_all_targets() {
         }
     }
     assert!(stdout.contains("| list | 100000 |"), "{stdout}");
+}
+
+/// The OpenResty-script benchmark in quick mode: both scripts start in
+/// nginx+lua and in graygate, give the same lane and tag on every probe
+/// request (the harness refuses to measure otherwise) and carry load
+/// without errors.
+#[test]
+fn openresty_bench_quick_mode_agrees_with_nginx() {
+    let stdout = quick("bench/openresty_bench.py");
+    for script in ["simple", "heavy"] {
+        for target in ["graygate", "nginx"] {
+            for mix in ["untagged", "user-id", "x-gray"] {
+                let prefix = format!("| {script} | {mix} | 32 | {target}-{script} |");
+                let row = stdout
+                    .lines()
+                    .find(|l| l.starts_with(&prefix))
+                    .unwrap_or_else(|| panic!("no row {prefix}:\n{stdout}"));
+                let cols: Vec<&str> = row.split('|').map(str::trim).collect();
+                assert!(cols[5].parse::<f64>().unwrap() > 0.0, "{row}");
+                assert_eq!(cols[7], "0", "errors in {row}");
+            }
+        }
+    }
 }

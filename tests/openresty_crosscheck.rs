@@ -162,6 +162,19 @@ fn requests() -> Vec<Req> {
         // Repeated and flag arguments, encoded paths and arguments.
         Req::get("/%7Euser/a%2Fb?uid=1&uid=2&flag&name=%41%20b&=x&k="),
         Req::get("/p?uid&uid=3&UID=4"),
+        // Header names with underscores: nginx drops them (its default
+        // `underscores_in_headers off`), so `http_x_user_id` does not see
+        // an `X_User_Id` header, alone or beside the real one.
+        Req::get("/").header("X_User_Id", "1001"),
+        Req::get("/")
+            .header("X_User_Id", "1001")
+            .header("X-User-Id", "298"),
+        // Repeated cookie headers, an encoded cookie value, a repeated
+        // header that is read as an array by get_headers().
+        Req::get("/")
+            .header("Cookie", "x=1")
+            .header("Cookie", "uid=%61lice; sid=s2"),
+        Req::get("/p?a=%2F%3F%26&b=+&c=%zz&uid=%31%30%30%31"),
     ];
     for i in 0..30 {
         v.push(Req::get("/").header("X-User-Id", &format!("u{i}")));

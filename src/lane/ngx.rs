@@ -2,18 +2,23 @@
 //! `ngx.req.*`, `ngx.log`, `ngx.crc32_*`, `ngx.md5`, `ngx.time/now`,
 //! `ngx.shared.<dict>` and LuaJIT's `bit` library. Everything reads the request
 //! being decided through the script module's thread-local slot, lazily: nothing
-//! is built per request unless the script asks for it (e.g. `get_headers()`).
+//! is built per request unless the script asks for it, and what it asks for is
+//! built once per request (`ngx.var` values, `get_headers()`, `get_uri_args()`
+//! are kept in per-request Lua tables, emptied after the call).
 //! Semantics follow nginx/lua-nginx-module (see the README's "OpenResty
 //! compatibility" section for the exact subset).
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use http::{HeaderName, HeaderValue};
 use md5::{Digest, Md5};
-use mlua::{Lua, LuaString, MultiValue, Table, UserData, UserDataMethods, Value, Variadic};
+use mlua::{
+    Function, Lua, LuaString, MultiValue, Table, UserData, UserDataMethods, Value, Variadic,
+};
 use percent_encoding::percent_decode;
 
 use super::script::{with_current, with_req};
@@ -36,18 +41,51 @@ const LEVELS: [(&str, i64); 9] = [
 /// Default cap of `get_headers()` / `get_uri_args()` entries (OpenResty's).
 const DEFAULT_MAX: usize = 100;
 
+/// Tables that hold one request's data (`ngx.var` and its cache, the
+/// cached `get_headers()` / `get_uri_args()`): emptied after every call.
+pub(crate) struct PerRequest(pub [Table; 3]);
+
+/// `Current::ngx_cached` bits: what the request left in which table.
+pub(crate) const CACHED_VARS: u8 = 1;
+pub(crate) const CACHED_TABLES: u8 = 2;
+
+impl PerRequest {
+    /// Forgets what was cached for the request (when `set_header` /
+    /// `ngx.var.args = …` changed what it was built from).
+    pub fn clear(&self) {
+        self.clear_cached(CACHED_VARS | CACHED_TABLES);
+        let _ = self.0[0].clear();
+    }
+
+    /// After a call: empties the caches the request used (`cached`:
+    /// `CACHED_*` bits), leaving the others untouched.
+    pub fn clear_cached(&self, cached: u8) {
+        for (bit, t) in [(CACHED_VARS, &self.0[1]), (CACHED_TABLES, &self.0[2])] {
+            if cached & bit != 0 {
+                let _ = t.clear();
+            }
+        }
+    }
+}
+
 /// Installs `ngx` and `bit` into `g`.
-pub fn install(
+pub(crate) fn install(
     lua: &Lua,
     g: &Table,
     dicts: &BTreeMap<String, Arc<SharedDict>>,
-) -> mlua::Result<()> {
+) -> mlua::Result<PerRequest> {
     let ngx = lua.create_table()?;
     for (name, n) in LEVELS {
         ngx.raw_set(name, n)?;
     }
-    ngx.raw_set("var", var_table(lua)?)?;
-    ngx.raw_set("req", req_table(lua)?)?;
+    let var = lua.create_table()?;
+    let per_request = Rc::new(PerRequest([
+        var.clone(),
+        lua.create_table()?,
+        lua.create_table()?,
+    ]));
+    ngx.raw_set("var", var)?;
+    ngx.raw_set("req", req_table(lua, &per_request)?)?;
     ngx.raw_set("log", lua.create_function(log)?)?;
     ngx.raw_set(
         "crc32_short",
@@ -92,7 +130,8 @@ pub fn install(
     ngx.raw_set("shared", shared)?;
     g.raw_set("ngx", ngx)?;
     g.raw_set("bit", bit_table(lua)?)?;
-    Ok(())
+    let PerRequest(tables) = &*per_request;
+    Ok(PerRequest(tables.clone()))
 }
 
 fn unix_now() -> std::time::Duration {
@@ -103,36 +142,82 @@ fn unix_now() -> std::time::Duration {
 
 // ---------------------------------------------------------------- ngx.var
 
-fn var_table(lua: &Lua) -> mlua::Result<Table> {
-    let t = lua.create_table()?;
-    let mt = lua.create_table()?;
-    mt.raw_set(
-        "__index",
-        lua.create_function(|lua, (_, name): (Table, LuaString)| {
-            let name = name.as_bytes();
-            with_req(|r| match variable(r, &name) {
-                Some(v) => Ok(Value::String(lua.create_string(v)?)),
-                None => Ok(Value::Nil),
-            })?
-        })?,
-    )?;
-    mt.raw_set(
-        "__newindex",
-        lua.create_function(
-            |lua, (_, name, value): (Table, LuaString, Value)| -> mlua::Result<()> {
-                match &*name.as_bytes() {
-                    b"args" | b"query_string" => set_args(lua, value),
-                    other => Err(mlua::Error::runtime(format!(
-                        "variable \"{}\" not changeable",
-                        String::from_utf8_lossy(other)
-                    ))),
-                }
-            },
-        )?,
-    )?;
-    mt.raw_set("__metatable", false)?;
-    t.set_metatable(Some(mt))?;
-    Ok(t)
+/// Lua side of `ngx.var` and `ngx.req.get_headers/get_uri_args`: values
+/// are fetched from Rust once per request and kept in per-request tables,
+/// so a second read of the same variable is a plain table hit (no host
+/// call); `ngx.var` itself stays empty so every write reaches `__newindex`.
+const GLUE: &str = r#"
+local var, vcache, rcache, fetch, store, build_headers, build_args = ...
+local rawget, rawset, setmetatable, type = rawget, rawset, setmetatable, type
+local lower, gsub = string.lower, string.gsub
+setmetatable(vcache, { __index = function(c, k)
+  local v = fetch(k)
+  if v ~= nil then rawset(c, k, v) end
+  return v
+end })
+setmetatable(var, { __index = vcache, __newindex = store, __metatable = false })
+-- Header tables are keyed in lower case; lookups accept any case and `_`.
+local hdr_mt = { __index = function(t, k)
+  if type(k) ~= "string" then return nil end
+  local n = lower((gsub(k, "_", "-")))
+  if n ~= k then return rawget(t, n) end
+  return nil
+end }
+local function get_headers(max)
+  if max == nil then
+    local h = rawget(rcache, 1)
+    if h == nil then
+      h = setmetatable(build_headers(nil), hdr_mt)
+      rawset(rcache, 1, h)
+    end
+    return h
+  end
+  return setmetatable(build_headers(max), hdr_mt)
+end
+local function get_uri_args(max)
+  if max == nil then
+    local a = rawget(rcache, 2)
+    if a == nil then
+      a = build_args(nil)
+      rawset(rcache, 2, a)
+    end
+    return a
+  end
+  return build_args(max)
+end
+return get_headers, get_uri_args
+"#;
+
+/// `ngx.var` reads: the variable's value for the current request.
+fn fetch(lua: &Lua, name: LuaString) -> mlua::Result<Value> {
+    let name = name.as_bytes();
+    with_current(|c| {
+        c.ngx_cached |= CACHED_VARS;
+        let v = match &*name {
+            n if n.starts_with(b"cookie_") => {
+                cookie_var(&c.req, &mut c.parsed, &n[7..]).map(Cow::Borrowed)
+            }
+            n if n.starts_with(b"arg_") => {
+                arg_var(&c.req, &mut c.parsed, &n[4..]).map(Cow::Borrowed)
+            }
+            n => variable(&c.req, n),
+        };
+        match v {
+            Some(v) => Ok(Value::String(lua.create_string(v)?)),
+            None => Ok(Value::Nil),
+        }
+    })?
+}
+
+/// `ngx.var.x = v`: only `args` (`query_string`) is changeable, as in nginx.
+fn store(lua: &Lua, name: &[u8], value: Value) -> mlua::Result<()> {
+    match name {
+        b"args" | b"query_string" => set_args(lua, value),
+        other => Err(mlua::Error::runtime(format!(
+            "variable \"{}\" not changeable",
+            String::from_utf8_lossy(other)
+        ))),
+    }
 }
 
 /// The query string, `None` when absent or empty (as nginx's `$args`).
@@ -175,6 +260,7 @@ fn set_args(lua: &Lua, value: Value) -> mlua::Result<()> {
             c.saved_uri = Some(c.req.parts.uri.clone());
         }
         c.req.parts.uri = new;
+        c.parsed.args = None;
         Ok(())
     })?
 }
@@ -220,9 +306,11 @@ pub fn variable<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
             if let Some(h) = name.strip_prefix(b"http_") {
                 http_var(r, h)
             } else if let Some(c) = name.strip_prefix(b"cookie_") {
-                cookie_var(r, c).map(Cow::Borrowed)
+                let v = cookie_var(r, &mut Parsed::default(), c)?;
+                Some(Cow::Borrowed(v))
             } else if let Some(a) = name.strip_prefix(b"arg_") {
-                arg_var(r, a).map(Cow::Borrowed)
+                let v = arg_var(r, &mut Parsed::default(), a)?;
+                Some(Cow::Borrowed(v))
             } else {
                 None
             }
@@ -263,31 +351,94 @@ fn http_var<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
     Some(Cow::Owned(out))
 }
 
+/// A `name=value` pair found in a Cookie header or the query string, as
+/// byte offsets into it (`src`: which Cookie header).
+#[derive(Clone, Copy)]
+struct Pair {
+    src: u16,
+    name: (u32, u32),
+    value: (u32, u32),
+}
+
+/// The request's cookies and query arguments, split into pairs once per
+/// request on first use (by `ngx.var.cookie_*` / `ngx.var.arg_*`).
+#[derive(Default)]
+pub(crate) struct Parsed {
+    cookies: Option<Vec<Pair>>,
+    args: Option<Vec<Pair>>,
+}
+
+impl Parsed {
+    /// Headers changed (`ngx.req.set_header`): cookies are parsed again.
+    pub(crate) fn headers_changed(&mut self) {
+        self.cookies = None;
+    }
+}
+
+fn span(whole: &[u8], part: &[u8]) -> (u32, u32) {
+    let start = part.as_ptr() as usize - whole.as_ptr() as usize;
+    (start as u32, (start + part.len()) as u32)
+}
+
+fn at(b: &[u8], (s, e): (u32, u32)) -> &[u8] {
+    &b[s as usize..e as usize]
+}
+
 /// `$cookie_<name>`: case-insensitive name (white space around it
 /// ignored), the value raw as nginx keeps it: leading white space skipped,
 /// everything up to the `;` kept (`a = 7 ;` gives `"7 "`).
-fn cookie_var<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<&'a [u8]> {
-    r.parts
-        .headers
-        .get_all(http::header::COOKIE)
-        .iter()
-        .flat_map(|v| v.as_bytes().split(|&c| c == b';'))
-        .find_map(|kv| {
-            let eq = kv.iter().position(|&c| c == b'=')?;
-            kv[..eq]
-                .trim_ascii()
-                .eq_ignore_ascii_case(name)
-                .then(|| kv[eq + 1..].trim_ascii_start())
-        })
+fn cookie_var<'a>(r: &'a RequestInfo, parsed: &mut Parsed, name: &[u8]) -> Option<&'a [u8]> {
+    let headers = r.parts.headers.get_all(http::header::COOKIE);
+    let pairs = parsed.cookies.get_or_insert_with(|| {
+        let mut out = Vec::new();
+        for (src, v) in headers.iter().enumerate() {
+            let whole = v.as_bytes();
+            for kv in whole.split(|&c| c == b';') {
+                let Some(eq) = kv.iter().position(|&c| c == b'=') else {
+                    continue;
+                };
+                out.push(Pair {
+                    src: src as u16,
+                    name: span(whole, kv[..eq].trim_ascii()),
+                    value: span(whole, kv[eq + 1..].trim_ascii_start()),
+                });
+            }
+        }
+        out
+    });
+    let mut values = headers.iter();
+    let (mut src, mut whole) = (0u16, values.next()?.as_bytes());
+    for p in pairs.iter() {
+        while src < p.src {
+            src += 1;
+            whole = values.next()?.as_bytes();
+        }
+        if at(whole, p.name).eq_ignore_ascii_case(name) {
+            return Some(at(whole, p.value));
+        }
+    }
+    None
 }
 
 /// `$arg_<name>`: first `name=` argument, case-insensitive, not decoded.
-fn arg_var<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<&'a [u8]> {
+fn arg_var<'a>(r: &'a RequestInfo, parsed: &mut Parsed, name: &[u8]) -> Option<&'a [u8]> {
     let q = r.parts.uri.query()?.as_bytes();
-    q.split(|&c| c == b'&').find_map(|kv| {
-        let eq = kv.iter().position(|&c| c == b'=')?;
-        kv[..eq].eq_ignore_ascii_case(name).then(|| &kv[eq + 1..])
-    })
+    let pairs = parsed.args.get_or_insert_with(|| {
+        q.split(|&c| c == b'&')
+            .filter_map(|kv| {
+                let eq = kv.iter().position(|&c| c == b'=')?;
+                Some(Pair {
+                    src: 0,
+                    name: span(q, &kv[..eq]),
+                    value: span(q, &kv[eq + 1..]),
+                })
+            })
+            .collect()
+    });
+    pairs
+        .iter()
+        .find(|p| at(q, p.name).eq_ignore_ascii_case(name))
+        .map(|p| at(q, p.value))
 }
 
 /// nginx's `$uri`: percent-decoded, slashes merged, `.`/`..` resolved.
@@ -319,118 +470,151 @@ pub fn normalize_uri(path: &str) -> Vec<u8> {
 }
 
 /// URI-component unescaping as `ngx.req.get_uri_args` does: `+` is a space.
-fn unescape(s: &[u8]) -> Vec<u8> {
+fn unescape(s: &[u8]) -> Cow<'_, [u8]> {
+    if !s.iter().any(|&c| c == b'+' || c == b'%') {
+        return Cow::Borrowed(s);
+    }
     let plus: Vec<u8> = s
         .iter()
         .map(|&c| if c == b'+' { b' ' } else { c })
         .collect();
-    percent_decode(&plus).collect()
+    Cow::Owned(percent_decode(&plus).collect())
 }
 
 // ---------------------------------------------------------------- ngx.req
 
-fn req_table(lua: &Lua) -> mlua::Result<Table> {
+/// `max` of `get_headers` / `get_uri_args`: OpenResty's 100 by default,
+/// 0 or less for no limit.
+fn limit(max: Option<i64>) -> usize {
+    max.map_or(
+        DEFAULT_MAX,
+        |m| if m <= 0 { usize::MAX } else { m as usize },
+    )
+}
+
+/// One entry of a `get_headers()` / `get_uri_args()` table: a string, a
+/// flag (`true`), or the array of a repeated name.
+enum Entry<'a> {
+    Str(Cow<'a, [u8]>),
+    Flag,
+    Many(Vec<Entry<'a>>),
+}
+
+impl Entry<'_> {
+    fn push(&mut self, v: Self) {
+        match self {
+            Entry::Many(all) => all.push(v),
+            one => {
+                let first = std::mem::replace(one, Entry::Flag);
+                *one = Entry::Many(vec![first, v]);
+            }
+        }
+    }
+}
+
+impl mlua::IntoLua for Entry<'_> {
+    fn into_lua(self, lua: &Lua) -> mlua::Result<Value> {
+        match self {
+            Entry::Str(s) => lua.create_string(s).map(Value::String),
+            Entry::Flag => Ok(Value::Boolean(true)),
+            Entry::Many(all) => lua.create_sequence_from(all).map(Value::Table),
+        }
+    }
+}
+
+/// `ngx.req.get_headers()`: lower-case names, repeated headers as arrays;
+/// `max` counts header lines. Built in one pass into a table of the right
+/// size (a `HeaderMap` yields a name's values together).
+fn headers_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Table> {
+    let h = &r.parts.headers;
+    let mut entries: Vec<(&str, Entry<'_>)> = Vec::with_capacity(h.keys_len().min(max));
+    for (name, value) in h.iter().take(max) {
+        let v = Entry::Str(Cow::Borrowed(value.as_bytes()));
+        match entries.last_mut() {
+            Some((last, e)) if *last == name.as_str() => e.push(v),
+            _ => entries.push((name.as_str(), v)),
+        }
+    }
+    lua.create_table_from(entries)
+}
+
+/// `ngx.req.get_uri_args()`: decoded (`+` is a space), repeated as arrays,
+/// a bare `flag` as `true`.
+fn args_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Table> {
+    let Some(q) = r.parts.uri.query() else {
+        return lua.create_table();
+    };
+    let mut entries: Vec<(Cow<'_, [u8]>, Entry<'_>)> = Vec::new();
+    let parts = q.as_bytes().split(|&c| c == b'&').filter(|p| !p.is_empty());
+    for part in parts.take(max) {
+        let (k, v) = match part.iter().position(|&c| c == b'=') {
+            Some(eq) => (unescape(&part[..eq]), Entry::Str(unescape(&part[eq + 1..]))),
+            None => (unescape(part), Entry::Flag),
+        };
+        if k.is_empty() {
+            continue;
+        }
+        match entries.iter_mut().find(|(name, _)| *name == k) {
+            Some((_, e)) => e.push(v),
+            None => entries.push((k, v)),
+        }
+    }
+    lua.create_table_from(entries.into_iter().map(|(k, v)| (Entry::Str(k), v)))
+}
+
+fn req_table(lua: &Lua, per_request: &Rc<PerRequest>) -> mlua::Result<Table> {
     let t = lua.create_table()?;
-    // Header tables look keys up in lower case with `_` as `-`, like OpenResty's.
-    let hdr_mt = lua.create_table()?;
-    hdr_mt.raw_set(
-        "__index",
-        lua.create_function(|_, (t, k): (Table, Value)| {
-            let Value::String(k) = k else {
-                return Ok(Value::Nil);
-            };
-            let norm: Vec<u8> = k
-                .as_bytes()
-                .iter()
-                .map(|&c| {
-                    if c == b'_' {
-                        b'-'
-                    } else {
-                        c.to_ascii_lowercase()
-                    }
-                })
-                .collect();
-            t.raw_get::<Value>(mlua::BString::from(norm))
-        })?,
-    )?;
-    t.raw_set(
-        "get_headers",
+    let [var, vcache, rcache] = &per_request.0;
+    let pr = per_request.clone();
+    let store = lua.create_function(move |lua, (_, name, value): (bool, LuaString, Value)| {
+        store(lua, &name.as_bytes(), value)?;
+        pr.clear();
+        Ok(())
+    })?;
+    type Build = fn(&Lua, &RequestInfo, usize) -> mlua::Result<Table>;
+    let builder = |build: Build| {
         lua.create_function(move |lua, max: Option<i64>| {
-            let max = max.map_or(
-                DEFAULT_MAX,
-                |m| if m <= 0 { usize::MAX } else { m as usize },
-            );
-            let out = lua.create_table()?;
-            out.set_metatable(Some(hdr_mt.clone()))?;
-            with_req(|r| -> mlua::Result<()> {
-                for (i, (name, value)) in r.parts.headers.iter().enumerate() {
-                    if i >= max {
-                        break;
-                    }
-                    let v = lua.create_string(value.as_bytes())?;
-                    match out.raw_get::<Value>(name.as_str())? {
-                        Value::Nil => out.raw_set(name.as_str(), v)?,
-                        Value::Table(arr) => arr.raw_push(v)?,
-                        prev => {
-                            let arr = lua.create_sequence_from([prev, Value::String(v)])?;
-                            out.raw_set(name.as_str(), arr)?;
-                        }
-                    }
-                }
-                Ok(())
-            })??;
-            Ok(out)
-        })?,
-    )?;
-    t.raw_set(
-        "get_uri_args",
-        lua.create_function(|lua, max: Option<i64>| {
-            let max = max.map_or(
-                DEFAULT_MAX,
-                |m| if m <= 0 { usize::MAX } else { m as usize },
-            );
-            let out = lua.create_table()?;
-            with_req(|r| -> mlua::Result<()> {
-                let Some(q) = r.parts.uri.query() else {
-                    return Ok(());
-                };
-                let parts = q.as_bytes().split(|&c| c == b'&').filter(|p| !p.is_empty());
-                for part in parts.take(max) {
-                    let (k, v) = match part.iter().position(|&c| c == b'=') {
-                        Some(eq) => (
-                            unescape(&part[..eq]),
-                            Value::String(lua.create_string(unescape(&part[eq + 1..]))?),
-                        ),
-                        None => (unescape(part), Value::Boolean(true)),
-                    };
-                    if k.is_empty() {
-                        continue;
-                    }
-                    let key = lua.create_string(&k)?;
-                    match out.raw_get::<Value>(&key)? {
-                        Value::Nil => out.raw_set(key, v)?,
-                        Value::Table(arr) => arr.raw_push(v)?,
-                        prev => out.raw_set(key, lua.create_sequence_from([prev, v])?)?,
-                    }
-                }
-                Ok(())
-            })??;
-            Ok(out)
-        })?,
-    )?;
+            with_current(|c| {
+                c.ngx_cached |= CACHED_TABLES;
+                build(lua, &c.req, limit(max))
+            })?
+        })
+    };
+    let build_headers = builder(headers_table)?;
+    let build_args = builder(args_table)?;
+    let (get_headers, get_uri_args): (Function, Function) =
+        lua.load(GLUE).set_name("=graygate_ngx").call((
+            var,
+            vcache,
+            rcache,
+            lua.create_function(fetch)?,
+            store,
+            build_headers,
+            build_args,
+        ))?;
+    t.raw_set("get_headers", get_headers)?;
+    t.raw_set("get_uri_args", get_uri_args)?;
+    let pr = per_request.clone();
     t.raw_set(
         "get_method",
         lua.create_function(|lua, ()| with_req(|r| lua.create_string(r.parts.method.as_str()))?)?,
     )?;
     t.raw_set(
         "set_header",
-        lua.create_function(|lua, (name, value): (LuaString, Value)| {
-            set_header(lua, &name, value)
+        lua.create_function(move |lua, (name, value): (LuaString, Value)| {
+            set_header(lua, &name, value)?;
+            pr.clear();
+            Ok(())
         })?,
     )?;
+    let pr = per_request.clone();
     t.raw_set(
         "clear_header",
-        lua.create_function(|lua, name: LuaString| set_header(lua, &name, Value::Nil))?,
+        lua.create_function(move |lua, name: LuaString| {
+            set_header(lua, &name, Value::Nil)?;
+            pr.clear();
+            Ok(())
+        })?,
     )?;
     Ok(t)
 }
@@ -503,6 +687,7 @@ fn set_header(lua: &Lua, name: &LuaString, value: Value) -> mlua::Result<()> {
         for v in values {
             h.append(hname.clone(), v);
         }
+        c.parsed.headers_changed();
     })
 }
 
@@ -748,13 +933,17 @@ fn num_tobit(n: f64) -> i32 {
 fn bit_table(lua: &Lua) -> mlua::Result<Table> {
     let t = lua.create_table()?;
     let fold = |f: fn(i32, i32) -> i32| {
-        move |_: &Lua, args: Variadic<Value>| -> mlua::Result<i64> {
-            let mut it = args.iter();
-            let first = it
-                .next()
-                .ok_or_else(|| mlua::Error::runtime("bad argument #1 (number expected)"))?;
-            let mut acc = tobit(first)?;
-            for v in it {
+        // The first two arguments apart: the common two-argument call
+        // collects nothing (no allocation).
+        move |_: &Lua, (a, b, rest): (Value, Value, Variadic<Value>)| -> mlua::Result<i64> {
+            if a.is_nil() && b.is_nil() && rest.is_empty() {
+                return Err(mlua::Error::runtime("bad argument #1 (number expected)"));
+            }
+            let mut acc = tobit(&a)?;
+            if !b.is_nil() || !rest.is_empty() {
+                acc = f(acc, tobit(&b)?);
+            }
+            for v in rest.iter() {
                 acc = f(acc, tobit(v)?);
             }
             Ok(i64::from(acc))
@@ -1010,6 +1199,69 @@ pub(crate) mod tests {
             assert!(!req.parts.headers.contains_key("x-before"), "{bad}");
             assert!(!req.parts.headers.contains_key("x-evil"), "{bad}");
         }
+    }
+
+    #[test]
+    fn cached_values_follow_set_header_and_args() {
+        let (req, r) = run_with(
+            "local before = { ngx.var.http_x_user_id, ngx.req.get_headers()['x-user-id'],
+                 ngx.var.cookie_sid, ngx.var.arg_uid, ngx.req.get_uri_args().uid, ngx.var.args }
+             ngx.req.set_header('X-User-Id', 'new')
+             ngx.req.set_header('Cookie', 'sid=zz')
+             local mid = { ngx.var.http_x_user_id, ngx.req.get_headers()['x-user-id'],
+                 ngx.var.cookie_sid, ngx.var.arg_uid, ngx.req.get_uri_args().uid }
+             ngx.var.args = 'uid=9'
+             local after = { ngx.var.arg_uid, ngx.req.get_uri_args().uid, ngx.var.args }
+             return table.concat(before, '|') .. ' -> ' .. table.concat(mid, '|')
+                 .. ' -> ' .. table.concat(after, '|')",
+            std_req(),
+            BTreeMap::new(),
+        );
+        assert_eq!(
+            r.unwrap().as_deref(),
+            Some(
+                "u-7|u-7|abc|42|42|Name=J%20o&name=x&flag&uid=42 -> new|new|zz|42|42 -> 9|9|uid=9"
+            )
+        );
+        assert_eq!(req.parts.headers["x-user-id"], "new");
+    }
+
+    #[test]
+    fn cached_values_do_not_outlive_the_request() {
+        // One VM, two requests: each sees only its own values, whatever
+        // the first one read (and so cached) or wrote.
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("t.lua");
+        std::fs::write(
+            &p,
+            "return function()
+               local h, a = ngx.req.get_headers(), ngx.req.get_uri_args()
+               local out = table.concat({ tostring(ngx.var.http_x_user_id), tostring(h['x-user-id']),
+                 tostring(ngx.var.cookie_sid), tostring(ngx.var.arg_uid), tostring(a.uid),
+                 tostring(ngx.var.remote_addr), tostring(ngx.var.uri) }, '|')
+               h.injected = 'x'
+               a.injected = 'y'
+               return out .. '|' .. tostring(ngx.req.get_headers().injected)
+                 .. tostring(ngx.req.get_uri_args().injected)
+             end\n",
+        )
+        .unwrap();
+        let src = ScriptSource::load(&p).unwrap();
+        let lists = Arc::new(BTreeMap::new());
+        let call = |req| call_lane(&src, &lists, req, RuleCtx::default()).1.unwrap();
+        let first = request(
+            "/one?uid=1",
+            "10.0.0.1",
+            &[("X-User-Id", "a"), ("Cookie", "sid=s1")],
+        );
+        let second = request("/two?uid=2", "10.0.0.2", &[("X-User-Id", "b")]);
+        assert_eq!(call(first).as_deref(), Some("a|a|s1|1|1|10.0.0.1|/one|xy"));
+        assert_eq!(
+            call(second).as_deref(),
+            Some("b|b|nil|2|2|10.0.0.2|/two|xy")
+        );
+        let third = request("/", "::1", &[]);
+        assert_eq!(call(third).as_deref(), Some("nil|nil|nil|nil|nil|::1|/|xy"));
     }
 
     #[test]

@@ -188,6 +188,11 @@ pub(crate) struct Current {
     /// The request target before the first `ngx.var.args = …`; restored
     /// likewise.
     pub saved_uri: Option<http::Uri>,
+    /// Cookies and arguments split once per request, on first use.
+    pub parsed: super::ngx::Parsed,
+    /// What the `ngx` layer cached of this request in Lua (`CACHED_*`
+    /// bits of `ngx`), emptied after the call.
+    pub ngx_cached: u8,
 }
 
 // Per-thread slots: the request being decided and this thread's VM.
@@ -323,6 +328,8 @@ struct ScriptVm {
     req: Table,
     /// Per-request global writes land here and are cleared after each call.
     env: Table,
+    /// `ngx.var` and what it cached for the request, emptied after each call.
+    per_request: super::ngx::PerRequest,
     guard: Rc<Guard>,
     budget: i64,
 }
@@ -393,7 +400,7 @@ impl ScriptVm {
         )
         .map_err(le)?;
         globals.raw_set("graygate", gg).map_err(le)?;
-        super::ngx::install(&lua, &globals, &src.dicts).map_err(le)?;
+        let per_request = super::ngx::install(&lua, &globals, &src.dicts).map_err(le)?;
 
         // Budget guard; the prelude makes pcall & co. honour it.
         let guard = Rc::new(Guard::default());
@@ -462,11 +469,18 @@ impl ScriptVm {
         let budget = i64::try_from(src.instruction_budget).unwrap_or(i64::MAX);
         guard.left.set(budget.saturating_mul(TOP_LEVEL_BUDGETS));
         let g = guard.clone();
+        // The hook only counts. Where the script is (for the messages) is
+        // looked up when the budget runs out, or — to locate a memory
+        // error — while the VM holds more than half its memory limit.
+        let locate_above = src.memory_limit / 2;
         lua.set_global_hook(
             HookTriggers::new().every_nth_instruction(HOOK_EVERY),
-            move |_, debug| {
+            move |lua, debug| {
                 let l = g.left.get() - i64::from(HOOK_EVERY);
                 g.left.set(l);
+                if l >= 0 && lua.used_memory() <= locate_above {
+                    return Ok(VmState::Continue);
+                }
                 let src = debug.source();
                 let file = src.source.as_deref().unwrap_or("?");
                 let file = file.strip_prefix('@').unwrap_or(file);
@@ -540,6 +554,7 @@ impl ScriptVm {
             lane_fn,
             req,
             env,
+            per_request,
             guard,
             budget,
         })
@@ -552,6 +567,10 @@ impl ScriptVm {
         let r = self.lane_fn.call::<Value>(&self.req);
         if !self.env.is_empty() {
             let _ = self.env.clear();
+        }
+        let cached = with_current(|c| c.ngx_cached).unwrap_or(u8::MAX);
+        if cached != 0 {
+            self.per_request.clear_cached(cached);
         }
         match r? {
             Value::Nil => Ok(None),
@@ -737,6 +756,8 @@ pub fn call_lane(
             rule,
             saved_headers: None,
             saved_uri: None,
+            parsed: Default::default(),
+            ngx_cached: 0,
         })
     });
     let result = VM.with(|vm| {

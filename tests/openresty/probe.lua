@@ -140,6 +140,7 @@ function _M.probe()
         "set_number=" .. s(ngx.var.http_x_probe_num),
         "set_nil=" .. s(ngx.var.http_x_probe_nil) .. "," .. s(h["x-probe-nil"]),
         "other_var=" .. s(ngx.var.probe_no_such_variable),
+        "h.keys=" .. keys(h),
         "h.max1=" .. keys(ngx.req.get_headers(1)),
         "h.max2=" .. s(count(ngx.req.get_headers(2))),
         "a.max1=" .. keys(ngx.req.get_uri_args(1)),
