@@ -10,6 +10,7 @@
 //! upgrade).
 
 pub mod conn;
+mod h1;
 pub mod handover;
 pub mod tls;
 
@@ -99,6 +100,8 @@ impl Server {
     /// [`serve`](Self::serve) for a listener of any [`Kind`].
     pub async fn serve_kind(self: Arc<Self>, listener: TcpListener, kind: Kind) {
         let mut shutdown = self.shutdown.clone();
+        // Wakes this loop's idle HTTP/1.1 connections when the drain begins.
+        let drain = Arc::new(tokio::sync::Notify::new());
         loop {
             let accepted = tokio::select! {
                 a = listener.accept() => a,
@@ -137,21 +140,24 @@ impl Server {
             // Plain connections get the same task as before other kinds
             // existed (no dispatch in every poll of the connection).
             if kind == Kind::Plain {
+                let drain = drain.clone();
                 tokio::spawn(async move {
-                    server.serve_connection(stream, peer).await;
+                    h1::serve(server, stream, peer, drain).await;
                     drop(guard);
                 });
                 continue;
             }
+            let drain = drain.clone();
             tokio::spawn(async move {
                 match kind {
-                    Kind::Plain | Kind::H2c => server.serve_h2c(stream, peer).await,
+                    Kind::Plain | Kind::H2c => server.serve_h2c(stream, peer, drain).await,
                     Kind::Tls(i) => tls::serve(server, stream, peer, i).await,
                 }
                 drop(guard);
             });
             continue;
         }
+        drain.notify_waiters();
         tracing::info!("stopped accepting connections");
     }
 
@@ -263,18 +269,19 @@ impl Server {
         Ok(handles)
     }
 
-    async fn serve_connection(self: Arc<Self>, stream: TcpStream, peer: SocketAddr) {
-        self.serve_h1(stream, peer, false).await
-    }
-
     /// A plain connection on an h2c listener: the HTTP/2 preface → h2c,
     /// anything else → HTTP/1.1.
-    async fn serve_h2c(self: Arc<Self>, stream: TcpStream, peer: SocketAddr) {
+    async fn serve_h2c(
+        self: Arc<Self>,
+        stream: TcpStream,
+        peer: SocketAddr,
+        drain: Arc<tokio::sync::Notify>,
+    ) {
         let header_ms = self.plane.current().config.client.header_timeout_ms;
         let sniff = tokio::time::timeout(Duration::from_millis(header_ms), sniff_preface(&stream));
         match sniff.await {
             Ok(Ok(true)) => self.serve_h2(stream, peer, false).await,
-            Ok(Ok(false)) => self.serve_h1(stream, peer, false).await,
+            Ok(Ok(false)) => h1::serve(self, stream, peer, drain).await,
             Ok(Err(_)) | Err(_) => {}
         }
     }
@@ -297,7 +304,7 @@ impl Server {
                 req.extensions_mut().insert(Https);
             }
             async move {
-                let resp = proxy::handle(&plane, peer, req).await?;
+                let resp = proxy::handle(&plane, peer, req.map(Into::into)).await?;
                 let (mut head, body) = resp.into_parts();
                 // Draining: this answer ends the keep-alive connection, so
                 // the client's next request opens a new one (to the
@@ -418,7 +425,7 @@ impl Server {
             async move {
                 // Boxed: hyper spawns each stream as a task, and moving the
                 // whole request future into it costs more than a box.
-                let mut resp = Box::pin(proxy::handle(&plane, peer, req)).await?;
+                let mut resp = Box::pin(proxy::handle(&plane, peer, req.map(Into::into))).await?;
                 if grpc && !is_grpc(resp.headers()) && resp.status().as_u16() >= 400 {
                     resp = grpc_error(resp);
                 }
