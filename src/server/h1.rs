@@ -257,14 +257,13 @@ impl Conn {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(_) => return Next::Close,
             }
-            // The head has started (or the wake-up was spurious, on an empty
-            // buffer): the header timer runs from the first byte.
+            // A spurious wake-up (nothing to read yet): back to idle, the
+            // buffer back to the pool.
             if buf.is_empty() {
-                if self.stream.readable().await.is_err() {
-                    return Next::Close;
-                }
-                continue;
+                give_read_buf(buf);
+                return Next::KeepAlive;
             }
+            // The head has started: the header timer runs from its first byte.
             let due = *head_due.get_or_insert_with(|| {
                 Instant::now() + Duration::from_millis(header_ms)
             });
