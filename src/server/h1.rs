@@ -18,9 +18,9 @@
 //! read buffer is taken from a per-thread pool only while a head is being
 //! read, and given back once the request is parsed (unless pipelined bytes
 //! follow); the response head is written from a per-thread buffer. The idle
-//! timeout is one lazily re-armed timer per connection (it fires at most
-//! once per idle period, not once per request); header-read and send
-//! timeouts arm a timer only while a read or a write actually waits.
+//! timeout is checked on the accept loop's coarse tick (no timer per
+//! connection or request); header-read and send timeouts arm a timer only
+//! while a read or a write actually waits.
 
 use std::cell::{Cell, RefCell};
 use std::future::poll_fn;
@@ -30,6 +30,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::future::Future;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -40,7 +41,7 @@ use hyper::body::Body as _;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
-use tokio::time::{Instant, Sleep};
+use tokio::time::Instant;
 
 use super::Server;
 use crate::base::body::RequestBody;
@@ -123,8 +124,6 @@ struct Conn {
     peer: SocketAddr,
     /// Bytes read past the last request (pipelining); `None` when idle.
     pending: Option<BytesMut>,
-    /// The idle timer, armed lazily (see [`Conn::idle`]).
-    timer: Option<Pin<Box<Sleep>>>,
     /// Last read or write (`now_ms`).
     last: u64,
     /// Woken by the accept loop when the drain begins.
@@ -143,7 +142,6 @@ pub(super) async fn serve(
         stream,
         peer,
         pending: None,
-        timer: None,
         last: now_ms(),
         drain,
     };
@@ -151,8 +149,8 @@ pub(super) async fn serve(
         if conn.pending.is_none() && !conn.idle().await {
             return;
         }
-        // Boxed: the exchange's state (the head being read, the request's
-        // future, the response) lives only while a request does; the idle
+        // Boxed: the exchange's state (the head being read, the response
+        // being written) lives only while a request does; the idle
         // connection's task stays small.
         match Box::pin(conn.exchange()).await {
             Next::KeepAlive => {}
@@ -176,11 +174,13 @@ pub(super) async fn serve(
 }
 
 impl Conn {
-    /// Waits (holding no buffer) until the client sends; false when the
-    /// connection is to close: idle timeout (shortened while draining) or
-    /// an error.
+    /// Waits (holding no buffer, no timer) until the client sends; false
+    /// when the connection is to close: idle timeout (shortened while
+    /// draining) or an error. The idle timeout is checked on the accept
+    /// loop's coarse tick (`drain` is notified on every tick and when the
+    /// drain begins): no timer per connection or request.
     async fn idle(&mut self) -> bool {
-        let drain = self.drain.clone();
+        let (stream, drain) = (&self.stream, &self.drain);
         loop {
             let notified = drain.notified();
             tokio::pin!(notified);
@@ -194,29 +194,18 @@ impl Conn {
                     limits.idle_timeout_ms
                 }
             };
-            let due = self.last + idle_ms;
-            let now = now_ms();
-            if now >= due {
+            if now_ms() >= self.last + idle_ms {
                 return false;
             }
-            let at = Instant::now() + Duration::from_millis(due - now);
-            match &mut self.timer {
-                Some(t) if t.deadline() <= at => {}
-                Some(t) => t.as_mut().reset(at),
-                None => self.timer = Some(Box::pin(tokio::time::sleep_until(at))),
-            }
-            let timer = self.timer.as_mut().expect("armed above");
-            tokio::select! {
-                biased;
-                r = self.stream.readable() => return r.is_ok(),
-                _ = timer.as_mut() => {
-                    // Fired at an older deadline: the connection was busy
-                    // since; look again (re-armed above).
-                    if now_ms() < due {
-                        timer.as_mut().reset(at);
-                    }
-                }
-                _ = notified => {}
+            // The readiness waker sits in the socket's registration: no
+            // waiter node or future of its own while idle.
+            let ready = poll_fn(|cx| match stream.poll_read_ready(cx) {
+                Poll::Ready(r) => Poll::Ready(Some(r.is_ok())),
+                Poll::Pending => notified.as_mut().poll(cx).map(|()| None),
+            })
+            .await;
+            if let Some(ok) = ready {
+                return ok;
             }
         }
     }
@@ -295,7 +284,9 @@ impl Conn {
         let method_head = req.method() == Method::HEAD;
         let version = req.version();
         let plane = &self.server.plane;
-        let Ok(resp) = proxy::handle(plane, self.peer, req.map(|()| body)).await;
+        // Boxed on its own: the exchange's future stays small, and the
+        // request's (large) future is moved once, into its box.
+        let Ok(resp) = Box::pin(proxy::handle(plane, self.peer, req.map(|()| body))).await;
         let (mut head, body) = resp.into_parts();
         // Draining: this answer ends the keep-alive connection (as on
         // hyper's connections).

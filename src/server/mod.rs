@@ -102,10 +102,28 @@ impl Server {
         let mut shutdown = self.shutdown.clone();
         // Wakes this loop's idle HTTP/1.1 connections when the drain begins.
         let drain = Arc::new(tokio::sync::Notify::new());
+        // The coarse clock of this loop's idle HTTP/1.1 connections (their
+        // idle timeout is checked on each tick, `h1`), and of giving closed
+        // connections' memory back (`base::tidy`).
+        let period = {
+            let gen = self.plane.current();
+            let c = &gen.config.client;
+            (c.idle_timeout_ms.min(c.drain_idle_ms) / 4).clamp(10, 1000)
+        };
+        let mut tick = tokio::time::interval(Duration::from_millis(period));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let mut tidy = crate::base::tidy::Tidy::default();
         loop {
             let accepted = tokio::select! {
                 a = listener.accept() => a,
                 _ = shutdown.wait_for(|s| *s) => break,
+                _ = tick.tick() => {
+                    drain.notify_waiters();
+                    if tidy.tick(self.connections.get(), now_ms()) {
+                        crate::base::tidy::nudge();
+                    }
+                    continue;
+                }
             };
             let (mut stream, peer) = match accepted {
                 Ok(c) => c,
@@ -157,8 +175,17 @@ impl Server {
             });
             continue;
         }
-        drain.notify_waiters();
+        drop(listener);
         tracing::info!("stopped accepting connections");
+        // Draining: idle connections close on the shorter drain idle
+        // timeout, checked on this loop's ticks until every one has gone.
+        loop {
+            drain.notify_waiters();
+            tokio::select! {
+                _ = self.connections.zero() => break,
+                _ = tick.tick() => {}
+            }
+        }
     }
 
     /// Binds `n` listeners on `addr` with SO_REUSEPORT (the kernel spreads
