@@ -77,8 +77,13 @@ fn take_read_buf() -> BytesMut {
 
 fn give_read_buf(mut b: BytesMut) {
     b.clear();
-    // Reclaims the whole allocation when the heads split off it are gone.
-    b.reserve(READ_BUF);
+    // The heads split off the front may still be alive (the request's
+    // fields are slices of them): the rest of the allocation serves the
+    // next heads, and once it runs low `reserve` takes the whole
+    // allocation back (in place, when those heads are gone).
+    if b.capacity() < 1024 {
+        b.reserve(READ_BUF);
+    }
     if b.capacity() > 4 * READ_BUF {
         return;
     }
@@ -152,7 +157,7 @@ pub(super) async fn serve(
         // Boxed: the exchange's state (the head being read, the response
         // being written) lives only while a request does; the idle
         // connection's task stays small.
-        match Box::pin(conn.exchange()).await {
+        match in_box(|| conn.exchange()).await {
             Next::KeepAlive => {}
             Next::Close => return,
             Next::Hyper(bytes) => {
@@ -171,6 +176,20 @@ pub(super) async fn serve(
             }
         }
     }
+}
+
+/// Runs the future `make` builds in a heap slot allocated before it is
+/// built, so that the (large, unstarted) future is written in place — not
+/// built on the stack and copied into its box (`Box::pin(f)`: the request's
+/// 8 KB future was one memcpy per request).
+async fn in_box<F: Future>(make: impl FnOnce() -> F) -> F::Output {
+    let mut slot: Pin<Box<Option<F>>> = Box::pin(None);
+    slot.as_mut().set(Some(make()));
+    poll_fn(|cx| match slot.as_mut().as_pin_mut() {
+        Some(f) => f.poll(cx),
+        None => unreachable!("set above"),
+    })
+    .await
 }
 
 impl Conn {
@@ -232,7 +251,7 @@ impl Conn {
                 }
             }
             if buf.capacity() - buf.len() < 1024 {
-                buf.reserve(buf.capacity().min(max_buf));
+                buf.reserve(READ_BUF.max(buf.capacity()).min(max_buf));
             }
             match self.stream.try_read_buf(&mut buf) {
                 Ok(0) => {
@@ -284,9 +303,8 @@ impl Conn {
         let method_head = req.method() == Method::HEAD;
         let version = req.version();
         let plane = &self.server.plane;
-        // Boxed on its own: the exchange's future stays small, and the
-        // request's (large) future is moved once, into its box.
-        let Ok(resp) = Box::pin(proxy::handle(plane, self.peer, req.map(|()| body))).await;
+        // Boxed on its own: the exchange's future stays small.
+        let Ok(resp) = in_box(|| proxy::handle(plane, self.peer, req.map(|()| body))).await;
         let (mut head, body) = resp.into_parts();
         // Draining: this answer ends the keep-alive connection (as on
         // hyper's connections).
