@@ -907,6 +907,75 @@ mod tests {
         ));
     }
 
+    /// Random mutations of valid heads (bytes flipped, inserted, cut): the
+    /// parser never panics; whatever it accepts is what httparse reads
+    /// (method, target, every field in order), with a framing this path
+    /// serves — else the head goes to hyper.
+    #[test]
+    fn mutated_heads_are_parsed_as_httparse_reads_them_or_go_to_hyper() {
+        let seeds: [&[u8]; 4] = [
+            b"GET /a?b=1 HTTP/1.1\r\nHost: x\r\nX-Gray: 1\r\n\r\n",
+            b"POST /p HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc",
+            b"GET / HTTP/1.0\r\nConnection: keep-alive\r\nCookie: a=1; b=2\r\n\r\n",
+            b"HEAD /h HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        ];
+        let alphabet = b"\r\n :;,\t\x00\x7fAaZz09-_/?%Hh";
+        let mut rng = fastrand::Rng::with_seed(16);
+        let mut accepted = 0;
+        for round in 0..20_000 {
+            let mut raw = seeds[round % seeds.len()].to_vec();
+            for _ in 0..rng.usize(1..4) {
+                let at = rng.usize(0..raw.len());
+                match rng.u8(0..3) {
+                    0 => raw[at] = alphabet[rng.usize(0..alphabet.len())],
+                    1 => raw.insert(at, alphabet[rng.usize(0..alphabet.len())]),
+                    _ => {
+                        raw.remove(at);
+                    }
+                }
+            }
+            let mut b = BytesMut::from(&raw[..]);
+            let Parse::Done(p) = parse(&mut b) else {
+                continue;
+            };
+            accepted += 1;
+            let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+            let mut r = httparse::Request::new(&mut fields);
+            let Ok(httparse::Status::Complete(n)) = r.parse(&raw) else {
+                panic!("accepted what httparse does not: {:?}", String::from_utf8_lossy(&raw));
+            };
+            let what = String::from_utf8_lossy(&raw).into_owned();
+            assert_eq!(p.req.method().as_str(), r.method.unwrap(), "{what:?}");
+            assert_eq!(p.req.uri().to_string(), r.path.unwrap(), "{what:?}");
+            let got: Vec<(String, Vec<u8>)> = p
+                .req
+                .headers()
+                .iter()
+                .map(|(k, v)| (k.as_str().to_string(), v.as_bytes().to_vec()))
+                .collect();
+            let want: Vec<(String, Vec<u8>)> = r
+                .headers
+                .iter()
+                .map(|h| (h.name.to_ascii_lowercase(), h.value.to_vec()))
+                .collect();
+            let mut got_sorted = got.clone();
+            got_sorted.sort();
+            let mut want_sorted = want.clone();
+            want_sorted.sort();
+            assert_eq!(got_sorted, want_sorted, "{what:?}");
+            for (k, _) in &want {
+                assert!(
+                    !matches!(k.as_str(), "transfer-encoding" | "expect" | "upgrade"),
+                    "{what:?}"
+                );
+            }
+            // The body is what Content-Length says, and the rest is left.
+            assert_eq!(b.len(), raw.len() - n, "{what:?}");
+            assert!(p.body_len <= b.len(), "{what:?}");
+        }
+        assert!(accepted > 2_000, "only {accepted} mutated heads were parsed");
+    }
+
     #[test]
     fn partial_heads_wait() {
         assert!(matches!(parsed(b"GET / HTTP/1.1\r\nHost: x\r\n"), Parse::Partial));
