@@ -46,6 +46,7 @@ use tokio::time::Instant;
 use super::Server;
 use crate::base::body::RequestBody;
 use crate::base::clock::now_ms;
+use crate::base::counter::Counted;
 use crate::base::ratelog::log_limited;
 use crate::proxy;
 use crate::proxy::record::Recorded;
@@ -127,29 +128,39 @@ struct Conn {
     server: Arc<Server>,
     stream: TcpStream,
     peer: SocketAddr,
-    /// Bytes read past the last request (pipelining); `None` when idle.
-    pending: Option<BytesMut>,
+    /// Bytes read past the last request (pipelining); `None` when idle
+    /// (boxed: rare, and the idle connection stays small).
+    pending: Option<Box<BytesMut>>,
     /// Last read or write (`now_ms`).
     last: u64,
-    /// Woken by the accept loop when the drain begins.
+    /// Woken by the accept loop on its coarse tick and when the drain
+    /// begins.
     drain: Arc<Notify>,
+    /// Counts the connection (for the cap and the drain) until it ends.
+    _open: Option<Counted>,
 }
 
-/// Serves a plain connection (the accept loop's task).
-pub(super) async fn serve(
+/// Serves a plain connection: the accept loop spawns this future as the
+/// connection's task (it holds the connection's state once: no wrapper).
+pub(super) fn serve(
     server: Arc<Server>,
     stream: TcpStream,
     peer: SocketAddr,
     drain: Arc<Notify>,
-) {
-    let mut conn = Conn {
+    open: Option<Counted>,
+) -> impl Future<Output = ()> + Send {
+    run(Conn {
         server,
         stream,
         peer,
         pending: None,
         last: now_ms(),
         drain,
-    };
+        _open: open,
+    })
+}
+
+async fn run(mut conn: Conn) {
     loop {
         if conn.pending.is_none() && !conn.idle().await {
             return;
@@ -165,6 +176,7 @@ pub(super) async fn serve(
                     server,
                     stream,
                     peer,
+                    _open,
                     ..
                 } = conn;
                 let io = Rewind {
@@ -172,6 +184,7 @@ pub(super) async fn serve(
                     inner: stream,
                 };
                 Box::pin(server.serve_h1(io, peer, false)).await;
+                drop(_open);
                 return;
             }
         }
@@ -237,7 +250,7 @@ impl Conn {
             let max_buf = (l.max_uri_bytes + l.max_header_bytes + 4096).max(8192);
             (max_buf, l.header_timeout_ms, l.send_timeout_ms)
         };
-        let mut buf = self.pending.take().unwrap_or_else(take_read_buf);
+        let mut buf = self.pending.take().map_or_else(take_read_buf, |b| *b);
         let mut head_due: Option<Instant> = None;
         let parsed = loop {
             if !buf.is_empty() {
@@ -298,7 +311,7 @@ impl Conn {
         if buf.is_empty() {
             give_read_buf(buf);
         } else {
-            self.pending = Some(buf);
+            self.pending = Some(Box::new(buf));
         }
         let method_head = req.method() == Method::HEAD;
         let version = req.version();

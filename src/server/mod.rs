@@ -155,14 +155,10 @@ impl Server {
             }
             let guard = Counted::new(self.connections.clone());
             let server = self.clone();
-            // Plain connections get the same task as before other kinds
-            // existed (no dispatch in every poll of the connection).
+            // Plain connections: the HTTP/1.1 loop is the task itself (no
+            // wrapping future holding a second copy of its state).
             if kind == Kind::Plain {
-                let drain = drain.clone();
-                tokio::spawn(async move {
-                    h1::serve(server, stream, peer, drain).await;
-                    drop(guard);
-                });
+                tokio::spawn(h1::serve(server, stream, peer, drain.clone(), Some(guard)));
                 continue;
             }
             let drain = drain.clone();
@@ -308,7 +304,7 @@ impl Server {
         let sniff = tokio::time::timeout(Duration::from_millis(header_ms), sniff_preface(&stream));
         match sniff.await {
             Ok(Ok(true)) => self.serve_h2(stream, peer, false).await,
-            Ok(Ok(false)) => h1::serve(self, stream, peer, drain).await,
+            Ok(Ok(false)) => h1::serve(self, stream, peer, drain, None).await,
             Ok(Err(_)) | Err(_) => {}
         }
     }
