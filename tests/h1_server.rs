@@ -100,7 +100,13 @@ impl Upstream {
                                 buf.drain(..need);
                             }
                         } else if let Some(i) = head.find("content-length:") {
-                            let n: usize = head[i + 15..].split("\r\n").next().unwrap().trim().parse().unwrap();
+                            let n: usize = head[i + 15..]
+                                .split("\r\n")
+                                .next()
+                                .unwrap()
+                                .trim()
+                                .parse()
+                                .unwrap();
                             if !fill(&mut s, &mut buf, |b| b.len() >= n).await {
                                 return;
                             }
@@ -169,17 +175,38 @@ async fn read_one(s: &mut TcpStream, buf: &mut Vec<u8>) -> String {
         let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
         let n: usize = head
             .find("content-length:")
-            .map(|i| head[i + 15..].split("\r\n").next().unwrap().trim().parse().unwrap())
+            .map(|i| {
+                head[i + 15..]
+                    .split("\r\n")
+                    .next()
+                    .unwrap()
+                    .trim()
+                    .parse()
+                    .unwrap()
+            })
             .unwrap_or(0);
         fill(s, buf, |b| b.len() >= end + n).await
     })
     .await;
-    assert_eq!(ok, Ok(true), "no complete response: {}", String::from_utf8_lossy(buf));
+    assert_eq!(
+        ok,
+        Ok(true),
+        "no complete response: {}",
+        String::from_utf8_lossy(buf)
+    );
     let end = find(buf, b"\r\n\r\n").unwrap() + 4;
     let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
     let n: usize = head
         .find("content-length:")
-        .map(|i| head[i + 15..].split("\r\n").next().unwrap().trim().parse().unwrap())
+        .map(|i| {
+            head[i + 15..]
+                .split("\r\n")
+                .next()
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap()
+        })
         .unwrap_or(0);
     let text = String::from_utf8_lossy(&buf[..end + n]).into_owned();
     buf.drain(..end + n);
@@ -224,7 +251,11 @@ async fn http10_closes_unless_keep_alive_is_asked_for() {
             .unwrap();
         let r = read_one(&mut s, &mut buf).await;
         assert!(r.starts_with("HTTP/1.0 200 OK\r\n"), "{r}");
-        assert!(r.to_ascii_lowercase().contains("connection: keep-alive\r\n"), "{r}");
+        assert!(
+            r.to_ascii_lowercase()
+                .contains("connection: keep-alive\r\n"),
+            "{r}"
+        );
     }
     // A close token among others on HTTP/1.1 ends the connection.
     let text = exchange(
@@ -249,15 +280,29 @@ async fn head_204_and_304_carry_no_body() {
     assert_eq!(parts.len(), 4, "{text}");
     // HEAD: the length of the GET answer, no body bytes before the next.
     assert!(parts[0].starts_with("200 OK\r\n"), "{text}");
-    assert!(parts[0].to_ascii_lowercase().contains("content-length: 5\r\n"), "{text}");
+    assert!(
+        parts[0]
+            .to_ascii_lowercase()
+            .contains("content-length: 5\r\n"),
+        "{text}"
+    );
     assert!(parts[0].ends_with("\r\n\r\n"), "{text}");
     assert!(parts[1].starts_with("204 No Content\r\n"), "{text}");
-    assert!(!parts[1].to_ascii_lowercase().contains("content-length"), "{text}");
+    assert!(
+        !parts[1].to_ascii_lowercase().contains("content-length"),
+        "{text}"
+    );
     assert!(parts[1].ends_with("\r\n\r\n"), "{text}");
     assert!(parts[2].starts_with("304 Not Modified\r\n"), "{text}");
-    assert!(parts[2].to_ascii_lowercase().contains("etag: \"v1\""), "{text}");
+    assert!(
+        parts[2].to_ascii_lowercase().contains("etag: \"v1\""),
+        "{text}"
+    );
     assert!(parts[2].ends_with("\r\n\r\n"), "{text}");
-    assert!(parts[3].starts_with("200 OK\r\n") && parts[3].ends_with("GET /end HTTP/1.1"), "{text}");
+    assert!(
+        parts[3].starts_with("200 OK\r\n") && parts[3].ends_with("GET /end HTTP/1.1"),
+        "{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -294,7 +339,10 @@ async fn unknown_length_bodies_are_chunked_or_close_delimited() {
     // HTTP/1.0 cannot take chunks: the body runs to the close.
     let text = exchange(gw.addr, b"GET /chunked HTTP/1.0\r\nHost: a\r\n\r\n").await;
     assert!(text.starts_with("HTTP/1.0 200 OK\r\n"), "{text}");
-    assert!(!text.to_ascii_lowercase().contains("transfer-encoding"), "{text}");
+    assert!(
+        !text.to_ascii_lowercase().contains("transfer-encoding"),
+        "{text}"
+    );
     assert!(text.ends_with("\r\n\r\nhello world"), "{text}");
 }
 
@@ -310,7 +358,10 @@ async fn bodies_with_or_after_the_head_and_a_hand_over_to_hyper_mid_connection()
         .await
         .unwrap();
     let r = read_one(&mut s, &mut buf).await;
-    assert!(r.starts_with("HTTP/1.1 200 OK\r\n") && r.ends_with("POST /with HTTP/1.1"), "{r}");
+    assert!(
+        r.starts_with("HTTP/1.1 200 OK\r\n") && r.ends_with("POST /with HTTP/1.1"),
+        "{r}"
+    );
     // 2. The head first, the body later.
     s.write_all(b"POST /after HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\n")
         .await
@@ -328,9 +379,11 @@ async fn bodies_with_or_after_the_head_and_a_hand_over_to_hyper_mid_connection()
         .unwrap();
     let r = read_one(&mut s, &mut buf).await;
     assert!(r.ends_with("POST /chunks HTTP/1.1"), "{r}");
-    s.write_all(b"POST /expect HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n")
-        .await
-        .unwrap();
+    s.write_all(
+        b"POST /expect HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n",
+    )
+    .await
+    .unwrap();
     let ok = tokio::time::timeout(
         Duration::from_secs(20),
         fill(&mut s, &mut buf, |b| find(b, b"\r\n\r\n").is_some()),
@@ -343,7 +396,9 @@ async fn bodies_with_or_after_the_head_and_a_hand_over_to_hyper_mid_connection()
     s.write_all(b"xyz").await.unwrap();
     let r = read_one(&mut s, &mut buf).await;
     assert!(r.ends_with("POST /expect HTTP/1.1"), "{r}");
-    s.write_all(b"GET /plain HTTP/1.1\r\nHost: a\r\n\r\n").await.unwrap();
+    s.write_all(b"GET /plain HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
     let r = read_one(&mut s, &mut buf).await;
     assert!(r.ends_with("GET /plain HTTP/1.1"), "{r}");
     assert_eq!(up.body_of("/with").as_deref(), Some(&b"hello"[..]));
@@ -363,16 +418,22 @@ async fn a_keep_alive_connections_next_head_is_held_to_the_header_timeout() {
     );
     let mut s = TcpStream::connect(gw.addr).await.unwrap();
     let mut buf = Vec::new();
-    s.write_all(b"GET /one HTTP/1.1\r\nHost: a\r\n\r\n").await.unwrap();
+    s.write_all(b"GET /one HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
     let r = read_one(&mut s, &mut buf).await;
     assert!(r.ends_with("GET /one HTTP/1.1"), "{r}");
     // Idle for longer than the header timeout: still open.
     tokio::time::sleep(Duration::from_millis(600)).await;
-    s.write_all(b"GET /two HTTP/1.1\r\nHost: a\r\n\r\n").await.unwrap();
+    s.write_all(b"GET /two HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
     let r = read_one(&mut s, &mut buf).await;
     assert!(r.ends_with("GET /two HTTP/1.1"), "{r}");
     // A head that never completes is cut off.
-    s.write_all(b"GET /three HTTP/1.1\r\nHost: a\r\nX-Slow: 1").await.unwrap();
+    s.write_all(b"GET /three HTTP/1.1\r\nHost: a\r\nX-Slow: 1")
+        .await
+        .unwrap();
     let rest = read_to_close(&mut s).await;
     assert!(!rest.contains("HTTP/1.1"), "{rest}");
     assert!(up.body_of("/three").is_none());

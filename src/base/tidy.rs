@@ -59,7 +59,10 @@ mod tests {
         let mut t = Tidy::default();
         let t0 = 10_000;
         assert!(!t.tick(0, t0));
-        assert!(!t.tick(10, t0 + 100), "connections opening: nothing to give back");
+        assert!(
+            !t.tick(10, t0 + 100),
+            "connections opening: nothing to give back"
+        );
         assert!(t.tick(3, t0 + 200));
         assert!(!t.tick(3, t0 + 300), "at most once a second");
         assert!(t.tick(3, t0 + 1200));

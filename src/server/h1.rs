@@ -24,13 +24,13 @@
 
 use std::cell::{Cell, RefCell};
 use std::future::poll_fn;
+use std::future::Future;
 use std::io::{self, IoSlice};
 use std::mem::MaybeUninit;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::future::Future;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -285,9 +285,8 @@ impl Conn {
                 return Next::KeepAlive;
             }
             // The head has started: the header timer runs from its first byte.
-            let due = *head_due.get_or_insert_with(|| {
-                Instant::now() + Duration::from_millis(header_ms)
-            });
+            let due =
+                *head_due.get_or_insert_with(|| Instant::now() + Duration::from_millis(header_ms));
             match tokio::time::timeout_at(due, self.stream.readable()).await {
                 Ok(Ok(())) => {}
                 Ok(Err(_)) => return Next::Close,
@@ -671,9 +670,10 @@ impl Out<'_> {
                         Ok(r) => r?,
                         Err(_) => {
                             let send_ms = self.send.as_millis() as u64;
-                            log_limited(&super::SEND_LOG, || {
-                                tracing::warn!(peer = %self.peer, send_timeout_ms = send_ms, "client stopped reading the response; closing")
-                            });
+                            log_limited(
+                                &super::SEND_LOG,
+                                || tracing::warn!(peer = %self.peer, send_timeout_ms = send_ms, "client stopped reading the response; closing"),
+                            );
                             return Err(io::ErrorKind::TimedOut.into());
                         }
                     }
@@ -955,7 +955,10 @@ mod tests {
             let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
             let mut r = httparse::Request::new(&mut fields);
             let Ok(httparse::Status::Complete(n)) = r.parse(&raw) else {
-                panic!("accepted what httparse does not: {:?}", String::from_utf8_lossy(&raw));
+                panic!(
+                    "accepted what httparse does not: {:?}",
+                    String::from_utf8_lossy(&raw)
+                );
             };
             let what = String::from_utf8_lossy(&raw).into_owned();
             assert_eq!(p.req.method().as_str(), r.method.unwrap(), "{what:?}");
@@ -986,11 +989,17 @@ mod tests {
             assert_eq!(b.len(), raw.len() - n, "{what:?}");
             assert!(p.body_len <= b.len(), "{what:?}");
         }
-        assert!(accepted > 2_000, "only {accepted} mutated heads were parsed");
+        assert!(
+            accepted > 2_000,
+            "only {accepted} mutated heads were parsed"
+        );
     }
 
     #[test]
     fn partial_heads_wait() {
-        assert!(matches!(parsed(b"GET / HTTP/1.1\r\nHost: x\r\n"), Parse::Partial));
+        assert!(matches!(
+            parsed(b"GET / HTTP/1.1\r\nHost: x\r\n"),
+            Parse::Partial
+        ));
     }
 }
