@@ -20,11 +20,14 @@ fn find(buf: &[u8], pat: &[u8]) -> Option<usize> {
     buf.windows(pat.len()).position(|w| w == pat)
 }
 
+/// Request lines and the de-chunked bodies that came with them.
+type Received = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
+
 /// A scripted upstream: the last path segment picks the answer; it records
 /// each request line and the de-chunked body it received.
 struct Upstream {
     addr: SocketAddr,
-    got: Arc<Mutex<Vec<(String, Vec<u8>)>>>,
+    got: Received,
 }
 
 fn answer(line: &str) -> Vec<u8> {

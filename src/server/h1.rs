@@ -350,6 +350,9 @@ struct Parsed {
     body_len: usize,
 }
 
+// Returned once per request and matched at once: a box would cost an
+// allocation per request for nothing.
+#[allow(clippy::large_enum_variant)]
 enum Parse {
     Partial,
     /// Not for this path: hyper serves the connection from here.
@@ -764,11 +767,7 @@ fn encode_head(
                 }
             }
             header::DATE => wrote_date = true,
-            header::TRAILER => {
-                if f.http10 || !can_chunk {
-                    continue;
-                }
-            }
+            header::TRAILER if f.http10 || !can_chunk => continue,
             _ => {}
         }
         w.extend_from_slice(name.as_str().as_bytes());
