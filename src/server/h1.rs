@@ -316,7 +316,15 @@ impl Conn {
         let version = req.version();
         let plane = &self.server.plane;
         // Boxed on its own: the exchange's future stays small.
-        let Ok(resp) = in_box(|| proxy::handle(plane, self.peer, req.map(|()| body))).await;
+        // A client that goes away meanwhile cancels the request (as on
+        // hyper's connections).
+        let handled = unless_gone(
+            &self.stream,
+            in_box(|| proxy::handle(plane, self.peer, req.map(|()| body))),
+        );
+        let Some(Ok(resp)) = handled.await else {
+            return Next::Close;
+        };
         let (mut head, body) = resp.into_parts();
         // Draining: this answer ends the keep-alive connection (as on
         // hyper's connections).
@@ -466,6 +474,30 @@ fn parse(buf: &mut BytesMut) -> Parse {
     })
 }
 
+/// Runs `fut` while watching the client: `None` when it closed its side or
+/// the connection failed (a peek at the socket: bytes it pipelined stay
+/// unread, and once some are there the watch ends).
+async fn unless_gone<F: Future>(stream: &TcpStream, fut: F) -> Option<F::Output> {
+    tokio::pin!(fut);
+    let mut watch = true;
+    poll_fn(|cx| {
+        if let Poll::Ready(out) = fut.as_mut().poll(cx) {
+            return Poll::Ready(Some(out));
+        }
+        if watch {
+            let mut one = [0u8; 1];
+            let mut peek = ReadBuf::new(&mut one);
+            match stream.poll_peek(cx, &mut peek) {
+                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(None),
+                Poll::Ready(Ok(_)) => watch = false,
+                Poll::Pending => {}
+            }
+        }
+        Poll::Pending
+    })
+    .await
+}
+
 /// Undoes the split of a head that turned out to be hyper's to answer.
 fn put_back(head: &Bytes, buf: &mut BytesMut) {
     let mut back = BytesMut::with_capacity(head.len() + buf.len());
@@ -600,7 +632,14 @@ impl Out<'_> {
             if done {
                 break;
             }
-            match std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
+            // A client gone while the body is awaited drops it (recorded as
+            // the client's abort), as hyper's connections did.
+            let next = poll_fn(|cx| Pin::new(&mut body).poll_frame(cx));
+            let Some(next) = unless_gone(self.stream, next).await else {
+                WRITE_BUF.set(w);
+                return Ok(false);
+            };
+            match next {
                 None => done = true,
                 Some(Ok(frame)) => pending = frame.into_data().ok(),
                 Some(Err(_)) => {
