@@ -28,6 +28,8 @@ type Received = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
 struct Upstream {
     addr: SocketAddr,
     got: Received,
+    /// Upstream connections that have ended.
+    closed: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 fn answer(line: &str) -> Vec<u8> {
@@ -57,11 +59,14 @@ impl Upstream {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let got = Arc::new(Mutex::new(Vec::new()));
-        let g = got.clone();
+        let closed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (g, c) = (got.clone(), closed.clone());
         tokio::spawn(async move {
             while let Ok((mut s, _)) = listener.accept().await {
                 let g = g.clone();
+                let c = c.clone();
                 tokio::spawn(async move {
+                    let _closed = Closed(c);
                     let mut buf = Vec::new();
                     loop {
                         if !fill(&mut s, &mut buf, |b| find(b, b"\r\n\r\n").is_some()).await {
@@ -115,8 +120,13 @@ impl Upstream {
                             }
                             body = buf.drain(..n).collect();
                         }
+                        // `/hang`: never answered.
+                        let hang = line.contains(" /hang ");
                         let reply = answer(&line);
                         g.lock().unwrap().push((line, body));
+                        if hang {
+                            continue;
+                        }
                         if s.write_all(&reply).await.is_err() {
                             return;
                         }
@@ -124,7 +134,7 @@ impl Upstream {
                 });
             }
         });
-        Upstream { addr, got }
+        Upstream { addr, got, closed }
     }
 
     fn body_of(&self, path: &str) -> Option<Vec<u8>> {
@@ -134,6 +144,15 @@ impl Upstream {
             .iter()
             .find(|(l, _)| l.split(' ').nth(1) == Some(path))
             .map(|(_, b)| b.clone())
+    }
+}
+
+/// Counts an upstream connection as ended when dropped.
+struct Closed(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for Closed {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
@@ -440,4 +459,31 @@ async fn a_keep_alive_connections_next_head_is_held_to_the_header_timeout() {
     let rest = read_to_close(&mut s).await;
     assert!(!rest.contains("HTTP/1.1"), "{rest}");
     assert!(up.body_of("/three").is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_cancels_its_request_upstream() {
+    let up = Upstream::start().await;
+    let fx = Fixture::new();
+    let gw = gateway(&fx, &up, "");
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"GET /hang HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    eventually(
+        "the request reached the upstream",
+        Duration::from_secs(10),
+        || async { up.body_of("/hang").is_some() },
+    )
+    .await;
+    assert_eq!(up.closed.load(std::sync::atomic::Ordering::SeqCst), 0);
+    drop(s);
+    // The request is cancelled: its upstream connection is closed (never
+    // pooled mid-exchange), long before any upstream timeout.
+    eventually(
+        "the upstream connection closed",
+        Duration::from_secs(10),
+        || async { up.closed.load(std::sync::atomic::Ordering::SeqCst) == 1 },
+    )
+    .await;
 }
