@@ -11,6 +11,55 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// Every response body the gateway sends.
 pub type Body = UnsyncBoxBody<Bytes, BoxError>;
 
+/// A client's request body as the request path receives it: from hyper's
+/// server (HTTP/2, TLS, and the HTTP/1.1 connections `server::h1` hands to
+/// hyper), or whole from the hand-written HTTP/1.1 server (no body, or a
+/// `Content-Length` body that arrived with its head).
+#[derive(Debug)]
+pub enum RequestBody {
+    Hyper(hyper::body::Incoming),
+    Full(Option<Bytes>),
+}
+
+impl From<hyper::body::Incoming> for RequestBody {
+    fn from(b: hyper::body::Incoming) -> Self {
+        RequestBody::Hyper(b)
+    }
+}
+
+impl hyper::body::Body for RequestBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        match self.get_mut() {
+            RequestBody::Hyper(b) => std::pin::Pin::new(b).poll_frame(cx),
+            RequestBody::Full(b) => {
+                std::task::Poll::Ready(b.take().map(|d| Ok(hyper::body::Frame::data(d))))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            RequestBody::Hyper(b) => b.is_end_stream(),
+            RequestBody::Full(b) => b.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        match self {
+            RequestBody::Hyper(b) => b.size_hint(),
+            RequestBody::Full(b) => {
+                hyper::body::SizeHint::with_exact(b.as_ref().map_or(0, |d| d.len() as u64))
+            }
+        }
+    }
+}
+
 /// Boxes any body into [`Body`].
 pub fn boxed<B>(b: B) -> Body
 where

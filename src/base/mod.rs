@@ -1,6 +1,7 @@
 //! Layer: base — the small shared vocabulary of both planes, above only
 //! `config`: clocks, the response body type, the per-request `Decision`, the
-//! typed request-path error, live counters, IP lists and rate-limited logging.
+//! typed request-path error, live counters, IP lists, rate-limited logging and
+//! the allocator nudge that returns closed connections' memory.
 //! Nothing here knows about generations, nodes or the gateway.
 
 pub mod body;
@@ -11,6 +12,7 @@ pub mod error;
 pub mod lists;
 pub mod ratelog;
 pub mod stall;
+pub mod tidy;
 
 /// Request extension: the request arrived over TLS (the server layer sets
 /// it; `X-Forwarded-Proto`, `ngx.var.scheme` and `req.scheme` read it).

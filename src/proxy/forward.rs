@@ -13,12 +13,11 @@ use std::time::{Duration, Instant};
 use http::header::{self, HeaderMap, HeaderValue};
 use http::request::Parts;
 use http::{Method, Request, Response, StatusCode, Uri, Version};
-use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 
 use super::ctx::{Client, RequestCtx, Verdict};
 use super::{lane_tag, DataPlane};
-use crate::base::body::{boxed, Body};
+use crate::base::body::{boxed, Body, RequestBody};
 use crate::base::clock::now_ms;
 use crate::base::counter::Counted;
 use crate::base::decision::Decision;
@@ -65,7 +64,7 @@ pub async fn forward(
     ctx: &mut RequestCtx,
     (service_name, upgrades): (&Arc<str>, &[String]),
     info: RequestInfo,
-    body: Incoming,
+    body: RequestBody,
 ) -> Result<Response<Body>, Error> {
     let client = &ctx.client;
     let decision = ctx.decision.as_mut().expect("decided before forwarding");

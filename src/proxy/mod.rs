@@ -24,8 +24,8 @@ use std::time::Instant;
 
 use http::header::{self, HeaderValue};
 use http::{Request, Response};
-use hyper::body::Incoming;
 
+use crate::base::body::RequestBody;
 use crate::base::counter::Counter;
 use crate::base::decision::Decision;
 use crate::base::error::{Error, ErrorKind};
@@ -71,7 +71,7 @@ impl DataPlane {
 pub async fn handle(
     plane: &Arc<DataPlane>,
     peer: SocketAddr,
-    req: Request<Incoming>,
+    req: Request<RequestBody>,
 ) -> Result<Response<record::Recorded>, Infallible> {
     let start = Instant::now();
     let gen = plane.current();

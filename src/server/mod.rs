@@ -10,6 +10,7 @@
 //! upgrade).
 
 pub mod conn;
+mod h1;
 pub mod handover;
 pub mod tls;
 
@@ -99,10 +100,30 @@ impl Server {
     /// [`serve`](Self::serve) for a listener of any [`Kind`].
     pub async fn serve_kind(self: Arc<Self>, listener: TcpListener, kind: Kind) {
         let mut shutdown = self.shutdown.clone();
+        // Wakes this loop's idle HTTP/1.1 connections when the drain begins.
+        let drain = Arc::new(tokio::sync::Notify::new());
+        // The coarse clock of this loop's idle HTTP/1.1 connections (their
+        // idle timeout is checked on each tick, `h1`), and of giving closed
+        // connections' memory back (`base::tidy`).
+        let period = {
+            let gen = self.plane.current();
+            let c = &gen.config.client;
+            (c.idle_timeout_ms.min(c.drain_idle_ms) / 4).clamp(10, 1000)
+        };
+        let mut tick = tokio::time::interval(Duration::from_millis(period));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let mut tidy = crate::base::tidy::Tidy::default();
         loop {
             let accepted = tokio::select! {
                 a = listener.accept() => a,
                 _ = shutdown.wait_for(|s| *s) => break,
+                _ = tick.tick() => {
+                    drain.notify_waiters();
+                    if tidy.tick(self.connections.get(), now_ms()) {
+                        crate::base::tidy::nudge();
+                    }
+                    continue;
+                }
             };
             let (mut stream, peer) = match accepted {
                 Ok(c) => c,
@@ -134,25 +155,33 @@ impl Server {
             }
             let guard = Counted::new(self.connections.clone());
             let server = self.clone();
-            // Plain connections get the same task as before other kinds
-            // existed (no dispatch in every poll of the connection).
+            // Plain connections: the HTTP/1.1 loop is the task itself (no
+            // wrapping future holding a second copy of its state).
             if kind == Kind::Plain {
-                tokio::spawn(async move {
-                    server.serve_connection(stream, peer).await;
-                    drop(guard);
-                });
+                tokio::spawn(h1::serve(server, stream, peer, drain.clone(), Some(guard)));
                 continue;
             }
+            let drain = drain.clone();
             tokio::spawn(async move {
                 match kind {
-                    Kind::Plain | Kind::H2c => server.serve_h2c(stream, peer).await,
+                    Kind::Plain | Kind::H2c => server.serve_h2c(stream, peer, drain).await,
                     Kind::Tls(i) => tls::serve(server, stream, peer, i).await,
                 }
                 drop(guard);
             });
             continue;
         }
+        drop(listener);
         tracing::info!("stopped accepting connections");
+        // Draining: idle connections close on the shorter drain idle
+        // timeout, checked on this loop's ticks until every one has gone.
+        loop {
+            drain.notify_waiters();
+            tokio::select! {
+                _ = self.connections.zero() => break,
+                _ = tick.tick() => {}
+            }
+        }
     }
 
     /// Binds `n` listeners on `addr` with SO_REUSEPORT (the kernel spreads
@@ -263,18 +292,19 @@ impl Server {
         Ok(handles)
     }
 
-    async fn serve_connection(self: Arc<Self>, stream: TcpStream, peer: SocketAddr) {
-        self.serve_h1(stream, peer, false).await
-    }
-
     /// A plain connection on an h2c listener: the HTTP/2 preface → h2c,
     /// anything else → HTTP/1.1.
-    async fn serve_h2c(self: Arc<Self>, stream: TcpStream, peer: SocketAddr) {
+    async fn serve_h2c(
+        self: Arc<Self>,
+        stream: TcpStream,
+        peer: SocketAddr,
+        drain: Arc<tokio::sync::Notify>,
+    ) {
         let header_ms = self.plane.current().config.client.header_timeout_ms;
         let sniff = tokio::time::timeout(Duration::from_millis(header_ms), sniff_preface(&stream));
         match sniff.await {
             Ok(Ok(true)) => self.serve_h2(stream, peer, false).await,
-            Ok(Ok(false)) => self.serve_h1(stream, peer, false).await,
+            Ok(Ok(false)) => h1::serve(self, stream, peer, drain, None).await,
             Ok(Err(_)) | Err(_) => {}
         }
     }
@@ -297,7 +327,7 @@ impl Server {
                 req.extensions_mut().insert(Https);
             }
             async move {
-                let resp = proxy::handle(&plane, peer, req).await?;
+                let resp = proxy::handle(&plane, peer, req.map(Into::into)).await?;
                 let (mut head, body) = resp.into_parts();
                 // Draining: this answer ends the keep-alive connection, so
                 // the client's next request opens a new one (to the
@@ -418,7 +448,7 @@ impl Server {
             async move {
                 // Boxed: hyper spawns each stream as a task, and moving the
                 // whole request future into it costs more than a box.
-                let mut resp = Box::pin(proxy::handle(&plane, peer, req)).await?;
+                let mut resp = Box::pin(proxy::handle(&plane, peer, req.map(Into::into))).await?;
                 if grpc && !is_grpc(resp.headers()) && resp.status().as_u16() >= 400 {
                     resp = grpc_error(resp);
                 }

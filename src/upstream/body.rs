@@ -11,10 +11,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
-use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::body::{Body, Frame, SizeHint};
 use tokio::sync::oneshot;
 
 use super::BoxError;
+use crate::base::body::RequestBody;
 use crate::base::error::ErrorKind;
 use crate::base::stall::Stall;
 
@@ -51,13 +52,13 @@ impl ClientFault {
 /// as the client's (bad framing, or the client went away), and a read that
 /// waits longer than the body timeout fails it.
 pub struct ClientBody {
-    inner: Incoming,
+    inner: RequestBody,
     stall: Stall,
     fault: Arc<ClientFault>,
 }
 
 impl ClientBody {
-    pub fn new(inner: Incoming, timeout: Duration) -> ClientBody {
+    pub fn new(inner: RequestBody, timeout: Duration) -> ClientBody {
         ClientBody {
             inner,
             stall: Stall::new(timeout),

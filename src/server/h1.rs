@@ -1,0 +1,1043 @@
+//! Layer: server. The hand-written HTTP/1.1 server connection for plain
+//! listeners (and the HTTP/1.1 side of h2c ones): a small loop instead of
+//! hyper's server connection, for two measured reasons — an idle keep-alive
+//! connection holds no buffer (hyper keeps its read and write buffers for the
+//! connection's life: ~21 KB each), and a request costs fewer instructions
+//! (no dispatcher task state, no per-request timers, heads parsed straight
+//! into the `http` types and encoded into a reused per-thread buffer).
+//!
+//! The common request takes this path: a complete head (httparse, the parser
+//! hyper uses), no body or a `Content-Length` body that arrived with it.
+//! Anything else — a `Transfer-Encoding`, `Expect`, `Upgrade` or `CONNECT`
+//! request, a larger body, a head hyper would answer with an error (400, 414,
+//! 431) — hands the connection, its unread bytes put back in front, to
+//! hyper's server (`Server::serve_h1`) for the rest of its life: the
+//! framing rules of the hardening section stay hyper's, byte for byte.
+//!
+//! Between requests a connection is a small future awaiting readability: a
+//! read buffer is taken from a per-thread pool only while a head is being
+//! read, and given back once the request is parsed (unless pipelined bytes
+//! follow); the response head is written from a per-thread buffer. The idle
+//! timeout is checked on the accept loop's coarse tick (no timer per
+//! connection or request); header-read and send timeouts arm a timer only
+//! while a read or a write actually waits.
+
+use std::cell::{Cell, RefCell};
+use std::future::poll_fn;
+use std::future::Future;
+use std::io::{self, IoSlice};
+use std::mem::MaybeUninit;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, StatusCode, Uri, Version};
+use hyper::body::Body as _;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::Server;
+use crate::base::body::RequestBody;
+use crate::base::clock::now_ms;
+use crate::base::counter::Counted;
+use crate::base::ratelog::log_limited;
+use crate::proxy;
+use crate::proxy::record::Recorded;
+
+/// Fields a head may have on this path (hyper's default limit; more → hyper,
+/// which answers 431).
+const MAX_HEADERS: usize = 100;
+/// hyper's longest request target (longer → hyper, which answers 414).
+const MAX_URI_LEN: usize = (u16::MAX - 1) as usize;
+/// A pooled read buffer's size; a head longer than this grows it (up to the
+/// connection's limit).
+const READ_BUF: usize = 4096;
+/// Read buffers kept per thread between requests.
+const POOL_MAX: usize = 32;
+/// A body frame up to this size is copied behind its head (one write).
+const COALESCE: usize = 16 * 1024;
+
+thread_local! {
+    static READ_POOL: RefCell<Vec<BytesMut>> = const { RefCell::new(Vec::new()) };
+    static WRITE_BUF: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
+    static DATE: RefCell<(u64, [u8; 29])> = const { RefCell::new((0, [0; 29])) };
+}
+
+fn take_read_buf() -> BytesMut {
+    READ_POOL
+        .with(|p| p.borrow_mut().pop())
+        .unwrap_or_else(|| BytesMut::with_capacity(READ_BUF))
+}
+
+fn give_read_buf(mut b: BytesMut) {
+    b.clear();
+    // The heads split off the front may still be alive (the request's
+    // fields are slices of them): the rest of the allocation serves the
+    // next heads, and once it runs low `reserve` takes the whole
+    // allocation back (in place, when those heads are gone).
+    if b.capacity() < 1024 {
+        b.reserve(READ_BUF);
+    }
+    if b.capacity() > 4 * READ_BUF {
+        return;
+    }
+    READ_POOL.with(|p| {
+        let mut p = p.borrow_mut();
+        if p.len() < POOL_MAX {
+            p.push(b);
+        }
+    });
+}
+
+/// The `Date` value, formatted once per second per thread (as hyper does).
+fn date(out: &mut Vec<u8>) {
+    DATE.with(|d| {
+        let mut d = d.borrow_mut();
+        let now = now_ms();
+        if now >= d.0 {
+            let wall = std::time::SystemTime::now();
+            let s = httpdate::fmt_http_date(wall);
+            let n = s.len().min(29);
+            d.1[..n].copy_from_slice(&s.as_bytes()[..n]);
+            let sub = wall
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |t| t.subsec_millis() as u64);
+            d.0 = now + (1000 - sub).max(1);
+        }
+        out.extend_from_slice(&d.1);
+    });
+}
+
+/// What a connection does after an exchange.
+enum Next {
+    KeepAlive,
+    Close,
+    /// Hand the connection to hyper, these bytes first.
+    Hyper(BytesMut),
+}
+
+/// One plain HTTP/1.1 client connection: its idle state.
+struct Conn {
+    server: Arc<Server>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    /// Bytes read past the last request (pipelining); `None` when idle
+    /// (boxed: rare, and the idle connection stays small).
+    pending: Option<Box<BytesMut>>,
+    /// Last read or write (`now_ms`).
+    last: u64,
+    /// Woken by the accept loop on its coarse tick and when the drain
+    /// begins.
+    drain: Arc<Notify>,
+    /// Counts the connection (for the cap and the drain) until it ends.
+    _open: Option<Counted>,
+}
+
+/// Serves a plain connection: the accept loop spawns this future as the
+/// connection's task (it holds the connection's state once: no wrapper).
+pub(super) fn serve(
+    server: Arc<Server>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    drain: Arc<Notify>,
+    open: Option<Counted>,
+) -> impl Future<Output = ()> + Send {
+    run(Conn {
+        server,
+        stream,
+        peer,
+        pending: None,
+        last: now_ms(),
+        drain,
+        _open: open,
+    })
+}
+
+async fn run(mut conn: Conn) {
+    loop {
+        if conn.pending.is_none() && !conn.idle().await {
+            return;
+        }
+        // Boxed: the exchange's state (the head being read, the response
+        // being written) lives only while a request does; the idle
+        // connection's task stays small.
+        match in_box(|| conn.exchange()).await {
+            Next::KeepAlive => {}
+            Next::Close => return,
+            Next::Hyper(bytes) => {
+                let Conn {
+                    server,
+                    stream,
+                    peer,
+                    _open,
+                    ..
+                } = conn;
+                let io = Rewind {
+                    pre: bytes.freeze(),
+                    inner: stream,
+                };
+                Box::pin(server.serve_h1(io, peer, false)).await;
+                drop(_open);
+                return;
+            }
+        }
+    }
+}
+
+/// Runs the future `make` builds in a heap slot allocated before it is
+/// built, so that the (large, unstarted) future is written in place — not
+/// built on the stack and copied into its box (`Box::pin(f)`: the request's
+/// 8 KB future was one memcpy per request).
+async fn in_box<F: Future>(make: impl FnOnce() -> F) -> F::Output {
+    let mut slot: Pin<Box<Option<F>>> = Box::pin(None);
+    slot.as_mut().set(Some(make()));
+    poll_fn(|cx| match slot.as_mut().as_pin_mut() {
+        Some(f) => f.poll(cx),
+        None => unreachable!("set above"),
+    })
+    .await
+}
+
+impl Conn {
+    /// Waits (holding no buffer, no timer) until the client sends; false
+    /// when the connection is to close: idle timeout (shortened while
+    /// draining) or an error. The idle timeout is checked on the accept
+    /// loop's coarse tick (`drain` is notified on every tick and when the
+    /// drain begins): no timer per connection or request.
+    async fn idle(&mut self) -> bool {
+        let (stream, drain) = (&self.stream, &self.drain);
+        loop {
+            let notified = drain.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let idle_ms = {
+                let gen = self.server.plane.current();
+                let limits = &gen.config.client;
+                if self.server.draining.load(Ordering::Relaxed) {
+                    limits.idle_timeout_ms.min(limits.drain_idle_ms)
+                } else {
+                    limits.idle_timeout_ms
+                }
+            };
+            if now_ms() >= self.last + idle_ms {
+                return false;
+            }
+            // The readiness waker sits in the socket's registration: no
+            // waiter node or future of its own while idle.
+            let ready = poll_fn(|cx| match stream.poll_read_ready(cx) {
+                Poll::Ready(r) => Poll::Ready(Some(r.is_ok())),
+                Poll::Pending => notified.as_mut().poll(cx).map(|()| None),
+            })
+            .await;
+            if let Some(ok) = ready {
+                return ok;
+            }
+        }
+    }
+
+    /// One request: read its head, serve it, write the answer.
+    async fn exchange(&mut self) -> Next {
+        let (max_buf, header_ms, send_ms) = {
+            let gen = self.server.plane.current();
+            let l = &gen.config.client;
+            let max_buf = (l.max_uri_bytes + l.max_header_bytes + 4096).max(8192);
+            (max_buf, l.header_timeout_ms, l.send_timeout_ms)
+        };
+        let mut buf = self.pending.take().map_or_else(take_read_buf, |b| *b);
+        let mut head_due: Option<Instant> = None;
+        let parsed = loop {
+            if !buf.is_empty() {
+                match parse(&mut buf) {
+                    Parse::Partial => {}
+                    Parse::Hyper => return Next::Hyper(buf),
+                    Parse::Done(p) => break p,
+                }
+                if buf.len() >= max_buf {
+                    return Next::Hyper(buf);
+                }
+            }
+            if buf.capacity() - buf.len() < 1024 {
+                buf.reserve(READ_BUF.max(buf.capacity()).min(max_buf));
+            }
+            match self.stream.try_read_buf(&mut buf) {
+                Ok(0) => {
+                    give_read_buf(buf);
+                    return Next::Close;
+                }
+                Ok(_) => {
+                    self.last = now_ms();
+                    continue;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(_) => return Next::Close,
+            }
+            // A spurious wake-up (nothing to read yet): back to idle, the
+            // buffer back to the pool.
+            if buf.is_empty() {
+                give_read_buf(buf);
+                return Next::KeepAlive;
+            }
+            // The head has started: the header timer runs from its first byte.
+            let due =
+                *head_due.get_or_insert_with(|| Instant::now() + Duration::from_millis(header_ms));
+            match tokio::time::timeout_at(due, self.stream.readable()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return Next::Close,
+                Err(_) => {
+                    tracing::debug!(peer = %self.peer, "request head not received in time; closing");
+                    return Next::Close;
+                }
+            }
+        };
+        let Parsed {
+            req,
+            keep_alive,
+            body_len,
+        } = parsed;
+        // The body arrived with the head (else the request went to hyper).
+        let body = if body_len == 0 {
+            RequestBody::Full(None)
+        } else {
+            RequestBody::Full(Some(buf.split_to(body_len).freeze()))
+        };
+        if buf.is_empty() {
+            give_read_buf(buf);
+        } else {
+            self.pending = Some(Box::new(buf));
+        }
+        let method_head = req.method() == Method::HEAD;
+        let version = req.version();
+        let plane = &self.server.plane;
+        // Boxed on its own: the exchange's future stays small.
+        // A client that goes away meanwhile cancels the request (as on
+        // hyper's connections).
+        let handled = unless_gone(
+            &self.stream,
+            in_box(|| proxy::handle(plane, self.peer, req.map(|()| body))),
+        );
+        let Some(Ok(resp)) = handled.await else {
+            return Next::Close;
+        };
+        let (mut head, body) = resp.into_parts();
+        // Draining: this answer ends the keep-alive connection (as on
+        // hyper's connections).
+        if self.server.draining.load(Ordering::Relaxed) {
+            head.headers
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        let framing = Framing {
+            head: method_head,
+            http10: version == Version::HTTP_10,
+            keep_alive,
+        };
+        let mut out = Out {
+            stream: &self.stream,
+            send: Duration::from_millis(send_ms),
+            peer: self.peer,
+        };
+        let keep = out.respond(head, body, framing).await;
+        self.last = now_ms();
+        match keep {
+            Ok(true) => Next::KeepAlive,
+            _ => Next::Close,
+        }
+    }
+}
+
+/// A parsed request head.
+struct Parsed {
+    req: Request<()>,
+    keep_alive: bool,
+    body_len: usize,
+}
+
+// Returned once per request and matched at once: a box would cost an
+// allocation per request for nothing.
+#[allow(clippy::large_enum_variant)]
+enum Parse {
+    Partial,
+    /// Not for this path: hyper serves the connection from here.
+    Hyper,
+    Done(Parsed),
+}
+
+/// Parses the head at the front of `buf`; on success it is split off (the
+/// fields are slices of it, as in hyper) and `buf` starts at the body.
+fn parse(buf: &mut BytesMut) -> Parse {
+    let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut r = httparse::Request::new(&mut []);
+    let base = buf.as_ptr() as usize;
+    let len = match r.parse_with_uninit_headers(buf, &mut fields) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Parse::Partial,
+        Err(_) => return Parse::Hyper,
+    };
+    let (Some(method), Some(path), Some(v)) = (r.method, r.path, r.version) else {
+        return Parse::Hyper;
+    };
+    if path.len() > MAX_URI_LEN {
+        return Parse::Hyper;
+    }
+    let Ok(method) = Method::from_bytes(method.as_bytes()) else {
+        return Parse::Hyper;
+    };
+    if method == Method::CONNECT {
+        return Parse::Hyper;
+    }
+    let http11 = v == 1;
+    let mut keep_alive = http11;
+    let mut close = false;
+    let mut body_len: Option<usize> = None;
+    // Offsets into the head: the map is built from slices of it once split.
+    let path_at = (path.as_ptr() as usize - base, path.len());
+    let mut spans = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];
+    let n = r.headers.len();
+    for (h, span) in r.headers.iter().zip(spans.iter_mut()) {
+        let name = h.name.as_bytes();
+        if name.eq_ignore_ascii_case(b"transfer-encoding")
+            || name.eq_ignore_ascii_case(b"expect")
+            || name.eq_ignore_ascii_case(b"upgrade")
+        {
+            return Parse::Hyper;
+        }
+        if name.eq_ignore_ascii_case(b"content-length") {
+            match (body_len, digits(h.value)) {
+                (None, Some(l)) => body_len = Some(l),
+                _ => return Parse::Hyper,
+            }
+        } else if name.eq_ignore_ascii_case(b"connection") {
+            if close || has_token(h.value, b"close") {
+                close = true;
+                keep_alive = false;
+            } else if !keep_alive {
+                keep_alive = has_token(h.value, b"keep-alive");
+            }
+        }
+        let ns = h.name.as_ptr() as usize - base;
+        let vs = h.value.as_ptr() as usize - base;
+        *span = (
+            ns as u32,
+            (ns + name.len()) as u32,
+            vs as u32,
+            (vs + h.value.len()) as u32,
+        );
+    }
+    let body_len = body_len.unwrap_or(0);
+    if buf.len() - len < body_len {
+        // The body is still on its way: hyper streams it.
+        return Parse::Hyper;
+    }
+    let head: Bytes = buf.split_to(len).freeze();
+    let Ok(uri) = Uri::from_maybe_shared(head.slice(path_at.0..path_at.0 + path_at.1)) else {
+        // Put back for hyper (its 400).
+        put_back(&head, buf);
+        return Parse::Hyper;
+    };
+    let mut headers = HeaderMap::with_capacity(n);
+    for &(ns, ne, vs, ve) in &spans[..n] {
+        let Ok(name) = HeaderName::from_bytes(&head[ns as usize..ne as usize]) else {
+            put_back(&head, buf);
+            return Parse::Hyper;
+        };
+        // httparse checked the value's bytes.
+        let value = HeaderValue::from_maybe_shared(head.slice(vs as usize..ve as usize));
+        match value {
+            Ok(v) => {
+                headers.append(name, v);
+            }
+            Err(_) => {
+                put_back(&head, buf);
+                return Parse::Hyper;
+            }
+        }
+    }
+    let mut req = Request::new(());
+    *req.method_mut() = method;
+    *req.uri_mut() = uri;
+    *req.version_mut() = if http11 {
+        Version::HTTP_11
+    } else {
+        Version::HTTP_10
+    };
+    *req.headers_mut() = headers;
+    Parse::Done(Parsed {
+        req,
+        keep_alive,
+        body_len,
+    })
+}
+
+/// Runs `fut` while watching the client: `None` when it closed its side or
+/// the connection failed (a peek at the socket: bytes it pipelined stay
+/// unread, and once some are there the watch ends).
+async fn unless_gone<F: Future>(stream: &TcpStream, fut: F) -> Option<F::Output> {
+    tokio::pin!(fut);
+    let mut watch = true;
+    poll_fn(|cx| {
+        if let Poll::Ready(out) = fut.as_mut().poll(cx) {
+            return Poll::Ready(Some(out));
+        }
+        if watch {
+            let mut one = [0u8; 1];
+            let mut peek = ReadBuf::new(&mut one);
+            match stream.poll_peek(cx, &mut peek) {
+                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(None),
+                Poll::Ready(Ok(_)) => watch = false,
+                Poll::Pending => {}
+            }
+        }
+        Poll::Pending
+    })
+    .await
+}
+
+/// Undoes the split of a head that turned out to be hyper's to answer.
+fn put_back(head: &Bytes, buf: &mut BytesMut) {
+    let mut back = BytesMut::with_capacity(head.len() + buf.len());
+    back.extend_from_slice(head);
+    back.extend_from_slice(buf);
+    *buf = back;
+}
+
+/// A `Content-Length` value hyper accepts on one field: digits only.
+fn digits(v: &[u8]) -> Option<usize> {
+    if v.is_empty() || v.len() > 18 {
+        return None;
+    }
+    let mut n: usize = 0;
+    for &b in v {
+        if !b.is_ascii_digit() {
+            return None;
+        }
+        n = n * 10 + (b - b'0') as usize;
+    }
+    Some(n)
+}
+
+/// Is `token` one of the comma-separated values (case-insensitive)?
+fn has_token(v: &[u8], token: &[u8]) -> bool {
+    v.split(|&b| b == b',')
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
+}
+
+/// How the answer is framed for this request.
+#[derive(Clone, Copy)]
+struct Framing {
+    /// A HEAD request: no body.
+    head: bool,
+    /// An HTTP/1.0 client: answered as HTTP/1.0, no chunked coding.
+    http10: bool,
+    keep_alive: bool,
+}
+
+/// How the body goes out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Coding {
+    Length(u64),
+    Chunked,
+    /// Until the connection closes (HTTP/1.0, unknown length).
+    Close,
+}
+
+/// Where a response is written.
+struct Out<'a> {
+    stream: &'a TcpStream,
+    send: Duration,
+    peer: SocketAddr,
+}
+
+impl Out<'_> {
+    /// Writes the answer; `Ok(true)` when the connection may serve
+    /// another request. Framing as hyper's server encodes it.
+    async fn respond(
+        &mut self,
+        head: http::response::Parts,
+        mut body: Recorded,
+        f: Framing,
+    ) -> io::Result<bool> {
+        let mut w = WRITE_BUF.take();
+        w.clear();
+        let status = head.status;
+        let bodiless = f.head
+            || status.is_informational()
+            || status == StatusCode::NO_CONTENT
+            || status == StatusCode::NOT_MODIFIED;
+        let end = body.is_end_stream();
+        let (coding, mut keep) = encode_head(&mut w, head, &body, f, end);
+        let coding = if bodiless || end {
+            Coding::Length(0)
+        } else {
+            coding
+        };
+        if coding == Coding::Length(0) {
+            drop(body);
+            let r = self.write(&[&w]).await;
+            WRITE_BUF.set(w);
+            return r.map(|()| keep);
+        }
+        // The first frame, if ready, goes out with the head; a body that
+        // fails before anything was sent closes the connection without an
+        // answer (never a head followed by a truncated body).
+        let mut sent: u64 = 0;
+        let first = poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await;
+        let mut done = matches!(first, Poll::Ready(None));
+        let mut pending = match first {
+            Poll::Ready(Some(Err(_))) => {
+                WRITE_BUF.set(w);
+                return Ok(false);
+            }
+            Poll::Ready(Some(Ok(frame))) => frame.into_data().ok(),
+            Poll::Ready(None) => None,
+            Poll::Pending => {
+                let r = self.write(&[&w]).await;
+                if r.is_err() {
+                    WRITE_BUF.set(w);
+                    return Ok(false);
+                }
+                w.clear();
+                Some(Bytes::new())
+            }
+        };
+        loop {
+            if let Some(data) = pending.take() {
+                if !data.is_empty() {
+                    sent += data.len() as u64;
+                    if let Coding::Length(n) = coding {
+                        if sent > n {
+                            // More than the announced length: cut off.
+                            WRITE_BUF.set(w);
+                            return Ok(false);
+                        }
+                    }
+                    if let Err(e) = self.frame(&mut w, &data, coding).await {
+                        WRITE_BUF.set(w);
+                        return Err(e);
+                    }
+                    w.clear();
+                } else if !w.is_empty() {
+                    if let Err(e) = self.write(&[&w]).await {
+                        WRITE_BUF.set(w);
+                        return Err(e);
+                    }
+                    w.clear();
+                }
+            }
+            if done {
+                break;
+            }
+            // A client gone while the body is awaited drops it (recorded as
+            // the client's abort), as hyper's connections did.
+            let next = poll_fn(|cx| Pin::new(&mut body).poll_frame(cx));
+            let Some(next) = unless_gone(self.stream, next).await else {
+                WRITE_BUF.set(w);
+                return Ok(false);
+            };
+            match next {
+                None => done = true,
+                Some(Ok(frame)) => pending = frame.into_data().ok(),
+                Some(Err(_)) => {
+                    WRITE_BUF.set(w);
+                    return Ok(false);
+                }
+            }
+        }
+        let r = match coding {
+            Coding::Chunked => {
+                w.extend_from_slice(b"0\r\n\r\n");
+                self.write(&[&w]).await
+            }
+            Coding::Length(n) if sent != n => {
+                // The body ended short of its length: the client must not
+                // take it as whole.
+                keep = false;
+                Err(io::ErrorKind::UnexpectedEof.into())
+            }
+            _ if !w.is_empty() => self.write(&[&w]).await,
+            _ => Ok(()),
+        };
+        WRITE_BUF.set(w);
+        drop(body);
+        r.map(|()| keep && coding != Coding::Close)
+    }
+
+    /// One body frame, behind whatever is in `w` (the head, at first).
+    async fn frame(&mut self, w: &mut Vec<u8>, data: &[u8], coding: Coding) -> io::Result<()> {
+        let chunked = coding == Coding::Chunked;
+        if chunked {
+            w.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+        }
+        if data.len() <= COALESCE {
+            w.extend_from_slice(data);
+            if chunked {
+                w.extend_from_slice(b"\r\n");
+            }
+            self.write(&[w]).await
+        } else if chunked {
+            self.write(&[w, data, b"\r\n"]).await
+        } else {
+            self.write(&[w, data]).await
+        }
+    }
+
+    /// Writes every byte of `bufs`; a write that waits longer than the
+    /// send timeout for the client to read fails the connection.
+    async fn write(&mut self, bufs: &[&[u8]]) -> io::Result<()> {
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        let mut done = 0;
+        while done < total {
+            let mut skip = done;
+            let mut slices: [IoSlice<'_>; 3] = [IoSlice::new(&[]); 3];
+            let mut k = 0;
+            for b in bufs {
+                if skip >= b.len() {
+                    skip -= b.len();
+                    continue;
+                }
+                slices[k] = IoSlice::new(&b[skip..]);
+                skip = 0;
+                k += 1;
+            }
+            match self.stream.try_write_vectored(&slices[..k]) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    match tokio::time::timeout(self.send, self.stream.writable()).await {
+                        Ok(r) => r?,
+                        Err(_) => {
+                            let send_ms = self.send.as_millis() as u64;
+                            log_limited(
+                                &super::SEND_LOG,
+                                || tracing::warn!(peer = %self.peer, send_timeout_ms = send_ms, "client stopped reading the response; closing"),
+                            );
+                            return Err(io::ErrorKind::TimedOut.into());
+                        }
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Encodes the status line and fields into `w` as hyper's server does
+/// (lower-case names, `Content-Length` or chunked from the body's size,
+/// `Date`); returns the body's coding and whether the connection may stay.
+fn encode_head(
+    w: &mut Vec<u8>,
+    head: http::response::Parts,
+    body: &Recorded,
+    f: Framing,
+    end: bool,
+) -> (Coding, bool) {
+    let status = head.status;
+    let mut keep = f.keep_alive;
+    if f.http10 {
+        w.extend_from_slice(b"HTTP/1.0 ");
+    } else {
+        w.extend_from_slice(b"HTTP/1.1 ");
+    }
+    w.extend_from_slice(status.as_str().as_bytes());
+    w.push(b' ');
+    w.extend_from_slice(status.canonical_reason().unwrap_or("<none>").as_bytes());
+    w.extend_from_slice(b"\r\n");
+    let can_chunk = !(f.head
+        || status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED);
+    let can_length = !(status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED);
+    let exact = if end { None } else { body.size_hint().exact() };
+    let mut coding: Option<Coding> = None;
+    let mut wrote_date = false;
+    let mut conn_keep_alive = false;
+    let mut headers = head.headers;
+    let mut te_seen = false;
+    for (name, value) in headers.drain().filter_map(|(n, v)| n.map(|n| (n, v))) {
+        match name {
+            header::CONTENT_LENGTH => {
+                if end && !f.head {
+                    continue;
+                }
+                if coding.is_some() {
+                    continue;
+                }
+                let len = match exact {
+                    Some(l) => l,
+                    None if end => 0,
+                    None => match digits(value.as_bytes()) {
+                        Some(l) => l as u64,
+                        None => {
+                            keep = false;
+                            continue;
+                        }
+                    },
+                };
+                coding = Some(Coding::Length(len));
+            }
+            header::TRANSFER_ENCODING => {
+                if f.http10 || !can_chunk || te_seen || coding.is_some() {
+                    continue;
+                }
+                te_seen = true;
+                coding = Some(Coding::Chunked);
+                w.extend_from_slice(b"transfer-encoding: ");
+                w.extend_from_slice(value.as_bytes());
+                if !value.as_bytes().ends_with(b"chunked") {
+                    w.extend_from_slice(b", chunked");
+                }
+                w.extend_from_slice(b"\r\n");
+                continue;
+            }
+            header::CONNECTION => {
+                if has_token(value.as_bytes(), b"close") {
+                    keep = false;
+                }
+                if has_token(value.as_bytes(), b"keep-alive") {
+                    conn_keep_alive = true;
+                }
+            }
+            header::DATE => wrote_date = true,
+            header::TRAILER if f.http10 || !can_chunk => continue,
+            _ => {}
+        }
+        w.extend_from_slice(name.as_str().as_bytes());
+        w.extend_from_slice(b": ");
+        w.extend_from_slice(value.as_bytes());
+        w.extend_from_slice(b"\r\n");
+    }
+    let coding = match coding {
+        Some(c) => c,
+        None if end || exact == Some(0) => {
+            if can_length && !f.head {
+                w.extend_from_slice(b"content-length: 0\r\n");
+            }
+            Coding::Length(0)
+        }
+        None => match exact {
+            Some(len) => {
+                if can_length {
+                    w.extend_from_slice(b"content-length: ");
+                    w.extend_from_slice(itoa(len, &mut [0u8; 20]));
+                    w.extend_from_slice(b"\r\n");
+                }
+                Coding::Length(len)
+            }
+            None if f.http10 || !can_chunk => Coding::Close,
+            None => {
+                w.extend_from_slice(b"transfer-encoding: chunked\r\n");
+                Coding::Chunked
+            }
+        },
+    };
+    // An HTTP/1.0 client asked to keep the connection: say so (hyper does).
+    if f.http10 && keep && !conn_keep_alive {
+        w.extend_from_slice(b"connection: keep-alive\r\n");
+    }
+    if !wrote_date {
+        w.extend_from_slice(b"date: ");
+        date(w);
+        w.extend_from_slice(b"\r\n");
+    }
+    w.extend_from_slice(b"\r\n");
+    (coding, keep)
+}
+
+fn itoa(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return &buf[i..];
+        }
+    }
+}
+
+/// The client stream handed to hyper: the bytes already read first.
+struct Rewind {
+    pre: Bytes,
+    inner: TcpStream,
+}
+
+impl AsyncRead for Rewind {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if !self.pre.is_empty() {
+            let n = self.pre.len().min(buf.remaining());
+            buf.put_slice(&self.pre[..n]);
+            self.pre.advance(n);
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Rewind {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parsed(raw: &[u8]) -> Parse {
+        let mut b = BytesMut::from(raw);
+        parse(&mut b)
+    }
+
+    #[test]
+    fn simple_head_is_parsed_and_split_off() {
+        let mut b = BytesMut::from(&b"GET /a?b HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n\r\nGET"[..]);
+        let Parse::Done(p) = parse(&mut b) else {
+            panic!("not parsed")
+        };
+        assert_eq!(p.req.uri(), "/a?b");
+        assert_eq!(p.req.headers()["x-a"], "1");
+        assert!(p.keep_alive);
+        assert_eq!(&b[..], b"GET");
+    }
+
+    #[test]
+    fn unusual_requests_go_to_hyper() {
+        for raw in [
+            &b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"[..],
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nab",
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\na",
+            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: +1\r\n\r\na",
+            b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n\r\n",
+            b"GET / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n\r\n",
+            b"CONNECT x:1 HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"GET / HTTP/1.1\r\nHost : x\r\n\r\n",
+        ] {
+            assert!(
+                matches!(parsed(raw), Parse::Hyper),
+                "{}",
+                String::from_utf8_lossy(raw)
+            );
+        }
+    }
+
+    #[test]
+    fn keep_alive_follows_version_and_connection_tokens() {
+        let ka = |raw: &[u8]| match parsed(raw) {
+            Parse::Done(p) => p.keep_alive,
+            _ => panic!("not parsed"),
+        };
+        assert!(!ka(b"GET / HTTP/1.0\r\n\r\n"));
+        assert!(ka(b"GET / HTTP/1.0\r\nConnection: Keep-Alive\r\n\r\n"));
+        assert!(!ka(b"GET / HTTP/1.1\r\nConnection: foo, close\r\n\r\n"));
+        assert!(!ka(
+            b"GET / HTTP/1.1\r\nConnection: close\r\nConnection: keep-alive\r\n\r\n"
+        ));
+    }
+
+    /// Random mutations of valid heads (bytes flipped, inserted, cut): the
+    /// parser never panics; whatever it accepts is what httparse reads
+    /// (method, target, every field in order), with a framing this path
+    /// serves — else the head goes to hyper.
+    #[test]
+    fn mutated_heads_are_parsed_as_httparse_reads_them_or_go_to_hyper() {
+        let seeds: [&[u8]; 4] = [
+            b"GET /a?b=1 HTTP/1.1\r\nHost: x\r\nX-Gray: 1\r\n\r\n",
+            b"POST /p HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc",
+            b"GET / HTTP/1.0\r\nConnection: keep-alive\r\nCookie: a=1; b=2\r\n\r\n",
+            b"HEAD /h HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        ];
+        let alphabet = b"\r\n :;,\t\x00\x7fAaZz09-_/?%Hh";
+        let mut rng = fastrand::Rng::with_seed(16);
+        let mut accepted = 0;
+        for round in 0..20_000 {
+            let mut raw = seeds[round % seeds.len()].to_vec();
+            for _ in 0..rng.usize(1..4) {
+                let at = rng.usize(0..raw.len());
+                match rng.u8(0..3) {
+                    0 => raw[at] = alphabet[rng.usize(0..alphabet.len())],
+                    1 => raw.insert(at, alphabet[rng.usize(0..alphabet.len())]),
+                    _ => {
+                        raw.remove(at);
+                    }
+                }
+            }
+            let mut b = BytesMut::from(&raw[..]);
+            let Parse::Done(p) = parse(&mut b) else {
+                continue;
+            };
+            accepted += 1;
+            let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+            let mut r = httparse::Request::new(&mut fields);
+            let Ok(httparse::Status::Complete(n)) = r.parse(&raw) else {
+                panic!(
+                    "accepted what httparse does not: {:?}",
+                    String::from_utf8_lossy(&raw)
+                );
+            };
+            let what = String::from_utf8_lossy(&raw).into_owned();
+            assert_eq!(p.req.method().as_str(), r.method.unwrap(), "{what:?}");
+            assert_eq!(p.req.uri().to_string(), r.path.unwrap(), "{what:?}");
+            let got: Vec<(String, Vec<u8>)> = p
+                .req
+                .headers()
+                .iter()
+                .map(|(k, v)| (k.as_str().to_string(), v.as_bytes().to_vec()))
+                .collect();
+            let want: Vec<(String, Vec<u8>)> = r
+                .headers
+                .iter()
+                .map(|h| (h.name.to_ascii_lowercase(), h.value.to_vec()))
+                .collect();
+            let mut got_sorted = got.clone();
+            got_sorted.sort();
+            let mut want_sorted = want.clone();
+            want_sorted.sort();
+            assert_eq!(got_sorted, want_sorted, "{what:?}");
+            for (k, _) in &want {
+                assert!(
+                    !matches!(k.as_str(), "transfer-encoding" | "expect" | "upgrade"),
+                    "{what:?}"
+                );
+            }
+            // The body is what Content-Length says, and the rest is left.
+            assert_eq!(b.len(), raw.len() - n, "{what:?}");
+            assert!(p.body_len <= b.len(), "{what:?}");
+        }
+        assert!(
+            accepted > 2_000,
+            "only {accepted} mutated heads were parsed"
+        );
+    }
+
+    #[test]
+    fn partial_heads_wait() {
+        assert!(matches!(
+            parsed(b"GET / HTTP/1.1\r\nHost: x\r\n"),
+            Parse::Partial
+        ));
+    }
+}
