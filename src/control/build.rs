@@ -579,13 +579,19 @@ fn static_cache_settings(
     let max_size = c.max_size.bytes().ok_or_else(|| {
         err(
             "max_size",
-            format!("static_cache.max_size: bad size {:?} (e.g. 64m, 512k, 0 = hold no content)", c.max_size),
+            format!(
+                "static_cache.max_size: bad size {:?} (e.g. 64m, 512k, 0 = hold no content)",
+                c.max_size
+            ),
         )
     })?;
     let max_file_size = c.max_file_size.bytes().ok_or_else(|| {
         err(
             "max_file_size",
-            format!("static_cache.max_file_size: bad size {:?} (e.g. 1m)", c.max_file_size),
+            format!(
+                "static_cache.max_file_size: bad size {:?} (e.g. 1m)",
+                c.max_file_size
+            ),
         )
     })?;
     if max_file_size > max_size {

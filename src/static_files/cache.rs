@@ -165,7 +165,11 @@ pub fn cache_for(root: &Path, index: &str, settings: CacheSettings) -> Arc<FileC
         .unwrap_or_else(|p| p.into_inner());
     reg.retain(|(_, w)| w.strong_count() > 0);
     let key = (root.to_path_buf(), index.to_string(), settings);
-    if let Some(c) = reg.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
+    if let Some(c) = reg
+        .iter()
+        .find(|(k, _)| *k == key)
+        .and_then(|(_, w)| w.upgrade())
+    {
         return c;
     }
     let c = Arc::new(FileCache::new(settings));
@@ -175,8 +179,8 @@ pub fn cache_for(root: &Path, index: &str, settings: CacheSettings) -> Arc<FileC
 
 impl FileCache {
     pub fn new(settings: CacheSettings) -> FileCache {
-        let per_shard = NonZeroUsize::new(settings.max_entries.div_ceil(SHARDS).max(1))
-            .expect("at least one");
+        let per_shard =
+            NonZeroUsize::new(settings.max_entries.div_ceil(SHARDS).max(1)).expect("at least one");
         FileCache {
             settings,
             shards: (0..SHARDS)
@@ -432,5 +436,89 @@ fn still_same(old: &Resolved, found: Option<&Found>) -> bool {
             f.path == *path && f.id == FileId::of(meta)
         }
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tree(files: &[(&str, usize)]) -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join(FORMAL)).unwrap();
+        for (name, n) in files {
+            std::fs::write(d.path().join(FORMAL).join(name), vec![b'x'; *n]).unwrap();
+        }
+        d
+    }
+
+    fn rel(p: &str) -> Option<PathBuf> {
+        Some(PathBuf::from(p.trim_start_matches('/')))
+    }
+
+    fn in_memory(e: &Entry) -> Option<usize> {
+        match &e.resolved {
+            Resolved::File(f) => match &f.content {
+                Content::Mem(b) => Some(b.len()),
+                Content::Disk => None,
+            },
+            _ => panic!("not a file"),
+        }
+    }
+
+    #[test]
+    fn content_held_never_exceeds_max_size_and_big_files_stay_on_disk() {
+        let names: Vec<String> = (0..40).map(|i| format!("f{i}.bin")).collect();
+        let mut files: Vec<(&str, usize)> = names.iter().map(|n| (n.as_str(), 3000)).collect();
+        files.push(("big.bin", 5000));
+        let d = tree(&files);
+        let root = d.path().canonicalize().unwrap();
+        let c = FileCache::new(CacheSettings {
+            max_size: 10_000,
+            max_file_size: 4096,
+            max_entries: 1000,
+            valid_ms: 60_000,
+        });
+        for round in 0..3 {
+            for n in &names {
+                let e = c.get(&root, FORMAL, &format!("/{n}"), rel);
+                assert!(c.held() <= 10_000, "round {round}: {} held", c.held());
+                // Evicting others makes room: every small file fits.
+                assert_eq!(in_memory(&e), Some(3000));
+            }
+        }
+        let e = c.get(&root, FORMAL, "/big.bin", rel);
+        assert_eq!(in_memory(&e), None, "over max_file_size");
+        assert!(c.held() <= 10_000);
+        // The map holds what it charged: forgetting every entry frees all.
+        for n in names.iter().map(String::as_str).chain(["big.bin"]) {
+            c.forget(FORMAL, &format!("/{n}"));
+        }
+        assert_eq!(c.held(), 0);
+    }
+
+    #[test]
+    fn entries_are_bounded_and_a_hit_is_the_same_entry() {
+        let d = tree(&[("a.txt", 10)]);
+        let root = d.path().canonicalize().unwrap();
+        let c = FileCache::new(CacheSettings {
+            max_entries: 32,
+            valid_ms: 60_000,
+            ..CacheSettings::default()
+        });
+        let a = c.get(&root, FORMAL, "/a.txt", rel);
+        let again = c.get(&root, FORMAL, "/a.txt", |_| {
+            panic!("a hit resolves nothing")
+        });
+        assert!(Arc::ptr_eq(&a, &again));
+        // Misses are entries too, and the map stays within max_entries.
+        for i in 0..1000 {
+            c.get(&root, FORMAL, &format!("/missing{i}"), rel);
+        }
+        let n: usize = c.shards.iter().map(|s| s.lock().unwrap().len()).sum();
+        assert!(n <= 32, "{n} entries");
+        // Another lane's entry for the same path is its own.
+        let g = c.get(&root, "gray", "/a.txt", rel);
+        assert!(!Arc::ptr_eq(&a, &g));
     }
 }

@@ -24,8 +24,8 @@ use http_body_util::{Empty, Full};
 use crate::base::body::{boxed, plain, Body};
 use crate::base::decision::Decision;
 use body::{FileBody, Segment};
-use cache::{Content, FileCache, FileInfo, Resolved};
 pub use cache::CacheSettings;
+use cache::{Content, FileCache, FileInfo, Resolved};
 
 /// A static tree: `root/<lane>/...` with per-file fallback to `root/formal/`.
 #[derive(Debug, Clone)]
@@ -115,7 +115,9 @@ pub fn serve_now(tree: &StaticTree, parts: &Parts, decision: &mut Decision) -> R
     }
     let url_path = parts.uri.path();
     let resolve = |p: &str| safe_relative(p, &tree.index);
-    let mut entry = tree.cache.get(&tree.root, &decision.lane, url_path, resolve);
+    let mut entry = tree
+        .cache
+        .get(&tree.root, &decision.lane, url_path, resolve);
     let mut retried = false;
     loop {
         let f = match &entry.resolved {
@@ -134,7 +136,9 @@ pub fn serve_now(tree: &StaticTree, parts: &Parts, decision: &mut Decision) -> R
             None if !retried => {
                 retried = true;
                 tree.cache.forget(&decision.lane, url_path);
-                entry = tree.cache.get(&tree.root, &decision.lane, url_path, resolve);
+                entry = tree
+                    .cache
+                    .get(&tree.root, &decision.lane, url_path, resolve);
             }
             None => return plain(StatusCode::NOT_FOUND, "not found\n"),
         }
@@ -219,9 +223,7 @@ fn respond(tree: &StaticTree, parts: &Parts, f: &FileInfo) -> Option<Response<Bo
         Content::Mem(b) => Source::Mem(b.clone()),
         Content::Disk => {
             let file = std::fs::File::open(&f.path).ok()?;
-            let same = file
-                .metadata()
-                .is_ok_and(|m| cache::FileId::of(&m) == f.id);
+            let same = file.metadata().is_ok_and(|m| cache::FileId::of(&m) == f.id);
             if !same {
                 return None;
             }
@@ -248,7 +250,10 @@ fn respond(tree: &StaticTree, parts: &Parts, f: &FileInfo) -> Option<Response<Bo
     let mut segments = VecDeque::new();
     if let [r] = ranges[..] {
         let cr = format!("bytes {}-{}/{}", r.start, r.start + r.length - 1, f.size);
-        head.insert(header::CONTENT_RANGE, HeaderValue::from_str(&cr).expect("ASCII"));
+        head.insert(
+            header::CONTENT_RANGE,
+            HeaderValue::from_str(&cr).expect("ASCII"),
+        );
         if let Some(ct) = &f.content_type {
             head.insert(header::CONTENT_TYPE, ct.clone());
         }
@@ -279,9 +284,7 @@ fn respond(tree: &StaticTree, parts: &Parts, f: &FileInfo) -> Option<Response<Bo
             segments.push_back(Segment::Mem(Bytes::from(part)));
             segments.push_back(source.segment(r.start, r.length));
         }
-        segments.push_back(Segment::Mem(Bytes::from(format!(
-            "\r\n--{boundary}--\r\n"
-        ))));
+        segments.push_back(Segment::Mem(Bytes::from(format!("\r\n--{boundary}--\r\n"))));
     }
     let body = FileBody::new(
         match source {
