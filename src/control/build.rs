@@ -565,7 +565,8 @@ fn transport(
     Ok((h2 || tls.is_some()).then(|| Arc::new(Transport { h2, tls })))
 }
 
-/// `static_cache`, checked: sizes that parse, a file limit within the total,
+/// `static_cache`, checked: sizes that parse, a file limit within the total
+/// (unless the total is 0: no content held),
 /// at least one entry per shard, a re-check interval of at most a minute.
 fn static_cache_settings(
     config: &MainConfig,
@@ -594,7 +595,7 @@ fn static_cache_settings(
             ),
         )
     })?;
-    if max_file_size > max_size {
+    if max_size > 0 && max_file_size > max_size {
         return Err(err(
             "max_file_size",
             format!("static_cache.max_file_size ({max_file_size} bytes) exceeds max_size ({max_size} bytes)"),

@@ -3,7 +3,8 @@
 //! one chunk at a time, in a buffer lent to the server layer and handed back
 //! when the server has written it — so a connection holds at most one chunk
 //! (`CHUNK` bytes) of the file however slowly its client reads. Parts held in
-//! memory (multipart headers, cached content) pass through as they are.
+//! memory (multipart headers, cached content) pass through as slices of at
+//! most a chunk.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -126,12 +127,19 @@ impl hyper::body::Body for FileBody {
         let this = &mut *self;
         let (offset, len) = match this.segments.front_mut() {
             None => return Poll::Ready(None),
-            Some(Segment::Mem(_)) => {
-                let Some(Segment::Mem(b)) = this.segments.pop_front() else {
-                    unreachable!("front was a memory segment")
+            Some(Segment::Mem(b)) => {
+                // At most a chunk per frame (a slice, not a copy): a server
+                // that copies frames into its write buffer then holds a
+                // chunk, not the whole file, per connection.
+                let part = if b.len() > CHUNK {
+                    b.split_to(CHUNK)
+                } else {
+                    let part = std::mem::take(b);
+                    this.segments.pop_front();
+                    part
                 };
-                this.remaining -= b.len() as u64;
-                return Poll::Ready(Some(Ok(Frame::data(b))));
+                this.remaining -= part.len() as u64;
+                return Poll::Ready(Some(Ok(Frame::data(part))));
             }
             Some(Segment::File { offset, len }) => (*offset, *len),
         };
@@ -236,6 +244,21 @@ mod tests {
         want.extend_from_slice(&data);
         assert_eq!(got.len(), want.len());
         assert!(got == want);
+    }
+
+    #[tokio::test]
+    async fn memory_parts_go_out_a_chunk_at_most_per_frame() {
+        let data = Bytes::from((0..2 * CHUNK + 5).map(|i| i as u8).collect::<Vec<u8>>());
+        let mut body = FileBody::new(None, VecDeque::from([Segment::Mem(data.clone())]));
+        let mut sizes = Vec::new();
+        let mut out = Vec::new();
+        while let Some(f) = body.frame().await {
+            let d = f.unwrap().into_data().unwrap();
+            sizes.push(d.len());
+            out.extend_from_slice(&d);
+        }
+        assert_eq!(sizes, [CHUNK, CHUNK, 5]);
+        assert!(out == data);
     }
 
     #[test]
