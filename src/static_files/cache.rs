@@ -102,8 +102,10 @@ pub struct FileInfo {
     pub content: Content,
 }
 
-/// What a (lane, URL path) resolved to.
+/// What a (lane, URL path) resolved to. (Not boxed: it lives in the
+/// entry's `Arc` already; a box would be one more pointer chase per hit.)
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
 pub enum Resolved {
     File(FileInfo),
     /// A directory requested without its trailing slash.
@@ -158,7 +160,8 @@ thread_local! {
 /// change. Dropped with the last generation naming the tree.
 pub fn cache_for(root: &Path, index: &str, settings: CacheSettings) -> Arc<FileCache> {
     type Key = (PathBuf, String, CacheSettings);
-    static REG: OnceLock<Mutex<Vec<(Key, Weak<FileCache>)>>> = OnceLock::new();
+    type Registry = Mutex<Vec<(Key, Weak<FileCache>)>>;
+    static REG: OnceLock<Registry> = OnceLock::new();
     let mut reg = REG
         .get_or_init(Mutex::default)
         .lock()
@@ -386,7 +389,7 @@ pub enum Found {
         path: PathBuf,
         /// In the lane's own tree (else formal's).
         own: bool,
-        meta: std::fs::Metadata,
+        id: FileId,
     },
     Directory,
     NotFound,
@@ -413,7 +416,7 @@ pub fn find(root: &Path, lane: &str, rel: &Path) -> Found {
                 return Found::File {
                     path: canon,
                     own: i == 0,
-                    meta: m,
+                    id: FileId::of(&m),
                 }
             }
             Ok(m) if m.is_dir() => saw_dir = true,
@@ -432,9 +435,7 @@ fn still_same(old: &Resolved, found: Option<&Found>) -> bool {
     match (old, found) {
         (Resolved::NotFound, None | Some(Found::NotFound)) => true,
         (Resolved::Directory, Some(Found::Directory)) => true,
-        (Resolved::File(f), Some(Found::File { path, meta, .. })) => {
-            f.path == *path && f.id == FileId::of(meta)
-        }
+        (Resolved::File(f), Some(Found::File { path, id, .. })) => f.path == *path && f.id == *id,
         _ => false,
     }
 }
