@@ -18,7 +18,10 @@ use bytes::Bytes;
 use hyper::body::{Frame, SizeHint};
 
 /// Bytes read from disk per frame (and the most one connection buffers).
-pub const CHUNK: usize = 64 * 1024;
+pub const CHUNK: usize = 32 * 1024;
+
+/// The largest frame cut from a part already in memory (a slice, no copy).
+pub const MEM_FRAME: usize = 16 * 1024;
 
 /// One part of a response body.
 pub enum Segment {
@@ -131,8 +134,8 @@ impl hyper::body::Body for FileBody {
                 // At most a chunk per frame (a slice, not a copy): a server
                 // that copies frames into its write buffer then holds a
                 // chunk, not the whole file, per connection.
-                let part = if b.len() > CHUNK {
-                    b.split_to(CHUNK)
+                let part = if b.len() > MEM_FRAME {
+                    b.split_to(MEM_FRAME)
                 } else {
                     let part = std::mem::take(b);
                     this.segments.pop_front();
@@ -248,7 +251,7 @@ mod tests {
 
     #[tokio::test]
     async fn memory_parts_go_out_a_chunk_at_most_per_frame() {
-        let data = Bytes::from((0..2 * CHUNK + 5).map(|i| i as u8).collect::<Vec<u8>>());
+        let data = Bytes::from((0..2 * MEM_FRAME + 5).map(|i| i as u8).collect::<Vec<u8>>());
         let mut body = FileBody::new(None, VecDeque::from([Segment::Mem(data.clone())]));
         let mut sizes = Vec::new();
         let mut out = Vec::new();
@@ -257,7 +260,7 @@ mod tests {
             sizes.push(d.len());
             out.extend_from_slice(&d);
         }
-        assert_eq!(sizes, [CHUNK, CHUNK, 5]);
+        assert_eq!(sizes, [MEM_FRAME, MEM_FRAME, 5]);
         assert!(out == data);
     }
 

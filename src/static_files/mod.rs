@@ -236,7 +236,7 @@ fn respond(tree: &StaticTree, parts: &Parts, f: &FileInfo) -> Option<Response<Bo
         }
         head.insert(header::CONTENT_LENGTH, f.content_length.clone());
         let body = match source {
-            Source::Mem(b) if b.len() <= body::CHUNK => boxed(Full::new(b)),
+            Source::Mem(b) if b.len() <= body::MEM_FRAME => boxed(Full::new(b)),
             Source::Mem(b) => boxed(FileBody::new(None, VecDeque::from([Segment::Mem(b)]))),
             Source::Disk(file) => boxed(FileBody::new(
                 Some(file),
