@@ -18,7 +18,7 @@ use bytes::Bytes;
 use hyper::body::{Frame, SizeHint};
 
 /// Bytes read from disk per frame (and the most one connection buffers).
-pub const CHUNK: usize = 32 * 1024;
+pub const CHUNK: usize = 16 * 1024;
 
 /// The largest frame cut from a part already in memory (a slice, no copy).
 pub const MEM_FRAME: usize = 16 * 1024;
