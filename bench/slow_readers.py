@@ -68,13 +68,22 @@ def main():
             f"client: {{ send_timeout_ms: {a.send_timeout_ms}, max_connections: {a.clients + 100} }}\n"
             "routes:\n  - { prefix: /, static: static }\n"
         )
-    proc = subprocess.Popen([a.binary, "--config", cfg], stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, RUST_LOG="info"))
+    # The log goes to a file: a pipe nobody reads once the port is known
+    # would fill with the send-timeout warnings and stall the gateway.
+    log = os.path.join(work, "graygate.log")
+    with open(log, "w") as err:
+        proc = subprocess.Popen([a.binary, "--config", cfg], stderr=err,
+                                env=dict(os.environ, RUST_LOG="info"))
     port = None
-    for line in proc.stderr:
-        if "graygate listening" in line:
-            port = int(line.split("addr=")[1].split()[0].rsplit(":", 1)[1])
-            break
+    deadline = time.time() + 20
+    while port is None and time.time() < deadline:
+        with open(log) as f:
+            for line in f:
+                if "graygate listening" in line:
+                    port = int(line.split("addr=")[1].split()[0].rsplit(":", 1)[1])
+        time.sleep(0.05)
+    if port is None:
+        raise SystemExit(f"graygate did not start; see {log}")
     base = settle(proc.pid, 1.0)
     socks = []
     for _ in range(a.clients):
