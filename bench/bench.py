@@ -407,9 +407,10 @@ def to_ms(s):
     return v / 1000 if unit == "us" else v * 1000 if unit == "s" else v
 
 
-def run_wrk(port, mix, conns, duration):
+def run_wrk(port, mix, conns, duration, path="/api/x", args=None):
+    """wrk on CPU 0 against `path` with the mix's arguments (or `args`)."""
     cmd = ["wrk", "-t1", f"-c{conns}", f"-d{duration}s", "--latency",
-           "--timeout", "5s"] + MIXES[mix] + [f"http://127.0.0.1:{port}/api/x"]
+           "--timeout", "5s"] + (MIXES[mix] if args is None else args) + [f"http://127.0.0.1:{port}{path}"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True,
                          preexec_fn=preexec({0})).stdout
     res = {"rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),
@@ -427,10 +428,11 @@ def run_wrk(port, mix, conns, duration):
     return res
 
 
-def measure(target, mix, conns, duration):
+def measure(target, mix, conns, duration, **wrk):
+    """One wrk run, with the target's CPU time (user+sys) per request."""
     pids = target.pids()
     u0, s0 = cpu_ticks(pids)
-    r = run_wrk(target.port, mix, conns, duration)
+    r = run_wrk(target.port, mix, conns, duration, **wrk)
     u1, s1 = cpu_ticks(pids)
     per_req = lambda ticks: ticks / CLK * 1e6 / max(r["requests"], 1)
     r["user_us"], r["sys_us"] = per_req(u1 - u0), per_req(s1 - s0)

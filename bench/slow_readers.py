@@ -25,18 +25,29 @@ def rss_kb(pid):
     return 0
 
 
+def read_bytes(pid):
+    """Bytes the process has read (files and sockets): still growing while
+    it is filling its buffers and the kernel's."""
+    with open(f"/proc/{pid}/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    return 0
+
+
 def settle(pid, secs=3.0):
-    """RSS once it stops growing (sampled every 200 ms)."""
-    last, stable_since = rss_kb(pid), time.time()
+    """RSS once it has stopped growing and the process has stopped reading
+    for `secs` (sampled every 200 ms; at most a minute)."""
+    last, stable_since = (rss_kb(pid), read_bytes(pid)), time.time()
     deadline = time.time() + 60
     while time.time() < deadline:
         time.sleep(0.2)
-        now = rss_kb(pid)
-        if abs(now - last) > 256:
+        now = (rss_kb(pid), read_bytes(pid))
+        if abs(now[0] - last[0]) > 256 or now[1] != last[1]:
             last, stable_since = now, time.time()
         elif time.time() - stable_since >= secs:
-            return now
-    return last
+            return now[0]
+    return last[0]
 
 
 def main():
@@ -57,13 +68,22 @@ def main():
             f"client: {{ send_timeout_ms: {a.send_timeout_ms}, max_connections: {a.clients + 100} }}\n"
             "routes:\n  - { prefix: /, static: static }\n"
         )
-    proc = subprocess.Popen([a.binary, "--config", cfg], stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, RUST_LOG="info"))
+    # The log goes to a file: a pipe nobody reads once the port is known
+    # would fill with the send-timeout warnings and stall the gateway.
+    log = os.path.join(work, "graygate.log")
+    with open(log, "w") as err:
+        proc = subprocess.Popen([a.binary, "--config", cfg], stderr=err,
+                                env=dict(os.environ, RUST_LOG="info"))
     port = None
-    for line in proc.stderr:
-        if "graygate listening" in line:
-            port = int(line.split("addr=")[1].split()[0].rsplit(":", 1)[1])
-            break
+    deadline = time.time() + 20
+    while port is None and time.time() < deadline:
+        with open(log) as f:
+            for line in f:
+                if "graygate listening" in line:
+                    port = int(line.split("addr=")[1].split()[0].rsplit(":", 1)[1])
+        time.sleep(0.05)
+    if port is None:
+        raise SystemExit(f"graygate did not start; see {log}")
     base = settle(proc.pid, 1.0)
     socks = []
     for _ in range(a.clients):

@@ -64,3 +64,24 @@ fn openresty_bench_quick_mode_agrees_with_nginx() {
         }
     }
 }
+
+/// `bench/static_bench.py --quick`: nginx and graygate serve the same bytes
+/// of the lane's own file and of the formal fallback (checked by the script
+/// before any load), and both rows carry load without errors.
+#[test]
+fn static_bench_quick_mode_runs_both_servers() {
+    let stdout = quick("bench/static_bench.py");
+    for tree in ["lane", "fallback"] {
+        let row = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("| 2k | 32 | {tree} |")))
+            .unwrap_or_else(|| panic!("no row for {tree}:\n{stdout}"));
+        let cols: Vec<&str> = row.split('|').map(str::trim).collect();
+        for served in [cols[4], cols[5]] {
+            let (rps, cpu) = served.split_once(" · ").expect("req/s · CPU");
+            assert!(rps.replace(',', "").parse::<f64>().unwrap() > 0.0, "{row}");
+            assert!(cpu.parse::<f64>().unwrap() > 0.0, "CPU not measured: {row}");
+        }
+        assert_eq!(cols[8], "0 / 0", "errors in {row}");
+    }
+}

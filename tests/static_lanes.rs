@@ -179,3 +179,261 @@ async fn traversal_and_escaping_symlinks_are_404() {
     let r = gray("/alias.css").send(gw.addr).await;
     assert_eq!(r.status, 200);
 }
+
+/// Within a second of a change on disk, the gateway serves the disk: the
+/// cache re-checks an entry older than `static_cache.valid_ms` (500 ms).
+const FRESH: std::time::Duration = std::time::Duration::from_secs(1);
+
+async fn text_of(gw: &Gateway, req: Req) -> (u16, String) {
+    let r = req.send(gw.addr).await;
+    (r.status, r.text())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_replaced_or_deleted_on_disk_are_served_new_within_a_second() {
+    let (fx, gw) = setup();
+    // Cached first (twice: a hit), then changed three ways.
+    for _ in 0..2 {
+        assert_eq!(gw.get("/app.css").await.text(), "body { color: black }\n");
+        assert_eq!(
+            gray("/app.js").send(gw.addr).await.text(),
+            "console.log('grayy!');\n"
+        );
+        assert_eq!(gw.get("/data.bin").await.text(), "0123456789abcdef");
+    }
+    let old_etag = gw.get("/app.css").await.header("etag").unwrap();
+    // In place, same size: only the validators tell.
+    fx.write("site/formal/app.css", "body { color: white }\n");
+    // An editor's save: a new file renamed over the old one.
+    fx.write_rename("site/gray/app.js", "console.log('GRAY2');\n");
+    std::fs::remove_file(fx.path("site/formal/data.bin")).unwrap();
+    eventually("the changes on disk served", FRESH, || async {
+        let css = gw.get("/app.css").await;
+        let js = gray("/app.js").send(gw.addr).await;
+        let bin = gw.get("/data.bin").await;
+        css.text() == "body { color: white }\n"
+            && css.header("etag").unwrap() != old_etag
+            && js.text() == "console.log('GRAY2');\n"
+            && bin.status == 404
+    })
+    .await;
+    // And a file created where there was none.
+    fx.write("site/formal/new.txt", "new\n");
+    eventually("a new file served", FRESH, || async {
+        text_of(&gw, Req::get("/new.txt")).await == (200, "new\n".into())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fallback_is_cached_apart_from_the_lanes_own_file() {
+    let (fx, gw) = setup();
+    // gray has no app.css: formal's, cached for gray and for formal.
+    let g = gray("/app.css").send(gw.addr).await;
+    assert_eq!(g.text(), "body { color: black }\n");
+    let formal_etag = g.header("etag").unwrap();
+    assert!(formal_etag.starts_with("\"formal-"), "{formal_etag}");
+    assert_eq!(
+        gw.get("/app.css").await.header("etag").unwrap(),
+        formal_etag
+    );
+    // gray gets its own app.css: gray serves it (its own ETag), formal keeps
+    // formal's.
+    fx.write("site/gray/app.css", "body { color: gray }\n");
+    eventually("gray's own app.css served", FRESH, || async {
+        let r = gray("/app.css").send(gw.addr).await;
+        r.text() == "body { color: gray }\n"
+            && r.header("etag").is_some_and(|e| e.starts_with("\"gray-"))
+    })
+    .await;
+    for _ in 0..3 {
+        let f = gw.get("/app.css").await;
+        assert_eq!(f.text(), "body { color: black }\n");
+        assert_eq!(f.header("etag").unwrap(), formal_etag);
+    }
+    // Removed again: gray falls back to formal once more.
+    std::fs::remove_file(fx.path("site/gray/app.css")).unwrap();
+    eventually("gray back on formal's app.css", FRESH, || async {
+        gray("/app.css").send(gw.addr).await.header("etag") == Some(formal_etag.clone())
+    })
+    .await;
+}
+
+/// A file of `n` bytes that shows where each byte came from.
+fn pattern(n: usize) -> Vec<u8> {
+    (0..n)
+        .map(|i| b"0123456789abcdefghijklmnopqrstuvwxyz"[(i + i / 997) % 36])
+        .collect()
+}
+
+/// The parts of a multipart/byteranges body: (Content-Range, bytes).
+fn multipart(r: &Resp) -> Vec<(String, Vec<u8>)> {
+    let ct = r.header("content-type").unwrap();
+    let boundary = ct
+        .split("boundary=")
+        .nth(1)
+        .expect("a boundary")
+        .to_string();
+    let delim = format!("--{boundary}");
+    let body = &r.body[..];
+    let mut parts = Vec::new();
+    let find = |hay: &[u8], needle: &[u8], from: usize| {
+        hay[from..]
+            .windows(needle.len())
+            .position(|w| w == needle)
+            .map(|p| p + from)
+    };
+    let mut at = find(body, delim.as_bytes(), 0).expect("first delimiter");
+    loop {
+        at += delim.len();
+        if body[at..].starts_with(b"--") {
+            assert_eq!(&body[at..], b"--\r\n", "epilogue");
+            return parts;
+        }
+        let head_end = find(body, b"\r\n\r\n", at).unwrap();
+        let head = String::from_utf8_lossy(&body[at..head_end]).to_string();
+        let range = head
+            .lines()
+            .find_map(|l| l.strip_prefix("Content-Range: "))
+            .expect("a Content-Range")
+            .to_string();
+        let next = find(body, format!("\r\n{delim}").as_bytes(), head_end).unwrap();
+        parts.push((range, body[head_end + 4..next].to_vec()));
+        at = next + 2;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_larger_than_the_cache_limit_are_served_whole_and_in_ranges() {
+    let fx = Fixture::new();
+    // 300 KB: beyond max_file_size, read in 64 KiB chunks per request.
+    let big = pattern(300_000);
+    std::fs::create_dir_all(fx.path("site/formal")).unwrap();
+    std::fs::write(fx.path("site/formal/big.bin"), &big).unwrap();
+    fx.write("site/formal/small.txt", "0123456789abcdef");
+    let cfg = fx.write(
+        "gg.yaml",
+        &main_config(
+            "static_cache: { max_size: 128k, max_file_size: 64k, valid_ms: 200 }\n\
+             routes:\n  - prefix: /\n    static: site\n",
+        ),
+    );
+    let gw = Gateway::start(&cfg);
+    for _ in 0..2 {
+        let r = gw.get("/big.bin").await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("content-length").as_deref(), Some("300000"));
+        assert!(r.body[..] == big[..], "whole big file");
+    }
+    // A range across chunk boundaries, a suffix, an open end.
+    for (spec, start, end) in [
+        ("bytes=65000-200000", 65_000, 200_000),
+        ("bytes=-10", 299_990, 299_999),
+        ("bytes=299000-", 299_000, 299_999),
+    ] {
+        let r = Req::get("/big.bin")
+            .header("Range", spec)
+            .send(gw.addr)
+            .await;
+        assert_eq!(r.status, 206, "{spec}");
+        assert_eq!(
+            r.header("content-range").unwrap(),
+            format!("bytes {start}-{end}/300000")
+        );
+        assert!(r.body[..] == big[start..=end], "{spec}");
+    }
+    // Multi-range, from disk and from memory.
+    let r = Req::get("/big.bin")
+        .header("Range", "bytes=0-9,100000-165535,-5")
+        .send(gw.addr)
+        .await;
+    assert_eq!(r.status, 206);
+    assert_eq!(
+        r.header("content-length").unwrap(),
+        r.body.len().to_string()
+    );
+    let parts = multipart(&r);
+    assert_eq!(parts.len(), 3);
+    assert_eq!(parts[0], ("bytes 0-9/300000".into(), big[..10].to_vec()));
+    assert_eq!(parts[1].0, "bytes 100000-165535/300000");
+    assert!(parts[1].1 == big[100_000..165_536]);
+    assert_eq!(
+        parts[2],
+        ("bytes 299995-299999/300000".into(), big[299_995..].to_vec())
+    );
+    let r = Req::get("/small.txt")
+        .header("Range", "bytes=1-2,10-")
+        .send(gw.addr)
+        .await;
+    assert_eq!(r.status, 206);
+    assert_eq!(
+        multipart(&r),
+        vec![
+            ("bytes 1-2/16".into(), b"12".to_vec()),
+            ("bytes 10-15/16".into(), b"abcdef".to_vec())
+        ]
+    );
+    // Ranges adding up to more than the file: the whole file, once.
+    let r = Req::get("/small.txt")
+        .header("Range", "bytes=0-,0-,0-")
+        .send(gw.addr)
+        .await;
+    assert_eq!((r.status, r.text().as_str()), (200, "0123456789abcdef"));
+    let r = Req::get("/small.txt")
+        .header("Range", "bytes=16-")
+        .send(gw.addr)
+        .await;
+    assert_eq!(r.status, 416);
+    assert_eq!(r.header("content-range").as_deref(), Some("bytes */16"));
+    // HEAD of the big file: its length and type, no body.
+    let r = Req::get("/big.bin").method("HEAD").send(gw.addr).await;
+    assert_eq!(r.header("content-length").as_deref(), Some("300000"));
+    assert!(r.body.is_empty());
+    // Replaced on disk by a smaller file: served new, never the old length.
+    let small = pattern(70_000);
+    std::fs::write(fx.path("site/formal/big.tmp"), &small[..]).unwrap();
+    std::fs::rename(
+        fx.path("site/formal/big.tmp"),
+        fx.path("site/formal/big.bin"),
+    )
+    .unwrap();
+    eventually("the new big.bin served", FRESH, || async {
+        let r = gw.get("/big.bin").await;
+        r.status == 200 && r.body[..] == small[..]
+    })
+    .await;
+}
+
+#[test]
+fn bad_static_cache_settings_are_rejected_with_their_line() {
+    let fx = Fixture::new();
+    std::fs::create_dir_all(fx.path("site/formal")).unwrap();
+    for (cache, line, needle) in [
+        ("static_cache:\n  max_size: lots\n", 5, "max_size"),
+        (
+            "static_cache:\n  max_size: 1m\n  max_file_size: 2m\n",
+            6,
+            "exceeds max_size",
+        ),
+        ("static_cache:\n  max_entries: 3\n", 5, "max_entries"),
+        ("static_cache:\n  valid_ms: 600000\n", 5, "valid_ms"),
+        ("static_cache:\n  max_bytes: 1m\n", 5, "unknown field"),
+    ] {
+        let cfg = fx.write(
+            "gg.yaml",
+            &main_config(&format!(
+                "{cache}routes:\n  - prefix: /\n    static: site\n"
+            )),
+        );
+        let e = graygate::generation::Generation::load(&cfg, 1).unwrap_err();
+        assert_eq!(e.line, Some(line), "{cache}: {e}");
+        assert!(e.message.contains(needle), "{cache}: {e}");
+    }
+    let cfg = fx.write(
+        "gg.yaml",
+        &main_config("routes:\n  - prefix: /\n    static: site\n    cache_control: \"a\\nb\"\n"),
+    );
+    let e = graygate::generation::Generation::load(&cfg, 1).unwrap_err();
+    assert!(e.message.contains("cache_control"), "{e}");
+    assert_eq!(e.line, Some(7), "{e}");
+}

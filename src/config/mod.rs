@@ -157,6 +157,54 @@ pub struct MainConfig {
     /// empty, wins over this key (one config file shipped to every zone).
     #[serde(default)]
     pub zone: Option<String>,
+    /// The open-file and content cache of static trees (nginx's
+    /// `open_file_cache`).
+    #[serde(default)]
+    pub static_cache: StaticCacheConfig,
+}
+
+/// The open-file and content cache of each static tree.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StaticCacheConfig {
+    /// File content one static tree's cache may hold in memory.
+    #[serde(default = "default_static_max_size")]
+    pub max_size: SizeValue,
+    /// Files larger than this are read in chunks per request, never held.
+    #[serde(default = "default_static_max_file_size")]
+    pub max_file_size: SizeValue,
+    /// (lane, path) entries one tree's cache may hold (files, directories
+    /// and misses alike).
+    #[serde(default = "default_static_max_entries")]
+    pub max_entries: usize,
+    /// A cached entry is checked against the disk (`stat`) when it is
+    /// older than this.
+    #[serde(default = "default_static_valid_ms")]
+    pub valid_ms: u64,
+}
+
+fn default_static_max_size() -> SizeValue {
+    SizeValue::Bytes(64 << 20)
+}
+fn default_static_max_file_size() -> SizeValue {
+    SizeValue::Bytes(1 << 20)
+}
+fn default_static_max_entries() -> usize {
+    10_000
+}
+fn default_static_valid_ms() -> u64 {
+    500
+}
+
+impl Default for StaticCacheConfig {
+    fn default() -> Self {
+        StaticCacheConfig {
+            max_size: default_static_max_size(),
+            max_file_size: default_static_max_file_size(),
+            max_entries: default_static_max_entries(),
+            valid_ms: default_static_valid_ms(),
+        }
+    }
 }
 
 /// Environment variable naming the gateway's zone; it wins over `zone:`.

@@ -26,7 +26,7 @@ use crate::lane::sticky::Sticky;
 use crate::lane::LanePolicy;
 use crate::nodes::hash::HashKey;
 use crate::nodes::{Node, Select, Service};
-use crate::static_files::StaticTree;
+use crate::static_files::{CacheSettings, StaticTree};
 use crate::upstream::tls::{TlsConnect, Transport};
 
 /// Services from a registry (e.g. etcd's `services/<svc>/nodes/<id>`):
@@ -207,6 +207,7 @@ impl Generation {
             }
         }
 
+        let static_cache = static_cache_settings(&config, config_path, &text)?;
         let mut routes = Vec::new();
         for r in &config.routes {
             let line = find_line(&text, Some("routes:"), &r.prefix);
@@ -229,6 +230,16 @@ impl Generation {
                     Target::Service(s.as_str().into())
                 }
                 (None, Some(dir)) => {
+                    if http::HeaderValue::from_str(&r.cache_control).is_err() {
+                        return Err(ConfigError::new(
+                            config_path,
+                            find_line(&text, Some("routes:"), "cache_control"),
+                            format!(
+                                "route {:?}: cache_control {:?} is not a valid header value",
+                                r.prefix, r.cache_control
+                            ),
+                        ));
+                    }
                     let path = resolve(docs.local_root().unwrap_or(&root), dir);
                     let canon = path.canonicalize().map_err(|e| {
                         ConfigError::new(
@@ -243,11 +254,12 @@ impl Generation {
                             canon.display()
                         ));
                     }
-                    Target::Static(StaticTree {
-                        root: canon,
-                        index: r.index.clone(),
-                        cache_control: r.cache_control.clone(),
-                    })
+                    Target::Static(StaticTree::new(
+                        canon,
+                        r.index.clone(),
+                        &r.cache_control,
+                        static_cache,
+                    ))
                 }
                 _ => {
                     return Err(ConfigError::new(
@@ -551,4 +563,60 @@ fn transport(
         }
     };
     Ok((h2 || tls.is_some()).then(|| Arc::new(Transport { h2, tls })))
+}
+
+/// `static_cache`, checked: sizes that parse, a file limit within the total
+/// (unless the total is 0: no content held),
+/// at least one entry per shard, a re-check interval of at most a minute.
+fn static_cache_settings(
+    config: &MainConfig,
+    config_path: &Path,
+    text: &str,
+) -> Result<CacheSettings, ConfigError> {
+    let c = &config.static_cache;
+    let err = |key: &str, msg: String| {
+        ConfigError::new(config_path, find_line(text, Some("static_cache"), key), msg)
+    };
+    let max_size = c.max_size.bytes().ok_or_else(|| {
+        err(
+            "max_size",
+            format!(
+                "static_cache.max_size: bad size {:?} (e.g. 64m, 512k, 0 = hold no content)",
+                c.max_size
+            ),
+        )
+    })?;
+    let max_file_size = c.max_file_size.bytes().ok_or_else(|| {
+        err(
+            "max_file_size",
+            format!(
+                "static_cache.max_file_size: bad size {:?} (e.g. 1m)",
+                c.max_file_size
+            ),
+        )
+    })?;
+    if max_size > 0 && max_file_size > max_size {
+        return Err(err(
+            "max_file_size",
+            format!("static_cache.max_file_size ({max_file_size} bytes) exceeds max_size ({max_size} bytes)"),
+        ));
+    }
+    if c.max_entries < 16 {
+        return Err(err(
+            "max_entries",
+            "static_cache.max_entries must be at least 16".to_string(),
+        ));
+    }
+    if c.valid_ms > 60_000 {
+        return Err(err(
+            "valid_ms",
+            "static_cache.valid_ms must be at most 60000 (a minute)".to_string(),
+        ));
+    }
+    Ok(CacheSettings {
+        max_size,
+        max_file_size,
+        max_entries: c.max_entries,
+        valid_ms: c.valid_ms,
+    })
 }
