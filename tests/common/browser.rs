@@ -26,7 +26,38 @@ impl Drop for Driver {
 
 impl Driver {
     pub async fn start() -> Driver {
-        // Port 0: chromedriver binds an ephemeral port itself and says which.
+        // A chromedriver that exits before saying its port (seen once on a
+        // loaded machine) is started again, up to three times.
+        let mut tries = 0;
+        let (child, port) = loop {
+            tries += 1;
+            match Self::spawn() {
+                Ok(started) => break started,
+                Err(mut child) if tries < 3 => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+                Err(_) => panic!("chromedriver did not report its port in {tries} starts"),
+            }
+        };
+        let url = format!("http://127.0.0.1:{port}");
+        let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        eventually(
+            "chromedriver listens",
+            Duration::from_secs(20),
+            || async move { tokio::net::TcpStream::connect(addr).await.is_ok() },
+        )
+        .await;
+        Driver {
+            child,
+            url,
+            _profile: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    /// Starts chromedriver on port 0 (it binds an ephemeral port itself
+    /// and says which); `Err` with the process when it said none.
+    fn spawn() -> Result<(Child, u16), Child> {
         let mut child = Command::new("chromedriver")
             .arg("--port=0")
             .stdout(Stdio::piped())
@@ -47,21 +78,9 @@ impl Driver {
                 }
             }
         });
-        let port = rx
-            .recv_timeout(Duration::from_secs(20))
-            .expect("chromedriver reports its port");
-        let url = format!("http://127.0.0.1:{port}");
-        let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        eventually(
-            "chromedriver listens",
-            Duration::from_secs(20),
-            || async move { tokio::net::TcpStream::connect(addr).await.is_ok() },
-        )
-        .await;
-        Driver {
-            child,
-            url,
-            _profile: tempfile::tempdir().unwrap(),
+        match rx.recv_timeout(Duration::from_secs(20)) {
+            Ok(port) => Ok((child, port)),
+            Err(_) => Err(child),
         }
     }
 
