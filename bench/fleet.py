@@ -135,6 +135,26 @@ def pct(values, p):
     return v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))]
 
 
+def start_upstream(gg, tmp, procs):
+    """A graygate running only demo nodes (fast, fixed JSON) for formal and
+    gray on free ports; returns the two ports."""
+    up = [free_port(), free_port()]
+    updir = os.path.join(tmp, "up")
+    os.makedirs(updir)
+    with open(os.path.join(updir, "up.yaml"), "w") as f:
+        f.write(f"listen: 127.0.0.1:0\ndemo_nodes:\n  - {{ name: f1, addr: \"127.0.0.1:{up[0]}\", lane: formal }}\n"
+                f"  - {{ name: g1, addr: \"127.0.0.1:{up[1]}\", lane: gray }}\n")
+    procs.append(Proc([gg, "--config", os.path.join(updir, "up.yaml")], tmp, "upstream"))
+    return up
+
+
+def write_nodes(conf, up):
+    """conf/nodes.yaml: service `api` with the upstream's formal and gray node."""
+    with open(os.path.join(conf, "nodes.yaml"), "w") as f:
+        f.write(f"services:\n  api:\n    nodes:\n      - {{ name: f1, addr: \"127.0.0.1:{up[0]}\", lane: formal }}\n"
+                f"      - {{ name: g1, addr: \"127.0.0.1:{up[1]}\", lane: gray }}\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--graygate", default="target/release/graygate")
@@ -149,13 +169,7 @@ def main():
     try:
         gg = os.path.abspath(args.graygate)
         # Upstream: a graygate running only demo nodes (fast, fixed JSON).
-        up = [free_port(), free_port()]
-        updir = os.path.join(tmp, "up")
-        os.makedirs(updir)
-        with open(os.path.join(updir, "up.yaml"), "w") as f:
-            f.write(f"listen: 127.0.0.1:0\ndemo_nodes:\n  - {{ name: f1, addr: \"127.0.0.1:{up[0]}\", lane: formal }}\n"
-                    f"  - {{ name: g1, addr: \"127.0.0.1:{up[1]}\", lane: gray }}\n")
-        procs.append(Proc([gg, "--config", os.path.join(updir, "up.yaml")], tmp, "upstream"))
+        up = start_upstream(gg, tmp, procs)
 
         prefix = "/bench"
         conf = os.path.join(tmp, "conf")
@@ -163,9 +177,7 @@ def main():
         with open(os.path.join(conf, "main.yaml"), "w") as f:
             f.write("listen: 127.0.0.1:0\nscript: gray.lua\nnode_files: [nodes.yaml]\nworkers: 1\n"
                     "routes:\n  - { prefix: /, service: api }\n")
-        with open(os.path.join(conf, "nodes.yaml"), "w") as f:
-            f.write(f"services:\n  api:\n    nodes:\n      - {{ name: f1, addr: \"127.0.0.1:{up[0]}\", lane: formal }}\n"
-                    f"      - {{ name: g1, addr: \"127.0.0.1:{up[1]}\", lane: gray }}\n")
+        write_nodes(conf, up)
         script = "return function(req)\n  if req:header('X-Gray') then return 'gray' end\n  -- v{n}\nend\n"
         with open(os.path.join(conf, "gray.lua"), "w") as f:
             f.write(script.format(n=0))

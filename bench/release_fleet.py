@@ -26,7 +26,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fleet import Etcd, Proc, free_port, pct  # noqa: E402
+from fleet import Etcd, Proc, pct, start_upstream, write_nodes  # noqa: E402
 
 
 def get(url):
@@ -44,22 +44,14 @@ def main():
     etcd = Etcd(tmp)
     try:
         gg = os.path.abspath(args.graygate)
-        up = [free_port(), free_port()]
-        updir = os.path.join(tmp, "up")
-        os.makedirs(updir)
-        with open(os.path.join(updir, "up.yaml"), "w") as f:
-            f.write(f"listen: 127.0.0.1:0\ndemo_nodes:\n  - {{ name: f1, addr: \"127.0.0.1:{up[0]}\", lane: formal }}\n"
-                    f"  - {{ name: g1, addr: \"127.0.0.1:{up[1]}\", lane: gray }}\n")
-        procs.append(Proc([gg, "--config", os.path.join(updir, "up.yaml")], tmp, "upstream"))
+        up = start_upstream(gg, tmp, procs)
         prefix = "/bench"
         conf = os.path.join(tmp, "conf")
         os.makedirs(conf)
         with open(os.path.join(conf, "main.yaml"), "w") as f:
             f.write("listen: 127.0.0.1:0\nnode_files: [nodes.yaml]\nworkers: 1\n"
                     "routes:\n  - { prefix: /, service: api }\n")
-        with open(os.path.join(conf, "nodes.yaml"), "w") as f:
-            f.write(f"services:\n  api:\n    nodes:\n      - {{ name: f1, addr: \"127.0.0.1:{up[0]}\", lane: formal }}\n"
-                    f"      - {{ name: g1, addr: \"127.0.0.1:{up[1]}\", lane: gray }}\n")
+        write_nodes(conf, up)
         out = subprocess.run([gg, "push", "--config", os.path.join(conf, "main.yaml"), "--etcd", etcd.url,
                               "--prefix", prefix], capture_output=True, text=True)
         if out.returncode != 0:

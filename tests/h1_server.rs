@@ -187,38 +187,12 @@ async fn read_to_close(s: &mut TcpStream) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// Reads one response with a Content-Length body (or none) off `s`.
-async fn read_one(s: &mut TcpStream, buf: &mut Vec<u8>) -> String {
-    let ok = tokio::time::timeout(Duration::from_secs(20), async {
-        if !fill(s, buf, |b| find(b, b"\r\n\r\n").is_some()).await {
-            return false;
-        }
-        let end = find(buf, b"\r\n\r\n").unwrap() + 4;
-        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-        let n: usize = head
-            .find("content-length:")
-            .map(|i| {
-                head[i + 15..]
-                    .split("\r\n")
-                    .next()
-                    .unwrap()
-                    .trim()
-                    .parse()
-                    .unwrap()
-            })
-            .unwrap_or(0);
-        fill(s, buf, |b| b.len() >= end + n).await
-    })
-    .await;
-    assert_eq!(
-        ok,
-        Ok(true),
-        "no complete response: {}",
-        String::from_utf8_lossy(buf)
-    );
-    let end = find(buf, b"\r\n\r\n").unwrap() + 4;
+/// Where the head in `buf` ends and its Content-Length (0 without one),
+/// once the whole head is there.
+fn head_and_len(buf: &[u8]) -> Option<(usize, usize)> {
+    let end = find(buf, b"\r\n\r\n")? + 4;
     let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-    let n: usize = head
+    let n = head
         .find("content-length:")
         .map(|i| {
             head[i + 15..]
@@ -230,6 +204,26 @@ async fn read_one(s: &mut TcpStream, buf: &mut Vec<u8>) -> String {
                 .unwrap()
         })
         .unwrap_or(0);
+    Some((end, n))
+}
+
+/// Reads one response with a Content-Length body (or none) off `s`.
+async fn read_one(s: &mut TcpStream, buf: &mut Vec<u8>) -> String {
+    let ok = tokio::time::timeout(Duration::from_secs(20), async {
+        if !fill(s, buf, |b| find(b, b"\r\n\r\n").is_some()).await {
+            return false;
+        }
+        let (end, n) = head_and_len(buf).unwrap();
+        fill(s, buf, |b| b.len() >= end + n).await
+    })
+    .await;
+    assert_eq!(
+        ok,
+        Ok(true),
+        "no complete response: {}",
+        String::from_utf8_lossy(buf)
+    );
+    let (end, n) = head_and_len(buf).unwrap();
     let text = String::from_utf8_lossy(&buf[..end + n]).into_owned();
     buf.drain(..end + n);
     text

@@ -633,24 +633,30 @@ mod tests {
             .collect()
     }
 
+    const ALL_BALANCES: [Balance; 4] = [
+        Balance::RoundRobin,
+        Balance::LeastRequest,
+        Balance::Random,
+        Balance::Hash,
+    ];
+
+    /// Passive health that ejects a node at its first failure.
+    fn eject_on_first_failure() -> crate::config::PassiveHealth {
+        crate::config::PassiveHealth {
+            max_fails: 1,
+            cooldown_ms: 60_000,
+            fail_on_5xx: true,
+        }
+    }
+
     fn set_of(names: &[&str]) -> std::collections::BTreeSet<String> {
         names.iter().map(|s| s.to_string()).collect()
     }
 
     #[test]
     fn same_zone_first_then_every_zone_below_min_healthy() {
-        use crate::config::PassiveHealth;
-        let p = PassiveHealth {
-            max_fails: 1,
-            cooldown_ms: 60_000,
-            fail_on_5xx: true,
-        };
-        for balance in [
-            Balance::RoundRobin,
-            Balance::LeastRequest,
-            Balance::Random,
-            Balance::Hash,
-        ] {
+        let p = eject_on_first_failure();
+        for balance in ALL_BALANCES {
             fastrand::seed(9);
             let s = zone_service(2, Some("a"), balance);
             let now = crate::base::clock::now_ms();
@@ -805,18 +811,8 @@ mod tests {
 
     #[test]
     fn every_policy_keeps_the_lane_guarantee() {
-        use crate::config::PassiveHealth;
-        let p = PassiveHealth {
-            max_fails: 1,
-            cooldown_ms: 60_000,
-            fail_on_5xx: true,
-        };
-        for balance in [
-            Balance::RoundRobin,
-            Balance::LeastRequest,
-            Balance::Random,
-            Balance::Hash,
-        ] {
+        let p = eject_on_first_failure();
+        for balance in ALL_BALANCES {
             let nodes: Vec<Node> = [
                 ("f1", FORMAL),
                 ("f2", FORMAL),
