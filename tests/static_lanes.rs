@@ -437,3 +437,126 @@ fn bad_static_cache_settings_are_rejected_with_their_line() {
     assert!(e.message.contains("cache_control"), "{e}");
     assert_eq!(e.line, Some(7), "{e}");
 }
+
+/// Reads one `Content-Length` response off `s` (after `buf`'s leftovers);
+/// returns (head, body) and keeps what follows in `buf`.
+async fn read_one(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> (String, Vec<u8>) {
+    use tokio::io::AsyncReadExt;
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_string();
+            let len: usize = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length: ")
+                        .map(|v| v.trim().parse().unwrap())
+                })
+                .expect("a content-length");
+            while buf.len() < end + 4 + len {
+                let mut chunk = vec![0u8; 64 * 1024];
+                let n = s.read(&mut chunk).await.unwrap();
+                assert!(n > 0, "connection closed inside a body");
+                buf.extend_from_slice(&chunk[..n]);
+            }
+            let body = buf[end + 4..end + 4 + len].to_vec();
+            buf.drain(..end + 4 + len);
+            return (head, body);
+        }
+        let mut chunk = vec![0u8; 64 * 1024];
+        let n = s.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "connection closed before a head");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Whole files from 256 KiB on go out by sendfile(2) on plain HTTP/1.1
+/// connections, whether the cache holds them or not: pipelined requests on
+/// one keep-alive connection get exact bodies one after another (the head
+/// then the file, nothing more), HEAD gets none, a lane's own file and the
+/// formal fallback each their own bytes, and a file replaced on disk is
+/// sent new.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn big_whole_files_go_out_by_sendfile_on_a_kept_alive_connection() {
+    use tokio::io::AsyncWriteExt;
+    let fx = Fixture::new();
+    let cached = pattern(600_000);
+    let mut gray_own = pattern(300_000);
+    gray_own.reverse();
+    let on_disk = pattern(1_500_000);
+    std::fs::create_dir_all(fx.path("site/formal")).unwrap();
+    std::fs::create_dir_all(fx.path("site/gray")).unwrap();
+    std::fs::write(fx.path("site/formal/cached.bin"), &cached).unwrap();
+    std::fs::write(fx.path("site/formal/own.bin"), &cached[..300_000]).unwrap();
+    std::fs::write(fx.path("site/gray/own.bin"), &gray_own).unwrap();
+    std::fs::write(fx.path("site/formal/disk.bin"), &on_disk).unwrap();
+    fx.write("lane.lua", LANE_SCRIPT);
+    let cfg = fx.write(
+        "gg.yaml",
+        &main_config(
+            "script: lane.lua\nstatic_cache: { max_size: 4m, max_file_size: 1m, valid_ms: 200 }\n\
+             routes:\n  - prefix: /\n    static: site\n",
+        ),
+    );
+    let gw = Gateway::start(&cfg);
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let req = |path: &str, method: &str, lane: &str| {
+        format!("{method} {path} HTTP/1.1\r\nHost: t\r\nX-Lane: {lane}\r\n\r\n")
+    };
+    let mut all = String::new();
+    for _ in 0..2 {
+        all += &req("/cached.bin", "GET", "formal");
+        all += &req("/disk.bin", "GET", "formal");
+        all += &req("/own.bin", "GET", "gray");
+        all += &req("/own.bin", "GET", "formal");
+        all += &req("/cached.bin", "GET", "gray"); // fallback
+    }
+    s.write_all(all.as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    for round in 0..2 {
+        for (want, what) in [
+            (&cached[..], "cached"),
+            (&on_disk[..], "disk"),
+            (&gray_own[..], "gray's own"),
+            (&cached[..300_000], "formal's own"),
+            (&cached[..], "fallback"),
+        ] {
+            let (head, body) = read_one(&mut s, &mut buf).await;
+            assert!(head.starts_with("HTTP/1.1 200"), "{what} #{round}: {head}");
+            assert_eq!(body.len(), want.len(), "{what} #{round}");
+            assert!(body == want, "{what} #{round}: bytes differ");
+        }
+    }
+    // HEAD: the head only; the next response follows it directly.
+    let both = req("/cached.bin", "HEAD", "formal") + &req("/own.bin", "GET", "gray");
+    s.write_all(both.as_bytes()).await.unwrap();
+    let end = loop {
+        if let Some(e) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break e;
+        }
+        let mut chunk = vec![0u8; 4096];
+        let n = tokio::io::AsyncReadExt::read(&mut s, &mut chunk)
+            .await
+            .unwrap();
+        assert!(n > 0);
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..end]).to_string();
+    assert!(head.contains("content-length: 600000"), "{head}");
+    buf.drain(..end + 4);
+    let (_, body) = read_one(&mut s, &mut buf).await;
+    assert!(body == gray_own, "after HEAD");
+    assert!(buf.is_empty(), "nothing after the last body");
+    // Replaced on disk: sent new.
+    let newer = pattern(700_000).into_iter().rev().collect::<Vec<u8>>();
+    std::fs::write(fx.path("site/formal/cached.bin.tmp"), &newer).unwrap();
+    std::fs::rename(
+        fx.path("site/formal/cached.bin.tmp"),
+        fx.path("site/formal/cached.bin"),
+    )
+    .unwrap();
+    eventually("the replaced big file sent new", FRESH, || async {
+        gw.get("/cached.bin").await.body[..] == newer[..]
+    })
+    .await;
+}

@@ -11,6 +11,16 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// Every response body the gateway sends.
 pub type Body = UnsyncBoxBody<Bytes, BoxError>;
 
+/// A response extension: the whole body is the first `len` bytes of `file`
+/// (already checked to be the file the validators describe). A server that
+/// owns a plain socket may send it with `sendfile(2)` instead of polling the
+/// body; every other server ignores it and streams the body as usual.
+#[derive(Clone, Debug)]
+pub struct SendFile {
+    pub file: std::sync::Arc<std::fs::File>,
+    pub len: u64,
+}
+
 /// A client's request body as the request path receives it: from hyper's
 /// server (HTTP/2, TLS, and the HTTP/1.1 connections `server::h1` hands to
 /// hyper), or whole from the hand-written HTTP/1.1 server (no body, or a

@@ -75,6 +75,12 @@ impl Recorded {
         self.inner = inner;
     }
 
+    /// The whole body went out by another way than polling it (the HTTP/1.1
+    /// server's `sendfile`): records the request as served.
+    pub fn sent_whole(&mut self) {
+        self.record(Ok(()));
+    }
+
     fn record(&mut self, outcome: Result<(), ErrorKind>) {
         if let Some(mut p) = self.pending.take() {
             p.finish(outcome);

@@ -44,7 +44,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::Server;
-use crate::base::body::RequestBody;
+use crate::base::body::{RequestBody, SendFile};
 use crate::base::clock::now_ms;
 use crate::base::counter::Counted;
 use crate::base::ratelog::log_limited;
@@ -570,6 +570,7 @@ impl Out<'_> {
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED;
         let end = body.is_end_stream();
+        let sendfile = head.extensions.get::<SendFile>().cloned();
         let (coding, mut keep) = encode_head(&mut w, head, &body, f, end);
         let coding = if bodiless || end {
             Coding::Length(0)
@@ -581,6 +582,23 @@ impl Out<'_> {
             let r = self.write(&[&w]).await;
             WRITE_BUF.set(w);
             return r.map(|()| keep);
+        }
+        if let (Some(sf), Coding::Length(n)) = (&sendfile, coding) {
+            if sf.len == n {
+                // The head, then the file by sendfile(2): one copy less. A
+                // file that shrank meanwhile ends short: the connection
+                // closes, the client never takes it as whole.
+                let r = match self.write(&[&w]).await {
+                    Ok(()) => self.send_file(&sf.file, n).await,
+                    Err(e) => Err(e),
+                };
+                WRITE_BUF.set(w);
+                if r.is_ok() {
+                    body.sent_whole();
+                }
+                drop(body);
+                return r.map(|()| keep);
+            }
         }
         // The first frame, if ready, goes out with the head; a body that
         // fails before anything was sent closes the connection without an
@@ -686,6 +704,43 @@ impl Out<'_> {
         }
     }
 
+    /// Sends the first `len` bytes of `file` with `sendfile(2)` from this
+    /// thread (the page cache's pages go to the socket, no copy through
+    /// user space); the send timeout applies as to [`Self::write`].
+    async fn send_file(&mut self, file: &std::fs::File, len: u64) -> io::Result<()> {
+        let mut off: u64 = 0;
+        while off < len {
+            let want = (len - off).min(1 << 30) as usize;
+            let r = self.stream.try_io(tokio::io::Interest::WRITABLE, || {
+                rustix::fs::sendfile(self.stream, file, Some(&mut off), want)
+                    .map_err(io::Error::from)
+            });
+            match r {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.wait_writable().await?,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until the client reads; longer than the send timeout fails the
+    /// connection (logged, rate-limited).
+    async fn wait_writable(&self) -> io::Result<()> {
+        match tokio::time::timeout(self.send, self.stream.writable()).await {
+            Ok(r) => r,
+            Err(_) => {
+                let send_ms = self.send.as_millis() as u64;
+                log_limited(
+                    &super::SEND_LOG,
+                    || tracing::warn!(peer = %self.peer, send_timeout_ms = send_ms, "client stopped reading the response; closing"),
+                );
+                Err(io::ErrorKind::TimedOut.into())
+            }
+        }
+    }
+
     /// Writes every byte of `bufs`; a write that waits longer than the
     /// send timeout for the client to read fails the connection.
     async fn write(&mut self, bufs: &[&[u8]]) -> io::Result<()> {
@@ -707,19 +762,7 @@ impl Out<'_> {
             match self.stream.try_write_vectored(&slices[..k]) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => done += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    match tokio::time::timeout(self.send, self.stream.writable()).await {
-                        Ok(r) => r?,
-                        Err(_) => {
-                            let send_ms = self.send.as_millis() as u64;
-                            log_limited(
-                                &super::SEND_LOG,
-                                || tracing::warn!(peer = %self.peer, send_timeout_ms = send_ms, "client stopped reading the response; closing"),
-                            );
-                            return Err(io::ErrorKind::TimedOut.into());
-                        }
-                    }
-                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.wait_writable().await?,
                 Err(e) => return Err(e),
             }
         }

@@ -79,7 +79,7 @@ impl Drop for Lent {
 /// a server does once it has written it; a consumer that keeps every frame
 /// (collecting the body) must not be given one.
 pub struct FileBody {
-    file: Option<File>,
+    file: Option<Arc<File>>,
     segments: VecDeque<Segment>,
     remaining: u64,
     gate: Arc<Gate>,
@@ -87,6 +87,15 @@ pub struct FileBody {
 
 impl FileBody {
     pub fn new(file: Option<File>, segments: VecDeque<Segment>) -> FileBody {
+        Self::with(file.map(Arc::new), segments)
+    }
+
+    /// As [`FileBody::new`], the file shared (e.g. with a `SendFile`).
+    pub fn shared(file: Arc<File>, segments: VecDeque<Segment>) -> FileBody {
+        Self::with(Some(file), segments)
+    }
+
+    fn with(file: Option<Arc<File>>, segments: VecDeque<Segment>) -> FileBody {
         let remaining = segments
             .iter()
             .map(|s| match s {

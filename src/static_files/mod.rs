@@ -221,32 +221,41 @@ fn respond(tree: &StaticTree, parts: &Parts, f: &FileInfo) -> Option<Response<Bo
     };
     let source = match &f.content {
         Content::Mem(b) => Source::Mem(b.clone()),
-        Content::Disk => {
-            let file = std::fs::File::open(&f.path).ok()?;
-            let same = file.metadata().is_ok_and(|m| cache::FileId::of(&m) == f.id);
-            if !same {
-                return None;
-            }
-            Source::Disk(file)
-        }
+        Content::Disk => Source::Disk(open_same(f)?),
     };
     let Some(ranges) = ranges else {
         if let Some(ct) = &f.content_type {
             head.insert(header::CONTENT_TYPE, ct.clone());
         }
         head.insert(header::CONTENT_LENGTH, f.content_length.clone());
+        let mut sendfile = None;
         let body = match source {
             Source::Mem(b) if b.len() <= body::MEM_FRAME => boxed(Full::new(b)),
             Source::Mem(b) => boxed(FileBody::new(None, VecDeque::from([Segment::Mem(b)]))),
-            Source::Disk(file) => boxed(FileBody::new(
-                Some(file),
-                VecDeque::from([Segment::File {
-                    offset: 0,
-                    len: f.size,
-                }]),
-            )),
+            Source::Disk(file) => {
+                let file = std::sync::Arc::new(file);
+                sendfile = Some(file.clone());
+                boxed(FileBody::shared(
+                    file,
+                    VecDeque::from([Segment::File {
+                        offset: 0,
+                        len: f.size,
+                    }]),
+                ))
+            }
         };
-        return Some(finish(StatusCode::OK, head, body));
+        let mut r = finish(StatusCode::OK, head, body);
+        if f.size >= SENDFILE_MIN {
+            let file = match sendfile {
+                Some(file) => Some(file),
+                None => open_same(f).map(std::sync::Arc::new),
+            };
+            if let Some(file) = file {
+                r.extensions_mut()
+                    .insert(crate::base::body::SendFile { file, len: f.size });
+            }
+        }
+        return Some(r);
     };
     let mut segments = VecDeque::new();
     if let [r] = ranges[..] {
@@ -299,6 +308,19 @@ fn respond(tree: &StaticTree, parts: &Parts, f: &FileInfo) -> Option<Response<Bo
         HeaderValue::from(hyper::body::Body::size_hint(&body).exact().unwrap_or(0)),
     );
     Some(finish(StatusCode::PARTIAL_CONTENT, head, boxed(body)))
+}
+
+/// Whole files from this size on carry a [`crate::base::body::SendFile`]
+/// for the HTTP/1.1 server of plain listeners: one copy less than writing
+/// the body (nginx's `sendfile on`); smaller ones are cheaper as a write.
+pub const SENDFILE_MIN: u64 = 256 * 1024;
+
+/// The file at `f.path` if it is still the one `f` describes (inode, size,
+/// mtime), else `None` (the caller revalidates).
+fn open_same(f: &cache::FileInfo) -> Option<std::fs::File> {
+    let file = std::fs::File::open(&f.path).ok()?;
+    let same = file.metadata().is_ok_and(|m| cache::FileId::of(&m) == f.id);
+    same.then_some(file)
 }
 
 fn finish(status: StatusCode, headers: HeaderMap, body: Body) -> Response<Body> {
