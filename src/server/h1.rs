@@ -588,7 +588,7 @@ impl Out<'_> {
                 // The head, then the file by sendfile(2): one copy less. A
                 // file that shrank meanwhile ends short: the connection
                 // closes, the client never takes it as whole.
-                let r = match self.write(&[&w]).await {
+                let r = match self.send_more(&w).await {
                     Ok(()) => self.send_file(&sf.file, n).await,
                     Err(e) => Err(e),
                 };
@@ -718,6 +718,26 @@ impl Out<'_> {
             match r {
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.wait_writable().await?,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes every byte of `head` with `MSG_MORE`: it leaves in the same
+    /// segment as the start of the body that follows (nginx's
+    /// `tcp_nopush`), never as a small segment of its own.
+    async fn send_more(&mut self, head: &[u8]) -> io::Result<()> {
+        let mut done = 0;
+        while done < head.len() {
+            let r = self.stream.try_io(tokio::io::Interest::WRITABLE, || {
+                rustix::net::send(self.stream, &head[done..], rustix::net::SendFlags::MORE)
+                    .map_err(io::Error::from)
+            });
+            match r {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => done += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.wait_writable().await?,
                 Err(e) => return Err(e),
             }
