@@ -259,13 +259,6 @@ async fn a_fallback_is_cached_apart_from_the_lanes_own_file() {
     .await;
 }
 
-/// A file of `n` bytes that shows where each byte came from.
-fn pattern(n: usize) -> Vec<u8> {
-    (0..n)
-        .map(|i| b"0123456789abcdefghijklmnopqrstuvwxyz"[(i + i / 997) % 36])
-        .collect()
-}
-
 /// The parts of a multipart/byteranges body: (Content-Range, bytes).
 fn multipart(r: &Resp) -> Vec<(String, Vec<u8>)> {
     let ct = r.header("content-type").unwrap();
@@ -438,39 +431,7 @@ fn bad_static_cache_settings_are_rejected_with_their_line() {
     assert_eq!(e.line, Some(7), "{e}");
 }
 
-/// Reads one `Content-Length` response off `s` (after `buf`'s leftovers);
-/// returns (head, body) and keeps what follows in `buf`.
-async fn read_one(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> (String, Vec<u8>) {
-    use tokio::io::AsyncReadExt;
-    loop {
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..end]).to_string();
-            let len: usize = head
-                .lines()
-                .find_map(|l| {
-                    l.to_ascii_lowercase()
-                        .strip_prefix("content-length: ")
-                        .map(|v| v.trim().parse().unwrap())
-                })
-                .expect("a content-length");
-            while buf.len() < end + 4 + len {
-                let mut chunk = vec![0u8; 64 * 1024];
-                let n = s.read(&mut chunk).await.unwrap();
-                assert!(n > 0, "connection closed inside a body");
-                buf.extend_from_slice(&chunk[..n]);
-            }
-            let body = buf[end + 4..end + 4 + len].to_vec();
-            buf.drain(..end + 4 + len);
-            return (head, body);
-        }
-        let mut chunk = vec![0u8; 64 * 1024];
-        let n = s.read(&mut chunk).await.unwrap();
-        assert!(n > 0, "connection closed before a head");
-        buf.extend_from_slice(&chunk[..n]);
-    }
-}
-
-/// Whole files from 256 KiB on go out by sendfile(2) on plain HTTP/1.1
+/// Whole files from 64 KiB on go out by sendfile(2) on plain HTTP/1.1
 /// connections, whether the cache holds them or not: pipelined requests on
 /// one keep-alive connection get exact bodies one after another (the head
 /// then the file, nothing more), HEAD gets none, a lane's own file and the

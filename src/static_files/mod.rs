@@ -313,7 +313,7 @@ fn respond(tree: &StaticTree, parts: &Parts, f: &FileInfo) -> Option<Response<Bo
 /// Whole files from this size on carry a [`crate::base::body::SendFile`]
 /// for the HTTP/1.1 server of plain listeners: one copy less than writing
 /// the body (nginx's `sendfile on`); smaller ones are cheaper as a write.
-pub const SENDFILE_MIN: u64 = 256 * 1024;
+pub const SENDFILE_MIN: u64 = 64 * 1024;
 
 /// The file at `f.path` if it is still the one `f` describes (inode, size,
 /// mtime), else `None` (the caller revalidates).
