@@ -565,3 +565,35 @@ async fn listener_layout_changes_need_a_restart() {
     assert_eq!(r.version, "2");
     assert_eq!(curl(&["--http2"], &https(s.tls, "/api/x")).version, "2");
 }
+
+/// Whole files big enough for `sendfile` on plain HTTP/1.1 still go out
+/// byte-exact where the socket is not plain: over TLS (HTTP/1.1 and
+/// HTTP/2) and HTTP/2 over h2c, the body is streamed as frames (a file sent
+/// past TLS or h2 framing would break the connection); plain HTTP/1.1 on
+/// the h2c listener gets the same bytes by sendfile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn big_static_files_over_tls_and_h2_are_streamed_whole() {
+    let s = setup().await;
+    // 600 kB held by the content cache; 3 MB beyond it (read from disk).
+    let files = [("cached.txt", 600_000), ("disk.txt", 3_000_000)];
+    for (name, n) in files {
+        std::fs::write(s.fx.path(&format!("static/formal/{name}")), pattern(n)).unwrap();
+    }
+    let h2c = |path: &str| format!("http://127.0.0.1:{}{path}", s.h2c.port());
+    for (name, n) in files {
+        let want = String::from_utf8(pattern(n)).unwrap();
+        let path = format!("/{name}");
+        for (args, url, version) in [
+            (["--http2"], https(s.tls, &path), "2"),
+            (["--http1.1"], https(s.tls, &path), "1.1"),
+            (["--http2-prior-knowledge"], h2c(&path), "2"),
+            (["--http1.1"], h2c(&path), "1.1"),
+        ] {
+            let r = curl(&args, &url);
+            assert!(r.ok, "{url} {args:?}: curl failed");
+            assert_eq!(r.version, version, "{url} {args:?}");
+            assert_eq!(r.body.len(), n, "{url} {args:?}");
+            assert!(r.body == want, "{url} {args:?}: bytes differ");
+        }
+    }
+}
