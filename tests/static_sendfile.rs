@@ -149,7 +149,10 @@ async fn clients_closing_mid_file_leave_no_descriptor_behind() {
         read_at_least(s, &mut buf, 256 << 10).await;
         assert!(buf.starts_with(b"HTTP/1.1 200"));
         if i % 2 == 0 {
-            s.set_linger(Some(Duration::ZERO)).unwrap(); // RST on close
+            // RST on close.
+            socket2::SockRef::from(&*s)
+                .set_linger(Some(Duration::ZERO))
+                .unwrap();
         }
     }
     let (_, sending) = open_fds(gw.pid(), "big.bin");
