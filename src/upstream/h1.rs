@@ -389,32 +389,30 @@ impl Meta {
     /// on. A Connection header naming other fields is kept, so the proxy's
     /// hop-by-hop pass removes those fields and it.
     fn note(&mut self, name: &str, value: &[u8]) -> bool {
-        let text = || std::str::from_utf8(value).unwrap_or("");
-        if name.eq_ignore_ascii_case("connection") {
-            let value = text();
+        // Byte-level: one response per request passes here, and the usual
+        // values (`keep-alive`, a length) need no UTF-8 pass or trimming.
+        let name = name.as_bytes();
+        if name.eq_ignore_ascii_case(b"connection") {
             let mut names_others = false;
-            for t in value.split(',').map(str::trim) {
-                if t.eq_ignore_ascii_case("close") {
+            for t in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+                if t.eq_ignore_ascii_case(b"close") {
                     self.close = true;
-                } else if t.eq_ignore_ascii_case("keep-alive") {
+                } else if t.eq_ignore_ascii_case(b"keep-alive") {
                     self.keep_alive = true;
-                } else if !t.is_empty() && !t.eq_ignore_ascii_case("upgrade") {
+                } else if !t.is_empty() && !t.eq_ignore_ascii_case(b"upgrade") {
                     names_others = true;
                 }
             }
             return names_others;
         }
-        if name.eq_ignore_ascii_case("transfer-encoding") {
-            let value = text();
-            let last = value.rsplit(',').next().unwrap_or("").trim();
-            self.chunked = Some(last.eq_ignore_ascii_case("chunked"));
+        if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            let last = value.rsplit(|&b| b == b',').next().unwrap_or(b"");
+            self.chunked = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
             return false;
         }
-        if name.eq_ignore_ascii_case("content-length") {
+        if name.eq_ignore_ascii_case(b"content-length") {
             self.saw_length = true;
-            let v = text().trim();
-            let digits = !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit());
-            match v.parse::<u64>().ok().filter(|_| digits) {
+            match content_length(value) {
                 Some(n) if self.length.is_none_or(|l| l == n) => self.length = Some(n),
                 Some(_) => self.length_error = Some("conflicting content-length"),
                 None => self.length_error = Some("bad content-length"),
@@ -423,7 +421,7 @@ impl Meta {
         }
         !HOP_BY_HOP
             .iter()
-            .any(|h| name.eq_ignore_ascii_case(h.as_str()))
+            .any(|h| name.eq_ignore_ascii_case(h.as_str().as_bytes()))
     }
 
     fn framing(&self, status: StatusCode, head_request: bool) -> Result<Framing, &'static str> {
@@ -449,6 +447,21 @@ impl Meta {
             Some(n) => Framing::Length(n),
         })
     }
+}
+
+/// A Content-Length value: ASCII digits (white space around allowed) that
+/// fit in a u64.
+fn content_length(v: &[u8]) -> Option<u64> {
+    let v = v.trim_ascii();
+    if v.is_empty() {
+        return None;
+    }
+    v.iter().try_fold(0u64, |n, &b| {
+        if !b.is_ascii_digit() {
+            return None;
+        }
+        n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
+    })
 }
 
 /// How the response body is delimited.
