@@ -25,7 +25,6 @@ use crate::base::decision::Decision;
 use crate::base::error::{Error, ErrorKind};
 use crate::config::{UpstreamConfig, FORMAL};
 use crate::generation::Generation;
-use crate::lane::RequestInfo;
 use crate::nodes::{Choice, Fallback, NoCandidates, Service};
 use crate::observe::metrics::NodeTracker;
 use crate::upstream::body::{ClientBody, Replay};
@@ -64,7 +63,7 @@ pub async fn forward(
     gen: &Generation,
     ctx: &mut RequestCtx,
     (service_name, upgrades): (&Arc<str>, &[String]),
-    info: RequestInfo,
+    parts: Parts,
     body: RequestBody,
 ) -> Result<Response<Body>, Error> {
     let client = &ctx.client;
@@ -78,7 +77,7 @@ pub async fn forward(
     let upstream = &gen.config.upstream;
     // The serve phase's start (one clock read fewer per request).
     let t0 = ctx.serve_start.unwrap_or_else(Instant::now);
-    let out = rewrite_request(gen, (client, t0), decision, info.parts, upstream, upgrades);
+    let out = rewrite_request(gen, (client, t0), decision, parts, upstream, upgrades);
     // No body (the common GET): nothing to wait for, no timer.
     let replay = if hyper::body::Body::is_end_stream(&body) {
         Replay::Empty
