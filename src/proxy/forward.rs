@@ -28,7 +28,7 @@ use crate::generation::Generation;
 use crate::nodes::{Choice, Fallback, NoCandidates, Service};
 use crate::observe::metrics::NodeTracker;
 use crate::upstream::body::{ClientBody, Replay};
-use crate::upstream::fields::{idempotent, strip_hop_by_hop, Added};
+use crate::upstream::fields::{first, idempotent, strip_hop_by_hop, Added};
 use crate::upstream::PooledBody;
 
 /// Rate-limits the lane-fallback WARN to once per 10 s per (service,
@@ -180,7 +180,7 @@ fn rewrite_request(
     upstream: &UpstreamConfig,
     upgrades: &[String],
 ) -> Outbound {
-    let original_host = parts.headers.get(header::HOST).cloned();
+    let original_host = first(&parts.headers, &header::HOST).cloned();
     let upgrade = upgrade_requested(&parts.headers).filter(|u| upgrade_allowed(u, upgrades));
     let client_upgrade = upgrade
         .as_ref()
@@ -433,15 +433,13 @@ fn upgrade_allowed(value: &HeaderValue, allowed: &[String]) -> bool {
 }
 
 fn upgrade_requested(h: &HeaderMap) -> Option<HeaderValue> {
+    // Usually no Upgrade field at all: one scan, no Connection lookup.
+    let upgrade = first(h, &header::UPGRADE)?;
     let conn_upgrade = h
         .get_all(header::CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
-    if conn_upgrade {
-        h.get(header::UPGRADE).cloned()
-    } else {
-        None
-    }
+    conn_upgrade.then(|| upgrade.clone())
 }

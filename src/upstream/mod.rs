@@ -89,7 +89,7 @@ impl Upstream {
         added: &Added,
         (read_timeout, limit): (Duration, Duration),
     ) -> Result<Response<PooledBody>, Error> {
-        if !req.headers().contains_key(http::header::UPGRADE) {
+        if fields::first(req.headers(), &http::header::UPGRADE).is_none() {
             let (parts, body) = req.into_parts();
             let body = match body {
                 UpBody::Empty => None,
