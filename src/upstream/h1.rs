@@ -21,7 +21,7 @@ use std::task::{ready, Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Response, StatusCode, Version};
 use hyper::body::{Body, Frame, SizeHint};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -399,7 +399,7 @@ fn parse_head(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Result<Option<Head>,
             if drop_length && head[ns..ne].eq_ignore_ascii_case(b"content-length") {
                 continue;
             }
-            let name = HeaderName::from_bytes(&head[ns..ne]).map_err(|_| bad("header name"))?;
+            let name = super::fields::name_of(&head[ns..ne]).map_err(|_| bad("header name"))?;
             let value = HeaderValue::from_maybe_shared(head.slice(vs..ve))
                 .map_err(|_| bad("header value"))?;
             headers.append(name, value);
