@@ -1,5 +1,5 @@
 //! Layer: base — the small shared vocabulary of both planes, above only
-//! `config`: clocks, the response body type, the per-request `Decision`, the
+//! `config`: clocks, coarse per-thread deadlines, the response body type, the per-request `Decision`, the
 //! typed request-path error, live counters, IP lists, rate-limited logging and
 //! the allocator nudge that returns closed connections' memory.
 //! Nothing here knows about generations, nodes or the gateway.
@@ -7,6 +7,7 @@
 pub mod body;
 pub mod clock;
 pub mod counter;
+pub mod deadline;
 pub mod decision;
 pub mod error;
 pub mod lists;

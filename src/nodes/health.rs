@@ -378,7 +378,13 @@ async fn probe(
     let fut = async {
         let read_timeout = Duration::from_millis(cfg.timeout_ms);
         let resp = client
-            .request_via(addr, transport, req, &Added::none(), read_timeout)
+            .request_via(
+                addr,
+                transport,
+                req,
+                &Added::none(),
+                (read_timeout, read_timeout),
+            )
             .await
             .ok()?;
         let ok = resp.status().is_success() || resp.status().is_redirection();

@@ -20,15 +20,15 @@ use super::{lane_tag, DataPlane};
 use crate::base::body::{boxed, Body, RequestBody};
 use crate::base::clock::now_ms;
 use crate::base::counter::Counted;
+use crate::base::deadline;
 use crate::base::decision::Decision;
 use crate::base::error::{Error, ErrorKind};
 use crate::config::{UpstreamConfig, FORMAL};
 use crate::generation::Generation;
-use crate::lane::RequestInfo;
 use crate::nodes::{Choice, Fallback, NoCandidates, Service};
 use crate::observe::metrics::NodeTracker;
 use crate::upstream::body::{ClientBody, Replay};
-use crate::upstream::fields::{idempotent, strip_hop_by_hop, Added};
+use crate::upstream::fields::{first, idempotent, strip_hop_by_hop, Added};
 use crate::upstream::PooledBody;
 
 /// Rate-limits the lane-fallback WARN to once per 10 s per (service,
@@ -63,7 +63,7 @@ pub async fn forward(
     gen: &Generation,
     ctx: &mut RequestCtx,
     (service_name, upgrades): (&Arc<str>, &[String]),
-    info: RequestInfo,
+    parts: Parts,
     body: RequestBody,
 ) -> Result<Response<Body>, Error> {
     let client = &ctx.client;
@@ -75,7 +75,9 @@ pub async fn forward(
         .ok_or(ErrorKind::NoSuchService)?;
     let choice = select_node(plane, service, decision)?;
     let upstream = &gen.config.upstream;
-    let out = rewrite_request(gen, client, decision, info.parts, upstream, upgrades);
+    // The serve phase's start (one clock read fewer per request).
+    let t0 = ctx.serve_start.unwrap_or_else(Instant::now);
+    let out = rewrite_request(gen, (client, t0), decision, parts, upstream, upgrades);
     // No body (the common GET): nothing to wait for, no timer.
     let replay = if hyper::body::Body::is_end_stream(&body) {
         Replay::Empty
@@ -172,14 +174,13 @@ struct Outbound {
 /// removed).
 fn rewrite_request(
     gen: &Generation,
-    client: &Client,
+    (client, t0): (&Client, Instant),
     decision: &Decision,
     mut parts: Parts,
     upstream: &UpstreamConfig,
     upgrades: &[String],
 ) -> Outbound {
-    let t0 = Instant::now();
-    let original_host = parts.headers.get(header::HOST).cloned();
+    let original_host = first(&parts.headers, &header::HOST).cloned();
     let upgrade = upgrade_requested(&parts.headers).filter(|u| upgrade_allowed(u, upgrades));
     let client_upgrade = upgrade
         .as_ref()
@@ -308,24 +309,25 @@ async fn attempt_all(
         let per_try = Duration::from_millis(upstream.response_timeout_ms).min(out.deadline - now);
         // A service with TLS or HTTP/2 to its nodes takes its own (boxed)
         // exchange; the plain HTTP/1.1 call is unchanged.
-        let sent = match service.transport.as_deref() {
+        // The plain call checks `per_try` itself at each of its waits (no
+        // wrapper future to move, no timer).
+        let timeouts = (read_timeout, per_try);
+        let outcome = match service.transport.as_deref() {
             None => {
-                let call = plane
+                plane
                     .client
-                    .request(node.addr, req, &out.added, read_timeout);
-                tokio::time::timeout(per_try, call).await
+                    .request(node.addr, req, &out.added, timeouts)
+                    .await
             }
             Some(t) => {
-                let call =
-                    plane
-                        .client
-                        .request_transport(node.addr, t, req, &out.added, read_timeout);
-                tokio::time::timeout(per_try, Box::pin(call)).await
+                let call = plane
+                    .client
+                    .request_transport(node.addr, t, req, &out.added, timeouts);
+                match deadline::timeout(per_try, Box::pin(call)).await {
+                    Err(_) => Err(Error::new(ErrorKind::ResponseTimeout)),
+                    Ok(r) => r,
+                }
             }
-        };
-        let outcome = match sent {
-            Err(_) => Err(Error::new(ErrorKind::ResponseTimeout)),
-            Ok(r) => r,
         };
         let e = match outcome {
             Ok(r) => {
@@ -431,15 +433,13 @@ fn upgrade_allowed(value: &HeaderValue, allowed: &[String]) -> bool {
 }
 
 fn upgrade_requested(h: &HeaderMap) -> Option<HeaderValue> {
+    // Usually no Upgrade field at all: one scan, no Connection lookup.
+    let upgrade = first(h, &header::UPGRADE)?;
     let conn_upgrade = h
         .get_all(header::CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
-    if conn_upgrade {
-        h.get(header::UPGRADE).cloned()
-    } else {
-        None
-    }
+    conn_upgrade.then(|| upgrade.clone())
 }

@@ -35,7 +35,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, StatusCode, Uri, Version};
 use hyper::body::Body as _;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -442,7 +442,7 @@ fn parse(buf: &mut BytesMut) -> Parse {
     };
     let mut headers = HeaderMap::with_capacity(n);
     for &(ns, ne, vs, ve) in &spans[..n] {
-        let Ok(name) = HeaderName::from_bytes(&head[ns as usize..ne as usize]) else {
+        let Ok(name) = crate::upstream::fields::name_of(&head[ns as usize..ne as usize]) else {
             put_back(&head, buf);
             return Parse::Hyper;
         };

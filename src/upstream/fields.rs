@@ -26,6 +26,60 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
+/// A header name from the wire, as `HeaderName::from_bytes` makes it: the
+/// names nearly every request or response carries are recognised by their
+/// length and one case-insensitive compare (from_bytes lower-cases the
+/// name into a scratch buffer and matches it against ~90 standard names:
+/// ~115 instructions a field, on each side of every exchange).
+pub fn name_of(b: &[u8]) -> Result<HeaderName, http::header::InvalidHeaderName> {
+    let known = match b.len() {
+        4 if b.eq_ignore_ascii_case(b"host") => Some(header::HOST),
+        4 if b.eq_ignore_ascii_case(b"date") => Some(header::DATE),
+        6 if b.eq_ignore_ascii_case(b"server") => Some(header::SERVER),
+        6 if b.eq_ignore_ascii_case(b"accept") => Some(header::ACCEPT),
+        6 if b.eq_ignore_ascii_case(b"cookie") => Some(header::COOKIE),
+        10 if b.eq_ignore_ascii_case(b"user-agent") => Some(header::USER_AGENT),
+        10 if b.eq_ignore_ascii_case(b"connection") => Some(header::CONNECTION),
+        12 if b.eq_ignore_ascii_case(b"content-type") => Some(header::CONTENT_TYPE),
+        14 if b.eq_ignore_ascii_case(b"content-length") => Some(header::CONTENT_LENGTH),
+        15 if b.eq_ignore_ascii_case(b"accept-encoding") => Some(header::ACCEPT_ENCODING),
+        _ => None,
+    };
+    match known {
+        Some(n) => Ok(n),
+        None => HeaderName::from_bytes(b),
+    }
+}
+
+/// Maps up to this many values are searched by a scan of their names
+/// (standard names compare as one enum tag) instead of a hashed lookup.
+const SCAN_MAX: usize = 8;
+
+/// The first value of `name` — what `HeaderMap::get` returns. A request
+/// carries a handful of fields, and several are looked up on every request
+/// (Host, Upgrade): a scan is cheaper than hashing the name.
+pub fn first<'h>(headers: &'h HeaderMap, name: &HeaderName) -> Option<&'h HeaderValue> {
+    if headers.len() > SCAN_MAX {
+        return headers.get(name);
+    }
+    headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v)
+}
+
+/// How many values `name` has, and the first (`get_all` counted), by the
+/// same scan as [`first`].
+pub fn count_first<'h>(
+    headers: &'h HeaderMap,
+    name: &HeaderName,
+) -> (usize, Option<&'h HeaderValue>) {
+    if headers.len() > SCAN_MAX {
+        let all = headers.get_all(name);
+        return (all.iter().count(), all.iter().next());
+    }
+    let mut found = headers.iter().filter(|(n, _)| *n == name).map(|(_, v)| v);
+    let first = found.next();
+    (first.map_or(0, |_| 1 + found.count()), first)
+}
+
 /// Removes hop-by-hop headers, including those named in `Connection`.
 /// (`Transfer-Encoding` is framing that hyper owns on each side.)
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
@@ -193,6 +247,75 @@ impl Added {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fast names are exactly what `from_bytes` makes, in any case;
+    /// anything else goes to `from_bytes`.
+    #[test]
+    fn name_of_is_from_bytes() {
+        let mut names: Vec<Vec<u8>> = [
+            "host",
+            "date",
+            "server",
+            "accept",
+            "cookie",
+            "user-agent",
+            "connection",
+            "content-type",
+            "content-length",
+            "accept-encoding",
+            "hosts",
+            "x-gray",
+            "dat",
+            "content-lengtH",
+            "accept-encodinG",
+            "x_user",
+            "bad name",
+            "",
+            "é",
+        ]
+        .iter()
+        .map(|n| n.as_bytes().to_vec())
+        .collect();
+        let upper: Vec<Vec<u8>> = names.iter().map(|n| n.to_ascii_uppercase()).collect();
+        names.extend(upper);
+        names.push(b"Content-Type".to_vec());
+        names.push(b"hOsT".to_vec());
+        for n in &names {
+            let want = HeaderName::from_bytes(n).ok();
+            assert_eq!(name_of(n).ok(), want, "{:?}", String::from_utf8_lossy(n));
+        }
+    }
+
+    /// The scan answers as the hashed lookups do, on small maps and on
+    /// maps past the scan limit.
+    #[test]
+    fn first_and_count_first_agree_with_get_and_get_all() {
+        for extra in [0usize, 3, SCAN_MAX + 4] {
+            let mut h = HeaderMap::new();
+            for i in 0..extra {
+                h.append(
+                    HeaderName::from_bytes(format!("x-f{i}").as_bytes()).unwrap(),
+                    HeaderValue::from_static("v"),
+                );
+            }
+            h.append(header::HOST, HeaderValue::from_static("a"));
+            h.append("x-custom", HeaderValue::from_static("c"));
+            h.append(header::HOST, HeaderValue::from_static("b"));
+            for name in [
+                header::HOST,
+                HeaderName::from_static("x-custom"),
+                header::UPGRADE,
+            ] {
+                assert_eq!(first(&h, &name), h.get(&name), "{name} with {extra}");
+                let all = h.get_all(&name);
+                assert_eq!(
+                    count_first(&h, &name),
+                    (all.iter().count(), all.iter().next()),
+                    "{name} with {extra}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn https_sets_forwarded_proto_unless_a_trusted_proxy_said_it() {

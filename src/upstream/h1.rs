@@ -21,7 +21,7 @@ use std::task::{ready, Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Response, StatusCode, Version};
 use hyper::body::{Body, Frame, SizeHint};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -31,6 +31,7 @@ use super::chunked::{Chunked, Step};
 use super::fields::{Added, HOP_BY_HOP};
 use super::pool::IdlePool;
 use super::BoxError;
+use crate::base::deadline::Deadline;
 use crate::base::error::{Error, ErrorKind};
 use crate::base::stall::Stall;
 
@@ -162,6 +163,8 @@ struct Failed {
     /// Nothing at all came back (write error, or EOF/reset before any byte
     /// of a response): on a reused connection this is the idle-close race.
     nothing_back: bool,
+    /// The attempt's response timeout passed (never retried here).
+    timed_out: bool,
     error: BoxError,
 }
 
@@ -169,9 +172,29 @@ impl Failed {
     fn io(e: io::Error, nothing_back: bool) -> Failed {
         Failed {
             nothing_back,
+            timed_out: false,
             error: e.into(),
         }
     }
+
+    fn timeout() -> Failed {
+        Failed {
+            nothing_back: false,
+            timed_out: true,
+            error: "response timeout".into(),
+        }
+    }
+}
+
+/// Runs `fut` until it finishes or `deadline` passes (`Err(())`).
+async fn guarded<F: Future>(fut: F, deadline: &mut Deadline) -> Result<F::Output, ()> {
+    let mut fut = std::pin::pin!(fut);
+    std::future::poll_fn(|cx| match fut.as_mut().poll(cx) {
+        Poll::Ready(out) => Poll::Ready(Ok(out)),
+        Poll::Pending if deadline.passed(cx) => Poll::Ready(Err(())),
+        Poll::Pending => Poll::Pending,
+    })
+    .await
 }
 
 /// Pool settings the exchange needs.
@@ -192,12 +215,14 @@ pub async fn request(
     addr: SocketAddr,
     req: Outgoing<'_>,
     s: &Settings,
+    deadline: &mut Deadline,
 ) -> Result<Response<RawBody>, Error> {
     let idempotent = super::fields::idempotent(req.method);
     let head_request = *req.method == Method::HEAD;
     if let Some(mut conn) = checkout(addr, s.idle_timeout) {
-        match exchange(&mut conn, addr, &req).await {
+        match exchange(&mut conn, addr, &req, deadline).await {
             Ok(head) => return finish(head, conn, addr, head_request, s),
+            Err((f, _)) if f.timed_out => return Err(ErrorKind::ResponseTimeout.into()),
             Err((f, written)) if f.nothing_back && (!written || idempotent) => {
                 tracing::debug!(%addr, error = %f.error, "pooled upstream connection was closed; reconnecting");
             }
@@ -206,15 +231,20 @@ pub async fn request(
     }
     // Boxed once per connection: the response body (which owns the
     // connection until its end) stays small to move.
+    // (The connect future boxed too: only new connections pay for it, and
+    // the exchange's future stays small to move.)
     let mut conn = Box::new(Conn {
-        stream: connect(addr, s.connect_timeout).await?,
+        stream: guarded(Box::pin(connect(addr, s.connect_timeout)), deadline)
+            .await
+            .map_err(|_| Error::new(ErrorKind::ResponseTimeout))??,
         rbuf: BytesMut::new(),
         wbuf: Vec::with_capacity(1024),
         read_size: READ_MIN,
         spans: Vec::new(),
     });
-    match exchange(&mut conn, addr, &req).await {
+    match exchange(&mut conn, addr, &req, deadline).await {
         Ok(head) => finish(head, conn, addr, head_request, s),
+        Err((f, _)) if f.timed_out => Err(ErrorKind::ResponseTimeout.into()),
         Err((f, _)) => Err(Error::new(ErrorKind::Exchange).with_source(f.error)),
     }
 }
@@ -234,16 +264,19 @@ async fn exchange(
     conn: &mut Conn,
     addr: SocketAddr,
     req: &Outgoing<'_>,
+    deadline: &mut Deadline,
 ) -> Result<Head, (Failed, bool)> {
     let mut wbuf = std::mem::take(&mut conn.wbuf);
     req.encode(addr, &mut wbuf);
-    let written = conn.stream.write_all(&wbuf).await;
+    let written = guarded(conn.stream.write_all(&wbuf), deadline).await;
     conn.wbuf = wbuf;
-    written.map_err(|e| (Failed::io(e, true), false))?;
+    written
+        .map_err(|_| (Failed::timeout(), true))?
+        .map_err(|e| (Failed::io(e, true), false))?;
     if let Some(b) = req.body_after_head() {
-        conn.stream
-            .write_all(b)
+        guarded(conn.stream.write_all(b), deadline)
             .await
+            .map_err(|_| (Failed::timeout(), true))?
             .map_err(|e| (Failed::io(e, true), true))?;
     }
     loop {
@@ -258,17 +291,28 @@ async fn exchange(
             return Err((
                 Failed {
                     nothing_back: false,
+                    timed_out: false,
                     error: "response head too large".into(),
                 },
                 true,
             ));
         }
         let got_some = !conn.rbuf.is_empty();
-        match std::future::poll_fn(|cx| conn.poll_fill(cx)).await {
+        let filled = std::future::poll_fn(|cx| match conn.poll_fill(cx) {
+            Poll::Pending if deadline.passed(cx) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(r) => Poll::Ready(Some(r)),
+        })
+        .await;
+        let Some(filled) = filled else {
+            return Err((Failed::timeout(), true));
+        };
+        match filled {
             Ok(0) => {
                 return Err((
                     Failed {
                         nothing_back: !got_some,
+                        timed_out: false,
                         error: "upstream closed the connection before a response".into(),
                     },
                     true,
@@ -300,6 +344,7 @@ fn parse_head(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Result<Option<Head>,
             Err(e) => {
                 return Err(Failed {
                     nothing_back: false,
+                    timed_out: false,
                     error: format!("invalid response head: {e}").into(),
                 })
             }
@@ -307,6 +352,7 @@ fn parse_head(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Result<Option<Head>,
         let code = resp.code.unwrap_or(0);
         let bad = |what: &str| Failed {
             nothing_back: false,
+            timed_out: false,
             error: format!("invalid response head: {what}").into(),
         };
         let status = StatusCode::from_u16(code).map_err(|_| bad("status"))?;
@@ -353,7 +399,7 @@ fn parse_head(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Result<Option<Head>,
             if drop_length && head[ns..ne].eq_ignore_ascii_case(b"content-length") {
                 continue;
             }
-            let name = HeaderName::from_bytes(&head[ns..ne]).map_err(|_| bad("header name"))?;
+            let name = super::fields::name_of(&head[ns..ne]).map_err(|_| bad("header name"))?;
             let value = HeaderValue::from_maybe_shared(head.slice(vs..ve))
                 .map_err(|_| bad("header value"))?;
             headers.append(name, value);
@@ -389,32 +435,30 @@ impl Meta {
     /// on. A Connection header naming other fields is kept, so the proxy's
     /// hop-by-hop pass removes those fields and it.
     fn note(&mut self, name: &str, value: &[u8]) -> bool {
-        let text = || std::str::from_utf8(value).unwrap_or("");
-        if name.eq_ignore_ascii_case("connection") {
-            let value = text();
+        // Byte-level: one response per request passes here, and the usual
+        // values (`keep-alive`, a length) need no UTF-8 pass or trimming.
+        let name = name.as_bytes();
+        if name.eq_ignore_ascii_case(b"connection") {
             let mut names_others = false;
-            for t in value.split(',').map(str::trim) {
-                if t.eq_ignore_ascii_case("close") {
+            for t in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+                if t.eq_ignore_ascii_case(b"close") {
                     self.close = true;
-                } else if t.eq_ignore_ascii_case("keep-alive") {
+                } else if t.eq_ignore_ascii_case(b"keep-alive") {
                     self.keep_alive = true;
-                } else if !t.is_empty() && !t.eq_ignore_ascii_case("upgrade") {
+                } else if !t.is_empty() && !t.eq_ignore_ascii_case(b"upgrade") {
                     names_others = true;
                 }
             }
             return names_others;
         }
-        if name.eq_ignore_ascii_case("transfer-encoding") {
-            let value = text();
-            let last = value.rsplit(',').next().unwrap_or("").trim();
-            self.chunked = Some(last.eq_ignore_ascii_case("chunked"));
+        if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            let last = value.rsplit(|&b| b == b',').next().unwrap_or(b"");
+            self.chunked = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
             return false;
         }
-        if name.eq_ignore_ascii_case("content-length") {
+        if name.eq_ignore_ascii_case(b"content-length") {
             self.saw_length = true;
-            let v = text().trim();
-            let digits = !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit());
-            match v.parse::<u64>().ok().filter(|_| digits) {
+            match content_length(value) {
                 Some(n) if self.length.is_none_or(|l| l == n) => self.length = Some(n),
                 Some(_) => self.length_error = Some("conflicting content-length"),
                 None => self.length_error = Some("bad content-length"),
@@ -423,7 +467,7 @@ impl Meta {
         }
         !HOP_BY_HOP
             .iter()
-            .any(|h| name.eq_ignore_ascii_case(h.as_str()))
+            .any(|h| name.eq_ignore_ascii_case(h.as_str().as_bytes()))
     }
 
     fn framing(&self, status: StatusCode, head_request: bool) -> Result<Framing, &'static str> {
@@ -449,6 +493,21 @@ impl Meta {
             Some(n) => Framing::Length(n),
         })
     }
+}
+
+/// A Content-Length value: ASCII digits (white space around allowed) that
+/// fit in a u64.
+fn content_length(v: &[u8]) -> Option<u64> {
+    let v = v.trim_ascii();
+    if v.is_empty() {
+        return None;
+    }
+    v.iter().try_fold(0u64, |n, &b| {
+        if !b.is_ascii_digit() {
+            return None;
+        }
+        n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
+    })
 }
 
 /// How the response body is delimited.
@@ -613,5 +672,61 @@ impl Body for RawBody {
             Framing::Length(n) => SizeHint::with_exact(n),
             _ => SizeHint::default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn content_length_is_digits_only() {
+        assert_eq!(content_length(b"0"), Some(0));
+        assert_eq!(content_length(b" 42 "), Some(42));
+        assert_eq!(content_length(b"18446744073709551615"), Some(u64::MAX));
+        for bad in [
+            &b""[..],
+            b" ",
+            b"+1",
+            b"-1",
+            b"1 2",
+            b"0x10",
+            b"18446744073709551616",
+            b"\xff1",
+        ] {
+            assert_eq!(
+                content_length(bad),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
+    #[test]
+    fn hop_by_hop_fields_are_read_and_dropped() {
+        let mut m = Meta::default();
+        assert!(!m.note("Connection", b"keep-alive"));
+        assert!(m.keep_alive && !m.close);
+        assert!(!m.note("connection", b" Upgrade ,CLOSE"));
+        assert!(m.close);
+        // A Connection naming other fields is kept for the proxy's pass.
+        assert!(m.note("Connection", b"close, x-private"));
+        assert!(!m.note("Transfer-Encoding", b"gzip, Chunked "));
+        assert_eq!(m.chunked, Some(true));
+        assert!(!m.note("transfer-encoding", b"chunked, gzip"));
+        assert_eq!(m.chunked, Some(false));
+        assert!(!m.note("Keep-Alive", b"timeout=5"));
+        assert!(m.note("Content-Type", b"text/plain"));
+        let mut l = Meta::default();
+        assert!(l.note("Content-Length", b"7"));
+        assert!(l.note("content-length", b"7"));
+        assert_eq!((l.length, l.length_error), (Some(7), None));
+        assert!(l.note("content-length", b"8"));
+        assert_eq!(l.length_error, Some("conflicting content-length"));
+        let mut b = Meta::default();
+        b.note("content-length", b"1,1");
+        assert_eq!(b.length_error, Some("bad content-length"));
+        assert!(b.saw_length);
     }
 }

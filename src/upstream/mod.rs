@@ -33,6 +33,7 @@ use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 
 pub use crate::base::body::BoxError;
+use crate::base::deadline::{self, Deadline};
 use crate::base::error::{Error, ErrorKind};
 use crate::base::stall::Stall;
 use crate::config::UpstreamConfig;
@@ -77,15 +78,18 @@ impl Upstream {
 
     /// Sends `req` (origin-form URI) to the node at `addr` and returns the
     /// response with its body still streaming; a body read that waits
-    /// longer than `read_timeout` fails the body.
+    /// longer than `read_timeout` fails the body. No response head within
+    /// `limit` (connect included) is a `ResponseTimeout` — checked at each
+    /// wait of the inline exchange on the thread's coarse deadlines
+    /// (`base::deadline`): no timer, no wrapper future per request.
     pub async fn request(
         &self,
         addr: SocketAddr,
         req: Request<UpBody>,
         added: &Added,
-        read_timeout: Duration,
+        (read_timeout, limit): (Duration, Duration),
     ) -> Result<Response<PooledBody>, Error> {
-        if !req.headers().contains_key(http::header::UPGRADE) {
+        if fields::first(req.headers(), &http::header::UPGRADE).is_none() {
             let (parts, body) = req.into_parts();
             let body = match body {
                 UpBody::Empty => None,
@@ -93,7 +97,10 @@ impl Upstream {
                 stream @ UpBody::Stream(_) => {
                     let mut req = Request::from_parts(parts, stream);
                     added.apply(req.headers_mut());
-                    return self.request_hyper(addr, req, read_timeout).await;
+                    // Boxed (as below): hyper's client futures would make
+                    // the inline path's future several KB, copied on every
+                    // move.
+                    return self.hyper_within(addr, req, read_timeout, limit).await;
                 }
             };
             let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
@@ -104,12 +111,29 @@ impl Upstream {
                 added,
                 body,
             };
-            let resp = h1::request(addr, out, &self.settings(read_timeout)).await?;
+            let mut deadline = Deadline::after(limit);
+            let settings = self.settings(read_timeout);
+            let resp = h1::request(addr, out, &settings, &mut deadline).await?;
             return Ok(resp.map(|b| PooledBody::Raw(b, None)));
         }
         let mut req = req;
         added.apply(req.headers_mut());
-        self.request_hyper(addr, req, read_timeout).await
+        self.hyper_within(addr, req, read_timeout, limit).await
+    }
+
+    /// The hyper path within `limit` (boxed: hyper's client futures would
+    /// make the inline path's future several KB, copied on every move).
+    async fn hyper_within(
+        &self,
+        addr: SocketAddr,
+        req: Request<UpBody>,
+        read_timeout: Duration,
+        limit: Duration,
+    ) -> Result<Response<PooledBody>, Error> {
+        let call = Box::pin(self.request_hyper(addr, req, read_timeout));
+        deadline::timeout(limit, call)
+            .await
+            .map_err(|_| Error::new(ErrorKind::ResponseTimeout))?
     }
 
     /// [`request`](Self::request) over a service's [`tls::Transport`]:
@@ -121,12 +145,12 @@ impl Upstream {
         transport: Option<&tls::Transport>,
         req: Request<UpBody>,
         added: &Added,
-        read_timeout: Duration,
+        timeouts: (Duration, Duration),
     ) -> Result<Response<PooledBody>, Error> {
         match transport {
-            None => self.request(addr, req, added, read_timeout).await,
+            None => self.request(addr, req, added, timeouts).await,
             // Boxed: the plain path's future stays as small as before.
-            Some(t) => Box::pin(self.request_transport(addr, t, req, added, read_timeout)).await,
+            Some(t) => Box::pin(self.request_transport(addr, t, req, added, timeouts)).await,
         }
     }
 
@@ -137,7 +161,7 @@ impl Upstream {
         t: &tls::Transport,
         req: Request<UpBody>,
         added: &Added,
-        read_timeout: Duration,
+        (read_timeout, limit): (Duration, Duration),
     ) -> Result<Response<PooledBody>, Error> {
         if t.h2 {
             let resp = h2::request(addr, t, req, added, self.connect_timeout).await?;
@@ -150,7 +174,7 @@ impl Upstream {
             return Ok(Response::from_parts(head, PooledBody::Hyper(body, None)));
         }
         let Some(tls) = &t.tls else {
-            return self.request(addr, req, added, read_timeout).await;
+            return self.request(addr, req, added, (read_timeout, limit)).await;
         };
         let mut req = req;
         added.apply(req.headers_mut());

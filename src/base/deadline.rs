@@ -1,0 +1,379 @@
+//! Layer: base. Coarse per-thread deadlines for request-path timeouts (the
+//! upstream attempt's response timeout): like nginx's timer tree per worker,
+//! not a tokio timer per request. A waiting request puts its deadline and
+//! waker into its thread's table (a slab: no allocation once warm, no lock);
+//! one ticker task per worker thread sleeps on a single tokio timer until the
+//! earliest deadline and wakes the requests whose deadline has passed.
+//!
+//! Granularity: deadlines are read on the coarse millisecond clock
+//! (`clock::now_ms`, `CLOCK_MONOTONIC_COARSE`: one kernel tick, 1–4 ms), so
+//! a timeout fires within one tick of its nominal time (plus tokio's 1 ms
+//! timer resolution for the ticker).
+//!
+//! The table is thread-local, so only a current-thread runtime (every
+//! graygate worker) uses it; elsewhere (a multi-thread runtime, where the
+//! ticker could run on another thread) a [`Deadline`] takes a tokio timer
+//! at its first wait.
+
+use std::cell::RefCell;
+use std::future::{poll_fn, Future};
+use std::pin::{pin, Pin};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use tokio::runtime::{Handle, RuntimeFlavor};
+
+use super::clock::now_ms;
+
+/// The timeout passed before the future finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Elapsed;
+
+#[derive(Default)]
+struct Table {
+    /// Deadline (`now_ms`) and waker of each waiting request.
+    slots: Vec<Option<(u64, Waker)>>,
+    free: Vec<usize>,
+    /// A ticker task runs on this thread.
+    ticker: bool,
+    /// When the ticker wakes next (`u64::MAX`: not armed).
+    armed: u64,
+    /// The ticker's waker, to re-arm it for an earlier deadline.
+    ticker_waker: Option<Waker>,
+    /// The shortest limit seen: the idle ticker sleeps that long, so a
+    /// new deadline is never earlier than its wake-up (no wake per request).
+    min_limit: u64,
+}
+
+thread_local! {
+    static TABLE: RefCell<Table> = RefCell::new(Table {
+        armed: u64::MAX,
+        min_limit: u64::MAX,
+        ..Table::default()
+    });
+}
+
+impl Table {
+    fn insert(&mut self, at: u64, waker: &Waker) -> usize {
+        let entry = Some((at, waker.clone()));
+        match self.free.pop() {
+            Some(i) => {
+                self.slots[i] = entry;
+                i
+            }
+            None => {
+                self.slots.push(entry);
+                self.slots.len() - 1
+            }
+        }
+    }
+
+    fn remove(&mut self, i: usize) {
+        if let Some(slot) = self.slots.get_mut(i) {
+            if slot.take().is_some() {
+                self.free.push(i);
+            }
+        }
+    }
+
+    /// Wakes the entries due at `now`; the earliest deadline left.
+    fn expire(&mut self, now: u64) -> Option<u64> {
+        let mut next: Option<u64> = None;
+        for slot in self.slots.iter_mut() {
+            let Some((at, w)) = slot else { continue };
+            if *at <= now {
+                w.wake_by_ref();
+                // Woken once: the request sees its deadline passed when
+                // polled (and removes its entry then).
+                *at = u64::MAX;
+            } else if *at != u64::MAX {
+                next = Some(next.map_or(*at, |n| n.min(*at)));
+            }
+        }
+        next
+    }
+}
+
+/// A deadline on this thread's table: polled by a waiting operation, which
+/// learns whether it has passed (and is woken when it does). Not tied to a
+/// future: the inline upstream exchange checks it at each of its waits.
+/// On a runtime other than a current-thread one (no per-thread ticker), a
+/// tokio timer is used instead, allocated at the first wait.
+pub struct Deadline {
+    at: u64,
+    limit_ms: u64,
+    entry: Entry,
+    fallback: Option<Pin<Box<tokio::time::Sleep>>>,
+    limit: Duration,
+}
+
+impl Deadline {
+    /// `limit` from now (rounded up to whole milliseconds).
+    pub fn after(limit: Duration) -> Deadline {
+        let limit_ms = u64::try_from(limit.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX / 2);
+        Deadline {
+            at: now_ms().saturating_add(limit_ms),
+            limit_ms,
+            entry: Entry { slot: None },
+            fallback: None,
+            limit,
+        }
+    }
+
+    /// Called when the guarded operation is pending: true once the
+    /// deadline has passed; else the task is woken when it does.
+    pub fn passed(&mut self, cx: &mut Context<'_>) -> bool {
+        if let Some(sleep) = &mut self.fallback {
+            return sleep.as_mut().poll(cx).is_ready();
+        }
+        if now_ms() >= self.at {
+            return true;
+        }
+        match self.entry.slot {
+            Some(i) => refresh(i, self.at, cx.waker()),
+            None => {
+                let coarse = Handle::try_current()
+                    .is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::CurrentThread);
+                if !coarse {
+                    let mut sleep = Box::pin(tokio::time::sleep(self.limit));
+                    let fired = sleep.as_mut().poll(cx).is_ready();
+                    self.fallback = Some(sleep);
+                    return fired;
+                }
+                self.entry.slot = Some(register(self.at, self.limit_ms, cx.waker()));
+            }
+        }
+        false
+    }
+}
+
+/// Runs `fut` for at most `limit` ([`Deadline`]).
+pub fn timeout<F: Future>(limit: Duration, fut: F) -> Timeout<F> {
+    Timeout {
+        fut,
+        deadline: Deadline::after(limit),
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The future of [`timeout`].
+    pub struct Timeout<F> {
+        #[pin]
+        fut: F,
+        deadline: Deadline,
+    }
+}
+
+impl<F: Future> Future for Timeout<F> {
+    type Output = Result<F::Output, Elapsed>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        if let Poll::Ready(out) = this.fut.poll(cx) {
+            return Poll::Ready(Ok(out));
+        }
+        if this.deadline.passed(cx) {
+            return Poll::Ready(Err(Elapsed));
+        }
+        Poll::Pending
+    }
+}
+
+/// Takes a slot for `at`, making sure this thread's ticker runs and wakes
+/// by then.
+fn register(at: u64, limit_ms: u64, waker: &Waker) -> usize {
+    TABLE.with(|t| {
+        let mut t = t.borrow_mut();
+        let i = t.insert(at, waker);
+        t.min_limit = t.min_limit.min(limit_ms.max(1));
+        if !t.ticker {
+            t.ticker = true;
+            t.armed = at;
+            tokio::spawn(ticker());
+        } else if at < t.armed {
+            t.armed = at;
+            if let Some(w) = &t.ticker_waker {
+                w.wake_by_ref();
+            }
+        }
+        i
+    })
+}
+
+/// A later poll of a waiting request: the waker may have changed, and a
+/// woken entry whose deadline the clock had not quite reached is re-armed.
+fn refresh(i: usize, at: u64, waker: &Waker) {
+    TABLE.with(|t| {
+        let mut t = t.borrow_mut();
+        let mut rearm = false;
+        if let Some(Some((a, w))) = t.slots.get_mut(i) {
+            if !w.will_wake(waker) {
+                w.clone_from(waker);
+            }
+            if *a == u64::MAX {
+                *a = at;
+                rearm = true;
+            }
+        }
+        if rearm && at < t.armed {
+            t.armed = at;
+            if let Some(w) = &t.ticker_waker {
+                w.wake_by_ref();
+            }
+        }
+    })
+}
+
+/// A request's slot, given back when it finishes, times out or is dropped.
+struct Entry {
+    slot: Option<usize>,
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        if let Some(i) = self.slot {
+            // `try_with`: a thread being torn down has no table left.
+            let _ = TABLE.try_with(|t| t.borrow_mut().remove(i));
+        }
+    }
+}
+
+/// Marks the thread's ticker gone when its task is dropped (its runtime
+/// shut down): the next deadline starts another.
+struct TickerAlive;
+
+impl Drop for TickerAlive {
+    fn drop(&mut self) {
+        let _ = TABLE.try_with(|t| {
+            let mut t = t.borrow_mut();
+            t.ticker = false;
+            t.ticker_waker = None;
+            t.armed = u64::MAX;
+        });
+    }
+}
+
+/// The thread's ticker: sleeps until the earliest deadline (or, with none
+/// waiting, for the shortest limit seen) and wakes the requests due.
+async fn ticker() {
+    let _alive = TickerAlive;
+    let sleep = tokio::time::sleep(Duration::ZERO);
+    let mut sleep = pin!(sleep);
+    let mut wake_at = 0;
+    poll_fn(|cx| loop {
+        let now = now_ms();
+        let next = TABLE.with(|t| {
+            let mut t = t.borrow_mut();
+            let due = t.expire(now);
+            let next = if t.armed > now && t.armed != u64::MAX {
+                // Re-armed for an earlier deadline meanwhile.
+                due.map_or(t.armed, |d| d.min(t.armed))
+            } else {
+                due.unwrap_or_else(|| now.saturating_add(t.min_limit))
+            };
+            t.armed = next;
+            if !t
+                .ticker_waker
+                .as_ref()
+                .is_some_and(|w| w.will_wake(cx.waker()))
+            {
+                t.ticker_waker = Some(cx.waker().clone());
+            }
+            next
+        });
+        if next != wake_at {
+            wake_at = next;
+            let left = Duration::from_millis(next.saturating_sub(now));
+            sleep.as_mut().reset(tokio::time::Instant::now() + left);
+        }
+        match sleep.as_mut().poll(cx) {
+            Poll::Pending => return Poll::<()>::Pending,
+            // Due (as the coarse clock may read a little behind tokio's,
+            // an early wake-up just looks again).
+            Poll::Ready(()) => wake_at = 0,
+        }
+    })
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    /// Fails (instead of hanging) when the deadline never fires.
+    async fn bounded<F: Future>(f: F) -> F::Output {
+        tokio::time::timeout(Duration::from_secs(5), f)
+            .await
+            .expect("the deadline never fired")
+    }
+
+    fn waiting() -> usize {
+        TABLE.with(|t| t.borrow().slots.iter().filter(|s| s.is_some()).count())
+    }
+
+    #[tokio::test]
+    async fn a_stuck_future_times_out_within_the_clock_granularity() {
+        let t0 = Instant::now();
+        let r = bounded(timeout(
+            Duration::from_millis(60),
+            std::future::pending::<()>(),
+        ))
+        .await;
+        let took = t0.elapsed();
+        assert_eq!(r, Err(Elapsed));
+        // One coarse tick (≤ 4 ms at HZ=250; 10 ms allows HZ=100) early at
+        // most; late only by scheduling.
+        assert!(took >= Duration::from_millis(50), "fired early: {took:?}");
+        assert_eq!(waiting(), 0, "entry given back");
+    }
+
+    #[tokio::test]
+    async fn a_finished_future_wins_and_gives_its_slot_back() {
+        let r = timeout(Duration::from_secs(30), async {
+            tokio::task::yield_now().await;
+            7
+        })
+        .await;
+        assert_eq!(r, Ok(7));
+        assert_eq!(waiting(), 0);
+        // A dropped waiter gives its slot back too.
+        let f = timeout(Duration::from_secs(30), std::future::pending::<()>());
+        let polled = tokio::time::timeout(Duration::from_millis(20), f).await;
+        assert!(polled.is_err());
+        assert_eq!(waiting(), 0);
+    }
+
+    /// A short limit registered while the ticker sleeps for a long one
+    /// still fires on time (the ticker is re-armed earlier).
+    #[tokio::test]
+    async fn an_earlier_deadline_rearms_the_ticker() {
+        let long = tokio::spawn(timeout(
+            Duration::from_secs(30),
+            std::future::pending::<()>(),
+        ));
+        tokio::task::yield_now().await;
+        let t0 = Instant::now();
+        let r = bounded(timeout(
+            Duration::from_millis(40),
+            std::future::pending::<()>(),
+        ))
+        .await;
+        assert_eq!(r, Err(Elapsed));
+        assert!(t0.elapsed() >= Duration::from_millis(30));
+        long.abort();
+    }
+
+    /// Off a current-thread runtime the deadline takes a tokio timer (the
+    /// thread's table is not used).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn on_a_multi_thread_runtime_a_tokio_timer_fires() {
+        let r = bounded(timeout(
+            Duration::from_millis(30),
+            std::future::pending::<()>(),
+        ))
+        .await;
+        assert_eq!(r, Err(Elapsed));
+        assert!(!TABLE.with(|t| t.borrow().ticker), "no ticker started");
+    }
+}
