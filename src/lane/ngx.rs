@@ -1,6 +1,7 @@
 //! Layer: lane. The OpenResty-compatible subset scripts see: `ngx.var.*`,
 //! `ngx.req.*`, `ngx.log`, `ngx.crc32_*`, `ngx.md5`, `ngx.time/now`,
-//! `ngx.shared.<dict>` and LuaJIT's `bit` library. Everything reads the request
+//! `ngx.shared.<dict>` (`bit` is LuaJIT's own library, opened by the script
+//! module). Everything reads the request
 //! being decided through the script module's thread-local slot, lazily: nothing
 //! is built per request unless the script asks for it, and what it asks for is
 //! built once per request (`ngx.var` values, `get_headers()`, `get_uri_args()`
@@ -16,9 +17,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use http::{HeaderName, HeaderValue};
 use md5::{Digest, Md5};
-use mlua::{
-    Function, Lua, LuaString, MultiValue, Table, UserData, UserDataMethods, Value, Variadic,
-};
+use mlua::{Function, Lua, LuaString, MultiValue, Table, UserData, UserDataMethods, Value};
 use percent_encoding::percent_decode;
 
 use super::script::{with_current, with_req};
@@ -68,7 +67,7 @@ impl PerRequest {
     }
 }
 
-/// Installs `ngx` and `bit` into `g`.
+/// Installs `ngx` into `g` (`bit` is LuaJIT's own library).
 pub(crate) fn install(
     lua: &Lua,
     g: &Table,
@@ -129,7 +128,6 @@ pub(crate) fn install(
     }
     ngx.raw_set("shared", shared)?;
     g.raw_set("ngx", ngx)?;
-    g.raw_set("bit", bit_table(lua)?)?;
     let PerRequest(tables) = &*per_request;
     Ok(PerRequest(tables.clone()))
 }
@@ -708,6 +706,13 @@ fn log(lua: &Lua, args: MultiValue) -> mlua::Result<()> {
                     "ngx.log: expected table to have __tostring metamethod",
                 ))
             }
+            // Numbers as Lua's `tostring` prints them (`%.14g`, as nginx
+            // logs them), not Rust's shortest round trip.
+            Value::Number(_) | Value::Integer(_) => {
+                if let Some(s) = lua.coerce_string(v)? {
+                    msg.push_str(&s.to_string_lossy());
+                }
+            }
             _ => msg.push_str(&v.to_string()?),
         }
     }
@@ -892,116 +897,6 @@ fn write_result_err(lua: &Lua, e: &str) -> mlua::Result<MultiValue> {
     ]))
 }
 
-// ---------------------------------------------------------------- bit
-
-/// LuaJIT's `bit.tobit`: wrap to a signed 32-bit integer (floats rounded
-/// to nearest, ties to even, as LuaJIT's 2^52+2^51 trick does).
-fn tobit(v: &Value) -> mlua::Result<i32> {
-    match v {
-        Value::Integer(i) => Ok(*i as i32),
-        Value::Number(n) => Ok(num_tobit(*n)),
-        Value::String(s) => {
-            let t = s.to_str()?;
-            let t = t.trim();
-            if let Ok(i) = t.parse::<i64>() {
-                Ok(i as i32)
-            } else if let Some(h) = t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
-                i64::from_str_radix(h, 16)
-                    .map(|i| i as i32)
-                    .map_err(|_| mlua::Error::runtime("bad argument (number expected)"))
-            } else {
-                t.parse::<f64>()
-                    .map(num_tobit)
-                    .map_err(|_| mlua::Error::runtime("bad argument (number expected)"))
-            }
-        }
-        other => Err(mlua::Error::runtime(format!(
-            "bad argument (number expected, got {})",
-            other.type_name()
-        ))),
-    }
-}
-
-fn num_tobit(n: f64) -> i32 {
-    if !n.is_finite() {
-        return 0;
-    }
-    let r = n.round_ties_even().rem_euclid(4_294_967_296.0);
-    (r as u64 as u32) as i32
-}
-
-fn bit_table(lua: &Lua) -> mlua::Result<Table> {
-    let t = lua.create_table()?;
-    let fold = |f: fn(i32, i32) -> i32| {
-        // The first two arguments apart: the common two-argument call
-        // collects nothing (no allocation).
-        move |_: &Lua, (a, b, rest): (Value, Value, Variadic<Value>)| -> mlua::Result<i64> {
-            if a.is_nil() && b.is_nil() && rest.is_empty() {
-                return Err(mlua::Error::runtime("bad argument #1 (number expected)"));
-            }
-            let mut acc = tobit(&a)?;
-            if !b.is_nil() || !rest.is_empty() {
-                acc = f(acc, tobit(&b)?);
-            }
-            for v in rest.iter() {
-                acc = f(acc, tobit(v)?);
-            }
-            Ok(i64::from(acc))
-        }
-    };
-    t.raw_set("band", lua.create_function(fold(|a, b| a & b))?)?;
-    t.raw_set("bor", lua.create_function(fold(|a, b| a | b))?)?;
-    t.raw_set("bxor", lua.create_function(fold(|a, b| a ^ b))?)?;
-    let shift = |f: fn(i32, u32) -> i32| {
-        move |_: &Lua, (x, n): (Value, Value)| -> mlua::Result<i64> {
-            Ok(i64::from(f(tobit(&x)?, (tobit(&n)? & 31) as u32)))
-        }
-    };
-    t.raw_set("lshift", lua.create_function(shift(|x, n| x << n))?)?;
-    t.raw_set(
-        "rshift",
-        lua.create_function(shift(|x, n| ((x as u32) >> n) as i32))?,
-    )?;
-    t.raw_set("arshift", lua.create_function(shift(|x, n| x >> n))?)?;
-    t.raw_set("rol", lua.create_function(shift(|x, n| x.rotate_left(n)))?)?;
-    t.raw_set("ror", lua.create_function(shift(|x, n| x.rotate_right(n)))?)?;
-    t.raw_set(
-        "tobit",
-        lua.create_function(|_, x: Value| Ok(i64::from(tobit(&x)?)))?,
-    )?;
-    t.raw_set(
-        "bnot",
-        lua.create_function(|_, x: Value| Ok(i64::from(!tobit(&x)?)))?,
-    )?;
-    t.raw_set(
-        "bswap",
-        lua.create_function(|_, x: Value| Ok(i64::from(tobit(&x)?.swap_bytes())))?,
-    )?;
-    t.raw_set(
-        "tohex",
-        lua.create_function(|_, (x, n): (Value, Option<Value>)| {
-            let x = tobit(&x)? as u32;
-            let n = match n {
-                Some(v) => tobit(&v)?,
-                None => 8,
-            };
-            let (upper, digits) = if n < 0 {
-                (true, n.unsigned_abs())
-            } else {
-                (false, n as u32)
-            };
-            let digits = digits.min(8) as usize;
-            let s = if upper {
-                format!("{x:08X}")
-            } else {
-                format!("{x:08x}")
-            };
-            Ok(s[8 - digits..].to_string())
-        })?,
-    )?;
-    Ok(t)
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -1016,16 +911,6 @@ pub(crate) mod tests {
         assert_eq!(n("/a/b/.."), "/a/");
         assert_eq!(n("/caf%C3%A9/x%20y"), "/café/x y");
         assert_eq!(n("/../x"), "/x");
-    }
-
-    #[test]
-    fn tobit_wraps_like_luajit() {
-        assert_eq!(num_tobit(4_294_967_295.0), -1);
-        assert_eq!(num_tobit(2_147_483_648.0), i32::MIN);
-        assert_eq!(num_tobit(-1.0), -1);
-        assert_eq!(num_tobit(2.5), 2);
-        assert_eq!(num_tobit(3.5), 4);
-        assert_eq!(tobit(&Value::Integer(0x1_0000_0001)).unwrap(), 1);
     }
 
     // ------------------------------------------------ through real Lua
@@ -1293,7 +1178,7 @@ pub(crate) mod tests {
             (t - now).abs() < 5.0 && (n - now).abs() < 5.0,
             "{t} {n} {now}"
         );
-        assert_eq!(q("math.type(ngx.time())"), "integer");
+        assert_eq!(q("tostring(ngx.time() == math.floor(ngx.time()))"), "true");
         assert_eq!(q("ngx.ERR .. ngx.WARN .. ngx.INFO .. ngx.DEBUG"), "4578");
         assert_eq!(
             q("ngx.log(ngx.INFO, 'hello ', 1, nil, true) == nil"),
@@ -1333,7 +1218,7 @@ pub(crate) mod tests {
         let (_, r) = run_with(
             "local d = ngx.shared.g
              local out = {}
-             local function put(...) local t = table.pack(...) for i = 1, t.n do out[#out+1] = tostring(t[i]) end end
+             local function put(...) for i = 1, select('#', ...) do out[#out+1] = tostring((select(i, ...))) end end
              put(d:get('k'))
              put(d:set('k', 'v'))
              put(d:get('k'))
