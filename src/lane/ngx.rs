@@ -706,8 +706,12 @@ fn log(lua: &Lua, args: MultiValue) -> mlua::Result<()> {
                     "ngx.log: expected table to have __tostring metamethod",
                 ))
             }
-            // Numbers as Lua's `tostring` prints them (`%.14g`, as nginx
-            // logs them), not Rust's shortest round trip.
+            // Numbers as lua-nginx-module writes them: a whole number in
+            // the 32-bit range as an integer (so -0 is "0"), anything else
+            // as `%.14g` (Lua's `tostring`), not Rust's shortest round trip.
+            Value::Number(n) if *n == f64::from(*n as i32) => {
+                msg.push_str(&(*n as i32).to_string());
+            }
             Value::Number(_) | Value::Integer(_) => {
                 if let Some(s) = lua.coerce_string(v)? {
                     msg.push_str(&s.to_string_lossy());
