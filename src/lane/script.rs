@@ -1,6 +1,8 @@
 //! Layer: lane. The Lua lane script: loading (with the modules it requires, so
 //! a reload validates and watches them all), a sandboxed VM per worker thread
 //! rebuilt lazily when the generation changes, and the synchronous lane call.
+//! The VM is LuaJIT 2.1 as an interpreter (its JIT switched off, so the
+//! instruction hook sees every instruction), with read-only library tables.
 //!
 //! Request data reaches Lua lazily: a single `req` userdata per VM whose fields
 //! and methods read the request currently being decided from a thread-local
