@@ -315,6 +315,14 @@ async fn same_lanes_and_values_as_nginx_lua() {
         l.split_whitespace().nth(1) == Some("ERROR") && l.contains("probe log 42 nil true")
     })
     .await;
+    // Numbers in a log line print as LuaJIT's tostring does, in both.
+    let num = "probe num 0.33333333333333 5 2147483648 0";
+    assert!(
+        nginx_log.lines().any(|l| l.contains(&format!("{num},"))),
+        "nginx logged no {num:?}:\n{nginx_log}"
+    );
+    gw.wait_log_line(num, |l| l.contains(&format!("{num} ")) || l.ends_with(num))
+        .await;
     for l in ["formal", "gray", "gray-a", "gray-b", "v2"] {
         assert!(lanes.contains(l), "{l} never decided: {lanes:?}");
     }

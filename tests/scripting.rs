@@ -551,16 +551,19 @@ async fn sandbox_environment_isolation_and_unsupported_calls() {
 local function present()
   local p = {}
   for _, name in ipairs({'io', 'debug', 'package', 'load', 'loadfile', 'dofile',
-                         'collectgarbage', 'ffi', 'jit'}) do
+                         'loadstring', 'collectgarbage', 'gcinfo', 'ffi', 'jit',
+                         'getfenv', 'setfenv', 'newproxy', 'module'}) do
     if _G[name] ~= nil then p[#p + 1] = name end
   end
   if string.dump ~= nil then p[#p + 1] = 'string.dump' end
-  for k in pairs(os) do
-    if k ~= 'time' and k ~= 'clock' then p[#p + 1] = 'os.' .. k end
+  -- os is a read-only proxy (pairs sees nothing): probe LuaJIT's os names.
+  for _, k in ipairs({'execute', 'exit', 'getenv', 'remove', 'rename', 'tmpname',
+                      'date', 'difftime', 'setlocale'}) do
+    if os[k] ~= nil then p[#p + 1] = 'os.' .. k end
   end
   if type(os.time()) ~= 'number' or type(os.clock()) ~= 'number' then p[#p + 1] = 'no os.time/clock' end
   if require('bit') ~= bit or require('ngx') ~= ngx then p[#p + 1] = 'require builtins' end
-  for _, lib in ipairs({'string', 'table', 'math', 'utf8', 'coroutine'}) do
+  for _, lib in ipairs({'string', 'table', 'math', 'bit', 'coroutine'}) do
     if type(_G[lib]) ~= 'table' then p[#p + 1] = 'missing ' .. lib end
   end
   return table.concat(p, ',')

@@ -1,6 +1,7 @@
 //! Layer: lane. The OpenResty-compatible subset scripts see: `ngx.var.*`,
 //! `ngx.req.*`, `ngx.log`, `ngx.crc32_*`, `ngx.md5`, `ngx.time/now`,
-//! `ngx.shared.<dict>` and LuaJIT's `bit` library. Everything reads the request
+//! `ngx.shared.<dict>` (`bit` is LuaJIT's own library, opened by the script
+//! module). Everything reads the request
 //! being decided through the script module's thread-local slot, lazily: nothing
 //! is built per request unless the script asks for it, and what it asks for is
 //! built once per request (`ngx.var` values, `get_headers()`, `get_uri_args()`
@@ -16,9 +17,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use http::{HeaderName, HeaderValue};
 use md5::{Digest, Md5};
-use mlua::{
-    Function, Lua, LuaString, MultiValue, Table, UserData, UserDataMethods, Value, Variadic,
-};
+use mlua::{Function, Lua, LuaString, MultiValue, Table, UserData, UserDataMethods, Value};
 use percent_encoding::percent_decode;
 
 use super::script::{with_current, with_req};
@@ -68,7 +67,7 @@ impl PerRequest {
     }
 }
 
-/// Installs `ngx` and `bit` into `g`.
+/// Installs `ngx` into `g` (`bit` is LuaJIT's own library).
 pub(crate) fn install(
     lua: &Lua,
     g: &Table,
@@ -129,7 +128,6 @@ pub(crate) fn install(
     }
     ngx.raw_set("shared", shared)?;
     g.raw_set("ngx", ngx)?;
-    g.raw_set("bit", bit_table(lua)?)?;
     let PerRequest(tables) = &*per_request;
     Ok(PerRequest(tables.clone()))
 }
@@ -149,7 +147,33 @@ fn unix_now() -> std::time::Duration {
 const GLUE: &str = r#"
 local var, vcache, rcache, fetch, store, build_headers, build_args = ...
 local rawget, rawset, setmetatable, type = rawget, rawset, setmetatable, type
-local lower, gsub = string.lower, string.gsub
+local lower, gsub, find, sub, byte = string.lower, string.gsub, string.find, string.sub, string.byte
+-- The builders hand over one packed string (see `Packed` in ngx.rs):
+-- records `name \0 = value \0` or `name \0 !` (a bare flag); a repeated
+-- name becomes an array in order. A table is already built.
+local function unpack_entries(s)
+  if type(s) == "table" then return s end
+  local t, pos, n = {}, 1, #s
+  while pos <= n do
+    local e = find(s, "\0", pos, true)
+    local k, v = sub(s, pos, e - 1), true
+    if byte(s, e + 1) == 33 then
+      pos = e + 2
+    else
+      local e2 = find(s, "\0", e + 2, true)
+      v, pos = sub(s, e + 2, e2 - 1), e2 + 1
+    end
+    local old = rawget(t, k)
+    if old == nil then
+      rawset(t, k, v)
+    elseif type(old) == "table" then
+      old[#old + 1] = v
+    else
+      rawset(t, k, { old, v })
+    end
+  end
+  return t
+end
 setmetatable(vcache, { __index = function(c, k)
   local v = fetch(k)
   if v ~= nil then rawset(c, k, v) end
@@ -167,23 +191,23 @@ local function get_headers(max)
   if max == nil then
     local h = rawget(rcache, 1)
     if h == nil then
-      h = setmetatable(build_headers(nil), hdr_mt)
+      h = setmetatable(unpack_entries(build_headers(nil)), hdr_mt)
       rawset(rcache, 1, h)
     end
     return h
   end
-  return setmetatable(build_headers(max), hdr_mt)
+  return setmetatable(unpack_entries(build_headers(max)), hdr_mt)
 end
 local function get_uri_args(max)
   if max == nil then
     local a = rawget(rcache, 2)
     if a == nil then
-      a = build_args(nil)
+      a = unpack_entries(build_args(nil))
       rawset(rcache, 2, a)
     end
     return a
   end
-  return build_args(max)
+  return unpack_entries(build_args(max))
 end
 return get_headers, get_uri_args
 "#;
@@ -492,74 +516,92 @@ fn limit(max: Option<i64>) -> usize {
     )
 }
 
-/// One entry of a `get_headers()` / `get_uri_args()` table: a string, a
-/// flag (`true`), or the array of a repeated name.
-enum Entry<'a> {
-    Str(Cow<'a, [u8]>),
-    Flag,
-    Many(Vec<Entry<'a>>),
-}
+/// The entries of a `get_headers()` / `get_uri_args()` table packed into
+/// one string, which the glue's `unpack_entries` turns into the table: one
+/// host string instead of a protected Lua call per name and value (each of
+/// which allocates two C closures on LuaJIT). Records are `name \0 = value
+/// \0`, or `name \0 !` for a bare flag.
+#[derive(Default)]
+struct Packed(Vec<u8>);
 
-impl Entry<'_> {
-    fn push(&mut self, v: Self) {
-        match self {
-            Entry::Many(all) => all.push(v),
-            one => {
-                let first = std::mem::replace(one, Entry::Flag);
-                *one = Entry::Many(vec![first, v]);
+impl Packed {
+    /// Adds one entry; false if a name or value holds a NUL byte, which
+    /// the packing cannot carry (a decoded `%00`).
+    fn push(&mut self, name: &[u8], value: Option<&[u8]>) -> bool {
+        if name.contains(&0) || value.is_some_and(|v| v.contains(&0)) {
+            return false;
+        }
+        self.0.extend_from_slice(name);
+        match value {
+            Some(v) => {
+                self.0.extend_from_slice(b"\0=");
+                self.0.extend_from_slice(v);
+                self.0.push(0);
             }
+            None => self.0.extend_from_slice(b"\0!"),
         }
+        true
     }
 }
 
-impl mlua::IntoLua for Entry<'_> {
-    fn into_lua(self, lua: &Lua) -> mlua::Result<Value> {
-        match self {
-            Entry::Str(s) => lua.create_string(s).map(Value::String),
-            Entry::Flag => Ok(Value::Boolean(true)),
-            Entry::Many(all) => lua.create_sequence_from(all).map(Value::Table),
-        }
-    }
-}
-
-/// `ngx.req.get_headers()`: lower-case names, repeated headers as arrays;
-/// `max` counts header lines. Built in one pass into a table of the right
-/// size (a `HeaderMap` yields a name's values together).
-fn headers_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Table> {
+/// `ngx.req.get_headers()`: lower-case names, repeated headers as arrays
+/// (in order); `max` counts header lines. Header names and values never
+/// hold NUL, so they always pack.
+fn headers_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Value> {
     let h = &r.parts.headers;
-    let mut entries: Vec<(&str, Entry<'_>)> = Vec::with_capacity(h.keys_len().min(max));
+    let mut p = Packed(Vec::with_capacity(512));
     for (name, value) in h.iter().take(max) {
-        let v = Entry::Str(Cow::Borrowed(value.as_bytes()));
-        match entries.last_mut() {
-            Some((last, e)) if *last == name.as_str() => e.push(v),
-            _ => entries.push((name.as_str(), v)),
-        }
+        p.push(name.as_str().as_bytes(), Some(value.as_bytes()));
     }
-    lua.create_table_from(entries)
+    Ok(Value::String(lua.create_string(p.0)?))
 }
 
 /// `ngx.req.get_uri_args()`: decoded (`+` is a space), repeated as arrays,
-/// a bare `flag` as `true`.
-fn args_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Table> {
+/// a bare `flag` as `true`. A decoded NUL falls back to building the table
+/// here.
+fn args_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Value> {
     let Some(q) = r.parts.uri.query() else {
-        return lua.create_table();
+        return Ok(Value::String(lua.create_string("")?));
     };
-    let mut entries: Vec<(Cow<'_, [u8]>, Entry<'_>)> = Vec::new();
-    let parts = q.as_bytes().split(|&c| c == b'&').filter(|p| !p.is_empty());
-    for part in parts.take(max) {
-        let (k, v) = match part.iter().position(|&c| c == b'=') {
-            Some(eq) => (unescape(&part[..eq]), Entry::Str(unescape(&part[eq + 1..]))),
-            None => (unescape(part), Entry::Flag),
-        };
+    let parts = || q.as_bytes().split(|&c| c == b'&').filter(|p| !p.is_empty());
+    let split = |part: &[u8]| -> (Vec<u8>, Option<Vec<u8>>) {
+        match part.iter().position(|&c| c == b'=') {
+            Some(eq) => (
+                unescape(&part[..eq]).into_owned(),
+                Some(unescape(&part[eq + 1..]).into_owned()),
+            ),
+            None => (unescape(part).into_owned(), None),
+        }
+    };
+    let mut p = Packed(Vec::with_capacity(q.len() + 16));
+    let mut packed = true;
+    for part in parts().take(max) {
+        let (k, v) = split(part);
+        if !k.is_empty() && !p.push(&k, v.as_deref()) {
+            packed = false;
+            break;
+        }
+    }
+    if packed {
+        return Ok(Value::String(lua.create_string(p.0)?));
+    }
+    let t = lua.create_table()?;
+    for part in parts().take(max) {
+        let (k, v) = split(part);
         if k.is_empty() {
             continue;
         }
-        match entries.iter_mut().find(|(name, _)| *name == k) {
-            Some((_, e)) => e.push(v),
-            None => entries.push((k, v)),
+        let v = match v {
+            Some(v) => Value::String(lua.create_string(v)?),
+            None => Value::Boolean(true),
+        };
+        match t.raw_get::<Value>(lua.create_string(&k)?)? {
+            Value::Nil => t.raw_set(lua.create_string(&k)?, v)?,
+            Value::Table(many) => many.raw_push(v)?,
+            one => t.raw_set(lua.create_string(&k)?, lua.create_sequence_from([one, v])?)?,
         }
     }
-    lua.create_table_from(entries.into_iter().map(|(k, v)| (Entry::Str(k), v)))
+    Ok(Value::Table(t))
 }
 
 fn req_table(lua: &Lua, per_request: &Rc<PerRequest>) -> mlua::Result<Table> {
@@ -571,7 +613,7 @@ fn req_table(lua: &Lua, per_request: &Rc<PerRequest>) -> mlua::Result<Table> {
         pr.clear();
         Ok(())
     })?;
-    type Build = fn(&Lua, &RequestInfo, usize) -> mlua::Result<Table>;
+    type Build = fn(&Lua, &RequestInfo, usize) -> mlua::Result<Value>;
     let builder = |build: Build| {
         lua.create_function(move |lua, max: Option<i64>| {
             with_current(|c| {
@@ -707,6 +749,17 @@ fn log(lua: &Lua, args: MultiValue) -> mlua::Result<()> {
                 return Err(mlua::Error::runtime(
                     "ngx.log: expected table to have __tostring metamethod",
                 ))
+            }
+            // Numbers as lua-nginx-module writes them: a whole number in
+            // the 32-bit range as an integer (so -0 is "0"), anything else
+            // as `%.14g` (Lua's `tostring`), not Rust's shortest round trip.
+            Value::Number(n) if *n == f64::from(*n as i32) => {
+                msg.push_str(&(*n as i32).to_string());
+            }
+            Value::Number(_) | Value::Integer(_) => {
+                if let Some(s) = lua.coerce_string(v)? {
+                    msg.push_str(&s.to_string_lossy());
+                }
             }
             _ => msg.push_str(&v.to_string()?),
         }
@@ -892,116 +945,6 @@ fn write_result_err(lua: &Lua, e: &str) -> mlua::Result<MultiValue> {
     ]))
 }
 
-// ---------------------------------------------------------------- bit
-
-/// LuaJIT's `bit.tobit`: wrap to a signed 32-bit integer (floats rounded
-/// to nearest, ties to even, as LuaJIT's 2^52+2^51 trick does).
-fn tobit(v: &Value) -> mlua::Result<i32> {
-    match v {
-        Value::Integer(i) => Ok(*i as i32),
-        Value::Number(n) => Ok(num_tobit(*n)),
-        Value::String(s) => {
-            let t = s.to_str()?;
-            let t = t.trim();
-            if let Ok(i) = t.parse::<i64>() {
-                Ok(i as i32)
-            } else if let Some(h) = t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
-                i64::from_str_radix(h, 16)
-                    .map(|i| i as i32)
-                    .map_err(|_| mlua::Error::runtime("bad argument (number expected)"))
-            } else {
-                t.parse::<f64>()
-                    .map(num_tobit)
-                    .map_err(|_| mlua::Error::runtime("bad argument (number expected)"))
-            }
-        }
-        other => Err(mlua::Error::runtime(format!(
-            "bad argument (number expected, got {})",
-            other.type_name()
-        ))),
-    }
-}
-
-fn num_tobit(n: f64) -> i32 {
-    if !n.is_finite() {
-        return 0;
-    }
-    let r = n.round_ties_even().rem_euclid(4_294_967_296.0);
-    (r as u64 as u32) as i32
-}
-
-fn bit_table(lua: &Lua) -> mlua::Result<Table> {
-    let t = lua.create_table()?;
-    let fold = |f: fn(i32, i32) -> i32| {
-        // The first two arguments apart: the common two-argument call
-        // collects nothing (no allocation).
-        move |_: &Lua, (a, b, rest): (Value, Value, Variadic<Value>)| -> mlua::Result<i64> {
-            if a.is_nil() && b.is_nil() && rest.is_empty() {
-                return Err(mlua::Error::runtime("bad argument #1 (number expected)"));
-            }
-            let mut acc = tobit(&a)?;
-            if !b.is_nil() || !rest.is_empty() {
-                acc = f(acc, tobit(&b)?);
-            }
-            for v in rest.iter() {
-                acc = f(acc, tobit(v)?);
-            }
-            Ok(i64::from(acc))
-        }
-    };
-    t.raw_set("band", lua.create_function(fold(|a, b| a & b))?)?;
-    t.raw_set("bor", lua.create_function(fold(|a, b| a | b))?)?;
-    t.raw_set("bxor", lua.create_function(fold(|a, b| a ^ b))?)?;
-    let shift = |f: fn(i32, u32) -> i32| {
-        move |_: &Lua, (x, n): (Value, Value)| -> mlua::Result<i64> {
-            Ok(i64::from(f(tobit(&x)?, (tobit(&n)? & 31) as u32)))
-        }
-    };
-    t.raw_set("lshift", lua.create_function(shift(|x, n| x << n))?)?;
-    t.raw_set(
-        "rshift",
-        lua.create_function(shift(|x, n| ((x as u32) >> n) as i32))?,
-    )?;
-    t.raw_set("arshift", lua.create_function(shift(|x, n| x >> n))?)?;
-    t.raw_set("rol", lua.create_function(shift(|x, n| x.rotate_left(n)))?)?;
-    t.raw_set("ror", lua.create_function(shift(|x, n| x.rotate_right(n)))?)?;
-    t.raw_set(
-        "tobit",
-        lua.create_function(|_, x: Value| Ok(i64::from(tobit(&x)?)))?,
-    )?;
-    t.raw_set(
-        "bnot",
-        lua.create_function(|_, x: Value| Ok(i64::from(!tobit(&x)?)))?,
-    )?;
-    t.raw_set(
-        "bswap",
-        lua.create_function(|_, x: Value| Ok(i64::from(tobit(&x)?.swap_bytes())))?,
-    )?;
-    t.raw_set(
-        "tohex",
-        lua.create_function(|_, (x, n): (Value, Option<Value>)| {
-            let x = tobit(&x)? as u32;
-            let n = match n {
-                Some(v) => tobit(&v)?,
-                None => 8,
-            };
-            let (upper, digits) = if n < 0 {
-                (true, n.unsigned_abs())
-            } else {
-                (false, n as u32)
-            };
-            let digits = digits.min(8) as usize;
-            let s = if upper {
-                format!("{x:08X}")
-            } else {
-                format!("{x:08x}")
-            };
-            Ok(s[8 - digits..].to_string())
-        })?,
-    )?;
-    Ok(t)
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -1016,16 +959,6 @@ pub(crate) mod tests {
         assert_eq!(n("/a/b/.."), "/a/");
         assert_eq!(n("/caf%C3%A9/x%20y"), "/café/x y");
         assert_eq!(n("/../x"), "/x");
-    }
-
-    #[test]
-    fn tobit_wraps_like_luajit() {
-        assert_eq!(num_tobit(4_294_967_295.0), -1);
-        assert_eq!(num_tobit(2_147_483_648.0), i32::MIN);
-        assert_eq!(num_tobit(-1.0), -1);
-        assert_eq!(num_tobit(2.5), 2);
-        assert_eq!(num_tobit(3.5), 4);
-        assert_eq!(tobit(&Value::Integer(0x1_0000_0001)).unwrap(), 1);
     }
 
     // ------------------------------------------------ through real Lua
@@ -1157,6 +1090,13 @@ pub(crate) mod tests {
             request("/?k=1&k=2&p=a+b%2B", "::1", &[]),
         );
         assert_eq!(r, "table12a b+");
+        // Repeated names mixing flags and values, empty values and names,
+        // `=` inside a value, and a decoded NUL (built without packing).
+        let q = "local a = ngx.req.get_uri_args()
+             local function s(v) if type(v) == 'table' then return '{' .. tostring(v[1]) .. ',' .. tostring(v[2]) .. ',' .. tostring(v[3]) .. '}' end return tostring(v) end
+             return s(a.k) .. s(a.e) .. s(a.x) .. s(a.n) .. s(a[''])";
+        let r = eval(q, request("/?k&k=1&k&e=&x=a=b&n=%00z&n=2&=v", "::1", &[]));
+        assert_eq!(r, "{true,1,true}a=b{\0z,2,nil}nil");
         assert_eq!(eval("return ngx.req.get_method()", std_req()), "POST");
     }
 
@@ -1293,7 +1233,7 @@ pub(crate) mod tests {
             (t - now).abs() < 5.0 && (n - now).abs() < 5.0,
             "{t} {n} {now}"
         );
-        assert_eq!(q("math.type(ngx.time())"), "integer");
+        assert_eq!(q("tostring(ngx.time() == math.floor(ngx.time()))"), "true");
         assert_eq!(q("ngx.ERR .. ngx.WARN .. ngx.INFO .. ngx.DEBUG"), "4578");
         assert_eq!(
             q("ngx.log(ngx.INFO, 'hello ', 1, nil, true) == nil"),
@@ -1333,7 +1273,7 @@ pub(crate) mod tests {
         let (_, r) = run_with(
             "local d = ngx.shared.g
              local out = {}
-             local function put(...) local t = table.pack(...) for i = 1, t.n do out[#out+1] = tostring(t[i]) end end
+             local function put(...) for i = 1, select('#', ...) do out[#out+1] = tostring((select(i, ...))) end end
              put(d:get('k'))
              put(d:set('k', 'v'))
              put(d:get('k'))

@@ -1,6 +1,8 @@
 //! Layer: lane. The Lua lane script: loading (with the modules it requires, so
 //! a reload validates and watches them all), a sandboxed VM per worker thread
 //! rebuilt lazily when the generation changes, and the synchronous lane call.
+//! The VM is LuaJIT 2.1 as an interpreter (its JIT switched off, so the
+//! instruction hook sees every instruction), with read-only library tables.
 //!
 //! Request data reaches Lua lazily: a single `req` userdata per VM whose fields
 //! and methods read the request currently being decided from a thread-local
@@ -113,7 +115,7 @@ impl ScriptSource {
 
 /// Libraries `require` returns from the sandbox itself (OpenResty scripts
 /// often start with `local bit = require "bit"`).
-const BUILTIN_MODULES: [&str; 6] = ["bit", "ngx", "string", "table", "math", "utf8"];
+const BUILTIN_MODULES: [&str; 6] = ["bit", "ngx", "string", "table", "math", "coroutine"];
 
 /// Reads Lua source text; precompiled bytecode is refused.
 fn read_script(docs: &dyn crate::config::docs::Docs, path: &Path) -> Result<String, ConfigError> {
@@ -334,6 +336,91 @@ struct ScriptVm {
     budget: i64,
 }
 
+/// Switches LuaJIT's trace compiler off for the whole VM, before `jit` is
+/// hidden: compiled traces never call the count hook, so a hot loop inside
+/// a trace could not be stopped by the instruction budget. The interpreter
+/// sends every instruction through it. Refuses to go on if the JIT is still
+/// on.
+const JIT_OFF: &str = r#"
+jit.off()
+jit.flush()
+if jit.status() then error("LuaJIT's compiler could not be switched off") end
+"#;
+
+/// Base functions taken out of the sandbox: loaders (text or bytecode),
+/// the garbage collector's controls, the function-environment escapes
+/// (`getfenv(0)` is the real global table, `setfenv` could swap a
+/// library function's), `newproxy` (userdata with a shared metatable),
+/// and `jit` (after `JIT_OFF`).
+const REMOVED_GLOBALS: [&str; 10] = [
+    "dofile",
+    "loadfile",
+    "load",
+    "loadstring",
+    "collectgarbage",
+    "gcinfo",
+    "getfenv",
+    "setfenv",
+    "newproxy",
+    "jit",
+];
+
+/// Makes the shared library tables read-only for scripts: each library
+/// (and `ngx.req`, `ngx.shared`) becomes an empty proxy that reads through
+/// to the real table and refuses writes (so `pairs(string)` sees an empty
+/// table); `rawset` and `table.insert`, the two raw writers, refuse the
+/// proxies; the string metatable is hidden. So no request can leave
+/// anything in them for the next one.
+const LOCK_LIBRARIES: &str = r#"
+local G, names = ...
+local error, setmetatable, tostring = error, setmetatable, tostring
+local raw_rawset, raw_insert = rawset, table.insert
+local locked = setmetatable({}, { __mode = "k" })
+local function refuse(t, k)
+  if locked[t] then
+    error(locked[t] .. " is read-only (assigning " .. tostring(k) .. ")", 3)
+  end
+end
+G.rawset = function(t, k, v)
+  refuse(t, k)
+  return raw_rawset(t, k, v)
+end
+table.insert = function(t, ...)
+  refuse(t, "an element")
+  return raw_insert(t, ...)
+end
+for _, name in ipairs(names) do
+  local parent, key = G, name
+  local dot = name:find(".", 1, true)
+  if dot then parent, key = G[name:sub(1, dot - 1)], name:sub(dot + 1) end
+  local lib = parent[key]
+  local proxy = setmetatable({}, {
+    __index = lib,
+    __newindex = function(_, k)
+      error(name .. " is read-only (assigning " .. tostring(k) .. ")", 2)
+    end,
+    __metatable = false,
+  })
+  locked[proxy] = name
+  raw_rawset(parent, key, proxy)
+end
+getmetatable("").__metatable = false
+"#;
+
+/// Library tables `LOCK_LIBRARIES` wraps (inner ones first).
+const LOCKED_LIBRARIES: [&str; 10] = [
+    "ngx.req",
+    "ngx.shared",
+    "string",
+    "table",
+    "math",
+    "bit",
+    "coroutine",
+    "os",
+    "ngx",
+    "graygate",
+];
+
 /// Lua prelude wrapping the error-catching primitives so a script cannot
 /// swallow the budget error: after the budget is spent they re-raise.
 const PRELUDE: &str = r#"
@@ -354,14 +441,21 @@ impl ScriptVm {
     ) -> Result<ScriptVm, ConfigError> {
         let file = &src.path;
         let le = |e: mlua::Error| ConfigError::from(lua_error(file, &e));
+        // LuaJIT 2.1 (OpenResty's branch, as nginx+lua runs), interpreter
+        // only: `jit` is opened just to switch the compiler off and then
+        // removed (see `JIT_OFF`).
         let lua = Lua::new_with(
-            StdLib::STRING | StdLib::TABLE | StdLib::MATH | StdLib::UTF8 | StdLib::COROUTINE,
+            StdLib::STRING | StdLib::TABLE | StdLib::MATH | StdLib::BIT | StdLib::JIT,
             LuaOptions::new(),
         )
         .map_err(le)?;
+        lua.load(JIT_OFF)
+            .set_name("=graygate_jit_off")
+            .exec()
+            .map_err(le)?;
         lua.set_memory_limit(src.memory_limit).map_err(le)?;
         let globals = lua.globals();
-        for name in ["dofile", "loadfile", "load", "collectgarbage"] {
+        for name in REMOVED_GLOBALS {
             globals.raw_set(name, Value::Nil).map_err(le)?;
         }
         // string.dump makes bytecode; nothing may load it anyway.
@@ -421,6 +515,10 @@ impl ScriptVm {
         lua.load(PRELUDE)
             .set_name("=graygate_prelude")
             .call::<()>(prelude_args)
+            .map_err(le)?;
+        lua.load(LOCK_LIBRARIES)
+            .set_name("=graygate_lock")
+            .call::<()>((&globals, LOCKED_LIBRARIES))
             .map_err(le)?;
 
         // Globals: the script's chunks run in `env`. While loading, `env`
@@ -991,8 +1089,13 @@ mod tests {
     #[test]
     fn memory_bomb_is_stopped_by_the_vm_limit() {
         for body in [
-            "local t = {}\n  while true do t[#t + 1] = string.rep('x', 1 << 20) .. #t end",
-            "return string.rep('x', 1 << 28)",
+            "local t = {}\n  while true do t[#t + 1] = string.rep('x', 2^20) .. #t end",
+            "return string.rep('x', 2^28)",
+            // Table growth: one array doubling after another.
+            "local t, i = {}, 0\n  while true do i = i + 1 t[i] = i end",
+            // Hash part growth, and a string doubling itself.
+            "local t, i = {}, 0\n  while true do i = i + 1 t['k' .. i] = true end",
+            "local s = 'x'\n  while true do s = s .. s end",
         ] {
             let (_d, mut src) = load_src(&format!(
                 "return function(req)\n  if req:header('x-bomb') then\n  {body}\n  end\n  return 'gray'\nend\n"
@@ -1006,6 +1109,70 @@ mod tests {
             assert!(e.message.contains("memory limit exceeded"), "{e}");
             assert!(memory_limit_hits() > before);
             assert_eq!(call(&src, None).unwrap().as_deref(), Some("gray"));
+        }
+    }
+
+    #[test]
+    fn a_loop_hot_enough_to_be_jit_compiled_is_still_stopped() {
+        // With LuaJIT's compiler on, this loop becomes a trace after a few
+        // dozen iterations, the count hook never runs again and the call
+        // returns "done" (3e8 iterations take well under a second
+        // compiled). With it off, the budget stops it.
+        let (_d, src) = load_src(
+            "return function()\n  local x = 0\n  for i = 1, 3e8 do x = x + i end\n  return 'done'\nend\n",
+        );
+        for _ in 0..3 {
+            let e = call(&src, None).unwrap_err();
+            assert_eq!(e.limit, Some(Limit::Instructions), "{e}");
+            assert!(e.message.contains("t.lua:3:"), "{e}");
+        }
+        // A hot inner function called from a loop, likewise.
+        let (_d, src) = load_src(
+            "local function f(x) return x + 1 end\nreturn function()\n  local x = 0\n  while x < 3e8 do x = f(x) end\n  return 'done'\nend\n",
+        );
+        assert_eq!(
+            call(&src, None).unwrap_err().limit,
+            Some(Limit::Instructions)
+        );
+    }
+
+    #[test]
+    fn libraries_and_the_string_metatable_cannot_carry_state() {
+        for (write, err) in [
+            ("string.leak = 1", "string is read-only"),
+            ("table.leak = 1", "table is read-only"),
+            ("math.leak = 1", "math is read-only"),
+            ("bit.leak = 1", "bit is read-only"),
+            ("os.leak = 1", "os is read-only"),
+            ("ngx.leak = 1", "ngx is read-only"),
+            ("ngx.req.leak = 1", "ngx.req is read-only"),
+            ("ngx.shared.leak = 1", "ngx.shared is read-only"),
+            ("coroutine.leak = 1", "coroutine is read-only"),
+            ("graygate.leak = 1", "graygate is read-only"),
+            ("rawset(string, 'leak', 1)", "string is read-only"),
+            ("table.insert(math, 1)", "math is read-only"),
+            ("getmetatable('').__index.leak = 1", "attempt to index"),
+            ("setmetatable(string, nil)", "protected metatable"),
+        ] {
+            let (_d, src) = load_src(&format!(
+                "return function(req)\n  if req:header('x-w') then {write} end\n  return tostring(string.leak) .. tostring(math[1]) .. tostring(('').leak)\nend\n"
+            ));
+            let e = call(&src, Some(("x-w", "1"))).unwrap_err();
+            assert!(e.message.contains(err), "{write}: {e}");
+            assert!(e.message.contains("t.lua:2:"), "{write}: {e}");
+            assert_eq!(
+                call(&src, None).unwrap().as_deref(),
+                Some("nilnilnil"),
+                "{write}"
+            );
+        }
+        // Reading through the proxies still works, rawset on the
+        // per-request globals too (cleared after the call).
+        let (_d, src) = load_src(
+            "return function()\n  local t = {} table.insert(t, 'a') rawset(_G, 'g', (rawget(_G, 'g') or 0) + 1)\n  return string.upper(t[1]) .. ('b'):upper() .. math.floor(2.5) .. bit.band(7, 3) .. g\nend\n",
+        );
+        for _ in 0..2 {
+            assert_eq!(call(&src, None).unwrap().as_deref(), Some("AB231"));
         }
     }
 
@@ -1046,7 +1213,12 @@ mod tests {
             ("type(loadstring)", "nil"),
             ("type(string.dump)", "nil"),
             ("type(collectgarbage)", "nil"),
-            ("math.type(os.time())", "integer"),
+            ("type(getfenv)", "nil"),
+            ("type(setfenv)", "nil"),
+            ("type(newproxy)", "nil"),
+            ("type(gcinfo)", "nil"),
+            ("type(module)", "nil"),
+            ("tostring(os.time() == math.floor(os.time()))", "true"),
         ] {
             let (_d, src) = load_src(&format!("return function() return {expr} end\n"));
             assert_eq!(call(&src, None).unwrap().as_deref(), Some(want), "{expr}");

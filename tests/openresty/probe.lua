@@ -203,6 +203,21 @@ function _M.probe()
         "tohex2=" .. s(bit.tohex(255)),
         "bswap=" .. s(bit.bswap(0x12345678)),
         "rol=" .. s(bit.rol(0x12345678, 12)),
+        -- Numbers are LuaJIT's doubles: what Lua 5.4 prints or refuses
+        -- differently ("5.0", "2.147483648e+09", %d of 2.7 an error).
+        "num_div=" .. s(10 / 2) .. "," .. s(7 / 7) .. "," .. s(-0.0),
+        "num_pow=" .. s(2 ^ 31) .. "," .. s(2 ^ 53) .. "," .. s(2 ^ 63),
+        "num_frac=" .. s(1 / 3) .. "," .. s(10 / 4) .. "," .. s(1e15) .. "," .. s(1e16),
+        "num_concat=" .. (6 / 2) .. "," .. 123456789012 .. "," .. math.floor(7 / 2),
+        "num_mod=" .. s(7 % 3) .. "," .. s(-7 % 3) .. "," .. s(7.5 % 2) .. "," .. s(math.max(1, 2.0)),
+        "fmt=" .. string.format("%d|%5.1f|%x|%s|%i|%g", 2.7, 5, 255, 10 / 4, -3.9, 2 ^ 31),
+        "tonumber=" .. s(tonumber("0x10")) .. "," .. s(tonumber("1e2")) .. "," .. s(tonumber("10", 16))
+            .. "," .. s(tonumber(" 5 ")) .. "," .. s(tonumber("5.")),
+        "bit_num=" .. s(bit.band("0xff", 15)) .. "," .. s(bit.tobit(2.5)) .. "," .. s(bit.tobit(-2.5))
+            .. "," .. s(bit.band(2 ^ 40 + 7, 0xff)) .. "," .. s(bit.tobit(2 ^ 31)),
+        "bit_hex=" .. bit.tohex(-1) .. "," .. bit.tohex(0x1234, 2) .. "," .. bit.tohex(1, -8)
+            .. "," .. s(bit.bswap(-1)) .. "," .. s(bit.arshift(0x80000000, 31)),
+        "num_log=" .. s(select("#", ngx.log(ngx.ERR, "probe num ", 1 / 3, " ", 10 / 2, " ", 2 ^ 31, " ", -0.0))),
     }
 end
 
