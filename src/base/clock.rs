@@ -14,6 +14,17 @@ pub fn now_ms() -> u64 {
     coarsetime::Instant::now().duration_since(e).as_millis() + 1
 }
 
+/// One step of [`now_ms`]'s clock (`CLOCK_MONOTONIC_COARSE`'s resolution,
+/// the kernel tick: 1–4 ms), in whole milliseconds, at least 1.
+pub fn tick_ms() -> u64 {
+    static TICK: OnceLock<u64> = OnceLock::new();
+    *TICK.get_or_init(|| {
+        let r = rustix::time::clock_getres(rustix::time::ClockId::MonotonicCoarse);
+        let ns = (r.tv_sec.max(0) as u64) * 1_000_000_000 + r.tv_nsec.max(0) as u64;
+        ns.div_ceil(1_000_000).max(1)
+    })
+}
+
 /// Seconds since the Unix epoch.
 pub fn unix_now() -> u64 {
     std::time::SystemTime::now()

@@ -6,9 +6,11 @@
 //! earliest deadline and wakes the requests whose deadline has passed.
 //!
 //! Granularity: deadlines are read on the coarse millisecond clock
-//! (`clock::now_ms`, `CLOCK_MONOTONIC_COARSE`: one kernel tick, 1–4 ms), so
-//! a timeout fires within one tick of its nominal time (plus tokio's 1 ms
-//! timer resolution for the ticker).
+//! (`clock::now_ms`, `CLOCK_MONOTONIC_COARSE`: one kernel tick, 1–4 ms). A
+//! reading lags real time by up to one tick, so each deadline is set one
+//! tick further: a timeout never fires before its nominal time, and at most
+//! about two ticks after it (plus tokio's 1 ms timer resolution for the
+//! ticker).
 //!
 //! The table is thread-local, so only a current-thread runtime (every
 //! graygate worker) uses it; elsewhere (a multi-thread runtime, where the
@@ -23,7 +25,7 @@ use std::time::Duration;
 
 use tokio::runtime::{Handle, RuntimeFlavor};
 
-use super::clock::now_ms;
+use super::clock::{now_ms, tick_ms};
 
 /// The timeout passed before the future finished.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,11 +110,12 @@ pub struct Deadline {
 }
 
 impl Deadline {
-    /// `limit` from now (rounded up to whole milliseconds).
+    /// `limit` from now (rounded up to whole milliseconds), never sooner:
+    /// one tick of the coarse clock is added for its lag.
     pub fn after(limit: Duration) -> Deadline {
         let limit_ms = u64::try_from(limit.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX / 2);
         Deadline {
-            at: now_ms().saturating_add(limit_ms),
+            at: now_ms().saturating_add(limit_ms).saturating_add(tick_ms()),
             limit_ms,
             entry: Entry { slot: None },
             fallback: None,

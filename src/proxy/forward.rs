@@ -269,7 +269,6 @@ async fn attempt_all(
         Duration::from_millis(service.read_timeout_ms.unwrap_or(upstream.read_timeout_ms));
     let mut tried: Vec<usize> = Vec::with_capacity(max_attempts);
     let mut last_error = None;
-    let mut total_spent = false;
     while tried.len() < max_attempts {
         let Some(idx) = choice.pick(now_ms(), &tried, key) else {
             break;
@@ -304,14 +303,10 @@ async fn attempt_all(
         } else {
             Instant::now()
         };
-        // `total_spent`: the last attempt's wait was cut by the total
-        // deadline. Its timeout is read on the coarse clock, which may fire
-        // a tick before `Instant` reaches the deadline: no retry then either.
-        if total_spent || now >= out.deadline {
+        if now >= out.deadline {
             return Err(ErrorKind::TotalTimeout.into());
         }
-        let per_try_max = Duration::from_millis(upstream.response_timeout_ms);
-        let per_try = per_try_max.min(out.deadline - now);
+        let per_try = Duration::from_millis(upstream.response_timeout_ms).min(out.deadline - now);
         // A service with TLS or HTTP/2 to its nodes takes its own (boxed)
         // exchange; the plain HTTP/1.1 call is unchanged.
         // The plain call checks `per_try` itself at each of its waits (no
@@ -370,7 +365,6 @@ async fn attempt_all(
             health.failure(&node.name, policy);
         }
         tracker.fail();
-        total_spent = per_try < per_try_max && e.kind() == ErrorKind::ResponseTimeout;
         let retry_ok = e.retryable(out.idempotent);
         last_error = Some(e);
         replay.recover();
