@@ -889,7 +889,7 @@ fn encode_head(
             Some(len) => {
                 if can_length {
                     w.extend_from_slice(b"content-length: ");
-                    w.extend_from_slice(itoa(len, &mut [0u8; 20]));
+                    w.extend_from_slice(itoa::Buffer::new().format(len).as_bytes());
                     w.extend_from_slice(b"\r\n");
                 }
                 Coding::Length(len)
@@ -912,18 +912,6 @@ fn encode_head(
     }
     w.extend_from_slice(b"\r\n");
     (coding, keep)
-}
-
-fn itoa(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            return &buf[i..];
-        }
-    }
 }
 
 /// The client stream handed to hyper: the bytes already read first.

@@ -145,7 +145,9 @@ impl Outgoing<'_> {
         }
         let len = self.body.as_ref().map_or(0, Bytes::len);
         if len > 0 || had_length {
-            let _ = write!(w, "content-length: {len}\r\n");
+            w.extend_from_slice(b"content-length: ");
+            w.extend_from_slice(itoa::Buffer::new().format(len).as_bytes());
+            w.extend_from_slice(b"\r\n");
         }
         w.extend_from_slice(b"\r\n");
         if let Some(b) = self.body.as_ref().filter(|b| b.len() <= COALESCE) {
