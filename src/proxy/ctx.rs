@@ -21,6 +21,7 @@ use crate::nodes::health::NodeHealth;
 use crate::observe::access_log::AccessLog;
 use crate::observe::node_stats::NodeCounters;
 use crate::upstream::body::ClientFault;
+use crate::upstream::RawHead;
 
 /// Who sent the request.
 #[derive(Debug, Clone, Copy)]
@@ -63,6 +64,12 @@ pub struct RequestCtx {
     /// Where the client's request body notes its failures (requests with
     /// a body).
     pub client_fault: Option<Arc<ClientFault>>,
+    /// The client side writes a node's plain response head from its raw
+    /// lines (the HTTP/1.1 server): the upstream may hand them so.
+    pub raw_ok: bool,
+    /// The node's response fields as it sent them (the response's map is
+    /// empty then), for the HTTP/1.1 server to write.
+    pub raw_head: Option<RawHead>,
 }
 
 /// The node that answered a request, judged at the end of its body.
@@ -127,8 +134,19 @@ impl RequestCtx {
             verdict: None,
             head_request,
             client_fault: None,
+            raw_ok: false,
+            raw_head: None,
         };
         (info, ctx)
+    }
+
+    /// Puts the node's raw response fields (if they came so) into `headers`
+    /// — before an edit of the response head that the raw lines cannot
+    /// take (the map was empty; the fields keep their order).
+    pub fn unraw(&mut self, headers: &mut http::HeaderMap) {
+        if let Some(raw) = self.raw_head.take() {
+            raw.prepend_to(headers);
+        }
     }
 
     /// Time spent in the upstream exchange, for service routes.

@@ -29,7 +29,7 @@ use crate::nodes::{Choice, Fallback, NoCandidates, Service};
 use crate::observe::metrics::NodeTracker;
 use crate::upstream::body::{ClientBody, Replay};
 use crate::upstream::fields::{first, idempotent, strip_hop_by_hop, Added};
-use crate::upstream::PooledBody;
+use crate::upstream::{PooledBody, RawHead};
 
 /// Rate-limits the lane-fallback WARN to once per 10 s per (service,
 /// lane): a slot per hash of the pair holding when it last logged — no
@@ -90,11 +90,12 @@ pub async fn forward(
         buffer_body(body, out.idempotent, out.deadline, upstream).await?
     };
     let verdict = &mut ctx.verdict;
+    let raw = ctx.raw_ok.then_some(&mut ctx.raw_head);
     attempt_all(
         plane,
         service,
         (choice, client),
-        (decision, verdict),
+        (decision, verdict, raw),
         out,
         replay,
         upstream,
@@ -254,7 +255,11 @@ async fn attempt_all(
     plane: &DataPlane,
     service: &Service,
     (choice, client): (Choice<'_>, &Client),
-    (decision, verdict): (&mut Decision, &mut Option<Verdict>),
+    (decision, verdict, mut raw): (
+        &mut Decision,
+        &mut Option<Verdict>,
+        Option<&mut Option<RawHead>>,
+    ),
     mut out: Outbound,
     mut replay: Replay,
     upstream: &UpstreamConfig,
@@ -316,7 +321,7 @@ async fn attempt_all(
             None => {
                 plane
                     .client
-                    .request(node.addr, req, &out.added, timeouts)
+                    .request_raw(node.addr, req, &out.added, timeouts, raw.is_some())
                     .await
             }
             Some(t) => {
@@ -340,6 +345,10 @@ async fn attempt_all(
                     failed_status: policy.fail_on_5xx && r.status().is_server_error(),
                     counters,
                 });
+                let mut r = r;
+                if let Some(slot) = raw.as_deref_mut() {
+                    *slot = r.body_mut().take_raw_head();
+                }
                 return respond(plane, r, out.client_upgrade, out.upgrade.is_some(), tracker);
             }
             Err(e) => e,

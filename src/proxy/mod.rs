@@ -73,12 +73,25 @@ pub async fn handle(
     peer: SocketAddr,
     req: Request<RequestBody>,
 ) -> Result<Response<record::Recorded>, Infallible> {
+    handle_with(plane, peer, req, false).await
+}
+
+/// [`handle`]; with `raw_ok` (the plain HTTP/1.1 server) a node's plain
+/// response head may keep its fields as the node sent them
+/// ([`record::Recorded::take_raw_head`]; the response's map is empty then).
+pub async fn handle_with(
+    plane: &Arc<DataPlane>,
+    peer: SocketAddr,
+    req: Request<RequestBody>,
+    raw_ok: bool,
+) -> Result<Response<record::Recorded>, Infallible> {
     let start = Instant::now();
     let gen = plane.current();
     let mut req = req;
     let invalid = resolve::validate(&mut req, &gen.config.client, &gen.lane.tag_header);
     let (parts, body) = req.into_parts();
     let (info, mut ctx) = RequestCtx::begin(&gen, parts, peer, start, &plane.access_log);
+    ctx.raw_ok = raw_ok;
     // The request's fields stay in `info` (moved only where the lane phase
     // takes them): each move of it is a 272-byte copy.
     let routed = match invalid {
@@ -105,9 +118,11 @@ pub async fn handle(
     };
     let mut resp = served.unwrap_or_else(|e| {
         ctx.error = Some(e.kind());
+        ctx.raw_head = None;
         e.response()
     });
     if let Some(c) = ctx.set_cookie.take() {
+        ctx.unraw(resp.headers_mut());
         resp.headers_mut().append(header::SET_COOKIE, c);
     }
     ctx.end = Instant::now();

@@ -43,12 +43,18 @@ pub struct Recorded {
 pub fn respond(
     plane: &Arc<DataPlane>,
     gen: Arc<Generation>,
-    ctx: RequestCtx,
+    mut ctx: RequestCtx,
     resp: Response<Body>,
 ) -> Response<Recorded> {
     let (mut head, inner) = resp.into_parts();
-    if let (Some(h), Some(d)) = (&gen.config.lane_response_header, &ctx.decision) {
-        if let Ok(v) = HeaderValue::from_str(&d.lane) {
+    if let Some(h) = &gen.config.lane_response_header {
+        let lane = ctx
+            .decision
+            .as_ref()
+            .map(|d| HeaderValue::from_str(&d.lane));
+        if let Some(Ok(v)) = lane {
+            // It replaces a field of the node's: done on the map.
+            ctx.unraw(&mut head.headers);
             head.headers.insert(h.0.clone(), v);
         }
     }
@@ -73,6 +79,13 @@ impl Recorded {
     /// error reshaped for gRPC is still recorded with its own status).
     pub fn set_inner(&mut self, inner: Body) {
         self.inner = inner;
+    }
+
+    /// The node's response fields as it sent them, when they came so
+    /// ([`super::handle_with`]): the response's map is empty then, and the
+    /// caller writes these lines first.
+    pub fn take_raw_head(&mut self) -> Option<crate::upstream::RawHead> {
+        self.pending.as_mut()?.ctx.raw_head.take()
     }
 
     /// The whole body went out by another way than polling it (the HTTP/1.1

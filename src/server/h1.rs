@@ -50,6 +50,7 @@ use crate::base::counter::Counted;
 use crate::base::ratelog::log_limited;
 use crate::proxy;
 use crate::proxy::record::Recorded;
+use crate::upstream::RawHead;
 
 /// Fields a head may have on this path (hyper's default limit; more → hyper,
 /// which answers 431).
@@ -320,7 +321,7 @@ impl Conn {
         // hyper's connections).
         let handled = unless_gone(
             &self.stream,
-            in_box(|| proxy::handle(plane, self.peer, req.map(|()| body))),
+            in_box(|| proxy::handle_with(plane, self.peer, req.map(|()| body), true)),
         );
         let Some(Ok(resp)) = handled.await else {
             return Next::Close;
@@ -571,7 +572,20 @@ impl Out<'_> {
             || status == StatusCode::NOT_MODIFIED;
         let end = body.is_end_stream();
         let sendfile = head.extensions.get::<SendFile>().cloned();
-        let (coding, mut keep) = encode_head(&mut w, head, &body, f, end);
+        let mut head = head;
+        // A node's plain head goes out as its lines; the cases where this
+        // side rewrites a field (no body, HEAD, a length that is not the
+        // body's) take the map, as before.
+        let raw = body.take_raw_head().and_then(|raw| {
+            let exact = body.size_hint().exact();
+            if end || f.head || raw.length.is_some_and(|l| exact != Some(l)) {
+                raw.prepend_to(&mut head.headers);
+                None
+            } else {
+                Some(raw)
+            }
+        });
+        let (coding, mut keep) = encode_head(&mut w, head, raw.as_ref(), &body, f, end);
         let coding = if bodiless || end {
             Coding::Length(0)
         } else {
@@ -796,6 +810,7 @@ impl Out<'_> {
 fn encode_head(
     w: &mut Vec<u8>,
     head: http::response::Parts,
+    raw: Option<&RawHead>,
     body: &Recorded,
     f: Framing,
     end: bool,
@@ -824,6 +839,15 @@ fn encode_head(
     let mut conn_keep_alive = false;
     let mut headers = head.headers;
     let mut te_seen = false;
+    // The node's own lines first (as the map would hold them: before any
+    // field this side added), then the map.
+    if let Some(raw) = raw {
+        for line in raw.runs() {
+            w.extend_from_slice(line);
+        }
+        coding = raw.length.map(Coding::Length);
+        wrote_date = raw.has_date;
+    }
     for (name, value) in headers.drain().filter_map(|(n, v)| n.map(|n| (n, v))) {
         match name {
             header::CONTENT_LENGTH => {

@@ -118,6 +118,9 @@ pub struct Outgoing<'a> {
     /// The gateway's own fields, written after `headers`.
     pub added: &'a Added,
     pub body: Option<Bytes>,
+    /// The caller takes the response head's fields as raw bytes
+    /// ([`RawHead`]) when they allow it (the plain HTTP/1.1 client side).
+    pub raw_ok: bool,
 }
 
 impl Outgoing<'_> {
@@ -255,8 +258,9 @@ pub async fn request(
 struct Head {
     status: StatusCode,
     version: Version,
-    /// End-to-end fields only.
+    /// End-to-end fields only (empty when `raw` holds them).
     headers: HeaderMap,
+    raw: Option<RawHead>,
     meta: Meta,
 }
 
@@ -284,7 +288,7 @@ async fn exchange(
     loop {
         if !conn.rbuf.is_empty() {
             if let Some(head) =
-                parse_head(&mut conn.rbuf, &mut conn.spans).map_err(|e| (e, true))?
+                parse_head(&mut conn.rbuf, &mut conn.spans, req.raw_ok).map_err(|e| (e, true))?
             {
                 return Ok(head);
             }
@@ -328,7 +332,11 @@ async fn exchange(
 
 /// Parses a final response head off the front of `buf`, skipping interim
 /// `1xx` responses. `Ok(None)`: incomplete.
-fn parse_head(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Result<Option<Head>, Failed> {
+fn parse_head(
+    buf: &mut BytesMut,
+    spans: &mut Vec<Span>,
+    raw_ok: bool,
+) -> Result<Option<Head>, Failed> {
     loop {
         // Left uninitialized: filling 100 empty fields per parse costs more
         // than the parse.
@@ -392,26 +400,169 @@ fn parse_head(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Result<Option<Head>,
             ));
         }
         let head = buf.split_to(n).freeze();
-        let mut headers = HeaderMap::with_capacity(spans.len());
-        // RFC 9112 §6.3: Transfer-Encoding overrides Content-Length, which
-        // must not be passed on (the body goes out de-chunked).
-        let drop_length = meta.chunked.is_some() && meta.saw_length;
-        for &(ns, ne, vs, ve) in spans.iter() {
-            let (ns, ne, vs, ve) = (ns as usize, ne as usize, vs as usize, ve as usize);
-            if drop_length && head[ns..ne].eq_ignore_ascii_case(b"content-length") {
-                continue;
+        if raw_ok {
+            if let Some(raw) = RawHead::of(&head, spans, &meta, status) {
+                return Ok(Some(Head {
+                    status,
+                    version,
+                    headers: HeaderMap::new(),
+                    raw: Some(raw),
+                    meta,
+                }));
             }
-            let name = super::fields::name_of(&head[ns..ne]).map_err(|_| bad("header name"))?;
-            let value = HeaderValue::from_maybe_shared(head.slice(vs..ve))
-                .map_err(|_| bad("header value"))?;
-            headers.append(name, value);
         }
+        let headers = fields_map(&head, spans, &meta).map_err(bad)?;
         return Ok(Some(Head {
             status,
             version,
             headers,
+            raw: None,
             meta,
         }));
+    }
+}
+
+/// The end-to-end fields at `spans` of `head` as a map (dropping a
+/// Content-Length that Transfer-Encoding overrides: RFC 9112 §6.3, the
+/// body goes out de-chunked).
+fn fields_map(head: &Bytes, spans: &[Span], meta: &Meta) -> Result<HeaderMap, &'static str> {
+    let mut headers = HeaderMap::with_capacity(spans.len());
+    let drop_length = meta.chunked.is_some() && meta.saw_length;
+    for &(ns, ne, vs, ve) in spans {
+        let (ns, ne, vs, ve) = (ns as usize, ne as usize, vs as usize, ve as usize);
+        if drop_length && head[ns..ne].eq_ignore_ascii_case(b"content-length") {
+            continue;
+        }
+        let name = super::fields::name_of(&head[ns..ne]).map_err(|_| "header name")?;
+        let value =
+            HeaderValue::from_maybe_shared(head.slice(vs..ve)).map_err(|_| "header value")?;
+        headers.append(name, value);
+    }
+    Ok(headers)
+}
+
+/// Most runs of consecutive kept lines a [`RawHead`] holds (a head whose
+/// end-to-end fields are split by more hop-by-hop lines takes the map).
+const RAW_RUNS: usize = 4;
+
+/// A response head's end-to-end fields as the node sent them: runs of
+/// whole `name: value\r\n` lines of its head, hop-by-hop lines left out —
+/// written to an HTTP/1.1 client as they are (names in the node's case, as
+/// nginx passes them), instead of a `HeaderMap` built and encoded again.
+/// Only for a plain head: every kept line exactly `name: value` + CRLF, no
+/// `Connection` naming other fields, at most one Content-Length and none
+/// beside a Transfer-Encoding, a status with a body; anything else takes
+/// the map ([`RawHead::to_map`] gives the same map on the way back).
+#[derive(Clone, Debug)]
+pub struct RawHead {
+    head: Bytes,
+    runs: [(u32, u32); RAW_RUNS],
+    n: u8,
+    /// The Content-Length field's value, if one is among the lines.
+    pub length: Option<u64>,
+    /// A Date field is among the lines.
+    pub has_date: bool,
+}
+
+impl RawHead {
+    fn of(head: &Bytes, spans: &[Span], meta: &Meta, status: StatusCode) -> Option<RawHead> {
+        if meta.length_error.is_some()
+            || (meta.chunked.is_some() && meta.saw_length)
+            || status == StatusCode::NO_CONTENT
+            || status == StatusCode::NOT_MODIFIED
+        {
+            return None;
+        }
+        let mut raw = RawHead {
+            head: head.clone(),
+            runs: [(0, 0); RAW_RUNS],
+            n: 0,
+            length: None,
+            has_date: false,
+        };
+        let mut lengths = 0;
+        for &(ns, ne, vs, ve) in spans {
+            let name = &head[ns as usize..ne as usize];
+            // Exactly `name: value\r\n` (the encoding the map would give).
+            if vs != ne + 2
+                || head.get(ne as usize..vs as usize) != Some(b": ")
+                || head.get(ve as usize..ve as usize + 2) != Some(b"\r\n")
+            {
+                return None;
+            }
+            match name.len() {
+                10 if name.eq_ignore_ascii_case(b"connection") => return None,
+                4 if name.eq_ignore_ascii_case(b"date") => raw.has_date = true,
+                14 if name.eq_ignore_ascii_case(b"content-length") => {
+                    lengths += 1;
+                    raw.length = meta.length;
+                }
+                _ => {}
+            }
+            let end = ve + 2;
+            match raw.n {
+                0 => {}
+                k if raw.runs[k as usize - 1].1 == ns => {
+                    raw.runs[k as usize - 1].1 = end;
+                    continue;
+                }
+                k if k as usize == RAW_RUNS => return None,
+                _ => {}
+            }
+            raw.runs[raw.n as usize] = (ns, end);
+            raw.n += 1;
+        }
+        (lengths <= 1).then_some(raw)
+    }
+
+    /// The field lines, in order (each run ends with CRLF).
+    pub fn runs(&self) -> impl Iterator<Item = &[u8]> {
+        self.runs[..self.n as usize]
+            .iter()
+            .map(|&(s, e)| &self.head[s as usize..e as usize])
+    }
+
+    /// Puts these fields into `headers` before those it holds (which a
+    /// later stage added: after the node's fields, as on a map all along).
+    pub fn prepend_to(&self, headers: &mut HeaderMap) {
+        let added = std::mem::replace(headers, self.to_map());
+        let mut last = None;
+        for (n, v) in added {
+            // `None`: another value of the name before.
+            if let Some(n) = n {
+                last = Some(n);
+            }
+            if let Some(n) = &last {
+                headers.append(n.clone(), v);
+            }
+        }
+    }
+
+    /// The same fields as a map (what the head would have been without
+    /// the pass-through), in order.
+    pub fn to_map(&self) -> HeaderMap {
+        let mut h = HeaderMap::with_capacity(8);
+        for &(start, end) in &self.runs[..self.n as usize] {
+            let (mut at, end) = (start as usize, end as usize);
+            // Each line is `name: value\r\n` (checked when the head was
+            // taken); httparse checked the name's and value's bytes.
+            while at < end {
+                let line = &self.head[at..end];
+                let colon = line.iter().position(|&b| b == b':').unwrap_or(0);
+                let eol = line
+                    .iter()
+                    .position(|&b| b == b'\n')
+                    .map_or(line.len(), |i| i + 1);
+                if let (Ok(n), Ok(v)) = (
+                    super::fields::name_of(&line[..colon]),
+                    HeaderValue::from_maybe_shared(self.head.slice(at + colon + 2..at + eol - 2)),
+                ) {
+                    h.append(n, v);
+                }
+                at += eol;
+            }
+        }
+        h
     }
 }
 
@@ -551,6 +702,7 @@ fn finish(
         addr,
         max_idle: s.max_idle,
         stall: Stall::new(s.read_timeout),
+        raw: head.raw,
     };
     body.release_if_done();
     let mut resp = Response::new(body);
@@ -569,9 +721,19 @@ pub struct RawBody {
     max_idle: usize,
     /// The read timeout between two reads of the body.
     stall: Stall,
+    /// The head's fields as sent (the response's map is empty then),
+    /// until the caller takes them.
+    raw: Option<RawHead>,
 }
 
 impl RawBody {
+    /// The response head's fields as the node sent them, when the request
+    /// allowed it and the head was plain ([`RawHead`]); the response's map
+    /// is empty then.
+    pub fn take_raw_head(&mut self) -> Option<RawHead> {
+        self.raw.take()
+    }
+
     /// At the body's end: the connection goes back to the pool when the
     /// exchange left it clean, and is closed otherwise.
     fn release_if_done(&mut self) {

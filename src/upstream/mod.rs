@@ -16,6 +16,7 @@ pub mod body;
 mod chunked;
 pub mod fields;
 mod h1;
+pub use h1::RawHead;
 mod h2;
 mod pool;
 pub mod tls;
@@ -87,7 +88,21 @@ impl Upstream {
         addr: SocketAddr,
         req: Request<UpBody>,
         added: &Added,
+        timeouts: (Duration, Duration),
+    ) -> Result<Response<PooledBody>, Error> {
+        self.request_raw(addr, req, added, timeouts, false).await
+    }
+
+    /// [`request`](Self::request); with `raw_ok` a plain response head's
+    /// fields may come as [`RawHead`] (taken with
+    /// [`PooledBody::take_raw_head`]; the response's map is empty then).
+    pub async fn request_raw(
+        &self,
+        addr: SocketAddr,
+        req: Request<UpBody>,
+        added: &Added,
         (read_timeout, limit): (Duration, Duration),
+        raw_ok: bool,
     ) -> Result<Response<PooledBody>, Error> {
         if fields::first(req.headers(), &http::header::UPGRADE).is_none() {
             let (parts, body) = req.into_parts();
@@ -110,6 +125,7 @@ impl Upstream {
                 headers: &parts.headers,
                 added,
                 body,
+                raw_ok,
             };
             let mut deadline = Deadline::after(limit);
             let settings = self.settings(read_timeout);
@@ -319,6 +335,15 @@ pub enum PooledBody {
 }
 
 impl PooledBody {
+    /// The response head's fields as the node sent them, if they came so
+    /// ([`Upstream::request_raw`]).
+    pub fn take_raw_head(&mut self) -> Option<RawHead> {
+        match self {
+            PooledBody::Raw(b, _) => b.take_raw_head(),
+            PooledBody::Hyper(..) => None,
+        }
+    }
+
     /// Keeps `tracker` (the node's request in flight) until the body ends.
     pub fn tracked(mut self, tracker: NodeTracker) -> PooledBody {
         match &mut self {
