@@ -29,7 +29,7 @@ use crate::nodes::{Choice, Fallback, NoCandidates, Service};
 use crate::observe::metrics::NodeTracker;
 use crate::upstream::body::{ClientBody, Replay};
 use crate::upstream::fields::{first, idempotent, strip_hop_by_hop, Added};
-use crate::upstream::{PooledBody, RawHead};
+use crate::upstream::{OutHead, PooledBody, RawHead, Upstream};
 
 /// Rate-limits the lane-fallback WARN to once per 10 s per (service,
 /// lane): a slot per hash of the pair holding when it last logged — no
@@ -292,16 +292,6 @@ async fn attempt_all(
         let tracker = NodeTracker::begin(counters.clone());
         decision.served_lane = Some(node.lane.clone());
         decision.node = Some(node.name.clone());
-        let mut req = Request::new(up_body);
-        *req.method_mut() = out.method.clone();
-        *req.uri_mut() = out.target.clone();
-        *req.version_mut() = Version::HTTP_11;
-        *req.headers_mut() = if tried.len() < max_attempts {
-            out.headers.clone()
-        } else {
-            std::mem::take(&mut out.headers)
-        };
-
         // One clock read fewer for the usual single attempt.
         let now = if tried.len() == 1 {
             out.t0
@@ -312,25 +302,56 @@ async fn attempt_all(
             return Err(ErrorKind::TotalTimeout.into());
         }
         let per_try = Duration::from_millis(upstream.response_timeout_ms).min(out.deadline - now);
-        // A service with TLS or HTTP/2 to its nodes takes its own (boxed)
-        // exchange; the plain HTTP/1.1 call is unchanged.
         // The plain call checks `per_try` itself at each of its waits (no
         // wrapper future to move, no timer).
         let timeouts = (read_timeout, per_try);
-        let outcome = match service.transport.as_deref() {
-            None => {
-                plane
-                    .client
-                    .request_raw(node.addr, req, &out.added, timeouts, raw.is_some())
-                    .await
-            }
-            Some(t) => {
-                let call = plane
-                    .client
-                    .request_transport(node.addr, t, req, &out.added, timeouts);
-                match deadline::timeout(per_try, Box::pin(call)).await {
-                    Err(_) => Err(Error::new(ErrorKind::ResponseTimeout)),
-                    Ok(r) => r,
+        let plain = service.transport.is_none();
+        let outcome = if plain && Upstream::inline_ok(&out.headers, &up_body) {
+            // The inline exchange borrows the head: no request built, no
+            // fields cloned or moved per attempt.
+            let head = OutHead {
+                method: &out.method,
+                target: &out.target,
+                headers: &out.headers,
+            };
+            plane
+                .client
+                .request_ref(
+                    node.addr,
+                    head,
+                    up_body,
+                    &out.added,
+                    timeouts,
+                    raw.is_some(),
+                )
+                .await
+        } else {
+            let mut req = Request::new(up_body);
+            *req.method_mut() = out.method.clone();
+            *req.uri_mut() = out.target.clone();
+            *req.version_mut() = Version::HTTP_11;
+            *req.headers_mut() = if tried.len() < max_attempts {
+                out.headers.clone()
+            } else {
+                std::mem::take(&mut out.headers)
+            };
+            match service.transport.as_deref() {
+                None => {
+                    plane
+                        .client
+                        .request(node.addr, req, &out.added, timeouts)
+                        .await
+                }
+                // A service with TLS or HTTP/2 to its nodes takes its own
+                // (boxed) exchange.
+                Some(t) => {
+                    let call = plane
+                        .client
+                        .request_transport(node.addr, t, req, &out.added, timeouts);
+                    match deadline::timeout(per_try, Box::pin(call)).await {
+                        Err(_) => Err(Error::new(ErrorKind::ResponseTimeout)),
+                        Ok(r) => r,
+                    }
                 }
             }
         };

@@ -51,6 +51,15 @@ thread_local! {
     static POOL: RefCell<pool::IdlePool<Sender, (SocketAddr, u64)>> = RefCell::new(pool::IdlePool::default());
 }
 
+/// A request's head as it goes to a node, borrowed from the caller (the
+/// same for every attempt).
+pub struct OutHead<'a> {
+    pub method: &'a http::Method,
+    /// Origin-form target.
+    pub target: &'a http::Uri,
+    pub headers: &'a http::HeaderMap,
+}
+
 /// The client. Cheap to share; the pools live in thread-locals.
 #[derive(Debug, Clone)]
 pub struct Upstream {
@@ -90,51 +99,65 @@ impl Upstream {
         added: &Added,
         timeouts: (Duration, Duration),
     ) -> Result<Response<PooledBody>, Error> {
-        self.request_raw(addr, req, added, timeouts, false).await
+        if Self::inline_ok(req.headers(), req.body()) {
+            let (parts, body) = req.into_parts();
+            let head = OutHead {
+                method: &parts.method,
+                target: &parts.uri,
+                headers: &parts.headers,
+            };
+            return self
+                .request_ref(addr, head, body, added, timeouts, false)
+                .await;
+        }
+        let (read_timeout, limit) = timeouts;
+        let mut req = req;
+        added.apply(req.headers_mut());
+        self.hyper_within(addr, req, read_timeout, limit).await
     }
 
-    /// [`request`](Self::request); with `raw_ok` a plain response head's
+    /// Can [`request_ref`](Self::request_ref) send a request with these
+    /// fields and this body (the inline exchange: no upgrade asked, the
+    /// body in hand)?
+    pub fn inline_ok(headers: &http::HeaderMap, body: &UpBody) -> bool {
+        !matches!(body, UpBody::Stream(_))
+            && fields::first(headers, &http::header::UPGRADE).is_none()
+    }
+
+    /// The inline exchange for a request whose head is borrowed (see
+    /// [`inline_ok`](Self::inline_ok); anything else takes
+    /// [`request`](Self::request)). With `raw_ok` a plain response head's
     /// fields may come as [`RawHead`] (taken with
     /// [`PooledBody::take_raw_head`]; the response's map is empty then).
-    pub async fn request_raw(
+    pub async fn request_ref(
         &self,
         addr: SocketAddr,
-        req: Request<UpBody>,
+        head: OutHead<'_>,
+        body: UpBody,
         added: &Added,
         (read_timeout, limit): (Duration, Duration),
         raw_ok: bool,
     ) -> Result<Response<PooledBody>, Error> {
-        if fields::first(req.headers(), &http::header::UPGRADE).is_none() {
-            let (parts, body) = req.into_parts();
-            let body = match body {
-                UpBody::Empty => None,
-                UpBody::Full(b) => b,
-                stream @ UpBody::Stream(_) => {
-                    let mut req = Request::from_parts(parts, stream);
-                    added.apply(req.headers_mut());
-                    // Boxed (as below): hyper's client futures would make
-                    // the inline path's future several KB, copied on every
-                    // move.
-                    return self.hyper_within(addr, req, read_timeout, limit).await;
-                }
-            };
-            let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-            let out = h1::Outgoing {
-                method: &parts.method,
-                path_and_query: pq,
-                headers: &parts.headers,
-                added,
-                body,
-                raw_ok,
-            };
-            let mut deadline = Deadline::after(limit);
-            let settings = self.settings(read_timeout);
-            let resp = h1::request(addr, out, &settings, &mut deadline).await?;
-            return Ok(resp.map(|b| PooledBody::Raw(b, None)));
-        }
-        let mut req = req;
-        added.apply(req.headers_mut());
-        self.hyper_within(addr, req, read_timeout, limit).await
+        let body = match body {
+            UpBody::Empty => None,
+            UpBody::Full(b) => b,
+            UpBody::Stream(_) => {
+                return Err(Error::new(ErrorKind::Exchange)
+                    .with_source("a streamed body cannot take the inline exchange"))
+            }
+        };
+        let out = h1::Outgoing {
+            method: head.method,
+            path_and_query: head.target.path_and_query().map_or("/", |p| p.as_str()),
+            headers: head.headers,
+            added,
+            body,
+            raw_ok,
+        };
+        let mut deadline = Deadline::after(limit);
+        let settings = self.settings(read_timeout);
+        let resp = h1::request(addr, out, &settings, &mut deadline).await?;
+        Ok(resp.map(|b| PooledBody::Raw(b, None)))
     }
 
     /// The hyper path within `limit` (boxed: hyper's client futures would
