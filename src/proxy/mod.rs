@@ -90,24 +90,26 @@ pub async fn handle_with(
     let mut req = req;
     let invalid = resolve::validate(&mut req, &gen.config.client, &gen.lane.tag_header);
     let (parts, body) = req.into_parts();
-    let (info, mut ctx) = RequestCtx::begin(&gen, parts, peer, start, &plane.access_log);
+    let (info, ctx) = RequestCtx::begin(&gen, parts, peer, start, &plane.access_log);
+    let mut pending = record::Pending::new(plane, gen, ctx);
+    let (gen, ctx) = pending.parts_mut();
     ctx.raw_ok = raw_ok;
     // The request's fields stay in `info` (moved only where the lane phase
     // takes them): each move of it is a 272-byte copy.
     let routed = match invalid {
         Some(kind) => Err(Error::new(kind)),
-        None => route(&gen, &info),
+        None => route(gen, &info),
     };
     let served = match routed {
         Err(e) => Err(e),
         Ok(route) => {
-            let info = decide(&gen, route, &mut ctx, info);
+            let info = decide(gen, route, ctx, info);
             ctx.upstream_route = matches!(route.target, Target::Service(_));
             ctx.serve_start = Some(Instant::now());
             match &route.target {
                 Target::Service(name) => {
                     let service = (name, &route.upgrades[..]);
-                    forward::forward(plane, &gen, &mut ctx, service, info.parts, body).await
+                    forward::forward(plane, gen, ctx, service, info.parts, body).await
                 }
                 Target::Static(tree) => {
                     let decision = ctx.decision.as_mut().expect("decided above");
@@ -126,7 +128,7 @@ pub async fn handle_with(
         resp.headers_mut().append(header::SET_COOKIE, c);
     }
     ctx.end = Instant::now();
-    Ok(record::respond(plane, gen, ctx, resp))
+    Ok(record::respond(pending, resp))
 }
 
 /// The route phase: the route for host and path (404 without one).
