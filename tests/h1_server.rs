@@ -481,3 +481,29 @@ async fn a_client_that_goes_away_cancels_its_request_upstream() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_sent_with_its_fin_is_cancelled_and_the_connection_closed() {
+    // The head and the client's FIN arrive together: the read that drains
+    // the head leaves the socket marked not readable, yet the close it has
+    // seen still ends the watch (the request upstream is cancelled) and the
+    // connection (long before the idle timeout).
+    let up = Upstream::start().await;
+    let fx = Fixture::new();
+    let gw = gateway(&fx, &up, "client:\n  idle_timeout_ms: 60000\n");
+    for round in 1..=3 {
+        let mut s = TcpStream::connect(gw.addr).await.unwrap();
+        s.write_all(b"GET /hang HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .unwrap();
+        s.shutdown().await.unwrap();
+        let rest = read_to_close(&mut s).await;
+        assert!(!rest.contains("HTTP/1.1"), "{rest}");
+        eventually(
+            "the upstream connection closed",
+            Duration::from_secs(10),
+            || async { up.closed.load(std::sync::atomic::Ordering::SeqCst) == round },
+        )
+        .await;
+    }
+}

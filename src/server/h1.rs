@@ -253,6 +253,9 @@ impl Conn {
         };
         let mut buf = self.pending.take().map_or_else(take_read_buf, |b| *b);
         let mut head_due: Option<Instant> = None;
+        // The last read returned less than it had room for: the socket's
+        // queue was empty then (nginx's `rev->ready = 0` after a short recv).
+        let mut drained = false;
         let parsed = loop {
             if !buf.is_empty() {
                 match parse(&mut buf) {
@@ -267,13 +270,15 @@ impl Conn {
             if buf.capacity() - buf.len() < 1024 {
                 buf.reserve(READ_BUF.max(buf.capacity()).min(max_buf));
             }
+            let room = buf.capacity() - buf.len();
             match self.stream.try_read_buf(&mut buf) {
                 Ok(0) => {
                     give_read_buf(buf);
                     return Next::Close;
                 }
-                Ok(_) => {
+                Ok(n) => {
                     self.last = now_ms();
+                    drained = n < room;
                     continue;
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
@@ -310,6 +315,9 @@ impl Conn {
         };
         if buf.is_empty() {
             give_read_buf(buf);
+            if drained {
+                forget_readable(&self.stream);
+            }
         } else {
             self.pending = Some(Box::new(buf));
         }
@@ -497,6 +505,18 @@ async fn unless_gone<F: Future>(stream: &TcpStream, fut: F) -> Option<F::Output>
         Poll::Pending
     })
     .await
+}
+
+/// Marks the socket not readable after a read that drained it, so the
+/// client watch (`unless_gone`) and the idle wait register for the next
+/// readiness event instead of each first paying a `recv` that says EAGAIN.
+/// Sound because nothing between that read and this call (same poll, one
+/// thread per runtime) lets the I/O driver record a newer event, and tokio
+/// keeps a seen close (`READ_CLOSED`) through a clear.
+fn forget_readable(stream: &TcpStream) {
+    let _ = stream.try_io(tokio::io::Interest::READABLE, || {
+        Err::<(), _>(io::ErrorKind::WouldBlock.into())
+    });
 }
 
 /// Undoes the split of a head that turned out to be hyper's to answer.
