@@ -41,7 +41,7 @@ const LONG_VERSION: &str = concat!(
     env!("GRAYGATE_BUILD_PROFILE"),
     "\nfeatures: ",
     env!("GRAYGATE_BUILD_FEATURES"),
-    "\nlua:      Lua 5.4 (vendored)",
+    "\nlua:      LuaJIT 2.1 (vendored; interpreter, JIT off)",
 );
 
 #[derive(Parser)]

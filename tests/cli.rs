@@ -42,6 +42,13 @@ fn version_prints_the_version_and_how_the_binary_was_built() {
     );
     assert!(line(&out, "target:").contains("linux"), "{out}");
     assert!(!line(&out, "features:").is_empty());
+    // The VM the binary links (mlua's own report of it).
+    let vm: String = mlua::Lua::new()
+        .load("return jit and jit.version or _VERSION")
+        .eval()
+        .unwrap();
+    let family: String = vm.split('.').take(2).collect::<Vec<_>>().join(".");
+    assert!(line(&out, "lua:").starts_with(&family), "{vm}: {out}");
     // The commit this checkout is at (the test binary was built from it);
     // from a tarball, "unknown".
     let dir = env!("CARGO_MANIFEST_DIR");
