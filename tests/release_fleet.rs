@@ -170,6 +170,16 @@ async fn gray_users(gw: &Gw, n: usize) -> Vec<bool> {
     out
 }
 
+/// `/releases/NAME`, or null while this gateway has not seen it yet (a
+/// release created through another gateway reaches it by the etcd watch).
+async fn release_seen(gw: &Gw, name: &str) -> serde_json::Value {
+    let r = gw.admin(&format!("/releases/{name}")).await;
+    if r.status == 404 {
+        return serde_json::Value::Null;
+    }
+    r.json()
+}
+
 /// Waits until every gateway's `/releases/NAME` satisfies `pred`; returns
 /// how long the slowest took after the first.
 async fn on_all(
@@ -183,7 +193,7 @@ async fn on_all(
     let mut done = vec![false; gws.len()];
     loop {
         for (i, g) in gws.iter().enumerate() {
-            if !done[i] && pred(&release(g, name).await) {
+            if !done[i] && pred(&release_seen(g, name).await) {
                 done[i] = true;
                 first.get_or_insert_with(Instant::now);
             }
