@@ -787,7 +787,9 @@ impl Out<'_> {
     /// Waits until the client reads; longer than the send timeout fails the
     /// connection (logged, rate-limited).
     async fn wait_writable(&self) -> io::Result<()> {
-        match tokio::time::timeout(self.send, self.stream.writable()).await {
+        // The worker's coarse deadlines: no tokio timer per wait (a big
+        // file waits once per low-water refill).
+        match crate::base::deadline::timeout(self.send, self.stream.writable()).await {
             Ok(r) => r,
             Err(_) => {
                 let send_ms = self.send.as_millis() as u64;
