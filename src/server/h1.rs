@@ -52,6 +52,10 @@ use crate::proxy;
 use crate::proxy::record::Recorded;
 use crate::upstream::RawHead;
 
+/// `TCP_NOTSENT_LOWAT` of a connection once it sends a file by sendfile(2)
+/// (measured: 16 KiB, as edge proxies use for HTTP/2; see the README's
+/// static section).
+const SENDFILE_LOWAT: u32 = 16 * 1024;
 /// Fields a head may have on this path (hyper's default limit; more → hyper,
 /// which answers 431).
 const MAX_HEADERS: usize = 100;
@@ -139,6 +143,8 @@ struct Conn {
     drain: Arc<Notify>,
     /// Counts the connection (for the cap and the drain) until it ends.
     _open: Option<Counted>,
+    /// `TCP_NOTSENT_LOWAT` was set (at the first sendfile'd answer).
+    lowat: bool,
 }
 
 /// Serves a plain connection: the accept loop spawns this future as the
@@ -158,6 +164,7 @@ pub(super) fn serve(
         last: now_ms(),
         drain,
         _open: open,
+        lowat: false,
     })
 }
 
@@ -350,6 +357,7 @@ impl Conn {
             stream: &self.stream,
             send: Duration::from_millis(send_ms),
             peer: self.peer,
+            lowat: &mut self.lowat,
         };
         let keep = out.respond(head, body, framing).await;
         self.last = now_ms();
@@ -572,6 +580,8 @@ struct Out<'a> {
     stream: &'a TcpStream,
     send: Duration,
     peer: SocketAddr,
+    /// The connection's `Conn::lowat`.
+    lowat: &'a mut bool,
 }
 
 impl Out<'_> {
@@ -742,6 +752,15 @@ impl Out<'_> {
     /// thread (the page cache's pages go to the socket, no copy through
     /// user space); the send timeout applies as to [`Self::write`].
     async fn send_file(&mut self, file: &std::fs::File, len: u64) -> io::Result<()> {
+        if !*self.lowat {
+            // Only this much not-yet-sent data is queued on the socket; the
+            // worker tops it up when the client's ACKs drain it. Without it a
+            // sendfile queues up to the whole send buffer, and the segments
+            // the client's ACKs release are then transmitted on the client's
+            // CPU (loopback) or held in kernel memory per slow reader.
+            let _ = socket2::SockRef::from(self.stream).set_tcp_notsent_lowat(SENDFILE_LOWAT);
+            *self.lowat = true;
+        }
         let mut off: u64 = 0;
         while off < len {
             let want = (len - off).min(1 << 30) as usize;
@@ -782,7 +801,9 @@ impl Out<'_> {
     /// Waits until the client reads; longer than the send timeout fails the
     /// connection (logged, rate-limited).
     async fn wait_writable(&self) -> io::Result<()> {
-        match tokio::time::timeout(self.send, self.stream.writable()).await {
+        // The worker's coarse deadlines: no tokio timer per wait (a big
+        // file waits once per low-water refill).
+        match crate::base::deadline::timeout(self.send, self.stream.writable()).await {
             Ok(r) => r,
             Err(_) => {
                 let send_ms = self.send.as_millis() as u64;
