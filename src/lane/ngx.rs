@@ -181,22 +181,24 @@ setmetatable(vcache, { __index = function(c, k)
 end })
 setmetatable(var, { __index = vcache, __newindex = store, __metatable = false })
 -- Header tables are keyed in lower case; lookups accept any case and `_`.
-local hdr_mt = { __index = function(t, k)
+-- Each table gets a metatable of its own (as OpenResty's): a script that
+-- changes it changes only its own request's table.
+local function hdr_index(t, k)
   if type(k) ~= "string" then return nil end
   local n = lower((gsub(k, "_", "-")))
   if n ~= k then return rawget(t, n) end
   return nil
-end }
+end
 local function get_headers(max)
   if max == nil then
     local h = rawget(rcache, 1)
     if h == nil then
-      h = setmetatable(unpack_entries(build_headers(nil)), hdr_mt)
+      h = setmetatable(unpack_entries(build_headers(nil)), { __index = hdr_index })
       rawset(rcache, 1, h)
     end
     return h
   end
-  return setmetatable(unpack_entries(build_headers(max)), hdr_mt)
+  return setmetatable(unpack_entries(build_headers(max)), { __index = hdr_index })
 end
 local function get_uri_args(max)
   if max == nil then
@@ -1202,6 +1204,36 @@ pub(crate) mod tests {
         );
         let third = request("/", "::1", &[]);
         assert_eq!(call(third).as_deref(), Some("nil|nil|nil|nil|nil|::1|/|xy"));
+    }
+
+    #[test]
+    fn a_request_cannot_leave_state_in_ngx_var_or_the_header_lookup() {
+        // The first request tries the raw writers on `ngx.var` and changes
+        // its headers table's metatable; the next request sees none of it.
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("t.lua");
+        std::fs::write(
+            &p,
+            "return function()
+               local h = ngx.req.get_headers()
+               if ngx.var.arg_evil then
+                 local a = pcall(rawset, ngx.var, 'remote_addr', 'forged')
+                 local b = pcall(table.insert, ngx.var, 'x')
+                 getmetatable(h).__index = function() return 'forged' end
+                 return tostring(a) .. tostring(b) .. h.X_User_Id
+               end
+               return tostring(ngx.var.remote_addr) .. '|' .. tostring(rawget(ngx.var, 1))
+                 .. '|' .. tostring(h.X_User_Id) .. '|' .. tostring(h.Missing)
+             end\n",
+        )
+        .unwrap();
+        let src = ScriptSource::load(&p).unwrap();
+        let lists = Arc::new(BTreeMap::new());
+        let call = |req| call_lane(&src, &lists, req, RuleCtx::default()).1.unwrap();
+        let evil = request("/?evil=1", "10.0.0.1", &[("X-User-Id", "a")]);
+        assert_eq!(call(evil).as_deref(), Some("falsefalseforged"));
+        let next = request("/", "10.0.0.2", &[("X-User-Id", "b")]);
+        assert_eq!(call(next).as_deref(), Some("10.0.0.2|nil|b|nil"));
     }
 
     #[test]

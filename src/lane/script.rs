@@ -405,6 +405,9 @@ for _, name in ipairs(names) do
   raw_rawset(parent, key, proxy)
 end
 getmetatable("").__metatable = false
+-- `ngx.var` stays an empty table whose writes go to `__newindex`: a raw
+-- field would outlive the request.
+locked[G.ngx.var] = "ngx.var"
 "#;
 
 /// Library tables `LOCK_LIBRARIES` wraps (inner ones first).
