@@ -248,7 +248,7 @@ async fn set_header_reaches_upstream_and_ngx_log_is_located() {
     let gw = start(
         &fx,
         &backends,
-        "return function()\n  local uid = ngx.var.http_x_user_id\n  ngx.log(ngx.WARN, 'deciding uid=', uid)\n  ngx.req.set_header('X-Gray-Reason', 'uid-' .. tostring(uid))\n  if ngx.var.arg_evil then ngx.req.set_header('X-Evil', 'a\\r\\nInjected: 1') end\n  return 'gray'\nend\n",
+        "return function()\n  local uid = ngx.var.http_x_user_id\n  ngx.log(ngx.WARN, 'deciding uid=', uid)\n  print('printed ', uid, ' ', true)\n  ngx.req.set_header('X-Gray-Reason', 'uid-' .. tostring(uid))\n  if ngx.var.arg_evil then ngx.req.set_header('X-Evil', 'a\\r\\nInjected: 1') end\n  return 'gray'\nend\n",
         "",
     );
     let r = Req::get("/x").header("X-User-Id", "77").send(gw.addr).await;
@@ -258,6 +258,13 @@ async fn set_header_reaches_upstream_and_ngx_log_is_located() {
     eventually("ngx.log line", Duration::from_secs(5), || async {
         gw.logs().lines().any(|l| {
             l.contains("WARN") && l.contains("deciding uid=77") && l.contains("main.lua:3")
+        })
+    })
+    .await;
+    // `print` is ngx.log at NOTICE, as in OpenResty (not stdout).
+    eventually("print line", Duration::from_secs(5), || async {
+        gw.logs().lines().any(|l| {
+            l.contains("INFO") && l.contains("printed 77 true") && l.contains("main.lua:4")
         })
     })
     .await;

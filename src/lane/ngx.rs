@@ -128,6 +128,14 @@ pub(crate) fn install(
     }
     ngx.raw_set("shared", shared)?;
     g.raw_set("ngx", ngx)?;
+    // OpenResty's `print`: ngx.log at NOTICE (never the process's stdout).
+    g.raw_set(
+        "print",
+        lua.create_function(|lua, mut args: MultiValue| {
+            args.push_front(Value::Integer(6));
+            log(lua, args)
+        })?,
+    )?;
     let PerRequest(tables) = &*per_request;
     Ok(PerRequest(tables.clone()))
 }
