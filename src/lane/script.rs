@@ -115,7 +115,16 @@ impl ScriptSource {
 
 /// Libraries `require` returns from the sandbox itself (OpenResty scripts
 /// often start with `local bit = require "bit"`).
-const BUILTIN_MODULES: [&str; 6] = ["bit", "ngx", "string", "table", "math", "coroutine"];
+const BUILTIN_MODULES: [&str; 8] = [
+    "bit",
+    "ngx",
+    "string",
+    "table",
+    "math",
+    "coroutine",
+    "table.new",
+    "table.clear",
+];
 
 /// Reads Lua source text; precompiled bytecode is refused.
 fn read_script(docs: &dyn crate::config::docs::Docs, path: &Path) -> Result<String, ConfigError> {
@@ -466,6 +475,14 @@ impl ScriptVm {
             st.raw_set("dump", Value::Nil).map_err(le)?;
         }
         install_os_subset(&lua, &globals).map_err(le)?;
+        // LuaJIT's `table.new` / `table.clear`, which OpenResty code takes by
+        // `require "table.new"`: LuaJIT registers them as preloaded modules;
+        // running each adds its field to `table` (before it is locked).
+        let preload: Table = lua.named_registry_value("_PRELOAD").map_err(le)?;
+        for m in ["table.new", "table.clear"] {
+            let open: Function = preload.raw_get(m).map_err(le)?;
+            open.call::<()>(m).map_err(le)?;
+        }
 
         // graygate.* helpers.
         let gg = lua.create_table().map_err(le)?;
@@ -541,6 +558,11 @@ impl ScriptVm {
         let base = globals.clone();
         let require = lua
             .create_function(move |lua, name: String| {
+                if let Some(field) = name.strip_prefix("table.") {
+                    if BUILTIN_MODULES.contains(&name.as_str()) {
+                        return base.raw_get::<Table>("table")?.get::<Value>(field);
+                    }
+                }
                 if BUILTIN_MODULES.contains(&name.as_str()) {
                     return base.raw_get::<Value>(name.as_str());
                 }
@@ -1026,6 +1048,22 @@ mod tests {
             RuleCtx::default(),
         )
         .1
+    }
+
+    #[test]
+    fn table_new_and_clear_as_openresty_requires_them() {
+        let (_d, src) = load_src(
+            "local new_tab = require 'table.new'\nlocal clear_tab = require('table.clear')\n\
+             return function()\n  local t = new_tab(4, 2)\n  t[1], t.k = 1, 2\n\
+             local n = #t\n  clear_tab(t)\n\
+             return n .. tostring(next(t)) .. tostring(table.new == new_tab and table.clear == clear_tab)\nend\n",
+        );
+        assert_eq!(call(&src, None).unwrap().as_deref(), Some("1niltrue"));
+        // Preallocation is still under the VM's memory limit.
+        let (_d, src) = load_src(
+            "local new_tab = require 'table.new'\nreturn function() local t = new_tab(2^27, 0) return 'x' end\n",
+        );
+        assert_eq!(call(&src, None).unwrap_err().limit, Some(Limit::Memory));
     }
 
     #[test]
