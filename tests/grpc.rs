@@ -455,3 +455,41 @@ async fn a_node_certificate_that_does_not_verify_is_unavailable_in_grpc_terms() 
         gw.logs()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_node_that_never_answers_times_out_at_the_response_timeout() {
+    // A node that takes the connection and says nothing (not even its
+    // SETTINGS): the attempt ends at `response_timeout_ms` with a 504, as
+    // on an HTTP/1.1 node, long before the total timeout.
+    let silent = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = silent.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let seen = accepted.clone();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = silent.accept().await {
+            seen.fetch_add(1, Ordering::SeqCst);
+            held.push(s);
+        }
+    });
+    let fx = Fixture::new();
+    fx.write(
+        "nodes.yaml",
+        &format!(
+            "services:\n  api:\n    protocol: h2\n    retries: 0\n    nodes:\n      - {{ name: s1, addr: \"{addr}\", lane: formal }}\n"
+        ),
+    );
+    let cfg = fx.write(
+        "graygate.yaml",
+        &main_config(
+            "node_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\nupstream:\n  response_timeout_ms: 300\n  total_timeout_ms: 30000\n",
+        ),
+    );
+    let gw = Gateway::start(&cfg);
+    let t0 = std::time::Instant::now();
+    let r = Req::get("/x").send(gw.addr).await;
+    assert_eq!(r.status, 504, "{}", r.text());
+    assert_eq!(r.text(), "upstream timed out\n");
+    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+    assert_eq!(accepted.load(Ordering::SeqCst), 1);
+}

@@ -148,6 +148,18 @@ impl Deadline {
         }
         false
     }
+
+    /// Runs `fut` until it finishes or this deadline passes: one deadline
+    /// guards each wait of an exchange in turn (connect, write, head read).
+    pub async fn within<F: Future>(&mut self, fut: F) -> Result<F::Output, Elapsed> {
+        let mut fut = pin!(fut);
+        poll_fn(|cx| match fut.as_mut().poll(cx) {
+            Poll::Ready(out) => Poll::Ready(Ok(out)),
+            Poll::Pending if self.passed(cx) => Poll::Ready(Err(Elapsed)),
+            Poll::Pending => Poll::Pending,
+        })
+        .await
+    }
 }
 
 /// Runs `fut` for at most `limit` ([`Deadline`]).

@@ -574,15 +574,13 @@ fn args_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Value> {
         return Ok(Value::String(lua.create_string("")?));
     };
     let parts = || q.as_bytes().split(|&c| c == b'&').filter(|p| !p.is_empty());
-    let split = |part: &[u8]| -> (Vec<u8>, Option<Vec<u8>>) {
+    // Borrowed unless an escape was decoded.
+    fn split(part: &[u8]) -> (Cow<'_, [u8]>, Option<Cow<'_, [u8]>>) {
         match part.iter().position(|&c| c == b'=') {
-            Some(eq) => (
-                unescape(&part[..eq]).into_owned(),
-                Some(unescape(&part[eq + 1..]).into_owned()),
-            ),
-            None => (unescape(part).into_owned(), None),
+            Some(eq) => (unescape(&part[..eq]), Some(unescape(&part[eq + 1..]))),
+            None => (unescape(part), None),
         }
-    };
+    }
     let mut p = Packed(Vec::with_capacity(q.len() + 16));
     let mut packed = true;
     for part in parts().take(max) {

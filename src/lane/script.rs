@@ -558,13 +558,12 @@ impl ScriptVm {
         let base = globals.clone();
         let require = lua
             .create_function(move |lua, name: String| {
-                if let Some(field) = name.strip_prefix("table.") {
-                    if BUILTIN_MODULES.contains(&name.as_str()) {
-                        return base.raw_get::<Table>("table")?.get::<Value>(field);
-                    }
-                }
                 if BUILTIN_MODULES.contains(&name.as_str()) {
-                    return base.raw_get::<Value>(name.as_str());
+                    return match name.strip_prefix("table.") {
+                        // `table.new` / `table.clear`: fields of `table`.
+                        Some(field) => base.raw_get::<Table>("table")?.get::<Value>(field),
+                        None => base.raw_get::<Value>(name.as_str()),
+                    };
                 }
                 if let Ok(v) = loaded.raw_get::<Value>(name.as_str()) {
                     if !v.is_nil() {

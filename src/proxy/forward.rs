@@ -20,7 +20,6 @@ use super::{lane_tag, DataPlane};
 use crate::base::body::{boxed, Body, RequestBody};
 use crate::base::clock::now_ms;
 use crate::base::counter::Counted;
-use crate::base::deadline;
 use crate::base::decision::Decision;
 use crate::base::error::{Error, ErrorKind};
 use crate::config::{UpstreamConfig, FORMAL};
@@ -336,25 +335,18 @@ async fn attempt_all(
             } else {
                 std::mem::take(&mut out.headers)
             };
-            match service.transport.as_deref() {
-                None => {
-                    plane
-                        .client
-                        .request(node.addr, req, &out.added, timeouts)
-                        .await
-                }
-                // A service with TLS or HTTP/2 to its nodes takes its own
-                // (boxed) exchange.
-                Some(t) => {
-                    let call = plane
-                        .client
-                        .request_transport(node.addr, t, req, &out.added, timeouts);
-                    match deadline::timeout(per_try, Box::pin(call)).await {
-                        Err(_) => Err(Error::new(ErrorKind::ResponseTimeout)),
-                        Ok(r) => r,
-                    }
-                }
-            }
+            // A service with TLS or HTTP/2 to its nodes takes its own
+            // (boxed) exchange; each path keeps to `per_try` itself.
+            plane
+                .client
+                .request_via(
+                    node.addr,
+                    service.transport.as_deref(),
+                    req,
+                    &out.added,
+                    timeouts,
+                )
+                .await
         };
         let e = match outcome {
             Ok(r) => {

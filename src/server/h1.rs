@@ -889,13 +889,7 @@ fn encode_head(
         coding = raw.length.map(Coding::Length);
         wrote_date = raw.has_date;
     }
-    // `drain` names a field once; its further values come with `None`.
-    let mut last: Option<header::HeaderName> = None;
-    for (name, value) in headers.drain() {
-        if let Some(n) = name {
-            last = Some(n);
-        }
-        let Some(name) = last.clone() else { continue };
+    for (name, value) in crate::upstream::fields::named(headers.drain()) {
         match name {
             header::CONTENT_LENGTH => {
                 if end && !f.head {

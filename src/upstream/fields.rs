@@ -51,6 +51,20 @@ pub fn name_of(b: &[u8]) -> Result<HeaderName, http::header::InvalidHeaderName> 
     }
 }
 
+/// A map's values one by one, each with its field's name (`HeaderMap`'s
+/// owning iterators name a field once and give its further values `None`).
+pub fn named(
+    fields: impl Iterator<Item = (Option<HeaderName>, HeaderValue)>,
+) -> impl Iterator<Item = (HeaderName, HeaderValue)> {
+    let mut last: Option<HeaderName> = None;
+    fields.filter_map(move |(n, v)| {
+        if n.is_some() {
+            last = n;
+        }
+        Some((last.clone()?, v))
+    })
+}
+
 /// Maps up to this many values are searched by a scan of their names
 /// (standard names compare as one enum tag) instead of a hashed lookup.
 const SCAN_MAX: usize = 8;

@@ -191,17 +191,6 @@ impl Failed {
     }
 }
 
-/// Runs `fut` until it finishes or `deadline` passes (`Err(())`).
-async fn guarded<F: Future>(fut: F, deadline: &mut Deadline) -> Result<F::Output, ()> {
-    let mut fut = std::pin::pin!(fut);
-    std::future::poll_fn(|cx| match fut.as_mut().poll(cx) {
-        Poll::Ready(out) => Poll::Ready(Ok(out)),
-        Poll::Pending if deadline.passed(cx) => Poll::Ready(Err(())),
-        Poll::Pending => Poll::Pending,
-    })
-    .await
-}
-
 /// Pool settings the exchange needs.
 pub struct Settings {
     pub connect_timeout: Duration,
@@ -239,7 +228,8 @@ pub async fn request(
     // (The connect future boxed too: only new connections pay for it, and
     // the exchange's future stays small to move.)
     let mut conn = Box::new(Conn {
-        stream: guarded(Box::pin(connect(addr, s.connect_timeout)), deadline)
+        stream: deadline
+            .within(Box::pin(connect(addr, s.connect_timeout)))
             .await
             .map_err(|_| Error::new(ErrorKind::ResponseTimeout))??,
         rbuf: BytesMut::new(),
@@ -274,13 +264,14 @@ async fn exchange(
 ) -> Result<Head, (Failed, bool)> {
     let mut wbuf = std::mem::take(&mut conn.wbuf);
     req.encode(addr, &mut wbuf);
-    let written = guarded(conn.stream.write_all(&wbuf), deadline).await;
+    let written = deadline.within(conn.stream.write_all(&wbuf)).await;
     conn.wbuf = wbuf;
     written
         .map_err(|_| (Failed::timeout(), true))?
         .map_err(|e| (Failed::io(e, true), false))?;
     if let Some(b) = req.body_after_head() {
-        guarded(conn.stream.write_all(b), deadline)
+        deadline
+            .within(conn.stream.write_all(b))
             .await
             .map_err(|_| (Failed::timeout(), true))?
             .map_err(|e| (Failed::io(e, true), true))?;
@@ -304,13 +295,10 @@ async fn exchange(
             ));
         }
         let got_some = !conn.rbuf.is_empty();
-        let filled = std::future::poll_fn(|cx| match conn.poll_fill(cx) {
-            Poll::Pending if deadline.passed(cx) => Poll::Ready(None),
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(r) => Poll::Ready(Some(r)),
-        })
-        .await;
-        let Some(filled) = filled else {
+        let Ok(filled) = deadline
+            .within(std::future::poll_fn(|cx| conn.poll_fill(cx)))
+            .await
+        else {
             return Err((Failed::timeout(), true));
         };
         match filled {
@@ -526,15 +514,8 @@ impl RawHead {
     /// later stage added: after the node's fields, as on a map all along).
     pub fn prepend_to(&self, headers: &mut HeaderMap) {
         let added = std::mem::replace(headers, self.to_map());
-        let mut last = None;
-        for (n, v) in added {
-            // `None`: another value of the name before.
-            if let Some(n) = n {
-                last = Some(n);
-            }
-            if let Some(n) = &last {
-                headers.append(n.clone(), v);
-            }
+        for (n, v) in super::fields::named(added.into_iter()) {
+            headers.append(n, v);
         }
     }
 

@@ -51,6 +51,17 @@ thread_local! {
     static POOL: RefCell<pool::IdlePool<Sender, (SocketAddr, u64)>> = RefCell::new(pool::IdlePool::default());
 }
 
+/// `fut` within `limit` on the worker's coarse deadlines; past it, a
+/// `ResponseTimeout`.
+async fn within<T>(
+    limit: Duration,
+    fut: impl std::future::Future<Output = Result<T, Error>>,
+) -> Result<T, Error> {
+    deadline::timeout(limit, fut)
+        .await
+        .map_err(|_| Error::new(ErrorKind::ResponseTimeout))?
+}
+
 /// A request's head as it goes to a node, borrowed from the caller (the
 /// same for every attempt).
 pub struct OutHead<'a> {
@@ -169,10 +180,7 @@ impl Upstream {
         read_timeout: Duration,
         limit: Duration,
     ) -> Result<Response<PooledBody>, Error> {
-        let call = Box::pin(self.request_hyper(addr, req, read_timeout));
-        deadline::timeout(limit, call)
-            .await
-            .map_err(|_| Error::new(ErrorKind::ResponseTimeout))?
+        within(limit, Box::pin(self.request_hyper(addr, req, read_timeout))).await
     }
 
     /// [`request`](Self::request) over a service's [`tls::Transport`]:
@@ -193,8 +201,10 @@ impl Upstream {
         }
     }
 
-    /// HTTP/2 or TLS to the node (a service with a [`tls::Transport`]).
-    pub async fn request_transport(
+    /// HTTP/2 or TLS to the node (a service with a [`tls::Transport`]); no
+    /// response head within `limit` is a `ResponseTimeout`, as on the plain
+    /// path.
+    async fn request_transport(
         &self,
         addr: SocketAddr,
         t: &tls::Transport,
@@ -203,7 +213,8 @@ impl Upstream {
         (read_timeout, limit): (Duration, Duration),
     ) -> Result<Response<PooledBody>, Error> {
         if t.h2 {
-            let resp = h2::request(addr, t, req, added, self.connect_timeout).await?;
+            let call = h2::request(addr, t, req, added, self.connect_timeout);
+            let resp = within(limit, call).await?;
             let (head, body) = resp.into_parts();
             let body = HyperBody {
                 inner: body,
@@ -217,8 +228,11 @@ impl Upstream {
         };
         let mut req = req;
         added.apply(req.headers_mut());
-        self.request_hyper_on(addr, req, Some(tls), read_timeout)
-            .await
+        within(
+            limit,
+            self.request_hyper_on(addr, req, Some(tls), read_timeout),
+        )
+        .await
     }
 
     /// The full-duplex path over hyper's client connection.
@@ -359,7 +373,7 @@ pub enum PooledBody {
 
 impl PooledBody {
     /// The response head's fields as the node sent them, if they came so
-    /// ([`Upstream::request_raw`]).
+    /// ([`Upstream::request_ref`] with `raw_ok`).
     pub fn take_raw_head(&mut self) -> Option<RawHead> {
         match self {
             PooledBody::Raw(b, _) => b.take_raw_head(),
