@@ -155,6 +155,14 @@ def cpu_ticks(pids):
     return user, system
 
 
+def machine_busy_ticks():
+    """Busy clock ticks of the whole machine (every CPU, /proc/stat: all but
+    idle and iowait) -- the client and the kernel's softirq work included."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return sum(v) - v[3] - v[4]
+
+
 def peak_rss_kb(pids):
     best = 0
     for p in pids:
@@ -432,10 +440,13 @@ def measure(target, mix, conns, duration, **wrk):
     """One wrk run, with the target's CPU time (user+sys) per request."""
     pids = target.pids()
     u0, s0 = cpu_ticks(pids)
+    m0 = machine_busy_ticks()
     r = run_wrk(target.port, mix, conns, duration, **wrk)
+    m1 = machine_busy_ticks()
     u1, s1 = cpu_ticks(pids)
     per_req = lambda ticks: ticks / CLK * 1e6 / max(r["requests"], 1)
     r["user_us"], r["sys_us"] = per_req(u1 - u0), per_req(s1 - s0)
+    r["machine_us"] = per_req(m1 - m0)
     r["cpu_us"] = r["user_us"] + r["sys_us"]
     r["rss_mb"] = peak_rss_kb(pids) / 1024
     return r
@@ -444,7 +455,7 @@ def measure(target, mix, conns, duration, **wrk):
 def summarize(runs):
     med = lambda k: statistics.median(r[k] for r in runs)
     return {"rps": med("rps"), "p50": med("p50"), "p99": med("p99"), "cpu_us": med("cpu_us"),
-            "user_us": med("user_us"), "sys_us": med("sys_us"),
+            "user_us": med("user_us"), "sys_us": med("sys_us"), "machine_us": med("machine_us"),
             "errors": sum(r["errors"] for r in runs), "rss_mb": max(r["rss_mb"] for r in runs)}
 
 

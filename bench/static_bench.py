@@ -17,7 +17,13 @@ Usage:
   python3 bench/static_bench.py --quick               # seconds: the harness smoke test
   python3 bench/static_bench.py --duration 4 --rounds 3 --json out.json
 Prints a markdown table: median req/s and CPU µs per request (user+sys from
-/proc over the run ÷ requests) of each, and graygate ÷ nginx.
+/proc over the run ÷ requests) of each, and graygate ÷ nginx. The last column
+is the whole machine's busy CPU per request (/proc/stat, both CPUs: wrk and
+the kernel's softirq work included). On loopback the receiving side's TCP work
+runs in the softirq of the CPU that transmits, so a server that transmits at
+send time (graygate's TCP_NOTSENT_LOWAT) is charged the client's receive
+processing, and one that leaves transmission to the client's ACKs (nginx) is
+not: this column shows whether work was added or only moved.
 """
 
 import argparse
@@ -164,13 +170,15 @@ def main():
         print(f"wrk -t1, {dur}s per run, {a.rounds} round(s), medians, servers alternated; {pinning}; "
               f"`X-Gray: 1` on every request. Load after the run: {load}\n")
         print("| file | conns | tree | nginx req/s · CPU µs/req | graygate req/s · CPU µs/req "
-              "| req/s ÷ nginx | CPU ÷ nginx | errors (nginx / graygate) |")
-        print("|---|---|---|---|---|---|---|---|")
+              "| req/s ÷ nginx | CPU ÷ nginx | errors (nginx / graygate) "
+              "| machine CPU µs/req: nginx · graygate (÷) |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for size, c, tree, per in rows:
             n, g = per["nginx"], per["graygate"]
             print(f"| {size} | {c} | {tree} | {n['rps']:,.0f} · {n['cpu_us']:.1f} | "
                   f"{g['rps']:,.0f} · {g['cpu_us']:.1f} | {g['rps'] / n['rps']:.2f} | "
-                  f"{g['cpu_us'] / n['cpu_us']:.2f} | {n['errors']} / {g['errors']} |")
+                  f"{g['cpu_us'] / n['cpu_us']:.2f} | {n['errors']} / {g['errors']} | "
+                  f"{n['machine_us']:.1f} · {g['machine_us']:.1f} ({g['machine_us'] / n['machine_us']:.2f}) |")
         if a.json:
             with open(a.json, "w") as f:
                 json.dump([{"file": s, "conns": c, "tree": t, **per} for s, c, t, per in rows], f, indent=1)

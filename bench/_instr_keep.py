@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""User-space instructions per request, counted by valgrind (callgrind).
+
+The wrk figures on a shared 2-vCPU VM swing by 10-20% from run to run; an
+instruction count does not. Each gateway runs under `valgrind --tool=callgrind`
+with instrumentation off; after 200 warm-up requests instrumentation is
+switched on, N requests are sent one after another on one keep-alive
+connection (for each load mix), and the gateway's total instruction count is
+divided by N. Kernel work (the sockets) is not counted: this is the part of
+the CPU cost each gateway's own code decides.
+
+No fixed ports: graygate listens on port 0 (its logged address is read back),
+HAProxy on a socket bound here and inherited, nginx (one process, as
+callgrind needs) on a unix socket.
+
+Usage:
+  cargo build --release
+  python3 bench/instructions.py                       # graygate, nginx+lua, HAProxy+Lua
+  python3 bench/instructions.py --graygate /tmp/gg-old --only graygate   # A/B a change
+"""
+import argparse
+import glob
+import http.client
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import bench
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over a unix socket (nginx under valgrind, see main())."""
+
+    def __init__(self, path, timeout):
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path)
+
+
+def wait_unix(path, proc, what, limit):
+    deadline = time.time() + limit
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited early (code {proc.returncode})")
+        try:
+            c = UnixHTTPConnection(path, 1)
+            c.request("GET", "/")
+            c.getresponse().read()
+            c.close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"{what} did not answer on {path}")
+
+
+def count(cmd, sock, unix, mixes, n, out):
+    """`sock`: the listening socket the target inherits; `unix`: the unix
+    socket it listens on; neither: graygate on port 0, its logged address
+    read back."""
+    for f in glob.glob(out + "*"):
+        os.remove(f)
+    vg = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
+    env = dict(os.environ, RUST_LOG=bench.GRAYGATE_LOG)
+    fds = (sock.fileno(),) if sock else ()
+    log = out + ".log"
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(vg + cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, pass_fds=fds)
+    port = None
+    if sock:
+        port = sock.getsockname()[1]
+        sock.close()
+    try:
+        if unix:
+            wait_unix(unix, proc, cmd[0], limit=120)
+        else:
+            if port is None:
+                port = bench.logged_port(log, proc, cmd[0], limit=120)
+            bench.wait_http(port, proc, cmd[0], limit=120)
+        pid = proc.pid
+        results = {}
+        for mix, headers in mixes.items():
+            conn = (UnixHTTPConnection(unix, 60) if unix
+                    else http.client.HTTPConnection("127.0.0.1", port, timeout=60))
+
+            def send(k):
+                for i in range(k):
+                    h = {k2: v.replace("{i}", str(i)) for k2, v in headers.items()}
+                    conn.request("GET", "/api/x", headers=h)
+                    r = conn.getresponse()
+                    r.read()
+                    if r.status != 200:
+                        raise SystemExit(f"{cmd[0]}: status {r.status}")
+
+            send(200)
+            subprocess.run(["callgrind_control", "-z", str(pid)], capture_output=True)
+            subprocess.run(["callgrind_control", "-i", "on", str(pid)], capture_output=True)
+            send(n)
+            subprocess.run(["callgrind_control", "-i", "off", str(pid)], capture_output=True)
+            before = set(glob.glob(out + "*"))
+            subprocess.run(["callgrind_control", "-d", str(pid)], capture_output=True)
+            conn.close()
+            deadline = time.time() + 30
+            total = None
+            while total is None and time.time() < deadline:
+                for f in set(glob.glob(out + "*")) - before:
+                    with open(f) as fh:
+                        for line in fh:
+                            if line.startswith("totals:"):
+                                total = int(line.split()[1])
+                if total is None:
+                    time.sleep(0.1)
+            if total is None:
+                raise SystemExit(f"{cmd[0]}: no callgrind dump")
+            results[mix] = total / n
+        return results
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--graygate", default=os.path.join(bench.REPO, "target", "release", "graygate"))
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--only", help="comma-separated: graygate,nginx-lua,haproxy-lua")
+    a = ap.parse_args()
+    if not shutil.which("valgrind"):
+        raise SystemExit("valgrind not found: apt-get install valgrind")
+    mixes = {"untagged": {}, "user-id": {"X-User-Id": "u{i}"}, "x-gray": {"X-Gray": "1"}}
+    work = tempfile.mkdtemp(prefix="graygate-instr-")
+    backends = bench.start_backends(work)
+    try:
+        # The regular config writers; each target runs under valgrind in one
+        # process. graygate listens on port 0, HAProxy on a socket bound
+        # here; nginx on a unix socket (nginx 1.22 crashes on an inherited
+        # socket without a master, and a master's forked worker is not
+        # reachable by callgrind_control). User-space work per request is
+        # the same but for the peer address, which is "unix:" (formal).
+        def graygate():
+            gg = bench.write_graygate_config(work, "graygate", 1)
+            return [a.graygate, "--config", gg], None, None
+
+        def nginx():
+            unix = os.path.join(work, "nginx-lua.sock")
+            ng = bench.nginx_lua_conf(work, 1)
+            with open(ng) as f:
+                conf = f.read().replace("master_process on;", "master_process off;")
+                conf = conf.replace("listen 127.0.0.1:1 backlog=8192;", f"listen unix:{unix} backlog=8192;")
+            with open(ng, "w") as f:
+                f.write(conf)
+            return ["nginx", "-p", work, "-e", "stderr", "-c", ng], None, unix
+
+        def haproxy():
+            sock = bench.listen_socket()
+            return ["haproxy", "-db", "-f", bench.haproxy_conf(work, sock.fileno())], sock, None
+
+        targets = {"graygate": graygate, "nginx-lua": nginx, "haproxy-lua": haproxy}
+        names = a.only.split(",") if a.only else list(targets)
+        rows = {}
+        for name in names:
+            cmd, sock, unix = targets[name]()
+            rows[name] = count(cmd, sock, unix, mixes, a.requests,
+                               os.path.join(work, f"cg-{name}.out"))
+            print(f"done: {name}", file=sys.stderr, flush=True)
+    finally:
+        backends.stop()
+        print("WORK", work, file=sys.stderr)
+    print(f"User-space instructions per request (callgrind, {a.requests} sequential requests "
+          f"on one keep-alive connection per mix)\n")
+    print("| target | " + " | ".join(mixes) + " |")
+    print("|---|" + "---|" * len(mixes))
+    for name, r in rows.items():
+        print(f"| {name} | " + " | ".join(f"{r[m]:,.0f}" for m in mixes) + " |")
+
+
+if __name__ == "__main__":
+    main()
