@@ -521,3 +521,153 @@ async fn big_whole_files_go_out_by_sendfile_on_a_kept_alive_connection() {
     })
     .await;
 }
+
+/// `precompressed: [br, gzip]`: a client whose `Accept-Encoding` takes an
+/// encoding gets the file's sibling (`.br`, `.gz`; the first the route
+/// lists that the client takes) with `Content-Encoding`, the original's
+/// type and the sibling's own validators; every answer of the tree varies
+/// on `Accept-Encoding`. A sibling is only used from the file's own tree: a
+/// gray file never gets formal's compressed bytes. curl decodes the gzip
+/// sibling back to the file; a sibling deleted on disk stops being served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn precompressed_siblings_follow_accept_encoding_from_the_files_own_tree() {
+    let fx = Fixture::new();
+    let js = "console.log('formal, and long enough to be worth compressing');\n".repeat(20);
+    fx.write("site/formal/app.js", &js);
+    let gz = std::process::Command::new("gzip")
+        .args(["-k", "-n", "-9"])
+        .arg(fx.path("site/formal/app.js"))
+        .status()
+        .expect("gzip runs");
+    assert!(gz.success());
+    let gz_bytes = std::fs::read(fx.path("site/formal/app.js.gz")).unwrap();
+    assert!(gz_bytes.len() < js.len());
+    // The gateway never decodes: any bytes stand for a brotli file.
+    fx.write("site/formal/app.js.br", "BROTLI BYTES");
+    fx.write("site/gray/app.js", "console.log('gray');\n");
+    fx.write("site/formal/plain.txt", "no siblings\n");
+    fx.write("lane.lua", LANE_SCRIPT);
+    let cfg = fx.write(
+        "gg.yaml",
+        &main_config(
+            "script: lane.lua\nroutes:\n  - prefix: /\n    static: site\n    precompressed: [br, gzip]\n",
+        ),
+    );
+    let gw = Gateway::start(&cfg);
+    let ae = |path: &str, v: &str| Req::get(path).header("Accept-Encoding", v);
+
+    let identity = gw.get("/app.js").await;
+    assert_eq!(identity.text(), js);
+    assert_eq!(identity.header("content-encoding"), None);
+    assert_eq!(identity.header("vary").as_deref(), Some("Accept-Encoding"));
+    let js_type = identity.header("content-type").unwrap();
+    assert!(js_type.contains("javascript"), "{js_type}");
+
+    let br = ae("/app.js", "gzip, deflate, br").send(gw.addr).await;
+    assert_eq!(br.status, 200);
+    assert_eq!(br.text(), "BROTLI BYTES");
+    assert_eq!(br.header("content-encoding").as_deref(), Some("br"));
+    assert_eq!(br.header("content-type"), Some(js_type.clone()));
+    assert_eq!(br.header("vary").as_deref(), Some("Accept-Encoding"));
+    assert_ne!(br.header("etag"), identity.header("etag"));
+
+    // Which encoding, by the client's list and q-values.
+    for (accept, want) in [
+        ("gzip", Some("gzip")),
+        ("GZIP;q=0.5", Some("gzip")),
+        ("br;q=0, gzip", Some("gzip")),
+        ("*", Some("br")),
+        ("*, br;q=0", Some("gzip")),
+        ("br;q=0.0, gzip;q=0", None),
+        ("identity", None),
+        ("deflate", None),
+    ] {
+        let r = ae("/app.js", accept).send(gw.addr).await;
+        assert_eq!(r.header("content-encoding").as_deref(), want, "{accept}");
+        let body: &[u8] = match want {
+            Some("br") => b"BROTLI BYTES",
+            Some(_) => &gz_bytes,
+            None => js.as_bytes(),
+        };
+        assert_eq!(&r.body[..], body, "{accept}");
+    }
+
+    // Gray has its own app.js and no siblings: formal's are not its bytes.
+    let r = ae("/app.js", "br, gzip")
+        .header("X-Lane", "gray")
+        .send(gw.addr)
+        .await;
+    assert_eq!(r.text(), "console.log('gray');\n");
+    assert_eq!(r.header("content-encoding"), None);
+    // A file without siblings is served as it is.
+    let r = ae("/plain.txt", "br, gzip").send(gw.addr).await;
+    assert_eq!(
+        (r.text().as_str(), r.header("content-encoding")),
+        ("no siblings\n", None)
+    );
+
+    // Validators, HEAD and Range are the sibling's.
+    let etag = br.header("etag").unwrap();
+    let r = ae("/app.js", "br")
+        .header("If-None-Match", &etag)
+        .send(gw.addr)
+        .await;
+    assert_eq!(r.status, 304);
+    let r = ae("/app.js", "br").method("HEAD").send(gw.addr).await;
+    assert_eq!(r.header("content-length").as_deref(), Some("12"));
+    assert_eq!(r.header("content-encoding").as_deref(), Some("br"));
+    let r = ae("/app.js", "gzip")
+        .header("Range", "bytes=0-1")
+        .send(gw.addr)
+        .await;
+    assert_eq!(r.status, 206);
+    assert_eq!(&r.body[..], &gz_bytes[..2]);
+    assert_eq!(
+        r.header("content-range"),
+        Some(format!("bytes 0-1/{}", gz_bytes.len()))
+    );
+
+    // A real client decodes the gzip sibling back to the file.
+    let out = std::process::Command::new("curl")
+        .args([
+            "-s",
+            "--compressed",
+            "-H",
+            "Accept-Encoding: gzip",
+            "-D",
+            "-",
+        ])
+        .arg(format!("http://{}/app.js", gw.addr))
+        .output()
+        .expect("curl runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.to_ascii_lowercase().contains("content-encoding: gzip"),
+        "{text}"
+    );
+    assert!(
+        text.ends_with(&js),
+        "curl did not decode the sibling: {text}"
+    );
+
+    // The sibling deleted: the file itself is served again.
+    std::fs::remove_file(fx.path("site/formal/app.js.br")).unwrap();
+    eventually("the deleted sibling no longer served", FRESH, || async {
+        let r = ae("/app.js", "br, gzip").send(gw.addr).await;
+        r.header("content-encoding").as_deref() == Some("gzip") && r.body[..] == gz_bytes[..]
+    })
+    .await;
+}
+
+#[test]
+fn an_unknown_precompressed_encoding_is_rejected_with_its_line() {
+    let fx = Fixture::new();
+    std::fs::create_dir_all(fx.path("site/formal")).unwrap();
+    let cfg = fx.write(
+        "gg.yaml",
+        &main_config("routes:\n  - prefix: /\n    static: site\n    precompressed: [br, lz4]\n"),
+    );
+    let e = graygate::generation::Generation::load(&cfg, 1).unwrap_err();
+    assert!(e.message.contains("lz4"), "{e}");
+    assert_eq!(e.line, Some(7), "{e}");
+}

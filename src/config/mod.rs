@@ -460,6 +460,12 @@ pub struct RouteConfig {
     /// Cache-Control for static responses.
     #[serde(default = "default_cache_control")]
     pub cache_control: String,
+    /// Precompressed siblings (`app.js.br`, `.zst`, `.gz`) a static route
+    /// serves, in the order tried, to clients whose `Accept-Encoding` takes
+    /// them (nginx's `gzip_static`/`brotli_static`, Caddy's
+    /// `precompressed`); empty: none.
+    #[serde(default)]
+    pub precompressed: Vec<Precompressed>,
     /// Keep a browser in its decided lane with a signed cookie.
     #[serde(default)]
     pub sticky: bool,
@@ -468,6 +474,35 @@ pub struct RouteConfig {
     /// request with its `Upgrade`/`Connection` tokens removed.
     #[serde(default = "default_upgrades")]
     pub upgrades: Vec<String>,
+}
+
+/// A content coding a static file may be stored precompressed in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precompressed {
+    Br,
+    Zstd,
+    Gzip,
+}
+
+impl Precompressed {
+    /// The `Accept-Encoding` / `Content-Encoding` token.
+    pub fn token(self) -> &'static str {
+        match self {
+            Precompressed::Br => "br",
+            Precompressed::Zstd => "zstd",
+            Precompressed::Gzip => "gzip",
+        }
+    }
+
+    /// The sibling's file-name suffix.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Precompressed::Br => ".br",
+            Precompressed::Zstd => ".zst",
+            Precompressed::Gzip => ".gz",
+        }
+    }
 }
 
 fn default_upgrades() -> Vec<String> {

@@ -254,12 +254,10 @@ impl Generation {
                             canon.display()
                         ));
                     }
-                    Target::Static(StaticTree::new(
-                        canon,
-                        r.index.clone(),
-                        &r.cache_control,
-                        static_cache,
-                    ))
+                    let mut tree =
+                        StaticTree::new(canon, r.index.clone(), &r.cache_control, static_cache);
+                    tree.precompressed = r.precompressed.clone();
+                    Target::Static(tree)
                 }
                 _ => {
                     return Err(ConfigError::new(

@@ -23,6 +23,7 @@ use http_body_util::{Empty, Full};
 
 use crate::base::body::{boxed, plain, Body};
 use crate::base::decision::Decision;
+use crate::config::Precompressed;
 use body::{FileBody, Segment};
 pub use cache::CacheSettings;
 use cache::{Content, FileCache, FileInfo, Resolved};
@@ -35,6 +36,8 @@ pub struct StaticTree {
     pub index: String,
     pub cache_control: HeaderValue,
     pub cache: Arc<FileCache>,
+    /// Precompressed siblings served, in the order tried (none by default).
+    pub precompressed: Vec<Precompressed>,
 }
 
 impl StaticTree {
@@ -54,6 +57,7 @@ impl StaticTree {
             root,
             index,
             cache,
+            precompressed: Vec::new(),
         }
     }
 }
@@ -130,7 +134,10 @@ pub fn serve_now(tree: &StaticTree, parts: &Parts, decision: &mut Decision) -> R
         }
         decision.served_lane = Some(f.served_lane.clone());
         decision.node = Some(f.node.clone());
-        match respond(tree, parts, f) {
+        if let Some(r) = precompressed(tree, parts, &decision.lane, f) {
+            return r;
+        }
+        match respond(tree, parts, f, None) {
             Some(r) => return r,
             // The file on disk is not the one cached: forget it, look again.
             None if !retried => {
@@ -143,6 +150,79 @@ pub fn serve_now(tree: &StaticTree, parts: &Parts, decision: &mut Decision) -> R
             None => return plain(StatusCode::NOT_FOUND, "not found\n"),
         }
     }
+}
+
+/// The answer from `f`'s precompressed sibling: the first of the tree's
+/// encodings the client accepts whose sibling lies beside `f` — in the same
+/// lane's tree, never a fallback's (that would be another file's bytes).
+/// `None`: none such (or it changed on disk: forgotten, `f` serves).
+fn precompressed(
+    tree: &StaticTree,
+    parts: &Parts,
+    lane: &str,
+    f: &FileInfo,
+) -> Option<Response<Body>> {
+    if tree.precompressed.is_empty() || parts.method != Method::GET && parts.method != Method::HEAD
+    {
+        return None;
+    }
+    let accept = parts.headers.get_all(header::ACCEPT_ENCODING);
+    let url_path = parts.uri.path();
+    for &enc in &tree.precompressed {
+        if !accepts(&accept, enc.token()) {
+            continue;
+        }
+        // Its own cache entry: the URL path, NUL (never in a URL path), the
+        // suffix; resolved as the file's own path plus the suffix.
+        let key = format!("{url_path}\0{}", enc.suffix());
+        let resolve = |_: &str| {
+            let mut rel = safe_relative(url_path, &tree.index)?.into_os_string();
+            rel.push(enc.suffix());
+            Some(PathBuf::from(rel))
+        };
+        let entry = tree.cache.get(&tree.root, lane, &key, resolve);
+        let Resolved::File(sibling) = &entry.resolved else {
+            continue;
+        };
+        if sibling.served_lane != f.served_lane {
+            continue;
+        }
+        match respond(tree, parts, sibling, Some((enc, f))) {
+            Some(r) => return Some(r),
+            None => tree.cache.forget(lane, &key),
+        }
+    }
+    None
+}
+
+/// Whether `Accept-Encoding` takes `token`: listed (or `*`, the token not
+/// listed itself) with a q-value above 0 (RFC 9110 12.5.3).
+fn accepts(values: &header::GetAll<'_, HeaderValue>, token: &str) -> bool {
+    let mut star = false;
+    for item in values
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+    {
+        let mut params = item.split(|b| *b == b';');
+        let name = params.next().unwrap_or_default().trim_ascii();
+        let q_zero = params.any(|p| {
+            let p = p.trim_ascii();
+            let Some(q) = p.strip_prefix(b"q=").or_else(|| p.strip_prefix(b"Q=")) else {
+                return false;
+            };
+            std::str::from_utf8(q)
+                .ok()
+                .and_then(|q| q.trim().parse::<f32>().ok())
+                .is_some_and(|q| q <= 0.0)
+        });
+        if name.eq_ignore_ascii_case(token.as_bytes()) {
+            return !q_zero;
+        }
+        if name == b"*" {
+            star = !q_zero;
+        }
+    }
+    star
 }
 
 fn redirect_to_slash(parts: &Parts) -> Response<Body> {
@@ -174,12 +254,32 @@ impl Source {
 }
 
 /// The response for a resolved file; `None` when the file on disk is not
-/// the cached version any more.
-fn respond(tree: &StaticTree, parts: &Parts, f: &FileInfo) -> Option<Response<Body>> {
+/// the cached version any more. With `encoded`, `f` is the precompressed
+/// sibling of the file given beside it (whose type the response carries).
+fn respond(
+    tree: &StaticTree,
+    parts: &Parts,
+    f: &FileInfo,
+    encoded: Option<(Precompressed, &FileInfo)>,
+) -> Option<Response<Body>> {
     let h = &parts.headers;
     let mut head = HeaderMap::with_capacity(8);
     head.insert(header::ETAG, f.etag.clone());
     head.insert(header::CACHE_CONTROL, tree.cache_control.clone());
+    if !tree.precompressed.is_empty() {
+        // The answer depends on Accept-Encoding for every file of the tree.
+        head.insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
+    }
+    let content_type = match encoded {
+        Some((enc, orig)) => {
+            head.insert(
+                header::CONTENT_ENCODING,
+                HeaderValue::from_static(enc.token()),
+            );
+            &orig.content_type
+        }
+        None => &f.content_type,
+    };
     if let Some(lm) = &f.last_modified {
         head.insert(header::LAST_MODIFIED, lm.clone());
     }
@@ -201,7 +301,7 @@ fn respond(tree: &StaticTree, parts: &Parts, f: &FileInfo) -> Option<Response<Bo
     head.insert(header::ACCEPT_RANGES, HeaderValue::from_static("bytes"));
     if parts.method == Method::HEAD {
         head.insert(header::CONTENT_LENGTH, f.content_length.clone());
-        if let Some(ct) = &f.content_type {
+        if let Some(ct) = content_type {
             head.insert(header::CONTENT_TYPE, ct.clone());
         }
         return Some(finish(StatusCode::OK, head, boxed(Empty::new())));
@@ -224,7 +324,7 @@ fn respond(tree: &StaticTree, parts: &Parts, f: &FileInfo) -> Option<Response<Bo
         Content::Disk => Source::Disk(open_same(f)?),
     };
     let Some(ranges) = ranges else {
-        if let Some(ct) = &f.content_type {
+        if let Some(ct) = content_type {
             head.insert(header::CONTENT_TYPE, ct.clone());
         }
         head.insert(header::CONTENT_LENGTH, f.content_length.clone());
@@ -264,7 +364,7 @@ fn respond(tree: &StaticTree, parts: &Parts, f: &FileInfo) -> Option<Response<Bo
             header::CONTENT_RANGE,
             HeaderValue::from_str(&cr).expect("ASCII"),
         );
-        if let Some(ct) = &f.content_type {
+        if let Some(ct) = content_type {
             head.insert(header::CONTENT_TYPE, ct.clone());
         }
         segments.push_back(source.segment(r.start, r.length));
@@ -277,8 +377,7 @@ fn respond(tree: &StaticTree, parts: &Parts, f: &FileInfo) -> Option<Response<Bo
         let ct = HeaderValue::from_str(&format!("multipart/byteranges; boundary={boundary}"))
             .expect("ASCII");
         head.insert(header::CONTENT_TYPE, ct);
-        let part_type = f
-            .content_type
+        let part_type = content_type
             .as_ref()
             .and_then(|v| v.to_str().ok())
             .map(|t| format!("Content-Type: {t}\r\n"))
