@@ -2,6 +2,8 @@
 //! caching validators that never mix lanes, ranges, HEAD and traversal.
 
 mod common;
+#[path = "common/tls.rs"]
+mod tlsutil;
 
 use common::*;
 
@@ -670,4 +672,65 @@ fn an_unknown_precompressed_encoding_is_rejected_with_its_line() {
     let e = graygate::generation::Generation::load(&cfg, 1).unwrap_err();
     assert!(e.message.contains("lz4"), "{e}");
     assert_eq!(e.line, Some(7), "{e}");
+}
+
+/// A file of 64 KiB or more held in memory goes to an HTTP/2 client from
+/// memory: only the plain HTTP/1.1 server can use `sendfile(2)`, so only it
+/// opens the file. The proof: once the file is cached (a long `valid_ms`,
+/// so no `stat` in between) its path becomes a FIFO, whose `open` would
+/// block until a writer comes — the h2c answer must still come, whole. The
+/// plain HTTP/1.1 server does open it (for sendfile), without blocking
+/// (`O_NONBLOCK`): not a regular file, so the held bytes are written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_big_file_goes_to_http2_clients_from_memory_without_opening_it() {
+    let fx = Fixture::new();
+    let bytes: String = (0..100 * 1024)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
+    fx.write("site/formal/big.txt", &bytes);
+    let cfg = fx.write(
+        "gg.yaml",
+        &main_config(
+            "static_cache: { max_file_size: 1m, valid_ms: 60000 }\n\
+             listeners:\n  - { listen: 127.0.0.1:0, h2c: true }\n\
+             routes:\n  - prefix: /\n    static: site\n",
+        ),
+    );
+    let gw = Gateway::start(&cfg);
+    let h2c = tlsutil::listeners(&gw)[0];
+    let url = format!("http://{h2c}/big.txt");
+    let first = tlsutil::curl(&["--http2-prior-knowledge"], &url);
+    assert_eq!((first.ok, first.version.as_str()), (true, "2"));
+    assert!(first.body == bytes, "first answer not the file");
+    let path = fx.path("site/formal/big.txt");
+    std::fs::remove_file(&path).unwrap();
+    let made = std::process::Command::new("mkfifo")
+        .arg(&path)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let again = tlsutil::curl(&["--http2-prior-knowledge", "--max-time", "5"], &url);
+    assert_eq!(
+        (again.ok, again.version.as_str()),
+        (true, "2"),
+        "h2c request hung"
+    );
+    assert!(
+        again.body == bytes,
+        "not served from memory: {:.80}",
+        again.body
+    );
+    // The plain HTTP/1.1 server opens it for sendfile: the FIFO is refused
+    // at once (no worker stuck in `open`) and the held bytes are written.
+    let plain = tlsutil::curl(&["--max-time", "5"], &format!("http://{}/big.txt", gw.addr));
+    assert_eq!(
+        (plain.ok, plain.version.as_str()),
+        (true, "1.1"),
+        "plain request hung"
+    );
+    assert!(
+        plain.body == bytes,
+        "plain: not the held file: {:.80}",
+        plain.body
+    );
 }

@@ -113,7 +113,9 @@ pub async fn handle_with(
                 }
                 Target::Static(tree) => {
                     let decision = ctx.decision.as_mut().expect("decided above");
-                    Ok(crate::static_files::serve(tree, &info.parts, decision).await)
+                    // Only the plain HTTP/1.1 server (`raw_ok`) can sendfile.
+                    let sendfile_ok = ctx.raw_ok;
+                    Ok(crate::static_files::serve(tree, &info.parts, decision, sendfile_ok).await)
                 }
             }
         }

@@ -327,8 +327,7 @@ impl FileCache {
     /// Opens the file and renders what its responses carry; its content is
     /// read when it fits the limits. `None` when it vanished meanwhile.
     fn load(&self, path: PathBuf, lane: &str) -> Option<FileInfo> {
-        let mut file = File::open(&path).ok()?;
-        let meta = file.metadata().ok().filter(|m| m.is_file())?;
+        let (mut file, meta) = open_regular(&path)?;
         let size = meta.len();
         let content = match usize::try_from(size) {
             Ok(n) if self.reserve(n, fastrand::usize(..SHARDS)) => {
@@ -393,6 +392,20 @@ pub enum Found {
     },
     Directory,
     NotFound,
+}
+
+/// Opens `path` if it is a regular file (with its metadata). `O_NONBLOCK`:
+/// a FIFO or device put where a file was is refused at once, never waited
+/// on by the worker thread (for a regular file the flag changes nothing).
+pub fn open_regular(path: &Path) -> Option<(File, std::fs::Metadata)> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+        .open(path)
+        .ok()?;
+    let meta = file.metadata().ok().filter(|m| m.is_file())?;
+    Some((file, meta))
 }
 
 /// Finds `rel` in the lane's tree, else formal's; symlinks leading out of

@@ -104,13 +104,26 @@ fn etag_matches(header_value: &HeaderValue, etag: &[u8]) -> bool {
     })
 }
 
-/// Serves a static request for the decided lane.
-pub async fn serve(tree: &StaticTree, parts: &Parts, decision: &mut Decision) -> Response<Body> {
-    serve_now(tree, parts, decision)
+/// Serves a static request for the decided lane. `sendfile_ok`: the server
+/// can send a whole file by `sendfile(2)` (the plain HTTP/1.1 one), so a
+/// file of [`SENDFILE_MIN`] or more held in memory is opened for it; other
+/// servers write the held bytes and open nothing.
+pub async fn serve(
+    tree: &StaticTree,
+    parts: &Parts,
+    decision: &mut Decision,
+    sendfile_ok: bool,
+) -> Response<Body> {
+    serve_now(tree, parts, decision, sendfile_ok)
 }
 
 /// [`serve`], which never waits: everything happens on the worker thread.
-pub fn serve_now(tree: &StaticTree, parts: &Parts, decision: &mut Decision) -> Response<Body> {
+pub fn serve_now(
+    tree: &StaticTree,
+    parts: &Parts,
+    decision: &mut Decision,
+    sendfile_ok: bool,
+) -> Response<Body> {
     if parts.method != Method::GET && parts.method != Method::HEAD {
         let mut r = plain(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n");
         r.headers_mut()
@@ -134,10 +147,10 @@ pub fn serve_now(tree: &StaticTree, parts: &Parts, decision: &mut Decision) -> R
         }
         decision.served_lane = Some(f.served_lane.clone());
         decision.node = Some(f.node.clone());
-        if let Some(r) = precompressed(tree, parts, &decision.lane, f) {
+        if let Some(r) = precompressed(tree, parts, &decision.lane, f, sendfile_ok) {
             return r;
         }
-        match respond(tree, parts, f, None) {
+        match respond(tree, parts, f, None, sendfile_ok) {
             Some(r) => return r,
             // The file on disk is not the one cached: forget it, look again.
             None if !retried => {
@@ -161,6 +174,7 @@ fn precompressed(
     parts: &Parts,
     lane: &str,
     f: &FileInfo,
+    sendfile_ok: bool,
 ) -> Option<Response<Body>> {
     if tree.precompressed.is_empty() || parts.method != Method::GET && parts.method != Method::HEAD
     {
@@ -187,7 +201,7 @@ fn precompressed(
         if sibling.served_lane != f.served_lane {
             continue;
         }
-        match respond(tree, parts, sibling, Some((enc, f))) {
+        match respond(tree, parts, sibling, Some((enc, f)), sendfile_ok) {
             Some(r) => return Some(r),
             None => tree.cache.forget(lane, &key),
         }
@@ -261,6 +275,7 @@ fn respond(
     parts: &Parts,
     f: &FileInfo,
     encoded: Option<(Precompressed, &FileInfo)>,
+    sendfile_ok: bool,
 ) -> Option<Response<Body>> {
     let h = &parts.headers;
     let mut head = HeaderMap::with_capacity(8);
@@ -345,7 +360,7 @@ fn respond(
             }
         };
         let mut r = finish(StatusCode::OK, head, body);
-        if f.size >= SENDFILE_MIN {
+        if f.size >= SENDFILE_MIN && sendfile_ok {
             let file = match sendfile {
                 Some(file) => Some(file),
                 None => open_same(f).map(std::sync::Arc::new),
@@ -417,9 +432,8 @@ pub const SENDFILE_MIN: u64 = 64 * 1024;
 /// The file at `f.path` if it is still the one `f` describes (inode, size,
 /// mtime), else `None` (the caller revalidates).
 fn open_same(f: &cache::FileInfo) -> Option<std::fs::File> {
-    let file = std::fs::File::open(&f.path).ok()?;
-    let same = file.metadata().is_ok_and(|m| cache::FileId::of(&m) == f.id);
-    same.then_some(file)
+    let (file, meta) = cache::open_regular(&f.path)?;
+    (cache::FileId::of(&meta) == f.id).then_some(file)
 }
 
 fn finish(status: StatusCode, headers: HeaderMap, body: Body) -> Response<Body> {
