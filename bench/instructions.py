@@ -17,6 +17,13 @@ Usage:
   cargo build --release
   python3 bench/instructions.py                       # graygate, nginx+lua, HAProxy+Lua
   python3 bench/instructions.py --graygate /tmp/gg-old --only graygate   # A/B a change
+  python3 bench/instructions.py --script openresty_heavy   # an OpenResty module, unchanged
+                                                           # in graygate and nginx+lua
+With --script NAME, graygate runs bench/NAME.lua as its script and nginx runs
+`access_by_lua_block { ngx.var.lane = require("NAME").lane() or "formal" }`
+(as bench/openresty_bench.py does); HAProxy has no such script and is left out.
+nginx's peer is "unix:" there, so a script's client-address checks take the
+not-in-range branch in nginx and the 127.0.0.1 one in graygate.
 """
 import argparse
 import glob
@@ -61,19 +68,20 @@ def wait_unix(path, proc, what, limit):
     raise SystemExit(f"{what} did not answer on {path}")
 
 
-def count(cmd, sock, unix, mixes, n, out):
+def count(cmd, sock, unix, mixes, n, out, port=None):
     """`sock`: the listening socket the target inherits; `unix`: the unix
-    socket it listens on; neither: graygate on port 0, its logged address
-    read back."""
+    socket it listens on; `port`: a loopback port it binds itself; none:
+    graygate on port 0, its logged address read back."""
     for f in glob.glob(out + "*"):
         os.remove(f)
     vg = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
     env = dict(os.environ, RUST_LOG=bench.GRAYGATE_LOG)
     fds = (sock.fileno(),) if sock else ()
+    fixed = port
     log = out + ".log"
     with open(log, "w") as logf:
         proc = subprocess.Popen(vg + cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, pass_fds=fds)
-    port = None
+    port = fixed
     if sock:
         port = sock.getsockname()[1]
         sock.close()
@@ -131,6 +139,8 @@ def main():
     ap.add_argument("--graygate", default=os.path.join(bench.REPO, "target", "release", "graygate"))
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--only", help="comma-separated: graygate,nginx-lua,haproxy-lua")
+    ap.add_argument("--script", help="an OpenResty module in bench/ (e.g. openresty_heavy) "
+                                     "run unchanged by graygate and nginx+lua")
     a = ap.parse_args()
     if not shutil.which("valgrind"):
         raise SystemExit("valgrind not found: apt-get install valgrind")
@@ -144,37 +154,54 @@ def main():
         # socket without a master, and a master's forked worker is not
         # reachable by callgrind_control). User-space work per request is
         # the same but for the peer address, which is "unix:" (formal).
+        # With --script, nginx binds a loopback TCP port itself (found free
+        # just before; no inherited socket): an OpenResty script reads
+        # ngx.var.remote_addr, which must be an address as in graygate.
         def graygate():
-            gg = bench.write_graygate_config(work, "graygate", 1)
-            return [a.graygate, "--config", gg], None, None
+            kw = {"script": os.path.join(bench.BENCH, f"{a.script}.lua")} if a.script else {}
+            gg = bench.write_graygate_config(work, "graygate", 1, **kw)
+            return [a.graygate, "--config", gg], None, None, None
 
         def nginx():
-            unix = os.path.join(work, "nginx-lua.sock")
-            ng = bench.nginx_lua_conf(work, 1)
+            if a.script:
+                probe = bench.listen_socket()
+                port = probe.getsockname()[1]
+                probe.close()
+                listen = f"listen 127.0.0.1:{port} backlog=8192;"
+            else:
+                port = None
+                unix = os.path.join(work, "nginx-lua.sock")
+                listen = f"listen unix:{unix} backlog=8192;"
+            access = (f"access_by_lua_block {{ ngx.var.lane = require(\"{a.script}\").lane()"
+                      f" or \"formal\" }}") if a.script else None
+            ng = bench.nginx_lua_conf(work, 1, access=access)
             with open(ng) as f:
                 conf = f.read().replace("master_process on;", "master_process off;")
-                conf = conf.replace("listen 127.0.0.1:1 backlog=8192;", f"listen unix:{unix} backlog=8192;")
+                conf = conf.replace("listen 127.0.0.1:1 backlog=8192;", listen)
             with open(ng, "w") as f:
                 f.write(conf)
-            return ["nginx", "-p", work, "-e", "stderr", "-c", ng], None, unix
+            return ["nginx", "-p", work, "-e", "stderr", "-c", ng], None, (None if port else unix), port
 
         def haproxy():
             sock = bench.listen_socket()
-            return ["haproxy", "-db", "-f", bench.haproxy_conf(work, sock.fileno())], sock, None
+            return ["haproxy", "-db", "-f", bench.haproxy_conf(work, sock.fileno())], sock, None, None
 
         targets = {"graygate": graygate, "nginx-lua": nginx, "haproxy-lua": haproxy}
+        if a.script:
+            del targets["haproxy-lua"]
         names = a.only.split(",") if a.only else list(targets)
         rows = {}
         for name in names:
-            cmd, sock, unix = targets[name]()
+            cmd, sock, unix, port = targets[name]()
             rows[name] = count(cmd, sock, unix, mixes, a.requests,
-                               os.path.join(work, f"cg-{name}.out"))
+                               os.path.join(work, f"cg-{name}.out"), port=port)
             print(f"done: {name}", file=sys.stderr, flush=True)
     finally:
         backends.stop()
         shutil.rmtree(work, ignore_errors=True)
+    script = f", script bench/{a.script}.lua" if a.script else ""
     print(f"User-space instructions per request (callgrind, {a.requests} sequential requests "
-          f"on one keep-alive connection per mix)\n")
+          f"on one keep-alive connection per mix{script})\n")
     print("| target | " + " | ".join(mixes) + " |")
     print("|---|" + "---|" * len(mixes))
     for name, r in rows.items():
