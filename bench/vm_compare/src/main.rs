@@ -30,7 +30,12 @@ ngx = { var = VARS, req = { get_headers = function() return HDR end, get_uri_arg
 
 fn main() {
     let lua = Lua::new();
-    let heavy = std::fs::read_to_string(std::env::args().nth(1).expect("path to openresty_heavy.lua")).unwrap();
+    let heavy = std::fs::read_to_string(
+        std::env::args()
+            .nth(1)
+            .expect("path to openresty_heavy.lua"),
+    )
+    .unwrap();
     #[cfg(feature = "lua54")]
     let bitlib: Value = lua.load(BIT54).call(()).unwrap();
     #[cfg(feature = "luajit")]
@@ -39,40 +44,84 @@ fn main() {
     let bitlib: Value = lua.load(BITLUAU).call(()).unwrap();
     lua.load(STUB).call::<()>(bitlib).unwrap();
     let heavy = heavy.replace("local bit = require(\"bit\")", "local bit = bit");
+    let mode = std::env::args().nth(2).unwrap_or_default();
+    // "jitcheck": LuaJIT with its compiler on and no hook; instead a budget
+    // check is written into the source at every loop body and function
+    // entry (what a load-time rewriter would insert), which compiled traces
+    // run like any other code.
+    let heavy = if mode.starts_with("jitcheck") {
+        with_checks(&heavy)
+    } else {
+        heavy
+    };
     let m: mlua::Table = lua.load(&heavy).call(()).unwrap();
     let lane: mlua::Function = m.get("lane").unwrap();
-    let mode = std::env::args().nth(2).unwrap_or_default();
+    if mode == "jitcheck-runaway" {
+        let t = Instant::now();
+        let r = lua
+            .load(with_checks(
+                "__GG_B[1] = 300000 local x = 0 while true do x = x + 1 end",
+            ))
+            .exec();
+        println!(
+            "{} jitcheck runaway: {:?} after {:?}",
+            VM,
+            r.err().map(|e| e.to_string()),
+            t.elapsed()
+        );
+        return;
+    }
     if mode == "runaway" {
         // Is `while true do end` stopped by the VM's instruction limiter?
         let count = std::rc::Rc::new(std::cell::Cell::new(0u64));
         let c = count.clone();
         #[cfg(not(feature = "luau"))]
-        lua.set_global_hook(mlua::HookTriggers::new().every_nth_instruction(1000), move |_, _| {
-            c.set(c.get() + 1);
-            if c.get() > 300 { Err(mlua::Error::runtime("budget")) } else { Ok(mlua::VmState::Continue) }
-        }).unwrap();
+        lua.set_global_hook(
+            mlua::HookTriggers::new().every_nth_instruction(1000),
+            move |_, _| {
+                c.set(c.get() + 1);
+                if c.get() > 300 {
+                    Err(mlua::Error::runtime("budget"))
+                } else {
+                    Ok(mlua::VmState::Continue)
+                }
+            },
+        )
+        .unwrap();
         #[cfg(feature = "luau")]
         lua.set_interrupt(move |_| {
             c.set(c.get() + 1);
-            if c.get() > 300_000 { Err(mlua::Error::runtime("budget")) } else { Ok(mlua::VmState::Continue) }
+            if c.get() > 300_000 {
+                Err(mlua::Error::runtime("budget"))
+            } else {
+                Ok(mlua::VmState::Continue)
+            }
         });
         let t = Instant::now();
         let r = lua.load("local x = 0 while true do x = x + 1 end").exec();
-        println!("{} runaway: {:?} after {:?} ({} hook calls)", VM, r.err().map(|e| e.to_string()), t.elapsed(), count.get());
+        println!(
+            "{} runaway: {:?} after {:?} ({} hook calls)",
+            VM,
+            r.err().map(|e| e.to_string()),
+            t.elapsed(),
+            count.get()
+        );
         return;
     }
     match mode.as_str() {
         #[cfg(not(feature = "luau"))]
         "hook" => lua
-            .set_global_hook(mlua::HookTriggers::new().every_nth_instruction(1000), |_, _| {
-                Ok(mlua::VmState::Continue)
-            })
+            .set_global_hook(
+                mlua::HookTriggers::new().every_nth_instruction(1000),
+                |_, _| Ok(mlua::VmState::Continue),
+            )
             .unwrap(),
         #[cfg(not(feature = "luau"))]
         "hookbig" => lua
-            .set_global_hook(mlua::HookTriggers::new().every_nth_instruction(1_000_000), |_, _| {
-                Ok(mlua::VmState::Continue)
-            })
+            .set_global_hook(
+                mlua::HookTriggers::new().every_nth_instruction(1_000_000),
+                |_, _| Ok(mlua::VmState::Continue),
+            )
             .unwrap(),
         #[cfg(not(feature = "luau"))]
         "callhook" => lua
@@ -89,9 +138,10 @@ fn main() {
         #[cfg(feature = "luajit")]
         "nojithook" => {
             lua.load("jit.off()").exec().unwrap();
-            lua.set_global_hook(mlua::HookTriggers::new().every_nth_instruction(1000), |_, _| {
-                Ok(mlua::VmState::Continue)
-            })
+            lua.set_global_hook(
+                mlua::HookTriggers::new().every_nth_instruction(1000),
+                |_, _| Ok(mlua::VmState::Continue),
+            )
             .unwrap();
         }
         _ => {}
@@ -108,7 +158,13 @@ fn main() {
     let _ = driver.call::<Value>(n).unwrap();
     let cpu_ns = (cpu() - c0) * 1e9 / n as f64;
     let ns = t.elapsed().as_nanos() as f64 / n as f64;
-    println!("{} {}: {:.0} ns CPU ({:.0} ns wall) per decision", VM, if mode.is_empty() { "plain" } else { &mode }, cpu_ns, ns);
+    println!(
+        "{} {}: {:.0} ns CPU ({:.0} ns wall) per decision",
+        VM,
+        if mode.is_empty() { "plain" } else { &mode },
+        cpu_ns,
+        ns
+    );
 }
 
 #[cfg(feature = "lua54")]
@@ -146,6 +202,28 @@ return {
   lshift = function(x, n) local r = bit32.lshift(x, n) if r >= 0x80000000 then r = r - 0x100000000 end return r end,
 }
 "#;
+
+/// The budget check after every `do`, `repeat`, `then`-less loop head and
+/// function header of `src` (a line-based stand-in for a real rewriter;
+/// enough for openresty_heavy.lua and the runaway loop).
+fn with_checks(src: &str) -> String {
+    const CHECK: &str =
+        " local __b = __GG_B __b[1] = __b[1] - 1 if __b[1] < 0 then error('budget') end ";
+    let mut out = String::from("__GG_B = __GG_B or {1e15}\n");
+    for line in src.lines() {
+        let mut l = line.to_string();
+        let t = l.trim_end();
+        let is_fn = t.contains("function") && t.ends_with(')') && !t.trim_start().starts_with("--");
+        if t.ends_with(" do") || t.ends_with("repeat") || is_fn {
+            l.push_str(CHECK);
+        } else if let Some(i) = l.find(" do ") {
+            l.insert_str(i + 4, CHECK);
+        }
+        out.push_str(&l);
+        out.push('\n');
+    }
+    out
+}
 
 /// This process's user+system CPU seconds (clock ticks of 10 ms).
 fn cpu() -> f64 {
