@@ -227,7 +227,8 @@ fn decide_lane(gen: &LanePolicy, req: RequestInfo) -> Decided {
         },
         _ => script::RuleCtx::default(),
     };
-    let (req, result) = script::call_lane(src, &gen.lists, req, rule_ctx);
+    let result = script::call_in_slot(src, &gen.lists, req, rule_ctx);
+    let failed = result.is_err();
     let decision = match result {
         // nil keeps the rule verdict (formal when there are no rules).
         Ok(None) => rule_decision.unwrap_or_else(|| Decision::new(FORMAL, DecidedBy::Script)),
@@ -257,7 +258,7 @@ fn decide_lane(gen: &LanePolicy, req: RequestInfo) -> Decided {
             Decision::new(FORMAL, DecidedBy::ScriptError(e.message))
         }
     };
-    Decided::new(req, decision)
+    Decided::new(script::take_request(failed), decision)
 }
 
 fn lossy(b: &[u8]) -> Cow<'_, str> {
