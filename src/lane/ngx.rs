@@ -20,7 +20,7 @@ use md5::{Digest, Md5};
 use mlua::{Function, Lua, LuaString, MultiValue, Table, UserData, UserDataMethods, Value};
 use percent_encoding::percent_decode;
 
-use super::script::{with_current, with_req};
+use super::script::{request_string, with_current, with_req};
 use super::shared_dict::{DictError, DictValue, SharedDict, MAX_KEY_LEN};
 use super::RequestInfo;
 
@@ -235,7 +235,7 @@ fn fetch(lua: &Lua, name: LuaString) -> mlua::Result<Value> {
             n => variable(r, n),
         };
         match v {
-            Some(v) => Ok(Value::String(lua.create_string(v)?)),
+            Some(v) => Ok(Value::String(request_string(lua, &v)?)),
             None => Ok(Value::Nil),
         }
     })?
@@ -645,7 +645,9 @@ fn req_table(lua: &Lua, per_request: &Rc<PerRequest>) -> mlua::Result<Table> {
     let pr = per_request.clone();
     t.raw_set(
         "get_method",
-        lua.create_function(|lua, ()| with_req(|r| lua.create_string(r.parts.method.as_str()))?)?,
+        lua.create_function(|lua, ()| {
+            with_req(|r| request_string(lua, r.parts.method.as_str().as_bytes()))?
+        })?,
     )?;
     t.raw_set(
         "set_header",

@@ -247,9 +247,37 @@ pub(crate) fn with_current<R>(
 
 fn opt_str(lua: &Lua, s: Option<&[u8]>) -> mlua::Result<Value> {
     match s {
-        Some(b) => Ok(Value::String(lua.create_string(b)?)),
+        Some(b) => Ok(Value::String(request_string(lua, b)?)),
         None => Ok(Value::Nil),
     }
+}
+
+/// Longest request value [`request_string`] creates outside the VM's
+/// memory limit; a longer one takes mlua's protected path.
+const UNLIMITED_STRING_MAX: usize = 64 << 10;
+
+/// A Lua string holding a value read from the request being decided (a
+/// header, cookie, argument or variable).
+///
+/// With a memory limit set, mlua creates every string inside a protected
+/// call (a `lua_pcall` plus its protected C functions: ~1,700 instructions
+/// per string, callgrind, against ~500 for the string itself), so an
+/// allocation failure cannot unwind through Rust frames. A request value
+/// is bounded by the request size limits (and here by
+/// `UNLIMITED_STRING_MAX`), so the limit is lifted for this one
+/// allocation — mlua then pushes the string directly, as it does in a VM
+/// with no limit — and set again at once. Memory bombs stay stopped: the
+/// VM's usage is still counted, so any allocation of the script's own
+/// beyond the limit fails as before; a host string can overshoot it by at
+/// most one bounded value.
+pub(crate) fn request_string(lua: &Lua, b: &[u8]) -> mlua::Result<mlua::LuaString> {
+    if b.len() > UNLIMITED_STRING_MAX {
+        return lua.create_string(b);
+    }
+    let limit = lua.set_memory_limit(0)?;
+    let s = lua.create_string(b);
+    lua.set_memory_limit(limit)?;
+    s
 }
 
 /// Builds the `req` object scripts see: a table whose methods (`header`,
@@ -1189,6 +1217,32 @@ mod tests {
             assert!(memory_limit_hits() > before);
             assert_eq!(call(&src, None).unwrap().as_deref(), Some("gray"));
         }
+    }
+
+    #[test]
+    fn request_strings_leave_the_memory_limit_in_force() {
+        // Each iteration reads request values (created with the limit lifted
+        // for the allocation, see `request_string`) and keeps 1 MiB made
+        // from them: the limit still stops the call, long before the
+        // instruction budget would (~130 iterations, 130 MiB, without it).
+        for read in [
+            "req:header('x-bomb')",
+            "ngx.var.http_x_bomb",
+            "ngx.req.get_method()",
+        ] {
+            let (_d, mut src) = load_src(&format!(
+                "return function(req)\n  local t = {{}}\n  while true do t[#t + 1] = string.rep({read}, 2^20) .. req.path .. #t end\nend\n"
+            ));
+            src.memory_limit = 4 << 20;
+            src.instruction_budget = 2_000;
+            let e = call(&src, Some(("x-bomb", "1"))).unwrap_err();
+            assert_eq!(e.limit, Some(Limit::Memory), "{read}: {e}");
+        }
+        // Values longer than the bound take mlua's protected path.
+        let (_d, src) = load_src("return function(req) return #req:header('x-big') .. '' end\n");
+        let big = "v".repeat(UNLIMITED_STRING_MAX + 1);
+        let r = call(&src, Some(("x-big", &big))).unwrap();
+        assert_eq!(r.as_deref(), Some(&*(UNLIMITED_STRING_MAX + 1).to_string()));
     }
 
     #[test]
