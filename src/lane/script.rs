@@ -739,7 +739,14 @@ impl ScriptVm {
         }
         match r? {
             Value::Nil => Ok(None),
-            Value::String(s) => Ok(Some(s.to_str()?.to_string())),
+            // Copied from the bytes: `to_str()?.to_string()` went through
+            // a borrowed `str` and `Display` (~480 instructions, callgrind).
+            Value::String(s) => match std::str::from_utf8(&s.as_bytes()) {
+                Ok(lane) => Ok(Some(lane.to_owned())),
+                Err(_) => Err(s.to_str().err().unwrap_or_else(|| {
+                    mlua::Error::runtime("lane() returned a string that is not UTF-8")
+                })),
+            },
             other => Err(mlua::Error::runtime(format!(
                 "lane() returned a {} (expected a string or nil)",
                 other.type_name()
