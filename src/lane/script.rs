@@ -1200,6 +1200,14 @@ mod tests {
         );
     }
 
+    /// A script loaded with its own memory limit and instruction budget.
+    fn limited_src(text: &str, memory: usize, budget: u64) -> (tempfile::TempDir, ScriptSource) {
+        let (d, mut src) = load_src(text);
+        src.memory_limit = memory;
+        src.instruction_budget = budget;
+        (d, src)
+    }
+
     #[test]
     fn memory_bomb_is_stopped_by_the_vm_limit() {
         for body in [
@@ -1211,11 +1219,11 @@ mod tests {
             "local t, i = {}, 0\n  while true do i = i + 1 t['k' .. i] = true end",
             "local s = 'x'\n  while true do s = s .. s end",
         ] {
-            let (_d, mut src) = load_src(&format!(
-                "return function(req)\n  if req:header('x-bomb') then\n  {body}\n  end\n  return 'gray'\nend\n"
-            ));
-            src.memory_limit = 16 << 20;
-            src.instruction_budget = 100_000_000;
+            let (_d, src) = limited_src(
+                &format!("return function(req)\n  if req:header('x-bomb') then\n  {body}\n  end\n  return 'gray'\nend\n"),
+                16 << 20,
+                100_000_000,
+            );
             let before = memory_limit_hits();
             let e = call(&src, Some(("x-bomb", "1"))).unwrap_err();
             assert_eq!(e.limit, Some(Limit::Memory), "{body}: {e}");
@@ -1237,11 +1245,11 @@ mod tests {
             "ngx.var.http_x_bomb",
             "ngx.req.get_method()",
         ] {
-            let (_d, mut src) = load_src(&format!(
-                "return function(req)\n  local t = {{}}\n  while true do t[#t + 1] = string.rep({read}, 2^20) .. req.path .. #t end\nend\n"
-            ));
-            src.memory_limit = 4 << 20;
-            src.instruction_budget = 2_000;
+            let (_d, src) = limited_src(
+                &format!("return function(req)\n  local t = {{}}\n  while true do t[#t + 1] = string.rep({read}, 2^20) .. req.path .. #t end\nend\n"),
+                4 << 20,
+                2_000,
+            );
             let e = call(&src, Some(("x-bomb", "1"))).unwrap_err();
             assert_eq!(e.limit, Some(Limit::Memory), "{read}: {e}");
         }
