@@ -314,10 +314,10 @@ fn req_object(lua: &Lua, lists: Arc<BTreeMap<String, IpList>>) -> mlua::Result<T
     )?;
     req.raw_set(
         "in_list",
-        lua.create_function(move |_, (_, name): (bool, String)| {
-            let list = lists
-                .get(name.as_str())
-                .ok_or_else(|| mlua::Error::runtime(format!("unknown list {:?}", &*name)))?;
+        lua.create_function(move |_, (_, name): (bool, mlua::BString)| {
+            let list = list_named(&lists, &name).ok_or_else(|| {
+                mlua::Error::runtime(format!("unknown list {:?}", String::from_utf8_lossy(&name)))
+            })?;
             with_req(|r| list.contains(r.client_ip))
         })?,
     )?;
@@ -359,6 +359,19 @@ fn req_object(lua: &Lua, lists: Arc<BTreeMap<String, IpList>>) -> mlua::Result<T
     mt.raw_set("__metatable", false)?;
     req.set_metatable(Some(mt))?;
     Ok(req)
+}
+
+/// The list called `name`: a handful of lists are scanned by bytes (no
+/// UTF-8 check of the name per call), more are looked up.
+fn list_named<'a>(lists: &'a BTreeMap<String, IpList>, name: &[u8]) -> Option<&'a IpList> {
+    if lists.len() <= 8 {
+        lists
+            .iter()
+            .find(|(k, _)| k.as_bytes() == name)
+            .map(|(_, l)| l)
+    } else {
+        lists.get(std::str::from_utf8(name).ok()?)
+    }
 }
 
 /// Why the last call was stopped by a limit.
@@ -1427,6 +1440,38 @@ mod tests {
             .unwrap_err()
             .message
             .contains("unknown list"));
+    }
+
+    #[test]
+    fn lists_are_found_by_name_however_many() {
+        // A few lists are scanned by bytes, more are looked up: same answer.
+        for extra in [0, 12] {
+            // A fresh load each time: a thread's VM keeps the lists it was
+            // built with.
+            let (_d, src) = load_src(
+                "return function(req)\n  return tostring(req:in_list('office')) .. tostring(req:in_list('vpn'))\nend\n",
+            );
+            let mut lists = BTreeMap::new();
+            lists.insert(
+                "office".to_string(),
+                IpList::parse(Path::new("l"), "127.0.0.0/24\n").unwrap(),
+            );
+            lists.insert(
+                "vpn".to_string(),
+                IpList::parse(Path::new("l"), "10.0.0.0/8\n").unwrap(),
+            );
+            for i in 0..extra {
+                lists.insert(
+                    format!("other{i}"),
+                    IpList::parse(Path::new("l"), "127.0.0.0/8\n").unwrap(),
+                );
+            }
+            let lists = Arc::new(lists);
+            let (_, r) = call_lane(&src, &lists, req_with(None), RuleCtx::default());
+            assert_eq!(r.unwrap().as_deref(), Some("truefalse"), "{extra}");
+            assert!(list_named(&lists, b"offic").is_none());
+            assert!(list_named(&lists, b"office\xff").is_none());
+        }
     }
 
     #[test]
