@@ -20,7 +20,7 @@ use md5::{Digest, Md5};
 use mlua::{Function, Lua, LuaString, MultiValue, Table, UserData, UserDataMethods, Value};
 use percent_encoding::percent_decode;
 
-use super::script::{with_current, with_req};
+use super::script::{request_string, with_current, with_req};
 use super::shared_dict::{DictError, DictValue, SharedDict, MAX_KEY_LEN};
 use super::RequestInfo;
 
@@ -225,19 +225,17 @@ return get_headers, get_uri_args
 /// `ngx.var` reads: the variable's value for the current request.
 fn fetch(lua: &Lua, name: LuaString) -> mlua::Result<Value> {
     let name = name.as_bytes();
-    with_current(|c| {
+    with_current(|r, c| {
         c.ngx_cached |= CACHED_VARS;
         let v = match &*name {
             n if n.starts_with(b"cookie_") => {
-                cookie_var(&c.req, &mut c.parsed, &n[7..]).map(Cow::Borrowed)
+                cookie_var(r, &mut c.parsed, &n[7..]).map(Cow::Borrowed)
             }
-            n if n.starts_with(b"arg_") => {
-                arg_var(&c.req, &mut c.parsed, &n[4..]).map(Cow::Borrowed)
-            }
-            n => variable(&c.req, n),
+            n if n.starts_with(b"arg_") => arg_var(r, &mut c.parsed, &n[4..]).map(Cow::Borrowed),
+            n => variable(r, n),
         };
         match v {
-            Some(v) => Ok(Value::String(lua.create_string(v)?)),
+            Some(v) => Ok(Value::String(request_string(lua, &v)?)),
             None => Ok(Value::Nil),
         }
     })?
@@ -275,8 +273,8 @@ fn set_args(lua: &Lua, value: Value) -> mlua::Result<()> {
             )))
         }
     };
-    with_current(|c| -> mlua::Result<()> {
-        let uri = &c.req.parts.uri;
+    with_current(|r, c| -> mlua::Result<()> {
+        let uri = &r.parts.uri;
         let target = if q.is_empty() {
             uri.path().to_string()
         } else {
@@ -291,9 +289,9 @@ fn set_args(lua: &Lua, value: Value) -> mlua::Result<()> {
         let new =
             http::Uri::from_parts(parts).map_err(|_| mlua::Error::runtime("bad args value"))?;
         if c.saved_uri.is_none() {
-            c.saved_uri = Some(c.req.parts.uri.clone());
+            c.saved_uri = Some(r.parts.uri.clone());
         }
-        c.req.parts.uri = new;
+        r.parts.uri = new;
         c.parsed.args = None;
         Ok(())
     })?
@@ -624,9 +622,9 @@ fn req_table(lua: &Lua, per_request: &Rc<PerRequest>) -> mlua::Result<Table> {
     type Build = fn(&Lua, &RequestInfo, usize) -> mlua::Result<Value>;
     let builder = |build: Build| {
         lua.create_function(move |lua, max: Option<i64>| {
-            with_current(|c| {
+            with_current(|r, c| {
                 c.ngx_cached |= CACHED_TABLES;
-                build(lua, &c.req, limit(max))
+                build(lua, r, limit(max))
             })?
         })
     };
@@ -647,7 +645,9 @@ fn req_table(lua: &Lua, per_request: &Rc<PerRequest>) -> mlua::Result<Table> {
     let pr = per_request.clone();
     t.raw_set(
         "get_method",
-        lua.create_function(|lua, ()| with_req(|r| lua.create_string(r.parts.method.as_str()))?)?,
+        lua.create_function(|lua, ()| {
+            with_req(|r| request_string(lua, r.parts.method.as_str().as_bytes()))?
+        })?,
     )?;
     t.raw_set(
         "set_header",
@@ -728,11 +728,11 @@ fn set_header(lua: &Lua, name: &LuaString, value: Value) -> mlua::Result<()> {
         }
         v => add(v)?,
     }
-    with_current(|c| {
+    with_current(|r, c| {
         if c.saved_headers.is_none() {
-            c.saved_headers = Some(c.req.parts.headers.clone());
+            c.saved_headers = Some(r.parts.headers.clone());
         }
-        let h = &mut c.req.parts.headers;
+        let h = &mut r.parts.headers;
         h.remove(&hname);
         for v in values {
             h.append(hname.clone(), v);

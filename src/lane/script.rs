@@ -189,9 +189,9 @@ pub struct RuleCtx {
     pub name: Option<Arc<str>>,
 }
 
-/// The request being decided on this thread, as scripts see it.
+/// What a lane call keeps beside the request being decided.
+#[derive(Default)]
 pub(crate) struct Current {
-    pub req: RequestInfo,
     pub rule: RuleCtx,
     /// Request headers before the first `ngx.req.set_header`; restored if
     /// the call fails so a failing script leaves the request untouched.
@@ -206,37 +206,78 @@ pub(crate) struct Current {
     pub ngx_cached: u8,
 }
 
+/// This thread's slot: the request being decided (`None` between calls)
+/// and its [`Current`]. It lives as long as the thread and is filled in
+/// place per call: only the request is moved in and out (a `Current`
+/// moved in and out whole cost four copies of ~600 bytes per request).
+#[derive(Default)]
+struct Slot {
+    req: Option<RequestInfo>,
+    cur: Current,
+}
+
 // Per-thread slots: the request being decided and this thread's VM.
 thread_local! {
-    static CURRENT: RefCell<Option<Current>> = const { RefCell::new(None) };
+    static CURRENT: RefCell<Slot> = RefCell::new(Slot::default());
     static VM: RefCell<Option<ScriptVm>> = const { RefCell::new(None) };
+}
+
+fn outside() -> mlua::Error {
+    mlua::Error::runtime("request data used outside a lane call")
 }
 
 /// Runs `f` on the request being decided.
 pub(crate) fn with_req<R>(f: impl FnOnce(&RequestInfo) -> R) -> mlua::Result<R> {
-    CURRENT.with(|c| {
-        let c = c.borrow();
-        c.as_ref()
-            .map(|c| f(&c.req))
-            .ok_or_else(|| mlua::Error::runtime("request data used outside a lane call"))
-    })
+    CURRENT.with(|c| c.borrow().req.as_ref().map(f).ok_or_else(outside))
 }
 
-/// Runs `f` on the current slot, mutably (e.g. `ngx.req.set_header`).
-pub(crate) fn with_current<R>(f: impl FnOnce(&mut Current) -> R) -> mlua::Result<R> {
+/// Runs `f` on the request being decided and its [`Current`], mutably
+/// (e.g. `ngx.req.set_header`).
+pub(crate) fn with_current<R>(
+    f: impl FnOnce(&mut RequestInfo, &mut Current) -> R,
+) -> mlua::Result<R> {
     CURRENT.with(|c| {
-        let mut c = c.borrow_mut();
-        c.as_mut()
-            .map(f)
-            .ok_or_else(|| mlua::Error::runtime("request data used outside a lane call"))
+        let slot = &mut *c.borrow_mut();
+        match &mut slot.req {
+            Some(r) => Ok(f(r, &mut slot.cur)),
+            None => Err(outside()),
+        }
     })
 }
 
 fn opt_str(lua: &Lua, s: Option<&[u8]>) -> mlua::Result<Value> {
     match s {
-        Some(b) => Ok(Value::String(lua.create_string(b)?)),
+        Some(b) => Ok(Value::String(request_string(lua, b)?)),
         None => Ok(Value::Nil),
     }
+}
+
+/// Longest request value [`request_string`] creates outside the VM's
+/// memory limit; a longer one takes mlua's protected path.
+const UNLIMITED_STRING_MAX: usize = 64 << 10;
+
+/// A Lua string holding a value read from the request being decided (a
+/// header, cookie, argument or variable).
+///
+/// With a memory limit set, mlua creates every string inside a protected
+/// call (a `lua_pcall` plus its protected C functions: ~1,700 instructions
+/// per string, callgrind, against ~500 for the string itself), so an
+/// allocation failure cannot unwind through Rust frames. A request value
+/// is bounded by the request size limits (and here by
+/// `UNLIMITED_STRING_MAX`), so the limit is lifted for this one
+/// allocation — mlua then pushes the string directly, as it does in a VM
+/// with no limit — and set again at once. Memory bombs stay stopped: the
+/// VM's usage is still counted, so any allocation of the script's own
+/// beyond the limit fails as before; a host string can overshoot it by at
+/// most one bounded value.
+pub(crate) fn request_string(lua: &Lua, b: &[u8]) -> mlua::Result<mlua::LuaString> {
+    if b.len() > UNLIMITED_STRING_MAX {
+        return lua.create_string(b);
+    }
+    let limit = lua.set_memory_limit(0)?;
+    let s = lua.create_string(b);
+    lua.set_memory_limit(limit)?;
+    s
 }
 
 /// Builds the `req` object scripts see: a table whose methods (`header`,
@@ -248,13 +289,15 @@ fn opt_str(lua: &Lua, s: Option<&[u8]>) -> mlua::Result<Value> {
 /// Speed: each callback takes `self` as a `bool` (Lua truthiness, read in
 /// place) and its argument as an owned string — cheaper than the registry
 /// references a `Value`/`LuaString` argument costs (1.09 → 0.73 µs for the
-/// shipped script in `benches/lane_decision.rs`).
+/// shipped script in `benches/lane_decision.rs`). `header` takes bytes
+/// (`BString`): a header name needs no UTF-8 check (~75 instructions per
+/// call, callgrind).
 fn req_object(lua: &Lua, lists: Arc<BTreeMap<String, IpList>>) -> mlua::Result<Table> {
     let req = lua.create_table()?;
     req.raw_set(
         "header",
-        lua.create_function(|lua, (_, name): (bool, String)| {
-            with_req(|r| opt_str(lua, r.header(&name).map(|v| v.as_bytes())))?
+        lua.create_function(|lua, (_, name): (bool, mlua::BString)| {
+            with_req(|r| opt_str(lua, r.header_bytes(&name).map(|v| v.as_bytes())))?
         })?,
     )?;
     req.raw_set(
@@ -271,10 +314,10 @@ fn req_object(lua: &Lua, lists: Arc<BTreeMap<String, IpList>>) -> mlua::Result<T
     )?;
     req.raw_set(
         "in_list",
-        lua.create_function(move |_, (_, name): (bool, String)| {
-            let list = lists
-                .get(name.as_str())
-                .ok_or_else(|| mlua::Error::runtime(format!("unknown list {:?}", &*name)))?;
+        lua.create_function(move |_, (_, name): (bool, mlua::BString)| {
+            let list = list_named(&lists, &name).ok_or_else(|| {
+                mlua::Error::runtime(format!("unknown list {:?}", String::from_utf8_lossy(&name)))
+            })?;
             with_req(|r| list.contains(r.client_ip))
         })?,
     )?;
@@ -284,10 +327,10 @@ fn req_object(lua: &Lua, lists: Arc<BTreeMap<String, IpList>>) -> mlua::Result<T
         lua.create_function(
             |lua, (_, key): (bool, mlua::BString)| match key.as_slice() {
                 b"rule_lane" => {
-                    with_current(|c| opt_str(lua, c.rule.lane.as_deref().map(str::as_bytes)))?
+                    with_current(|_, c| opt_str(lua, c.rule.lane.as_deref().map(str::as_bytes)))?
                 }
                 b"rule_name" => {
-                    with_current(|c| opt_str(lua, c.rule.name.as_deref().map(str::as_bytes)))?
+                    with_current(|_, c| opt_str(lua, c.rule.name.as_deref().map(str::as_bytes)))?
                 }
                 k => with_req(|r| {
                     let v: Option<std::borrow::Cow<'_, str>> = match k {
@@ -316,6 +359,19 @@ fn req_object(lua: &Lua, lists: Arc<BTreeMap<String, IpList>>) -> mlua::Result<T
     mt.raw_set("__metatable", false)?;
     req.set_metatable(Some(mt))?;
     Ok(req)
+}
+
+/// The list called `name`: a handful of lists are scanned by bytes (no
+/// UTF-8 check of the name per call), more are looked up.
+fn list_named<'a>(lists: &'a BTreeMap<String, IpList>, name: &[u8]) -> Option<&'a IpList> {
+    if lists.len() <= 8 {
+        lists
+            .iter()
+            .find(|(k, _)| k.as_bytes() == name)
+            .map(|(_, l)| l)
+    } else {
+        lists.get(std::str::from_utf8(name).ok()?)
+    }
 }
 
 /// Why the last call was stopped by a limit.
@@ -690,13 +746,20 @@ impl ScriptVm {
         if !self.env.is_empty() {
             let _ = self.env.clear();
         }
-        let cached = with_current(|c| c.ngx_cached).unwrap_or(u8::MAX);
+        let cached = with_current(|_, c| c.ngx_cached).unwrap_or(u8::MAX);
         if cached != 0 {
             self.per_request.clear_cached(cached);
         }
         match r? {
             Value::Nil => Ok(None),
-            Value::String(s) => Ok(Some(s.to_str()?.to_string())),
+            // Copied from the bytes: `to_str()?.to_string()` went through
+            // a borrowed `str` and `Display` (~480 instructions, callgrind).
+            Value::String(s) => match std::str::from_utf8(&s.as_bytes()) {
+                Ok(lane) => Ok(Some(lane.to_owned())),
+                Err(_) => Err(s.to_str().err().unwrap_or_else(|| {
+                    mlua::Error::runtime("lane() returned a string that is not UTF-8")
+                })),
+            },
             other => Err(mlua::Error::runtime(format!(
                 "lane() returned a {} (expected a string or nil)",
                 other.type_name()
@@ -872,17 +935,30 @@ pub fn call_lane(
     req: RequestInfo,
     rule: RuleCtx,
 ) -> (RequestInfo, Result<Option<String>, ScriptError>) {
+    let result = call_in_slot(src, lists, req, rule);
+    (take_request(result.is_err()), result)
+}
+
+/// [`call_lane`] in two halves, so the request is moved into this
+/// thread's slot once and out of it once, straight into its `Decided`
+/// (passed back through `call_lane`'s tuple it was copied five times
+/// more, ~50 instructions per copy). `call_in_slot` leaves the request in
+/// the slot; [`take_request`] must follow on the same thread. Neither is
+/// inlined: as calls they take and give the request by pointer, one copy
+/// each (inlined, LLVM kept copying it between stack temporaries).
+#[inline(never)]
+pub(crate) fn call_in_slot(
+    src: &ScriptSource,
+    lists: &Arc<BTreeMap<String, IpList>>,
+    req: RequestInfo,
+    rule: RuleCtx,
+) -> Result<Option<String>, ScriptError> {
     CURRENT.with(|c| {
-        *c.borrow_mut() = Some(Current {
-            req,
-            rule,
-            saved_headers: None,
-            saved_uri: None,
-            parsed: Default::default(),
-            ngx_cached: 0,
-        })
+        let slot = &mut *c.borrow_mut();
+        slot.req = Some(req);
+        slot.cur.rule = rule;
     });
-    let result = VM.with(|vm| {
+    VM.with(|vm| {
         let mut slot = vm.borrow_mut();
         if slot.as_ref().is_none_or(|v| v.id != src.id) {
             *slot = None;
@@ -925,20 +1001,31 @@ pub fn call_lane(
             }
         }
         r
-    });
-    let cur = CURRENT
-        .with(|c| c.borrow_mut().take())
-        .expect("request slot filled above");
-    let mut req = cur.req;
-    if result.is_err() {
-        if let Some(h) = cur.saved_headers {
-            req.parts.headers = h;
+    })
+}
+
+/// Takes the request [`call_in_slot`] left in the slot: as the script left
+/// it, or as it came when the call `failed`; the slot is emptied for the
+/// next request.
+#[inline(never)]
+pub(crate) fn take_request(failed: bool) -> RequestInfo {
+    CURRENT.with(|c| {
+        let slot = &mut *c.borrow_mut();
+        let cur = &mut slot.cur;
+        let (headers, uri) = (cur.saved_headers.take(), cur.saved_uri.take());
+        if let (true, Some(req)) = (failed, &mut slot.req) {
+            if let Some(h) = headers {
+                req.parts.headers = h;
+            }
+            if let Some(u) = uri {
+                req.parts.uri = u;
+            }
         }
-        if let Some(u) = cur.saved_uri {
-            req.parts.uri = u;
-        }
-    }
-    (req, result)
+        cur.rule = RuleCtx::default();
+        cur.parsed = Default::default();
+        cur.ngx_cached = 0;
+        slot.req.take().expect("call_in_slot filled the slot")
+    })
 }
 
 #[cfg(test)]
@@ -1126,6 +1213,14 @@ mod tests {
         );
     }
 
+    /// A script loaded with its own memory limit and instruction budget.
+    fn limited_src(text: &str, memory: usize, budget: u64) -> (tempfile::TempDir, ScriptSource) {
+        let (d, mut src) = load_src(text);
+        src.memory_limit = memory;
+        src.instruction_budget = budget;
+        (d, src)
+    }
+
     #[test]
     fn memory_bomb_is_stopped_by_the_vm_limit() {
         for body in [
@@ -1137,11 +1232,11 @@ mod tests {
             "local t, i = {}, 0\n  while true do i = i + 1 t['k' .. i] = true end",
             "local s = 'x'\n  while true do s = s .. s end",
         ] {
-            let (_d, mut src) = load_src(&format!(
-                "return function(req)\n  if req:header('x-bomb') then\n  {body}\n  end\n  return 'gray'\nend\n"
-            ));
-            src.memory_limit = 16 << 20;
-            src.instruction_budget = 100_000_000;
+            let (_d, src) = limited_src(
+                &format!("return function(req)\n  if req:header('x-bomb') then\n  {body}\n  end\n  return 'gray'\nend\n"),
+                16 << 20,
+                100_000_000,
+            );
             let before = memory_limit_hits();
             let e = call(&src, Some(("x-bomb", "1"))).unwrap_err();
             assert_eq!(e.limit, Some(Limit::Memory), "{body}: {e}");
@@ -1150,6 +1245,32 @@ mod tests {
             assert!(memory_limit_hits() > before);
             assert_eq!(call(&src, None).unwrap().as_deref(), Some("gray"));
         }
+    }
+
+    #[test]
+    fn request_strings_leave_the_memory_limit_in_force() {
+        // Each iteration reads request values (created with the limit lifted
+        // for the allocation, see `request_string`) and keeps 1 MiB made
+        // from them: the limit still stops the call, long before the
+        // instruction budget would (~130 iterations, 130 MiB, without it).
+        for read in [
+            "req:header('x-bomb')",
+            "ngx.var.http_x_bomb",
+            "ngx.req.get_method()",
+        ] {
+            let (_d, src) = limited_src(
+                &format!("return function(req)\n  local t = {{}}\n  while true do t[#t + 1] = string.rep({read}, 2^20) .. req.path .. #t end\nend\n"),
+                4 << 20,
+                2_000,
+            );
+            let e = call(&src, Some(("x-bomb", "1"))).unwrap_err();
+            assert_eq!(e.limit, Some(Limit::Memory), "{read}: {e}");
+        }
+        // Values longer than the bound take mlua's protected path.
+        let (_d, src) = load_src("return function(req) return #req:header('x-big') .. '' end\n");
+        let big = "v".repeat(UNLIMITED_STRING_MAX + 1);
+        let r = call(&src, Some(("x-big", &big))).unwrap();
+        assert_eq!(r.as_deref(), Some(&*(UNLIMITED_STRING_MAX + 1).to_string()));
     }
 
     #[test]
@@ -1319,6 +1440,38 @@ mod tests {
             .unwrap_err()
             .message
             .contains("unknown list"));
+    }
+
+    #[test]
+    fn lists_are_found_by_name_however_many() {
+        // A few lists are scanned by bytes, more are looked up: same answer.
+        for extra in [0, 12] {
+            // A fresh load each time: a thread's VM keeps the lists it was
+            // built with.
+            let (_d, src) = load_src(
+                "return function(req)\n  return tostring(req:in_list('office')) .. tostring(req:in_list('vpn'))\nend\n",
+            );
+            let mut lists = BTreeMap::new();
+            lists.insert(
+                "office".to_string(),
+                IpList::parse(Path::new("l"), "127.0.0.0/24\n").unwrap(),
+            );
+            lists.insert(
+                "vpn".to_string(),
+                IpList::parse(Path::new("l"), "10.0.0.0/8\n").unwrap(),
+            );
+            for i in 0..extra {
+                lists.insert(
+                    format!("other{i}"),
+                    IpList::parse(Path::new("l"), "127.0.0.0/8\n").unwrap(),
+                );
+            }
+            let lists = Arc::new(lists);
+            let (_, r) = call_lane(&src, &lists, req_with(None), RuleCtx::default());
+            assert_eq!(r.unwrap().as_deref(), Some("truefalse"), "{extra}");
+            assert!(list_named(&lists, b"offic").is_none());
+            assert!(list_named(&lists, b"office\xff").is_none());
+        }
     }
 
     #[test]
