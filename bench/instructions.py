@@ -77,11 +77,9 @@ def count(cmd, sock, unix, mixes, n, out, port=None):
     vg = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
     env = dict(os.environ, RUST_LOG=bench.GRAYGATE_LOG)
     fds = (sock.fileno(),) if sock else ()
-    fixed = port
     log = out + ".log"
     with open(log, "w") as logf:
         proc = subprocess.Popen(vg + cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, pass_fds=fds)
-    port = fixed
     if sock:
         port = sock.getsockname()[1]
         sock.close()

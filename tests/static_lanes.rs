@@ -424,11 +424,7 @@ fn bad_static_cache_settings_are_rejected_with_their_line() {
         assert_eq!(e.line, Some(line), "{cache}: {e}");
         assert!(e.message.contains(needle), "{cache}: {e}");
     }
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config("routes:\n  - prefix: /\n    static: site\n    cache_control: \"a\\nb\"\n"),
-    );
-    let e = graygate::generation::Generation::load(&cfg, 1).unwrap_err();
+    let e = rejected_route(&fx, "    cache_control: \"a\\nb\"\n");
     assert!(e.message.contains("cache_control"), "{e}");
     assert_eq!(e.line, Some(7), "{e}");
 }
@@ -661,15 +657,23 @@ async fn precompressed_siblings_follow_accept_encoding_from_the_files_own_tree()
     .await;
 }
 
+/// The load error of a config whose one static route (on `site`) has
+/// `extra` lines.
+fn rejected_route(fx: &Fixture, extra: &str) -> graygate::config::ConfigError {
+    let cfg = fx.write(
+        "gg.yaml",
+        &main_config(&format!(
+            "routes:\n  - prefix: /\n    static: site\n{extra}"
+        )),
+    );
+    graygate::generation::Generation::load(&cfg, 1).unwrap_err()
+}
+
 #[test]
 fn an_unknown_precompressed_encoding_is_rejected_with_its_line() {
     let fx = Fixture::new();
     std::fs::create_dir_all(fx.path("site/formal")).unwrap();
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config("routes:\n  - prefix: /\n    static: site\n    precompressed: [br, lz4]\n"),
-    );
-    let e = graygate::generation::Generation::load(&cfg, 1).unwrap_err();
+    let e = rejected_route(&fx, "    precompressed: [br, lz4]\n");
     assert!(e.message.contains("lz4"), "{e}");
     assert_eq!(e.line, Some(7), "{e}");
 }
@@ -684,9 +688,7 @@ fn an_unknown_precompressed_encoding_is_rejected_with_its_line() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_big_file_goes_to_http2_clients_from_memory_without_opening_it() {
     let fx = Fixture::new();
-    let bytes: String = (0..100 * 1024)
-        .map(|i| char::from(b'a' + (i % 26) as u8))
-        .collect();
+    let bytes = String::from_utf8(pattern(100 * 1024)).unwrap();
     fx.write("site/formal/big.txt", &bytes);
     let cfg = fx.write(
         "gg.yaml",

@@ -214,11 +214,22 @@ impl FileCache {
         url_path: &str,
         resolve: impl Fn(&str) -> Option<PathBuf>,
     ) -> Arc<Entry> {
+        self.get_variant(root, lane, url_path, "", resolve)
+    }
+
+    /// [`FileCache::get`] for a `variant` of the URL path's file (a
+    /// precompressed sibling's suffix; `""`: the file itself), cached
+    /// under its own key.
+    pub fn get_variant(
+        &self,
+        root: &Path,
+        lane: &str,
+        url_path: &str,
+        variant: &str,
+        resolve: impl Fn(&str) -> Option<PathBuf>,
+    ) -> Arc<Entry> {
         KEY.with_borrow_mut(|key| {
-            key.clear();
-            key.push_str(lane);
-            key.push('\n');
-            key.push_str(url_path);
+            fill_key(key, lane, url_path, variant);
             let shard = self.shard(key);
             let hit = shard
                 .lock()
@@ -250,7 +261,13 @@ impl FileCache {
     /// Drops the entry for (lane, URL path), e.g. when the file opened for it
     /// is not the one cached.
     pub fn forget(&self, lane: &str, url_path: &str) {
-        let key = format!("{lane}\n{url_path}");
+        self.forget_variant(lane, url_path, "")
+    }
+
+    /// [`FileCache::forget`] for a variant ([`FileCache::get_variant`]).
+    pub fn forget_variant(&self, lane: &str, url_path: &str, variant: &str) {
+        let mut key = String::new();
+        fill_key(&mut key, lane, url_path, variant);
         let gone = self
             .shard(&key)
             .lock()
@@ -392,6 +409,19 @@ pub enum Found {
     },
     Directory,
     NotFound,
+}
+
+/// The cache key of (lane, URL path, variant): `lane \n path`, then NUL
+/// (never in a URL path) and the variant when there is one.
+fn fill_key(key: &mut String, lane: &str, url_path: &str, variant: &str) {
+    key.clear();
+    key.push_str(lane);
+    key.push('\n');
+    key.push_str(url_path);
+    if !variant.is_empty() {
+        key.push('\0');
+        key.push_str(variant);
+    }
 }
 
 /// Opens `path` if it is a regular file (with its metadata). `O_NONBLOCK`:

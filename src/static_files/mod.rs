@@ -176,8 +176,8 @@ fn precompressed(
     f: &FileInfo,
     sendfile_ok: bool,
 ) -> Option<Response<Body>> {
-    if tree.precompressed.is_empty() || parts.method != Method::GET && parts.method != Method::HEAD
-    {
+    // (Only GET and HEAD get here: `serve_now` answered the rest.)
+    if tree.precompressed.is_empty() {
         return None;
     }
     let accept = parts.headers.get_all(header::ACCEPT_ENCODING);
@@ -186,15 +186,16 @@ fn precompressed(
         if !accepts(&accept, enc.token()) {
             continue;
         }
-        // Its own cache entry: the URL path, NUL (never in a URL path), the
-        // suffix; resolved as the file's own path plus the suffix.
-        let key = format!("{url_path}\0{}", enc.suffix());
-        let resolve = |_: &str| {
-            let mut rel = safe_relative(url_path, &tree.index)?.into_os_string();
+        // Its own cache entry, resolved as the file's own path plus the
+        // suffix.
+        let resolve = |p: &str| {
+            let mut rel = safe_relative(p, &tree.index)?.into_os_string();
             rel.push(enc.suffix());
             Some(PathBuf::from(rel))
         };
-        let entry = tree.cache.get(&tree.root, lane, &key, resolve);
+        let entry = tree
+            .cache
+            .get_variant(&tree.root, lane, url_path, enc.suffix(), resolve);
         let Resolved::File(sibling) = &entry.resolved else {
             continue;
         };
@@ -203,7 +204,7 @@ fn precompressed(
         }
         match respond(tree, parts, sibling, Some((enc, f)), sendfile_ok) {
             Some(r) => return Some(r),
-            None => tree.cache.forget(lane, &key),
+            None => tree.cache.forget_variant(lane, url_path, enc.suffix()),
         }
     }
     None
