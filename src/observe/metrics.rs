@@ -5,6 +5,7 @@
 //! response body until it is sent.
 
 use std::cell::RefCell;
+use std::rc::Rc;
 use std::collections::HashSet;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -87,7 +88,56 @@ struct Labels {
 const HANDLE_CACHE_MAX: usize = 4096;
 
 thread_local! {
-    static HANDLES: RefCell<FxHashMap<u64, Vec<Handles>>> = RefCell::new(FxHashMap::default());
+    static HANDLES: RefCell<FxHashMap<u64, Vec<Rc<Handles>>>> = RefCell::new(FxHashMap::default());
+    /// The series the thread's last two label sets took, the latest first.
+    static LAST: RefCell<[Option<Last>; 2]> = const { RefCell::new([None, None]) };
+}
+
+/// A recent request's series on this thread, kept with the shared names
+/// that selected them: a request of the same route, node and lane as one
+/// of the last two label sets (most of them, in steady traffic; two, so
+/// that traffic alternating between two lanes stays on this path) takes its
+/// series after a few pointer and short string compares — no hash of its
+/// labels. The names are held (`Arc` clones), so an equal pointer is the
+/// same allocation and so the same text; anything else takes the hashed
+/// cache.
+struct Last {
+    metrics: u64,
+    route: Option<Arc<str>>,
+    node: Option<Arc<str>>,
+    served: Option<Arc<str>>,
+    /// With the other labels (`Handles::labels`).
+    handles: Rc<Handles>,
+}
+
+/// Both absent, or the same allocation.
+fn same_arc(a: &Option<Arc<str>>, b: &Option<Arc<str>>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+        _ => false,
+    }
+}
+
+impl Last {
+    /// Does the request `d` (with these other labels) select this series?
+    fn selects(
+        &self,
+        metrics: u64,
+        d: &Decision,
+        (status, decided_by, rule, upstream): (&str, &str, &str, bool),
+    ) -> bool {
+        let l = &self.handles.labels;
+        self.metrics == metrics
+            && l.status == status
+            && l.upstream == upstream
+            && same_arc(&self.route, &d.route)
+            && same_arc(&self.node, &d.node)
+            && same_arc(&self.served, &d.served_lane)
+            && l.lane.as_deref() == Some(d.lane.as_str())
+            && l.decided_by == decided_by
+            && *l.rule == *rule
+    }
 }
 
 static METRICS_IDS: AtomicU64 = AtomicU64::new(0);
@@ -278,13 +328,57 @@ impl Metrics {
 
     /// Records one finished request.
     pub fn observe(&self, o: &Observation<'_>) {
-        let raw_lane = o.decision.map(|d| d.lane.as_str());
-        let node = o.decision.and_then(|d| d.node.as_deref()).unwrap_or("-");
-        let route = o.decision.and_then(|d| d.route.as_deref()).unwrap_or("-");
         let status = status_class(o.status);
         let decided_by = o.decision.map_or("", |d| d.decided_by.as_str());
         let rule = o.rule.unwrap_or("");
         let upstream = o.upstream.is_some();
+        let labels = (status, decided_by, rule, upstream);
+        let hit = o.decision.is_some_and(|d| {
+            LAST.with(|last| {
+                let mut last = last.borrow_mut();
+                let selects = |l: &Option<Last>| l.as_ref().is_some_and(|l| l.selects(self.id, d, labels));
+                if !selects(&last[0]) {
+                    if !selects(&last[1]) {
+                        return false;
+                    }
+                    // The latest first.
+                    last.swap(0, 1);
+                }
+                if let Some(l) = &last[0] {
+                    self.record(&l.handles, o);
+                }
+                true
+            })
+        });
+        if !hit {
+            self.observe_hashed(o, labels);
+        }
+        if let Some(kind) = o.error {
+            self.errors
+                .with_label_values(&[kind.side().as_str(), kind.as_str()])
+                .inc();
+        }
+        let Some(d) = o.decision else { return };
+        if let Some(reason) = d.fallback {
+            let lane = self.lane_label(&d.lane);
+            self.fallbacks.with_label_values(&[reason, lane]).inc();
+        }
+        if let Some(kind) = script_error_kind(&d.decided_by) {
+            self.script_errors.with_label_values(&[kind]).inc();
+        }
+    }
+
+    /// The series of a request the last one's do not fit: a hash of its
+    /// labels into the per-thread cache (resolved on a miss); they become
+    /// the thread's [`Last`].
+    fn observe_hashed(
+        &self,
+        o: &Observation<'_>,
+        (status, decided_by, rule, upstream): (&'static str, &'static str, &str, bool),
+    ) {
+        let raw_lane = o.decision.map(|d| d.lane.as_str());
+        let node = o.decision.and_then(|d| d.node.as_deref()).unwrap_or("-");
+        let route = o.decision.and_then(|d| d.route.as_deref()).unwrap_or("-");
         let served = o
             .decision
             .map(|d| d.served_lane.as_deref().unwrap_or(d.lane.as_str()));
@@ -305,15 +399,16 @@ impl Metrics {
                 && l.upstream == upstream
                 && l.served.as_deref() == served
         };
-        HANDLES.with(|cache| {
+        let handles = HANDLES.with(|cache| {
             let mut cache = cache.borrow_mut();
             if let Some(h) = cache
                 .get(&key)
                 .and_then(|v| v.iter().find(|h| matches(&h.labels)))
             {
-                return self.record(h, o);
+                self.record(h, o);
+                return h.clone();
             }
-            let handles = self.resolve(Labels {
+            let handles = Rc::new(self.resolve(Labels {
                 metrics: self.id,
                 route: route.into(),
                 lane: raw_lane.map(Into::into),
@@ -323,26 +418,26 @@ impl Metrics {
                 rule: rule.into(),
                 upstream,
                 served: served.map(Into::into),
-            });
+            }));
             self.record(&handles, o);
             // Past the cap (label churn), series are resolved per request.
             if cache.len() < HANDLE_CACHE_MAX {
-                cache.entry(key).or_default().push(handles);
+                cache.entry(key).or_default().push(handles.clone());
             }
+            handles
         });
-        if let Some(kind) = o.error {
-            self.errors
-                .with_label_values(&[kind.side().as_str(), kind.as_str()])
-                .inc();
-        }
         let Some(d) = o.decision else { return };
-        if let Some(reason) = d.fallback {
-            let lane = self.lane_label(&d.lane);
-            self.fallbacks.with_label_values(&[reason, lane]).inc();
-        }
-        if let Some(kind) = script_error_kind(&d.decided_by) {
-            self.script_errors.with_label_values(&[kind]).inc();
-        }
+        LAST.with(|last| {
+            let mut last = last.borrow_mut();
+            last[1] = last[0].take();
+            last[0] = Some(Last {
+                metrics: self.id,
+                route: d.route.clone(),
+                node: d.node.clone(),
+                served: d.served_lane.clone(),
+                handles,
+            });
+        });
     }
 
     fn record(&self, h: &Handles, o: &Observation<'_>) {
@@ -557,6 +652,78 @@ mod tests {
         assert_eq!(up.get_sample_count(), 3, "the 502 had no upstream time");
         let dec = a.decisions.with_label_values(&["script", "", "gray"]).get();
         assert_eq!(dec, 4);
+    }
+
+    /// The thread's last series is taken again only by a request every
+    /// label of which selects it: each variant below follows the base
+    /// request (so the base is the thread's last) and must count in its own
+    /// series; the same names in fresh allocations count in the base's.
+    #[test]
+    fn last_series_is_reused_only_for_the_same_labels() {
+        let m = Metrics::new();
+        let mut base = Decision::new("gray", DecidedBy::Script);
+        base.route = Some("/api/".into());
+        base.node = Some("g1".into());
+        let with = |f: &dyn Fn(&mut Decision)| {
+            let mut d = base.clone();
+            f(&mut d);
+            d
+        };
+        let fresh = with(&|d| {
+            d.route = Some("/api/".into());
+            d.node = Some("g1".into());
+        });
+        let variants = [
+            with(&|d| d.node = Some("g2".into())),
+            with(&|d| d.node = None),
+            with(&|d| d.route = Some("/web/".into())),
+            with(&|d| d.lane = "blue".into()),
+            with(&|d| d.served_lane = Some("formal".into())),
+            with(&|d| d.decided_by = DecidedBy::Default),
+            with(&|d| d.decided_by = DecidedBy::Rule("r1".into())),
+        ];
+        let observe = |d: &Decision, status, upstream: bool| {
+            m.observe(&Observation {
+                decision: Some(d),
+                rule: d.decided_by.rule_name(),
+                status,
+                total: Duration::from_millis(3),
+                upstream: upstream.then(|| Duration::from_millis(1)),
+                error: None,
+            })
+        };
+        for v in &variants {
+            observe(&base, 200, true);
+            observe(v, 200, true);
+        }
+        observe(&base, 200, true);
+        observe(&base, 503, true);
+        observe(&base, 200, false);
+        observe(&fresh, 200, true);
+        let count = |route, lane, node, status| {
+            m.requests
+                .with_label_values(&[route, lane, node, status])
+                .get()
+        };
+        // 9 base 2xx requests (one without an upstream time), the fresh
+        // copy, and the served-lane, decided-by and rule variants (which
+        // share these labels).
+        assert_eq!(count("/api/", "gray", "g1", "2xx"), 13);
+        assert_eq!(count("/api/", "gray", "g1", "5xx"), 1);
+        assert_eq!(count("/api/", "gray", "g2", "2xx"), 1);
+        assert_eq!(count("/api/", "gray", "-", "2xx"), 1);
+        assert_eq!(count("/web/", "gray", "g1", "2xx"), 1);
+        assert_eq!(count("/api/", "blue", "g1", "2xx"), 1);
+        let up = m.upstream_duration.with_label_values(&["gray", "g1"]);
+        // Every gray/g1 request (any route) but the one without an upstream
+        // time.
+        assert_eq!(up.get_sample_count(), 14);
+        let dec = |by, rule| m.decisions.with_label_values(&[by, rule, "gray"]).get();
+        assert_eq!(dec("default", ""), 1);
+        assert_eq!(dec("rule", "r1"), 1);
+        assert_eq!(dec("script", ""), 15);
+        let served = |lane: &str| m.lanes.snapshot(lane).map(|s| s.requests);
+        assert_eq!(served("formal"), Some(1));
     }
 
     #[tokio::test]
