@@ -62,7 +62,7 @@ pub async fn forward(
     gen: &Generation,
     ctx: &mut RequestCtx,
     (service_name, upgrades): (&Arc<str>, &[String]),
-    parts: Parts,
+    parts: &mut Parts,
     body: RequestBody,
 ) -> Result<Response<Body>, Error> {
     let client = &ctx.client;
@@ -172,12 +172,13 @@ struct Outbound {
 
 /// The rewrite phase: hop-by-hop fields out (an allowed upgrade's kept),
 /// the lane tag, generation and X-Forwarded-* computed (client copies
-/// removed).
+/// removed). The method and fields are taken out of `parts` (borrowed: the
+/// request's head is not moved again).
 fn rewrite_request(
     gen: &Generation,
     (client, t0): (&Client, Instant),
     decision: &Decision,
-    mut parts: Parts,
+    parts: &mut Parts,
     upstream: &UpstreamConfig,
     upgrades: &[String],
 ) -> Outbound {
@@ -215,9 +216,9 @@ fn rewrite_request(
     );
     Outbound {
         idempotent: idempotent(&parts.method),
-        method: parts.method,
+        method: std::mem::take(&mut parts.method),
         target,
-        headers: parts.headers,
+        headers: std::mem::take(&mut parts.headers),
         added,
         upgrade,
         client_upgrade,

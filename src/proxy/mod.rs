@@ -82,16 +82,17 @@ pub async fn handle(
 pub async fn handle_with(
     plane: &Arc<DataPlane>,
     peer: SocketAddr,
-    req: Request<RequestBody>,
+    mut req: Request<RequestBody>,
     raw_ok: bool,
 ) -> Result<Response<record::Recorded>, Infallible> {
     let start = Instant::now();
     let gen = plane.current();
-    let mut req = req;
     let invalid = resolve::validate(&mut req, &gen.config.client, &gen.lane.tag_header);
     let (parts, body) = req.into_parts();
-    let (info, ctx) = RequestCtx::begin(&gen, parts, peer, start, &plane.access_log);
-    let mut pending = record::Pending::new(plane, gen, ctx);
+    let info = resolve::resolve_request(parts, peer.ip(), &gen.trusted);
+    let mut pending = record::Pending::new(plane, gen, || {
+        RequestCtx::begin(&info, peer, start, &plane.access_log)
+    });
     let (gen, ctx) = pending.parts_mut();
     ctx.raw_ok = raw_ok;
     // The request's fields stay in `info` (moved only where the lane phase
@@ -103,13 +104,13 @@ pub async fn handle_with(
     let served = match routed {
         Err(e) => Err(e),
         Ok(route) => {
-            let info = decide(gen, route, ctx, info);
+            let mut info = decide(gen, route, ctx, info);
             ctx.upstream_route = matches!(route.target, Target::Service(_));
             ctx.serve_start = Some(Instant::now());
             match &route.target {
                 Target::Service(name) => {
                     let service = (name, &route.upgrades[..]);
-                    forward::forward(plane, gen, ctx, service, info.parts, body).await
+                    forward::forward(plane, gen, ctx, service, &mut info.parts, body).await
                 }
                 Target::Static(tree) => {
                     let decision = ctx.decision.as_mut().expect("decided above");

@@ -34,13 +34,23 @@ pub struct Pending {
 }
 
 impl Pending {
-    pub fn new(plane: &Arc<DataPlane>, gen: Arc<Generation>, ctx: RequestCtx) -> Box<Pending> {
-        Box::new(Pending {
-            plane: plane.clone(),
-            gen,
-            ctx,
-            status: 0,
-        })
+    /// The box is allocated before the context is built (`ctx`), so the
+    /// context is written into it in place.
+    pub fn new(
+        plane: &Arc<DataPlane>,
+        gen: Arc<Generation>,
+        ctx: impl FnOnce() -> RequestCtx,
+    ) -> Box<Pending> {
+        let slot = Box::new_uninit();
+        Box::write(
+            slot,
+            Pending {
+                plane: plane.clone(),
+                gen,
+                ctx: ctx(),
+                status: 0,
+            },
+        )
     }
 
     /// The generation serving the request, and its context.

@@ -204,7 +204,9 @@ async fn run(mut conn: Conn) {
 /// built on the stack and copied into its box (`Box::pin(f)`: the request's
 /// 8 KB future was one memcpy per request).
 async fn in_box<F: Future>(make: impl FnOnce() -> F) -> F::Output {
-    let mut slot: Pin<Box<Option<F>>> = Box::pin(None);
+    // Allocated before `None` is written: `Box::pin(None)` wrote it on the
+    // stack and copied the whole slot (1.8 KB for the exchange) into the box.
+    let mut slot: Pin<Box<Option<F>>> = Box::into_pin(Box::write(Box::new_uninit(), None));
     slot.as_mut().set(Some(make()));
     poll_fn(|cx| match slot.as_mut().as_pin_mut() {
         Some(f) => f.poll(cx),
