@@ -5,9 +5,9 @@
 //! response body until it is sent.
 
 use std::cell::RefCell;
-use std::rc::Rc;
 use std::collections::HashSet;
 use std::hash::{Hash, Hasher};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -336,7 +336,8 @@ impl Metrics {
         let hit = o.decision.is_some_and(|d| {
             LAST.with(|last| {
                 let mut last = last.borrow_mut();
-                let selects = |l: &Option<Last>| l.as_ref().is_some_and(|l| l.selects(self.id, d, labels));
+                let selects =
+                    |l: &Option<Last>| l.as_ref().is_some_and(|l| l.selects(self.id, d, labels));
                 if !selects(&last[0]) {
                     if !selects(&last[1]) {
                         return false;

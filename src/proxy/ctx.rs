@@ -101,7 +101,12 @@ impl RequestCtx {
     /// no copy of the ~400-byte context per request.
     ///
     /// [`Pending::new`]: super::record::Pending::new
-    pub fn begin(info: &RequestInfo, peer: SocketAddr, start: Instant, log: &AccessLog) -> RequestCtx {
+    pub fn begin(
+        info: &RequestInfo,
+        peer: SocketAddr,
+        start: Instant,
+        log: &AccessLog,
+    ) -> RequestCtx {
         RequestCtx {
             client: Client {
                 peer,

@@ -153,14 +153,14 @@ fn select_node<'g>(
 }
 
 /// The request as it goes to a node (the same for every attempt).
-struct Outbound {
+struct Outbound<'g> {
     method: Method,
     /// Origin-form target, built once.
     target: Uri,
     /// The client's end-to-end fields (hop-by-hop removed).
     headers: HeaderMap,
     /// The gateway's own fields, written after the client's.
-    added: Added,
+    added: Added<'g>,
     idempotent: bool,
     /// The protocol the client asked to upgrade to (kept for the node).
     upgrade: Option<HeaderValue>,
@@ -174,14 +174,14 @@ struct Outbound {
 /// the lane tag, generation and X-Forwarded-* computed (client copies
 /// removed). The method and fields are taken out of `parts` (borrowed: the
 /// request's head is not moved again).
-fn rewrite_request(
-    gen: &Generation,
+fn rewrite_request<'g>(
+    gen: &'g Generation,
     (client, t0): (&Client, Instant),
     decision: &Decision,
     parts: &mut Parts,
     upstream: &UpstreamConfig,
     upgrades: &[String],
-) -> Outbound {
+) -> Outbound<'g> {
     let original_host = first(&parts.headers, &header::HOST).cloned();
     let upgrade = upgrade_requested(&parts.headers).filter(|u| upgrade_allowed(u, upgrades));
     let client_upgrade = upgrade
@@ -198,8 +198,8 @@ fn rewrite_request(
     // apart from the client's map and written after it (no map inserts).
     let mut added = Added::new(
         &mut parts.headers,
-        (gen.lane.tag_header.clone(), lane_tag(gen, decision)),
-        gen.id_tag.clone(),
+        (&gen.lane.tag_header, lane_tag(gen, decision)),
+        &gen.id_tag,
         client.peer.ip(),
         client.peer_trusted,
         original_host,
@@ -261,7 +261,7 @@ async fn attempt_all(
         &mut Option<Verdict>,
         Option<&mut Option<RawHead>>,
     ),
-    out: &mut Outbound,
+    out: &mut Outbound<'_>,
     mut replay: Replay,
     upstream: &UpstreamConfig,
 ) -> Result<Response<Body>, Error> {

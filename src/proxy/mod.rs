@@ -17,6 +17,7 @@ pub mod forward;
 pub mod record;
 pub mod resolve;
 
+use std::borrow::Cow;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -153,9 +154,9 @@ fn decide(gen: &Generation, route: &Route, ctx: &mut RequestCtx, info: RequestIn
 
 /// The lane as a header value: ready-made for served lanes, built for
 /// others (lane names are header-safe by validation).
-pub fn lane_tag(gen: &Generation, d: &Decision) -> HeaderValue {
+pub fn lane_tag<'g>(gen: &'g Generation, d: &Decision) -> Cow<'g, HeaderValue> {
     match gen.lane_tags.get(&d.lane) {
-        Some(t) => t.clone(),
-        None => HeaderValue::from_str(&d.lane).expect("lane names are header-safe"),
+        Some(t) => Cow::Borrowed(t),
+        None => Cow::Owned(HeaderValue::from_str(&d.lane).expect("lane names are header-safe")),
     }
 }

@@ -212,6 +212,7 @@ mod tests {
     use super::*;
     use crate::upstream::fields::Added;
     use http::header::{HeaderName, HeaderValue};
+    use std::borrow::Cow;
 
     #[test]
     fn host_values() {
@@ -278,13 +279,12 @@ mod tests {
             "1.2.3.4".parse::<IpAddr>().unwrap()
         );
         assert_eq!(client_ip(other, &h, &trusted), other);
+        let tag_name = HeaderName::from_static("x-gray-tag");
+        let generation = HeaderValue::from(7u64);
         let forwarded = |peer: IpAddr, trusted: bool, host: Option<HeaderValue>| {
             let mut fwd = h.clone();
-            let tag = (
-                HeaderName::from_static("x-gray-tag"),
-                HeaderValue::from_static("gray"),
-            );
-            let added = Added::new(&mut fwd, tag, HeaderValue::from(7u64), peer, trusted, host);
+            let tag = (&tag_name, Cow::Owned(HeaderValue::from_static("gray")));
+            let added = Added::new(&mut fwd, tag, &generation, peer, trusted, host);
             added.apply(&mut fwd);
             fwd
         };
@@ -296,18 +296,9 @@ mod tests {
         spoofed.insert("x-gray-tag", "v2".parse().unwrap());
         spoofed.insert("x-forwarded-host", "evil".parse().unwrap());
         spoofed.append("x-forwarded-for", "6.6.6.6".parse().unwrap());
-        let tag = (
-            HeaderName::from_static("x-gray-tag"),
-            HeaderValue::from_static("formal"),
-        );
-        let added = Added::new(
-            &mut spoofed,
-            tag,
-            HeaderValue::from(7u64),
-            other,
-            false,
-            None,
-        );
+        let formal = HeaderValue::from_static("formal");
+        let tag = (&tag_name, Cow::Borrowed(&formal));
+        let added = Added::new(&mut spoofed, tag, &generation, other, false, None);
         assert!(spoofed.get("x-gray-tag").is_none(), "client tag removed");
         assert!(spoofed.get("x-forwarded-host").is_none());
         assert!(spoofed.get("x-forwarded-for").is_none());

@@ -3,6 +3,7 @@
 //! gateway adds (lane tag, generation, X-Forwarded-*), and which methods are
 //! safe to send twice.
 
+use std::borrow::Cow;
 use std::net::IpAddr;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -167,25 +168,33 @@ fn ip_header_value(ip: IpAddr) -> HeaderValue {
     })
 }
 
+/// Names of the fields [`Added`] sets, as statics it can borrow.
+static XFF_NAME: HeaderName = X_FORWARDED_FOR;
+static PROTO_NAME: HeaderName = X_FORWARDED_PROTO;
+static HOST_NAME: HeaderName = X_FORWARDED_HOST;
+static GENERATION_NAME: HeaderName = GENERATION_HEADER;
+
 /// The fields the gateway sets on an upstream request: the lane tag, the
 /// generation, and X-Forwarded-For/-Proto/-Host. From a trusted proxy the
 /// X-Forwarded-For chain is extended and its -Proto/-Host are kept; from
-/// anyone else client-supplied values are replaced.
-pub struct Added {
-    fields: [Option<(HeaderName, HeaderValue)>; 5],
+/// anyone else client-supplied values are replaced. Names and values the
+/// generation holds (the tag header, a served lane's tag, the generation
+/// id) are borrowed, not cloned per request.
+pub struct Added<'a> {
+    fields: [Option<(&'a HeaderName, Cow<'a, HeaderValue>)>; 5],
 }
 
-impl Added {
+impl<'a> Added<'a> {
     /// Computes the fields and removes from `headers` the client's copies
     /// they replace.
     pub fn new(
         headers: &mut HeaderMap,
-        tag: (HeaderName, HeaderValue),
-        generation: HeaderValue,
+        tag: (&'a HeaderName, Cow<'a, HeaderValue>),
+        generation: &'a HeaderValue,
         peer: IpAddr,
         peer_trusted: bool,
         original_host: Option<HeaderValue>,
-    ) -> Added {
+    ) -> Added<'a> {
         let prior = if peer_trusted {
             let joined: Vec<&str> = headers
                 .get_all(X_FORWARDED_FOR)
@@ -203,7 +212,7 @@ impl Added {
         let keep_proto = peer_trusted && headers.contains_key(X_FORWARDED_PROTO);
         let keep_host = peer_trusted && headers.contains_key(X_FORWARDED_HOST);
         let replaced = |n: &HeaderName| {
-            *n == tag.0
+            n == tag.0
                 || *n == GENERATION_HEADER
                 || *n == X_FORWARDED_FOR
                 || (!keep_proto && *n == X_FORWARDED_PROTO)
@@ -219,12 +228,12 @@ impl Added {
         Added {
             fields: [
                 Some(tag),
-                Some((GENERATION_HEADER, generation)),
-                xff.map(|v| (X_FORWARDED_FOR, v)),
-                (!keep_proto).then(|| (X_FORWARDED_PROTO, HeaderValue::from_static("http"))),
+                Some((&GENERATION_NAME, Cow::Borrowed(generation))),
+                xff.map(|v| (&XFF_NAME, Cow::Owned(v))),
+                (!keep_proto).then(|| (&PROTO_NAME, Cow::Owned(HeaderValue::from_static("http")))),
                 original_host
                     .filter(|_| !keep_host)
-                    .map(|h| (X_FORWARDED_HOST, h)),
+                    .map(|h| (&HOST_NAME, Cow::Owned(h))),
             ],
         }
     }
@@ -233,21 +242,21 @@ impl Added {
     /// trusted proxy's own value is kept).
     pub fn https(&mut self) {
         if let Some((n, v)) = &mut self.fields[3] {
-            if *n == X_FORWARDED_PROTO {
-                *v = HeaderValue::from_static("https");
+            if **n == X_FORWARDED_PROTO {
+                *v = Cow::Owned(HeaderValue::from_static("https"));
             }
         }
     }
 
     /// No fields (health probes).
-    pub fn none() -> Added {
+    pub fn none() -> Added<'static> {
         Added {
             fields: [None, None, None, None, None],
         }
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> {
-        self.fields.iter().flatten().map(|(n, v)| (n, v))
+        self.fields.iter().flatten().map(|(n, v)| (*n, v.as_ref()))
     }
 
     /// Puts the fields into `headers` (for engines that take a whole map).
@@ -333,21 +342,18 @@ mod tests {
 
     #[test]
     fn https_sets_forwarded_proto_unless_a_trusted_proxy_said_it() {
-        let tag = || {
-            (
-                HeaderName::from_static("x-gray-tag"),
-                HeaderValue::from_static("formal"),
-            )
-        };
+        let name = HeaderName::from_static("x-gray-tag");
+        let tag = || (&name, Cow::Owned(HeaderValue::from_static("formal")));
+        let generation = HeaderValue::from(1u64);
         let peer: IpAddr = "10.0.0.1".parse().unwrap();
         let mut h = HeaderMap::new();
-        let mut a = Added::new(&mut h, tag(), HeaderValue::from(1u64), peer, false, None);
+        let mut a = Added::new(&mut h, tag(), &generation, peer, false, None);
         a.https();
         a.apply(&mut h);
         assert_eq!(h[X_FORWARDED_PROTO], "https");
         let mut h = HeaderMap::new();
         h.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
-        let mut a = Added::new(&mut h, tag(), HeaderValue::from(1u64), peer, true, None);
+        let mut a = Added::new(&mut h, tag(), &generation, peer, true, None);
         a.https();
         a.apply(&mut h);
         assert_eq!(

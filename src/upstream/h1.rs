@@ -116,7 +116,7 @@ pub struct Outgoing<'a> {
     pub path_and_query: &'a str,
     pub headers: &'a HeaderMap,
     /// The gateway's own fields, written after `headers`.
-    pub added: &'a Added,
+    pub added: &'a Added<'a>,
     pub body: Option<Bytes>,
     /// The caller takes the response head's fields as raw bytes
     /// ([`RawHead`]) when they allow it (the plain HTTP/1.1 client side).

@@ -42,7 +42,7 @@ pub async fn request(
     addr: SocketAddr,
     transport: &Transport,
     req: Request<UpBody>,
-    added: &Added,
+    added: &Added<'_>,
     connect_timeout: Duration,
 ) -> Result<Response<Incoming>, Error> {
     let tls = transport.tls.is_some();
@@ -135,7 +135,7 @@ async fn connect(
 /// The request as HTTP/2 wants it: absolute URI (`:scheme`, `:authority`
 /// from the Host field or the node's address), no connection-specific
 /// fields, `te: trailers` for gRPC.
-fn to_h2(addr: SocketAddr, tls: bool, req: Request<UpBody>, added: &Added) -> Request<UpBody> {
+fn to_h2(addr: SocketAddr, tls: bool, req: Request<UpBody>, added: &Added<'_>) -> Request<UpBody> {
     let (mut parts, body) = req.into_parts();
     added.apply(&mut parts.headers);
     let authority = parts

@@ -107,7 +107,7 @@ impl Upstream {
         &self,
         addr: SocketAddr,
         req: Request<UpBody>,
-        added: &Added,
+        added: &Added<'_>,
         timeouts: (Duration, Duration),
     ) -> Result<Response<PooledBody>, Error> {
         if Self::inline_ok(req.headers(), req.body()) {
@@ -145,7 +145,7 @@ impl Upstream {
         addr: SocketAddr,
         head: OutHead<'_>,
         body: UpBody,
-        added: &Added,
+        added: &Added<'_>,
         (read_timeout, limit): (Duration, Duration),
         raw_ok: bool,
     ) -> Result<Response<PooledBody>, Error> {
@@ -191,7 +191,7 @@ impl Upstream {
         addr: SocketAddr,
         transport: Option<&tls::Transport>,
         req: Request<UpBody>,
-        added: &Added,
+        added: &Added<'_>,
         timeouts: (Duration, Duration),
     ) -> Result<Response<PooledBody>, Error> {
         match transport {
@@ -209,7 +209,7 @@ impl Upstream {
         addr: SocketAddr,
         t: &tls::Transport,
         req: Request<UpBody>,
-        added: &Added,
+        added: &Added<'_>,
         (read_timeout, limit): (Duration, Duration),
     ) -> Result<Response<PooledBody>, Error> {
         if t.h2 {
