@@ -99,7 +99,7 @@ pub fn request_decision(gen: &Generation, data: &[u8]) -> Option<Decision> {
         };
         req.headers_mut().append(n, v);
     }
-    if let Some(kind) = validate(&mut req, &gen.config.client, &gen.lane.tag_header) {
+    if let Some(kind) = validate(&mut req, &gen.config.client, &gen.lane.tag_header, true) {
         assert!(crate::base::error::Error::new(kind)
             .status()
             .is_client_error());

@@ -74,28 +74,55 @@ pub async fn handle(
     peer: SocketAddr,
     req: Request<RequestBody>,
 ) -> Result<Response<record::Recorded>, Infallible> {
-    handle_with(plane, peer, req, false).await
+    handle_with(plane, peer, req, Handover::default()).await
 }
 
-/// [`handle`]; with `raw_ok` (the plain HTTP/1.1 server) a node's plain
-/// response head may keep its fields as the node sent them
-/// ([`record::Recorded::take_raw_head`]; the response's map is empty then).
+/// What the client side knows of a request it hands over.
+#[derive(Debug, Clone, Copy)]
+pub struct Handover {
+    /// The plain HTTP/1.1 server writes the answer: a node's plain response
+    /// head may keep its fields as the node sent them
+    /// ([`record::Recorded::take_raw_head`]; the response's map is empty
+    /// then).
+    pub raw_ok: bool,
+    /// Some field name may have a `_` (false only when the client side saw
+    /// every name without one: the underscore filter is skipped then).
+    pub underscores: bool,
+}
+
+impl Default for Handover {
+    /// Nothing known: every check runs, the response gets a map.
+    fn default() -> Self {
+        Handover {
+            raw_ok: false,
+            underscores: true,
+        }
+    }
+}
+
+/// [`handle`], with what the client side knows of the request
+/// ([`Handover`]).
 pub async fn handle_with(
     plane: &Arc<DataPlane>,
     peer: SocketAddr,
     mut req: Request<RequestBody>,
-    raw_ok: bool,
+    from: Handover,
 ) -> Result<Response<record::Recorded>, Infallible> {
     let start = Instant::now();
     let gen = plane.current();
-    let invalid = resolve::validate(&mut req, &gen.config.client, &gen.lane.tag_header);
+    let invalid = resolve::validate(
+        &mut req,
+        &gen.config.client,
+        &gen.lane.tag_header,
+        from.underscores,
+    );
     let (parts, body) = req.into_parts();
     let info = resolve::resolve_request(parts, peer.ip(), &gen.trusted);
     let mut pending = record::Pending::new(plane, gen, || {
         RequestCtx::begin(&info, peer, start, &plane.access_log)
     });
     let (gen, ctx) = pending.parts_mut();
-    ctx.raw_ok = raw_ok;
+    ctx.raw_ok = from.raw_ok;
     // The request's fields stay in `info` (moved only where the lane phase
     // takes them): each move of it is a 272-byte copy.
     let routed = match invalid {

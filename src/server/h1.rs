@@ -35,7 +35,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderValue};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, StatusCode, Uri, Version};
 use hyper::body::Body as _;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -315,6 +315,7 @@ impl Conn {
             req,
             keep_alive,
             body_len,
+            underscores,
         } = parsed;
         // The body arrived with the head (else the request went to hyper).
         let body = if body_len == 0 {
@@ -338,7 +339,13 @@ impl Conn {
         // hyper's connections).
         let handled = unless_gone(
             &self.stream,
-            in_box(|| proxy::handle_with(plane, self.peer, req.map(|()| body), true)),
+            in_box(|| {
+                let from = proxy::Handover {
+                    raw_ok: true,
+                    underscores,
+                };
+                proxy::handle_with(plane, self.peer, req.map(|()| body), from)
+            }),
         );
         let Some(Ok(resp)) = handled.await else {
             return Next::Close;
@@ -375,6 +382,8 @@ struct Parsed {
     req: Request<()>,
     keep_alive: bool,
     body_len: usize,
+    /// Some field name has a `_`.
+    underscores: bool,
 }
 
 // Returned once per request and matched at once: a box would cost an
@@ -460,8 +469,17 @@ fn parse(buf: &mut BytesMut) -> Parse {
         return Parse::Hyper;
     };
     let mut headers = HeaderMap::with_capacity(n);
+    let mut underscores = false;
     for &(ns, ne, vs, ve) in &spans[..n] {
-        let Ok(name) = crate::upstream::fields::name_of(&head[ns as usize..ne as usize]) else {
+        let bytes = &head[ns as usize..ne as usize];
+        // The usual names have no `_`: only the others are searched.
+        let name = crate::upstream::fields::known_name(bytes)
+            .ok_or(())
+            .or_else(|()| {
+                underscores |= bytes.contains(&b'_');
+                HeaderName::from_bytes(bytes)
+            });
+        let Ok(name) = name else {
             put_back(&head, buf);
             return Parse::Hyper;
         };
@@ -490,6 +508,7 @@ fn parse(buf: &mut BytesMut) -> Parse {
         req,
         keep_alive,
         body_len,
+        underscores,
     })
 }
 
@@ -1156,6 +1175,29 @@ mod tests {
         assert!(matches!(
             parsed(b"GET / HTTP/1.1\r\nHost: x\r\n"),
             Parse::Partial
+        ));
+    }
+
+    /// The parse notes whether any field name has a `_` (the proxy skips
+    /// its underscore filter when none has): the usual names are known
+    /// not to, any other is searched.
+    #[test]
+    fn parse_notes_underscored_names() {
+        let underscores = |raw: &[u8]| match parsed(raw) {
+            Parse::Done(p) => p.underscores,
+            _ => panic!("not parsed: {:?}", String::from_utf8_lossy(raw)),
+        };
+        assert!(!underscores(
+            b"GET / HTTP/1.1\r\nHost: x\r\nAccept-Encoding: id\r\n\r\n"
+        ));
+        assert!(!underscores(
+            b"GET / HTTP/1.1\r\nHost: x\r\nX-User-Id: 7\r\n\r\n"
+        ));
+        assert!(underscores(
+            b"GET / HTTP/1.1\r\nHost: x\r\nX_User_Id: 7\r\n\r\n"
+        ));
+        assert!(underscores(
+            b"GET / HTTP/1.1\r\nx_gray_tag: v2\r\nHost: x\r\n\r\n"
         ));
     }
 }

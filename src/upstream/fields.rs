@@ -33,7 +33,16 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 /// name into a scratch buffer and matches it against ~90 standard names:
 /// ~115 instructions a field, on each side of every exchange).
 pub fn name_of(b: &[u8]) -> Result<HeaderName, http::header::InvalidHeaderName> {
-    let known = match b.len() {
+    match known_name(b) {
+        Some(n) => Ok(n),
+        None => HeaderName::from_bytes(b),
+    }
+}
+
+/// The usual names [`name_of`] recognises without `from_bytes` (none of
+/// them has a `_`).
+pub fn known_name(b: &[u8]) -> Option<HeaderName> {
+    match b.len() {
         4 if b.eq_ignore_ascii_case(b"host") => Some(header::HOST),
         4 if b.eq_ignore_ascii_case(b"date") => Some(header::DATE),
         6 if b.eq_ignore_ascii_case(b"server") => Some(header::SERVER),
@@ -45,10 +54,6 @@ pub fn name_of(b: &[u8]) -> Result<HeaderName, http::header::InvalidHeaderName> 
         14 if b.eq_ignore_ascii_case(b"content-length") => Some(header::CONTENT_LENGTH),
         15 if b.eq_ignore_ascii_case(b"accept-encoding") => Some(header::ACCEPT_ENCODING),
         _ => None,
-    };
-    match known {
-        Some(n) => Ok(n),
-        None => HeaderName::from_bytes(b),
     }
 }
 
