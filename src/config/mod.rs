@@ -412,6 +412,11 @@ pub struct ScriptLimits {
     /// Memory one worker's Lua VM may hold.
     #[serde(default = "default_memory_limit")]
     pub memory_limit: SizeValue,
+    /// LuaJIT's trace compiler on: faster scripts, but machine code is
+    /// written at run time (W+X mappings), so the systemd unit needs
+    /// `MemoryDenyWriteExecute=no`.
+    #[serde(default)]
+    pub jit: bool,
 }
 
 fn default_budget() -> u64 {
@@ -427,6 +432,7 @@ impl Default for ScriptLimits {
         ScriptLimits {
             instruction_budget: default_budget(),
             memory_limit: default_memory_limit(),
+            jit: false,
         }
     }
 }

@@ -35,15 +35,17 @@ impl fmt::Display for RewriteError {
     }
 }
 
-/// The check inserted at each point: one decrement, one test; past the
-/// budget it calls `stop` (which raises), and keeps raising at every later
-/// check, so a script that catches the error cannot loop on.
+/// The check inserted at each point: one decrement, one test. `[1]` counts
+/// down a chunk of checks; below zero `tick` is called, which takes the
+/// next chunk from the host's budget and returns the new count, or raises
+/// once the budget is spent (and at every later check, since the count
+/// stays negative, so a script that catches the error cannot loop on).
 fn check() -> String {
-    format!(" {B}[1] = {B}[1] - 1 if {B}[1] < 0 then {B}.stop() end ")
+    format!(" {B}[1] = {B}[1] - 1 if {B}[1] < 0 then {B}[1] = {B}.tick() end ")
 }
 
 /// `src` with budget checks. The result expects the budget table as its
-/// first chunk argument (`{ [1] = budget, stop = function }`); the script
+/// first chunk argument (`{ [1] = count, tick = function }`); the script
 /// sees the remaining arguments as its `...`.
 pub fn rewrite(src: &str) -> Result<String, RewriteError> {
     let check = check();
@@ -329,7 +331,7 @@ mod tests {
     use mlua::{Function, Lua, Table, Value};
 
     /// A LuaJIT VM with its compiler ON and no hook, and a budget table
-    /// whose `stop` raises "budget".
+    /// whose `tick` raises "budget".
     fn vm() -> (Lua, Table) {
         let lua = Lua::new();
         let on: bool = lua
@@ -340,8 +342,8 @@ mod tests {
         let b = lua.create_table().unwrap();
         b.raw_set(1, 1_000_000_000i64).unwrap();
         b.raw_set(
-            "stop",
-            lua.create_function(|_, ()| -> mlua::Result<()> {
+            "tick",
+            lua.create_function(|_, ()| -> mlua::Result<i64> {
                 Err(mlua::Error::runtime("budget"))
             })
             .unwrap(),
@@ -428,7 +430,7 @@ mod tests {
         assert_eq!(
             rewrite("x = \"do\" -- do")
                 .unwrap()
-                .matches(".stop()")
+                .matches(".tick()")
                 .count(),
             0
         );
@@ -439,7 +441,7 @@ mod tests {
         for file in ["bench/openresty_simple.lua", "bench/openresty_heavy.lua"] {
             let src = std::fs::read_to_string(file).unwrap();
             let code = rewrite(&src).unwrap();
-            assert!(code.matches(".stop()").count() >= 2, "{file}");
+            assert!(code.matches(".tick()").count() >= 2, "{file}");
             // One line more, at the end: every line of the script stays put.
             assert_eq!(
                 code.matches('\n').count(),
