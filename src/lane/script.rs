@@ -1288,6 +1288,11 @@ mod tests {
             "while true do xpcall(function() while true do end end, function(e) return e end) end",
             "while true do coroutine.resume(coroutine.create(function() while true do end end)) end",
             "local f = coroutine.wrap(function() while true do end end)\n f()",
+            // Caught once, with no check left to pass afterwards: the
+            // wrappers re-raise.
+            "local ok = pcall(function() while true do end end)\n return 'swallowed'",
+            "xpcall(function() while true do end end, function(e) return e end)\n return 'swallowed'",
+            "coroutine.resume(coroutine.create(function() while true do end end))\n return 'swallowed'",
         ] {
             let (_d, src) = load_src(&format!("return function()\n{body}\nend\n"));
             let e = call(&src, None).unwrap_err();
