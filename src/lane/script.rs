@@ -412,6 +412,8 @@ struct ScriptVm {
     id: u64,
     lua: Lua,
     lane_fn: Function,
+    /// `lane_fn` behind [`ENTRY`], which arms the checks' counter.
+    entry: Function,
     req: Table,
     /// Per-request global writes land here and are cleared after each call.
     env: Table,
@@ -419,8 +421,6 @@ struct ScriptVm {
     per_request: super::ngx::PerRequest,
     guard: Rc<Guard>,
     budget: i64,
-    /// The checks' counter (`[1]`) and `tick` (see `lane::budget`).
-    counter: Table,
     /// `jit.status()` once the VM was set up.
     #[cfg_attr(not(test), allow(dead_code))]
     jit_on: bool,
@@ -689,13 +689,8 @@ impl ScriptVm {
         let budget = i64::try_from(src.instruction_budget).unwrap_or(i64::MAX);
         let code = super::budget::rewrite(&src.source)
             .map_err(|e| ConfigError::new(file, Some(e.line), e.message))?;
-        start_budget(
-            &guard,
-            &counter,
-            &lua,
-            budget.saturating_mul(TOP_LEVEL_BUDGETS),
-        )
-        .map_err(le)?;
+        let chunk = arm_budget(&guard, &lua, budget.saturating_mul(TOP_LEVEL_BUDGETS));
+        counter.raw_set(1, chunk).map_err(le)?;
         let top: MultiValue = lua
             .load(code)
             .set_name(format!("@{}", file.display()))
@@ -739,23 +734,28 @@ impl ScriptVm {
         env.set_metatable(Some(mt)).map_err(le)?;
 
         let req = req_object(&lua, lists).map_err(le)?;
+        let entry: Function = lua
+            .load(ENTRY)
+            .set_name("=graygate_entry")
+            .call((&counter, &lane_fn))
+            .map_err(le)?;
         Ok(ScriptVm {
             id: src.id,
             lua,
             lane_fn,
+            entry,
             req,
             env,
             per_request,
             guard,
             budget,
-            counter,
             jit_on,
         })
     }
 
     fn call(&self) -> mlua::Result<Option<String>> {
-        start_budget(&self.guard, &self.counter, &self.lua, self.budget)?;
-        let r = self.lane_fn.call::<Value>(&self.req);
+        let chunk = arm_budget(&self.guard, &self.lua, self.budget);
+        let r = self.entry.call::<Value>((&self.req, chunk));
         if !self.env.is_empty() {
             let _ = self.env.clear();
         }
@@ -822,10 +822,10 @@ fn budget_counter(lua: &Lua, guard: &Rc<Guard>) -> mlua::Result<Table> {
     Ok(t)
 }
 
-/// Arms the budget for one call (or a load's top level): the first chunk
-/// goes to the Lua counter, the rest stays with the guard. A VM already
+/// Arms the budget for one call (or a load's top level): returns the first
+/// chunk, for the Lua counter; the rest stays with the guard. A VM already
 /// above half its memory limit ticks at the first check.
-fn start_budget(guard: &Guard, counter: &Table, lua: &Lua, budget: i64) -> mlua::Result<()> {
+fn arm_budget(guard: &Guard, lua: &Lua, budget: i64) -> i64 {
     guard.killed.set(false);
     guard.last_at.borrow_mut().0.clear();
     let chunk = if lua.used_memory() > guard.locate_above {
@@ -834,8 +834,14 @@ fn start_budget(guard: &Guard, counter: &Table, lua: &Lua, budget: i64) -> mlua:
         TICK_EVERY.min(budget / CHECK_WEIGHT)
     };
     guard.left.set(budget - chunk * CHECK_WEIGHT);
-    counter.raw_set(1, chunk)
+    chunk
 }
+
+/// The lane call's entry: sets the checks' counter to the call's first
+/// chunk and tail-calls the lane function. (Set from Rust, by
+/// `Table::raw_set`, the counter cost ~1,600 instructions per call: under a
+/// memory limit mlua wraps every table write in a protected call.)
+const ENTRY: &str = "local b, lane = ... return function(req, n) b[1] = n return lane(req) end";
 
 /// `file:line` of the Lua function calling the current host function.
 fn script_position(lua: &Lua) -> (String, usize) {
