@@ -407,13 +407,20 @@ struct Guard {
     last_at: RefCell<(String, usize)>,
 }
 
+impl Guard {
+    /// A fresh `budget` for a call (or a load's top level).
+    fn arm(&self, budget: i64) {
+        self.killed.set(false);
+        self.last_at.borrow_mut().0.clear();
+        self.left.set(budget);
+    }
+}
+
 /// A built VM: the lane function, bound to one script load.
 struct ScriptVm {
     id: u64,
     lua: Lua,
     lane_fn: Function,
-    /// `lane_fn` behind [`ENTRY`], which arms the checks' counter.
-    entry: Function,
     req: Table,
     /// Per-request global writes land here and are cleared after each call.
     env: Table,
@@ -689,8 +696,9 @@ impl ScriptVm {
         let budget = i64::try_from(src.instruction_budget).unwrap_or(i64::MAX);
         let code = super::budget::rewrite(&src.source)
             .map_err(|e| ConfigError::new(file, Some(e.line), e.message))?;
-        let chunk = arm_budget(&guard, &lua, budget.saturating_mul(TOP_LEVEL_BUDGETS));
-        counter.raw_set(1, chunk).map_err(le)?;
+        // The top level's first check ticks and takes the first chunk.
+        guard.arm(budget.saturating_mul(TOP_LEVEL_BUDGETS));
+        counter.raw_set(1, 0).map_err(le)?;
         let top: MultiValue = lua
             .load(code)
             .set_name(format!("@{}", file.display()))
@@ -734,16 +742,10 @@ impl ScriptVm {
         env.set_metatable(Some(mt)).map_err(le)?;
 
         let req = req_object(&lua, lists).map_err(le)?;
-        let entry: Function = lua
-            .load(ENTRY)
-            .set_name("=graygate_entry")
-            .call((&counter, &lane_fn))
-            .map_err(le)?;
         Ok(ScriptVm {
             id: src.id,
             lua,
             lane_fn,
-            entry,
             req,
             env,
             per_request,
@@ -754,8 +756,14 @@ impl ScriptVm {
     }
 
     fn call(&self) -> mlua::Result<Option<String>> {
-        let chunk = arm_budget(&self.guard, &self.lua, self.budget);
-        let r = self.entry.call::<Value>((&self.req, chunk));
+        // The Lua counter keeps what the last call left of its chunk (at
+        // most TICK_EVERY checks, so a call may run up to that many checks
+        // beyond its budget): arming it per call — `Table::raw_set` is a
+        // protected call under a memory limit, ~1,600 instructions; a Lua
+        // entry function taking it as an argument, ~160 — cost more than
+        // the count hook did on the shipped script.
+        self.guard.arm(self.budget);
+        let r = self.lane_fn.call::<Value>(&self.req);
         if !self.env.is_empty() {
             let _ = self.env.clear();
         }
@@ -791,7 +799,6 @@ impl ScriptVm {
 /// [`TICK_EVERY`].
 fn budget_counter(lua: &Lua, guard: &Rc<Guard>) -> mlua::Result<Table> {
     let t = lua.create_table_with_capacity(1, 1)?;
-    t.raw_set(1, 0)?;
     let g = guard.clone();
     let tick = lua.create_function(move |lua, ()| -> mlua::Result<i64> {
         let left = g.left.get();
@@ -821,27 +828,6 @@ fn budget_counter(lua: &Lua, guard: &Rc<Guard>) -> mlua::Result<Table> {
     t.raw_set("tick", tick)?;
     Ok(t)
 }
-
-/// Arms the budget for one call (or a load's top level): returns the first
-/// chunk, for the Lua counter; the rest stays with the guard. A VM already
-/// above half its memory limit ticks at the first check.
-fn arm_budget(guard: &Guard, lua: &Lua, budget: i64) -> i64 {
-    guard.killed.set(false);
-    guard.last_at.borrow_mut().0.clear();
-    let chunk = if lua.used_memory() > guard.locate_above {
-        0
-    } else {
-        TICK_EVERY.min(budget / CHECK_WEIGHT)
-    };
-    guard.left.set(budget - chunk * CHECK_WEIGHT);
-    chunk
-}
-
-/// The lane call's entry: sets the checks' counter to the call's first
-/// chunk and tail-calls the lane function. (Set from Rust, by
-/// `Table::raw_set`, the counter cost ~1,600 instructions per call: under a
-/// memory limit mlua wraps every table write in a protected call.)
-const ENTRY: &str = "local b, lane = ... return function(req, n) b[1] = n return lane(req) end";
 
 /// `file:line` of the Lua function calling the current host function.
 fn script_position(lua: &Lua) -> (String, usize) {
