@@ -50,12 +50,19 @@ fn check() -> String {
 pub fn rewrite(src: &str) -> Result<String, RewriteError> {
     let check = check();
     let mut out = String::with_capacity(src.len() + src.len() / 4 + 64);
+    // A `#!` first line stays first (the loader skips it only there).
+    let header = if src.starts_with('#') {
+        src.find('\n').map_or(src.len(), |i| i + 1)
+    } else {
+        0
+    };
+    out.push_str(&src[..header]);
     // Same line as the script's first: positions stay put.
     out.push_str(&format!("local {B} = ... return (function(...) "));
     let mut lx = Lexer::new(src);
     // After `function`: waiting for its parameter list's `(`, then `)`.
     let mut function_head = 0u8;
-    let mut copied = 0;
+    let mut copied = header;
     while let Some(tok) = lx.next_token()? {
         let insert = match tok.kind {
             Kind::Name(name) => {
@@ -422,6 +429,11 @@ mod tests {
             .unpack(load(&lua, &b, "local name = ... return name").unwrap())
             .unwrap();
         assert_eq!(v, "modname");
+        // A `#!` first line stays first; the next line keeps its number.
+        let e = load(&lua, &b, "#!/usr/bin/env lua\nerror('two')")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("t.lua:2:"), "{e}");
         // Strings, long strings and comments holding keywords are copied,
         // not instrumented.
         let src = "local a = 'do repeat' local b = [[ function() do ]] --[==[ while true do end ]==]\n-- do\nreturn a .. b";

@@ -1163,14 +1163,19 @@ mod tests {
         assert!(err.message.contains("invalid module name"), "{err}");
     }
 
+    /// Why the script at `p` fails to load.
+    fn validate_error(p: &Path) -> ConfigError {
+        ScriptSource::load(p)
+            .unwrap()
+            .validate(&Arc::new(BTreeMap::new()))
+            .unwrap_err()
+    }
+
     #[test]
     fn must_return_a_function() {
         let d = tempfile::tempdir().unwrap();
         let p = write(d.path(), "main.lua", "return 42\n");
-        let err = ScriptSource::load(&p)
-            .unwrap()
-            .validate(&Arc::new(BTreeMap::new()))
-            .unwrap_err();
+        let err = validate_error(&p);
         assert!(err.message.contains("must return a function"), "{err}");
     }
 
@@ -1511,6 +1516,11 @@ mod tests {
             ("type(debug)", "nil"),
             ("type(ffi)", "nil"),
             ("type(jit)", "nil"),
+            // LuaJIT preloads these; `require` resolves only built-ins and
+            // the scripts directory.
+            ("tostring((pcall(require, 'jit')))", "false"),
+            ("tostring((pcall(require, 'jit.util')))", "false"),
+            ("tostring((pcall(require, 'jit.opt')))", "false"),
             ("type(package)", "nil"),
             ("type(dofile)", "nil"),
             ("type(loadfile)", "nil"),
@@ -1537,6 +1547,25 @@ mod tests {
             e.message.contains("not found in the scripts directory"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn the_rewrites_reserved_names_are_refused_at_load_with_file_and_line() {
+        let (_d, src) = load_src("local x = 1\nlocal __gg_b = {}\nreturn function() end\n");
+        let err = src.validate(&Arc::new(BTreeMap::new())).unwrap_err();
+        assert_eq!(err.line, Some(2), "{err}");
+        assert!(err.message.contains("reserved"), "{err}");
+        // In a required module too, placed in the module's file.
+        let d = tempfile::tempdir().unwrap();
+        write(d.path(), "m.lua", "local t = {}\n\nt.__gg = 1\nreturn t\n");
+        let p = write(
+            d.path(),
+            "main.lua",
+            "local m = require('m')\nreturn function() end\n",
+        );
+        let err = validate_error(&p);
+        assert!(err.file.ends_with("m.lua"), "{err}");
+        assert_eq!(err.line, Some(3), "{err}");
     }
 
     #[test]
