@@ -546,18 +546,18 @@ async fn sandbox_breaches_are_rejected_or_go_formal(jit: bool) {
 async fn top_level_gets_a_hundred_budgets_and_no_more(jit: bool) {
     let backends = lane_backends(&["formal", "gray"]).await;
     let fx = Fixture::new();
-    // ~2 instructions per iteration: 250k iterations are ~50 budgets of
-    // 10,000 instructions, 2.5M iterations ~500.
+    // Each loop iteration charges 10 (one budget check): 50k iterations
+    // are ~50 budgets of 10,000, 500k iterations ~500.
     let script = |n: u64| {
         format!(
-            "local function work(n)\n  local x = 0\n  for i = 1, n do x = x + i end\n  return x\nend\nlocal total = work({n})\nreturn function()\n  if ngx.var.http_x_work then work(250000) end\n  return total > 0 and 'gray' or nil\nend\n"
+            "local function work(n)\n  local x = 0\n  for i = 1, n do x = x + i end\n  return x\nend\nlocal total = work({n})\nreturn function()\n  if ngx.var.http_x_work then work(50000) end\n  return total > 0 and 'gray' or nil\nend\n"
         )
     };
     let gw = start_in(
         jit,
         &fx,
         &backends,
-        &script(250_000),
+        &script(50_000),
         "script_limits:\n  instruction_budget: 10000\n",
     );
     // ~50 budgets at the top level: loaded, and serving.
@@ -573,7 +573,7 @@ async fn top_level_gets_a_hundred_budgets_and_no_more(jit: bool) {
     .await;
     // ~500 budgets at the top level: the load is rejected with file:line,
     // and the loaded script keeps serving.
-    fx.write_rename("scripts/main.lua", &script(2_500_000));
+    fx.write_rename("scripts/main.lua", &script(500_000));
     eventually("rejected", Duration::from_secs(30), || async {
         gw.status().await["last_reload_error"]
             .as_str()
