@@ -678,12 +678,14 @@ impl ScriptVm {
                         "module {name:?} not found in the scripts directory"
                     ))
                 })?;
+                let name_at = format!("@{}", path.display());
+                syntax_check(lua, text, &name_at)?;
                 let code = super::budget::rewrite(text).map_err(|e| {
                     mlua::Error::runtime(format!("{}:{}: {}", path.display(), e.line, e.message))
                 })?;
                 let v: Value = lua
                     .load(code)
-                    .set_name(format!("@{}", path.display()))
+                    .set_name(name_at)
                     .set_mode(mlua::chunk::ChunkMode::Text)
                     .set_environment(menv.clone())
                     .call((mcounter.clone(), name.as_str()))?;
@@ -695,6 +697,7 @@ impl ScriptVm {
         globals.raw_set("require", require).map_err(le)?;
 
         let budget = i64::try_from(src.instruction_budget).unwrap_or(i64::MAX);
+        syntax_check(&lua, &src.source, &format!("@{}", file.display())).map_err(le)?;
         let code = super::budget::rewrite(&src.source)
             .map_err(|e| ConfigError::new(file, Some(e.line), e.message))?;
         // The top level's first check ticks and takes the first chunk.
@@ -828,6 +831,17 @@ fn budget_counter(lua: &Lua, guard: &Rc<Guard>) -> mlua::Result<Table> {
     })?;
     t.raw_set("tick", tick)?;
     Ok(t)
+}
+
+/// Compiles `text` as written, before its budget checks are: a syntax error
+/// is reported as Lua reports it for the file (the rewrite's wrapper would
+/// turn a stray `end` into "')' expected" on a line past the end).
+fn syntax_check(lua: &Lua, text: &str, name: &str) -> mlua::Result<()> {
+    lua.load(text)
+        .set_name(name)
+        .set_mode(mlua::chunk::ChunkMode::Text)
+        .into_function()
+        .map(drop)
 }
 
 /// `file:line` of the Lua function calling the current host function.
@@ -1126,6 +1140,18 @@ mod tests {
         let err = src.validate(&Arc::new(BTreeMap::new())).unwrap_err();
         assert_eq!(err.line, Some(2), "{err}");
         assert!(err.file.ends_with("s.lua"), "{err}");
+        // A stray `end`, in the script and in a module: Lua's own message
+        // and line, not the budget rewrite's wrapper's.
+        let extra_end = "return function(req)\n  return 'gray'\nend end\n";
+        let p = write(d.path(), "e.lua", extra_end);
+        let err = validate_error(&p);
+        assert_eq!(err.line, Some(3), "{err}");
+        assert!(err.message.contains("'<eof>' expected"), "{err}");
+        write(d.path(), "m.lua", extra_end);
+        let p = write(d.path(), "main.lua", "local m = require('m')\nreturn m\n");
+        let err = validate_error(&p);
+        assert!(err.file.ends_with("m.lua"), "{err}");
+        assert_eq!(err.line, Some(3), "{err}");
     }
 
     #[test]
