@@ -19,6 +19,7 @@ Usage:
   python3 bench/instructions.py --graygate /tmp/gg-old --only graygate   # A/B a change
   python3 bench/instructions.py --script openresty_heavy   # an OpenResty module, unchanged
                                                            # in graygate and nginx+lua
+  python3 bench/instructions.py --jit                 # adds graygate-jit: script_limits.jit: true
 With --script NAME, graygate runs bench/NAME.lua as its script and nginx runs
 `access_by_lua_block { ngx.var.lane = require("NAME").lane() or "formal" }`
 (as bench/openresty_bench.py does); HAProxy has no such script and is left out.
@@ -139,6 +140,8 @@ def main():
     ap.add_argument("--only", help="comma-separated: graygate,nginx-lua,haproxy-lua")
     ap.add_argument("--script", help="an OpenResty module in bench/ (e.g. openresty_heavy) "
                                      "run unchanged by graygate and nginx+lua")
+    ap.add_argument("--jit", action="store_true",
+                    help="also graygate-jit: the same build with script_limits.jit: true")
     a = ap.parse_args()
     if not shutil.which("valgrind"):
         raise SystemExit("valgrind not found: apt-get install valgrind")
@@ -155,9 +158,12 @@ def main():
         # With --script, nginx binds a loopback TCP port itself (found free
         # just before; no inherited socket): an OpenResty script reads
         # ngx.var.remote_addr, which must be an address as in graygate.
-        def graygate():
+        def graygate(jit=False):
             kw = {"script": os.path.join(bench.BENCH, f"{a.script}.lua")} if a.script else {}
-            gg = bench.write_graygate_config(work, "graygate", 1, **kw)
+            gg = bench.write_graygate_config(work, "graygate-jit" if jit else "graygate", 1, **kw)
+            if jit:
+                with open(gg, "a") as f:
+                    f.write("script_limits:\n  jit: true\n")
             return [a.graygate, "--config", gg], None, None, None
 
         def nginx():
@@ -184,10 +190,13 @@ def main():
             sock = bench.listen_socket()
             return ["haproxy", "-db", "-f", bench.haproxy_conf(work, sock.fileno())], sock, None, None
 
-        targets = {"graygate": graygate, "nginx-lua": nginx, "haproxy-lua": haproxy}
+        targets = {"graygate": graygate, "graygate-jit": lambda: graygate(jit=True),
+                   "nginx-lua": nginx, "haproxy-lua": haproxy}
         if a.script:
             del targets["haproxy-lua"]
-        names = a.only.split(",") if a.only else list(targets)
+        names = a.only.split(",") if a.only else [t for t in targets if t != "graygate-jit"]
+        if a.jit and "graygate-jit" not in names:
+            names.insert(names.index("graygate") + 1 if "graygate" in names else 0, "graygate-jit")
         rows = {}
         for name in names:
             cmd, sock, unix, port = targets[name]()

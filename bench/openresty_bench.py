@@ -20,6 +20,7 @@ Usage:
   python3 bench/openresty_bench.py --scripts heavy --duration 5
   python3 bench/openresty_bench.py --extra before=/tmp/graygate-old   # another build side by side
   python3 bench/openresty_bench.py --quick                  # a few seconds, unpinned
+  python3 bench/openresty_bench.py --jit                    # also each build with script_limits.jit: true
 """
 
 import argparse
@@ -71,6 +72,17 @@ def same_lanes(targets):
         raise SystemExit(f"the probes never gave both lanes: {seen}")
 
 
+def start_graygate(work, binary, name, script, jit):
+    """bench.start_graygate, with `script_limits.jit: true` when `jit`."""
+    cfg = bench.write_graygate_config(work, name, 1, script=script)
+    if jit:
+        with open(cfg, "a") as f:
+            f.write("script_limits:\n  jit: true\n")
+    env = dict(os.environ, RUST_LOG=bench.GRAYGATE_LOG)
+    return bench.Target(name, [binary, "--config", cfg], os.path.join(work, f"{name}.log"),
+                        cpus=frozenset({1}), env=env)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--graygate", default=os.path.join(bench.REPO, "target", "release", "graygate"))
@@ -83,6 +95,8 @@ def main():
     ap.add_argument("--mixes", default="untagged,user-id,x-gray")
     ap.add_argument("--quick", action="store_true", help="a few seconds, nothing pinned")
     ap.add_argument("--no-pin", action="store_true")
+    ap.add_argument("--jit", action="store_true",
+                    help="also run each build with script_limits.jit: true (rows NAME-jit)")
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args()
     if a.quick:
@@ -107,9 +121,10 @@ def main():
             module = SCRIPTS[script]
             targets = []
             for name, path in builds:
-                targets.append(bench.start_graygate(work, path, name=f"{name}-{script}",
-                                                    script=os.path.join(bench.BENCH, f"{module}.lua")))
-                started.append(targets[-1])
+                for jit in ([False, True] if a.jit else [False]):
+                    targets.append(start_graygate(work, path, f"{name}{'-jit' if jit else ''}-{script}",
+                                                  os.path.join(bench.BENCH, f"{module}.lua"), jit))
+                    started.append(targets[-1])
             access = (f"access_by_lua_block {{ ngx.var.lane = require(\"{module}\").lane()"
                       f" or \"formal\" }}")
             targets.append(bench.start_nginx(work, name=f"nginx-{script}", access=access))

@@ -232,6 +232,18 @@ fn bench(c: &mut Criterion) {
         request("/", "10.200.1.1", &[]),
         "formal",
     );
+    // The same with LuaJIT's compiler on: the loop is a compiled trace
+    // within a few dozen iterations, and its budget checks with it.
+    let runaway_jit = load(
+        dir.path(),
+        "script: runaway.lua\nscript_limits:\n  jit: true\n",
+    );
+    run(
+        "script/runaway stopped by the default budget, jit: true",
+        &runaway_jit,
+        request("/", "10.200.1.1", &[]),
+        "formal",
+    );
 
     // Each `ngx` API's cost: a lane function that calls it 10 times, against
     // the same loop doing nothing (`ngx/loop only`): (t - t_loop) / 10 is one

@@ -184,8 +184,19 @@ fn requests() -> Vec<Req> {
     v
 }
 
+// Both of graygate's VM modes: LuaJIT's interpreter (the default) and its
+// compiler (`script_limits.jit: true`) give nginx's answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn same_lanes_and_values_as_nginx_lua() {
+async fn same_lanes_and_values_as_nginx_lua_interpreter() {
+    same_lanes_and_values_as_nginx_lua(false).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_lanes_and_values_as_nginx_lua_jit() {
+    same_lanes_and_values_as_nginx_lua(true).await
+}
+
+async fn same_lanes_and_values_as_nginx_lua(jit: bool) {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
     let fx = Fixture::new();
     // The shipped module and the probe, side by side for both gateways.
@@ -204,9 +215,9 @@ async fn same_lanes_and_values_as_nginx_lua() {
     );
     let cfg = fx.write(
         "gg.yaml",
-        &main_config(
-            "script: lua/main.lua\nshared_dicts:\n  probe: 1m\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n",
-        ),
+        &main_config(&format!(
+            "script: lua/main.lua\nscript_limits:\n  jit: {jit}\nshared_dicts:\n  probe: 1m\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n",
+        )),
     );
     let gw = Gateway::start(&cfg);
     std::fs::create_dir_all(fx.path("nginx")).unwrap();

@@ -26,6 +26,16 @@ fn nodes_yaml(backends: &[Backend]) -> String {
 
 /// Writes the fixture and starts the gateway with `script` and `extra` config.
 fn start(fx: &Fixture, backends: &[Backend], script: &str, extra: &str) -> Gateway {
+    start_in(false, fx, backends, script, extra)
+}
+
+/// As [`start`], with `script_limits.jit: true` when `jit`.
+fn start_in(jit: bool, fx: &Fixture, backends: &[Backend], script: &str, extra: &str) -> Gateway {
+    let extra = match (jit, extra.contains("script_limits:\n")) {
+        (false, _) => extra.to_string(),
+        (true, true) => extra.replace("script_limits:\n", "script_limits:\n  jit: true\n"),
+        (true, false) => format!("{extra}script_limits:\n  jit: true\n"),
+    };
     fx.write("scripts/main.lua", script);
     fx.write("nodes.yaml", &nodes_yaml(backends));
     let cfg = fx.write(
@@ -36,6 +46,32 @@ fn start(fx: &Fixture, backends: &[Backend], script: &str, extra: &str) -> Gatew
     );
     Gateway::start(&cfg)
 }
+
+/// Runs each sandbox test twice: on LuaJIT's interpreter (the default) and
+/// with `script_limits.jit: true`; every guarantee must hold in both.
+macro_rules! in_both_vm_modes {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn interpreter() {
+                super::$name(false).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn jit() {
+                super::$name(true).await
+            }
+        }
+    )*};
+}
+
+in_both_vm_modes!(
+    openresty_module_script_gives_openresty_lanes_end_to_end,
+    hot_loop_and_memory_bomb_go_formal_worker_survives_logged,
+    sandbox_breaches_are_rejected_or_go_formal,
+    top_level_gets_a_hundred_budgets_and_no_more,
+    sandbox_environment_isolation_and_unsupported_calls,
+    require_resolves_only_modules_found_at_load,
+);
 
 // ------------------------------------------------------------------ reference
 
@@ -126,15 +162,14 @@ fn reference_implementations_match_known_vectors() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn openresty_module_script_gives_openresty_lanes_end_to_end() {
+async fn openresty_module_script_gives_openresty_lanes_end_to_end(jit: bool) {
     let backends = lane_backends(&["formal", "gray", "gray-a", "gray-b", "v2"]).await;
     let fx = Fixture::new();
     let script = std::fs::read_to_string(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/openresty_gray.lua"),
     )
     .unwrap();
-    let gw = start(&fx, &backends, &script, "");
+    let gw = start_in(jit, &fx, &backends, &script, "");
 
     struct Case {
         ip: &'static str,
@@ -382,11 +417,10 @@ async fn shared_dict_is_shared_across_workers_and_survives_reload() {
     assert_eq!(last, n + 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hot_loop_and_memory_bomb_go_formal_worker_survives_logged() {
+async fn hot_loop_and_memory_bomb_go_formal_worker_survives_logged(jit: bool) {
     let backends = lane_backends(&["formal", "gray"]).await;
     let fx = Fixture::new();
-    let gw = start(
+    let gw = start_in(jit,
         &fx,
         &backends,
         "return function()\n  if ngx.var.http_x_loop then\n    while true do end\n  end\n  if ngx.var.http_x_bomb then\n    local t = {}\n    while true do t[#t + 1] = string.rep('x', 65536) .. #t end\n  end\n  return 'gray'\nend\n",
@@ -430,12 +464,11 @@ async fn hot_loop_and_memory_bomb_go_formal_worker_survives_logged() {
     assert!(!gw.logs().contains("panicked"), "{}", gw.logs());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sandbox_breaches_are_rejected_or_go_formal() {
+async fn sandbox_breaches_are_rejected_or_go_formal(jit: bool) {
     let backends = lane_backends(&["formal", "gray"]).await;
     let fx = Fixture::new();
     let good = "return function() return 'gray' end\n";
-    let gw = start(&fx, &backends, good, "");
+    let gw = start_in(jit, &fx, &backends, good, "");
     assert_eq!(gw.get("/").await.json()["tag"], "gray");
 
     // Reloads the gateway would reject: each names the file and line.
@@ -510,21 +543,21 @@ async fn sandbox_breaches_are_rejected_or_go_formal() {
     assert!(!marker.exists());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn top_level_gets_a_hundred_budgets_and_no_more() {
+async fn top_level_gets_a_hundred_budgets_and_no_more(jit: bool) {
     let backends = lane_backends(&["formal", "gray"]).await;
     let fx = Fixture::new();
-    // ~2 instructions per iteration: 250k iterations are ~50 budgets of
-    // 10,000 instructions, 2.5M iterations ~500.
+    // Each loop iteration charges 10 (one budget check): 50k iterations
+    // are ~50 budgets of 10,000, 500k iterations ~500.
     let script = |n: u64| {
         format!(
-            "local function work(n)\n  local x = 0\n  for i = 1, n do x = x + i end\n  return x\nend\nlocal total = work({n})\nreturn function()\n  if ngx.var.http_x_work then work(250000) end\n  return total > 0 and 'gray' or nil\nend\n"
+            "local function work(n)\n  local x = 0\n  for i = 1, n do x = x + i end\n  return x\nend\nlocal total = work({n})\nreturn function()\n  if ngx.var.http_x_work then work(50000) end\n  return total > 0 and 'gray' or nil\nend\n"
         )
     };
-    let gw = start(
+    let gw = start_in(
+        jit,
         &fx,
         &backends,
-        &script(250_000),
+        &script(50_000),
         "script_limits:\n  instruction_budget: 10000\n",
     );
     // ~50 budgets at the top level: loaded, and serving.
@@ -540,7 +573,7 @@ async fn top_level_gets_a_hundred_budgets_and_no_more() {
     .await;
     // ~500 budgets at the top level: the load is rejected with file:line,
     // and the loaded script keeps serving.
-    fx.write_rename("scripts/main.lua", &script(2_500_000));
+    fx.write_rename("scripts/main.lua", &script(500_000));
     eventually("rejected", Duration::from_secs(30), || async {
         gw.status().await["last_reload_error"]
             .as_str()
@@ -550,8 +583,7 @@ async fn top_level_gets_a_hundred_budgets_and_no_more() {
     assert_eq!(gw.get("/").await.json()["tag"], "gray");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sandbox_environment_isolation_and_unsupported_calls() {
+async fn sandbox_environment_isolation_and_unsupported_calls(jit: bool) {
     let backends = lane_backends(&["formal", "gray"]).await;
     let fx = Fixture::new();
     let script = r#"
@@ -595,7 +627,8 @@ return function()
   return 'gray'
 end
 "#;
-    let gw = start(
+    let gw = start_in(
+        jit,
         &fx,
         &backends,
         script,
@@ -693,14 +726,13 @@ end
     assert_eq!(result("fill").await, "false,true,true");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn require_resolves_only_modules_found_at_load() {
+async fn require_resolves_only_modules_found_at_load(jit: bool) {
     let backends = lane_backends(&["formal", "gray"]).await;
     let fx = Fixture::new();
     fx.write("scripts/mods/a.lua", "return { lane = 'gray' }\n");
     fx.write("scripts/mods/b.lua", "return { lane = 'gray' }\n");
     let main = "local a = require('mods.a')\nreturn function()\n  local name = ngx.var.http_x_mod\n  if name then return require(name).lane end\n  return a.lane\nend\n";
-    let gw = start(&fx, &backends, main, "");
+    let gw = start_in(jit, &fx, &backends, main, "");
     assert_eq!(gw.get("/").await.json()["tag"], "gray");
     // A name computed at run time resolves among the modules found at load
     // (mods.a), not to another file in the directory (mods.b).
@@ -749,5 +781,37 @@ async fn require_resolves_only_modules_found_at_load() {
             gw.status().await["last_reload_error"].is_null()
         })
         .await;
+    }
+}
+
+#[test]
+fn an_unknown_or_ill_typed_jit_setting_is_rejected_with_its_line() {
+    let fx = Fixture::new();
+    fx.write("scripts/main.lua", "return function() return 'gray' end\n");
+    std::fs::create_dir_all(fx.path("site/formal")).unwrap();
+    for (limits, needle) in [
+        ("script_limits:\n  jit: maybe\n", "jit"),
+        ("script_limits:\n  jit: 1\n", "jit"),
+        ("script_limits:\n  jit_on: true\n", "unknown field"),
+    ] {
+        let cfg = fx.write(
+            "gg.yaml",
+            &main_config(&format!(
+                "script: scripts/main.lua\n{limits}routes:\n  - prefix: /\n    static: site\n"
+            )),
+        );
+        let e = graygate::generation::Generation::load(&cfg, 1).unwrap_err();
+        assert_eq!(e.line, Some(6), "{limits}: {e}");
+        assert!(e.message.contains(needle), "{limits}: {e}");
+    }
+    // Both values load.
+    for jit in ["true", "false"] {
+        let cfg = fx.write(
+            "gg.yaml",
+            &main_config(&format!(
+                "script: scripts/main.lua\nscript_limits:\n  jit: {jit}\nroutes:\n  - prefix: /\n    static: site\n"
+            )),
+        );
+        graygate::generation::Generation::load(&cfg, 1).unwrap();
     }
 }

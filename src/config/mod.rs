@@ -14,8 +14,9 @@ pub mod docs;
 pub mod release;
 pub mod rules;
 
-/// Instructions a single lane call may run before it is stopped: about
-/// 1 ms of work (the `script/runaway` benchmark measures it).
+/// What a single lane call may run before it is stopped, each loop
+/// iteration or call charging 10 (the `script/runaway` benchmark measures
+/// it in time).
 pub const DEFAULT_INSTRUCTION_BUDGET: u64 = 300_000;
 /// Memory a script VM may allocate.
 pub const DEFAULT_MEMORY_LIMIT: usize = 64 * 1024 * 1024;
@@ -406,12 +407,18 @@ impl SizeValue {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ScriptLimits {
-    /// Lua VM instructions one lane call may run (default ≈ 1 ms of work).
+    /// What one lane call may run: each loop iteration or function call
+    /// (a budget check, `lane::budget`) charges 10.
     #[serde(default = "default_budget")]
     pub instruction_budget: u64,
     /// Memory one worker's Lua VM may hold.
     #[serde(default = "default_memory_limit")]
     pub memory_limit: SizeValue,
+    /// LuaJIT's trace compiler on: faster scripts, but machine code is
+    /// written at run time (W+X mappings), so the systemd unit needs
+    /// `MemoryDenyWriteExecute=no`.
+    #[serde(default)]
+    pub jit: bool,
 }
 
 fn default_budget() -> u64 {
@@ -427,6 +434,7 @@ impl Default for ScriptLimits {
         ScriptLimits {
             instruction_budget: default_budget(),
             memory_limit: default_memory_limit(),
+            jit: false,
         }
     }
 }

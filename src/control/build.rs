@@ -389,6 +389,7 @@ impl Generation {
                 let mut src = ScriptSource::load_from(docs, &path)?;
                 src.instruction_budget = config.script_limits.instruction_budget;
                 src.memory_limit = memory_limit;
+                src.jit = config.script_limits.jit;
                 src.dicts = dicts.clone();
                 src.validate(&lists)?;
                 files.extend(src.files());

@@ -5,6 +5,7 @@
 //! failing means `formal`. The outcome is a [`Decision`] that the proxy, logs,
 //! metrics and the explain endpoint read.
 
+pub mod budget;
 pub mod ngx;
 pub mod rules;
 pub mod script;

@@ -1,8 +1,10 @@
 //! Layer: lane. The Lua lane script: loading (with the modules it requires, so
 //! a reload validates and watches them all), a sandboxed VM per worker thread
 //! rebuilt lazily when the generation changes, and the synchronous lane call.
-//! The VM is LuaJIT 2.1 as an interpreter (its JIT switched off, so the
-//! instruction hook sees every instruction), with read-only library tables.
+//! The VM is LuaJIT 2.1 — an interpreter by default, with its trace compiler
+//! when `script_limits.jit` is set — with read-only library tables; the
+//! instruction budget is kept by checks written into the source at load
+//! (`lane::budget`), which compiled traces run like the rest of the code.
 //!
 //! Request data reaches Lua lazily: a single `req` userdata per VM whose fields
 //! and methods read the request currently being decided from a thread-local
@@ -17,7 +19,7 @@ use std::sync::Arc;
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use mlua::{Function, HookTriggers, Lua, LuaOptions, MultiValue, StdLib, Table, Value, VmState};
+use mlua::{Function, Lua, LuaOptions, MultiValue, StdLib, Table, Value};
 
 use super::shared_dict::SharedDict;
 use super::RequestInfo;
@@ -28,7 +30,19 @@ use crate::config::{DEFAULT_INSTRUCTION_BUDGET, DEFAULT_MEMORY_LIMIT};
 /// The script's top level (run once per load) may run this many budgets,
 /// so building big tables at load time is fine.
 const TOP_LEVEL_BUDGETS: i64 = 100;
-const HOOK_EVERY: u32 = 1_000;
+/// What one budget check (one loop iteration, one function call) charges
+/// to `instruction_budget`: about the bytecodes an empty loop's iteration
+/// runs, its check included (~10 for `while true do end`), so the default
+/// stops a runaway about as soon as the count hook did (criterion
+/// `script/runaway`: 0.3 ms on the interpreter; at 2 per check it took
+/// 1.5 ms). Straight-line code between checks is bounded by the script's
+/// length and not charged.
+pub const CHECK_WEIGHT: i64 = 10;
+/// Checks the Lua side counts down between two host calls (`tick`): one
+/// host call per ~100 loop iterations keeps hot loops fast, and places a
+/// memory error as finely as the count hook (every 1,000 instructions)
+/// did until the VM holds half its limit; above that every check ticks.
+const TICK_EVERY: i64 = 100;
 
 /// The script and every module it requires, read from disk at load time.
 #[derive(Debug)]
@@ -40,6 +54,8 @@ pub struct ScriptSource {
     pub modules: BTreeMap<String, (PathBuf, String)>,
     pub instruction_budget: u64,
     pub memory_limit: usize,
+    /// LuaJIT's trace compiler on (`script_limits.jit`).
+    pub jit: bool,
     /// `ngx.shared` dictionaries the script may use.
     pub dicts: BTreeMap<String, Arc<SharedDict>>,
     /// Unique per load; a VM built for another id is rebuilt.
@@ -94,6 +110,7 @@ impl ScriptSource {
             modules,
             instruction_budget: DEFAULT_INSTRUCTION_BUDGET,
             memory_limit: DEFAULT_MEMORY_LIMIT,
+            jit: false,
             dicts: BTreeMap::new(),
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         })
@@ -377,14 +394,27 @@ fn list_named<'a>(lists: &'a BTreeMap<String, IpList>, name: &[u8]) -> Option<&'
 /// Why the last call was stopped by a limit.
 #[derive(Debug, Default)]
 struct Guard {
-    /// Instructions left in this call.
+    /// Budget (in instructions) left in this call beyond the chunk of
+    /// checks the Lua side is counting down.
     left: Cell<i64>,
+    /// Above this many bytes every check ticks and records where it is.
+    locate_above: usize,
     /// Set once the budget is spent; pcall/coroutine.resume re-raise then.
     killed: Cell<bool>,
     /// `file:line` where the budget ran out.
     killed_at: RefCell<String>,
-    /// Last `file:line` the hook saw (locates memory errors).
+    /// Last `file:line` a tick saw above `locate_above` (locates memory
+    /// errors).
     last_at: RefCell<(String, usize)>,
+}
+
+impl Guard {
+    /// A fresh `budget` for a call (or a load's top level).
+    fn arm(&self, budget: i64) {
+        self.killed.set(false);
+        self.last_at.borrow_mut().0.clear();
+        self.left.set(budget);
+    }
 }
 
 /// A built VM: the lane function, bound to one script load.
@@ -399,17 +429,24 @@ struct ScriptVm {
     per_request: super::ngx::PerRequest,
     guard: Rc<Guard>,
     budget: i64,
+    /// `jit.status()` once the VM was set up.
+    #[cfg_attr(not(test), allow(dead_code))]
+    jit_on: bool,
 }
 
-/// Switches LuaJIT's trace compiler off for the whole VM, before `jit` is
-/// hidden: compiled traces never call the count hook, so a hot loop inside
-/// a trace could not be stopped by the instruction budget. The interpreter
-/// sends every instruction through it. Refuses to go on if the JIT is still
-/// on.
+/// Switches LuaJIT's trace compiler off for the whole VM (`jit: false`,
+/// the default: no machine code is made, so `MemoryDenyWriteExecute`
+/// holds), before `jit` is hidden. Refuses to go on if the JIT is still on.
 const JIT_OFF: &str = r#"
 jit.off()
 jit.flush()
 if jit.status() then error("LuaJIT's compiler could not be switched off") end
+"#;
+
+/// With `jit: true`: the compiler must really be on (LuaJIT switches it on
+/// when its `jit` library opens, if the CPU is supported).
+const JIT_ON: &str = r#"
+if not jit.status() then error("LuaJIT's compiler is not available on this machine") end
 "#;
 
 /// Base functions taken out of the sandbox: loaders (text or bytecode),
@@ -509,17 +546,22 @@ impl ScriptVm {
     ) -> Result<ScriptVm, ConfigError> {
         let file = &src.path;
         let le = |e: mlua::Error| ConfigError::from(lua_error(file, &e));
-        // LuaJIT 2.1 (OpenResty's branch, as nginx+lua runs), interpreter
-        // only: `jit` is opened just to switch the compiler off and then
-        // removed (see `JIT_OFF`).
+        // LuaJIT 2.1 (OpenResty's branch, as nginx+lua runs). `jit` is
+        // opened (that is what switches the compiler on), switched off
+        // unless `src.jit`, and removed from the environment either way.
         let lua = Lua::new_with(
             StdLib::STRING | StdLib::TABLE | StdLib::MATH | StdLib::BIT | StdLib::JIT,
             LuaOptions::new(),
         )
         .map_err(le)?;
-        lua.load(JIT_OFF)
-            .set_name("=graygate_jit_off")
+        lua.load(if src.jit { JIT_ON } else { JIT_OFF })
+            .set_name("=graygate_jit")
             .exec()
+            .map_err(le)?;
+        let jit_on: bool = lua
+            .load("return jit.status()")
+            .set_name("=graygate_jit")
+            .eval()
             .map_err(le)?;
         lua.set_memory_limit(src.memory_limit).map_err(le)?;
         let globals = lua.globals();
@@ -573,7 +615,11 @@ impl ScriptVm {
         let per_request = super::ngx::install(&lua, &globals, &src.dicts).map_err(le)?;
 
         // Budget guard; the prelude makes pcall & co. honour it.
-        let guard = Rc::new(Guard::default());
+        let guard = Rc::new(Guard {
+            locate_above: src.memory_limit / 2,
+            ..Guard::default()
+        });
+        let counter = budget_counter(&lua, &guard).map_err(le)?;
         let g = guard.clone();
         let killed = lua
             .create_function(move |_, ()| Ok(g.killed.get()))
@@ -611,6 +657,7 @@ impl ScriptVm {
         let loaded = lua.create_table().map_err(le)?;
         let modules: BTreeMap<String, (PathBuf, String)> = src.modules.clone();
         let menv = env.clone();
+        let mcounter = counter.clone();
         let base = globals.clone();
         let require = lua
             .create_function(move |lua, name: String| {
@@ -631,12 +678,17 @@ impl ScriptVm {
                         "module {name:?} not found in the scripts directory"
                     ))
                 })?;
+                let name_at = format!("@{}", path.display());
+                syntax_check(lua, text, &name_at)?;
+                let code = super::budget::rewrite(text).map_err(|e| {
+                    mlua::Error::runtime(format!("{}:{}: {}", path.display(), e.line, e.message))
+                })?;
                 let v: Value = lua
-                    .load(text.as_str())
-                    .set_name(format!("@{}", path.display()))
+                    .load(code)
+                    .set_name(name_at)
                     .set_mode(mlua::chunk::ChunkMode::Text)
                     .set_environment(menv.clone())
-                    .call(name.as_str())?;
+                    .call((mcounter.clone(), name.as_str()))?;
                 let v = if v.is_nil() { Value::Boolean(true) } else { v };
                 loaded.raw_set(name.as_str(), v.clone())?;
                 Ok(v)
@@ -645,50 +697,18 @@ impl ScriptVm {
         globals.raw_set("require", require).map_err(le)?;
 
         let budget = i64::try_from(src.instruction_budget).unwrap_or(i64::MAX);
-        guard.left.set(budget.saturating_mul(TOP_LEVEL_BUDGETS));
-        let g = guard.clone();
-        // The hook only counts. Where the script is (for the messages) is
-        // looked up when the budget runs out, or — to locate a memory
-        // error — while the VM holds more than half its memory limit.
-        let locate_above = src.memory_limit / 2;
-        lua.set_global_hook(
-            HookTriggers::new().every_nth_instruction(HOOK_EVERY),
-            move |lua, debug| {
-                let l = g.left.get() - i64::from(HOOK_EVERY);
-                g.left.set(l);
-                if l >= 0 && lua.used_memory() <= locate_above {
-                    return Ok(VmState::Continue);
-                }
-                let src = debug.source();
-                let file = src.source.as_deref().unwrap_or("?");
-                let file = file.strip_prefix('@').unwrap_or(file);
-                let line = debug.current_line().unwrap_or(0);
-                {
-                    let mut last = g.last_at.borrow_mut();
-                    if last.0 != file {
-                        last.0 = file.to_string();
-                    }
-                    last.1 = line;
-                }
-                if l < 0 {
-                    if !g.killed.get() {
-                        g.killed.set(true);
-                        *g.killed_at.borrow_mut() = format!("{file}:{line}");
-                    }
-                    Err(mlua::Error::runtime("instruction budget exceeded"))
-                } else {
-                    Ok(VmState::Continue)
-                }
-            },
-        )
-        .map_err(le)?;
-
+        syntax_check(&lua, &src.source, &format!("@{}", file.display())).map_err(le)?;
+        let code = super::budget::rewrite(&src.source)
+            .map_err(|e| ConfigError::new(file, Some(e.line), e.message))?;
+        // The top level's first check ticks and takes the first chunk.
+        guard.arm(budget.saturating_mul(TOP_LEVEL_BUDGETS));
+        counter.raw_set(1, 0).map_err(le)?;
         let top: MultiValue = lua
-            .load(src.source.as_str())
+            .load(code)
             .set_name(format!("@{}", file.display()))
             .set_mode(mlua::chunk::ChunkMode::Text)
             .set_environment(env.clone())
-            .call(())
+            .call(counter.clone())
             .map_err(|e| ConfigError::from(classify(&guard, file, &e, None).1))?;
         let lane_fn =
             match top.into_iter().next() {
@@ -735,13 +755,18 @@ impl ScriptVm {
             per_request,
             guard,
             budget,
+            jit_on,
         })
     }
 
     fn call(&self) -> mlua::Result<Option<String>> {
-        self.guard.left.set(self.budget);
-        self.guard.killed.set(false);
-        self.guard.last_at.borrow_mut().0.clear();
+        // The Lua counter keeps what the last call left of its chunk (at
+        // most TICK_EVERY checks, so a call may run up to that many checks
+        // beyond its budget): arming it per call — `Table::raw_set` is a
+        // protected call under a memory limit, ~1,600 instructions; a Lua
+        // entry function taking it as an argument, ~160 — cost more than
+        // the count hook did on the shipped script.
+        self.guard.arm(self.budget);
         let r = self.lane_fn.call::<Value>(&self.req);
         if !self.env.is_empty() {
             let _ = self.env.clear();
@@ -766,6 +791,68 @@ impl ScriptVm {
             ))),
         }
     }
+}
+
+/// The table the checks written into the source count with (`lane::budget`):
+/// `[1]` the checks left in the current chunk, `tick` the host function
+/// called when it runs out. `tick` takes the next chunk from
+/// `guard.left`, or — the budget spent — marks the call killed, records
+/// where, and raises (every later check ticks again and raises again).
+/// While the VM holds more than half its memory limit it records where the
+/// script is at every check (to place a memory error) instead of every
+/// [`TICK_EVERY`].
+fn budget_counter(lua: &Lua, guard: &Rc<Guard>) -> mlua::Result<Table> {
+    let t = lua.create_table_with_capacity(1, 1)?;
+    let g = guard.clone();
+    let tick = lua.create_function(move |lua, ()| -> mlua::Result<i64> {
+        let left = g.left.get();
+        if g.killed.get() || left < CHECK_WEIGHT {
+            if !g.killed.get() {
+                g.killed.set(true);
+                let (file, line) = script_position(lua);
+                *g.killed_at.borrow_mut() = format!("{file}:{line}");
+            }
+            return Err(mlua::Error::runtime("instruction budget exceeded"));
+        }
+        let chunk = if lua.used_memory() > g.locate_above {
+            let (file, line) = script_position(lua);
+            let mut last = g.last_at.borrow_mut();
+            if last.0 != file {
+                last.0 = file;
+            }
+            last.1 = line;
+            1
+        } else {
+            TICK_EVERY.min(left / CHECK_WEIGHT)
+        };
+        g.left.set(left - chunk * CHECK_WEIGHT);
+        // This check is the chunk's first.
+        Ok(chunk - 1)
+    })?;
+    t.raw_set("tick", tick)?;
+    Ok(t)
+}
+
+/// Compiles `text` as written, before its budget checks are: a syntax error
+/// is reported as Lua reports it for the file (the rewrite's wrapper would
+/// turn a stray `end` into "')' expected" on a line past the end).
+fn syntax_check(lua: &Lua, text: &str, name: &str) -> mlua::Result<()> {
+    lua.load(text)
+        .set_name(name)
+        .set_mode(mlua::chunk::ChunkMode::Text)
+        .into_function()
+        .map(drop)
+}
+
+/// `file:line` of the Lua function calling the current host function.
+fn script_position(lua: &Lua) -> (String, usize) {
+    lua.inspect_stack(1, |d| {
+        let src = d.source();
+        let file = src.source.as_deref().unwrap_or("?");
+        let file = file.strip_prefix('@').unwrap_or(file).to_string();
+        (file, d.current_line().unwrap_or(0))
+    })
+    .unwrap_or_default()
 }
 
 /// `os` without anything that touches the process or files.
@@ -1053,6 +1140,18 @@ mod tests {
         let err = src.validate(&Arc::new(BTreeMap::new())).unwrap_err();
         assert_eq!(err.line, Some(2), "{err}");
         assert!(err.file.ends_with("s.lua"), "{err}");
+        // A stray `end`, in the script and in a module: Lua's own message
+        // and line, not the budget rewrite's wrapper's.
+        let extra_end = "return function(req)\n  return 'gray'\nend end\n";
+        let p = write(d.path(), "e.lua", extra_end);
+        let err = validate_error(&p);
+        assert_eq!(err.line, Some(3), "{err}");
+        assert!(err.message.contains("'<eof>' expected"), "{err}");
+        write(d.path(), "m.lua", extra_end);
+        let p = write(d.path(), "main.lua", "local m = require('m')\nreturn m\n");
+        let err = validate_error(&p);
+        assert!(err.file.ends_with("m.lua"), "{err}");
+        assert_eq!(err.line, Some(3), "{err}");
     }
 
     #[test]
@@ -1091,22 +1190,47 @@ mod tests {
         assert!(err.message.contains("invalid module name"), "{err}");
     }
 
+    /// Why the script at `p` fails to load.
+    fn validate_error(p: &Path) -> ConfigError {
+        ScriptSource::load(p)
+            .unwrap()
+            .validate(&Arc::new(BTreeMap::new()))
+            .unwrap_err()
+    }
+
     #[test]
     fn must_return_a_function() {
         let d = tempfile::tempdir().unwrap();
         let p = write(d.path(), "main.lua", "return 42\n");
-        let err = ScriptSource::load(&p)
-            .unwrap()
-            .validate(&Arc::new(BTreeMap::new()))
-            .unwrap_err();
+        let err = validate_error(&p);
         assert!(err.message.contains("must return a function"), "{err}");
+    }
+
+    thread_local! {
+        /// `script_limits.jit` for the scripts this test thread loads.
+        static JIT: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// Runs a sandbox test on the interpreter (the default) and again with
+    /// LuaJIT's compiler on: every guarantee must hold in both.
+    fn both_modes(test: fn()) {
+        for jit in [false, true] {
+            JIT.with(|j| j.set(jit));
+            test();
+        }
     }
 
     fn load_src(text: &str) -> (tempfile::TempDir, ScriptSource) {
         let d = tempfile::tempdir().unwrap();
         let p = write(d.path(), "t.lua", text);
-        let src = ScriptSource::load(&p).unwrap();
+        let mut src = ScriptSource::load(&p).unwrap();
+        src.jit = JIT.with(Cell::get);
         (d, src)
+    }
+
+    /// Whether this thread's VM runs with LuaJIT's compiler on.
+    fn vm_jit_on() -> bool {
+        VM.with(|v| v.borrow().as_ref().is_some_and(|vm| vm.jit_on))
     }
 
     fn req_with(header: Option<(&str, &str)>) -> RequestInfo {
@@ -1138,6 +1262,10 @@ mod tests {
 
     #[test]
     fn table_new_and_clear_as_openresty_requires_them() {
+        both_modes(table_new_and_clear_as_openresty_requires_them_in);
+    }
+
+    fn table_new_and_clear_as_openresty_requires_them_in() {
         let (_d, src) = load_src(
             "local new_tab = require 'table.new'\nlocal clear_tab = require('table.clear')\n\
              return function()\n  local t = new_tab(4, 2)\n  t[1], t.k = 1, 2\n\
@@ -1154,6 +1282,10 @@ mod tests {
 
     #[test]
     fn hot_infinite_loop_is_stopped_located_and_counted() {
+        both_modes(hot_infinite_loop_is_stopped_located_and_counted_in);
+    }
+
+    fn hot_infinite_loop_is_stopped_located_and_counted_in() {
         let (_d, src) = load_src(
             "return function(req)\n  if req:header('x-loop') then\n    while true do end\n  end\n  return 'gray'\nend\n",
         );
@@ -1171,11 +1303,20 @@ mod tests {
 
     #[test]
     fn pcall_and_coroutines_cannot_swallow_the_budget() {
+        both_modes(pcall_and_coroutines_cannot_swallow_the_budget_in);
+    }
+
+    fn pcall_and_coroutines_cannot_swallow_the_budget_in() {
         for body in [
             "while true do pcall(function() while true do end end) end",
             "while true do xpcall(function() while true do end end, function(e) return e end) end",
             "while true do coroutine.resume(coroutine.create(function() while true do end end)) end",
             "local f = coroutine.wrap(function() while true do end end)\n f()",
+            // Caught once, with no check left to pass afterwards: the
+            // wrappers re-raise.
+            "local ok = pcall(function() while true do end end)\n return 'swallowed'",
+            "xpcall(function() while true do end end, function(e) return e end)\n return 'swallowed'",
+            "coroutine.resume(coroutine.create(function() while true do end end))\n return 'swallowed'",
         ] {
             let (_d, src) = load_src(&format!("return function()\n{body}\nend\n"));
             let e = call(&src, None).unwrap_err();
@@ -1185,7 +1326,12 @@ mod tests {
 
     #[test]
     fn top_level_gets_a_larger_but_finite_budget() {
-        // ~500k instructions at load: more than one call's budget, fine.
+        both_modes(top_level_gets_a_larger_but_finite_budget_in);
+    }
+
+    fn top_level_gets_a_larger_but_finite_budget_in() {
+        // 100,000 checks at load (1M of budget): more than one call's
+        // budget, fine.
         let (_d, src) = load_src(
             "local t = {}\nfor i = 1, 100000 do t[i] = i * 2 end\nreturn function() return t[100000] == 200000 and 'gray' or nil end\n",
         );
@@ -1201,7 +1347,12 @@ mod tests {
 
     #[test]
     fn budget_is_configurable() {
-        // ~3000 instructions: fine under the default, stopped under 1000.
+        both_modes(budget_is_configurable_in);
+    }
+
+    fn budget_is_configurable_in() {
+        // 1,000 checks (10,000 of budget): fine under the default, stopped
+        // under 1000.
         let text = "return function()\n local x = 0\n for i = 1, 1000 do x = x + i end\n return 'gray'\nend\n";
         let (_d, mut src) = load_src(text);
         assert_eq!(call(&src, None).unwrap().as_deref(), Some("gray"));
@@ -1223,6 +1374,10 @@ mod tests {
 
     #[test]
     fn memory_bomb_is_stopped_by_the_vm_limit() {
+        both_modes(memory_bomb_is_stopped_by_the_vm_limit_in);
+    }
+
+    fn memory_bomb_is_stopped_by_the_vm_limit_in() {
         for body in [
             "local t = {}\n  while true do t[#t + 1] = string.rep('x', 2^20) .. #t end",
             "return string.rep('x', 2^28)",
@@ -1249,6 +1404,10 @@ mod tests {
 
     #[test]
     fn request_strings_leave_the_memory_limit_in_force() {
+        both_modes(request_strings_leave_the_memory_limit_in_force_in);
+    }
+
+    fn request_strings_leave_the_memory_limit_in_force_in() {
         // Each iteration reads request values (created with the limit lifted
         // for the allocation, see `request_string`) and keeps 1 MiB made
         // from them: the limit still stops the call, long before the
@@ -1275,10 +1434,15 @@ mod tests {
 
     #[test]
     fn a_loop_hot_enough_to_be_jit_compiled_is_still_stopped() {
-        // With LuaJIT's compiler on, this loop becomes a trace after a few
-        // dozen iterations, the count hook never runs again and the call
-        // returns "done" (3e8 iterations take well under a second
-        // compiled). With it off, the budget stops it.
+        both_modes(a_loop_hot_enough_to_be_jit_compiled_is_still_stopped_in);
+    }
+
+    fn a_loop_hot_enough_to_be_jit_compiled_is_still_stopped_in() {
+        // With LuaJIT's compiler on (`jit: true`), this loop becomes a
+        // trace after a few dozen iterations: a count hook would never run
+        // again and the call would return "done" (3e8 iterations take well
+        // under a second compiled). The budget checks written into the
+        // source are compiled into the trace and stop it.
         let (_d, src) = load_src(
             "return function()\n  local x = 0\n  for i = 1, 3e8 do x = x + i end\n  return 'done'\nend\n",
         );
@@ -1287,6 +1451,8 @@ mod tests {
             assert_eq!(e.limit, Some(Limit::Instructions), "{e}");
             assert!(e.message.contains("t.lua:3:"), "{e}");
         }
+        // The mode asked for is the mode the VM runs in.
+        assert_eq!(vm_jit_on(), JIT.with(Cell::get));
         // A hot inner function called from a loop, likewise.
         let (_d, src) = load_src(
             "local function f(x) return x + 1 end\nreturn function()\n  local x = 0\n  while x < 3e8 do x = f(x) end\n  return 'done'\nend\n",
@@ -1299,6 +1465,10 @@ mod tests {
 
     #[test]
     fn libraries_and_the_string_metatable_cannot_carry_state() {
+        both_modes(libraries_and_the_string_metatable_cannot_carry_state_in);
+    }
+
+    fn libraries_and_the_string_metatable_cannot_carry_state_in() {
         for (write, err) in [
             ("string.leak = 1", "string is read-only"),
             ("table.leak = 1", "table is read-only"),
@@ -1339,6 +1509,10 @@ mod tests {
 
     #[test]
     fn globals_do_not_leak_between_requests() {
+        both_modes(globals_do_not_leak_between_requests_in);
+    }
+
+    fn globals_do_not_leak_between_requests_in() {
         let (_d, src) = load_src(
             "base = 10\nreturn function()\n  hits = (hits or 0) + 1\n  base = base + 1\n  _G.other = (_G.other or 0) + 1\n  return hits .. '-' .. base .. '-' .. other\nend\n",
         );
@@ -1359,6 +1533,10 @@ mod tests {
 
     #[test]
     fn sandbox_has_no_process_file_or_loader_access() {
+        both_modes(sandbox_has_no_process_file_or_loader_access_in);
+    }
+
+    fn sandbox_has_no_process_file_or_loader_access_in() {
         for (expr, want) in [
             ("type(io)", "nil"),
             ("type(os.execute)", "nil"),
@@ -1367,6 +1545,11 @@ mod tests {
             ("type(debug)", "nil"),
             ("type(ffi)", "nil"),
             ("type(jit)", "nil"),
+            // LuaJIT preloads these; `require` resolves only built-ins and
+            // the scripts directory.
+            ("tostring((pcall(require, 'jit')))", "false"),
+            ("tostring((pcall(require, 'jit.util')))", "false"),
+            ("tostring((pcall(require, 'jit.opt')))", "false"),
             ("type(package)", "nil"),
             ("type(dofile)", "nil"),
             ("type(loadfile)", "nil"),
@@ -1393,6 +1576,25 @@ mod tests {
             e.message.contains("not found in the scripts directory"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn the_rewrites_reserved_names_are_refused_at_load_with_file_and_line() {
+        let (_d, src) = load_src("local x = 1\nlocal __gg_b = {}\nreturn function() end\n");
+        let err = src.validate(&Arc::new(BTreeMap::new())).unwrap_err();
+        assert_eq!(err.line, Some(2), "{err}");
+        assert!(err.message.contains("reserved"), "{err}");
+        // In a required module too, placed in the module's file.
+        let d = tempfile::tempdir().unwrap();
+        write(d.path(), "m.lua", "local t = {}\n\nt.__gg = 1\nreturn t\n");
+        let p = write(
+            d.path(),
+            "main.lua",
+            "local m = require('m')\nreturn function() end\n",
+        );
+        let err = validate_error(&p);
+        assert!(err.file.ends_with("m.lua"), "{err}");
+        assert_eq!(err.line, Some(3), "{err}");
     }
 
     #[test]
@@ -1476,6 +1678,10 @@ mod tests {
 
     #[test]
     fn script_sees_the_rule_verdict() {
+        both_modes(script_sees_the_rule_verdict_in);
+    }
+
+    fn script_sees_the_rule_verdict_in() {
         let (_d, src) = load_src(
             "return function(req)\n  return tostring(req.rule_lane) .. '/' .. tostring(req.rule_name)\nend\n",
         );
