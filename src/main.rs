@@ -41,7 +41,7 @@ const LONG_VERSION: &str = concat!(
     env!("GRAYGATE_BUILD_PROFILE"),
     "\nfeatures: ",
     env!("GRAYGATE_BUILD_FEATURES"),
-    "\nlua:      LuaJIT 2.1 (vendored; interpreter, JIT off)",
+    "\nlua:      LuaJIT 2.1 (vendored; JIT off unless script_limits.jit)",
 );
 
 #[derive(Parser)]
@@ -98,6 +98,10 @@ enum Command {
     Completions { shell: clap_complete::Shell },
     /// Print the man page (roff, section 1).
     Manpage,
+    /// Internal: whether LuaJIT's compiler can run in this process
+    /// (`script_limits.jit`); prints `ok`.
+    #[command(name = "jit-probe", hide = true)]
+    JitProbe,
     /// Upload a files configuration (what --check accepts) to etcd in one
     /// transaction.
     Push {
@@ -205,9 +209,10 @@ fn runtime() -> tokio::runtime::Runtime {
 fn etcd_command(cmd: Command) -> ExitCode {
     let rt = runtime();
     match cmd {
-        Command::Release { .. } | Command::Completions { .. } | Command::Manpage => {
-            ExitCode::FAILURE
-        }
+        Command::Release { .. }
+        | Command::Completions { .. }
+        | Command::Manpage
+        | Command::JitProbe => ExitCode::FAILURE,
         Command::Push {
             config,
             etcd: url,
@@ -330,7 +335,11 @@ fn read_bootstrap(path: &Path) -> Option<graygate::config::Bootstrap> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // `script_limits.jit` is accepted only where LuaJIT's compiler can run:
+    // this binary asks a child of itself once (see lane::jit_probe).
+    graygate::lane::jit_probe::set_probe(graygate::lane::jit_probe::in_child);
     match &cli.command {
+        Some(Command::JitProbe) => return graygate::lane::jit_probe::probe_main(),
         Some(Command::Completions { shell }) => {
             clap_complete::generate(
                 *shell,

@@ -383,6 +383,13 @@ impl Generation {
             .map(|(name, bytes)| (name.clone(), shared_dict::dict(name, *bytes)))
             .collect();
 
+        if config.script_limits.jit && config.script.is_some() {
+            // Where LuaJIT cannot make its code executable it would end the
+            // process at the first compiled trace.
+            crate::lane::jit_probe::available().map_err(|why| {
+                ConfigError::new(config_path, at("jit"), format!("script_limits.jit: {why}"))
+            })?;
+        }
         let script = match &config.script {
             Some(p) => {
                 let path = resolve(&root, p);

@@ -6,6 +6,7 @@
 //! metrics and the explain endpoint read.
 
 pub mod budget;
+pub mod jit_probe;
 pub mod ngx;
 pub mod rules;
 pub mod script;
