@@ -68,10 +68,14 @@ impl PerRequest {
 }
 
 /// Installs `ngx` into `g` (`bit` is LuaJIT's own library).
+/// `names`: the `ngx.var` names the script's and its modules' source
+/// mention ([`mentioned_vars`]), all fetched in one host call on a request's
+/// first `ngx.var` miss.
 pub(crate) fn install(
     lua: &Lua,
     g: &Table,
     dicts: &BTreeMap<String, Arc<SharedDict>>,
+    names: Vec<Vec<u8>>,
 ) -> mlua::Result<PerRequest> {
     let ngx = lua.create_table()?;
     for (name, n) in LEVELS {
@@ -84,7 +88,7 @@ pub(crate) fn install(
         lua.create_table()?,
     ]));
     ngx.raw_set("var", var)?;
-    ngx.raw_set("req", req_table(lua, &per_request)?)?;
+    ngx.raw_set("req", req_table(lua, &per_request, names)?)?;
     ngx.raw_set("log", lua.create_function(log)?)?;
     ngx.raw_set(
         "crc32_short",
@@ -153,8 +157,8 @@ fn unix_now() -> std::time::Duration {
 /// so a second read of the same variable is a plain table hit (no host
 /// call); `ngx.var` itself stays empty so every write reaches `__newindex`.
 const GLUE: &str = r#"
-local var, vcache, rcache, fetch, store, build_headers, build_args = ...
-local rawget, rawset, setmetatable, type = rawget, rawset, setmetatable, type
+local var, vcache, rcache, fetch, store, build_headers, build_args, names, fetch_all = ...
+local rawget, rawset, setmetatable, type, select = rawget, rawset, setmetatable, type, select
 local lower, gsub, find, sub, byte = string.lower, string.gsub, string.find, string.sub, string.byte
 -- The builders hand over one packed string (see `Packed` in ngx.rs):
 -- records `name \0 = value \0` or `name \0 !` (a bare flag); a repeated
@@ -182,7 +186,25 @@ local function unpack_entries(s)
   end
   return t
 end
+-- The names the source mentions (`names`, a set too) are fetched together
+-- on the request's first miss; `DONE` (a key no script can reach) marks the
+-- cache filled, so a mentioned name that is nil needs no host call either.
+-- Any other name is fetched alone. `clear` empties the lot (DONE with it).
+local DONE, npre, mentioned = {}, #names, {}
+for i = 1, npre do mentioned[names[i]] = true end
+local function fill(c, ...)
+  for i = 1, npre do
+    local v = (select(i, ...))
+    if v ~= nil then rawset(c, names[i], v) end
+  end
+  rawset(c, DONE, true)
+end
 setmetatable(vcache, { __index = function(c, k)
+  if mentioned[k] then
+    if rawget(c, DONE) then return nil end
+    fill(c, fetch_all())
+    return rawget(c, k)
+  end
   local v = fetch(k)
   if v ~= nil then rawset(c, k, v) end
   return v
@@ -239,6 +261,81 @@ fn fetch(lua: &Lua, name: LuaString) -> mlua::Result<Value> {
             None => Ok(Value::Nil),
         }
     })?
+}
+
+/// All of `names`' values for the current request, in order (nil where unset).
+fn fetch_all(lua: &Lua, names: &[Vec<u8>]) -> mlua::Result<MultiValue> {
+    with_current(|r, c| {
+        c.ngx_cached |= CACHED_VARS;
+        let mut out = MultiValue::with_capacity(names.len());
+        for n in names {
+            let v = match n.as_slice() {
+                n if n.starts_with(b"cookie_") => {
+                    cookie_var(r, &mut c.parsed, &n[7..]).map(Cow::Borrowed)
+                }
+                n if n.starts_with(b"arg_") => {
+                    arg_var(r, &mut c.parsed, &n[4..]).map(Cow::Borrowed)
+                }
+                n => variable(r, n),
+            };
+            out.push_back(match v {
+                Some(v) => Value::String(request_string(lua, &v)?),
+                None => Value::Nil,
+            });
+        }
+        Ok(out)
+    })?
+}
+
+/// Most names [`mentioned_vars`] returns: a script mentioning more has the
+/// rest fetched one by one, as before.
+const MAX_MENTIONED: usize = 32;
+
+/// The `ngx.var` names `text` mentions as `ngx.var.NAME`, `ngx.var["NAME"]`
+/// or `ngx.var['NAME']` (assignments and comments too: a name fetched and
+/// not read costs a string, never a different value). Sorted, unique.
+pub(crate) fn mentioned_vars<'a>(texts: impl IntoIterator<Item = &'a str>) -> Vec<Vec<u8>> {
+    let ident = |b: &u8| b.is_ascii_alphanumeric() || *b == b'_';
+    let mut names = std::collections::BTreeSet::new();
+    for text in texts {
+        let t = text.as_bytes();
+        let mut from = 0;
+        while let Some(i) = find(&t[from..], b"ngx.var") {
+            let start = from + i;
+            let at = start + b"ngx.var".len();
+            from = at;
+            if start > 0 && ident(&t[start - 1]) {
+                continue; // `xngx.var`
+            }
+            let rest = &t[at..];
+            let name: &[u8] = match rest.first() {
+                Some(b'.') => {
+                    let n = rest[1..].iter().take_while(|b| ident(b)).count();
+                    &rest[1..1 + n]
+                }
+                Some(b'[') => match rest.get(1) {
+                    Some(&q @ (b'"' | b'\'')) => {
+                        let body = &rest[2..];
+                        let n = body.iter().take_while(|b| ident(b)).count();
+                        if body.get(n) != Some(&q) {
+                            continue;
+                        }
+                        &body[..n]
+                    }
+                    _ => continue,
+                },
+                _ => continue,
+            };
+            if !name.is_empty() && !name[0].is_ascii_digit() {
+                names.insert(name.to_vec());
+            }
+        }
+    }
+    names.into_iter().take(MAX_MENTIONED).collect()
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
 }
 
 /// `ngx.var.x = v`: only `args` (`query_string`) is changeable, as in nginx.
@@ -610,7 +707,7 @@ fn args_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Value> {
     Ok(Value::Table(t))
 }
 
-fn req_table(lua: &Lua, per_request: &Rc<PerRequest>) -> mlua::Result<Table> {
+fn req_table(lua: &Lua, per_request: &Rc<PerRequest>, names: Vec<Vec<u8>>) -> mlua::Result<Table> {
     let t = lua.create_table()?;
     let [var, vcache, rcache] = &per_request.0;
     let pr = per_request.clone();
@@ -639,6 +736,13 @@ fn req_table(lua: &Lua, per_request: &Rc<PerRequest>) -> mlua::Result<Table> {
             store,
             build_headers,
             build_args,
+            lua.create_sequence_from(
+                names
+                    .iter()
+                    .map(|n| lua.create_string(n))
+                    .collect::<mlua::Result<Vec<_>>>()?,
+            )?,
+            lua.create_function(move |lua, ()| fetch_all(lua, &names))?,
         ))?;
     t.raw_set("get_headers", get_headers)?;
     t.raw_set("get_uri_args", get_uri_args)?;
@@ -1147,6 +1251,46 @@ pub(crate) mod tests {
             assert!(!req.parts.headers.contains_key("x-before"), "{bad}");
             assert!(!req.parts.headers.contains_key("x-evil"), "{bad}");
         }
+    }
+
+    #[test]
+    fn mentioned_var_names_are_found_in_the_source() {
+        let names = mentioned_vars([
+            "local a = ngx.var.remote_addr .. ngx.var['http_x_a'] .. ngx.var[\"cookie_b\"]
+             -- ngx.var.arg_c in a comment counts too
+             local x = myngx.var.nope; ngx.var[k] = 1; ngx.var['a b'] = 2; ngx.var.uri = ngx.var.uri",
+            "return ngx.var.remote_addr, ngx.var .. ''",
+        ]);
+        let names: Vec<&str> = names
+            .iter()
+            .map(|n| std::str::from_utf8(n).unwrap())
+            .collect();
+        assert_eq!(
+            names,
+            ["arg_c", "cookie_b", "http_x_a", "remote_addr", "uri"]
+        );
+        let many: String = (0..40).map(|i| format!("ngx.var.v{i:02} ")).collect();
+        assert_eq!(mentioned_vars([many.as_str()]).len(), MAX_MENTIONED);
+    }
+
+    #[test]
+    fn mentioned_and_other_names_read_alike() {
+        // Names the source mentions are fetched together on the first miss;
+        // names built at run time (`'http_' .. h`) one by one; both give the
+        // same values, nil included, read once or again, before and after
+        // a change to the request.
+        let r = eval(
+            "local v = ngx.var
+             local dyn = 'http_' .. 'x_user_id'
+             local a = { tostring(v[dyn]), tostring(ngx.var.cookie_none), tostring(ngx.var.cookie_none),
+                 ngx.var.http_x_user_id, tostring(v['arg_' .. 'uid']), ngx.var.remote_addr,
+                 tostring(v['cookie_' .. 'sid']), tostring(v.http_absent) }
+             ngx.req.set_header('X-User-Id', 'new')
+             local b = { ngx.var.http_x_user_id, v[dyn], tostring(ngx.var.cookie_none) }
+             return table.concat(a, '|') .. ' -> ' .. table.concat(b, '|')",
+            std_req(),
+        );
+        assert_eq!(r, "u-7|nil|nil|u-7|42|10.1.2.3|abc|nil -> new|new|nil");
     }
 
     #[test]

@@ -612,7 +612,16 @@ impl ScriptVm {
         )
         .map_err(le)?;
         globals.raw_set("graygate", gg).map_err(le)?;
-        let per_request = super::ngx::install(&lua, &globals, &src.dicts).map_err(le)?;
+        let per_request = super::ngx::install(
+            &lua,
+            &globals,
+            &src.dicts,
+            super::ngx::mentioned_vars(
+                std::iter::once(src.source.as_str())
+                    .chain(src.modules.values().map(|(_, text)| text.as_str())),
+            ),
+        )
+        .map_err(le)?;
 
         // Budget guard; the prelude makes pcall & co. honour it.
         let guard = Rc::new(Guard {
