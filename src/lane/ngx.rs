@@ -157,8 +157,8 @@ fn unix_now() -> std::time::Duration {
 /// so a second read of the same variable is a plain table hit (no host
 /// call); `ngx.var` itself stays empty so every write reaches `__newindex`.
 const GLUE: &str = r#"
-local var, vcache, rcache, fetch, store, build_headers, build_args, names, fetch_all = ...
-local rawget, rawset, setmetatable, type, select = rawget, rawset, setmetatable, type, select
+local var, vcache, rcache, fetch, store, build_headers, build_args, names, fetch_all, make_fill = ...
+local rawget, rawset, setmetatable, type = rawget, rawset, setmetatable, type
 local lower, gsub, find, sub, byte = string.lower, string.gsub, string.find, string.sub, string.byte
 -- The builders hand over one packed string (see `Packed` in ngx.rs):
 -- records `name \0 = value \0` or `name \0 !` (a bare flag); a repeated
@@ -190,15 +190,9 @@ end
 -- on the request's first miss; `DONE` (a key no script can reach) marks the
 -- cache filled, so a mentioned name that is nil needs no host call either.
 -- Any other name is fetched alone. `clear` empties the lot (DONE with it).
-local DONE, npre, mentioned = {}, #names, {}
-for i = 1, npre do mentioned[names[i]] = true end
-local function fill(c, ...)
-  for i = 1, npre do
-    local v = (select(i, ...))
-    if v ~= nil then rawset(c, names[i], v) end
-  end
-  rawset(c, DONE, true)
-end
+local DONE, mentioned = {}, {}
+for i = 1, #names do mentioned[names[i]] = true end
+local fill = make_fill(DONE)
 setmetatable(vcache, { __index = function(c, k)
   if mentioned[k] then
     if rawget(c, DONE) then return nil end
@@ -206,7 +200,7 @@ setmetatable(vcache, { __index = function(c, k)
     return rawget(c, k)
   end
   local v = fetch(k)
-  if v ~= nil then rawset(c, k, v) end
+  if v ~= nil then c[k] = v end
   return v
 end })
 setmetatable(var, { __index = vcache, __newindex = store, __metatable = false })
@@ -285,6 +279,21 @@ fn fetch_all(lua: &Lua, names: &[Vec<u8>]) -> mlua::Result<MultiValue> {
         }
         Ok(out)
     })?
+}
+
+/// Lua source of `make_fill(DONE)`: a function storing `fetch_all`'s values
+/// under `names` into the cache, one plain assignment each (no loop, no
+/// `select`); the cache has no `__newindex`. Names are identifier bytes
+/// ([`mentioned_vars`]), so they are safe in a quoted literal.
+fn fill_source(names: &[Vec<u8>]) -> String {
+    let mut params = String::new();
+    let mut body = String::new();
+    for (i, n) in names.iter().enumerate() {
+        let n = std::str::from_utf8(n).unwrap_or("");
+        params.push_str(&format!(", v{i}"));
+        body.push_str(&format!("if v{i} ~= nil then c[\"{n}\"] = v{i} end\n"));
+    }
+    format!("local DONE = ...\nreturn function(c{params})\n{body}c[DONE] = true\nend\n")
 }
 
 /// Most names [`mentioned_vars`] returns: a script mentioning more has the
@@ -727,6 +736,10 @@ fn req_table(lua: &Lua, per_request: &Rc<PerRequest>, names: Vec<Vec<u8>>) -> ml
     };
     let build_headers = builder(headers_table)?;
     let build_args = builder(args_table)?;
+    let make_fill = lua
+        .load(fill_source(&names))
+        .set_name("=graygate_ngx_fill")
+        .into_function()?;
     let (get_headers, get_uri_args): (Function, Function) =
         lua.load(GLUE).set_name("=graygate_ngx").call((
             var,
@@ -743,6 +756,7 @@ fn req_table(lua: &Lua, per_request: &Rc<PerRequest>, names: Vec<Vec<u8>>) -> ml
                     .collect::<mlua::Result<Vec<_>>>()?,
             )?,
             lua.create_function(move |lua, ()| fetch_all(lua, &names))?,
+            make_fill,
         ))?;
     t.raw_set("get_headers", get_headers)?;
     t.raw_set("get_uri_args", get_uri_args)?;
@@ -1094,6 +1108,20 @@ pub(crate) mod tests {
         }
     }
 
+    thread_local! {
+        /// `run_with`'s VM mode (`script_limits.jit`).
+        static JIT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// Runs `test` with the interpreter, then with LuaJIT's compiler on.
+    fn both_modes(test: fn()) {
+        for jit in [false, true] {
+            JIT.with(|j| j.set(jit));
+            test();
+        }
+        JIT.with(|j| j.set(false));
+    }
+
     /// Runs `body` as the lane function on `req`; returns its string result.
     fn run_with(
         body: &str,
@@ -1105,6 +1133,7 @@ pub(crate) mod tests {
         std::fs::write(&p, format!("return function(req)\n{body}\nend\n")).unwrap();
         let mut src = ScriptSource::load(&p).unwrap();
         src.dicts = dicts;
+        src.jit = JIT.with(std::cell::Cell::get);
         call_lane(&src, &Arc::new(BTreeMap::new()), req, RuleCtx::default())
     }
 
@@ -1275,6 +1304,10 @@ pub(crate) mod tests {
 
     #[test]
     fn mentioned_and_other_names_read_alike() {
+        both_modes(mentioned_and_other_names_read_alike_in);
+    }
+
+    fn mentioned_and_other_names_read_alike_in() {
         // Names the source mentions are fetched together on the first miss;
         // names built at run time (`'http_' .. h`) one by one; both give the
         // same values, nil included, read once or again, before and after
@@ -1287,14 +1320,23 @@ pub(crate) mod tests {
                  tostring(v['cookie_' .. 'sid']), tostring(v.http_absent) }
              ngx.req.set_header('X-User-Id', 'new')
              local b = { ngx.var.http_x_user_id, v[dyn], tostring(ngx.var.cookie_none) }
-             return table.concat(a, '|') .. ' -> ' .. table.concat(b, '|')",
+             -- Hot enough for a trace: the reads are then compiled table loads.
+             local n = 0
+             for _ = 1, 500 do
+               if ngx.var.http_x_user_id == 'new' and ngx.var.cookie_none == nil then n = n + 1 end
+             end
+             return table.concat(a, '|') .. ' -> ' .. table.concat(b, '|') .. ' ' .. n",
             std_req(),
         );
-        assert_eq!(r, "u-7|nil|nil|u-7|42|10.1.2.3|abc|nil -> new|new|nil");
+        assert_eq!(r, "u-7|nil|nil|u-7|42|10.1.2.3|abc|nil -> new|new|nil 500");
     }
 
     #[test]
     fn cached_values_follow_set_header_and_args() {
+        both_modes(cached_values_follow_set_header_and_args_in);
+    }
+
+    fn cached_values_follow_set_header_and_args_in() {
         let (req, r) = run_with(
             "local before = { ngx.var.http_x_user_id, ngx.req.get_headers()['x-user-id'],
                  ngx.var.cookie_sid, ngx.var.arg_uid, ngx.req.get_uri_args().uid, ngx.var.args }
