@@ -214,3 +214,36 @@ impl Decision {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lane_names_read_alike_whatever_holds_them() {
+        let shared: Arc<str> = "gray".into();
+        let lanes = [
+            LaneName::from("gray"),
+            LaneName::from(String::from("gray")),
+            LaneName::from(shared.clone()),
+            LaneName::from(&shared),
+        ];
+        for l in &lanes {
+            assert_eq!(l.as_str(), "gray");
+            assert_eq!(*l, "gray");
+            assert!("gray" == *l);
+            assert_eq!(*l, String::from("gray"));
+            assert_eq!(*l, lanes[0]);
+            assert_ne!(*l, "formal");
+            // Formatted as the name itself (logs, /explain), as a String was.
+            assert_eq!(format!("{l:?} {l}"), "\"gray\" gray");
+            assert_eq!(serde_json::Value::from(l.clone()), "gray");
+            assert_eq!(
+                AsRef::<std::path::Path>::as_ref(l),
+                std::path::Path::new("gray")
+            );
+        }
+        let d = Decision::new(crate::config::FORMAL, DecidedBy::Default);
+        assert_eq!(d.lane, "formal");
+    }
+}
