@@ -57,10 +57,134 @@ impl DecidedBy {
     }
 }
 
+/// A decided lane's name without an allocation for the usual ones: a
+/// `'static` name (`formal`), a shared name from the generation (a rule's or
+/// release step's lane, an `Arc` clone), or an owned one (a script's or a
+/// trusted tag's). Reads as a `&str`.
+#[derive(Clone)]
+pub struct LaneName(LaneRepr);
+
+#[derive(Clone)]
+enum LaneRepr {
+    Static(&'static str),
+    Shared(Arc<str>),
+    Owned(String),
+}
+
+impl LaneName {
+    pub fn as_str(&self) -> &str {
+        match &self.0 {
+            LaneRepr::Static(s) => s,
+            LaneRepr::Shared(s) => s,
+            LaneRepr::Owned(s) => s,
+        }
+    }
+}
+
+impl std::ops::Deref for LaneName {
+    type Target = str;
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl AsRef<str> for LaneName {
+    fn as_ref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl AsRef<std::path::Path> for LaneName {
+    fn as_ref(&self) -> &std::path::Path {
+        self.as_str().as_ref()
+    }
+}
+
+impl From<LaneName> for serde_json::Value {
+    fn from(l: LaneName) -> serde_json::Value {
+        l.as_str().into()
+    }
+}
+
+impl PartialEq<LaneName> for &str {
+    fn eq(&self, o: &LaneName) -> bool {
+        *self == o.as_str()
+    }
+}
+
+impl PartialEq<LaneName> for str {
+    fn eq(&self, o: &LaneName) -> bool {
+        self == o.as_str()
+    }
+}
+
+impl std::fmt::Debug for LaneName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(self.as_str(), f)
+    }
+}
+
+impl std::fmt::Display for LaneName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl PartialEq for LaneName {
+    fn eq(&self, o: &LaneName) -> bool {
+        self.as_str() == o.as_str()
+    }
+}
+
+impl Eq for LaneName {}
+
+impl PartialEq<str> for LaneName {
+    fn eq(&self, o: &str) -> bool {
+        self.as_str() == o
+    }
+}
+
+impl PartialEq<&str> for LaneName {
+    fn eq(&self, o: &&str) -> bool {
+        self.as_str() == *o
+    }
+}
+
+impl PartialEq<String> for LaneName {
+    fn eq(&self, o: &String) -> bool {
+        self.as_str() == o
+    }
+}
+
+impl From<&'static str> for LaneName {
+    fn from(s: &'static str) -> LaneName {
+        LaneName(LaneRepr::Static(s))
+    }
+}
+
+impl From<String> for LaneName {
+    fn from(s: String) -> LaneName {
+        LaneName(LaneRepr::Owned(s))
+    }
+}
+
+impl From<Arc<str>> for LaneName {
+    fn from(s: Arc<str>) -> LaneName {
+        LaneName(LaneRepr::Shared(s))
+    }
+}
+
+impl From<&Arc<str>> for LaneName {
+    fn from(s: &Arc<str>) -> LaneName {
+        LaneName(LaneRepr::Shared(s.clone()))
+    }
+}
+
 /// Everything known about how one request was routed.
 #[derive(Debug, Clone)]
 pub struct Decision {
-    pub lane: String,
+    /// The decided lane (no allocation for `formal` or a rule's lane).
+    pub lane: LaneName,
     pub decided_by: DecidedBy,
     /// Prefix of the matched route.
     pub route: Option<Arc<str>>,
@@ -77,7 +201,7 @@ pub struct Decision {
 }
 
 impl Decision {
-    pub fn new(lane: impl Into<String>, decided_by: DecidedBy) -> Decision {
+    pub fn new(lane: impl Into<LaneName>, decided_by: DecidedBy) -> Decision {
         Decision {
             lane: lane.into(),
             decided_by,
@@ -88,5 +212,38 @@ impl Decision {
             node: None,
             fallback: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lane_names_read_alike_whatever_holds_them() {
+        let shared: Arc<str> = "gray".into();
+        let lanes = [
+            LaneName::from("gray"),
+            LaneName::from(String::from("gray")),
+            LaneName::from(shared.clone()),
+            LaneName::from(&shared),
+        ];
+        for l in &lanes {
+            assert_eq!(l.as_str(), "gray");
+            assert_eq!(*l, "gray");
+            assert!("gray" == *l);
+            assert_eq!(*l, String::from("gray"));
+            assert_eq!(*l, lanes[0]);
+            assert_ne!(*l, "formal");
+            // Formatted as the name itself (logs, /explain), as a String was.
+            assert_eq!(format!("{l:?} {l}"), "\"gray\" gray");
+            assert_eq!(serde_json::Value::from(l.clone()), "gray");
+            assert_eq!(
+                AsRef::<std::path::Path>::as_ref(l),
+                std::path::Path::new("gray")
+            );
+        }
+        let d = Decision::new(crate::config::FORMAL, DecidedBy::Default);
+        assert_eq!(d.lane, "formal");
     }
 }

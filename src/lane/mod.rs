@@ -110,7 +110,7 @@ pub fn cookie_value<'a>(headers: &'a http::HeaderMap, name: &str) -> Option<&'a 
         .map(|(_, v)| v.trim_matches('"'))
 }
 
-pub use crate::base::decision::{DecidedBy, Decision};
+pub use crate::base::decision::{DecidedBy, Decision, LaneName};
 
 /// Everything the lane decision reads from a generation.
 #[derive(Debug)]
@@ -141,9 +141,9 @@ fn rule_verdict(verdict: &rules::Verdict) -> Option<Decision> {
         rules::Verdict::Deny(name) => Some(Decision::new(FORMAL, DecidedBy::Deny(name.clone()))),
         rules::Verdict::Disabled => None,
         rules::Verdict::Rule { name, lane } => {
-            Some(Decision::new(&**lane, DecidedBy::Rule(name.clone())))
+            Some(Decision::new(lane, DecidedBy::Rule(name.clone())))
         }
-        rules::Verdict::Fallback(lane) => Some(Decision::new(&**lane, DecidedBy::RuleFallback)),
+        rules::Verdict::Fallback(lane) => Some(Decision::new(lane, DecidedBy::RuleFallback)),
     }
 }
 
@@ -172,7 +172,7 @@ impl Decided {
 /// lane a release rolled back is never the answer (formal instead).
 pub fn decide(gen: &LanePolicy, req: RequestInfo) -> Decided {
     let mut d = decide_lane(gen, req);
-    if !gen.revoked.is_empty() && gen.revoked.contains(&d.decision.lane) {
+    if !gen.revoked.is_empty() && gen.revoked.contains(d.decision.lane.as_str()) {
         let lane: Arc<str> = d.decision.lane.as_str().into();
         d.decision = Decision::new(FORMAL, DecidedBy::RolledBack(lane));
     }
@@ -184,7 +184,7 @@ fn decide_lane(gen: &LanePolicy, req: RequestInfo) -> Decided {
         if let Some(v) = req.parts.headers.get(&gen.tag_header) {
             let tag = v.to_str().unwrap_or("");
             return if valid_lane(tag) {
-                let d = Decision::new(tag, DecidedBy::TrustedTag);
+                let d = Decision::new(tag.to_string(), DecidedBy::TrustedTag);
                 Decided::new(req, d)
             } else {
                 log_limited(
@@ -207,7 +207,7 @@ fn decide_lane(gen: &LanePolicy, req: RequestInfo) -> Decided {
         _ if gen.releases.is_some() => {
             let step = gen.releases.as_ref().and_then(|r| r.first_match(&req));
             if let Some(step) = step {
-                let d = Decision::new(&*step.lane, DecidedBy::Release(step.name.clone()));
+                let d = Decision::new(&step.lane, DecidedBy::Release(step.name.clone()));
                 return Decided::new(req, d);
             }
             rule_verdict(&verdict)

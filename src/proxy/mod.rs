@@ -182,7 +182,7 @@ fn decide(gen: &Generation, route: &Route, ctx: &mut RequestCtx, info: RequestIn
 /// The lane as a header value: ready-made for served lanes, built for
 /// others (lane names are header-safe by validation).
 pub fn lane_tag<'g>(gen: &'g Generation, d: &Decision) -> Cow<'g, HeaderValue> {
-    match gen.lane_tags.get(&d.lane) {
+    match gen.lane_tags.get(d.lane.as_str()) {
         Some(t) => Cow::Borrowed(t),
         None => Cow::Owned(HeaderValue::from_str(&d.lane).expect("lane names are header-safe")),
     }
