@@ -243,18 +243,22 @@ fn fetch(lua: &Lua, name: LuaString) -> mlua::Result<Value> {
     let name = name.as_bytes();
     with_current(|r, c| {
         c.ngx_cached |= CACHED_VARS;
-        let v = match &*name {
-            n if n.starts_with(b"cookie_") => {
-                cookie_var(r, &mut c.parsed, &n[7..]).map(Cow::Borrowed)
-            }
-            n if n.starts_with(b"arg_") => arg_var(r, &mut c.parsed, &n[4..]).map(Cow::Borrowed),
-            n => variable(r, n),
-        };
-        match v {
-            Some(v) => Ok(Value::String(request_string(lua, &v)?)),
-            None => Ok(Value::Nil),
-        }
+        var_value(lua, r, &mut c.parsed, &name)
     })?
+}
+
+/// `ngx.var.NAME` of `r` as a Lua value (nil where unset); cookies and
+/// arguments split once per request into `parsed`.
+fn var_value(lua: &Lua, r: &RequestInfo, parsed: &mut Parsed, name: &[u8]) -> mlua::Result<Value> {
+    let v = match name {
+        n if n.starts_with(b"cookie_") => cookie_var(r, parsed, &n[7..]).map(Cow::Borrowed),
+        n if n.starts_with(b"arg_") => arg_var(r, parsed, &n[4..]).map(Cow::Borrowed),
+        n => variable(r, n),
+    };
+    match v {
+        Some(v) => Ok(Value::String(request_string(lua, &v)?)),
+        None => Ok(Value::Nil),
+    }
 }
 
 /// All of `names`' values for the current request, in order (nil where unset).
@@ -263,19 +267,7 @@ fn fetch_all(lua: &Lua, names: &[Vec<u8>]) -> mlua::Result<MultiValue> {
         c.ngx_cached |= CACHED_VARS;
         let mut out = MultiValue::with_capacity(names.len());
         for n in names {
-            let v = match n.as_slice() {
-                n if n.starts_with(b"cookie_") => {
-                    cookie_var(r, &mut c.parsed, &n[7..]).map(Cow::Borrowed)
-                }
-                n if n.starts_with(b"arg_") => {
-                    arg_var(r, &mut c.parsed, &n[4..]).map(Cow::Borrowed)
-                }
-                n => variable(r, n),
-            };
-            out.push_back(match v {
-                Some(v) => Value::String(request_string(lua, &v)?),
-                None => Value::Nil,
-            });
+            out.push_back(var_value(lua, r, &mut c.parsed, n)?);
         }
         Ok(out)
     })?
@@ -1108,19 +1100,7 @@ pub(crate) mod tests {
         }
     }
 
-    thread_local! {
-        /// `run_with`'s VM mode (`script_limits.jit`).
-        static JIT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-    }
-
-    /// Runs `test` with the interpreter, then with LuaJIT's compiler on.
-    fn both_modes(test: fn()) {
-        for jit in [false, true] {
-            JIT.with(|j| j.set(jit));
-            test();
-        }
-        JIT.with(|j| j.set(false));
-    }
+    use crate::lane::script::vm_mode::{both_modes, jit};
 
     /// Runs `body` as the lane function on `req`; returns its string result.
     fn run_with(
@@ -1133,7 +1113,7 @@ pub(crate) mod tests {
         std::fs::write(&p, format!("return function(req)\n{body}\nend\n")).unwrap();
         let mut src = ScriptSource::load(&p).unwrap();
         src.dicts = dicts;
-        src.jit = JIT.with(std::cell::Cell::get);
+        src.jit = jit();
         call_lane(&src, &Arc::new(BTreeMap::new()), req, RuleCtx::default())
     }
 

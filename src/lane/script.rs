@@ -1124,6 +1124,32 @@ pub(crate) fn take_request(failed: bool) -> RequestInfo {
     })
 }
 
+/// Tests: the VM mode (`script_limits.jit`) of the scripts a test thread
+/// loads, shared by this module's and `ngx`'s tests.
+#[cfg(test)]
+pub(crate) mod vm_mode {
+    use std::cell::Cell;
+
+    thread_local! {
+        static JIT: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// Whether this thread's tests load scripts with LuaJIT's compiler on.
+    pub(crate) fn jit() -> bool {
+        JIT.with(Cell::get)
+    }
+
+    /// Runs a sandbox test on the interpreter (the default) and again with
+    /// LuaJIT's compiler on: every guarantee must hold in both.
+    pub(crate) fn both_modes(test: fn()) {
+        for jit in [false, true] {
+            JIT.with(|j| j.set(jit));
+            test();
+        }
+        JIT.with(|j| j.set(false));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1215,25 +1241,13 @@ mod tests {
         assert!(err.message.contains("must return a function"), "{err}");
     }
 
-    thread_local! {
-        /// `script_limits.jit` for the scripts this test thread loads.
-        static JIT: Cell<bool> = const { Cell::new(false) };
-    }
-
-    /// Runs a sandbox test on the interpreter (the default) and again with
-    /// LuaJIT's compiler on: every guarantee must hold in both.
-    fn both_modes(test: fn()) {
-        for jit in [false, true] {
-            JIT.with(|j| j.set(jit));
-            test();
-        }
-    }
+    use super::vm_mode::{both_modes, jit};
 
     fn load_src(text: &str) -> (tempfile::TempDir, ScriptSource) {
         let d = tempfile::tempdir().unwrap();
         let p = write(d.path(), "t.lua", text);
         let mut src = ScriptSource::load(&p).unwrap();
-        src.jit = JIT.with(Cell::get);
+        src.jit = jit();
         (d, src)
     }
 
@@ -1461,7 +1475,7 @@ mod tests {
             assert!(e.message.contains("t.lua:3:"), "{e}");
         }
         // The mode asked for is the mode the VM runs in.
-        assert_eq!(vm_jit_on(), JIT.with(Cell::get));
+        assert_eq!(vm_jit_on(), jit());
         // A hot inner function called from a loop, likewise.
         let (_d, src) = load_src(
             "local function f(x) return x + 1 end\nreturn function()\n  local x = 0\n  while x < 3e8 do x = f(x) end\n  return 'done'\nend\n",
