@@ -47,9 +47,11 @@ use super::Server;
 use crate::base::body::{RequestBody, SendFile};
 use crate::base::clock::now_ms;
 use crate::base::counter::Counted;
+use crate::base::head::{RequestLine, Span};
 use crate::base::ratelog::log_limited;
 use crate::proxy;
 use crate::proxy::record::Recorded;
+use crate::upstream::fields::name_eq;
 use crate::upstream::RawHead;
 
 /// `TCP_NOTSENT_LOWAT` of a connection once it sends a file by sendfile(2)
@@ -73,6 +75,7 @@ thread_local! {
     static READ_POOL: RefCell<Vec<BytesMut>> = const { RefCell::new(Vec::new()) };
     static WRITE_BUF: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
     static DATE: RefCell<(u64, [u8; 29])> = const { RefCell::new((0, [0; 29])) };
+    static SPANS: Cell<Vec<Span>> = const { Cell::new(Vec::new()) };
 }
 
 fn take_read_buf() -> BytesMut {
@@ -399,63 +402,97 @@ enum Parse {
 /// Parses the head at the front of `buf`; on success it is split off (the
 /// fields are slices of it, as in hyper) and `buf` starts at the body.
 fn parse(buf: &mut BytesMut) -> Parse {
+    // The field positions' list is the thread's (no allocation per head).
+    let mut spans = SPANS.take();
+    let parsed = parse_into(buf, &mut spans);
+    SPANS.set(spans);
+    parsed
+}
+
+/// httparse's read of a head the fast read (`base::head`) declined: its
+/// fields' positions into `spans`; `Err`: not a head this path takes.
+fn httparse_request(buf: &[u8], spans: &mut Vec<Span>) -> Result<Option<RequestLine>, ()> {
     let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
     let mut r = httparse::Request::new(&mut []);
     let base = buf.as_ptr() as usize;
     let len = match r.parse_with_uninit_headers(buf, &mut fields) {
         Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) => return Parse::Partial,
-        Err(_) => return Parse::Hyper,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(_) => return Err(()),
     };
     let (Some(method), Some(path), Some(v)) = (r.method, r.path, r.version) else {
-        return Parse::Hyper;
+        return Err(());
     };
-    if path.len() > MAX_URI_LEN {
+    let at = |s: &str| {
+        (
+            s.as_ptr() as usize - base,
+            s.as_ptr() as usize - base + s.len(),
+        )
+    };
+    spans.clear();
+    for h in r.headers.iter() {
+        let (ns, ne) = at(h.name);
+        let vs = h.value.as_ptr() as usize - base;
+        spans.push((ns as u32, ne as u32, vs as u32, (vs + h.value.len()) as u32));
+    }
+    Ok(Some(RequestLine {
+        len,
+        method: at(method),
+        target: at(path),
+        http10: v == 0,
+    }))
+}
+
+fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
+    // The usual strict head is read in one pass; anything else by
+    // httparse, as before.
+    let line = match crate::base::head::request(buf, spans, MAX_HEADERS) {
+        Some(line) => line,
+        None => match httparse_request(buf, spans) {
+            Ok(Some(line)) => line,
+            Ok(None) => return Parse::Partial,
+            Err(()) => return Parse::Hyper,
+        },
+    };
+    let len = line.len;
+    // Offsets into the head: the map is built from slices of it once split.
+    let path_at = (line.target.0, line.target.1 - line.target.0);
+    if path_at.1 > MAX_URI_LEN {
         return Parse::Hyper;
     }
-    let Ok(method) = Method::from_bytes(method.as_bytes()) else {
+    let Ok(method) = Method::from_bytes(&buf[line.method.0..line.method.1]) else {
         return Parse::Hyper;
     };
     if method == Method::CONNECT {
         return Parse::Hyper;
     }
-    let http11 = v == 1;
+    let http11 = !line.http10;
     let mut keep_alive = http11;
     let mut close = false;
     let mut body_len: Option<usize> = None;
-    // Offsets into the head: the map is built from slices of it once split.
-    let path_at = (path.as_ptr() as usize - base, path.len());
-    let mut spans = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];
-    let n = r.headers.len();
-    for (h, span) in r.headers.iter().zip(spans.iter_mut()) {
-        let name = h.name.as_bytes();
-        if name.eq_ignore_ascii_case(b"transfer-encoding")
-            || name.eq_ignore_ascii_case(b"expect")
-            || name.eq_ignore_ascii_case(b"upgrade")
-        {
-            return Parse::Hyper;
-        }
-        if name.eq_ignore_ascii_case(b"content-length") {
-            match (body_len, digits(h.value)) {
+    for &(ns, ne, vs, ve) in spans.iter() {
+        let name = &buf[ns as usize..ne as usize];
+        let value = &buf[vs as usize..ve as usize];
+        // Matched by length first: one word compare per field.
+        let is = |lower: &[u8]| name_eq(name, lower);
+        match name.len() {
+            17 if is(b"transfer-encoding") => return Parse::Hyper,
+            6 if is(b"expect") => return Parse::Hyper,
+            7 if is(b"upgrade") => return Parse::Hyper,
+            14 if is(b"content-length") => match (body_len, digits(value)) {
                 (None, Some(l)) => body_len = Some(l),
                 _ => return Parse::Hyper,
+            },
+            10 if is(b"connection") => {
+                if close || has_token(value, b"close") {
+                    close = true;
+                    keep_alive = false;
+                } else if !keep_alive {
+                    keep_alive = has_token(value, b"keep-alive");
+                }
             }
-        } else if name.eq_ignore_ascii_case(b"connection") {
-            if close || has_token(h.value, b"close") {
-                close = true;
-                keep_alive = false;
-            } else if !keep_alive {
-                keep_alive = has_token(h.value, b"keep-alive");
-            }
+            _ => {}
         }
-        let ns = h.name.as_ptr() as usize - base;
-        let vs = h.value.as_ptr() as usize - base;
-        *span = (
-            ns as u32,
-            (ns + name.len()) as u32,
-            vs as u32,
-            (vs + h.value.len()) as u32,
-        );
     }
     let body_len = body_len.unwrap_or(0);
     if buf.len() - len < body_len {
@@ -468,9 +505,9 @@ fn parse(buf: &mut BytesMut) -> Parse {
         put_back(&head, buf);
         return Parse::Hyper;
     };
-    let mut headers = HeaderMap::with_capacity(n);
+    let mut headers = HeaderMap::with_capacity(spans.len());
     let mut underscores = false;
-    for &(ns, ne, vs, ve) in &spans[..n] {
+    for &(ns, ne, vs, ve) in spans.iter() {
         let bytes = &head[ns as usize..ne as usize];
         // The usual names have no `_`: only the others are searched.
         let name = crate::upstream::fields::known_name(bytes)
@@ -571,10 +608,11 @@ fn digits(v: &[u8]) -> Option<usize> {
     Some(n)
 }
 
-/// Is `token` one of the comma-separated values (case-insensitive)?
+/// Is `token` (lower-case) one of the comma-separated values
+/// (case-insensitive)?
 fn has_token(v: &[u8], token: &[u8]) -> bool {
     v.split(|&b| b == b',')
-        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
+        .any(|t| name_eq(t.trim_ascii(), token))
 }
 
 /// How the answer is framed for this request.

@@ -42,18 +42,62 @@ pub fn name_of(b: &[u8]) -> Result<HeaderName, http::header::InvalidHeaderName> 
 /// The usual names [`name_of`] recognises without `from_bytes` (none of
 /// them has a `_`).
 pub fn known_name(b: &[u8]) -> Option<HeaderName> {
+    let is = |lower: &[u8]| name_eq(b, lower);
     match b.len() {
-        4 if b.eq_ignore_ascii_case(b"host") => Some(header::HOST),
-        4 if b.eq_ignore_ascii_case(b"date") => Some(header::DATE),
-        6 if b.eq_ignore_ascii_case(b"server") => Some(header::SERVER),
-        6 if b.eq_ignore_ascii_case(b"accept") => Some(header::ACCEPT),
-        6 if b.eq_ignore_ascii_case(b"cookie") => Some(header::COOKIE),
-        10 if b.eq_ignore_ascii_case(b"user-agent") => Some(header::USER_AGENT),
-        10 if b.eq_ignore_ascii_case(b"connection") => Some(header::CONNECTION),
-        12 if b.eq_ignore_ascii_case(b"content-type") => Some(header::CONTENT_TYPE),
-        14 if b.eq_ignore_ascii_case(b"content-length") => Some(header::CONTENT_LENGTH),
-        15 if b.eq_ignore_ascii_case(b"accept-encoding") => Some(header::ACCEPT_ENCODING),
+        4 if is(b"host") => Some(header::HOST),
+        4 if is(b"date") => Some(header::DATE),
+        6 if is(b"server") => Some(header::SERVER),
+        6 if is(b"accept") => Some(header::ACCEPT),
+        6 if is(b"cookie") => Some(header::COOKIE),
+        10 if is(b"user-agent") => Some(header::USER_AGENT),
+        10 if is(b"connection") => Some(header::CONNECTION),
+        12 if is(b"content-type") => Some(header::CONTENT_TYPE),
+        14 if is(b"content-length") => Some(header::CONTENT_LENGTH),
+        15 if is(b"accept-encoding") => Some(header::ACCEPT_ENCODING),
         _ => None,
+    }
+}
+
+/// `b` equals `lower` (lower-case ASCII letters, digits and `-`) ignoring
+/// ASCII case — `b.eq_ignore_ascii_case(lower)` for any bytes `b`, compared
+/// a word at a time (two overlapping loads for 4–16 bytes) instead of
+/// lower-casing byte by byte: names are compared against the usual ones on
+/// every field of every request and response head.
+///
+/// OR-ing `0x20` into a byte lower-cases a letter and leaves `-` and the
+/// digits alone; the only other bytes it maps onto one of those are
+/// controls (`\r` onto `-`, `0x10..=0x19` onto the digits), the bytes that
+/// have both bit 5 and bit 6 clear — refused by the second test.
+#[inline]
+pub fn name_eq(b: &[u8], lower: &[u8]) -> bool {
+    #[inline(always)]
+    fn word(x: u64, y: u64) -> bool {
+        const LOW: u64 = 0x2020_2020_2020_2020;
+        (x | LOW) == y && (!x & (!x >> 1) & LOW) == 0
+    }
+    let n = lower.len();
+    if b.len() != n {
+        return false;
+    }
+    let w8 = |s: &[u8], at: usize| u64::from_le_bytes(s[at..at + 8].try_into().unwrap_or([0; 8]));
+    let w4 = |s: &[u8], at: usize| {
+        u64::from(u32::from_le_bytes(
+            s[at..at + 4].try_into().unwrap_or([0; 4]),
+        )) | 0x2020_2020_0000_0000
+    };
+    match n {
+        0..=3 => b
+            .iter()
+            .zip(lower)
+            .all(|(&x, &y)| word(u64::from(x) | !0xff, u64::from(y) | !0xff)),
+        4..=7 => word(w4(b, 0), w4(lower, 0)) && word(w4(b, n - 4), w4(lower, n - 4)),
+        8..=16 => word(w8(b, 0), w8(lower, 0)) && word(w8(b, n - 8), w8(lower, n - 8)),
+        _ => {
+            (0..n - 8)
+                .step_by(8)
+                .all(|at| word(w8(b, at), w8(lower, at)))
+                && word(w8(b, n - 8), w8(lower, n - 8))
+        }
     }
 }
 
@@ -311,6 +355,61 @@ mod tests {
         for n in &names {
             let want = HeaderName::from_bytes(n).ok();
             assert_eq!(name_of(n).ok(), want, "{:?}", String::from_utf8_lossy(n));
+        }
+    }
+
+    /// `name_eq` is `eq_ignore_ascii_case` against lower-case names, for
+    /// any bytes: every length from 0 to 24, each position of each name
+    /// replaced by each of the 256 byte values, and random strings.
+    #[test]
+    fn name_eq_is_eq_ignore_ascii_case() {
+        let names: Vec<Vec<u8>> = (0..=24)
+            .map(|n| {
+                (0..n)
+                    .map(|i| b"abcdefghijklmnopqrstuvwxyz-0123456789"[(i * 7 + n) % 37])
+                    .collect()
+            })
+            .chain(
+                HOP_BY_HOP
+                    .iter()
+                    .map(|h| h.as_str().as_bytes().to_vec())
+                    .chain(
+                        ["transfer-encoding", "content-length", "x-12"]
+                            .map(|n| n.as_bytes().to_vec()),
+                    ),
+            )
+            .collect();
+        let mut rng = fastrand::Rng::with_seed(16);
+        for lower in &names {
+            let upper = lower.to_ascii_uppercase();
+            assert!(name_eq(lower, lower) && name_eq(&upper, lower));
+            for at in 0..lower.len() {
+                for b in 0..=255u8 {
+                    let mut x = lower.clone();
+                    x[at] = b;
+                    assert_eq!(
+                        name_eq(&x, lower),
+                        x.eq_ignore_ascii_case(lower),
+                        "{x:?} {lower:?}"
+                    );
+                    let mut x = upper.clone();
+                    x[at] = b;
+                    assert_eq!(
+                        name_eq(&x, lower),
+                        x.eq_ignore_ascii_case(lower),
+                        "{x:?} {lower:?}"
+                    );
+                }
+            }
+            for _ in 0..200 {
+                let len = lower.len().saturating_sub(1) + rng.usize(0..3);
+                let x: Vec<u8> = (0..len).map(|_| rng.u8(..)).collect();
+                assert_eq!(
+                    name_eq(&x, lower),
+                    x.eq_ignore_ascii_case(lower),
+                    "{x:?} {lower:?}"
+                );
+            }
         }
     }
 

@@ -28,11 +28,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::chunked::{Chunked, Step};
-use super::fields::{Added, HOP_BY_HOP};
+use super::fields::{name_eq, Added, HOP_BY_HOP};
 use super::pool::IdlePool;
 use super::BoxError;
 use crate::base::deadline::Deadline;
 use crate::base::error::{Error, ErrorKind};
+use crate::base::head::{Span, StatusLine};
 use crate::base::stall::Stall;
 
 /// Most response header fields parsed (hyper's default too).
@@ -56,9 +57,6 @@ pub struct Conn {
     /// Field positions of the head being parsed (reused: no allocation).
     spans: Vec<Span>,
 }
-
-/// Name start, name end, value start, value end of a header field.
-type Span = (u32, u32, u32, u32);
 
 thread_local! {
     static POOL: RefCell<IdlePool<Box<Conn>>> = RefCell::new(IdlePool::default());
@@ -326,34 +324,22 @@ fn parse_head(
     raw_ok: bool,
 ) -> Result<Option<Head>, Failed> {
     loop {
-        // Left uninitialized: filling 100 empty fields per parse costs more
-        // than the parse.
-        let mut fields =
-            [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
-        let mut resp = httparse::Response::new(&mut []);
-        let parsed = httparse::ParserConfig::default().parse_response_with_uninit_headers(
-            &mut resp,
-            buf,
-            &mut fields,
-        );
-        let n = match parsed {
-            Ok(httparse::Status::Complete(n)) => n,
-            Ok(httparse::Status::Partial) => return Ok(None),
-            Err(e) => {
-                return Err(Failed {
-                    nothing_back: false,
-                    timed_out: false,
-                    error: format!("invalid response head: {e}").into(),
-                })
-            }
+        // The usual strict head is read in one pass (`head`); anything else
+        // by httparse, as before. Either way `spans` holds every field.
+        let line = match crate::base::head::response(buf, spans, MAX_HEADERS) {
+            Some(line) => line,
+            None => match httparse_head(buf, spans)? {
+                Some(line) => line,
+                None => return Ok(None),
+            },
         };
-        let code = resp.code.unwrap_or(0);
+        let n = line.len;
         let bad = |what: &str| Failed {
             nothing_back: false,
             timed_out: false,
             error: format!("invalid response head: {what}").into(),
         };
-        let status = StatusCode::from_u16(code).map_err(|_| bad("status"))?;
+        let status = StatusCode::from_u16(line.code).map_err(|_| bad("status"))?;
         if status.is_informational() {
             if status == StatusCode::SWITCHING_PROTOCOLS {
                 return Err(bad("101 without an upgrade request"));
@@ -361,32 +347,22 @@ fn parse_head(
             let _ = buf.split_to(n);
             continue;
         }
-        let version = match resp.version {
-            Some(0) => Version::HTTP_10,
-            _ => Version::HTTP_11,
+        let version = if line.http10 {
+            Version::HTTP_10
+        } else {
+            Version::HTTP_11
         };
         // Hop-by-hop fields are read here (framing, keep-alive) and not
-        // passed on. Header values become zero-copy slices of the head's
-        // bytes; the positions of the fields kept are noted first (on the
-        // connection: no allocation), as the parse borrows the buffer that
-        // is about to be split. Offsets fit in u32: heads are capped at
-        // MAX_HEAD.
+        // passed on; the positions of the fields kept stay in `spans` (on
+        // the connection: no allocation). Header values become zero-copy
+        // slices of the head's bytes once it is split off.
         let mut meta = Meta::default();
-        let base = buf.as_ptr() as usize;
-        spans.clear();
-        for h in resp.headers.iter() {
-            if !meta.note(h.name, h.value) {
-                continue;
-            }
-            let name = (h.name.as_ptr() as usize - base) as u32;
-            let value = (h.value.as_ptr() as usize - base) as u32;
-            spans.push((
-                name,
-                name + h.name.len() as u32,
-                value,
-                value + h.value.len() as u32,
-            ));
-        }
+        spans.retain(|&(ns, ne, vs, ve)| {
+            meta.note(
+                &buf[ns as usize..ne as usize],
+                &buf[vs as usize..ve as usize],
+            )
+        });
         let head = buf.split_to(n).freeze();
         if raw_ok {
             if let Some(raw) = RawHead::of(&head, spans, &meta, status) {
@@ -410,6 +386,50 @@ fn parse_head(
     }
 }
 
+/// httparse's read of a head the fast read declined: every field's
+/// position into `spans`; `Ok(None)`: incomplete.
+fn httparse_head(buf: &[u8], spans: &mut Vec<Span>) -> Result<Option<StatusLine>, Failed> {
+    // Left uninitialized: filling 100 empty fields per parse costs more
+    // than the parse.
+    let mut fields =
+        [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut []);
+    let parsed = httparse::ParserConfig::default().parse_response_with_uninit_headers(
+        &mut resp,
+        buf,
+        &mut fields,
+    );
+    let len = match parsed {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => {
+            return Err(Failed {
+                nothing_back: false,
+                timed_out: false,
+                error: format!("invalid response head: {e}").into(),
+            })
+        }
+    };
+    // Offsets fit in u32: heads are capped at MAX_HEAD.
+    let base = buf.as_ptr() as usize;
+    spans.clear();
+    for h in resp.headers.iter() {
+        let name = (h.name.as_ptr() as usize - base) as u32;
+        let value = (h.value.as_ptr() as usize - base) as u32;
+        spans.push((
+            name,
+            name + h.name.len() as u32,
+            value,
+            value + h.value.len() as u32,
+        ));
+    }
+    Ok(Some(StatusLine {
+        len,
+        code: resp.code.unwrap_or(0),
+        http10: resp.version == Some(0),
+    }))
+}
+
 /// The end-to-end fields at `spans` of `head` as a map (dropping a
 /// Content-Length that Transfer-Encoding overrides: RFC 9112 §6.3, the
 /// body goes out de-chunked).
@@ -418,7 +438,7 @@ fn fields_map(head: &Bytes, spans: &[Span], meta: &Meta) -> Result<HeaderMap, &'
     let drop_length = meta.chunked.is_some() && meta.saw_length;
     for &(ns, ne, vs, ve) in spans {
         let (ns, ne, vs, ve) = (ns as usize, ne as usize, vs as usize, ve as usize);
-        if drop_length && head[ns..ne].eq_ignore_ascii_case(b"content-length") {
+        if drop_length && name_eq(&head[ns..ne], b"content-length") {
             continue;
         }
         let name = super::fields::name_of(&head[ns..ne]).map_err(|_| "header name")?;
@@ -479,9 +499,9 @@ impl RawHead {
                 return None;
             }
             match name.len() {
-                10 if name.eq_ignore_ascii_case(b"connection") => return None,
-                4 if name.eq_ignore_ascii_case(b"date") => raw.has_date = true,
-                14 if name.eq_ignore_ascii_case(b"content-length") => {
+                10 if name_eq(name, b"connection") => return None,
+                4 if name_eq(name, b"date") => raw.has_date = true,
+                14 if name_eq(name, b"content-length") => {
                     lengths += 1;
                     raw.length = meta.length;
                 }
@@ -568,40 +588,45 @@ impl Meta {
     /// Notes one field; false when it is hop-by-hop and must not be passed
     /// on. A Connection header naming other fields is kept, so the proxy's
     /// hop-by-hop pass removes those fields and it.
-    fn note(&mut self, name: &str, value: &[u8]) -> bool {
+    fn note(&mut self, name: &[u8], value: &[u8]) -> bool {
         // Byte-level: one response per request passes here, and the usual
         // values (`keep-alive`, a length) need no UTF-8 pass or trimming.
-        let name = name.as_bytes();
-        if name.eq_ignore_ascii_case(b"connection") {
-            let mut names_others = false;
-            for t in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
-                if t.eq_ignore_ascii_case(b"close") {
-                    self.close = true;
-                } else if t.eq_ignore_ascii_case(b"keep-alive") {
-                    self.keep_alive = true;
-                } else if !t.is_empty() && !t.eq_ignore_ascii_case(b"upgrade") {
-                    names_others = true;
+        // The name is matched by its length first: one word compare.
+        let is = |lower: &[u8]| name_eq(name, lower);
+        match name.len() {
+            10 if is(b"connection") => {
+                let mut names_others = false;
+                for t in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+                    if name_eq(t, b"close") {
+                        self.close = true;
+                    } else if name_eq(t, b"keep-alive") {
+                        self.keep_alive = true;
+                    } else if !t.is_empty() && !name_eq(t, b"upgrade") {
+                        names_others = true;
+                    }
                 }
+                names_others
             }
-            return names_others;
-        }
-        if name.eq_ignore_ascii_case(b"transfer-encoding") {
-            let last = value.rsplit(|&b| b == b',').next().unwrap_or(b"");
-            self.chunked = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
-            return false;
-        }
-        if name.eq_ignore_ascii_case(b"content-length") {
-            self.saw_length = true;
-            match content_length(value) {
-                Some(n) if self.length.is_none_or(|l| l == n) => self.length = Some(n),
-                Some(_) => self.length_error = Some("conflicting content-length"),
-                None => self.length_error = Some("bad content-length"),
+            17 if is(b"transfer-encoding") => {
+                let last = value.rsplit(|&b| b == b',').next().unwrap_or(b"");
+                self.chunked = Some(name_eq(last.trim_ascii(), b"chunked"));
+                false
             }
-            return true;
+            14 if is(b"content-length") => {
+                self.saw_length = true;
+                match content_length(value) {
+                    Some(n) if self.length.is_none_or(|l| l == n) => self.length = Some(n),
+                    Some(_) => self.length_error = Some("conflicting content-length"),
+                    None => self.length_error = Some("bad content-length"),
+                }
+                true
+            }
+            // The other hop-by-hop names' lengths (HOP_BY_HOP).
+            2 | 7 | 10 | 16 | 18 | 19 => !HOP_BY_HOP
+                .iter()
+                .any(|h| name_eq(name, h.as_str().as_bytes())),
+            _ => true,
         }
-        !HOP_BY_HOP
-            .iter()
-            .any(|h| name.eq_ignore_ascii_case(h.as_str().as_bytes()))
     }
 
     fn framing(&self, status: StatusCode, head_request: bool) -> Result<Framing, &'static str> {
@@ -851,26 +876,26 @@ mod tests {
     #[test]
     fn hop_by_hop_fields_are_read_and_dropped() {
         let mut m = Meta::default();
-        assert!(!m.note("Connection", b"keep-alive"));
+        assert!(!m.note(b"Connection", b"keep-alive"));
         assert!(m.keep_alive && !m.close);
-        assert!(!m.note("connection", b" Upgrade ,CLOSE"));
+        assert!(!m.note(b"connection", b" Upgrade ,CLOSE"));
         assert!(m.close);
         // A Connection naming other fields is kept for the proxy's pass.
-        assert!(m.note("Connection", b"close, x-private"));
-        assert!(!m.note("Transfer-Encoding", b"gzip, Chunked "));
+        assert!(m.note(b"Connection", b"close, x-private"));
+        assert!(!m.note(b"Transfer-Encoding", b"gzip, Chunked "));
         assert_eq!(m.chunked, Some(true));
-        assert!(!m.note("transfer-encoding", b"chunked, gzip"));
+        assert!(!m.note(b"transfer-encoding", b"chunked, gzip"));
         assert_eq!(m.chunked, Some(false));
-        assert!(!m.note("Keep-Alive", b"timeout=5"));
-        assert!(m.note("Content-Type", b"text/plain"));
+        assert!(!m.note(b"Keep-Alive", b"timeout=5"));
+        assert!(m.note(b"Content-Type", b"text/plain"));
         let mut l = Meta::default();
-        assert!(l.note("Content-Length", b"7"));
-        assert!(l.note("content-length", b"7"));
+        assert!(l.note(b"Content-Length", b"7"));
+        assert!(l.note(b"content-length", b"7"));
         assert_eq!((l.length, l.length_error), (Some(7), None));
-        assert!(l.note("content-length", b"8"));
+        assert!(l.note(b"content-length", b"8"));
         assert_eq!(l.length_error, Some("conflicting content-length"));
         let mut b = Meta::default();
-        b.note("content-length", b"1,1");
+        b.note(b"content-length", b"1,1");
         assert_eq!(b.length_error, Some("bad content-length"));
         assert!(b.saw_length);
     }
