@@ -90,7 +90,14 @@ pub fn response(buf: &[u8], spans: &mut Vec<Span>, max: usize) -> Option<StatusL
         }
         code = code * 10 + u16::from(d - b'0');
     }
-    let at = 13 + span_of(&buf[13..], |b| matches!(b, b' '..=b'~'))?;
+    let mut at = 13;
+    loop {
+        match *buf.get(at)? {
+            b'\r' => break,
+            b' '..=b'~' => at += 1,
+            _ => return None,
+        }
+    }
     let len = fields(buf, crlf(buf, at)?, spans, max)?;
     Some(StatusLine { len, code, http10 })
 }
@@ -99,13 +106,19 @@ pub fn response(buf: &[u8], spans: &mut Vec<Span>, max: usize) -> Option<StatusL
 /// [`response`]): a token method, one space, a target of visible ASCII,
 /// one space, `HTTP/1.0` or `HTTP/1.1`, CRLF.
 pub fn request(buf: &[u8], spans: &mut Vec<Span>, max: usize) -> Option<RequestLine> {
-    let at = span_of(buf, |b| TOKEN[usize::from(b)])?;
+    let mut at = 0;
+    while TOKEN[usize::from(*buf.get(at)?)] {
+        at += 1;
+    }
     if at == 0 || buf[at] != b' ' {
         return None;
     }
     let method = (0, at);
-    let ts = at + 1;
-    let at = ts + span_of(buf.get(ts..)?, |b| matches!(b, b'!'..=b'~'))?;
+    at += 1;
+    let ts = at;
+    while matches!(*buf.get(at)?, b'!'..=b'~') {
+        at += 1;
+    }
     if at == ts || buf[at] != b' ' {
         return None;
     }
@@ -122,13 +135,6 @@ pub fn request(buf: &[u8], spans: &mut Vec<Span>, max: usize) -> Option<RequestL
         target,
         http10,
     })
-}
-
-/// How many bytes at the front of `b` are `ok`; `None` when all are (the
-/// head goes on past what has arrived).
-#[inline(always)]
-fn span_of(b: &[u8], ok: impl Fn(u8) -> bool) -> Option<usize> {
-    b.iter().position(|&c| !ok(c))
 }
 
 /// `HTTP/1.0` or `HTTP/1.1` by its last digit.
@@ -154,14 +160,19 @@ fn fields(buf: &[u8], mut at: usize, spans: &mut Vec<Span>, max: usize) -> Optio
         if *buf.get(at)? == b'\r' {
             return crlf(buf, at);
         }
-        // (Iterator searches: no bounds check per byte.)
         let ns = at;
-        let ne = ns + span_of(&buf[ns..], |b| TOKEN[usize::from(b)])?;
-        if ne == ns || buf[ne] != b':' {
+        while TOKEN[usize::from(*buf.get(at)?)] {
+            at += 1;
+        }
+        if at == ns || buf[at] != b':' {
             return None;
         }
-        let vs = ne + 1 + span_of(buf.get(ne + 1..)?, |b| b == b' ' || b == b'\t')?;
-        at = vs;
+        let ne = at;
+        at += 1;
+        while matches!(*buf.get(at)?, b' ' | b'\t') {
+            at += 1;
+        }
+        let vs = at;
         // The value: a word at a time up to the first byte below 0x20 or
         // DEL; a tab goes on, CR LF ends it, anything else is declined.
         loop {
