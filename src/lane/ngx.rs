@@ -41,30 +41,24 @@ const LEVELS: [(&str, i64); 9] = [
 const DEFAULT_MAX: usize = 100;
 
 /// Tables that hold one request's data (`ngx.var` and its cache, the
-/// cached `get_headers()` / `get_uri_args()`): emptied after every call.
-pub(crate) struct PerRequest(pub [Table; 3]);
+/// cached `get_headers()` / `get_uri_args()`).
+struct Caches([Table; 3]);
 
-/// `Current::ngx_cached` bits: what the request left in which table.
-pub(crate) const CACHED_VARS: u8 = 1;
-pub(crate) const CACHED_TABLES: u8 = 2;
-
-impl PerRequest {
+impl Caches {
     /// Forgets what was cached for the request (when `set_header` /
     /// `ngx.var.args = …` changed what it was built from).
-    pub fn clear(&self) {
-        self.clear_cached(CACHED_VARS | CACHED_TABLES);
-        let _ = self.0[0].clear();
-    }
-
-    /// After a call: empties the caches the request used (`cached`:
-    /// `CACHED_*` bits), leaving the others untouched.
-    pub fn clear_cached(&self, cached: u8) {
-        for (bit, t) in [(CACHED_VARS, &self.0[1]), (CACHED_TABLES, &self.0[2])] {
-            if cached & bit != 0 {
-                let _ = t.clear();
-            }
+    fn clear(&self) {
+        for t in &self.0 {
+            let _ = t.clear();
         }
     }
+}
+
+/// What the lane call needs of the `ngx` layer: `reset`, the glue function
+/// that empties the caches a request left. The call's entry runs it before
+/// each script call, so no request sees another's values.
+pub(crate) struct PerRequest {
+    pub reset: Function,
 }
 
 /// Installs `ngx` into `g` (`bit` is LuaJIT's own library).
@@ -82,13 +76,14 @@ pub(crate) fn install(
         ngx.raw_set(name, n)?;
     }
     let var = lua.create_table()?;
-    let per_request = Rc::new(PerRequest([
+    let caches = Rc::new(Caches([
         var.clone(),
         lua.create_table()?,
         lua.create_table()?,
     ]));
     ngx.raw_set("var", var)?;
-    ngx.raw_set("req", req_table(lua, &per_request, names)?)?;
+    let (req, reset) = req_table(lua, &caches, names)?;
+    ngx.raw_set("req", req)?;
     ngx.raw_set("log", lua.create_function(log)?)?;
     ngx.raw_set(
         "crc32_short",
@@ -140,8 +135,7 @@ pub(crate) fn install(
             log(lua, args)
         })?,
     )?;
-    let PerRequest(tables) = &*per_request;
-    Ok(PerRequest(tables.clone()))
+    Ok(PerRequest { reset })
 }
 
 fn unix_now() -> std::time::Duration {
@@ -158,8 +152,20 @@ fn unix_now() -> std::time::Duration {
 /// call); `ngx.var` itself stays empty so every write reaches `__newindex`.
 const GLUE: &str = r#"
 local var, vcache, rcache, fetch, store, build_headers, build_args, names, fetch_all, make_fill = ...
-local rawget, rawset, setmetatable, type = rawget, rawset, setmetatable, type
+local rawget, rawset, setmetatable, type, next = rawget, rawset, setmetatable, type, next
 local lower, gsub, find, sub, byte = string.lower, string.gsub, string.find, string.sub, string.byte
+-- Set when a request left something in the caches; `reset` (run by the
+-- lane call's entry before the script) empties them then, in Lua: no
+-- host call per request, and none at all when the script read nothing.
+local dirty = false
+local function reset()
+  if dirty then
+    for k in next, vcache do rawset(vcache, k, nil) end
+    rawset(rcache, 1, nil)
+    rawset(rcache, 2, nil)
+    dirty = false
+  end
+end
 -- The builders hand over one packed string (see `Packed` in ngx.rs):
 -- records `name \0 = value \0` or `name \0 !` (a bare flag); a repeated
 -- name becomes an array in order. A table is already built.
@@ -194,6 +200,7 @@ local DONE, mentioned = {}, {}
 for i = 1, #names do mentioned[names[i]] = true end
 local fill = make_fill(DONE)
 setmetatable(vcache, { __index = function(c, k)
+  dirty = true
   if mentioned[k] then
     if rawget(c, DONE) then return nil end
     fill(c, fetch_all())
@@ -207,9 +214,13 @@ setmetatable(var, { __index = vcache, __newindex = store, __metatable = false })
 -- Header tables are keyed in lower case; lookups accept any case and `_`.
 -- Each table gets a metatable of its own (as OpenResty's): a script that
 -- changes it changes only its own request's table.
+-- `gsub` only for a name with `_` in it: a pattern call per miss cost
+-- ~1,000 instructions (callgrind), a plain `find` a few dozen.
 local function hdr_index(t, k)
   if type(k) ~= "string" then return nil end
-  local n = lower((gsub(k, "_", "-")))
+  local n = k
+  if find(k, "_", 1, true) then n = gsub(k, "_", "-") end
+  n = lower(n)
   if n ~= k then return rawget(t, n) end
   return nil
 end
@@ -217,6 +228,7 @@ local function get_headers(max)
   if max == nil then
     local h = rawget(rcache, 1)
     if h == nil then
+      dirty = true
       h = setmetatable(unpack_entries(build_headers(nil)), { __index = hdr_index })
       rawset(rcache, 1, h)
     end
@@ -228,6 +240,7 @@ local function get_uri_args(max)
   if max == nil then
     local a = rawget(rcache, 2)
     if a == nil then
+      dirty = true
       a = unpack_entries(build_args(nil))
       rawset(rcache, 2, a)
     end
@@ -235,16 +248,13 @@ local function get_uri_args(max)
   end
   return unpack_entries(build_args(max))
 end
-return get_headers, get_uri_args
+return get_headers, get_uri_args, reset
 "#;
 
 /// `ngx.var` reads: the variable's value for the current request.
 fn fetch(lua: &Lua, name: LuaString) -> mlua::Result<Value> {
     let name = name.as_bytes();
-    with_current(|r, c| {
-        c.ngx_cached |= CACHED_VARS;
-        var_value(lua, r, &mut c.parsed, &name)
-    })?
+    with_current(|r, c| var_value(lua, r, &mut c.parsed, &name))?
 }
 
 /// `ngx.var.NAME` of `r` as a Lua value (nil where unset); cookies and
@@ -264,7 +274,6 @@ fn var_value(lua: &Lua, r: &RequestInfo, parsed: &mut Parsed, name: &[u8]) -> ml
 /// All of `names`' values for the current request, in order (nil where unset).
 fn fetch_all(lua: &Lua, names: &[Vec<u8>]) -> mlua::Result<MultiValue> {
     with_current(|r, c| {
-        c.ngx_cached |= CACHED_VARS;
         let mut out = MultiValue::with_capacity(names.len());
         for n in names {
             out.push_back(var_value(lua, r, &mut c.parsed, n)?);
@@ -414,7 +423,7 @@ fn escape_target(q: &str) -> Cow<'_, str> {
 pub fn variable<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
     let b = |s: &'a str| Some(Cow::Borrowed(s.as_bytes()));
     match name {
-        b"remote_addr" => Some(Cow::Owned(r.client_ip.to_string().into_bytes())),
+        b"remote_addr" => Some(Cow::Owned(super::ip_text(r.client_ip))),
         b"uri" | b"document_uri" => Some(Cow::Owned(normalize_uri(r.parts.uri.path()))),
         b"request_uri" => b(r
             .parts
@@ -659,7 +668,7 @@ fn headers_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Value> 
     for (name, value) in h.iter().take(max) {
         p.push(name.as_str().as_bytes(), Some(value.as_bytes()));
     }
-    Ok(Value::String(lua.create_string(p.0)?))
+    Ok(Value::String(request_string(lua, &p.0)?))
 }
 
 /// `ngx.req.get_uri_args()`: decoded (`+` is a space), repeated as arrays,
@@ -667,7 +676,7 @@ fn headers_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Value> 
 /// here.
 fn args_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Value> {
     let Some(q) = r.parts.uri.query() else {
-        return Ok(Value::String(lua.create_string("")?));
+        return Ok(Value::String(request_string(lua, b"")?));
     };
     let parts = || q.as_bytes().split(|&c| c == b'&').filter(|p| !p.is_empty());
     // Borrowed unless an escape was decoded.
@@ -687,7 +696,7 @@ fn args_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Value> {
         }
     }
     if packed {
-        return Ok(Value::String(lua.create_string(p.0)?));
+        return Ok(Value::String(request_string(lua, &p.0)?));
     }
     let t = lua.create_table()?;
     for part in parts().take(max) {
@@ -708,10 +717,15 @@ fn args_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Value> {
     Ok(Value::Table(t))
 }
 
-fn req_table(lua: &Lua, per_request: &Rc<PerRequest>, names: Vec<Vec<u8>>) -> mlua::Result<Table> {
+/// `ngx.req`, and the glue's `reset` (see [`PerRequest`]).
+fn req_table(
+    lua: &Lua,
+    caches: &Rc<Caches>,
+    names: Vec<Vec<u8>>,
+) -> mlua::Result<(Table, Function)> {
     let t = lua.create_table()?;
-    let [var, vcache, rcache] = &per_request.0;
-    let pr = per_request.clone();
+    let [var, vcache, rcache] = &caches.0;
+    let pr = caches.clone();
     let store = lua.create_function(move |lua, (_, name, value): (bool, LuaString, Value)| {
         store(lua, &name.as_bytes(), value)?;
         pr.clear();
@@ -719,12 +733,7 @@ fn req_table(lua: &Lua, per_request: &Rc<PerRequest>, names: Vec<Vec<u8>>) -> ml
     })?;
     type Build = fn(&Lua, &RequestInfo, usize) -> mlua::Result<Value>;
     let builder = |build: Build| {
-        lua.create_function(move |lua, max: Option<i64>| {
-            with_current(|r, c| {
-                c.ngx_cached |= CACHED_TABLES;
-                build(lua, r, limit(max))
-            })?
-        })
+        lua.create_function(move |lua, max: Option<i64>| with_req(|r| build(lua, r, limit(max)))?)
     };
     let build_headers = builder(headers_table)?;
     let build_args = builder(args_table)?;
@@ -732,7 +741,7 @@ fn req_table(lua: &Lua, per_request: &Rc<PerRequest>, names: Vec<Vec<u8>>) -> ml
         .load(fill_source(&names))
         .set_name("=graygate_ngx_fill")
         .into_function()?;
-    let (get_headers, get_uri_args): (Function, Function) =
+    let (get_headers, get_uri_args, reset): (Function, Function, Function) =
         lua.load(GLUE).set_name("=graygate_ngx").call((
             var,
             vcache,
@@ -752,7 +761,7 @@ fn req_table(lua: &Lua, per_request: &Rc<PerRequest>, names: Vec<Vec<u8>>) -> ml
         ))?;
     t.raw_set("get_headers", get_headers)?;
     t.raw_set("get_uri_args", get_uri_args)?;
-    let pr = per_request.clone();
+    let pr = caches.clone();
     t.raw_set(
         "get_method",
         lua.create_function(|lua, ()| {
@@ -767,7 +776,7 @@ fn req_table(lua: &Lua, per_request: &Rc<PerRequest>, names: Vec<Vec<u8>>) -> ml
             Ok(())
         })?,
     )?;
-    let pr = per_request.clone();
+    let pr = caches.clone();
     t.raw_set(
         "clear_header",
         lua.create_function(move |lua, name: LuaString| {
@@ -776,7 +785,7 @@ fn req_table(lua: &Lua, per_request: &Rc<PerRequest>, names: Vec<Vec<u8>>) -> ml
             Ok(())
         })?,
     )?;
-    Ok(t)
+    Ok((t, reset))
 }
 
 fn has_crlf(b: &[u8]) -> bool {

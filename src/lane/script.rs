@@ -218,9 +218,6 @@ pub(crate) struct Current {
     pub saved_uri: Option<http::Uri>,
     /// Cookies and arguments split once per request, on first use.
     pub parsed: super::ngx::Parsed,
-    /// What the `ngx` layer cached of this request in Lua (`CACHED_*`
-    /// bits of `ngx`), emptied after the call.
-    pub ngx_cached: u8,
 }
 
 /// This thread's slot: the request being decided (`None` between calls)
@@ -421,18 +418,36 @@ impl Guard {
 struct ScriptVm {
     id: u64,
     lua: Lua,
+    /// The script's lane function (where a memory error is placed).
     lane_fn: Function,
+    /// What a call runs: [`ENTRY`] bound to `lane_fn`.
+    entry: Function,
     req: Table,
-    /// Per-request global writes land here and are cleared after each call.
-    env: Table,
-    /// `ngx.var` and what it cached for the request, emptied after each call.
-    per_request: super::ngx::PerRequest,
     guard: Rc<Guard>,
     budget: i64,
     /// `jit.status()` once the VM was set up.
     #[cfg_attr(not(test), allow(dead_code))]
     jit_on: bool,
 }
+
+/// The function each lane call runs: it empties what the last request left
+/// — the `ngx` caches (`reset`) and the globals it wrote (`env`, where
+/// per-request global writes land) — then tail-calls the script's lane
+/// function, so errors and positions are the script's own. Done in Lua
+/// before the call rather than from Rust after it: mlua's `Table::clear`
+/// is a protected call (~800 instructions per table, callgrind), and a
+/// call stopped by an error or a limit is cleaned up all the same.
+const ENTRY: &str = r#"
+local lane, reset, env = ...
+local next, rawset = next, rawset
+return function(req)
+  reset()
+  if next(env) ~= nil then
+    for k in next, env do rawset(env, k, nil) end
+  end
+  return lane(req)
+end
+"#;
 
 /// Switches LuaJIT's trace compiler off for the whole VM (`jit: false`,
 /// the default: no machine code is made, so `MemoryDenyWriteExecute`
@@ -755,13 +770,17 @@ impl ScriptVm {
         env.set_metatable(Some(mt)).map_err(le)?;
 
         let req = req_object(&lua, lists).map_err(le)?;
+        let entry: Function = lua
+            .load(ENTRY)
+            .set_name("=graygate_entry")
+            .call((lane_fn.clone(), per_request.reset, env))
+            .map_err(le)?;
         Ok(ScriptVm {
             id: src.id,
             lua,
             lane_fn,
+            entry,
             req,
-            env,
-            per_request,
             guard,
             budget,
             jit_on,
@@ -776,15 +795,7 @@ impl ScriptVm {
         // entry function taking it as an argument, ~160 — cost more than
         // the count hook did on the shipped script.
         self.guard.arm(self.budget);
-        let r = self.lane_fn.call::<Value>(&self.req);
-        if !self.env.is_empty() {
-            let _ = self.env.clear();
-        }
-        let cached = with_current(|_, c| c.ngx_cached).unwrap_or(u8::MAX);
-        if cached != 0 {
-            self.per_request.clear_cached(cached);
-        }
-        match r? {
+        match self.entry.call::<Value>(&self.req)? {
             Value::Nil => Ok(None),
             // Copied from the bytes: `to_str()?.to_string()` went through
             // a borrowed `str` and `Display` (~480 instructions, callgrind).
@@ -1119,7 +1130,6 @@ pub(crate) fn take_request(failed: bool) -> RequestInfo {
         }
         cur.rule = RuleCtx::default();
         cur.parsed = Default::default();
-        cur.ngx_cached = 0;
         slot.req.take().expect("call_in_slot filled the slot")
     })
 }
