@@ -218,6 +218,9 @@ pub(crate) struct Current {
     pub saved_uri: Option<http::Uri>,
     /// Cookies and arguments split once per request, on first use.
     pub parsed: super::ngx::Parsed,
+    /// Set by the `ngx` host calls that fill per-request caches in Lua;
+    /// the call empties them afterwards (`ScriptVm::reset`).
+    pub ngx_cached: bool,
 }
 
 /// This thread's slot: the request being decided (`None` between calls)
@@ -418,36 +421,22 @@ impl Guard {
 struct ScriptVm {
     id: u64,
     lua: Lua,
-    /// The script's lane function (where a memory error is placed).
     lane_fn: Function,
-    /// What a call runs: [`ENTRY`] bound to `lane_fn`.
-    entry: Function,
+    /// `lane_fn` behind the `ngx` glue's entry, for a script that mentions
+    /// `ngx.` (see `ngx::PerRequest`); `None`: `lane_fn` is called as it is.
+    entry: Option<Function>,
     req: Table,
+    /// Per-request global writes land here and are emptied around calls.
+    env: Table,
+    /// The `ngx` glue's `reset`: empties the caches a call's host calls
+    /// filled (`Current::ngx_cached`), after a call without `entry`.
+    reset: Function,
     guard: Rc<Guard>,
     budget: i64,
     /// `jit.status()` once the VM was set up.
     #[cfg_attr(not(test), allow(dead_code))]
     jit_on: bool,
 }
-
-/// The function each lane call runs: it empties what the last request left
-/// — the `ngx` caches (`reset`) and the globals it wrote (`env`, where
-/// per-request global writes land) — then tail-calls the script's lane
-/// function, so errors and positions are the script's own. Done in Lua
-/// before the call rather than from Rust after it: mlua's `Table::clear`
-/// is a protected call (~800 instructions per table, callgrind), and a
-/// call stopped by an error or a limit is cleaned up all the same.
-const ENTRY: &str = r#"
-local lane, reset, env = ...
-local next, rawset = next, rawset
-return function(req)
-  reset()
-  if next(env) ~= nil then
-    for k in next, env do rawset(env, k, nil) end
-  end
-  return lane(req)
-end
-"#;
 
 /// Switches LuaJIT's trace compiler off for the whole VM (`jit: false`,
 /// the default: no machine code is made, so `MemoryDenyWriteExecute`
@@ -770,17 +759,26 @@ impl ScriptVm {
         env.set_metatable(Some(mt)).map_err(le)?;
 
         let req = req_object(&lua, lists).map_err(le)?;
-        let entry: Function = lua
-            .load(ENTRY)
-            .set_name("=graygate_entry")
-            .call((lane_fn.clone(), per_request.reset, env))
-            .map_err(le)?;
+        let mentions_ngx = std::iter::once(src.source.as_str())
+            .chain(src.modules.values().map(|(_, text)| text.as_str()))
+            .any(|t| t.contains("ngx."));
+        let entry = match mentions_ngx {
+            true => Some(
+                per_request
+                    .make_entry
+                    .call::<Function>((lane_fn.clone(), env.clone()))
+                    .map_err(le)?,
+            ),
+            false => None,
+        };
         Ok(ScriptVm {
             id: src.id,
             lua,
             lane_fn,
             entry,
             req,
+            env,
+            reset: per_request.reset,
             guard,
             budget,
             jit_on,
@@ -795,7 +793,20 @@ impl ScriptVm {
         // entry function taking it as an argument, ~160 — cost more than
         // the count hook did on the shipped script.
         self.guard.arm(self.budget);
-        match self.entry.call::<Value>(&self.req)? {
+        let r = match &self.entry {
+            Some(entry) => entry.call::<Value>(&self.req),
+            None => {
+                let r = self.lane_fn.call::<Value>(&self.req);
+                if !self.env.is_empty() {
+                    let _ = self.env.clear();
+                }
+                if with_current(|_, c| c.ngx_cached).unwrap_or(true) {
+                    let _ = self.reset.call::<()>(());
+                }
+                r
+            }
+        };
+        match r? {
             Value::Nil => Ok(None),
             // Copied from the bytes: `to_str()?.to_string()` went through
             // a borrowed `str` and `Display` (~480 instructions, callgrind).
@@ -1130,6 +1141,7 @@ pub(crate) fn take_request(failed: bool) -> RequestInfo {
         }
         cur.rule = RuleCtx::default();
         cur.parsed = Default::default();
+        cur.ngx_cached = false;
         slot.req.take().expect("call_in_slot filled the slot")
     })
 }
