@@ -295,31 +295,118 @@ fn var_value(lua: &Lua, r: &RequestInfo, parsed: &mut Parsed, name: &[u8]) -> ml
     }
 }
 
-/// All of `names`' values for the current request, in order (nil where unset).
-fn fetch_all(lua: &Lua, names: &[Vec<u8>]) -> mlua::Result<MultiValue> {
+/// A name [`mentioned_vars`] found, resolved at load: what its read does
+/// (an `http_*` header's name is parsed once, not per request).
+enum VarName {
+    Cookie(Vec<u8>),
+    Arg(Vec<u8>),
+    Header(HeaderName),
+    Other(Vec<u8>),
+}
+
+impl VarName {
+    fn new(name: &[u8]) -> VarName {
+        let header = |h: &[u8]| {
+            let h: Vec<u8> = h
+                .iter()
+                .map(|&c| {
+                    if c == b'_' {
+                        b'-'
+                    } else {
+                        c.to_ascii_lowercase()
+                    }
+                })
+                .collect();
+            HeaderName::from_bytes(&h).ok()
+        };
+        match name {
+            n if n.starts_with(b"cookie_") => VarName::Cookie(n[7..].to_vec()),
+            n if n.starts_with(b"arg_") => VarName::Arg(n[4..].to_vec()),
+            n => match n.strip_prefix(b"http_").and_then(header) {
+                Some(h) if n.len() - 5 <= HTTP_VAR_MAX => VarName::Header(h),
+                _ => VarName::Other(n.to_vec()),
+            },
+        }
+    }
+
+    /// Its value for `r` (as [`var_value`] gives it, before the Lua string).
+    fn value<'a>(&self, r: &'a RequestInfo, parsed: &mut Parsed) -> Option<Cow<'a, [u8]>> {
+        match self {
+            VarName::Cookie(n) => cookie_var(r, parsed, n).map(Cow::Borrowed),
+            VarName::Arg(n) => arg_var(r, parsed, n).map(Cow::Borrowed),
+            VarName::Header(h) => header_values(r, h),
+            VarName::Other(n) => variable(r, n),
+        }
+    }
+}
+
+/// All of `names`' values for the current request, for the glue's `fill`:
+/// one string of records `=value\0` (or `!` where unset) in order — one
+/// host string where a value each cost ~500 instructions (mlua's
+/// references to each, callgrind) — or, when a value holds a NUL byte,
+/// `false` and the values one by one.
+fn fetch_all(lua: &Lua, names: &[VarName]) -> mlua::Result<MultiValue> {
     with_current(|r, c| {
         c.ngx_cached = true;
-        let mut out = MultiValue::with_capacity(names.len());
+        let mut packed = Vec::with_capacity(128);
         for n in names {
-            out.push_back(var_value(lua, r, &mut c.parsed, n)?);
+            match n.value(r, &mut c.parsed) {
+                Some(v) if v.contains(&0) => return fetch_each(lua, r, &mut c.parsed, names),
+                Some(v) => {
+                    packed.push(b'=');
+                    packed.extend_from_slice(&v);
+                    packed.push(0);
+                }
+                None => packed.push(b'!'),
+            }
         }
+        let mut out = MultiValue::with_capacity(1);
+        out.push_back(Value::String(request_string(lua, &packed)?));
         Ok(out)
     })?
 }
 
+/// [`fetch_all`]'s values one by one, after `false`.
+fn fetch_each(
+    lua: &Lua,
+    r: &RequestInfo,
+    parsed: &mut Parsed,
+    names: &[VarName],
+) -> mlua::Result<MultiValue> {
+    let mut out = MultiValue::with_capacity(names.len() + 1);
+    out.push_back(Value::Boolean(false));
+    for n in names {
+        out.push_back(match n.value(r, parsed) {
+            Some(v) => Value::String(request_string(lua, &v)?),
+            None => Value::Nil,
+        });
+    }
+    Ok(out)
+}
+
 /// Lua source of `make_fill(DONE)`: a function storing `fetch_all`'s values
-/// under `names` into the cache, one plain assignment each (no loop, no
-/// `select`); the cache has no `__newindex`. Names are identifier bytes
+/// under `names` into the cache (the cache has no `__newindex`), from the
+/// packed string by plain `find`/`sub` — one statement per name, no loop —
+/// or from the values after `false`. Names are identifier bytes
 /// ([`mentioned_vars`]), so they are safe in a quoted literal.
 fn fill_source(names: &[Vec<u8>]) -> String {
     let mut params = String::new();
-    let mut body = String::new();
+    let mut packed = String::new();
+    let mut each = String::new();
     for (i, n) in names.iter().enumerate() {
         let n = std::str::from_utf8(n).unwrap_or("");
         params.push_str(&format!(", v{i}"));
-        body.push_str(&format!("if v{i} ~= nil then c[\"{n}\"] = v{i} end\n"));
+        packed.push_str(&format!(
+            "if byte(s, p) == 61 then e = find(s, \"\\0\", p + 1, true) \
+             c[\"{n}\"] = sub(s, p + 1, e - 1) p = e + 1 else p = p + 1 end\n"
+        ));
+        each.push_str(&format!("if v{i} ~= nil then c[\"{n}\"] = v{i} end\n"));
     }
-    format!("local DONE = ...\nreturn function(c{params})\n{body}c[DONE] = true\nend\n")
+    format!(
+        "local DONE = ...\nlocal byte, find, sub = string.byte, string.find, string.sub\n\
+         return function(c, s{params})\nif s then\nlocal p, e = 1\n{packed}else\n{each}end\n\
+         c[DONE] = true\nend\n"
+    )
 }
 
 /// Most names [`mentioned_vars`] returns: a script mentioning more has the
@@ -486,7 +573,7 @@ pub fn variable<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
 /// ", " (cookies with "; "), as nginx ≥ 1.23 does.
 fn http_var<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
     // Converted on the stack: this runs for every `ngx.var.http_*` read.
-    let mut buf = [0u8; 96];
+    let mut buf = [0u8; HTTP_VAR_MAX];
     let dst = buf.get_mut(..name.len())?;
     for (d, &c) in dst.iter_mut().zip(name) {
         *d = if c == b'_' {
@@ -495,14 +582,21 @@ fn http_var<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
             c.to_ascii_lowercase()
         };
     }
-    let hname = HeaderName::from_bytes(dst).ok()?;
-    let mut values = r.parts.headers.get_all(&hname).iter();
+    header_values(r, &HeaderName::from_bytes(dst).ok()?)
+}
+
+/// Longest `$http_<name>` name [`http_var`] converts (longer: nil).
+const HTTP_VAR_MAX: usize = 96;
+
+/// The values of header `hname` as `$http_*` gives them.
+fn header_values<'a>(r: &'a RequestInfo, hname: &HeaderName) -> Option<Cow<'a, [u8]>> {
+    let mut values = r.parts.headers.get_all(hname).iter();
     let first = values.next()?;
     let rest: Vec<&HeaderValue> = values.collect();
     if rest.is_empty() {
         return Some(Cow::Borrowed(first.as_bytes()));
     }
-    let sep: &[u8] = if hname == http::header::COOKIE {
+    let sep: &[u8] = if *hname == http::header::COOKIE {
         b"; "
     } else {
         b", "
@@ -767,6 +861,7 @@ fn req_table(
     };
     let build_headers = builder(headers_table)?;
     let build_args = builder(args_table)?;
+    let resolved: Vec<VarName> = names.iter().map(|n| VarName::new(n)).collect();
     let make_fill = lua
         .load(fill_source(&names))
         .set_name("=graygate_ngx_fill")
@@ -786,7 +881,7 @@ fn req_table(
                     .map(|n| lua.create_string(n))
                     .collect::<mlua::Result<Vec<_>>>()?,
             )?,
-            lua.create_function(move |lua, ()| fetch_all(lua, &names))?,
+            lua.create_function(move |lua, ()| fetch_all(lua, &resolved))?,
             make_fill,
         ))?;
     t.raw_set("get_headers", get_headers)?;
@@ -1348,6 +1443,79 @@ pub(crate) mod tests {
             std_req(),
         );
         assert_eq!(r, "u-7|nil|nil|u-7|42|10.1.2.3|abc|nil -> new|new|nil 500");
+    }
+
+    #[test]
+    fn fetched_together_empty_nul_and_unset_values() {
+        both_modes(fetched_together_empty_nul_and_unset_values_in);
+    }
+
+    fn fetched_together_empty_nul_and_unset_values_in() {
+        let body = "return ngx.var.uri .. '|' .. ngx.var.remote_addr .. '|'
+             .. tostring(ngx.var.cookie_none) .. '|[' .. ngx.var.http_x_e .. ']|' .. ngx.var.http_x_user_id";
+        let headers = [("X-User-Id", "u-7"), ("X-E", "")];
+        // Packed: one string of records.
+        let plain = request("/x/y", "10.1.2.3", &headers);
+        assert_eq!(eval(body, plain), "/x/y|10.1.2.3|nil|[]|u-7");
+        // A decoded NUL in $uri cannot be packed: the values come one by one.
+        let nul = request("/x%00y", "10.1.2.3", &headers);
+        assert_eq!(eval(body, nul), "/x\0y|10.1.2.3|nil|[]|u-7");
+    }
+
+    #[test]
+    fn caches_and_globals_are_emptied_between_requests() {
+        both_modes(caches_and_globals_are_emptied_between_requests_in);
+    }
+
+    fn caches_and_globals_are_emptied_between_requests_in() {
+        // The first script mentions `ngx.` (its entry empties what the last
+        // call left, before the next); the second reaches `ngx` without
+        // naming it (emptied from Rust after each call). Each call sees
+        // only its own request: values, tables, globals — after a call
+        // that failed half-way too.
+        let body = "return function(req)
+               local v = N.var
+               local seen = tostring(leak) .. tostring(rawget(_G, 'raw'))
+               leak = V(v)
+               rawset(_G, 'raw', 1)
+               local h = N.req.get_headers()['x-user-id']
+               local a = N.req.get_uri_args().uid
+               if v.arg_fail == '1' then error('boom') end
+               return seen .. '|' .. tostring(V(v)) .. '|' .. tostring(h) .. '|' .. tostring(a)
+                   .. '|' .. tostring(v.cookie_sid)
+             end";
+        let scripts = [
+            format!("local N = ngx\nlocal function V(v) return ngx.var.http_x_user_id end\n{body}\n"),
+            format!(
+                "local N = _G['ng' .. 'x']\nlocal function V(v) return v['http_' .. 'x_user_id'] end\n{body}\n"
+            ),
+        ];
+        for text in scripts {
+            let d = tempfile::tempdir().unwrap();
+            let p = d.path().join("t.lua");
+            std::fs::write(&p, &text).unwrap();
+            let mut src = ScriptSource::load(&p).unwrap();
+            src.jit = jit();
+            let lists = Arc::new(BTreeMap::new());
+            let call = |uri: &str, headers: &[(&str, &str)]| {
+                let req = request(uri, "10.1.2.3", headers);
+                call_lane(&src, &lists, req, RuleCtx::default()).1
+            };
+            let ok = |uri: &str, headers: &[(&str, &str)]| call(uri, headers).unwrap().unwrap();
+            assert_eq!(
+                ok("/?uid=1", &[("X-User-Id", "u1"), ("Cookie", "sid=s1")]),
+                "nilnil|u1|u1|1|s1",
+                "{text}"
+            );
+            assert_eq!(ok("/?uid=2", &[("X-User-Id", "u2")]), "nilnil|u2|u2|2|nil");
+            assert_eq!(ok("/", &[]), "nilnil|nil|nil|nil|nil");
+            let failed = call(
+                "/?fail=1&uid=9",
+                &[("X-User-Id", "u9"), ("Cookie", "sid=s9")],
+            );
+            assert!(failed.unwrap_err().message.contains("boom"));
+            assert_eq!(ok("/?uid=3", &[("X-User-Id", "u3")]), "nilnil|u3|u3|3|nil");
+        }
     }
 
     #[test]
