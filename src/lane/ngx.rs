@@ -341,23 +341,25 @@ impl VarName {
 }
 
 /// All of `names`' values for the current request, for the glue's `fill`:
-/// one string of records `=value\0` (or `!` where unset) in order — one
-/// host string where a value each cost ~500 instructions (mlua's
-/// references to each, callgrind) — or, when a value holds a NUL byte,
-/// `false` and the values one by one.
+/// one string of records in order, each a length byte (0: unset, else the
+/// value's length + 1) and the value — one host string where a value each
+/// cost ~500 instructions (mlua's references to each, callgrind) — or,
+/// when a value is longer than [`PACKED_VALUE_MAX`], `false` and the
+/// values one by one.
 fn fetch_all(lua: &Lua, names: &[VarName]) -> mlua::Result<MultiValue> {
     with_current(|r, c| {
         c.ngx_cached = true;
         let mut packed = Vec::with_capacity(128);
         for n in names {
             match n.value(r, &mut c.parsed) {
-                Some(v) if v.contains(&0) => return fetch_each(lua, r, &mut c.parsed, names),
-                Some(v) => {
-                    packed.push(b'=');
-                    packed.extend_from_slice(&v);
-                    packed.push(0);
+                Some(v) if v.len() > PACKED_VALUE_MAX => {
+                    return fetch_each(lua, r, &mut c.parsed, names)
                 }
-                None => packed.push(b'!'),
+                Some(v) => {
+                    packed.push(v.len() as u8 + 1);
+                    packed.extend_from_slice(&v);
+                }
+                None => packed.push(0),
             }
         }
         let mut out = MultiValue::with_capacity(1);
@@ -365,6 +367,9 @@ fn fetch_all(lua: &Lua, names: &[VarName]) -> mlua::Result<MultiValue> {
         Ok(out)
     })?
 }
+
+/// Longest value [`fetch_all`] packs (its length byte holds length + 1).
+const PACKED_VALUE_MAX: usize = 254;
 
 /// [`fetch_all`]'s values one by one, after `false`.
 fn fetch_each(
@@ -386,8 +391,8 @@ fn fetch_each(
 
 /// Lua source of `make_fill(DONE)`: a function storing `fetch_all`'s values
 /// under `names` into the cache (the cache has no `__newindex`), from the
-/// packed string by plain `find`/`sub` — one statement per name, no loop —
-/// or from the values after `false`. Names are identifier bytes
+/// packed string by `byte`/`sub` — one statement per name, no loop — or
+/// from the values after `false`. Names are identifier bytes
 /// ([`mentioned_vars`]), so they are safe in a quoted literal.
 fn fill_source(names: &[Vec<u8>]) -> String {
     let mut params = String::new();
@@ -397,14 +402,13 @@ fn fill_source(names: &[Vec<u8>]) -> String {
         let n = std::str::from_utf8(n).unwrap_or("");
         params.push_str(&format!(", v{i}"));
         packed.push_str(&format!(
-            "if byte(s, p) == 61 then e = find(s, \"\\0\", p + 1, true) \
-             c[\"{n}\"] = sub(s, p + 1, e - 1) p = e + 1 else p = p + 1 end\n"
+            "n = byte(s, p) if n ~= 0 then c[\"{n}\"] = sub(s, p + 1, p + n - 1) p = p + n else p = p + 1 end\n"
         ));
         each.push_str(&format!("if v{i} ~= nil then c[\"{n}\"] = v{i} end\n"));
     }
     format!(
-        "local DONE = ...\nlocal byte, find, sub = string.byte, string.find, string.sub\n\
-         return function(c, s{params})\nif s then\nlocal p, e = 1\n{packed}else\n{each}end\n\
+        "local DONE = ...\nlocal byte, sub = string.byte, string.sub\n\
+         return function(c, s{params})\nif s then\nlocal p, n = 1\n{packed}else\n{each}end\n\
          c[DONE] = true\nend\n"
     )
 }
@@ -1457,9 +1461,18 @@ pub(crate) mod tests {
         // Packed: one string of records.
         let plain = request("/x/y", "10.1.2.3", &headers);
         assert_eq!(eval(body, plain), "/x/y|10.1.2.3|nil|[]|u-7");
-        // A decoded NUL in $uri cannot be packed: the values come one by one.
+        // Length-delimited: a decoded NUL packs too.
         let nul = request("/x%00y", "10.1.2.3", &headers);
         assert_eq!(eval(body, nul), "/x\0y|10.1.2.3|nil|[]|u-7");
+        // Longer than a length byte holds: the values come one by one.
+        let long = "v".repeat(PACKED_VALUE_MAX + 1);
+        let headers = [("X-User-Id", long.as_str()), ("X-E", "")];
+        let r = eval(body, request("/x/y", "10.1.2.3", &headers));
+        assert_eq!(r, format!("/x/y|10.1.2.3|nil|[]|{long}"));
+        let fits = "w".repeat(PACKED_VALUE_MAX);
+        let headers = [("X-User-Id", fits.as_str()), ("X-E", "")];
+        let r = eval(body, request("/x/y", "10.1.2.3", &headers));
+        assert_eq!(r, format!("/x/y|10.1.2.3|nil|[]|{fits}"));
     }
 
     #[test]
