@@ -68,28 +68,51 @@ pub(crate) struct PerRequest {
     pub make_entry: Function,
 }
 
-/// Installs `ngx` into `g` (`bit` is LuaJIT's own library).
-/// `names`: the `ngx.var` names the script's and its modules' source
-/// mention ([`mentioned_vars`]), all fetched in one host call on a request's
-/// first `ngx.var` miss.
+/// What a script's and its modules' source mention of the `ngx` API
+/// ([`mentioned`]): all of it is fetched in one host call, the batch, on a
+/// request's first `ngx.var` miss or first `get_headers()` /
+/// `get_uri_args()`.
+#[derive(Default)]
+pub(crate) struct Mentioned {
+    /// `ngx.var` names ([`mentioned_vars`]).
+    pub vars: Vec<Vec<u8>>,
+    /// `get_headers` appears: its entries come with the batch.
+    pub headers: bool,
+    /// `get_uri_args` appears: likewise.
+    pub args: bool,
+}
+
+/// What `texts` mention (see [`Mentioned`]).
+pub(crate) fn mentioned<'a>(texts: impl IntoIterator<Item = &'a str> + Clone) -> Mentioned {
+    let has = |word: &str| texts.clone().into_iter().any(|t| t.contains(word));
+    Mentioned {
+        vars: mentioned_vars(texts.clone()),
+        headers: has("get_headers"),
+        args: has("get_uri_args"),
+    }
+}
+
+/// Installs `ngx` into `g` (`bit` is LuaJIT's own library); `mentioned`
+/// says what the batch fetches.
 pub(crate) fn install(
     lua: &Lua,
     g: &Table,
     dicts: &BTreeMap<String, Arc<SharedDict>>,
-    names: Vec<Vec<u8>>,
+    mentioned: Mentioned,
 ) -> mlua::Result<PerRequest> {
     let ngx = lua.create_table()?;
     for (name, n) in LEVELS {
         ngx.raw_set(name, n)?;
     }
     let var = lua.create_table()?;
+    // rcache's four slots in its array part: no new hash key per request.
     let caches = Rc::new(Caches([
         var.clone(),
         lua.create_table()?,
-        lua.create_table()?,
+        lua.create_table_with_capacity(4, 0)?,
     ]));
     ngx.raw_set("var", var)?;
-    let (req, reset, make_entry) = req_table(lua, &caches, names)?;
+    let (req, reset, make_entry) = req_table(lua, &caches, mentioned)?;
     ngx.raw_set("req", req)?;
     ngx.raw_set("log", lua.create_function(log)?)?;
     ngx.raw_set(
@@ -169,8 +192,7 @@ local lower, gsub, find, sub, byte = string.lower, string.gsub, string.find, str
 local dirty = false
 local function reset()
   for k in next, vcache do rawset(vcache, k, nil) end
-  rawset(rcache, 1, nil)
-  rawset(rcache, 2, nil)
+  for i = 1, 4 do rawset(rcache, i, nil) end
   dirty = false
 end
 -- The builders hand over one packed string (see `Packed` in ngx.rs):
@@ -200,17 +222,39 @@ local function unpack_entries(s)
   return t
 end
 -- The names the source mentions (`names`, a set too) are fetched together
--- on the request's first miss; `DONE` (a key no script can reach) marks the
--- cache filled, so a mentioned name that is nil needs no host call either.
--- Any other name is fetched alone. `clear` empties the lot (DONE with it).
+-- on the request's first miss or first get_headers()/get_uri_args(), the
+-- batch; `DONE` (a key no script can reach) marks the cache filled, so a
+-- mentioned name that is nil needs no host call either. Any other name is
+-- fetched alone. The batch also brings the packed get_headers() and
+-- get_uri_args() entries where the source mentions those (kept in
+-- rcache[3] / [4] until they are asked for). `clear` empties the lot.
 local DONE, mentioned = {}, {}
 for i = 1, #names do mentioned[names[i]] = true end
 local fill = make_fill(DONE)
+local function take(h, a, s)
+  if h ~= nil then rawset(rcache, 3, h) end
+  if a ~= nil then rawset(rcache, 4, a) end
+  fill(vcache, s)
+end
+local function batch()
+  dirty = true
+  take(fetch_all())
+end
+-- The packed entries of rcache[i] (3: headers, 4: args) from the batch, if
+-- it has not run yet; nil if it ran without them.
+local function batched(i)
+  local p = rawget(rcache, i)
+  if p == nil and not rawget(vcache, DONE) then
+    batch()
+    p = rawget(rcache, i)
+  end
+  return p
+end
 setmetatable(vcache, { __index = function(c, k)
   dirty = true
   if mentioned[k] then
     if rawget(c, DONE) then return nil end
-    fill(c, fetch_all())
+    batch()
     return rawget(c, k)
   end
   local v = fetch(k)
@@ -236,7 +280,8 @@ local function get_headers(max)
     local h = rawget(rcache, 1)
     if h == nil then
       dirty = true
-      h = setmetatable(unpack_entries(build_headers(nil)), { __index = hdr_index })
+      local p = batched(3) or build_headers(nil)
+      h = setmetatable(unpack_entries(p), { __index = hdr_index })
       rawset(rcache, 1, h)
     end
     return h
@@ -248,7 +293,7 @@ local function get_uri_args(max)
     local a = rawget(rcache, 2)
     if a == nil then
       dirty = true
-      a = unpack_entries(build_args(nil))
+      a = unpack_entries(batched(4) or build_args(nil))
       rawset(rcache, 2, a)
     end
     return a
@@ -340,20 +385,36 @@ impl VarName {
     }
 }
 
-/// All of `names`' values for the current request, for the glue's `fill`:
-/// one string of records in order, each a length byte (0: unset, else the
-/// value's length + 1) and the value — one host string where a value each
-/// cost ~500 instructions (mlua's references to each, callgrind) — or,
-/// when a value is longer than [`PACKED_VALUE_MAX`], `false` and the
-/// values one by one.
-fn fetch_all(lua: &Lua, names: &[VarName]) -> mlua::Result<MultiValue> {
+/// The batch: the packed `get_headers()` entries (or nil: `headers`
+/// false), likewise `get_uri_args()`'s, and all of `names`' values for the
+/// current request, for the glue's `fill`: one string of records in order,
+/// each a length byte (0: unset, else the value's length + 1) and the value
+/// — one host string where a value each cost ~500 instructions (mlua's
+/// references to each, callgrind) — or, when a value is longer than
+/// [`PACKED_VALUE_MAX`], a table of the values by position. Three values
+/// always (a vararg glue is not compiled as well by LuaJIT).
+fn fetch_all(
+    lua: &Lua,
+    names: &[VarName],
+    headers: bool,
+    args: bool,
+) -> mlua::Result<(Value, Value, Value)> {
     with_current(|r, c| {
         c.ngx_cached = true;
+        let h = match headers {
+            true => headers_table(lua, r, DEFAULT_MAX)?,
+            false => Value::Nil,
+        };
+        let a = match args {
+            true => args_table(lua, r, DEFAULT_MAX)?,
+            false => Value::Nil,
+        };
         let mut packed = Vec::with_capacity(128);
         for n in names {
             match n.value(r, &mut c.parsed) {
                 Some(v) if v.len() > PACKED_VALUE_MAX => {
-                    return fetch_each(lua, r, &mut c.parsed, names)
+                    let each = fetch_each(lua, r, &mut c.parsed, names)?;
+                    return Ok((h, a, Value::Table(each)));
                 }
                 Some(v) => {
                     packed.push(v.len() as u8 + 1);
@@ -362,53 +423,47 @@ fn fetch_all(lua: &Lua, names: &[VarName]) -> mlua::Result<MultiValue> {
                 None => packed.push(0),
             }
         }
-        let mut out = MultiValue::with_capacity(1);
-        out.push_back(Value::String(request_string(lua, &packed)?));
-        Ok(out)
+        Ok((h, a, Value::String(request_string(lua, &packed)?)))
     })?
 }
 
 /// Longest value [`fetch_all`] packs (its length byte holds length + 1).
 const PACKED_VALUE_MAX: usize = 254;
 
-/// [`fetch_all`]'s values one by one, after `false`.
+/// [`fetch_all`]'s values in a table by position (rare: a long value).
 fn fetch_each(
     lua: &Lua,
     r: &RequestInfo,
     parsed: &mut Parsed,
     names: &[VarName],
-) -> mlua::Result<MultiValue> {
-    let mut out = MultiValue::with_capacity(names.len() + 1);
-    out.push_back(Value::Boolean(false));
-    for n in names {
-        out.push_back(match n.value(r, parsed) {
-            Some(v) => Value::String(request_string(lua, &v)?),
-            None => Value::Nil,
-        });
+) -> mlua::Result<Table> {
+    let t = lua.create_table()?;
+    for (i, n) in names.iter().enumerate() {
+        if let Some(v) = n.value(r, parsed) {
+            t.raw_set(i + 1, request_string(lua, &v)?)?;
+        }
     }
-    Ok(out)
+    Ok(t)
 }
 
 /// Lua source of `make_fill(DONE)`: a function storing `fetch_all`'s values
 /// under `names` into the cache (the cache has no `__newindex`), from the
 /// packed string by `byte`/`sub` — one statement per name, no loop — or
-/// from the values after `false`. Names are identifier bytes
+/// from the table of values. Names are identifier bytes
 /// ([`mentioned_vars`]), so they are safe in a quoted literal.
 fn fill_source(names: &[Vec<u8>]) -> String {
-    let mut params = String::new();
     let mut packed = String::new();
     let mut each = String::new();
     for (i, n) in names.iter().enumerate() {
         let n = std::str::from_utf8(n).unwrap_or("");
-        params.push_str(&format!(", v{i}"));
         packed.push_str(&format!(
             "n = byte(s, p) if n ~= 0 then c[\"{n}\"] = sub(s, p + 1, p + n - 1) p = p + n else p = p + 1 end\n"
         ));
-        each.push_str(&format!("if v{i} ~= nil then c[\"{n}\"] = v{i} end\n"));
+        each.push_str(&format!("c[\"{n}\"] = s[{}]\n", i + 1));
     }
     format!(
-        "local DONE = ...\nlocal byte, sub = string.byte, string.sub\n\
-         return function(c, s{params})\nif s then\nlocal p, n = 1\n{packed}else\n{each}end\n\
+        "local DONE = ...\nlocal byte, sub, type = string.byte, string.sub, type\n\
+         return function(c, s)\nif type(s) == \"string\" then\nlocal p, n = 1\n{packed}else\n{each}end\n\
          c[DONE] = true\nend\n"
     )
 }
@@ -844,8 +899,13 @@ fn args_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Value> {
 fn req_table(
     lua: &Lua,
     caches: &Rc<Caches>,
-    names: Vec<Vec<u8>>,
+    mentioned: Mentioned,
 ) -> mlua::Result<(Table, Function, Function)> {
+    let Mentioned {
+        vars: names,
+        headers,
+        args,
+    } = mentioned;
     let t = lua.create_table()?;
     let [var, vcache, rcache] = &caches.0;
     let pr = caches.clone();
@@ -885,7 +945,7 @@ fn req_table(
                     .map(|n| lua.create_string(n))
                     .collect::<mlua::Result<Vec<_>>>()?,
             )?,
-            lua.create_function(move |lua, ()| fetch_all(lua, &resolved))?,
+            lua.create_function(move |lua, ()| fetch_all(lua, &resolved, headers, args))?,
             make_fill,
         ))?;
     t.raw_set("get_headers", get_headers)?;
@@ -1473,6 +1533,48 @@ pub(crate) mod tests {
         let headers = [("X-User-Id", fits.as_str()), ("X-E", "")];
         let r = eval(body, request("/x/y", "10.1.2.3", &headers));
         assert_eq!(r, format!("/x/y|10.1.2.3|nil|[]|{fits}"));
+    }
+
+    #[test]
+    fn headers_and_args_come_with_the_batch_or_alone() {
+        both_modes(headers_and_args_come_with_the_batch_or_alone_in);
+    }
+
+    fn headers_and_args_come_with_the_batch_or_alone_in() {
+        // The batch brings get_headers()/get_uri_args() where the source
+        // names them, whichever is asked for first; a script reaching them
+        // by a built name gets them by their own host calls. All alike.
+        let tail = "return table.concat({ tostring(v), h['x-user-id'], h.Accept[2], tostring(a.uid),
+                 a.Name, tostring(ngx.var.cookie_sid), tostring(ngx.req.get_headers(1)['x-user-id']) }, '|')";
+        let want = "u-7|u-7|b|42|J o|abc|u-7";
+        for (get_h, get_a) in [
+            ("ngx.req.get_headers", "ngx.req.get_uri_args"),
+            (
+                "ngx.req['get_' .. 'headers']",
+                "ngx.req['get_' .. 'uri_args']",
+            ),
+        ] {
+            for order in [
+                format!("local v = ngx.var.http_x_user_id local h = {get_h}() local a = {get_a}()"),
+                format!("local h = {get_h}() local v = ngx.var.http_x_user_id local a = {get_a}()"),
+                format!("local a = {get_a}() local h = {get_h}() local v = ngx.var.http_x_user_id"),
+            ] {
+                assert_eq!(
+                    eval(&format!("{order}\n{tail}"), std_req()),
+                    want,
+                    "{order}"
+                );
+            }
+        }
+        // Changed after the batch: asked for later, they are rebuilt.
+        let r = eval(
+            "local v = ngx.var.http_x_user_id
+             ngx.req.set_header('X-User-Id', 'new')
+             ngx.var.args = 'uid=9'
+             return v .. '|' .. ngx.req.get_headers()['x-user-id'] .. '|' .. ngx.req.get_uri_args().uid",
+            std_req(),
+        );
+        assert_eq!(r, "u-7|new|9");
     }
 
     #[test]

@@ -620,7 +620,7 @@ impl ScriptVm {
             &lua,
             &globals,
             &src.dicts,
-            super::ngx::mentioned_vars(
+            super::ngx::mentioned(
                 std::iter::once(src.source.as_str())
                     .chain(src.modules.values().map(|(_, text)| text.as_str())),
             ),
