@@ -41,6 +41,29 @@ pub struct RequestInfo {
     pub peer_trusted: bool,
 }
 
+/// `ip` as text, as its `Display` writes it (`ngx.var.remote_addr`): an
+/// IPv4 address by hand — `to_string` pads each octet through the
+/// formatter (~500 instructions, callgrind, against ~60).
+pub(crate) fn ip_text(ip: std::net::IpAddr) -> Vec<u8> {
+    let std::net::IpAddr::V4(v4) = ip else {
+        return ip.to_string().into_bytes();
+    };
+    let mut out = Vec::with_capacity(15);
+    for (i, o) in v4.octets().into_iter().enumerate() {
+        if i > 0 {
+            out.push(b'.');
+        }
+        if o >= 100 {
+            out.push(b'0' + o / 100);
+        }
+        if o >= 10 {
+            out.push(b'0' + o / 10 % 10);
+        }
+        out.push(b'0' + o % 10);
+    }
+    out
+}
+
 /// `https` for a request that came over TLS, else `http`
 /// (`ngx.var.scheme`, `req.scheme`).
 pub fn scheme(r: &RequestInfo) -> &'static str {
@@ -288,6 +311,20 @@ pub fn bucket(data: &[u8]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ip_text_writes_what_display_writes() {
+        let mut ips: Vec<std::net::IpAddr> = ["::1", "2001:db8::7", "::ffff:10.0.0.1"]
+            .iter()
+            .map(|s| s.parse().unwrap())
+            .collect();
+        for o in [0u8, 1, 9, 10, 42, 99, 100, 109, 110, 199, 200, 250, 255] {
+            ips.push(std::net::Ipv4Addr::new(o, 255 - o, o / 2, 7).into());
+        }
+        for ip in ips {
+            assert_eq!(ip_text(ip), ip.to_string().into_bytes(), "{ip}");
+        }
+    }
 
     #[test]
     fn murmur3_reference_vectors() {

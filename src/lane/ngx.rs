@@ -41,62 +41,89 @@ const LEVELS: [(&str, i64); 9] = [
 const DEFAULT_MAX: usize = 100;
 
 /// Tables that hold one request's data (`ngx.var` and its cache, the
-/// cached `get_headers()` / `get_uri_args()`): emptied after every call.
-pub(crate) struct PerRequest(pub [Table; 3]);
+/// cached `get_headers()` / `get_uri_args()`).
+struct Caches([Table; 3]);
 
-/// `Current::ngx_cached` bits: what the request left in which table.
-pub(crate) const CACHED_VARS: u8 = 1;
-pub(crate) const CACHED_TABLES: u8 = 2;
-
-impl PerRequest {
+impl Caches {
     /// Forgets what was cached for the request (when `set_header` /
     /// `ngx.var.args = …` changed what it was built from).
-    pub fn clear(&self) {
-        self.clear_cached(CACHED_VARS | CACHED_TABLES);
-        let _ = self.0[0].clear();
-    }
-
-    /// After a call: empties the caches the request used (`cached`:
-    /// `CACHED_*` bits), leaving the others untouched.
-    pub fn clear_cached(&self, cached: u8) {
-        for (bit, t) in [(CACHED_VARS, &self.0[1]), (CACHED_TABLES, &self.0[2])] {
-            if cached & bit != 0 {
-                let _ = t.clear();
-            }
+    fn clear(&self) {
+        for t in &self.0 {
+            let _ = t.clear();
         }
     }
 }
 
-/// Installs `ngx` into `g` (`bit` is LuaJIT's own library).
-/// `names`: the `ngx.var` names the script's and its modules' source
-/// mention ([`mentioned_vars`]), all fetched in one host call on a request's
-/// first `ngx.var` miss.
+/// What the lane call needs of the `ngx` layer, so no request sees
+/// another's values: `reset` empties the caches a request left; `make_entry`
+/// (lane function, env) wraps a lane function into an entry that does so
+/// (and empties `env`) before each call, in Lua. The entry pays for itself
+/// where the script reads `ngx.*` (~300 instructions a call less than
+/// `reset` from Rust) and costs ~120 where it does not, so it is used for
+/// scripts whose source mentions `ngx.`; the others are reset from Rust
+/// when a host call filled a cache (`Current::ngx_cached`). Either way is
+/// complete on its own: the mention only chooses the cheaper one.
+pub(crate) struct PerRequest {
+    pub reset: Function,
+    pub make_entry: Function,
+}
+
+/// What a script's and its modules' source mention of the `ngx` API
+/// ([`mentioned`]): all of it is fetched in one host call, the batch, on a
+/// request's first `ngx.var` miss or first `get_headers()` /
+/// `get_uri_args()`.
+#[derive(Default)]
+pub(crate) struct Mentioned {
+    /// `ngx.var` names ([`mentioned_vars`]).
+    pub vars: Vec<Vec<u8>>,
+    /// `get_headers` appears: its entries come with the batch.
+    pub headers: bool,
+    /// `get_uri_args` appears: likewise.
+    pub args: bool,
+}
+
+/// What `texts` mention (see [`Mentioned`]).
+pub(crate) fn mentioned<'a>(texts: impl IntoIterator<Item = &'a str> + Clone) -> Mentioned {
+    let has = |word: &str| texts.clone().into_iter().any(|t| t.contains(word));
+    Mentioned {
+        vars: mentioned_vars(texts.clone()),
+        headers: has("get_headers"),
+        args: has("get_uri_args"),
+    }
+}
+
+/// Installs `ngx` into `g` (`bit` is LuaJIT's own library); `mentioned`
+/// says what the batch fetches.
 pub(crate) fn install(
     lua: &Lua,
     g: &Table,
     dicts: &BTreeMap<String, Arc<SharedDict>>,
-    names: Vec<Vec<u8>>,
+    mentioned: Mentioned,
 ) -> mlua::Result<PerRequest> {
     let ngx = lua.create_table()?;
     for (name, n) in LEVELS {
         ngx.raw_set(name, n)?;
     }
     let var = lua.create_table()?;
-    let per_request = Rc::new(PerRequest([
+    // rcache's four slots in its array part: no new hash key per request.
+    let caches = Rc::new(Caches([
         var.clone(),
         lua.create_table()?,
-        lua.create_table()?,
+        lua.create_table_with_capacity(4, 0)?,
     ]));
     ngx.raw_set("var", var)?;
-    ngx.raw_set("req", req_table(lua, &per_request, names)?)?;
+    let (req, reset, make_entry) = req_table(lua, &caches, mentioned)?;
+    ngx.raw_set("req", req)?;
     ngx.raw_set("log", lua.create_function(log)?)?;
     ngx.raw_set(
         "crc32_short",
-        lua.create_function(|_, s: LuaString| Ok(i64::from(crc32fast::hash(&s.as_bytes()))))?,
+        // Bytes, not a `LuaString`: a short copy costs less than mlua's
+        // reference to the argument.
+        lua.create_function(|_, s: mlua::BString| Ok(i64::from(crc32fast::hash(&s))))?,
     )?;
     ngx.raw_set(
         "crc32_long",
-        lua.create_function(|_, s: LuaString| Ok(i64::from(crc32fast::hash(&s.as_bytes()))))?,
+        lua.create_function(|_, s: mlua::BString| Ok(i64::from(crc32fast::hash(&s))))?,
     )?;
     ngx.raw_set(
         "md5",
@@ -140,8 +167,7 @@ pub(crate) fn install(
             log(lua, args)
         })?,
     )?;
-    let PerRequest(tables) = &*per_request;
-    Ok(PerRequest(tables.clone()))
+    Ok(PerRequest { reset, make_entry })
 }
 
 fn unix_now() -> std::time::Duration {
@@ -158,8 +184,19 @@ fn unix_now() -> std::time::Duration {
 /// call); `ngx.var` itself stays empty so every write reaches `__newindex`.
 const GLUE: &str = r#"
 local var, vcache, rcache, fetch, store, build_headers, build_args, names, fetch_all, make_fill = ...
-local rawget, rawset, setmetatable, type = rawget, rawset, setmetatable, type
+local rawget, rawset, setmetatable, type, next = rawget, rawset, setmetatable, type, next
 local lower, gsub, find, sub, byte = string.lower, string.gsub, string.find, string.sub, string.byte
+-- Empties what a request left in the caches, in Lua (mlua's `Table::clear`
+-- is a protected call per table, ~800 instructions). A script that
+-- mentions `ngx.` runs behind `make_entry`'s entry, which resets before
+-- the script when `dirty`; any other is reset from Rust after a call whose
+-- host calls filled the caches (`Current::ngx_cached`).
+local dirty = false
+local function reset()
+  for k in next, vcache do rawset(vcache, k, nil) end
+  for i = 1, 4 do rawset(rcache, i, nil) end
+  dirty = false
+end
 -- The builders hand over one packed string (see `Packed` in ngx.rs):
 -- records `name \0 = value \0` or `name \0 !` (a bare flag); a repeated
 -- name becomes an array in order. A table is already built.
@@ -187,16 +224,39 @@ local function unpack_entries(s)
   return t
 end
 -- The names the source mentions (`names`, a set too) are fetched together
--- on the request's first miss; `DONE` (a key no script can reach) marks the
--- cache filled, so a mentioned name that is nil needs no host call either.
--- Any other name is fetched alone. `clear` empties the lot (DONE with it).
+-- on the request's first miss or first get_headers()/get_uri_args(), the
+-- batch; `DONE` (a key no script can reach) marks the cache filled, so a
+-- mentioned name that is nil needs no host call either. Any other name is
+-- fetched alone. The batch also brings the packed get_headers() and
+-- get_uri_args() entries where the source mentions those (kept in
+-- rcache[3] / [4] until they are asked for). `clear` empties the lot.
 local DONE, mentioned = {}, {}
 for i = 1, #names do mentioned[names[i]] = true end
 local fill = make_fill(DONE)
+local function take(h, a, s)
+  if h ~= nil then rawset(rcache, 3, h) end
+  if a ~= nil then rawset(rcache, 4, a) end
+  fill(vcache, s)
+end
+local function batch()
+  dirty = true
+  take(fetch_all())
+end
+-- The packed entries of rcache[i] (3: headers, 4: args) from the batch, if
+-- it has not run yet; nil if it ran without them.
+local function batched(i)
+  local p = rawget(rcache, i)
+  if p == nil and not rawget(vcache, DONE) then
+    batch()
+    p = rawget(rcache, i)
+  end
+  return p
+end
 setmetatable(vcache, { __index = function(c, k)
+  dirty = true
   if mentioned[k] then
     if rawget(c, DONE) then return nil end
-    fill(c, fetch_all())
+    batch()
     return rawget(c, k)
   end
   local v = fetch(k)
@@ -207,9 +267,13 @@ setmetatable(var, { __index = vcache, __newindex = store, __metatable = false })
 -- Header tables are keyed in lower case; lookups accept any case and `_`.
 -- Each table gets a metatable of its own (as OpenResty's): a script that
 -- changes it changes only its own request's table.
+-- `gsub` only for a name with `_` in it: a pattern call per miss cost
+-- ~1,000 instructions (callgrind), a plain `find` a few dozen.
 local function hdr_index(t, k)
   if type(k) ~= "string" then return nil end
-  local n = lower((gsub(k, "_", "-")))
+  local n = k
+  if find(k, "_", 1, true) then n = gsub(k, "_", "-") end
+  n = lower(n)
   if n ~= k then return rawget(t, n) end
   return nil
 end
@@ -217,7 +281,9 @@ local function get_headers(max)
   if max == nil then
     local h = rawget(rcache, 1)
     if h == nil then
-      h = setmetatable(unpack_entries(build_headers(nil)), { __index = hdr_index })
+      dirty = true
+      local p = batched(3) or build_headers(nil)
+      h = setmetatable(unpack_entries(p), { __index = hdr_index })
       rawset(rcache, 1, h)
     end
     return h
@@ -228,21 +294,36 @@ local function get_uri_args(max)
   if max == nil then
     local a = rawget(rcache, 2)
     if a == nil then
-      a = unpack_entries(build_args(nil))
+      dirty = true
+      a = unpack_entries(batched(4) or build_args(nil))
       rawset(rcache, 2, a)
     end
     return a
   end
   return unpack_entries(build_args(max))
 end
-return get_headers, get_uri_args
+-- The entry of a script that mentions `ngx.`: empties what the last
+-- request left — these caches and the globals it wrote (`env`, where
+-- per-request global writes land) — then tail-calls the lane function, so
+-- errors and positions are the script's own. A call stopped by an error or
+-- a limit is cleaned up all the same, before the next one.
+local function make_entry(lane, env)
+  return function(req)
+    if dirty then reset() end
+    if next(env) ~= nil then
+      for k in next, env do rawset(env, k, nil) end
+    end
+    return lane(req)
+  end
+end
+return get_headers, get_uri_args, reset, make_entry
 "#;
 
 /// `ngx.var` reads: the variable's value for the current request.
 fn fetch(lua: &Lua, name: LuaString) -> mlua::Result<Value> {
     let name = name.as_bytes();
     with_current(|r, c| {
-        c.ngx_cached |= CACHED_VARS;
+        c.ngx_cached = true;
         var_value(lua, r, &mut c.parsed, &name)
     })?
 }
@@ -261,31 +342,132 @@ fn var_value(lua: &Lua, r: &RequestInfo, parsed: &mut Parsed, name: &[u8]) -> ml
     }
 }
 
-/// All of `names`' values for the current request, in order (nil where unset).
-fn fetch_all(lua: &Lua, names: &[Vec<u8>]) -> mlua::Result<MultiValue> {
-    with_current(|r, c| {
-        c.ngx_cached |= CACHED_VARS;
-        let mut out = MultiValue::with_capacity(names.len());
-        for n in names {
-            out.push_back(var_value(lua, r, &mut c.parsed, n)?);
+/// A name [`mentioned_vars`] found, resolved at load: what its read does
+/// (an `http_*` header's name is parsed once, not per request).
+enum VarName {
+    Cookie(Vec<u8>),
+    Arg(Vec<u8>),
+    Header(HeaderName),
+    Other(Vec<u8>),
+}
+
+impl VarName {
+    fn new(name: &[u8]) -> VarName {
+        let header = |h: &[u8]| {
+            let h: Vec<u8> = h
+                .iter()
+                .map(|&c| {
+                    if c == b'_' {
+                        b'-'
+                    } else {
+                        c.to_ascii_lowercase()
+                    }
+                })
+                .collect();
+            HeaderName::from_bytes(&h).ok()
+        };
+        match name {
+            n if n.starts_with(b"cookie_") => VarName::Cookie(n[7..].to_vec()),
+            n if n.starts_with(b"arg_") => VarName::Arg(n[4..].to_vec()),
+            n => match n.strip_prefix(b"http_").and_then(header) {
+                Some(h) if n.len() - 5 <= HTTP_VAR_MAX => VarName::Header(h),
+                _ => VarName::Other(n.to_vec()),
+            },
         }
-        Ok(out)
+    }
+
+    /// Its value for `r` (as [`var_value`] gives it, before the Lua string).
+    fn value<'a>(&self, r: &'a RequestInfo, parsed: &mut Parsed) -> Option<Cow<'a, [u8]>> {
+        match self {
+            VarName::Cookie(n) => cookie_var(r, parsed, n).map(Cow::Borrowed),
+            VarName::Arg(n) => arg_var(r, parsed, n).map(Cow::Borrowed),
+            VarName::Header(h) => header_values(r, h),
+            VarName::Other(n) => variable(r, n),
+        }
+    }
+}
+
+/// The batch: the packed `get_headers()` entries (or nil: `headers`
+/// false), likewise `get_uri_args()`'s, and all of `names`' values for the
+/// current request, for the glue's `fill`: one string of records in order,
+/// each a length byte (0: unset, else the value's length + 1) and the value
+/// — one host string where a value each cost ~500 instructions (mlua's
+/// references to each, callgrind) — or, when a value is longer than
+/// [`PACKED_VALUE_MAX`], a table of the values by position. Three values
+/// always (a vararg glue is not compiled as well by LuaJIT).
+fn fetch_all(
+    lua: &Lua,
+    names: &[VarName],
+    headers: bool,
+    args: bool,
+) -> mlua::Result<(Value, Value, Value)> {
+    with_current(|r, c| {
+        c.ngx_cached = true;
+        let h = match headers {
+            true => headers_table(lua, r, DEFAULT_MAX)?,
+            false => Value::Nil,
+        };
+        let a = match args {
+            true => args_table(lua, r, DEFAULT_MAX)?,
+            false => Value::Nil,
+        };
+        let mut packed = Vec::with_capacity(128);
+        for n in names {
+            match n.value(r, &mut c.parsed) {
+                Some(v) if v.len() > PACKED_VALUE_MAX => {
+                    let each = fetch_each(lua, r, &mut c.parsed, names)?;
+                    return Ok((h, a, Value::Table(each)));
+                }
+                Some(v) => {
+                    packed.push(v.len() as u8 + 1);
+                    packed.extend_from_slice(&v);
+                }
+                None => packed.push(0),
+            }
+        }
+        Ok((h, a, Value::String(request_string(lua, &packed)?)))
     })?
 }
 
+/// Longest value [`fetch_all`] packs (its length byte holds length + 1).
+const PACKED_VALUE_MAX: usize = 254;
+
+/// [`fetch_all`]'s values in a table by position (rare: a long value).
+fn fetch_each(
+    lua: &Lua,
+    r: &RequestInfo,
+    parsed: &mut Parsed,
+    names: &[VarName],
+) -> mlua::Result<Table> {
+    let t = lua.create_table()?;
+    for (i, n) in names.iter().enumerate() {
+        if let Some(v) = n.value(r, parsed) {
+            t.raw_set(i + 1, request_string(lua, &v)?)?;
+        }
+    }
+    Ok(t)
+}
+
 /// Lua source of `make_fill(DONE)`: a function storing `fetch_all`'s values
-/// under `names` into the cache, one plain assignment each (no loop, no
-/// `select`); the cache has no `__newindex`. Names are identifier bytes
+/// under `names` into the cache (the cache has no `__newindex`), from the
+/// packed string by `byte`/`sub` — one statement per name, no loop — or
+/// from the table of values. Names are identifier bytes
 /// ([`mentioned_vars`]), so they are safe in a quoted literal.
 fn fill_source(names: &[Vec<u8>]) -> String {
-    let mut params = String::new();
-    let mut body = String::new();
+    let mut packed = String::new();
+    let mut each = String::new();
     for (i, n) in names.iter().enumerate() {
         let n = std::str::from_utf8(n).unwrap_or("");
-        params.push_str(&format!(", v{i}"));
-        body.push_str(&format!("if v{i} ~= nil then c[\"{n}\"] = v{i} end\n"));
+        packed.push_str(&format!(
+            "n = byte(s, p) if n ~= 0 then c[\"{n}\"] = sub(s, p + 1, p + n - 1) p = p + n else p = p + 1 end\n"
+        ));
+        each.push_str(&format!("c[\"{n}\"] = s[{}]\n", i + 1));
     }
-    format!("local DONE = ...\nreturn function(c{params})\n{body}c[DONE] = true\nend\n")
+    format!(
+        "local DONE = ...\nlocal byte, sub, type = string.byte, string.sub, type\n\
+         return function(c, s)\nif type(s) == \"string\" then\nlocal p, n = 1\n{packed}else\n{each}end\n\
+         c[DONE] = true\nend\n"
+    )
 }
 
 /// Most names [`mentioned_vars`] returns: a script mentioning more has the
@@ -414,7 +596,7 @@ fn escape_target(q: &str) -> Cow<'_, str> {
 pub fn variable<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
     let b = |s: &'a str| Some(Cow::Borrowed(s.as_bytes()));
     match name {
-        b"remote_addr" => Some(Cow::Owned(r.client_ip.to_string().into_bytes())),
+        b"remote_addr" => Some(Cow::Owned(super::ip_text(r.client_ip))),
         b"uri" | b"document_uri" => Some(Cow::Owned(normalize_uri(r.parts.uri.path()))),
         b"request_uri" => b(r
             .parts
@@ -452,7 +634,7 @@ pub fn variable<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
 /// ", " (cookies with "; "), as nginx ≥ 1.23 does.
 fn http_var<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
     // Converted on the stack: this runs for every `ngx.var.http_*` read.
-    let mut buf = [0u8; 96];
+    let mut buf = [0u8; HTTP_VAR_MAX];
     let dst = buf.get_mut(..name.len())?;
     for (d, &c) in dst.iter_mut().zip(name) {
         *d = if c == b'_' {
@@ -461,14 +643,21 @@ fn http_var<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
             c.to_ascii_lowercase()
         };
     }
-    let hname = HeaderName::from_bytes(dst).ok()?;
-    let mut values = r.parts.headers.get_all(&hname).iter();
+    header_values(r, &HeaderName::from_bytes(dst).ok()?)
+}
+
+/// Longest `$http_<name>` name [`http_var`] converts (longer: nil).
+const HTTP_VAR_MAX: usize = 96;
+
+/// The values of header `hname` as `$http_*` gives them.
+fn header_values<'a>(r: &'a RequestInfo, hname: &HeaderName) -> Option<Cow<'a, [u8]>> {
+    let mut values = r.parts.headers.get_all(hname).iter();
     let first = values.next()?;
     let rest: Vec<&HeaderValue> = values.collect();
     if rest.is_empty() {
         return Some(Cow::Borrowed(first.as_bytes()));
     }
-    let sep: &[u8] = if hname == http::header::COOKIE {
+    let sep: &[u8] = if *hname == http::header::COOKIE {
         b"; "
     } else {
         b", "
@@ -648,6 +837,15 @@ impl Packed {
         }
         true
     }
+
+    /// Adds a `name = value` entry known to hold no NUL byte (a header's:
+    /// `http` refuses NUL in names and values).
+    fn push_unchecked(&mut self, name: &[u8], value: &[u8]) {
+        self.0.extend_from_slice(name);
+        self.0.extend_from_slice(b"\0=");
+        self.0.extend_from_slice(value);
+        self.0.push(0);
+    }
 }
 
 /// `ngx.req.get_headers()`: lower-case names, repeated headers as arrays
@@ -656,10 +854,11 @@ impl Packed {
 fn headers_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Value> {
     let h = &r.parts.headers;
     let mut p = Packed(Vec::with_capacity(512));
+    p.0.reserve(h.len() * 4);
     for (name, value) in h.iter().take(max) {
-        p.push(name.as_str().as_bytes(), Some(value.as_bytes()));
+        p.push_unchecked(name.as_str().as_bytes(), value.as_bytes());
     }
-    Ok(Value::String(lua.create_string(p.0)?))
+    Ok(Value::String(request_string(lua, &p.0)?))
 }
 
 /// `ngx.req.get_uri_args()`: decoded (`+` is a space), repeated as arrays,
@@ -667,7 +866,7 @@ fn headers_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Value> 
 /// here.
 fn args_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Value> {
     let Some(q) = r.parts.uri.query() else {
-        return Ok(Value::String(lua.create_string("")?));
+        return Ok(Value::String(request_string(lua, b"")?));
     };
     let parts = || q.as_bytes().split(|&c| c == b'&').filter(|p| !p.is_empty());
     // Borrowed unless an escape was decoded.
@@ -687,7 +886,7 @@ fn args_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Value> {
         }
     }
     if packed {
-        return Ok(Value::String(lua.create_string(p.0)?));
+        return Ok(Value::String(request_string(lua, &p.0)?));
     }
     let t = lua.create_table()?;
     for part in parts().take(max) {
@@ -708,10 +907,20 @@ fn args_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Value> {
     Ok(Value::Table(t))
 }
 
-fn req_table(lua: &Lua, per_request: &Rc<PerRequest>, names: Vec<Vec<u8>>) -> mlua::Result<Table> {
+/// `ngx.req`, and the glue's `reset` and `make_entry` (see [`PerRequest`]).
+fn req_table(
+    lua: &Lua,
+    caches: &Rc<Caches>,
+    mentioned: Mentioned,
+) -> mlua::Result<(Table, Function, Function)> {
+    let Mentioned {
+        vars: names,
+        headers,
+        args,
+    } = mentioned;
     let t = lua.create_table()?;
-    let [var, vcache, rcache] = &per_request.0;
-    let pr = per_request.clone();
+    let [var, vcache, rcache] = &caches.0;
+    let pr = caches.clone();
     let store = lua.create_function(move |lua, (_, name, value): (bool, LuaString, Value)| {
         store(lua, &name.as_bytes(), value)?;
         pr.clear();
@@ -721,18 +930,19 @@ fn req_table(lua: &Lua, per_request: &Rc<PerRequest>, names: Vec<Vec<u8>>) -> ml
     let builder = |build: Build| {
         lua.create_function(move |lua, max: Option<i64>| {
             with_current(|r, c| {
-                c.ngx_cached |= CACHED_TABLES;
+                c.ngx_cached = true;
                 build(lua, r, limit(max))
             })?
         })
     };
     let build_headers = builder(headers_table)?;
     let build_args = builder(args_table)?;
+    let resolved: Vec<VarName> = names.iter().map(|n| VarName::new(n)).collect();
     let make_fill = lua
         .load(fill_source(&names))
         .set_name("=graygate_ngx_fill")
         .into_function()?;
-    let (get_headers, get_uri_args): (Function, Function) =
+    let (get_headers, get_uri_args, reset, make_entry): (Function, Function, Function, Function) =
         lua.load(GLUE).set_name("=graygate_ngx").call((
             var,
             vcache,
@@ -747,12 +957,12 @@ fn req_table(lua: &Lua, per_request: &Rc<PerRequest>, names: Vec<Vec<u8>>) -> ml
                     .map(|n| lua.create_string(n))
                     .collect::<mlua::Result<Vec<_>>>()?,
             )?,
-            lua.create_function(move |lua, ()| fetch_all(lua, &names))?,
+            lua.create_function(move |lua, ()| fetch_all(lua, &resolved, headers, args))?,
             make_fill,
         ))?;
     t.raw_set("get_headers", get_headers)?;
     t.raw_set("get_uri_args", get_uri_args)?;
-    let pr = per_request.clone();
+    let pr = caches.clone();
     t.raw_set(
         "get_method",
         lua.create_function(|lua, ()| {
@@ -767,7 +977,7 @@ fn req_table(lua: &Lua, per_request: &Rc<PerRequest>, names: Vec<Vec<u8>>) -> ml
             Ok(())
         })?,
     )?;
-    let pr = per_request.clone();
+    let pr = caches.clone();
     t.raw_set(
         "clear_header",
         lua.create_function(move |lua, name: LuaString| {
@@ -776,7 +986,7 @@ fn req_table(lua: &Lua, per_request: &Rc<PerRequest>, names: Vec<Vec<u8>>) -> ml
             Ok(())
         })?,
     )?;
-    Ok(t)
+    Ok((t, reset, make_entry))
 }
 
 fn has_crlf(b: &[u8]) -> bool {
@@ -1309,6 +1519,130 @@ pub(crate) mod tests {
             std_req(),
         );
         assert_eq!(r, "u-7|nil|nil|u-7|42|10.1.2.3|abc|nil -> new|new|nil 500");
+    }
+
+    #[test]
+    fn fetched_together_empty_nul_and_unset_values() {
+        both_modes(fetched_together_empty_nul_and_unset_values_in);
+    }
+
+    fn fetched_together_empty_nul_and_unset_values_in() {
+        let body = "return ngx.var.uri .. '|' .. ngx.var.remote_addr .. '|'
+             .. tostring(ngx.var.cookie_none) .. '|[' .. ngx.var.http_x_e .. ']|' .. ngx.var.http_x_user_id";
+        let headers = [("X-User-Id", "u-7"), ("X-E", "")];
+        // Packed: one string of records.
+        let plain = request("/x/y", "10.1.2.3", &headers);
+        assert_eq!(eval(body, plain), "/x/y|10.1.2.3|nil|[]|u-7");
+        // Length-delimited: a decoded NUL packs too.
+        let nul = request("/x%00y", "10.1.2.3", &headers);
+        assert_eq!(eval(body, nul), "/x\0y|10.1.2.3|nil|[]|u-7");
+        // Longer than a length byte holds: the values come one by one.
+        let long = "v".repeat(PACKED_VALUE_MAX + 1);
+        let headers = [("X-User-Id", long.as_str()), ("X-E", "")];
+        let r = eval(body, request("/x/y", "10.1.2.3", &headers));
+        assert_eq!(r, format!("/x/y|10.1.2.3|nil|[]|{long}"));
+        let fits = "w".repeat(PACKED_VALUE_MAX);
+        let headers = [("X-User-Id", fits.as_str()), ("X-E", "")];
+        let r = eval(body, request("/x/y", "10.1.2.3", &headers));
+        assert_eq!(r, format!("/x/y|10.1.2.3|nil|[]|{fits}"));
+    }
+
+    #[test]
+    fn headers_and_args_come_with_the_batch_or_alone() {
+        both_modes(headers_and_args_come_with_the_batch_or_alone_in);
+    }
+
+    fn headers_and_args_come_with_the_batch_or_alone_in() {
+        // The batch brings get_headers()/get_uri_args() where the source
+        // names them, whichever is asked for first; a script reaching them
+        // by a built name gets them by their own host calls. All alike.
+        let tail = "return table.concat({ tostring(v), h['x-user-id'], h.Accept[2], tostring(a.uid),
+                 a.Name, tostring(ngx.var.cookie_sid), tostring(ngx.req.get_headers(1)['x-user-id']) }, '|')";
+        let want = "u-7|u-7|b|42|J o|abc|u-7";
+        for (get_h, get_a) in [
+            ("ngx.req.get_headers", "ngx.req.get_uri_args"),
+            (
+                "ngx.req['get_' .. 'headers']",
+                "ngx.req['get_' .. 'uri_args']",
+            ),
+        ] {
+            for order in [
+                format!("local v = ngx.var.http_x_user_id local h = {get_h}() local a = {get_a}()"),
+                format!("local h = {get_h}() local v = ngx.var.http_x_user_id local a = {get_a}()"),
+                format!("local a = {get_a}() local h = {get_h}() local v = ngx.var.http_x_user_id"),
+            ] {
+                assert_eq!(
+                    eval(&format!("{order}\n{tail}"), std_req()),
+                    want,
+                    "{order}"
+                );
+            }
+        }
+        // Changed after the batch: asked for later, they are rebuilt.
+        let r = eval(
+            "local v = ngx.var.http_x_user_id
+             ngx.req.set_header('X-User-Id', 'new')
+             ngx.var.args = 'uid=9'
+             return v .. '|' .. ngx.req.get_headers()['x-user-id'] .. '|' .. ngx.req.get_uri_args().uid",
+            std_req(),
+        );
+        assert_eq!(r, "u-7|new|9");
+    }
+
+    #[test]
+    fn caches_and_globals_are_emptied_between_requests() {
+        both_modes(caches_and_globals_are_emptied_between_requests_in);
+    }
+
+    fn caches_and_globals_are_emptied_between_requests_in() {
+        // The first script mentions `ngx.` (its entry empties what the last
+        // call left, before the next); the second reaches `ngx` without
+        // naming it (emptied from Rust after each call). Each call sees
+        // only its own request: values, tables, globals — after a call
+        // that failed half-way too.
+        let body = "return function(req)
+               local v = N.var
+               local seen = tostring(leak) .. tostring(rawget(_G, 'raw'))
+               leak = V(v)
+               rawset(_G, 'raw', 1)
+               local h = N.req.get_headers()['x-user-id']
+               local a = N.req.get_uri_args().uid
+               if v.arg_fail == '1' then error('boom') end
+               return seen .. '|' .. tostring(V(v)) .. '|' .. tostring(h) .. '|' .. tostring(a)
+                   .. '|' .. tostring(v.cookie_sid)
+             end";
+        let scripts = [
+            format!("local N = ngx\nlocal function V(v) return ngx.var.http_x_user_id end\n{body}\n"),
+            format!(
+                "local N = _G['ng' .. 'x']\nlocal function V(v) return v['http_' .. 'x_user_id'] end\n{body}\n"
+            ),
+        ];
+        for text in scripts {
+            let d = tempfile::tempdir().unwrap();
+            let p = d.path().join("t.lua");
+            std::fs::write(&p, &text).unwrap();
+            let mut src = ScriptSource::load(&p).unwrap();
+            src.jit = jit();
+            let lists = Arc::new(BTreeMap::new());
+            let call = |uri: &str, headers: &[(&str, &str)]| {
+                let req = request(uri, "10.1.2.3", headers);
+                call_lane(&src, &lists, req, RuleCtx::default()).1
+            };
+            let ok = |uri: &str, headers: &[(&str, &str)]| call(uri, headers).unwrap().unwrap();
+            assert_eq!(
+                ok("/?uid=1", &[("X-User-Id", "u1"), ("Cookie", "sid=s1")]),
+                "nilnil|u1|u1|1|s1",
+                "{text}"
+            );
+            assert_eq!(ok("/?uid=2", &[("X-User-Id", "u2")]), "nilnil|u2|u2|2|nil");
+            assert_eq!(ok("/", &[]), "nilnil|nil|nil|nil|nil");
+            let failed = call(
+                "/?fail=1&uid=9",
+                &[("X-User-Id", "u9"), ("Cookie", "sid=s9")],
+            );
+            assert!(failed.unwrap_err().message.contains("boom"));
+            assert_eq!(ok("/?uid=3", &[("X-User-Id", "u3")]), "nilnil|u3|u3|3|nil");
+        }
     }
 
     #[test]

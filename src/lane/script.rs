@@ -218,9 +218,9 @@ pub(crate) struct Current {
     pub saved_uri: Option<http::Uri>,
     /// Cookies and arguments split once per request, on first use.
     pub parsed: super::ngx::Parsed,
-    /// What the `ngx` layer cached of this request in Lua (`CACHED_*`
-    /// bits of `ngx`), emptied after the call.
-    pub ngx_cached: u8,
+    /// Set by the `ngx` host calls that fill per-request caches in Lua;
+    /// the call empties them afterwards (`ScriptVm::reset`).
+    pub ngx_cached: bool,
 }
 
 /// This thread's slot: the request being decided (`None` between calls)
@@ -422,11 +422,15 @@ struct ScriptVm {
     id: u64,
     lua: Lua,
     lane_fn: Function,
+    /// `lane_fn` behind the `ngx` glue's entry, for a script that mentions
+    /// `ngx.` (see `ngx::PerRequest`); `None`: `lane_fn` is called as it is.
+    entry: Option<Function>,
     req: Table,
-    /// Per-request global writes land here and are cleared after each call.
+    /// Per-request global writes land here and are emptied around calls.
     env: Table,
-    /// `ngx.var` and what it cached for the request, emptied after each call.
-    per_request: super::ngx::PerRequest,
+    /// The `ngx` glue's `reset`: empties the caches a call's host calls
+    /// filled (`Current::ngx_cached`), after a call without `entry`.
+    reset: Function,
     guard: Rc<Guard>,
     budget: i64,
     /// `jit.status()` once the VM was set up.
@@ -616,7 +620,7 @@ impl ScriptVm {
             &lua,
             &globals,
             &src.dicts,
-            super::ngx::mentioned_vars(
+            super::ngx::mentioned(
                 std::iter::once(src.source.as_str())
                     .chain(src.modules.values().map(|(_, text)| text.as_str())),
             ),
@@ -755,13 +759,26 @@ impl ScriptVm {
         env.set_metatable(Some(mt)).map_err(le)?;
 
         let req = req_object(&lua, lists).map_err(le)?;
+        let mentions_ngx = std::iter::once(src.source.as_str())
+            .chain(src.modules.values().map(|(_, text)| text.as_str()))
+            .any(|t| t.contains("ngx."));
+        let entry = match mentions_ngx {
+            true => Some(
+                per_request
+                    .make_entry
+                    .call::<Function>((lane_fn.clone(), env.clone()))
+                    .map_err(le)?,
+            ),
+            false => None,
+        };
         Ok(ScriptVm {
             id: src.id,
             lua,
             lane_fn,
+            entry,
             req,
             env,
-            per_request,
+            reset: per_request.reset,
             guard,
             budget,
             jit_on,
@@ -776,14 +793,19 @@ impl ScriptVm {
         // entry function taking it as an argument, ~160 — cost more than
         // the count hook did on the shipped script.
         self.guard.arm(self.budget);
-        let r = self.lane_fn.call::<Value>(&self.req);
-        if !self.env.is_empty() {
-            let _ = self.env.clear();
-        }
-        let cached = with_current(|_, c| c.ngx_cached).unwrap_or(u8::MAX);
-        if cached != 0 {
-            self.per_request.clear_cached(cached);
-        }
+        let r = match &self.entry {
+            Some(entry) => entry.call::<Value>(&self.req),
+            None => {
+                let r = self.lane_fn.call::<Value>(&self.req);
+                if !self.env.is_empty() {
+                    let _ = self.env.clear();
+                }
+                if with_current(|_, c| c.ngx_cached).unwrap_or(true) {
+                    let _ = self.reset.call::<()>(());
+                }
+                r
+            }
+        };
         match r? {
             Value::Nil => Ok(None),
             // Copied from the bytes: `to_str()?.to_string()` went through
@@ -1119,7 +1141,7 @@ pub(crate) fn take_request(failed: bool) -> RequestInfo {
         }
         cur.rule = RuleCtx::default();
         cur.parsed = Default::default();
-        cur.ngx_cached = 0;
+        cur.ngx_cached = false;
         slot.req.take().expect("call_in_slot filled the slot")
     })
 }
