@@ -6,11 +6,15 @@
 //! earliest deadline and wakes the requests whose deadline has passed.
 //!
 //! Granularity: deadlines are read on the coarse millisecond clock
-//! (`clock::now_ms`, `CLOCK_MONOTONIC_COARSE`: one kernel tick, 1–4 ms). A
-//! reading lags real time by up to one tick, so each deadline is set one
-//! tick further: a timeout never fires before its nominal time, and at most
-//! about two ticks after it (plus tokio's 1 ms timer resolution for the
-//! ticker).
+//! (`clock::now_ms`, `CLOCK_MONOTONIC_COARSE`: one kernel tick, 1–4 ms), and
+//! each deadline is set one tick further for the reading's lag. That lag is
+//! not bounded by the tick (delayed ticks on a VM or an idle CPU: 7 ms seen
+//! with a 4 ms tick), so the coarse clock only says when to look: once it
+//! reads a deadline passed, the precise clock (`Instant`, read at the
+//! deadline's start and there) decides, and a deadline not yet due is
+//! re-armed. A timeout never fires before its nominal time, and fires
+//! about one coarse lag after it (plus tokio's 1 ms timer resolution for
+//! the ticker).
 //!
 //! The table is thread-local, so only a current-thread runtime (every
 //! graygate worker) uses it; elsewhere (a multi-thread runtime, where the
@@ -21,7 +25,7 @@ use std::cell::RefCell;
 use std::future::{poll_fn, Future};
 use std::pin::{pin, Pin};
 use std::task::{Context, Poll, Waker};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::runtime::{Handle, RuntimeFlavor};
 
@@ -96,30 +100,44 @@ impl Table {
     }
 }
 
+/// `d` in whole milliseconds, rounded up.
+fn ms_ceil(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX / 2)
+}
+
+/// The coarse reading at which a deadline `limit_ms` from now is looked at:
+/// one tick further for the reading's usual lag.
+fn coarse_at(limit_ms: u64) -> u64 {
+    now_ms().saturating_add(limit_ms).saturating_add(tick_ms())
+}
+
 /// A deadline on this thread's table: polled by a waiting operation, which
 /// learns whether it has passed (and is woken when it does). Not tied to a
 /// future: the inline upstream exchange checks it at each of its waits.
 /// On a runtime other than a current-thread one (no per-thread ticker), a
 /// tokio timer is used instead, allocated at the first wait.
 pub struct Deadline {
+    /// When to look (coarse clock, `now_ms`).
     at: u64,
+    /// When it passes (precise clock).
+    end: Instant,
     limit_ms: u64,
     entry: Entry,
     fallback: Option<Pin<Box<tokio::time::Sleep>>>,
-    limit: Duration,
 }
 
 impl Deadline {
-    /// `limit` from now (rounded up to whole milliseconds), never sooner:
-    /// one tick of the coarse clock is added for its lag.
+    /// `limit` from now, never sooner (see the module's summary: a
+    /// deadline read early on the coarse clock once let an attempt capped
+    /// by a request's total deadline end before it, and be retried).
     pub fn after(limit: Duration) -> Deadline {
-        let limit_ms = u64::try_from(limit.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX / 2);
+        let limit_ms = ms_ceil(limit);
         Deadline {
-            at: now_ms().saturating_add(limit_ms).saturating_add(tick_ms()),
+            at: coarse_at(limit_ms),
+            end: Instant::now() + limit,
             limit_ms,
             entry: Entry { slot: None },
             fallback: None,
-            limit,
         }
     }
 
@@ -130,7 +148,12 @@ impl Deadline {
             return sleep.as_mut().poll(cx).is_ready();
         }
         if now_ms() >= self.at {
-            return true;
+            let now = Instant::now();
+            if now >= self.end {
+                return true;
+            }
+            // The coarse clock ran ahead of its usual lag: look again then.
+            self.at = coarse_at(ms_ceil(self.end - now));
         }
         match self.entry.slot {
             Some(i) => refresh(i, self.at, cx.waker()),
@@ -138,7 +161,7 @@ impl Deadline {
                 let coarse = Handle::try_current()
                     .is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::CurrentThread);
                 if !coarse {
-                    let mut sleep = Box::pin(tokio::time::sleep(self.limit));
+                    let mut sleep = Box::pin(tokio::time::sleep_until(self.end.into()));
                     let fired = sleep.as_mut().poll(cx).is_ready();
                     self.fallback = Some(sleep);
                     return fired;
@@ -341,6 +364,21 @@ mod tests {
         // most; late only by scheduling.
         assert!(took >= Duration::from_millis(50), "fired early: {took:?}");
         assert_eq!(waiting(), 0, "entry given back");
+    }
+
+    /// Never before its nominal time on the precise clock, however the
+    /// coarse clock's readings fall (many short limits, each started at a
+    /// different point of a tick).
+    #[tokio::test]
+    async fn a_deadline_never_passes_before_its_limit() {
+        for i in 0..300u64 {
+            let limit = Duration::from_micros(1_000 + i * 37 % 3_000);
+            let t0 = Instant::now();
+            let r = bounded(timeout(limit, std::future::pending::<()>())).await;
+            let took = t0.elapsed();
+            assert_eq!(r, Err(Elapsed));
+            assert!(took >= limit, "passed early: {took:?} < {limit:?}");
+        }
     }
 
     #[tokio::test]

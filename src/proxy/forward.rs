@@ -302,12 +302,7 @@ async fn attempt_all(
         if now >= out.deadline {
             return Err(ErrorKind::TotalTimeout.into());
         }
-        let left = out.deadline - now;
-        let per_try = Duration::from_millis(upstream.response_timeout_ms).min(left);
-        // This attempt's wait ends with the total deadline: its timeout
-        // means the total is spent, even read on the coarse clock a
-        // millisecond early (`base::deadline`), so it is never retried.
-        let last_wait = per_try == left;
+        let per_try = Duration::from_millis(upstream.response_timeout_ms).min(out.deadline - now);
         // The plain call checks `per_try` itself at each of its waits (no
         // wrapper future to move, no timer).
         let timeouts = (read_timeout, per_try);
@@ -395,8 +390,7 @@ async fn attempt_all(
             health.failure(&node.name, policy);
         }
         tracker.fail();
-        let retry_ok =
-            e.retryable(out.idempotent) && !(last_wait && e.kind() == ErrorKind::ResponseTimeout);
+        let retry_ok = e.retryable(out.idempotent);
         last_error = Some(e);
         replay.recover();
         if !retry_ok || !replay.replayable() {
