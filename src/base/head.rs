@@ -137,6 +137,24 @@ pub fn request(buf: &[u8], spans: &mut Vec<Span>, max: usize) -> Option<RequestL
     })
 }
 
+/// Start and end of `part`, a slice of `buf`, in `buf`.
+pub fn span_in(buf: &[u8], part: &[u8]) -> (usize, usize) {
+    let start = part.as_ptr() as usize - buf.as_ptr() as usize;
+    (start, start + part.len())
+}
+
+/// The positions in `buf` of the fields httparse read from it (the head
+/// the fast read declined), into `spans`.
+pub fn httparse_spans(buf: &[u8], fields: &[httparse::Header<'_>], spans: &mut Vec<Span>) {
+    spans.clear();
+    spans.extend(fields.iter().map(|h| {
+        let (ns, ne) = span_in(buf, h.name.as_bytes());
+        let (vs, ve) = span_in(buf, h.value);
+        // Heads are capped far below 4 GiB (each caller's limit).
+        (ns as u32, ne as u32, vs as u32, ve as u32)
+    }));
+}
+
 /// `HTTP/1.0` or `HTTP/1.1` by its last digit.
 fn version_digit(d: u8) -> Option<bool> {
     match d {
@@ -221,21 +239,8 @@ mod tests {
         let Ok(httparse::Status::Complete(len)) = r.parse(raw) else {
             return None;
         };
-        let base = raw.as_ptr() as usize;
-        let spans = r
-            .headers
-            .iter()
-            .map(|h| {
-                let n = h.name.as_ptr() as usize - base;
-                let v = h.value.as_ptr() as usize - base;
-                (
-                    n as u32,
-                    (n + h.name.len()) as u32,
-                    v as u32,
-                    (v + h.value.len()) as u32,
-                )
-            })
-            .collect();
+        let mut spans = Vec::new();
+        httparse_spans(raw, r.headers, &mut spans);
         let line = StatusLine {
             len,
             code: r.code?,
@@ -375,27 +380,9 @@ mod tests {
         let Ok(httparse::Status::Complete(len)) = r.parse(raw) else {
             return None;
         };
-        let base = raw.as_ptr() as usize;
-        let at = |s: &str| {
-            (
-                s.as_ptr() as usize - base,
-                s.as_ptr() as usize - base + s.len(),
-            )
-        };
-        let spans = r
-            .headers
-            .iter()
-            .map(|h| {
-                let n = h.name.as_ptr() as usize - base;
-                let v = h.value.as_ptr() as usize - base;
-                (
-                    n as u32,
-                    (n + h.name.len()) as u32,
-                    v as u32,
-                    (v + h.value.len()) as u32,
-                )
-            })
-            .collect();
+        let at = |part: &str| span_in(raw, part.as_bytes());
+        let mut spans = Vec::new();
+        httparse_spans(raw, r.headers, &mut spans);
         let line = RequestLine {
             len,
             method: at(r.method?),

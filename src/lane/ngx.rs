@@ -80,6 +80,9 @@ pub(crate) struct Mentioned {
     pub headers: bool,
     /// `get_uri_args` appears: likewise.
     pub args: bool,
+    /// `ngx.` appears: the call's entry empties the caches (see
+    /// [`PerRequest`]).
+    pub ngx: bool,
 }
 
 /// What `texts` mention (see [`Mentioned`]).
@@ -89,6 +92,7 @@ pub(crate) fn mentioned<'a>(texts: impl IntoIterator<Item = &'a str> + Clone) ->
         vars: mentioned_vars(texts.clone()),
         headers: has("get_headers"),
         args: has("get_uri_args"),
+        ngx: has("ngx."),
     }
 }
 
@@ -328,61 +332,45 @@ fn fetch(lua: &Lua, name: LuaString) -> mlua::Result<Value> {
     })?
 }
 
-/// `ngx.var.NAME` of `r` as a Lua value (nil where unset); cookies and
-/// arguments split once per request into `parsed`.
+/// `ngx.var.NAME` of `r` as a Lua value (nil where unset).
 fn var_value(lua: &Lua, r: &RequestInfo, parsed: &mut Parsed, name: &[u8]) -> mlua::Result<Value> {
-    let v = match name {
-        n if n.starts_with(b"cookie_") => cookie_var(r, parsed, &n[7..]).map(Cow::Borrowed),
-        n if n.starts_with(b"arg_") => arg_var(r, parsed, &n[4..]).map(Cow::Borrowed),
-        n => variable(r, n),
-    };
-    match v {
+    match var_bytes(r, parsed, name) {
         Some(v) => Ok(Value::String(request_string(lua, &v)?)),
         None => Ok(Value::Nil),
     }
 }
 
-/// A name [`mentioned_vars`] found, resolved at load: what its read does
-/// (an `http_*` header's name is parsed once, not per request).
+/// `ngx.var.NAME` of `r`; cookies and arguments split once per request
+/// into `parsed`.
+fn var_bytes<'a>(r: &'a RequestInfo, parsed: &mut Parsed, name: &[u8]) -> Option<Cow<'a, [u8]>> {
+    match name {
+        n if n.starts_with(b"cookie_") => cookie_var(r, parsed, &n[7..]).map(Cow::Borrowed),
+        n if n.starts_with(b"arg_") => arg_var(r, parsed, &n[4..]).map(Cow::Borrowed),
+        n => variable(r, n),
+    }
+}
+
+/// A name [`mentioned_vars`] found, resolved at load: an `http_*` header's
+/// name parsed once, not per request; any other read as [`var_bytes`] reads
+/// it.
 enum VarName {
-    Cookie(Vec<u8>),
-    Arg(Vec<u8>),
     Header(HeaderName),
     Other(Vec<u8>),
 }
 
 impl VarName {
     fn new(name: &[u8]) -> VarName {
-        let header = |h: &[u8]| {
-            let h: Vec<u8> = h
-                .iter()
-                .map(|&c| {
-                    if c == b'_' {
-                        b'-'
-                    } else {
-                        c.to_ascii_lowercase()
-                    }
-                })
-                .collect();
-            HeaderName::from_bytes(&h).ok()
-        };
-        match name {
-            n if n.starts_with(b"cookie_") => VarName::Cookie(n[7..].to_vec()),
-            n if n.starts_with(b"arg_") => VarName::Arg(n[4..].to_vec()),
-            n => match n.strip_prefix(b"http_").and_then(header) {
-                Some(h) if n.len() - 5 <= HTTP_VAR_MAX => VarName::Header(h),
-                _ => VarName::Other(n.to_vec()),
-            },
+        match name.strip_prefix(b"http_").and_then(header_name) {
+            Some(h) => VarName::Header(h),
+            None => VarName::Other(name.to_vec()),
         }
     }
 
     /// Its value for `r` (as [`var_value`] gives it, before the Lua string).
     fn value<'a>(&self, r: &'a RequestInfo, parsed: &mut Parsed) -> Option<Cow<'a, [u8]>> {
         match self {
-            VarName::Cookie(n) => cookie_var(r, parsed, n).map(Cow::Borrowed),
-            VarName::Arg(n) => arg_var(r, parsed, n).map(Cow::Borrowed),
             VarName::Header(h) => header_values(r, h),
-            VarName::Other(n) => variable(r, n),
+            VarName::Other(n) => var_bytes(r, parsed, n),
         }
     }
 }
@@ -633,6 +621,12 @@ pub fn variable<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
 /// `$http_<name>`: `_` stands for `-`; repeated headers are joined with
 /// ", " (cookies with "; "), as nginx ≥ 1.23 does.
 fn http_var<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
+    header_values(r, &header_name(name)?)
+}
+
+/// The header `$http_<name>` reads: `_` stands for `-`; none for a name
+/// longer than [`HTTP_VAR_MAX`] or not a header name.
+fn header_name(name: &[u8]) -> Option<HeaderName> {
     // Converted on the stack: this runs for every `ngx.var.http_*` read.
     let mut buf = [0u8; HTTP_VAR_MAX];
     let dst = buf.get_mut(..name.len())?;
@@ -643,10 +637,10 @@ fn http_var<'a>(r: &'a RequestInfo, name: &[u8]) -> Option<Cow<'a, [u8]>> {
             c.to_ascii_lowercase()
         };
     }
-    header_values(r, &HeaderName::from_bytes(dst).ok()?)
+    HeaderName::from_bytes(dst).ok()
 }
 
-/// Longest `$http_<name>` name [`http_var`] converts (longer: nil).
+/// Longest `$http_<name>` name [`header_name`] converts (longer: nil).
 const HTTP_VAR_MAX: usize = 96;
 
 /// The values of header `hname` as `$http_*` gives them.
@@ -826,14 +820,12 @@ impl Packed {
         if name.contains(&0) || value.is_some_and(|v| v.contains(&0)) {
             return false;
         }
-        self.0.extend_from_slice(name);
         match value {
-            Some(v) => {
-                self.0.extend_from_slice(b"\0=");
-                self.0.extend_from_slice(v);
-                self.0.push(0);
+            Some(v) => self.push_unchecked(name, v),
+            None => {
+                self.0.extend_from_slice(name);
+                self.0.extend_from_slice(b"\0!");
             }
-            None => self.0.extend_from_slice(b"\0!"),
         }
         true
     }
@@ -854,7 +846,6 @@ impl Packed {
 fn headers_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Value> {
     let h = &r.parts.headers;
     let mut p = Packed(Vec::with_capacity(512));
-    p.0.reserve(h.len() * 4);
     for (name, value) in h.iter().take(max) {
         p.push_unchecked(name.as_str().as_bytes(), value.as_bytes());
     }
@@ -917,6 +908,7 @@ fn req_table(
         vars: names,
         headers,
         args,
+        ..
     } = mentioned;
     let t = lua.create_table()?;
     let [var, vcache, rcache] = &caches.0;

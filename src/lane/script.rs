@@ -116,6 +116,12 @@ impl ScriptSource {
         })
     }
 
+    /// The script's and its modules' source text.
+    pub(crate) fn texts(&self) -> impl Iterator<Item = &str> + Clone {
+        std::iter::once(self.source.as_str())
+            .chain(self.modules.values().map(|(_, text)| text.as_str()))
+    }
+
     /// Every file this script was built from (for the reload watcher).
     pub fn files(&self) -> Vec<PathBuf> {
         let mut v = vec![self.path.clone()];
@@ -616,16 +622,9 @@ impl ScriptVm {
         )
         .map_err(le)?;
         globals.raw_set("graygate", gg).map_err(le)?;
-        let per_request = super::ngx::install(
-            &lua,
-            &globals,
-            &src.dicts,
-            super::ngx::mentioned(
-                std::iter::once(src.source.as_str())
-                    .chain(src.modules.values().map(|(_, text)| text.as_str())),
-            ),
-        )
-        .map_err(le)?;
+        let mentioned = super::ngx::mentioned(src.texts());
+        let uses_ngx = mentioned.ngx;
+        let per_request = super::ngx::install(&lua, &globals, &src.dicts, mentioned).map_err(le)?;
 
         // Budget guard; the prelude makes pcall & co. honour it.
         let guard = Rc::new(Guard {
@@ -759,10 +758,7 @@ impl ScriptVm {
         env.set_metatable(Some(mt)).map_err(le)?;
 
         let req = req_object(&lua, lists).map_err(le)?;
-        let mentions_ngx = std::iter::once(src.source.as_str())
-            .chain(src.modules.values().map(|(_, text)| text.as_str()))
-            .any(|t| t.contains("ngx."));
-        let entry = match mentions_ngx {
+        let entry = match uses_ngx {
             true => Some(
                 per_request
                     .make_entry

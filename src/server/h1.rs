@@ -47,7 +47,7 @@ use super::Server;
 use crate::base::body::{RequestBody, SendFile};
 use crate::base::clock::now_ms;
 use crate::base::counter::Counted;
-use crate::base::head::{RequestLine, Span};
+use crate::base::head::{httparse_spans, span_in, RequestLine, Span};
 use crate::base::ratelog::log_limited;
 use crate::proxy;
 use crate::proxy::record::Recorded;
@@ -414,7 +414,6 @@ fn parse(buf: &mut BytesMut) -> Parse {
 fn httparse_request(buf: &[u8], spans: &mut Vec<Span>) -> Result<Option<RequestLine>, ()> {
     let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
     let mut r = httparse::Request::new(&mut []);
-    let base = buf.as_ptr() as usize;
     let len = match r.parse_with_uninit_headers(buf, &mut fields) {
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) => return Ok(None),
@@ -423,18 +422,8 @@ fn httparse_request(buf: &[u8], spans: &mut Vec<Span>) -> Result<Option<RequestL
     let (Some(method), Some(path), Some(v)) = (r.method, r.path, r.version) else {
         return Err(());
     };
-    let at = |s: &str| {
-        (
-            s.as_ptr() as usize - base,
-            s.as_ptr() as usize - base + s.len(),
-        )
-    };
-    spans.clear();
-    for h in r.headers.iter() {
-        let (ns, ne) = at(h.name);
-        let vs = h.value.as_ptr() as usize - base;
-        spans.push((ns as u32, ne as u32, vs as u32, (vs + h.value.len()) as u32));
-    }
+    let at = |part: &str| span_in(buf, part.as_bytes());
+    httparse_spans(buf, r.headers, spans);
     Ok(Some(RequestLine {
         len,
         method: at(method),

@@ -13,16 +13,50 @@ use http::Method;
 /// (pre-parsed names: no per-request name parsing on the hot path);
 /// `Transfer-Encoding` is framing, handled by each side's engine. The
 /// inline upstream exchange drops these while parsing a response head.
-pub const HOP_BY_HOP: [HeaderName; 8] = [
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
-    header::TE,
-    header::TRAILER,
-    header::UPGRADE,
+pub const HOP_BY_HOP: [HeaderName; 8] = {
+    let n = HOP_BY_HOP_NAMES;
+    [
+        HeaderName::from_static(n[0]),
+        HeaderName::from_static(n[1]),
+        HeaderName::from_static(n[2]),
+        HeaderName::from_static(n[3]),
+        HeaderName::from_static(n[4]),
+        HeaderName::from_static(n[5]),
+        HeaderName::from_static(n[6]),
+        HeaderName::from_static(n[7]),
+    ]
+};
+
+/// [`HOP_BY_HOP`]'s names as text.
+const HOP_BY_HOP_NAMES: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "upgrade",
 ];
+
+/// Bit `n` set: some [`HOP_BY_HOP`] name is `n` bytes long.
+const HOP_BY_HOP_LENGTHS: u64 = {
+    let mut m = 0u64;
+    let mut i = 0;
+    while i < HOP_BY_HOP_NAMES.len() {
+        m |= 1 << HOP_BY_HOP_NAMES[i].len();
+        i += 1;
+    }
+    m
+};
+
+/// Is the wire name `name` one of [`HOP_BY_HOP`] (any case)? Most names
+/// are told apart by their length alone, no compare.
+pub fn is_hop_by_hop(name: &[u8]) -> bool {
+    name.len() < 64
+        && HOP_BY_HOP_LENGTHS >> name.len() & 1 == 1
+        && HOP_BY_HOP_NAMES.iter().any(|h| name_eq(name, h.as_bytes()))
+}
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
@@ -356,6 +390,30 @@ mod tests {
             let want = HeaderName::from_bytes(n).ok();
             assert_eq!(name_of(n).ok(), want, "{:?}", String::from_utf8_lossy(n));
         }
+    }
+
+    /// The wire-name test answers as the pre-parsed names do, any case.
+    #[test]
+    fn is_hop_by_hop_matches_the_list() {
+        for h in &HOP_BY_HOP {
+            let n = h.as_str().as_bytes();
+            assert!(
+                is_hop_by_hop(n) && is_hop_by_hop(&n.to_ascii_uppercase()),
+                "{h}"
+            );
+        }
+        for n in [
+            "content-type",
+            "x-te",
+            "teh",
+            "connections",
+            "trailers",
+            "",
+            "t",
+        ] {
+            assert!(!is_hop_by_hop(n.as_bytes()), "{n}");
+        }
+        assert!(!is_hop_by_hop(&[b'a'; 70]));
     }
 
     /// `name_eq` is `eq_ignore_ascii_case` against lower-case names, for

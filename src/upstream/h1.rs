@@ -28,7 +28,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use super::chunked::{Chunked, Step};
-use super::fields::{name_eq, Added, HOP_BY_HOP};
+use super::fields::{is_hop_by_hop, name_eq, Added};
 use super::pool::IdlePool;
 use super::BoxError;
 use crate::base::deadline::Deadline;
@@ -410,19 +410,7 @@ fn httparse_head(buf: &[u8], spans: &mut Vec<Span>) -> Result<Option<StatusLine>
             })
         }
     };
-    // Offsets fit in u32: heads are capped at MAX_HEAD.
-    let base = buf.as_ptr() as usize;
-    spans.clear();
-    for h in resp.headers.iter() {
-        let name = (h.name.as_ptr() as usize - base) as u32;
-        let value = (h.value.as_ptr() as usize - base) as u32;
-        spans.push((
-            name,
-            name + h.name.len() as u32,
-            value,
-            value + h.value.len() as u32,
-        ));
-    }
+    crate::base::head::httparse_spans(buf, resp.headers, spans);
     Ok(Some(StatusLine {
         len,
         code: resp.code.unwrap_or(0),
@@ -621,11 +609,7 @@ impl Meta {
                 }
                 true
             }
-            // The other hop-by-hop names' lengths (HOP_BY_HOP).
-            2 | 7 | 10 | 16 | 18 | 19 => !HOP_BY_HOP
-                .iter()
-                .any(|h| name_eq(name, h.as_str().as_bytes())),
-            _ => true,
+            _ => !is_hop_by_hop(name),
         }
     }
 
