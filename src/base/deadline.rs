@@ -100,6 +100,14 @@ impl Table {
     }
 }
 
+/// The coarse clock's reading (`now_ms`); tests can make it lag further.
+fn coarse_now() -> u64 {
+    #[cfg(test)]
+    return now_ms().saturating_sub(tests::EXTRA_LAG_MS.get());
+    #[cfg(not(test))]
+    now_ms()
+}
+
 /// `d` in whole milliseconds, rounded up.
 fn ms_ceil(d: Duration) -> u64 {
     u64::try_from(d.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX / 2)
@@ -108,7 +116,9 @@ fn ms_ceil(d: Duration) -> u64 {
 /// The coarse reading at which a deadline `limit_ms` from now is looked at:
 /// one tick further for the reading's usual lag.
 fn coarse_at(limit_ms: u64) -> u64 {
-    now_ms().saturating_add(limit_ms).saturating_add(tick_ms())
+    coarse_now()
+        .saturating_add(limit_ms)
+        .saturating_add(tick_ms())
 }
 
 /// A deadline on this thread's table: polled by a waiting operation, which
@@ -147,7 +157,7 @@ impl Deadline {
         if let Some(sleep) = &mut self.fallback {
             return sleep.as_mut().poll(cx).is_ready();
         }
-        if now_ms() >= self.at {
+        if coarse_now() >= self.at {
             let now = Instant::now();
             if now >= self.end {
                 return true;
@@ -299,7 +309,7 @@ async fn ticker() {
     let mut sleep = pin!(sleep);
     let mut wake_at = 0;
     poll_fn(|cx| loop {
-        let now = now_ms();
+        let now = coarse_now();
         let next = TABLE.with(|t| {
             let mut t = t.borrow_mut();
             let due = t.expire(now);
@@ -363,6 +373,33 @@ mod tests {
         // One coarse tick (≤ 4 ms at HZ=250; 10 ms allows HZ=100) early at
         // most; late only by scheduling.
         assert!(took >= Duration::from_millis(50), "fired early: {took:?}");
+        assert_eq!(waiting(), 0, "entry given back");
+    }
+
+    thread_local! {
+        /// Subtracted from the coarse clock's readings ([`coarse_now`]).
+        pub(super) static EXTRA_LAG_MS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    }
+
+    /// A coarse reading that lagged far behind (a delayed tick) when the
+    /// deadline started does not make it pass early: the precise clock
+    /// decides.
+    #[tokio::test]
+    async fn a_coarse_clock_lagging_at_the_start_does_not_pass_a_deadline_early() {
+        // The lag must fit under the reading (it starts at 1 with the
+        // process's first): at most ~15 ms of this loop, once.
+        while now_ms() <= 15 {
+            std::thread::yield_now();
+        }
+        let limit = Duration::from_millis(20);
+        let t0 = Instant::now();
+        EXTRA_LAG_MS.set(15);
+        let stuck = timeout(limit, std::future::pending::<()>());
+        EXTRA_LAG_MS.set(0);
+        let r = bounded(stuck).await;
+        let took = t0.elapsed();
+        assert_eq!(r, Err(Elapsed));
+        assert!(took >= limit, "passed early: {took:?} < {limit:?}");
         assert_eq!(waiting(), 0, "entry given back");
     }
 
