@@ -680,11 +680,11 @@ fn an_unknown_precompressed_encoding_is_rejected_with_its_line() {
 
 /// A file of 64 KiB or more held in memory goes to an HTTP/2 client from
 /// memory: only the plain HTTP/1.1 server can use `sendfile(2)`, so only it
-/// opens the file. The proof: once the file is cached (a long `valid_ms`,
+/// touches the file. The proof: once the file is cached (a long `valid_ms`,
 /// so no `stat` in between) its path becomes a FIFO, whose `open` would
 /// block until a writer comes — the h2c answer must still come, whole. The
-/// plain HTTP/1.1 server does open it (for sendfile), without blocking
-/// (`O_NONBLOCK`): not a regular file, so the held bytes are written.
+/// plain HTTP/1.1 server sends it by sendfile from the descriptor its cache
+/// entry keeps (the original file's), never opening the FIFO.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_big_file_goes_to_http2_clients_from_memory_without_opening_it() {
     let fx = Fixture::new();
@@ -722,8 +722,8 @@ async fn a_held_big_file_goes_to_http2_clients_from_memory_without_opening_it() 
         "not served from memory: {:.80}",
         again.body
     );
-    // The plain HTTP/1.1 server opens it for sendfile: the FIFO is refused
-    // at once (no worker stuck in `open`) and the held bytes are written.
+    // The plain HTTP/1.1 server sends from the kept descriptor: no worker
+    // stuck in `open` on the FIFO, the held bytes sent.
     let plain = tlsutil::curl(&["--max-time", "5"], &format!("http://{}/big.txt", gw.addr));
     assert_eq!(
         (plain.ok, plain.version.as_str()),

@@ -284,3 +284,91 @@ async fn a_stalled_reader_holds_little_kernel_memory() {
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert_eq!(body.len(), BIG);
 }
+
+/// Descriptors of process `pid` open on `file`, a deleted one included
+/// (its link then reads `… (deleted)`).
+fn fds_on(pid: u32, file: &str) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|p| p.to_string_lossy().contains(file))
+        .count()
+}
+
+/// A gateway holding `site/formal/big.bin` (`size` bytes, within the content
+/// cache) with entries checked against the disk every `valid_ms`.
+fn held_site(size: usize, valid_ms: u64) -> (Fixture, Gateway, Vec<u8>) {
+    let fx = Fixture::new();
+    let big = pattern(size);
+    std::fs::create_dir_all(fx.path("site/formal")).unwrap();
+    std::fs::write(fx.path("site/formal/big.bin"), &big).unwrap();
+    let cfg = fx.write(
+        "gg.yaml",
+        &main_config(&format!(
+            "static_cache: {{ max_file_size: 1m, valid_ms: {valid_ms} }}\n\
+             routes:\n  - prefix: /\n    static: site\n"
+        )),
+    );
+    let gw = Gateway::start(&cfg);
+    (fx, gw, big)
+}
+
+/// A whole file whose content the cache holds (from `SENDFILE_MIN` up to
+/// `max_file_size`) goes out by sendfile from one descriptor its cache entry
+/// keeps (nginx's `open_file_cache`), not a new `open` per answer. Each
+/// answer checks the descriptor (`fstat`): once the file is rewritten in
+/// place, the answers until the entry's next check (`valid_ms`) are the
+/// cached version whole, from memory — never the disk's new bytes under the
+/// cached validators.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_file_is_sent_from_one_kept_descriptor_checked_per_answer() {
+    let (fx, gw, big) = held_site(300 << 10, 60_000);
+    let first = gw.get("/big.bin").await;
+    assert!(first.status == 200 && first.body[..] == big[..]);
+    for i in 0..3 {
+        let (rchar, _) = proc_io(gw.pid());
+        let r = gw.get("/big.bin").await;
+        assert!(r.status == 200 && r.body[..] == big[..], "answer {i}");
+        assert!(
+            proc_io(gw.pid()).0 - rchar >= big.len() as u64,
+            "sent by sendfile (counted in rchar)"
+        );
+        // Between answers the entry keeps exactly one descriptor on it.
+        assert_eq!(fds_on(gw.pid(), "big.bin"), 1, "one descriptor kept");
+    }
+    let mut rewritten = big.clone();
+    rewritten.reverse();
+    std::fs::write(fx.path("site/formal/big.bin"), &rewritten).unwrap();
+    let r = gw.get("/big.bin").await;
+    assert_eq!(r.header("etag"), first.header("etag"), "not yet checked");
+    assert!(
+        r.body[..] == big[..],
+        "the disk's new bytes under the cached validators"
+    );
+    assert_eq!(fds_on(gw.pid(), "big.bin"), 1);
+}
+
+/// The kept descriptor follows the file's path: replaced by a rename or
+/// deleted, the new bytes (or a 404) are served within a second and the old
+/// inode's descriptor is let go — a deleted file's space is not pinned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_descriptor_follows_a_file_replaced_or_deleted() {
+    let (fx, gw, big) = held_site(300 << 10, 200);
+    let path = fx.path("site/formal/big.bin");
+    for _ in 0..2 {
+        assert!(gw.get("/big.bin").await.body[..] == big[..]);
+    }
+    assert_eq!(fds_on(gw.pid(), "big.bin"), 1, "one descriptor kept");
+    let replaced = pattern(200 << 10);
+    std::fs::write(fx.path("site/formal/big.bin.tmp"), &replaced).unwrap();
+    std::fs::rename(fx.path("site/formal/big.bin.tmp"), &path).unwrap();
+    eventually("replaced by a rename", Duration::from_secs(2), || async {
+        gw.get("/big.bin").await.body[..] == replaced[..] && fds_on(gw.pid(), "big.bin") == 1
+    })
+    .await;
+    std::fs::remove_file(&path).unwrap();
+    eventually("deleted", Duration::from_secs(2), || async {
+        gw.get("/big.bin").await.status == 404 && fds_on(gw.pid(), "big.bin") == 0
+    })
+    .await;
+}

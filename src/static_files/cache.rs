@@ -100,6 +100,28 @@ pub struct FileInfo {
     pub content_type: Option<HeaderValue>,
     pub content_length: HeaderValue,
     pub content: Content,
+    /// The file kept open for `sendfile`, when its content is held and it is
+    /// large enough to be sent that way (see [`HeldFile`]).
+    pub open: Option<HeldFile>,
+}
+
+/// A descriptor a cache entry keeps open (nginx's `open_file_cache`): a
+/// whole-file answer sends from it by `sendfile` without an `open` and a
+/// `close` per request, after an `fstat` that it is still the cached version.
+/// Only files whose content the entry holds get one, so what a held
+/// descriptor can pin of a file deleted meanwhile (until the entry is
+/// checked again or evicted) is bounded by `static_cache.max_size`; and at
+/// most [`FileCache::open_limit`] per tree.
+#[derive(Debug)]
+pub struct HeldFile {
+    pub file: Arc<File>,
+    count: Arc<AtomicUsize>,
+}
+
+impl Drop for HeldFile {
+    fn drop(&mut self) {
+        self.count.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// What a (lane, URL path) resolved to. (Not boxed: it lives in the
@@ -139,6 +161,9 @@ pub struct FileCache {
     shards: Box<[Shard]>,
     /// Content bytes held by entries in the map.
     held: AtomicUsize,
+    /// Descriptors held ([`HeldFile`]), and how many may be.
+    open_files: Arc<AtomicUsize>,
+    open_limit: usize,
 }
 
 impl std::fmt::Debug for FileCache {
@@ -146,6 +171,7 @@ impl std::fmt::Debug for FileCache {
         f.debug_struct("FileCache")
             .field("settings", &self.settings)
             .field("held", &self.held.load(Ordering::Relaxed))
+            .field("open_files", &self.open_files())
             .finish()
     }
 }
@@ -190,7 +216,31 @@ impl FileCache {
                 .map(|_| Mutex::new(LruCache::with_hasher(per_shard, FxBuildHasher)))
                 .collect(),
             held: AtomicUsize::new(0),
+            open_files: Arc::default(),
+            open_limit: open_limit(settings.max_entries),
         }
+    }
+
+    /// Descriptors held by entries now ([`HeldFile`]).
+    pub fn open_files(&self) -> usize {
+        self.open_files.load(Ordering::Relaxed)
+    }
+
+    /// The most descriptors this tree's entries may hold.
+    pub fn open_limit(&self) -> usize {
+        self.open_limit
+    }
+
+    /// Keeps `file` open for its entry, if the tree's limit allows.
+    fn hold(&self, file: File) -> Option<HeldFile> {
+        if self.open_files.fetch_add(1, Ordering::Relaxed) >= self.open_limit {
+            self.open_files.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(HeldFile {
+            file: Arc::new(file),
+            count: self.open_files.clone(),
+        })
     }
 
     /// Content bytes held now.
@@ -361,12 +411,22 @@ impl FileCache {
             }
             _ => Content::Disk,
         };
-        Some(render(path, lane, &meta, content))
+        let open = match content {
+            Content::Mem(_) if size >= super::SENDFILE_MIN => self.hold(file),
+            _ => None,
+        };
+        Some(render(path, lane, &meta, content, open))
     }
 }
 
 /// Headers and validators of a file, rendered once.
-fn render(path: PathBuf, lane: &str, meta: &std::fs::Metadata, content: Content) -> FileInfo {
+fn render(
+    path: PathBuf,
+    lane: &str,
+    meta: &std::fs::Metadata,
+    content: Content,
+    open: Option<HeldFile>,
+) -> FileInfo {
     let size = meta.len();
     let modified = meta.modified().ok();
     let since_epoch = modified.and_then(|m| m.duration_since(UNIX_EPOCH).ok());
@@ -395,8 +455,18 @@ fn render(path: PathBuf, lane: &str, meta: &std::fs::Metadata, content: Content)
         content_type,
         content_length: HeaderValue::from(size),
         content,
+        open,
         path,
     }
+}
+
+/// Descriptors one tree's entries may hold: a quarter of the process's
+/// descriptor limit (the rest is for connections), at most one per entry.
+fn open_limit(max_entries: usize) -> usize {
+    let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .current
+        .unwrap_or(u64::MAX);
+    max_entries.min(usize::try_from(soft / 4).unwrap_or(usize::MAX))
 }
 
 /// Where a relative path leads in a lane's tree (else formal's).
@@ -564,5 +634,56 @@ mod tests {
         // Another lane's entry for the same path is its own.
         let g = c.get(&root, "gray", "/a.txt", rel);
         assert!(!Arc::ptr_eq(&a, &g));
+    }
+
+    fn held_file(e: &Entry) -> Option<&Arc<File>> {
+        match &e.resolved {
+            Resolved::File(f) => f.open.as_ref().map(|h| &h.file),
+            _ => panic!("not a file"),
+        }
+    }
+
+    /// Descriptors are kept only for held content large enough for
+    /// `sendfile`, never beyond the tree's limit, and given back with their
+    /// entries.
+    #[test]
+    fn descriptors_are_kept_for_big_held_files_only_and_within_the_limit() {
+        let big = super::super::SENDFILE_MIN as usize;
+        let names: Vec<String> = (0..6).map(|i| format!("b{i}.bin")).collect();
+        let mut files: Vec<(&str, usize)> = names.iter().map(|n| (n.as_str(), big)).collect();
+        files.extend([("small.txt", 100), ("huge.bin", 3 * big)]);
+        let d = tree(&files);
+        let root = d.path().canonicalize().unwrap();
+        let mut c = FileCache::new(CacheSettings {
+            max_size: 1 << 30,
+            max_file_size: 2 * big,
+            max_entries: 1000,
+            valid_ms: 60_000,
+        });
+        assert!(c.open_limit() >= 16, "limit {}", c.open_limit());
+        c.open_limit = 4;
+        let small = c.get(&root, FORMAL, "/small.txt", rel);
+        assert!(held_file(&small).is_none(), "small files are written");
+        let huge = c.get(&root, FORMAL, "/huge.bin", rel);
+        assert_eq!(in_memory(&huge), None);
+        assert!(held_file(&huge).is_none(), "content not held: opened per answer");
+        let entries: Vec<_> = names
+            .iter()
+            .map(|n| c.get(&root, FORMAL, &format!("/{n}"), rel))
+            .collect();
+        let kept = entries.iter().filter(|e| held_file(e).is_some()).count();
+        assert_eq!((kept, c.open_files()), (4, 4), "the limit");
+        // A hit is the same descriptor.
+        let again = c.get(&root, FORMAL, "/b0.bin", |_| panic!("a hit"));
+        assert!(Arc::ptr_eq(held_file(&again).unwrap(), held_file(&entries[0]).unwrap()));
+        drop((again, entries));
+        for n in &names {
+            c.forget(FORMAL, &format!("/{n}"));
+        }
+        assert_eq!(c.open_files(), 0, "given back with the entries");
+        // Room again: the next big file gets one.
+        let e = c.get(&root, FORMAL, "/b5.bin", rel);
+        assert!(held_file(&e).is_some());
+        assert_eq!(c.open_files(), 1);
     }
 }

@@ -256,7 +256,7 @@ fn redirect_to_slash(parts: &Parts) -> Response<Body> {
 /// Where a response's bytes come from.
 enum Source {
     Mem(Bytes),
-    Disk(std::fs::File),
+    Disk(Arc<std::fs::File>),
 }
 
 impl Source {
@@ -349,7 +349,6 @@ fn respond(
             Source::Mem(b) if b.len() <= body::MEM_FRAME => boxed(Full::new(b)),
             Source::Mem(b) => boxed(FileBody::new(None, VecDeque::from([Segment::Mem(b)]))),
             Source::Disk(file) => {
-                let file = std::sync::Arc::new(file);
                 sendfile = Some(file.clone());
                 boxed(FileBody::shared(
                     file,
@@ -364,7 +363,7 @@ fn respond(
         if f.size >= SENDFILE_MIN && sendfile_ok {
             let file = match sendfile {
                 Some(file) => Some(file),
-                None => open_same(f).map(std::sync::Arc::new),
+                None => open_same(f),
             };
             if let Some(file) = file {
                 r.extensions_mut()
@@ -411,13 +410,10 @@ fn respond(
         }
         segments.push_back(Segment::Mem(Bytes::from(format!("\r\n--{boundary}--\r\n"))));
     }
-    let body = FileBody::new(
-        match source {
-            Source::Disk(file) => Some(file),
-            Source::Mem(_) => None,
-        },
-        segments,
-    );
+    let body = match source {
+        Source::Disk(file) => FileBody::shared(file, segments),
+        Source::Mem(_) => FileBody::new(None, segments),
+    };
     head.insert(
         header::CONTENT_LENGTH,
         HeaderValue::from(hyper::body::Body::size_hint(&body).exact().unwrap_or(0)),
@@ -431,10 +427,16 @@ fn respond(
 pub const SENDFILE_MIN: u64 = 64 * 1024;
 
 /// The file at `f.path` if it is still the one `f` describes (inode, size,
-/// mtime), else `None` (the caller revalidates).
-fn open_same(f: &cache::FileInfo) -> Option<std::fs::File> {
+/// mtime), else `None` (the caller revalidates): the descriptor the entry
+/// holds, after an `fstat` (a file rewritten in place is not sent under the
+/// old validators), else the path opened now.
+fn open_same(f: &cache::FileInfo) -> Option<Arc<std::fs::File>> {
+    if let Some(held) = &f.open {
+        let meta = held.file.metadata().ok()?;
+        return (cache::FileId::of(&meta) == f.id).then(|| held.file.clone());
+    }
     let (file, meta) = cache::open_regular(&f.path)?;
-    (cache::FileId::of(&meta) == f.id).then_some(file)
+    (cache::FileId::of(&meta) == f.id).then(|| Arc::new(file))
 }
 
 fn finish(status: StatusCode, headers: HeaderMap, body: Body) -> Response<Body> {
