@@ -247,7 +247,7 @@ fn tx_queue(port: u16, peer: u16) -> Option<u64> {
 
 /// A client that asks for a big file and reads nothing: the kernel holds
 /// little of it for that connection (`TCP_NOTSENT_LOWAT`, set by the
-/// sendfile path: at most 16 KiB not yet sent, plus what is in flight in
+/// sendfile path: at most 32 KiB not yet sent, plus what is in flight in
 /// the client's small window), where a plain send buffer takes megabytes
 /// per stalled reader (`tcp_wmem` autotuning: ~4 MiB here).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

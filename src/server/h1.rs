@@ -55,9 +55,8 @@ use crate::upstream::fields::name_eq;
 use crate::upstream::RawHead;
 
 /// `TCP_NOTSENT_LOWAT` of a connection once it sends a file by sendfile(2)
-/// (measured: 16 KiB, as edge proxies use for HTTP/2; see the README's
-/// static section).
-const SENDFILE_LOWAT: u32 = 16 * 1024;
+/// (measured: 32 KiB; see the README's static section).
+const SENDFILE_LOWAT: u32 = 32 * 1024;
 /// Fields a head may have on this path (hyper's default limit; more → hyper,
 /// which answers 431).
 const MAX_HEADERS: usize = 100;
