@@ -666,7 +666,10 @@ mod tests {
         assert!(held_file(&small).is_none(), "small files are written");
         let huge = c.get(&root, FORMAL, "/huge.bin", rel);
         assert_eq!(in_memory(&huge), None);
-        assert!(held_file(&huge).is_none(), "content not held: opened per answer");
+        assert!(
+            held_file(&huge).is_none(),
+            "content not held: opened per answer"
+        );
         let entries: Vec<_> = names
             .iter()
             .map(|n| c.get(&root, FORMAL, &format!("/{n}"), rel))
@@ -675,7 +678,10 @@ mod tests {
         assert_eq!((kept, c.open_files()), (4, 4), "the limit");
         // A hit is the same descriptor.
         let again = c.get(&root, FORMAL, "/b0.bin", |_| panic!("a hit"));
-        assert!(Arc::ptr_eq(held_file(&again).unwrap(), held_file(&entries[0]).unwrap()));
+        assert!(Arc::ptr_eq(
+            held_file(&again).unwrap(),
+            held_file(&entries[0]).unwrap()
+        ));
         drop((again, entries));
         for n in &names {
             c.forget(FORMAL, &format!("/{n}"));
