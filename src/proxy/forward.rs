@@ -273,6 +273,9 @@ async fn attempt_all(
     let max_attempts = (retries + 1).min(set.nodes.len());
     let read_timeout =
         Duration::from_millis(service.read_timeout_ms.unwrap_or(upstream.read_timeout_ms));
+    // No body was buffered: the serve phase's reading (`t0`) is still
+    // this first attempt's start.
+    let t0_fresh = matches!(replay, Replay::Empty);
     let mut tried: Vec<usize> = Vec::with_capacity(max_attempts);
     let mut last_error = None;
     while tried.len() < max_attempts {
@@ -314,6 +317,9 @@ async fn attempt_all(
                 method: &out.method,
                 target: &out.target,
                 headers: &out.headers,
+                // The response timeout runs from this attempt's reading
+                // (`t0` only when nothing was awaited since it was read).
+                start: (tried.len() > 1 || t0_fresh).then_some(now),
             };
             plane
                 .client
