@@ -249,13 +249,8 @@ impl Server {
             let h = std::thread::Builder::new()
                 .name(format!("graygate-worker-{i}"))
                 .spawn(move || {
-                    // I/O and timers only: signals and child processes
-                    // are the main runtime's (the control plane). Each
-                    // park of a worker skips the signal and process
-                    // drivers' checks (~100 instructions a request).
                     let rt = match tokio::runtime::Builder::new_current_thread()
-                        .enable_io()
-                        .enable_time()
+                        .enable_all()
                         .build()
                     {
                         Ok(rt) => rt,
