@@ -35,7 +35,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, HeaderName, HeaderValue};
 use http::{Method, Request, StatusCode, Uri, Version};
 use hyper::body::Body as _;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -227,32 +227,44 @@ pub(super) fn serve(
 }
 
 async fn run(mut conn: Conn) {
+    // Served here until the connection closes or goes to hyper (the tick's
+    // registration is dropped with `plain`'s state, before hyper's turn).
+    let Some(bytes) = plain(&mut conn).await else {
+        return;
+    };
+    let Conn {
+        server,
+        stream,
+        peer,
+        _open,
+        ..
+    } = conn;
+    let io = Rewind {
+        pre: bytes.freeze(),
+        inner: stream,
+    };
+    Box::pin(server.serve_h1(io, peer, false)).await;
+    drop(_open);
+}
+
+/// The connection's requests on this path; `Some`: hand it to hyper, these
+/// bytes first.
+async fn plain(conn: &mut Conn) -> Option<BytesMut> {
+    // The tick's wake-up, kept registered across requests (renewed only
+    // once it has fired): no waiter put into and taken out of the accept
+    // loop's list per request.
+    let mut tick = std::pin::pin!(conn.drain.clone().notified_owned());
     loop {
-        if conn.pending.is_none() && !conn.idle().await {
-            return;
+        if conn.pending.is_none() && !conn.idle(tick.as_mut()).await {
+            return None;
         }
         // Boxed: the exchange's state (the head being read, the response
         // being written) lives only while a request does; the idle
         // connection's task stays small.
         match in_box(|| conn.exchange()).await {
             Next::KeepAlive => {}
-            Next::Close => return,
-            Next::Hyper(bytes) => {
-                let Conn {
-                    server,
-                    stream,
-                    peer,
-                    _open,
-                    ..
-                } = conn;
-                let io = Rewind {
-                    pre: bytes.freeze(),
-                    inner: stream,
-                };
-                Box::pin(server.serve_h1(io, peer, false)).await;
-                drop(_open);
-                return;
-            }
+            Next::Close => return None,
+            Next::Hyper(bytes) => return Some(bytes),
         }
     }
 }
@@ -279,12 +291,14 @@ impl Conn {
     /// draining) or an error. The idle timeout is checked on the accept
     /// loop's coarse tick (`drain` is notified on every tick and when the
     /// drain begins): no timer per connection or request.
-    async fn idle(&mut self) -> bool {
-        let (stream, drain) = (&self.stream, &self.drain);
+    /// `tick`: the drain's wake-up, registered here (it stays registered
+    /// while the connection serves; once it has fired it is renewed).
+    async fn idle(&mut self, mut tick: Pin<&mut tokio::sync::futures::OwnedNotified>) -> bool {
+        let stream = &self.stream;
         loop {
-            let notified = drain.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
+            // Registered before the timeout is checked: a tick between the
+            // check and the wait is not missed. (A no-op once registered.)
+            tick.as_mut().enable();
             let idle_ms = {
                 let gen = self.server.plane.current();
                 let limits = &gen.config.client;
@@ -301,11 +315,12 @@ impl Conn {
             // waiter node or future of its own while idle.
             let ready = poll_fn(|cx| match stream.poll_read_ready(cx) {
                 Poll::Ready(r) => Poll::Ready(Some(r.is_ok())),
-                Poll::Pending => notified.as_mut().poll(cx).map(|()| None),
+                Poll::Pending => tick.as_mut().poll(cx).map(|()| None),
             })
             .await;
-            if let Some(ok) = ready {
-                return ok;
+            match ready {
+                Some(ok) => return ok,
+                None => tick.set(self.drain.clone().notified_owned()),
             }
         }
     }
@@ -549,7 +564,7 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
         put_back(&head, buf);
         return Parse::Hyper;
     };
-    let mut headers = HeaderMap::with_capacity(spans.len());
+    let mut headers = crate::base::head::field_map(spans.len());
     let mut underscores = false;
     for &(ns, ne, vs, ve) in spans.iter() {
         let bytes = &head[ns as usize..ne as usize];
