@@ -90,7 +90,7 @@ pub async fn forward(
     };
     let verdict = &mut ctx.verdict;
     let raw = ctx.raw_ok.then_some(&mut ctx.raw_head);
-    attempt_all(
+    let served = attempt_all(
         plane,
         service,
         (choice, client),
@@ -100,7 +100,10 @@ pub async fn forward(
         replay,
         upstream,
     )
-    .await
+    .await;
+    // The fields went out: their map serves the thread's next request head.
+    crate::base::head::recycle_field_map(std::mem::take(&mut out.headers));
+    served
 }
 
 /// The node-choice phase: the lane's healthy nodes, else formal (never
@@ -207,13 +210,22 @@ fn rewrite_request<'g>(
     if client.https {
         added.https();
     }
-    let target = Uri::from(
-        parts
-            .uri
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
-    );
+    // An origin-form target (the usual request) is the node's as it is:
+    // taken, not rebuilt (its path is not read after this phase).
+    let origin_form = parts.uri.scheme().is_none()
+        && parts.uri.authority().is_none()
+        && parts.uri.path_and_query().is_some();
+    let target = if origin_form {
+        std::mem::take(&mut parts.uri)
+    } else {
+        Uri::from(
+            parts
+                .uri
+                .path_and_query()
+                .cloned()
+                .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
+        )
+    };
     Outbound {
         idempotent: idempotent(&parts.method),
         method: std::mem::take(&mut parts.method),
