@@ -18,43 +18,6 @@
 /// Name start, name end, value start, value end of a header field.
 pub type Span = (u32, u32, u32, u32);
 
-/// Field maps kept per thread between requests.
-const MAPS_MAX: usize = 16;
-/// A map holding more fields than this is not kept (its memory goes back).
-const MAP_KEEP_MAX: usize = 64;
-
-thread_local! {
-    static MAPS: std::cell::RefCell<Vec<http::HeaderMap>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// An empty field map with room for `n` fields: one the thread kept (its
-/// memory reused: no two allocations and frees per request head), else a
-/// new one.
-pub fn field_map(n: usize) -> http::HeaderMap {
-    match MAPS.with(|m| m.borrow_mut().pop()) {
-        Some(mut map) => {
-            map.reserve(n);
-            map
-        }
-        None => http::HeaderMap::with_capacity(n),
-    }
-}
-
-/// Gives a request's field map back once the request is done with it
-/// (emptied here; a large one, or one beyond the thread's few, is dropped).
-pub fn recycle_field_map(mut map: http::HeaderMap) {
-    if map.capacity() == 0 || map.capacity() > MAP_KEEP_MAX {
-        return;
-    }
-    map.clear();
-    MAPS.with(|m| {
-        let mut m = m.borrow_mut();
-        if m.len() < MAPS_MAX {
-            m.push(map);
-        }
-    });
-}
-
 /// A response head's status line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StatusLine {
@@ -306,31 +269,6 @@ mod tests {
     use super::*;
 
     const MAX: usize = 100;
-
-    /// A map given back comes out again empty, its memory reused; a large
-    /// one, an unused one and those beyond the thread's few are not kept.
-    #[test]
-    fn field_maps_come_back_empty() {
-        let mut m = field_map(2);
-        m.append(http::header::HOST, "a".parse().unwrap());
-        m.append("x-a", "1".parse().unwrap());
-        m.append("x-a", "2".parse().unwrap());
-        let cap = m.capacity();
-        recycle_field_map(m);
-        let m = field_map(1);
-        assert!(m.is_empty() && m.get("x-a").is_none(), "{m:?}");
-        assert_eq!(m.capacity(), cap, "not the kept map");
-        let mut big = http::HeaderMap::with_capacity(2 * MAP_KEEP_MAX);
-        big.append("x-b", "1".parse().unwrap());
-        recycle_field_map(big);
-        recycle_field_map(http::HeaderMap::new());
-        assert_eq!(MAPS.with(|m| m.borrow().len()), 0);
-        for _ in 0..MAPS_MAX + 3 {
-            recycle_field_map(http::HeaderMap::with_capacity(4));
-        }
-        assert_eq!(MAPS.with(|m| m.borrow().len()), MAPS_MAX);
-        drop(m);
-    }
 
     /// The word-at-a-time name test says, for every byte value at every
     /// position of a word (whatever its neighbours), whether it is a

@@ -90,7 +90,7 @@ pub async fn forward(
     };
     let verdict = &mut ctx.verdict;
     let raw = ctx.raw_ok.then_some(&mut ctx.raw_head);
-    let served = attempt_all(
+    attempt_all(
         plane,
         service,
         (choice, client),
@@ -100,10 +100,7 @@ pub async fn forward(
         replay,
         upstream,
     )
-    .await;
-    // The fields went out: their map serves the thread's next request head.
-    crate::base::head::recycle_field_map(std::mem::take(&mut out.headers));
-    served
+    .await
 }
 
 /// The node-choice phase: the lane's healthy nodes, else formal (never

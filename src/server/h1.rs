@@ -35,7 +35,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::header::{self, HeaderName, HeaderValue};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, StatusCode, Uri, Version};
 use hyper::body::Body as _;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -564,7 +564,7 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
         put_back(&head, buf);
         return Parse::Hyper;
     };
-    let mut headers = crate::base::head::field_map(spans.len());
+    let mut headers = HeaderMap::with_capacity(spans.len());
     let mut underscores = false;
     for &(ns, ne, vs, ve) in spans.iter() {
         let bytes = &head[ns as usize..ne as usize];
