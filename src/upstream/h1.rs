@@ -356,24 +356,16 @@ fn parse_head(
         // passed on; the positions of the fields kept stay in `spans` (on
         // the connection: no allocation). Header values become zero-copy
         // slices of the head's bytes once it is split off.
-        // The kept lines' runs for a pass-through (`RawScan`) are noted in
-        // the same pass.
         let mut meta = Meta::default();
-        let mut scan = RawScan::new(raw_ok);
-        spans.retain(|&span| {
-            let (ns, ne, vs, ve) = span;
-            let keep = meta.note(
+        spans.retain(|&(ns, ne, vs, ve)| {
+            meta.note(
                 &buf[ns as usize..ne as usize],
                 &buf[vs as usize..ve as usize],
-            );
-            if keep && scan.ok {
-                scan.line(buf, span);
-            }
-            keep
+            )
         });
         let head = buf.split_to(n).freeze();
         if raw_ok {
-            if let Some(raw) = scan.finish(&head, &meta, status) {
+            if let Some(raw) = RawHead::of(&head, spans, &meta, status) {
                 return Ok(Some(Head {
                     status,
                     version,
@@ -468,87 +460,57 @@ pub struct RawHead {
     pub has_date: bool,
 }
 
-/// A [`RawHead`] being gathered from a head's kept lines, in order
-/// (`ok` false: the head takes the map).
-struct RawScan {
-    runs: [(u32, u32); RAW_RUNS],
-    n: u8,
-    lengths: u8,
-    has_date: bool,
-    ok: bool,
-}
-
-impl RawScan {
-    fn new(ok: bool) -> RawScan {
-        RawScan {
-            runs: [(0, 0); RAW_RUNS],
-            n: 0,
-            lengths: 0,
-            has_date: false,
-            ok,
-        }
-    }
-
-    /// One kept line of `head` (at `span`).
-    fn line(&mut self, head: &[u8], (ns, ne, vs, ve): Span) {
-        let name = &head[ns as usize..ne as usize];
-        // Exactly `name: value\r\n` (the encoding the map would give).
-        if vs != ne + 2
-            || head.get(ne as usize..vs as usize) != Some(b": ")
-            || head.get(ve as usize..ve as usize + 2) != Some(b"\r\n")
-        {
-            self.ok = false;
-            return;
-        }
-        match name.len() {
-            10 if name_eq(name, b"connection") => {
-                self.ok = false;
-                return;
-            }
-            4 if name_eq(name, b"date") => self.has_date = true,
-            14 if name_eq(name, b"content-length") => self.lengths += 1,
-            _ => {}
-        }
-        let end = ve + 2;
-        match self.n {
-            0 => {}
-            k if self.runs[k as usize - 1].1 == ns => {
-                self.runs[k as usize - 1].1 = end;
-                return;
-            }
-            k if k as usize == RAW_RUNS => {
-                self.ok = false;
-                return;
-            }
-            _ => {}
-        }
-        self.runs[self.n as usize] = (ns, end);
-        self.n += 1;
-    }
-
-    /// The pass-through of `head` (split off, the lines noted), if its
-    /// fields and status allow one.
-    fn finish(self, head: &Bytes, meta: &Meta, status: StatusCode) -> Option<RawHead> {
-        if !self.ok
-            || self.lengths > 1
-            || meta.length_error.is_some()
+impl RawHead {
+    fn of(head: &Bytes, spans: &[Span], meta: &Meta, status: StatusCode) -> Option<RawHead> {
+        if meta.length_error.is_some()
             || (meta.chunked.is_some() && meta.saw_length)
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED
         {
             return None;
         }
-        Some(RawHead {
+        let mut raw = RawHead {
             head: head.clone(),
-            runs: self.runs,
-            n: self.n,
-            length: if self.lengths == 1 { meta.length } else { None },
-            has_date: self.has_date,
-        })
+            runs: [(0, 0); RAW_RUNS],
+            n: 0,
+            length: None,
+            has_date: false,
+        };
+        let mut lengths = 0;
+        for &(ns, ne, vs, ve) in spans {
+            let name = &head[ns as usize..ne as usize];
+            // Exactly `name: value\r\n` (the encoding the map would give).
+            if vs != ne + 2
+                || head.get(ne as usize..vs as usize) != Some(b": ")
+                || head.get(ve as usize..ve as usize + 2) != Some(b"\r\n")
+            {
+                return None;
+            }
+            match name.len() {
+                10 if name_eq(name, b"connection") => return None,
+                4 if name_eq(name, b"date") => raw.has_date = true,
+                14 if name_eq(name, b"content-length") => {
+                    lengths += 1;
+                    raw.length = meta.length;
+                }
+                _ => {}
+            }
+            let end = ve + 2;
+            match raw.n {
+                0 => {}
+                k if raw.runs[k as usize - 1].1 == ns => {
+                    raw.runs[k as usize - 1].1 = end;
+                    continue;
+                }
+                k if k as usize == RAW_RUNS => return None,
+                _ => {}
+            }
+            raw.runs[raw.n as usize] = (ns, end);
+            raw.n += 1;
+        }
+        (lengths <= 1).then_some(raw)
     }
-}
 
-impl RawHead {
     /// The field lines, in order (each run ends with CRLF).
     pub fn runs(&self) -> impl Iterator<Item = &[u8]> {
         self.runs[..self.n as usize]
