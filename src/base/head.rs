@@ -73,7 +73,7 @@ fn usual_name_bytes(x: u64) -> u64 {
     let within =
         |v: u64, lo: u64, hi: u64| (v + ONES * (0x80 - lo)) & !(v + ONES * (0x7f - hi)) & HIGH;
     // OR-ing 0x20 maps exactly the letters (either case) onto a..z.
-    let letter = within(b | ONES * 0x20, u64::from(b'a'), u64::from(b'z'));
+    let letter = within(b | (ONES * 0x20), u64::from(b'a'), u64::from(b'z'));
     let digit = within(b, u64::from(b'0'), u64::from(b'9'));
     let hyphen = within(b, u64::from(b'-'), u64::from(b'-'));
     (letter | digit | hyphen) & ascii
@@ -283,7 +283,7 @@ mod tests {
                     let mut w = [0u8; 8];
                     rng.fill(&mut w);
                     w[pos] = b;
-                    let got = usual_name_bytes(u64::from_le_bytes(w)) >> (pos * 8 + 7) & 1 == 1;
+                    let got = (usual_name_bytes(u64::from_le_bytes(w)) >> (pos * 8 + 7)) & 1 == 1;
                     let want = b.is_ascii_alphanumeric() || b == b'-';
                     assert_eq!(got, want, "byte {b:#04x} at {pos} in {w:?}");
                 }
