@@ -274,15 +274,34 @@ async fn plain(conn: &mut Conn) -> Option<BytesMut> {
 /// built on the stack and copied into its box (`Box::pin(f)`: the request's
 /// 8 KB future was one memcpy per request).
 async fn in_box<F: Future>(make: impl FnOnce() -> F) -> F::Output {
-    // Allocated before `None` is written: `Box::pin(None)` wrote it on the
-    // stack and copied the whole slot (1.8 KB for the exchange) into the box.
-    let mut slot: Pin<Box<Option<F>>> = Box::into_pin(Box::write(Box::new_uninit(), None));
-    slot.as_mut().set(Some(make()));
-    poll_fn(|cx| match slot.as_mut().as_pin_mut() {
-        Some(f) => f.poll(cx),
-        None => unreachable!("set above"),
-    })
-    .await
+    InBox::new(make).await
+}
+
+/// A future built in place in its heap slot ([`in_box`]); already built
+/// when this is made, so moving it moves a pointer (not the unstarted
+/// future's captured values, as moving an `in_box` future did).
+struct InBox<F>(Pin<Box<Option<F>>>);
+
+impl<F: Future> InBox<F> {
+    fn new(make: impl FnOnce() -> F) -> InBox<F> {
+        // Allocated before `None` is written: `Box::pin(None)` wrote it on
+        // the stack and copied the whole slot (1.8 KB for the exchange)
+        // into the box.
+        let mut slot: Pin<Box<Option<F>>> = Box::into_pin(Box::write(Box::new_uninit(), None));
+        slot.as_mut().set(Some(make()));
+        InBox(slot)
+    }
+}
+
+impl<F: Future> Future for InBox<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        match self.0.as_mut().as_pin_mut() {
+            Some(f) => f.poll(cx),
+            None => unreachable!("set when made"),
+        }
+    }
 }
 
 impl Conn {
@@ -412,7 +431,7 @@ impl Conn {
         // hyper's connections).
         let handled = unless_gone(
             &self.stream,
-            in_box(|| {
+            InBox::new(|| {
                 let from = proxy::Handover {
                     raw_ok: true,
                     underscores,
