@@ -141,10 +141,18 @@ impl Deadline {
     /// deadline read early on the coarse clock once let an attempt capped
     /// by a request's total deadline end before it, and be retried).
     pub fn after(limit: Duration) -> Deadline {
+        Deadline::after_from(Instant::now(), limit)
+    }
+
+    /// `limit` from `start`, a precise reading the caller already took
+    /// (not later than now): ends at `start + limit` exactly; the coarse
+    /// clock is looked at from now, as in [`after`](Self::after), so the
+    /// deadline is never looked at sooner than there.
+    pub fn after_from(start: Instant, limit: Duration) -> Deadline {
         let limit_ms = ms_ceil(limit);
         Deadline {
             at: coarse_at(limit_ms),
-            end: Instant::now() + limit,
+            end: start + limit,
             limit_ms,
             entry: Entry { slot: None },
             fallback: None,

@@ -207,13 +207,22 @@ fn rewrite_request<'g>(
     if client.https {
         added.https();
     }
-    let target = Uri::from(
-        parts
-            .uri
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
-    );
+    // An origin-form target (the usual request) is the node's as it is:
+    // taken, not rebuilt (its path is not read after this phase).
+    let origin_form = parts.uri.scheme().is_none()
+        && parts.uri.authority().is_none()
+        && parts.uri.path_and_query().is_some();
+    let target = if origin_form {
+        std::mem::take(&mut parts.uri)
+    } else {
+        Uri::from(
+            parts
+                .uri
+                .path_and_query()
+                .cloned()
+                .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
+        )
+    };
     Outbound {
         idempotent: idempotent(&parts.method),
         method: std::mem::take(&mut parts.method),
@@ -273,6 +282,9 @@ async fn attempt_all(
     let max_attempts = (retries + 1).min(set.nodes.len());
     let read_timeout =
         Duration::from_millis(service.read_timeout_ms.unwrap_or(upstream.read_timeout_ms));
+    // No body was buffered: the serve phase's reading (`t0`) is still
+    // this first attempt's start.
+    let t0_fresh = matches!(replay, Replay::Empty);
     let mut tried: Vec<usize> = Vec::with_capacity(max_attempts);
     let mut last_error = None;
     while tried.len() < max_attempts {
@@ -314,6 +326,9 @@ async fn attempt_all(
                 method: &out.method,
                 target: &out.target,
                 headers: &out.headers,
+                // The response timeout runs from this attempt's reading
+                // (`t0` only when nothing was awaited since it was read).
+                start: (tried.len() > 1 || t0_fresh).then_some(now),
             };
             plane
                 .client

@@ -75,6 +75,61 @@ thread_local! {
     static WRITE_BUF: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
     static DATE: RefCell<(u64, [u8; 29])> = const { RefCell::new((0, [0; 29])) };
     static SPANS: Cell<Vec<Span>> = const { Cell::new(Vec::new()) };
+    static SEEN: RefCell<SeenNames> = RefCell::new(SeenNames::default());
+}
+
+/// Names [`seen_name`] keeps per thread.
+const SEEN_NAMES: usize = 8;
+/// The longest name kept there.
+const SEEN_NAME_MAX: usize = 64;
+
+/// The thread's last few request field names outside
+/// `fields::known_name` (an application's `X-User-Id`, a lane tag): each
+/// `HeaderName::from_bytes` of one lower-cases it, matches it against the
+/// standard names and allocates its copy (~270 instructions a field); a
+/// clone of a kept one is a reference count.
+#[derive(Default)]
+struct SeenNames {
+    names: Vec<HeaderName>,
+    /// The slot replaced next once full.
+    next: usize,
+}
+
+/// A kept name equal to the wire name `b` (any case), as
+/// `HeaderName::from_bytes(b)` would make it.
+fn seen_name(b: &[u8]) -> Option<HeaderName> {
+    SEEN.with(|s| {
+        let s = s.borrow();
+        // Kept names are lower-case letters, digits and `-` only, as
+        // `name_eq` needs of its second operand.
+        s.names
+            .iter()
+            .find(|n| name_eq(b, n.as_str().as_bytes()))
+            .cloned()
+    })
+}
+
+/// Keeps `n` for [`seen_name`] (names of other bytes, e.g. with `_`, and
+/// long ones are not kept).
+fn remember_name(n: &HeaderName) {
+    let text = n.as_str().as_bytes();
+    if text.len() > SEEN_NAME_MAX
+        || !text
+            .iter()
+            .all(|&c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
+    {
+        return;
+    }
+    SEEN.with(|s| {
+        let mut s = s.borrow_mut();
+        if s.names.len() < SEEN_NAMES {
+            s.names.push(n.clone());
+        } else {
+            let i = s.next;
+            s.names[i] = n.clone();
+            s.next = (i + 1) % SEEN_NAMES;
+        }
+    })
 }
 
 fn take_read_buf() -> BytesMut {
@@ -171,32 +226,44 @@ pub(super) fn serve(
 }
 
 async fn run(mut conn: Conn) {
+    // Served here until the connection closes or goes to hyper (the tick's
+    // registration is dropped with `plain`'s state, before hyper's turn).
+    let Some(bytes) = plain(&mut conn).await else {
+        return;
+    };
+    let Conn {
+        server,
+        stream,
+        peer,
+        _open,
+        ..
+    } = conn;
+    let io = Rewind {
+        pre: bytes.freeze(),
+        inner: stream,
+    };
+    Box::pin(server.serve_h1(io, peer, false)).await;
+    drop(_open);
+}
+
+/// The connection's requests on this path; `Some`: hand it to hyper, these
+/// bytes first.
+async fn plain(conn: &mut Conn) -> Option<BytesMut> {
+    // The tick's wake-up, kept registered across requests (renewed only
+    // once it has fired): no waiter put into and taken out of the accept
+    // loop's list per request.
+    let mut tick = std::pin::pin!(conn.drain.clone().notified_owned());
     loop {
-        if conn.pending.is_none() && !conn.idle().await {
-            return;
+        if conn.pending.is_none() && !conn.idle(tick.as_mut()).await {
+            return None;
         }
         // Boxed: the exchange's state (the head being read, the response
         // being written) lives only while a request does; the idle
         // connection's task stays small.
         match in_box(|| conn.exchange()).await {
             Next::KeepAlive => {}
-            Next::Close => return,
-            Next::Hyper(bytes) => {
-                let Conn {
-                    server,
-                    stream,
-                    peer,
-                    _open,
-                    ..
-                } = conn;
-                let io = Rewind {
-                    pre: bytes.freeze(),
-                    inner: stream,
-                };
-                Box::pin(server.serve_h1(io, peer, false)).await;
-                drop(_open);
-                return;
-            }
+            Next::Close => return None,
+            Next::Hyper(bytes) => return Some(bytes),
         }
     }
 }
@@ -206,15 +273,34 @@ async fn run(mut conn: Conn) {
 /// built on the stack and copied into its box (`Box::pin(f)`: the request's
 /// 8 KB future was one memcpy per request).
 async fn in_box<F: Future>(make: impl FnOnce() -> F) -> F::Output {
-    // Allocated before `None` is written: `Box::pin(None)` wrote it on the
-    // stack and copied the whole slot (1.8 KB for the exchange) into the box.
-    let mut slot: Pin<Box<Option<F>>> = Box::into_pin(Box::write(Box::new_uninit(), None));
-    slot.as_mut().set(Some(make()));
-    poll_fn(|cx| match slot.as_mut().as_pin_mut() {
-        Some(f) => f.poll(cx),
-        None => unreachable!("set above"),
-    })
-    .await
+    InBox::new(make).await
+}
+
+/// A future built in place in its heap slot ([`in_box`]); already built
+/// when this is made, so moving it moves a pointer (not the unstarted
+/// future's captured values, as moving an `in_box` future did).
+struct InBox<F>(Pin<Box<Option<F>>>);
+
+impl<F: Future> InBox<F> {
+    fn new(make: impl FnOnce() -> F) -> InBox<F> {
+        // Allocated before `None` is written: `Box::pin(None)` wrote it on
+        // the stack and copied the whole slot (1.8 KB for the exchange)
+        // into the box.
+        let mut slot: Pin<Box<Option<F>>> = Box::into_pin(Box::write(Box::new_uninit(), None));
+        slot.as_mut().set(Some(make()));
+        InBox(slot)
+    }
+}
+
+impl<F: Future> Future for InBox<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        match self.0.as_mut().as_pin_mut() {
+            Some(f) => f.poll(cx),
+            None => unreachable!("set when made"),
+        }
+    }
 }
 
 impl Conn {
@@ -223,12 +309,14 @@ impl Conn {
     /// draining) or an error. The idle timeout is checked on the accept
     /// loop's coarse tick (`drain` is notified on every tick and when the
     /// drain begins): no timer per connection or request.
-    async fn idle(&mut self) -> bool {
-        let (stream, drain) = (&self.stream, &self.drain);
+    /// `tick`: the drain's wake-up, registered here (it stays registered
+    /// while the connection serves; once it has fired it is renewed).
+    async fn idle(&mut self, mut tick: Pin<&mut tokio::sync::futures::OwnedNotified>) -> bool {
+        let stream = &self.stream;
         loop {
-            let notified = drain.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
+            // Registered before the timeout is checked: a tick between the
+            // check and the wait is not missed. (A no-op once registered.)
+            tick.as_mut().enable();
             let idle_ms = {
                 let gen = self.server.plane.current();
                 let limits = &gen.config.client;
@@ -245,11 +333,12 @@ impl Conn {
             // waiter node or future of its own while idle.
             let ready = poll_fn(|cx| match stream.poll_read_ready(cx) {
                 Poll::Ready(r) => Poll::Ready(Some(r.is_ok())),
-                Poll::Pending => notified.as_mut().poll(cx).map(|()| None),
+                Poll::Pending => tick.as_mut().poll(cx).map(|()| None),
             })
             .await;
-            if let Some(ok) = ready {
-                return ok;
+            match ready {
+                Some(ok) => return ok,
+                None => tick.set(self.drain.clone().notified_owned()),
             }
         }
     }
@@ -341,7 +430,7 @@ impl Conn {
         // hyper's connections).
         let handled = unless_gone(
             &self.stream,
-            in_box(|| {
+            InBox::new(|| {
                 let from = proxy::Handover {
                     raw_ok: true,
                     underscores,
@@ -499,10 +588,15 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
         let bytes = &head[ns as usize..ne as usize];
         // The usual names have no `_`: only the others are searched.
         let name = crate::upstream::fields::known_name(bytes)
+            .or_else(|| seen_name(bytes))
             .ok_or(())
             .or_else(|()| {
                 underscores |= bytes.contains(&b'_');
-                HeaderName::from_bytes(bytes)
+                let name = HeaderName::from_bytes(bytes);
+                if let Ok(n) = &name {
+                    remember_name(n);
+                }
+                name
             });
         let Ok(name) = name else {
             put_back(&head, buf);
@@ -1085,6 +1179,82 @@ mod tests {
         assert_eq!(p.req.headers()["x-a"], "1");
         assert!(p.keep_alive);
         assert_eq!(&b[..], b"GET");
+    }
+
+    /// Field names outside `known_name` come from the thread's kept names
+    /// once seen: the same names (every case of the wire name), the
+    /// underscore flag still raised for a name with `_` (never kept), and
+    /// kept names replaced in turn once more are seen than are kept.
+    #[test]
+    fn seen_names_read_as_from_bytes() {
+        let fields = |raw: &[u8]| match parsed(raw) {
+            Parse::Done(p) => (
+                p.req
+                    .headers()
+                    .iter()
+                    .map(|(n, v)| (n.clone(), v.clone()))
+                    .collect::<Vec<_>>(),
+                p.underscores,
+            ),
+            _ => panic!("not parsed: {}", String::from_utf8_lossy(raw)),
+        };
+        let mut names: Vec<String> = (0..3 * SEEN_NAMES).map(|i| format!("X-Name-{i}")).collect();
+        names.push("X-Under_Score".into());
+        names.push("Accept-Language".into());
+        names.push(format!("X-{}", "L".repeat(SEEN_NAME_MAX)));
+        for round in 0..3 {
+            for (i, name) in names.iter().enumerate() {
+                // Each name in another case each time, beside a kept one.
+                let wire: String = name
+                    .chars()
+                    .enumerate()
+                    .map(|(k, c)| {
+                        if (k + round) % 2 == 0 {
+                            c.to_ascii_uppercase()
+                        } else {
+                            c.to_ascii_lowercase()
+                        }
+                    })
+                    .collect();
+                let prev = &names[i.saturating_sub(1)];
+                let raw = format!("GET / HTTP/1.1\r\nHost: x\r\n{wire}: {i}\r\n{prev}: p\r\n\r\n");
+                let (got, underscores) = fields(raw.as_bytes());
+                let want = [
+                    ("host", "x".to_string()),
+                    (&*name.to_ascii_lowercase(), i.to_string()),
+                    (&*prev.to_ascii_lowercase(), "p".to_string()),
+                ];
+                let got: Vec<(String, String)> = got
+                    .iter()
+                    .map(|(n, v)| (n.as_str().to_string(), v.to_str().unwrap().to_string()))
+                    .collect();
+                let want: Vec<(String, String)> = want
+                    .iter()
+                    .map(|(n, v)| (n.to_string(), v.clone()))
+                    .collect();
+                assert_eq!(got, want, "{raw}");
+                assert_eq!(
+                    underscores,
+                    name.contains('_') || prev.contains('_'),
+                    "{raw}"
+                );
+            }
+        }
+        SEEN.with(|s| {
+            let s = s.borrow();
+            assert_eq!(s.names.len(), SEEN_NAMES);
+            assert!(s
+                .names
+                .iter()
+                .all(|n| !n.as_str().contains('_') && n.as_str().len() <= SEEN_NAME_MAX));
+        });
+        // A kept name is never taken for a longer or a shorter one.
+        let raw = b"GET / HTTP/1.1\r\nx-name-1: a\r\nX-Name-1x: b\r\nx-name-: c\r\n\r\n";
+        let Parse::Done(p) = parsed(raw) else {
+            panic!("not parsed")
+        };
+        let names: Vec<&str> = p.req.headers().keys().map(|n| n.as_str()).collect();
+        assert_eq!(names, ["x-name-1", "x-name-1x", "x-name-"]);
     }
 
     #[test]

@@ -69,6 +69,9 @@ pub struct OutHead<'a> {
     /// Origin-form target.
     pub target: &'a http::Uri,
     pub headers: &'a http::HeaderMap,
+    /// When the attempt began, if the caller has read the clock already
+    /// (the response timeout runs from then: one clock read fewer).
+    pub start: Option<std::time::Instant>,
 }
 
 /// The client. Cheap to share; the pools live in thread-locals.
@@ -116,6 +119,7 @@ impl Upstream {
                 method: &parts.method,
                 target: &parts.uri,
                 headers: &parts.headers,
+                start: None,
             };
             return self
                 .request_ref(addr, head, body, added, timeouts, false)
@@ -165,7 +169,10 @@ impl Upstream {
             body,
             raw_ok,
         };
-        let mut deadline = Deadline::after(limit);
+        let mut deadline = match head.start {
+            Some(start) => Deadline::after_from(start, limit),
+            None => Deadline::after(limit),
+        };
         let settings = self.settings(read_timeout);
         let resp = h1::request(addr, out, &settings, &mut deadline).await?;
         Ok(resp.map(|b| PooledBody::Raw(b, None)))
