@@ -7,6 +7,7 @@
 
 pub mod budget;
 pub mod jit_probe;
+mod native;
 pub mod ngx;
 pub mod rules;
 pub mod script;

@@ -428,20 +428,30 @@ struct ScriptVm {
     id: u64,
     lua: Lua,
     lane_fn: Function,
-    /// `lane_fn` behind the `ngx` glue's entry, for a script that mentions
-    /// `ngx.` (see `ngx::PerRequest`); `None`: `lane_fn` is called as it is.
-    entry: Option<Function>,
+    /// `lane_fn` behind its entry, which empties the per-request globals
+    /// before each call.
+    entry: Entry,
     req: Table,
-    /// Per-request global writes land here and are emptied around calls.
-    env: Table,
+    /// The lists the VM was built with (a native entry's `in_list` verdicts).
+    lists: Arc<BTreeMap<String, IpList>>,
     /// The `ngx` glue's `reset`: empties the caches a call's host calls
-    /// filled (`Current::ngx_cached`), after a call without `entry`.
+    /// filled (`Current::ngx_cached`), after a native entry's call.
     reset: Function,
     guard: Rc<Guard>,
     budget: i64,
     /// `jit.status()` once the VM was set up.
     #[cfg_attr(not(test), allow(dead_code))]
     jit_on: bool,
+}
+
+/// How a VM calls its lane function.
+enum Entry {
+    /// A script that mentions `ngx.`: the `ngx` glue's entry, which also
+    /// empties the `ngx` caches (see `ngx::PerRequest`); called with `req`.
+    Ngx(Function),
+    /// Any other script: `lane::native`'s entry, called with the request
+    /// values the source names.
+    Native(super::native::Prefetch, Function),
 }
 
 /// Switches LuaJIT's trace compiler off for the whole VM (`jit: false`,
@@ -625,6 +635,18 @@ impl ScriptVm {
         let mentioned = super::ngx::mentioned(src.texts());
         let uses_ngx = mentioned.ngx;
         let per_request = super::ngx::install(&lua, &globals, &src.dicts, mentioned).map_err(le)?;
+        // A native script's named request values come as the call's
+        // arguments (`lane::native`); its glue wraps `graygate.bucket` and
+        // `ngx.req.set_header` before the libraries are locked.
+        let req = req_object(&lua, lists.clone()).map_err(le)?;
+        let native = match uses_ngx {
+            false => {
+                let p = super::native::Prefetch::mentioned(src.texts(), &lists);
+                let make = super::native::install(&lua, &p, &req, &globals).map_err(le)?;
+                Some((p, make))
+            }
+            true => None,
+        };
 
         // Budget guard; the prelude makes pcall & co. honour it.
         let guard = Rc::new(Guard {
@@ -757,15 +779,18 @@ impl ScriptVm {
         mt.raw_set("__metatable", false).map_err(le)?;
         env.set_metatable(Some(mt)).map_err(le)?;
 
-        let req = req_object(&lua, lists).map_err(le)?;
-        let entry = match uses_ngx {
-            true => Some(
+        let entry = match native {
+            Some((p, make)) => Entry::Native(
+                p,
+                make.call::<Function>((lane_fn.clone(), env.clone()))
+                    .map_err(le)?,
+            ),
+            None => Entry::Ngx(
                 per_request
                     .make_entry
                     .call::<Function>((lane_fn.clone(), env.clone()))
                     .map_err(le)?,
             ),
-            false => None,
         };
         Ok(ScriptVm {
             id: src.id,
@@ -773,7 +798,7 @@ impl ScriptVm {
             lane_fn,
             entry,
             req,
-            env,
+            lists,
             reset: per_request.reset,
             guard,
             budget,
@@ -789,20 +814,30 @@ impl ScriptVm {
         // entry function taking it as an argument, ~160 — cost more than
         // the count hook did on the shipped script.
         self.guard.arm(self.budget);
-        let r = match &self.entry {
-            Some(entry) => entry.call::<Value>(&self.req),
-            None => {
-                let r = self.lane_fn.call::<Value>(&self.req);
-                if !self.env.is_empty() {
-                    let _ = self.env.clear();
-                }
+        let entry = match &self.entry {
+            Entry::Ngx(entry) => entry,
+            Entry::Native(p, entry) => {
+                let args = with_req(|r| p.args(&self.lua, &self.lists, r))??;
+                let r = p.call(entry, args);
+                // `ngx` reached by a computed name filled its caches.
                 if with_current(|_, c| c.ngx_cached).unwrap_or(true) {
                     let _ = self.reset.call::<()>(());
                 }
-                r
+                // The result read from the stack as bytes: no reference
+                // to a Lua value is made (~200 instructions, callgrind).
+                return match r? {
+                    (Some(lane), _) => String::from_utf8(lane.into()).map(Some).map_err(|_| {
+                        mlua::Error::runtime("lane() returned a string that is not UTF-8")
+                    }),
+                    (None, None) => Ok(None),
+                    (None, Some(ty)) => Err(mlua::Error::runtime(format!(
+                        "lane() returned a {} (expected a string or nil)",
+                        String::from_utf8_lossy(&ty)
+                    ))),
+                };
             }
         };
-        match r? {
+        match entry.call::<Value>(&self.req)? {
             Value::Nil => Ok(None),
             // Copied from the bytes: `to_str()?.to_string()` went through
             // a borrowed `str` and `Display` (~480 instructions, callgrind).
