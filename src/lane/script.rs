@@ -216,12 +216,6 @@ pub struct RuleCtx {
 #[derive(Default)]
 pub(crate) struct Current {
     pub rule: RuleCtx,
-    /// Request headers before the first `ngx.req.set_header`; restored if
-    /// the call fails so a failing script leaves the request untouched.
-    pub saved_headers: Option<http::HeaderMap>,
-    /// The request target before the first `ngx.var.args = …`; restored
-    /// likewise.
-    pub saved_uri: Option<http::Uri>,
     /// Cookies and arguments split once per request, on first use.
     pub parsed: super::ngx::Parsed,
     /// Set by the `ngx` host calls that fill per-request caches in Lua;
@@ -229,17 +223,24 @@ pub(crate) struct Current {
     pub ngx_cached: bool,
 }
 
-/// This thread's slot: the request being decided (`None` between calls)
-/// and its [`Current`]. It lives as long as the thread and is filled in
-/// place per call: only the request is moved in and out (a `Current`
-/// moved in and out whole cost four copies of ~600 bytes per request).
+/// This thread's slot beside the request being decided: the request as
+/// the script changed it, and its [`Current`]. It lives as long as the
+/// thread and is filled in place per call.
 #[derive(Default)]
 struct Slot {
-    req: Option<RequestInfo>,
+    /// A copy of the request made at the first change
+    /// (`ngx.req.set_header`, `ngx.var.args = …`), which every later read
+    /// of the call sees; it replaces the request only when the call
+    /// succeeds, so a failing script leaves the request untouched.
+    edited: Option<Box<RequestInfo>>,
     cur: Current,
 }
 
-// Per-thread slots: the request being decided and this thread's VM.
+// Per-thread slots: the request being decided — borrowed for the call, so
+// it is never moved in or out (moving it into a thread-local and back
+// cost ~8 copies of it, ~450 instructions, callgrind) — its slot, and this
+// thread's VM.
+scoped_tls::scoped_thread_local!(static REQ: RequestInfo);
 thread_local! {
     static CURRENT: RefCell<Slot> = RefCell::new(Slot::default());
     static VM: RefCell<Option<ScriptVm>> = const { RefCell::new(None) };
@@ -249,23 +250,43 @@ fn outside() -> mlua::Error {
     mlua::Error::runtime("request data used outside a lane call")
 }
 
-/// Runs `f` on the request being decided.
+/// Runs `f` on the request being decided (as the script changed it).
 pub(crate) fn with_req<R>(f: impl FnOnce(&RequestInfo) -> R) -> mlua::Result<R> {
-    CURRENT.with(|c| c.borrow().req.as_ref().map(f).ok_or_else(outside))
+    if !REQ.is_set() {
+        return Err(outside());
+    }
+    Ok(REQ.with(|r| CURRENT.with(|c| f(c.borrow().edited.as_deref().unwrap_or(r)))))
 }
 
-/// Runs `f` on the request being decided and its [`Current`], mutably
-/// (e.g. `ngx.req.set_header`).
-pub(crate) fn with_current<R>(
-    f: impl FnOnce(&mut RequestInfo, &mut Current) -> R,
-) -> mlua::Result<R> {
-    CURRENT.with(|c| {
-        let slot = &mut *c.borrow_mut();
-        match &mut slot.req {
-            Some(r) => Ok(f(r, &mut slot.cur)),
-            None => Err(outside()),
-        }
-    })
+/// Runs `f` on the request being decided and its [`Current`], mutably.
+pub(crate) fn with_current<R>(f: impl FnOnce(&RequestInfo, &mut Current) -> R) -> mlua::Result<R> {
+    if !REQ.is_set() {
+        return Err(outside());
+    }
+    Ok(REQ.with(|r| {
+        CURRENT.with(|c| {
+            let slot = &mut *c.borrow_mut();
+            f(slot.edited.as_deref().unwrap_or(r), &mut slot.cur)
+        })
+    }))
+}
+
+/// Runs `f` on the request being decided, to change it (e.g.
+/// `ngx.req.set_header`): on the call's copy of it, made here the first
+/// time (see [`Slot::edited`]).
+pub(crate) fn with_edit<R>(f: impl FnOnce(&mut RequestInfo, &mut Current) -> R) -> mlua::Result<R> {
+    if !REQ.is_set() {
+        return Err(outside());
+    }
+    Ok(REQ.with(|r| {
+        CURRENT.with(|c| {
+            let slot = &mut *c.borrow_mut();
+            f(
+                slot.edited.get_or_insert_with(|| Box::new(r.clone())),
+                &mut slot.cur,
+            )
+        })
+    }))
 }
 
 fn opt_str(lua: &Lua, s: Option<&[u8]>) -> mlua::Result<Value> {
@@ -806,7 +827,7 @@ impl ScriptVm {
         })
     }
 
-    fn call(&self) -> mlua::Result<Option<String>> {
+    fn call(&self, req: &RequestInfo) -> mlua::Result<Option<String>> {
         // The Lua counter keeps what the last call left of its chunk (at
         // most TICK_EVERY checks, so a call may run up to that many checks
         // beyond its budget): arming it per call — `Table::raw_set` is a
@@ -817,7 +838,7 @@ impl ScriptVm {
         let entry = match &self.entry {
             Entry::Ngx(entry) => entry,
             Entry::Native(p, entry) => {
-                let args = with_req(|r| p.args(&self.lua, &self.lists, r))??;
+                let args = p.args(&self.lua, &self.lists, req)?;
                 let r = p.call(entry, args);
                 // `ngx` reached by a computed name filled its caches.
                 if with_current(|_, c| c.ngx_cached).unwrap_or(true) {
@@ -1081,32 +1102,48 @@ impl std::fmt::Display for ScriptError {
 pub fn call_lane(
     src: &ScriptSource,
     lists: &Arc<BTreeMap<String, IpList>>,
-    req: RequestInfo,
+    mut req: RequestInfo,
     rule: RuleCtx,
 ) -> (RequestInfo, Result<Option<String>, ScriptError>) {
-    let result = call_in_slot(src, lists, req, rule);
-    (take_request(result.is_err()), result)
+    let (result, edited) = call_with(src, lists, &req, rule);
+    if let Some(e) = edited {
+        req = *e;
+    }
+    (req, result)
 }
 
-/// [`call_lane`] in two halves, so the request is moved into this
-/// thread's slot once and out of it once, straight into its `Decided`
-/// (passed back through `call_lane`'s tuple it was copied five times
-/// more, ~50 instructions per copy). `call_in_slot` leaves the request in
-/// the slot; [`take_request`] must follow on the same thread. Neither is
-/// inlined: as calls they take and give the request by pointer, one copy
-/// each (inlined, LLVM kept copying it between stack temporaries).
-#[inline(never)]
-pub(crate) fn call_in_slot(
+/// [`call_lane`] on a borrowed request: the result, and the request as
+/// the script changed it when it did and the call succeeded (boxed: an
+/// `Option<RequestInfo>` is copied whole at every move, `None` too).
+pub(crate) fn call_with(
     src: &ScriptSource,
     lists: &Arc<BTreeMap<String, IpList>>,
-    req: RequestInfo,
+    req: &RequestInfo,
     rule: RuleCtx,
-) -> Result<Option<String>, ScriptError> {
-    CURRENT.with(|c| {
+) -> (
+    Result<Option<String>, ScriptError>,
+    Option<Box<RequestInfo>>,
+) {
+    CURRENT.with(|c| c.borrow_mut().cur.rule = rule);
+    let result = REQ.set(req, || run(src, lists, req));
+    let edited = CURRENT.with(|c| {
         let slot = &mut *c.borrow_mut();
-        slot.req = Some(req);
-        slot.cur.rule = rule;
+        let cur = &mut slot.cur;
+        cur.rule = RuleCtx::default();
+        cur.parsed = Default::default();
+        cur.ngx_cached = false;
+        slot.edited.take()
     });
+    let edited = edited.filter(|_| result.is_ok());
+    (result, edited)
+}
+
+/// The call itself, with `req` set as the request being decided.
+fn run(
+    src: &ScriptSource,
+    lists: &Arc<BTreeMap<String, IpList>>,
+    req: &RequestInfo,
+) -> Result<Option<String>, ScriptError> {
     VM.with(|vm| {
         let mut slot = vm.borrow_mut();
         if slot.as_ref().is_none_or(|v| v.id != src.id) {
@@ -1122,7 +1159,7 @@ pub(crate) fn call_in_slot(
             }
         }
         let vm = slot.as_ref().expect("built above");
-        let r = vm.call().map_err(|e| {
+        let r = vm.call(req).map_err(|e| {
             let (limit, located) = classify(&vm.guard, &src.path, &e, Some(&vm.lane_fn));
             ScriptError {
                 message: located.to_string(),
@@ -1150,30 +1187,6 @@ pub(crate) fn call_in_slot(
             }
         }
         r
-    })
-}
-
-/// Takes the request [`call_in_slot`] left in the slot: as the script left
-/// it, or as it came when the call `failed`; the slot is emptied for the
-/// next request.
-#[inline(never)]
-pub(crate) fn take_request(failed: bool) -> RequestInfo {
-    CURRENT.with(|c| {
-        let slot = &mut *c.borrow_mut();
-        let cur = &mut slot.cur;
-        let (headers, uri) = (cur.saved_headers.take(), cur.saved_uri.take());
-        if let (true, Some(req)) = (failed, &mut slot.req) {
-            if let Some(h) = headers {
-                req.parts.headers = h;
-            }
-            if let Some(u) = uri {
-                req.parts.uri = u;
-            }
-        }
-        cur.rule = RuleCtx::default();
-        cur.parsed = Default::default();
-        cur.ngx_cached = false;
-        slot.req.take().expect("call_in_slot filled the slot")
     })
 }
 
