@@ -29,10 +29,12 @@ const BUCKET_BITS: usize = 7;
 pub(crate) struct Args(i64, [Option<LuaString>; MAX_HEADERS]);
 
 /// What a native script's source names as literals (see the module doc).
-#[derive(Debug, Default, PartialEq, Eq)]
+#[derive(Debug, Default)]
 pub(crate) struct Prefetch {
     /// `req:header("…")` names, as written (≤ [`MAX_HEADERS`]).
     headers: Vec<Vec<u8>>,
+    /// The same names in lower case, as a request's header map holds them.
+    lower: Vec<Vec<u8>>,
     /// `req:in_list("…")` names of lists that exist (≤ [`MAX_LISTS`]).
     lists: Vec<String>,
     /// `graygate.bucket` appears: each present value's bucket comes along.
@@ -76,6 +78,7 @@ impl Prefetch {
         names.truncate(MAX_LISTS);
         Prefetch {
             bucket: !headers.is_empty() && texts.clone().any(|t| t.contains("graygate.bucket")),
+            lower: headers.iter().map(|h| h.to_ascii_lowercase()).collect(),
             headers,
             lists: names,
         }
@@ -104,11 +107,29 @@ impl Prefetch {
         r: &RequestInfo,
     ) -> mlua::Result<Args> {
         let mut flags = self.flags(lists, r);
+        let mut found: [Option<&[u8]>; MAX_HEADERS] = Default::default();
+        let h = &r.parts.headers;
+        if h.keys_len() <= super::HEADER_SCAN_MAX {
+            // One pass over a small map for all the names (what
+            // `header_bytes` finds for each: the first value of the name,
+            // any case; stored names are lower case).
+            for (k, val) in h.iter() {
+                let k = k.as_str().as_bytes();
+                for (f, name) in found.iter_mut().zip(&self.lower) {
+                    if f.is_none() && k == name.as_slice() {
+                        *f = Some(val.as_bytes());
+                    }
+                }
+            }
+        } else {
+            for (f, name) in found.iter_mut().zip(&self.headers) {
+                *f = r.header_bytes(name).map(|v| v.as_bytes());
+            }
+        }
         let mut v: [Option<LuaString>; MAX_HEADERS] = Default::default();
         let base = self.lists.len();
-        for (j, name) in self.headers.iter().enumerate() {
-            if let Some(h) = r.header_bytes(name) {
-                let b = h.as_bytes();
+        for (j, b) in found.into_iter().enumerate() {
+            if let Some(b) = b {
                 if self.bucket {
                     flags |= i64::from(super::bucket(b)) << (base + BUCKET_BITS * j);
                 }
@@ -308,14 +329,10 @@ mod tests {
             "graygate.bucket(x) req:in_list('vpn') req:in_list('office')",
         ];
         let p = Prefetch::mentioned(texts.iter().copied(), &lists());
-        assert_eq!(
-            p,
-            Prefetch {
-                headers: vec![b"X-Gray".to_vec(), b"X-User-Id".to_vec()],
-                lists: vec!["office".into(), "vpn".into()],
-                bucket: true,
-            }
-        );
+        assert_eq!(p.headers, [b"X-Gray".to_vec(), b"X-User-Id".to_vec()]);
+        assert_eq!(p.lower, [b"x-gray".to_vec(), b"x-user-id".to_vec()]);
+        assert_eq!(p.lists, ["office", "vpn"]);
+        assert!(p.bucket);
         // No header named: no bucket to hand over; at most MAX_HEADERS.
         let p = Prefetch::mentioned(["graygate.bucket(req.ip)"].into_iter(), &lists());
         assert!(!p.bucket && p.headers.is_empty());
@@ -334,21 +351,27 @@ mod tests {
         // not name (another case: a host call), for six names (two beyond
         // MAX_HEADERS), present, absent and repeated, and both lists.
         let text = "return function(req)\n  local out = {}\n  for _, n in ipairs({ 'X-A', 'X-B', 'X-C', 'X-D', 'X-E', 'X-F' }) do\n    out[#out + 1] = tostring(req:header(n)) .. '=' .. tostring(req:header(string.lower(n)))\n  end\n  local a, b, c, d, e, f = req:header('X-A'), req:header('X-B'), req:header('X-C'), req:header('X-D'), req:header('X-E'), req:header('X-F')\n  out[#out + 1] = tostring(req:in_list('office')) .. tostring(req:in_list('vpn'))\n  out[#out + 1] = tostring(req:in_list(string.lower('OFFICE'))) .. tostring(req:in_list(string.lower('VPN')))\n  return table.concat(out, ' ')\nend\n";
-        let got = run(
-            text,
-            "127.0.0.1",
-            &[
+        // Both sides of HEADER_SCAN_MAX (a small map is scanned once for
+        // all the names, a large one looked up by name).
+        let filler: Vec<String> = (0..crate::lane::HEADER_SCAN_MAX + 2)
+            .map(|i| format!("x-filler-{i}"))
+            .collect();
+        for extra in [0, filler.len()] {
+            let mut hs = vec![
                 ("x-a", "1"),
                 ("X-C", "c1"),
                 ("x-c", "c2"),
                 ("X-D", ""),
                 ("x-f", "f"),
-            ],
-        );
-        assert_eq!(
-            got.unwrap().as_deref(),
-            Some("1=1 nil=nil c1=c1 = nil=nil f=f truefalse truefalse")
-        );
+            ];
+            hs.extend(filler[..extra].iter().map(|f| (f.as_str(), "z")));
+            let got = run(text, "127.0.0.1", &hs);
+            assert_eq!(
+                got.unwrap().as_deref(),
+                Some("1=1 nil=nil c1=c1 = nil=nil f=f truefalse truefalse"),
+                "{extra}"
+            );
+        }
         let got = run(text, "10.1.2.3", &[("x-b", "2")]);
         assert_eq!(
             got.unwrap().as_deref(),
