@@ -6,9 +6,11 @@
 //! instruction budget is kept by checks written into the source at load
 //! (`lane::budget`), which compiled traces run like the rest of the code.
 //!
-//! Request data reaches Lua lazily: a single `req` userdata per VM whose fields
-//! and methods read the request currently being decided from a thread-local
-//! slot; nothing is copied into Lua tables per request.
+//! Request data reaches Lua lazily: a single `req` table per VM whose fields
+//! and methods read the request currently being decided (lent to the call
+//! through a scoped thread-local); nothing is copied into Lua tables per
+//! request. A native script's literally named values come as the call's
+//! arguments instead (`lane::native`).
 
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
@@ -327,7 +329,7 @@ pub(crate) fn request_string(lua: &Lua, b: &[u8]) -> mlua::Result<mlua::LuaStrin
 /// Builds the `req` object scripts see: a table whose methods (`header`,
 /// `cookie`, `arg`, `in_list`) are plain functions and whose fields (`ip`,
 /// `path`, …) come from an `__index` function; both read the request being
-/// decided from `CURRENT`, so nothing is copied per request. Writes are
+/// decided (`with_req`), so nothing is copied per request. Writes are
 /// refused, so a script cannot leave state on it.
 ///
 /// Speed: each callback takes `self` as a `bool` (Lua truthiness, read in
