@@ -517,7 +517,7 @@ const REMOVED_GLOBALS: [&str; 10] = [
 /// proxies; the string metatable is hidden. So no request can leave
 /// anything in them for the next one.
 const LOCK_LIBRARIES: &str = r#"
-local G, names = ...
+local G, names, req = ...
 local error, setmetatable, tostring = error, setmetatable, tostring
 local raw_rawset, raw_insert = rawset, table.insert
 local locked = setmetatable({}, { __mode = "k" })
@@ -553,6 +553,8 @@ getmetatable("").__metatable = false
 -- `ngx.var` stays an empty table whose writes go to `__newindex`: a raw
 -- field would outlive the request.
 locked[G.ngx.var] = "ngx.var"
+-- `req` is one table per VM: a raw field would reach the next request.
+locked[req] = "req"
 "#;
 
 /// Library tables `LOCK_LIBRARIES` wraps (inner ones first).
@@ -697,7 +699,7 @@ impl ScriptVm {
             .map_err(le)?;
         lua.load(LOCK_LIBRARIES)
             .set_name("=graygate_lock")
-            .call::<()>((&globals, LOCKED_LIBRARIES))
+            .call::<()>((&globals, LOCKED_LIBRARIES, &req))
             .map_err(le)?;
 
         // Globals: the script's chunks run in `env`. While loading, `env`
@@ -1613,6 +1615,13 @@ mod tests {
         // The req object is read-only: nothing can be left on it.
         let (_d, src) = load_src("return function(req) req.ip = 'x' return 'gray' end\n");
         assert!(call(&src, None).unwrap_err().message.contains("read-only"));
+        // Not by rawset either (it reached the next request).
+        let (_d, src) = load_src(
+            "return function(req)\n  local seen = tostring(rawget(req, 'x'))\n  if req:header('x-w') then rawset(req, 'x', 1) end\n  return seen\nend\n",
+        );
+        let e = call(&src, Some(("x-w", "1"))).unwrap_err();
+        assert!(e.message.contains("req is read-only"), "{e}");
+        assert_eq!(call(&src, None).unwrap().as_deref(), Some("nil"));
         let (_d, src) = load_src(
             "return function(req) return req.method .. req.host .. req.path .. req.query .. tostring(req.nope) end\n",
         );
