@@ -7,6 +7,7 @@
 
 pub mod budget;
 pub mod jit_probe;
+mod native;
 pub mod ngx;
 pub mod rules;
 pub mod script;
@@ -29,7 +30,7 @@ use crate::base::lists::IpList;
 use crate::config::{valid_lane, FORMAL};
 
 /// What a lane decision reads: the request head plus the resolved client.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct RequestInfo {
     pub parts: Parts,
     /// The client address: the peer, or from X-Forwarded-For when the peer
@@ -193,45 +194,50 @@ impl Decided {
 /// Decides the lane of `req` under `gen`: the trusted tag, deny rules,
 /// progressive releases' current steps, declarative rules, the script; a
 /// lane a release rolled back is never the answer (formal instead).
-pub fn decide(gen: &LanePolicy, req: RequestInfo) -> Decided {
-    let mut d = decide_lane(gen, req);
-    if !gen.revoked.is_empty() && gen.revoked.contains(d.decision.lane.as_str()) {
-        let lane: Arc<str> = d.decision.lane.as_str().into();
-        d.decision = Decision::new(FORMAL, DecidedBy::RolledBack(lane));
+pub fn decide(gen: &LanePolicy, mut req: RequestInfo) -> Decided {
+    // The request is only borrowed until here, and moved once, into the
+    // `Decided` (each move of it is a ~300-byte copy).
+    let (mut decision, edited) = decide_lane(gen, &req);
+    if let Some(e) = edited {
+        req = *e;
     }
-    d
+    if !gen.revoked.is_empty() && gen.revoked.contains(decision.lane.as_str()) {
+        let lane: Arc<str> = decision.lane.as_str().into();
+        decision = Decision::new(FORMAL, DecidedBy::RolledBack(lane));
+    }
+    Decided::new(req, decision)
 }
 
-fn decide_lane(gen: &LanePolicy, req: RequestInfo) -> Decided {
+/// The decision for `req`, and the request as a script changed it.
+fn decide_lane(gen: &LanePolicy, req: &RequestInfo) -> (Decision, Option<Box<RequestInfo>>) {
     if req.peer_trusted {
         if let Some(v) = req.parts.headers.get(&gen.tag_header) {
             let tag = v.to_str().unwrap_or("");
             return if valid_lane(tag) {
-                let d = Decision::new(tag.to_string(), DecidedBy::TrustedTag);
-                Decided::new(req, d)
+                (Decision::new(tag.to_string(), DecidedBy::TrustedTag), None)
             } else {
                 log_limited(
                     &INVALID_LOG,
                     || tracing::warn!(tag = %String::from_utf8_lossy(v.as_bytes()), "invalid lane in trusted tag header; using formal"),
                 );
                 let d = Decision::new(FORMAL, DecidedBy::InvalidLane(lossy(v.as_bytes()).into()));
-                Decided::new(req, d)
+                (d, None)
             };
         }
     }
     let verdict = gen
         .rules
         .as_ref()
-        .map_or(rules::Verdict::Disabled, |r| r.verdict(&req));
+        .map_or(rules::Verdict::Disabled, |r| r.verdict(req));
     let rule_decision = match &verdict {
         rules::Verdict::Deny(name) => {
-            return Decided::new(req, Decision::new(FORMAL, DecidedBy::Deny(name.clone())));
+            return (Decision::new(FORMAL, DecidedBy::Deny(name.clone())), None);
         }
         _ if gen.releases.is_some() => {
-            let step = gen.releases.as_ref().and_then(|r| r.first_match(&req));
+            let step = gen.releases.as_ref().and_then(|r| r.first_match(req));
             if let Some(step) = step {
                 let d = Decision::new(&step.lane, DecidedBy::Release(step.name.clone()));
-                return Decided::new(req, d);
+                return (d, None);
             }
             rule_verdict(&verdict)
         }
@@ -239,7 +245,7 @@ fn decide_lane(gen: &LanePolicy, req: RequestInfo) -> Decided {
     };
     let Some(src) = &gen.script else {
         let d = rule_decision.unwrap_or_else(|| Decision::new(FORMAL, DecidedBy::Default));
-        return Decided::new(req, d);
+        return (d, None);
     };
     let rule_ctx = match verdict {
         rules::Verdict::Rule { name, lane } => script::RuleCtx {
@@ -252,8 +258,7 @@ fn decide_lane(gen: &LanePolicy, req: RequestInfo) -> Decided {
         },
         _ => script::RuleCtx::default(),
     };
-    let result = script::call_in_slot(src, &gen.lists, req, rule_ctx);
-    let failed = result.is_err();
+    let (result, edited) = script::call_with(src, &gen.lists, req, rule_ctx);
     let decision = match result {
         // nil keeps the rule verdict (formal when there are no rules).
         Ok(None) => rule_decision.unwrap_or_else(|| Decision::new(FORMAL, DecidedBy::Script)),
@@ -283,7 +288,7 @@ fn decide_lane(gen: &LanePolicy, req: RequestInfo) -> Decided {
             Decision::new(FORMAL, DecidedBy::ScriptError(e.message))
         }
     };
-    Decided::new(script::take_request(failed), decision)
+    (decision, edited)
 }
 
 fn lossy(b: &[u8]) -> Cow<'_, str> {

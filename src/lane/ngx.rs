@@ -20,7 +20,7 @@ use md5::{Digest, Md5};
 use mlua::{Function, Lua, LuaString, MultiValue, Table, UserData, UserDataMethods, Value};
 use percent_encoding::percent_decode;
 
-use super::script::{request_string, with_current, with_req};
+use super::script::{request_string, with_current, with_edit, with_req};
 use super::shared_dict::{DictError, DictValue, SharedDict, MAX_KEY_LEN};
 use super::RequestInfo;
 
@@ -541,7 +541,7 @@ fn set_args(lua: &Lua, value: Value) -> mlua::Result<()> {
             )))
         }
     };
-    with_current(|r, c| -> mlua::Result<()> {
+    with_edit(|r, c| -> mlua::Result<()> {
         let uri = &r.parts.uri;
         let target = if q.is_empty() {
             uri.path().to_string()
@@ -556,9 +556,6 @@ fn set_args(lua: &Lua, value: Value) -> mlua::Result<()> {
         );
         let new =
             http::Uri::from_parts(parts).map_err(|_| mlua::Error::runtime("bad args value"))?;
-        if c.saved_uri.is_none() {
-            c.saved_uri = Some(r.parts.uri.clone());
-        }
         r.parts.uri = new;
         c.parsed.args = None;
         Ok(())
@@ -1040,10 +1037,7 @@ fn set_header(lua: &Lua, name: &LuaString, value: Value) -> mlua::Result<()> {
         }
         v => add(v)?,
     }
-    with_current(|r, c| {
-        if c.saved_headers.is_none() {
-            c.saved_headers = Some(r.parts.headers.clone());
-        }
+    with_edit(|r, c| {
         let h = &mut r.parts.headers;
         h.remove(&hname);
         for v in values {

@@ -6,9 +6,11 @@
 //! instruction budget is kept by checks written into the source at load
 //! (`lane::budget`), which compiled traces run like the rest of the code.
 //!
-//! Request data reaches Lua lazily: a single `req` userdata per VM whose fields
-//! and methods read the request currently being decided from a thread-local
-//! slot; nothing is copied into Lua tables per request.
+//! Request data reaches Lua lazily: a single `req` table per VM whose fields
+//! and methods read the request currently being decided (lent to the call
+//! through a scoped thread-local); nothing is copied into Lua tables per
+//! request. A native script's literally named values come as the call's
+//! arguments instead (`lane::native`).
 
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
@@ -216,12 +218,6 @@ pub struct RuleCtx {
 #[derive(Default)]
 pub(crate) struct Current {
     pub rule: RuleCtx,
-    /// Request headers before the first `ngx.req.set_header`; restored if
-    /// the call fails so a failing script leaves the request untouched.
-    pub saved_headers: Option<http::HeaderMap>,
-    /// The request target before the first `ngx.var.args = …`; restored
-    /// likewise.
-    pub saved_uri: Option<http::Uri>,
     /// Cookies and arguments split once per request, on first use.
     pub parsed: super::ngx::Parsed,
     /// Set by the `ngx` host calls that fill per-request caches in Lua;
@@ -229,17 +225,24 @@ pub(crate) struct Current {
     pub ngx_cached: bool,
 }
 
-/// This thread's slot: the request being decided (`None` between calls)
-/// and its [`Current`]. It lives as long as the thread and is filled in
-/// place per call: only the request is moved in and out (a `Current`
-/// moved in and out whole cost four copies of ~600 bytes per request).
+/// This thread's slot beside the request being decided: the request as
+/// the script changed it, and its [`Current`]. It lives as long as the
+/// thread and is filled in place per call.
 #[derive(Default)]
 struct Slot {
-    req: Option<RequestInfo>,
+    /// A copy of the request made at the first change
+    /// (`ngx.req.set_header`, `ngx.var.args = …`), which every later read
+    /// of the call sees; it replaces the request only when the call
+    /// succeeds, so a failing script leaves the request untouched.
+    edited: Option<Box<RequestInfo>>,
     cur: Current,
 }
 
-// Per-thread slots: the request being decided and this thread's VM.
+// Per-thread slots: the request being decided — borrowed for the call, so
+// it is never moved in or out (moving it into a thread-local and back
+// cost ~8 copies of it, ~450 instructions, callgrind) — its slot, and this
+// thread's VM.
+scoped_tls::scoped_thread_local!(static REQ: RequestInfo);
 thread_local! {
     static CURRENT: RefCell<Slot> = RefCell::new(Slot::default());
     static VM: RefCell<Option<ScriptVm>> = const { RefCell::new(None) };
@@ -249,23 +252,43 @@ fn outside() -> mlua::Error {
     mlua::Error::runtime("request data used outside a lane call")
 }
 
-/// Runs `f` on the request being decided.
+/// Runs `f` on the request being decided (as the script changed it).
 pub(crate) fn with_req<R>(f: impl FnOnce(&RequestInfo) -> R) -> mlua::Result<R> {
-    CURRENT.with(|c| c.borrow().req.as_ref().map(f).ok_or_else(outside))
+    if !REQ.is_set() {
+        return Err(outside());
+    }
+    Ok(REQ.with(|r| CURRENT.with(|c| f(c.borrow().edited.as_deref().unwrap_or(r)))))
 }
 
-/// Runs `f` on the request being decided and its [`Current`], mutably
-/// (e.g. `ngx.req.set_header`).
-pub(crate) fn with_current<R>(
-    f: impl FnOnce(&mut RequestInfo, &mut Current) -> R,
-) -> mlua::Result<R> {
-    CURRENT.with(|c| {
-        let slot = &mut *c.borrow_mut();
-        match &mut slot.req {
-            Some(r) => Ok(f(r, &mut slot.cur)),
-            None => Err(outside()),
-        }
-    })
+/// Runs `f` on the request being decided and its [`Current`], mutably.
+pub(crate) fn with_current<R>(f: impl FnOnce(&RequestInfo, &mut Current) -> R) -> mlua::Result<R> {
+    if !REQ.is_set() {
+        return Err(outside());
+    }
+    Ok(REQ.with(|r| {
+        CURRENT.with(|c| {
+            let slot = &mut *c.borrow_mut();
+            f(slot.edited.as_deref().unwrap_or(r), &mut slot.cur)
+        })
+    }))
+}
+
+/// Runs `f` on the request being decided, to change it (e.g.
+/// `ngx.req.set_header`): on the call's copy of it, made here the first
+/// time (see [`Slot::edited`]).
+pub(crate) fn with_edit<R>(f: impl FnOnce(&mut RequestInfo, &mut Current) -> R) -> mlua::Result<R> {
+    if !REQ.is_set() {
+        return Err(outside());
+    }
+    Ok(REQ.with(|r| {
+        CURRENT.with(|c| {
+            let slot = &mut *c.borrow_mut();
+            f(
+                slot.edited.get_or_insert_with(|| Box::new(r.clone())),
+                &mut slot.cur,
+            )
+        })
+    }))
 }
 
 fn opt_str(lua: &Lua, s: Option<&[u8]>) -> mlua::Result<Value> {
@@ -306,7 +329,7 @@ pub(crate) fn request_string(lua: &Lua, b: &[u8]) -> mlua::Result<mlua::LuaStrin
 /// Builds the `req` object scripts see: a table whose methods (`header`,
 /// `cookie`, `arg`, `in_list`) are plain functions and whose fields (`ip`,
 /// `path`, …) come from an `__index` function; both read the request being
-/// decided from `CURRENT`, so nothing is copied per request. Writes are
+/// decided (`with_req`), so nothing is copied per request. Writes are
 /// refused, so a script cannot leave state on it.
 ///
 /// Speed: each callback takes `self` as a `bool` (Lua truthiness, read in
@@ -428,20 +451,30 @@ struct ScriptVm {
     id: u64,
     lua: Lua,
     lane_fn: Function,
-    /// `lane_fn` behind the `ngx` glue's entry, for a script that mentions
-    /// `ngx.` (see `ngx::PerRequest`); `None`: `lane_fn` is called as it is.
-    entry: Option<Function>,
+    /// `lane_fn` behind its entry, which empties the per-request globals
+    /// before each call.
+    entry: Entry,
     req: Table,
-    /// Per-request global writes land here and are emptied around calls.
-    env: Table,
+    /// The lists the VM was built with (a native entry's `in_list` verdicts).
+    lists: Arc<BTreeMap<String, IpList>>,
     /// The `ngx` glue's `reset`: empties the caches a call's host calls
-    /// filled (`Current::ngx_cached`), after a call without `entry`.
+    /// filled (`Current::ngx_cached`), after a native entry's call.
     reset: Function,
     guard: Rc<Guard>,
     budget: i64,
     /// `jit.status()` once the VM was set up.
     #[cfg_attr(not(test), allow(dead_code))]
     jit_on: bool,
+}
+
+/// How a VM calls its lane function.
+enum Entry {
+    /// A script that mentions `ngx.`: the `ngx` glue's entry, which also
+    /// empties the `ngx` caches (see `ngx::PerRequest`); called with `req`.
+    Ngx(Function),
+    /// Any other script: `lane::native`'s entry, called with the request
+    /// values the source names.
+    Native(super::native::Prefetch, Function),
 }
 
 /// Switches LuaJIT's trace compiler off for the whole VM (`jit: false`,
@@ -484,7 +517,7 @@ const REMOVED_GLOBALS: [&str; 10] = [
 /// proxies; the string metatable is hidden. So no request can leave
 /// anything in them for the next one.
 const LOCK_LIBRARIES: &str = r#"
-local G, names = ...
+local G, names, req = ...
 local error, setmetatable, tostring = error, setmetatable, tostring
 local raw_rawset, raw_insert = rawset, table.insert
 local locked = setmetatable({}, { __mode = "k" })
@@ -520,6 +553,8 @@ getmetatable("").__metatable = false
 -- `ngx.var` stays an empty table whose writes go to `__newindex`: a raw
 -- field would outlive the request.
 locked[G.ngx.var] = "ngx.var"
+-- `req` is one table per VM: a raw field would reach the next request.
+locked[req] = "req"
 "#;
 
 /// Library tables `LOCK_LIBRARIES` wraps (inner ones first).
@@ -625,6 +660,18 @@ impl ScriptVm {
         let mentioned = super::ngx::mentioned(src.texts());
         let uses_ngx = mentioned.ngx;
         let per_request = super::ngx::install(&lua, &globals, &src.dicts, mentioned).map_err(le)?;
+        // A native script's named request values come as the call's
+        // arguments (`lane::native`); its glue wraps `graygate.bucket` and
+        // `ngx.req.set_header` before the libraries are locked.
+        let req = req_object(&lua, lists.clone()).map_err(le)?;
+        let native = match uses_ngx {
+            false => {
+                let p = super::native::Prefetch::mentioned(src.texts(), &lists);
+                let make = super::native::install(&lua, &p, &req, &globals).map_err(le)?;
+                Some((p, make))
+            }
+            true => None,
+        };
 
         // Budget guard; the prelude makes pcall & co. honour it.
         let guard = Rc::new(Guard {
@@ -652,7 +699,7 @@ impl ScriptVm {
             .map_err(le)?;
         lua.load(LOCK_LIBRARIES)
             .set_name("=graygate_lock")
-            .call::<()>((&globals, LOCKED_LIBRARIES))
+            .call::<()>((&globals, LOCKED_LIBRARIES, &req))
             .map_err(le)?;
 
         // Globals: the script's chunks run in `env`. While loading, `env`
@@ -757,15 +804,18 @@ impl ScriptVm {
         mt.raw_set("__metatable", false).map_err(le)?;
         env.set_metatable(Some(mt)).map_err(le)?;
 
-        let req = req_object(&lua, lists).map_err(le)?;
-        let entry = match uses_ngx {
-            true => Some(
+        let entry = match native {
+            Some((p, make)) => Entry::Native(
+                p,
+                make.call::<Function>((lane_fn.clone(), env.clone()))
+                    .map_err(le)?,
+            ),
+            None => Entry::Ngx(
                 per_request
                     .make_entry
                     .call::<Function>((lane_fn.clone(), env.clone()))
                     .map_err(le)?,
             ),
-            false => None,
         };
         Ok(ScriptVm {
             id: src.id,
@@ -773,7 +823,7 @@ impl ScriptVm {
             lane_fn,
             entry,
             req,
-            env,
+            lists,
             reset: per_request.reset,
             guard,
             budget,
@@ -781,7 +831,7 @@ impl ScriptVm {
         })
     }
 
-    fn call(&self) -> mlua::Result<Option<String>> {
+    fn call(&self, req: &RequestInfo) -> mlua::Result<Option<String>> {
         // The Lua counter keeps what the last call left of its chunk (at
         // most TICK_EVERY checks, so a call may run up to that many checks
         // beyond its budget): arming it per call — `Table::raw_set` is a
@@ -789,20 +839,30 @@ impl ScriptVm {
         // entry function taking it as an argument, ~160 — cost more than
         // the count hook did on the shipped script.
         self.guard.arm(self.budget);
-        let r = match &self.entry {
-            Some(entry) => entry.call::<Value>(&self.req),
-            None => {
-                let r = self.lane_fn.call::<Value>(&self.req);
-                if !self.env.is_empty() {
-                    let _ = self.env.clear();
-                }
+        let entry = match &self.entry {
+            Entry::Ngx(entry) => entry,
+            Entry::Native(p, entry) => {
+                let args = p.args(&self.lua, &self.lists, req)?;
+                let r = p.call(entry, args);
+                // `ngx` reached by a computed name filled its caches.
                 if with_current(|_, c| c.ngx_cached).unwrap_or(true) {
                     let _ = self.reset.call::<()>(());
                 }
-                r
+                // The result read from the stack as bytes: no reference
+                // to a Lua value is made (~200 instructions, callgrind).
+                return match r? {
+                    (Some(lane), _) => String::from_utf8(lane.into()).map(Some).map_err(|_| {
+                        mlua::Error::runtime("lane() returned a string that is not UTF-8")
+                    }),
+                    (None, None) => Ok(None),
+                    (None, Some(ty)) => Err(mlua::Error::runtime(format!(
+                        "lane() returned a {} (expected a string or nil)",
+                        String::from_utf8_lossy(&ty)
+                    ))),
+                };
             }
         };
-        match r? {
+        match entry.call::<Value>(&self.req)? {
             Value::Nil => Ok(None),
             // Copied from the bytes: `to_str()?.to_string()` went through
             // a borrowed `str` and `Display` (~480 instructions, callgrind).
@@ -1046,32 +1106,48 @@ impl std::fmt::Display for ScriptError {
 pub fn call_lane(
     src: &ScriptSource,
     lists: &Arc<BTreeMap<String, IpList>>,
-    req: RequestInfo,
+    mut req: RequestInfo,
     rule: RuleCtx,
 ) -> (RequestInfo, Result<Option<String>, ScriptError>) {
-    let result = call_in_slot(src, lists, req, rule);
-    (take_request(result.is_err()), result)
+    let (result, edited) = call_with(src, lists, &req, rule);
+    if let Some(e) = edited {
+        req = *e;
+    }
+    (req, result)
 }
 
-/// [`call_lane`] in two halves, so the request is moved into this
-/// thread's slot once and out of it once, straight into its `Decided`
-/// (passed back through `call_lane`'s tuple it was copied five times
-/// more, ~50 instructions per copy). `call_in_slot` leaves the request in
-/// the slot; [`take_request`] must follow on the same thread. Neither is
-/// inlined: as calls they take and give the request by pointer, one copy
-/// each (inlined, LLVM kept copying it between stack temporaries).
-#[inline(never)]
-pub(crate) fn call_in_slot(
+/// [`call_lane`] on a borrowed request: the result, and the request as
+/// the script changed it when it did and the call succeeded (boxed: an
+/// `Option<RequestInfo>` is copied whole at every move, `None` too).
+pub(crate) fn call_with(
     src: &ScriptSource,
     lists: &Arc<BTreeMap<String, IpList>>,
-    req: RequestInfo,
+    req: &RequestInfo,
     rule: RuleCtx,
-) -> Result<Option<String>, ScriptError> {
-    CURRENT.with(|c| {
+) -> (
+    Result<Option<String>, ScriptError>,
+    Option<Box<RequestInfo>>,
+) {
+    CURRENT.with(|c| c.borrow_mut().cur.rule = rule);
+    let result = REQ.set(req, || run(src, lists, req));
+    let edited = CURRENT.with(|c| {
         let slot = &mut *c.borrow_mut();
-        slot.req = Some(req);
-        slot.cur.rule = rule;
+        let cur = &mut slot.cur;
+        cur.rule = RuleCtx::default();
+        cur.parsed = Default::default();
+        cur.ngx_cached = false;
+        slot.edited.take()
     });
+    let edited = edited.filter(|_| result.is_ok());
+    (result, edited)
+}
+
+/// The call itself, with `req` set as the request being decided.
+fn run(
+    src: &ScriptSource,
+    lists: &Arc<BTreeMap<String, IpList>>,
+    req: &RequestInfo,
+) -> Result<Option<String>, ScriptError> {
     VM.with(|vm| {
         let mut slot = vm.borrow_mut();
         if slot.as_ref().is_none_or(|v| v.id != src.id) {
@@ -1087,7 +1163,7 @@ pub(crate) fn call_in_slot(
             }
         }
         let vm = slot.as_ref().expect("built above");
-        let r = vm.call().map_err(|e| {
+        let r = vm.call(req).map_err(|e| {
             let (limit, located) = classify(&vm.guard, &src.path, &e, Some(&vm.lane_fn));
             ScriptError {
                 message: located.to_string(),
@@ -1115,30 +1191,6 @@ pub(crate) fn call_in_slot(
             }
         }
         r
-    })
-}
-
-/// Takes the request [`call_in_slot`] left in the slot: as the script left
-/// it, or as it came when the call `failed`; the slot is emptied for the
-/// next request.
-#[inline(never)]
-pub(crate) fn take_request(failed: bool) -> RequestInfo {
-    CURRENT.with(|c| {
-        let slot = &mut *c.borrow_mut();
-        let cur = &mut slot.cur;
-        let (headers, uri) = (cur.saved_headers.take(), cur.saved_uri.take());
-        if let (true, Some(req)) = (failed, &mut slot.req) {
-            if let Some(h) = headers {
-                req.parts.headers = h;
-            }
-            if let Some(u) = uri {
-                req.parts.uri = u;
-            }
-        }
-        cur.rule = RuleCtx::default();
-        cur.parsed = Default::default();
-        cur.ngx_cached = false;
-        slot.req.take().expect("call_in_slot filled the slot")
     })
 }
 
@@ -1563,6 +1615,13 @@ mod tests {
         // The req object is read-only: nothing can be left on it.
         let (_d, src) = load_src("return function(req) req.ip = 'x' return 'gray' end\n");
         assert!(call(&src, None).unwrap_err().message.contains("read-only"));
+        // Not by rawset either (it reached the next request).
+        let (_d, src) = load_src(
+            "return function(req)\n  local seen = tostring(rawget(req, 'x'))\n  if req:header('x-w') then rawset(req, 'x', 1) end\n  return seen\nend\n",
+        );
+        let e = call(&src, Some(("x-w", "1"))).unwrap_err();
+        assert!(e.message.contains("req is read-only"), "{e}");
+        assert_eq!(call(&src, None).unwrap().as_deref(), Some("nil"));
         let (_d, src) = load_src(
             "return function(req) return req.method .. req.host .. req.path .. req.query .. tostring(req.nope) end\n",
         );
