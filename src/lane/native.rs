@@ -298,6 +298,21 @@ mod tests {
         Arc::new(l)
     }
 
+    /// A request for `/` from `ip` with `headers`.
+    fn request(ip: &str, headers: &[(&str, &str)]) -> RequestInfo {
+        let mut b = http::Request::builder().uri("/");
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        let (parts, _) = b.body(()).unwrap().into_parts();
+        RequestInfo {
+            parts,
+            client_ip: ip.parse().unwrap(),
+            host: "h".into(),
+            peer_trusted: false,
+        }
+    }
+
     /// Runs `text`'s lane function for a request from `ip` with `headers`.
     fn run(text: &str, ip: &str, headers: &[(&str, &str)]) -> Result<Option<String>, String> {
         let d = tempfile::tempdir().unwrap();
@@ -305,18 +320,7 @@ mod tests {
         std::fs::write(&p, text).unwrap();
         let mut src = ScriptSource::load(&p).unwrap();
         src.jit = jit();
-        let mut b = http::Request::builder().uri("/");
-        for (k, v) in headers {
-            b = b.header(*k, *v);
-        }
-        let (parts, _) = b.body(()).unwrap().into_parts();
-        let r = RequestInfo {
-            parts,
-            client_ip: ip.parse().unwrap(),
-            host: "h".into(),
-            peer_trusted: false,
-        };
-        call_lane(&src, &lists(), r, RuleCtx::default())
+        call_lane(&src, &lists(), request(ip, headers), RuleCtx::default())
             .1
             .map_err(|e| e.message)
     }
@@ -440,17 +444,8 @@ mod tests {
             ("127.0.0.9", Some("x"), "xtrue"),
             ("10.0.0.1", None, "nilfalse"),
         ] {
-            let mut b = http::Request::builder().uri("/");
-            if let Some(v) = h {
-                b = b.header("X-Gray", v);
-            }
-            let (parts, _) = b.body(()).unwrap().into_parts();
-            let r = RequestInfo {
-                parts,
-                client_ip: ip.parse().unwrap(),
-                host: "h".into(),
-                peer_trusted: false,
-            };
+            let headers: Vec<(&str, &str)> = h.map(|v| ("X-Gray", v)).into_iter().collect();
+            let r = request(ip, &headers);
             let got = call_lane(&src, &lists, r, RuleCtx::default()).1.unwrap();
             assert_eq!(got.as_deref(), Some(want));
         }
