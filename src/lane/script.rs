@@ -252,43 +252,48 @@ fn outside() -> mlua::Error {
     mlua::Error::runtime("request data used outside a lane call")
 }
 
-/// Runs `f` on the request being decided (as the script changed it).
-pub(crate) fn with_req<R>(f: impl FnOnce(&RequestInfo) -> R) -> mlua::Result<R> {
+/// Runs `f` on the request lent to the call and this thread's slot; an
+/// error outside a lane call.
+#[inline(always)]
+fn lent<R>(f: impl FnOnce(&RequestInfo, &RefCell<Slot>) -> R) -> mlua::Result<R> {
     if !REQ.is_set() {
         return Err(outside());
     }
-    Ok(REQ.with(|r| CURRENT.with(|c| f(c.borrow().edited.as_deref().unwrap_or(r)))))
+    Ok(REQ.with(|r| CURRENT.with(|c| f(r, c))))
+}
+
+/// Runs `f` on the request being decided (as the script changed it).
+pub(crate) fn with_req<R>(f: impl FnOnce(&RequestInfo) -> R) -> mlua::Result<R> {
+    lent(|r, c| f(c.borrow().edited.as_deref().unwrap_or(r)))
 }
 
 /// Runs `f` on the request being decided and its [`Current`], mutably.
 pub(crate) fn with_current<R>(f: impl FnOnce(&RequestInfo, &mut Current) -> R) -> mlua::Result<R> {
-    if !REQ.is_set() {
-        return Err(outside());
-    }
-    Ok(REQ.with(|r| {
-        CURRENT.with(|c| {
-            let slot = &mut *c.borrow_mut();
-            f(slot.edited.as_deref().unwrap_or(r), &mut slot.cur)
-        })
-    }))
+    lent(|r, c| {
+        let slot = &mut *c.borrow_mut();
+        f(slot.edited.as_deref().unwrap_or(r), &mut slot.cur)
+    })
 }
 
 /// Runs `f` on the request being decided, to change it (e.g.
 /// `ngx.req.set_header`): on the call's copy of it, made here the first
 /// time (see [`Slot::edited`]).
 pub(crate) fn with_edit<R>(f: impl FnOnce(&mut RequestInfo, &mut Current) -> R) -> mlua::Result<R> {
-    if !REQ.is_set() {
-        return Err(outside());
-    }
-    Ok(REQ.with(|r| {
-        CURRENT.with(|c| {
-            let slot = &mut *c.borrow_mut();
-            f(
-                slot.edited.get_or_insert_with(|| Box::new(r.clone())),
-                &mut slot.cur,
-            )
-        })
-    }))
+    lent(|r, c| {
+        let slot = &mut *c.borrow_mut();
+        let req = slot.edited.get_or_insert_with(|| Box::new(r.clone()));
+        f(req, &mut slot.cur)
+    })
+}
+
+/// A lane function's string result that is not UTF-8.
+fn not_utf8() -> mlua::Error {
+    mlua::Error::runtime("lane() returned a string that is not UTF-8")
+}
+
+/// A lane function's result of type `ty` (neither a string nor nil).
+fn wrong_type(ty: &str) -> mlua::Error {
+    mlua::Error::runtime(format!("lane() returned a {ty} (expected a string or nil)"))
 }
 
 fn opt_str(lua: &Lua, s: Option<&[u8]>) -> mlua::Result<Value> {
@@ -851,14 +856,11 @@ impl ScriptVm {
                 // The result read from the stack as bytes: no reference
                 // to a Lua value is made (~200 instructions, callgrind).
                 return match r? {
-                    (Some(lane), _) => String::from_utf8(lane.into()).map(Some).map_err(|_| {
-                        mlua::Error::runtime("lane() returned a string that is not UTF-8")
-                    }),
+                    (Some(lane), _) => String::from_utf8(lane.into())
+                        .map(Some)
+                        .map_err(|_| not_utf8()),
                     (None, None) => Ok(None),
-                    (None, Some(ty)) => Err(mlua::Error::runtime(format!(
-                        "lane() returned a {} (expected a string or nil)",
-                        String::from_utf8_lossy(&ty)
-                    ))),
+                    (None, Some(ty)) => Err(wrong_type(&String::from_utf8_lossy(&ty))),
                 };
             }
         };
@@ -868,14 +870,9 @@ impl ScriptVm {
             // a borrowed `str` and `Display` (~480 instructions, callgrind).
             Value::String(s) => match std::str::from_utf8(&s.as_bytes()) {
                 Ok(lane) => Ok(Some(lane.to_owned())),
-                Err(_) => Err(s.to_str().err().unwrap_or_else(|| {
-                    mlua::Error::runtime("lane() returned a string that is not UTF-8")
-                })),
+                Err(_) => Err(s.to_str().err().unwrap_or_else(not_utf8)),
             },
-            other => Err(mlua::Error::runtime(format!(
-                "lane() returned a {} (expected a string or nil)",
-                other.type_name()
-            ))),
+            other => Err(wrong_type(other.type_name())),
         }
     }
 }
