@@ -349,8 +349,8 @@ async fn a_held_file_is_sent_from_one_kept_descriptor_checked_per_answer() {
 }
 
 /// The kept descriptor follows the file's path: replaced by a rename or
-/// deleted, the new bytes (or a 404) are served within a second and the old
-/// inode's descriptor is let go — a deleted file's space is not pinned.
+/// deleted, the new bytes (or a 404) are served within a second (issue 19's
+/// bound) and the old inode's descriptor is let go — a deleted file's space is not pinned.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_descriptor_follows_a_file_replaced_or_deleted() {
     let (fx, gw, big) = held_site(300 << 10, 200);
@@ -362,12 +362,12 @@ async fn a_held_descriptor_follows_a_file_replaced_or_deleted() {
     let replaced = pattern(200 << 10);
     std::fs::write(fx.path("site/formal/big.bin.tmp"), &replaced).unwrap();
     std::fs::rename(fx.path("site/formal/big.bin.tmp"), &path).unwrap();
-    eventually("replaced by a rename", Duration::from_secs(2), || async {
+    eventually("replaced by a rename", Duration::from_secs(1), || async {
         gw.get("/big.bin").await.body[..] == replaced[..] && fds_on(gw.pid(), "big.bin") == 1
     })
     .await;
     std::fs::remove_file(&path).unwrap();
-    eventually("deleted", Duration::from_secs(2), || async {
+    eventually("deleted", Duration::from_secs(1), || async {
         gw.get("/big.bin").await.status == 404 && fds_on(gw.pid(), "big.bin") == 0
     })
     .await;
