@@ -38,16 +38,6 @@ async fn setup() -> (Fixture, Gateway, Backend, SocketAddr, SocketAddr) {
     (fx, gw, formal, ls[0], ls[1])
 }
 
-/// User + system CPU seconds of process `pid` so far.
-fn cpu_secs(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    let rest = &stat[stat.rfind(')').unwrap() + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    // utime, stime are fields 14 and 15 (1-based) = 11, 12 after the name.
-    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
-    ticks / 100.0
-}
-
 fn rss_kb(pid: u32) -> u64 {
     let st = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     st.lines()

@@ -87,6 +87,50 @@ async fn idle_keepalive_connections_are_closed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_keepalive_connection_sleeps_between_ticks() {
+    // The idle timeout is checked on the accept loop's tick, whose wake-up
+    // each connection keeps registered across requests and renews once it
+    // has fired. A fired wake-up left unrenewed would be ready forever: the
+    // worker would spin on the idle connection instead of sleeping. With
+    // `drain_idle_ms: 40` the tick is every 10 ms, so the second below
+    // passes ~100 of them.
+    let f1 = Node::start("f1", "formal").await;
+    let fx = Fixture::new();
+    let gw = setup_with(
+        &fx,
+        &[&f1],
+        HEADER_SCRIPT,
+        "workers: 1\nclient:\n  idle_timeout_ms: 60000\n  drain_idle_ms: 40\n",
+    );
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    let req = b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n";
+    let mut buf = vec![0u8; 4096];
+    for round in 0..2 {
+        s.write_all(req).await.unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+            .await
+            .expect("an answer")
+            .unwrap();
+        let text = String::from_utf8_lossy(&buf[..n]);
+        assert!(text.starts_with("HTTP/1.1 200"), "round {round}: {text}");
+        if round == 1 {
+            break;
+        }
+        // The connection idles (after a served request, as between a
+        // client's requests) across ~100 ticks.
+        let before = cpu_secs(gw.pid());
+        let window = Duration::from_secs(1);
+        tokio::time::sleep(window).await;
+        let spent = Duration::from_secs_f64(cpu_secs(gw.pid()) - before);
+        assert!(
+            spent < window / 4,
+            "the gateway used {spent:?} of CPU in {window:?} with one idle connection"
+        );
+    }
+    assert_eq!(f1.count(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_and_malformed_requests_get_4xx() {
     let f1 = Node::start("f1", "formal").await;
     let fx = Fixture::new();

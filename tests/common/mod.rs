@@ -706,3 +706,14 @@ pub async fn read_one(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> (Stri
         buf.extend_from_slice(&chunk[..n]);
     }
 }
+
+/// User + system CPU seconds of process `pid` so far (`/proc/PID/stat`).
+pub fn cpu_secs(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // utime, stime are fields 14 and 15 (1-based) = 11, 12 after the name.
+    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
+    // In clock ticks of USER_HZ, 100 per second in Linux's /proc ABI.
+    ticks / 100.0
+}
