@@ -11,7 +11,7 @@
 //! functions as before. The entry also empties the per-request globals and
 //! checks the lane function's result type, in Lua.
 
-use mlua::{BString, Function, Lua, LuaString, Table};
+use mlua::{BString, Function, IntoLua, IntoLuaMulti, Lua, LuaString, Table};
 
 use super::script::request_string;
 use super::RequestInfo;
@@ -24,9 +24,6 @@ const MAX_HEADERS: usize = 4;
 const MAX_LISTS: usize = 2;
 /// Bits of one header value's `graygate.bucket` (0..=99) in the flags.
 const BUCKET_BITS: usize = 7;
-
-/// A request's entry arguments ([`Prefetch::args`]).
-pub(crate) struct Args(i64, [Option<LuaString>; MAX_HEADERS]);
 
 /// What a native script's source names as literals (see the module doc).
 #[derive(Debug, Default)]
@@ -97,16 +94,9 @@ impl Prefetch {
         f
     }
 
-    /// The entry's arguments for `r` (read while the request is
-    /// borrowed; [`Prefetch::call`] follows once it is not): the flags and
-    /// the named headers' values as Lua strings (nil where absent).
-    pub(crate) fn args(
-        &self,
-        lua: &Lua,
-        lists: &std::collections::BTreeMap<String, IpList>,
-        r: &RequestInfo,
-    ) -> mlua::Result<Args> {
-        let mut flags = self.flags(lists, r);
+    /// The named headers' first values in `r` (`None` where absent), in
+    /// the order of `headers`.
+    fn found<'r>(&self, r: &'r RequestInfo) -> [Option<&'r [u8]>; MAX_HEADERS] {
         let mut found: [Option<&[u8]>; MAX_HEADERS] = Default::default();
         let h = &r.parts.headers;
         if h.keys_len() <= super::HEADER_SCAN_MAX {
@@ -126,35 +116,66 @@ impl Prefetch {
                 *f = r.header_bytes(name).map(|v| v.as_bytes());
             }
         }
-        let mut v: [Option<LuaString>; MAX_HEADERS] = Default::default();
+        found
+    }
+
+    /// Calls `entry` (the function [`install`] makes) for `r`: the flags
+    /// (list verdicts, buckets) and the named headers' values as its
+    /// arguments. Returns the lane function's result: a lane name or nil,
+    /// and the type's name when it returned anything else.
+    ///
+    /// The values are pushed as they are read, with the VM's memory limit
+    /// lifted for the pushes only (mlua pushes a `&str` straight onto the
+    /// stack when no limit is set; a `LuaString` made first costs a
+    /// reference slot, two moves between Lua threads and its release,
+    /// ~250 instructions per value, callgrind): the call's last argument,
+    /// [`Restore`], pushes nothing and sets the limit back before the
+    /// function runs. A value that is not UTF-8 takes the strings'
+    /// protected path ([`request_string`]) as before.
+    pub(crate) fn call(
+        &self,
+        lua: &Lua,
+        entry: &Function,
+        lists: &std::collections::BTreeMap<String, IpList>,
+        r: &RequestInfo,
+    ) -> mlua::Result<(Option<BString>, Option<BString>)> {
+        let mut flags = self.flags(lists, r);
+        let found = self.found(r);
         let base = self.lists.len();
-        for (j, b) in found.into_iter().enumerate() {
-            if let Some(b) = b {
+        let mut text: [Option<&str>; MAX_HEADERS] = Default::default();
+        let mut all_text = true;
+        for (j, b) in found.iter().enumerate() {
+            if let Some(b) = *b {
                 if self.bucket {
                     flags |= i64::from(super::bucket(b)) << (base + BUCKET_BITS * j);
                 }
-                v[j] = Some(request_string(lua, b)?);
+                match std::str::from_utf8(b) {
+                    Ok(t) if b.len() <= super::script::UNLIMITED_STRING_MAX => text[j] = Some(t),
+                    _ => all_text = false,
+                }
             }
         }
-        Ok(Args(flags, v))
-    }
-
-    /// Calls `entry` (the function [`install`] makes) with `args`. Returns
-    /// the lane function's result: a lane name or nil, and the type's name
-    /// when it returned anything else.
-    pub(crate) fn call(
-        &self,
-        entry: &Function,
-        args: Args,
-    ) -> mlua::Result<(Option<BString>, Option<BString>)> {
-        let Args(flags, [a, b, c, d]) = args;
-        match self.headers.len() {
-            0 => entry.call((flags,)),
-            1 => entry.call((flags, a)),
-            2 => entry.call((flags, a, b)),
-            3 => entry.call((flags, a, b, c)),
-            _ => entry.call((flags, a, b, c, d)),
+        let n = self.headers.len();
+        if !found.iter().any(Option::is_some) {
+            return call_n(entry, n, flags, text, ());
         }
+        if all_text {
+            let limit = lua.set_memory_limit(0)?;
+            let r = call_n(entry, n, flags, text, Restore(limit));
+            if r.is_err() {
+                // Restore runs before the function does; an error before
+                // it (none is known) must not leave the limit lifted.
+                lua.set_memory_limit(limit)?;
+            }
+            return r;
+        }
+        let mut v: [Option<LuaString>; MAX_HEADERS] = Default::default();
+        for (slot, b) in v.iter_mut().zip(found) {
+            if let Some(b) = b {
+                *slot = Some(request_string(lua, b)?);
+            }
+        }
+        call_n(entry, n, flags, v, ())
     }
 
     /// The glue [`install`] runs (see `GLUE_HEAD`).
@@ -202,6 +223,36 @@ impl Prefetch {
         ));
         s.push_str(GLUE_TAIL);
         s
+    }
+}
+
+/// `entry(flags, values[..n]…, last…)`.
+fn call_n<T: IntoLua, L: IntoLuaMulti>(
+    entry: &Function,
+    n: usize,
+    flags: i64,
+    [a, b, c, d]: [Option<T>; MAX_HEADERS],
+    last: L,
+) -> mlua::Result<(Option<BString>, Option<BString>)> {
+    match n {
+        0 => entry.call((flags, last)),
+        1 => entry.call((flags, a, last)),
+        2 => entry.call((flags, a, b, last)),
+        3 => entry.call((flags, a, b, c, last)),
+        _ => entry.call((flags, a, b, c, d, last)),
+    }
+}
+
+/// The last argument of a call whose values were pushed with the memory
+/// limit lifted ([`Prefetch::call`]): it pushes nothing and sets the
+/// limit back. mlua pushes a call's arguments in order and runs the
+/// function after the last, so the function always runs under the limit.
+struct Restore(usize);
+
+impl IntoLuaMulti for Restore {
+    fn into_lua_multi(self, lua: &Lua) -> mlua::Result<mlua::MultiValue> {
+        lua.set_memory_limit(self.0)?;
+        Ok(mlua::MultiValue::new())
     }
 }
 
@@ -381,6 +432,28 @@ mod tests {
             got.unwrap().as_deref(),
             Some("nil=nil 2=2 nil=nil nil=nil nil=nil nil=nil falsetrue falsetrue")
         );
+    }
+
+    #[test]
+    fn a_named_value_that_is_not_utf8_is_its_bytes() {
+        both_modes(a_named_value_that_is_not_utf8_is_its_bytes_in);
+    }
+
+    fn a_named_value_that_is_not_utf8_is_its_bytes_in() {
+        // Such a value takes the protected string path; a UTF-8 one beside
+        // it in the same call too.
+        let text = "return function(req)\n  local a, b = req:header('X-A'), req:header('X-B')\n  return tostring(a == req:header(string.lower('X-A'))) .. #a .. b .. graygate.bucket(a)\nend\n";
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("t.lua");
+        std::fs::write(&p, text).unwrap();
+        let mut src = ScriptSource::load(&p).unwrap();
+        src.jit = jit();
+        let mut r = request("127.0.0.1", &[("x-b", "b")]);
+        let raw = http::HeaderValue::from_bytes(b"\xe9t\xe9").unwrap();
+        r.parts.headers.insert("x-a", raw);
+        let got = call_lane(&src, &lists(), r, RuleCtx::default()).1.unwrap();
+        let want = format!("true3b{}", crate::lane::bucket(b"\xe9t\xe9"));
+        assert_eq!(got, Some(want));
     }
 
     #[test]

@@ -305,7 +305,7 @@ fn opt_str(lua: &Lua, s: Option<&[u8]>) -> mlua::Result<Value> {
 
 /// Longest request value [`request_string`] creates outside the VM's
 /// memory limit; a longer one takes mlua's protected path.
-const UNLIMITED_STRING_MAX: usize = 64 << 10;
+pub(crate) const UNLIMITED_STRING_MAX: usize = 64 << 10;
 
 /// A Lua string holding a value read from the request being decided (a
 /// header, cookie, argument or variable).
@@ -847,8 +847,7 @@ impl ScriptVm {
         let entry = match &self.entry {
             Entry::Ngx(entry) => entry,
             Entry::Native(p, entry) => {
-                let args = p.args(&self.lua, &self.lists, req)?;
-                let r = p.call(entry, args);
+                let r = p.call(&self.lua, entry, &self.lists, req);
                 // `ngx` reached by a computed name filled its caches.
                 if with_current(|_, c| c.ngx_cached).unwrap_or(true) {
                     let _ = self.reset.call::<()>(());
