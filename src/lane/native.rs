@@ -457,6 +457,45 @@ mod tests {
     }
 
     #[test]
+    fn graygate_bucket_is_the_scripts_own_where_it_shadows_it() {
+        both_modes(graygate_bucket_is_the_scripts_own_where_it_shadows_it_in);
+    }
+
+    fn graygate_bucket_is_the_scripts_own_where_it_shadows_it_in() {
+        // Read from the budget table (`budget::direct_bucket`) or as the
+        // global, `graygate.bucket` is what the script would see.
+        let mine = "{ bucket = function() return 'mine' end }";
+        for (text, want) in [
+            (
+                "return function(req) return graygate.bucket('abc') .. graygate.bucket(req:header('X-A')) end\n".to_string(),
+                Ok(format!("{}{}", crate::lane::bucket(b"abc"), crate::lane::bucket(b"1"))),
+            ),
+            (
+                format!("local graygate = {mine}\nreturn function() return graygate.bucket('abc') end\n"),
+                Ok("mine".to_string()),
+            ),
+            (
+                format!("return function() graygate = {mine} return graygate.bucket('abc') end\n"),
+                Ok("mine".to_string()),
+            ),
+            (
+                format!("return function() _G.graygate = {mine} return graygate.bucket('abc') end\n"),
+                Ok("mine".to_string()),
+            ),
+            (
+                "return function() function graygate.bucket() return 'mine' end return graygate.bucket('abc') end\n".to_string(),
+                Err("graygate is read-only"),
+            ),
+        ] {
+            let got = run(&text, "127.0.0.1", &[("x-a", "1")]);
+            match want {
+                Ok(w) => assert_eq!(got, Ok(Some(w)), "{text}"),
+                Err(w) => assert!(got.as_ref().unwrap_err().contains(w), "{text}: {got:?}"),
+            }
+        }
+    }
+
+    #[test]
     fn buckets_of_named_values_are_graygate_bucket() {
         both_modes(buckets_of_named_values_are_graygate_bucket_in);
     }

@@ -684,6 +684,17 @@ impl ScriptVm {
             ..Guard::default()
         });
         let counter = budget_counter(&lua, &guard).map_err(le)?;
+        // `graygate.bucket(…)` calls read it from the budget table where
+        // that is the same function (`budget::direct_bucket`): the one the
+        // native glue installed, if it did, or the host's.
+        let direct_bucket = super::budget::direct_bucket(src.texts());
+        if direct_bucket {
+            let bucket: Value = globals
+                .raw_get::<Table>("graygate")
+                .and_then(|g| g.raw_get("bucket"))
+                .map_err(le)?;
+            counter.raw_set("bucket", bucket).map_err(le)?;
+        }
         let g = guard.clone();
         let killed = lua
             .create_function(move |_, ()| Ok(g.killed.get()))
@@ -744,7 +755,7 @@ impl ScriptVm {
                 })?;
                 let name_at = format!("@{}", path.display());
                 syntax_check(lua, text, &name_at)?;
-                let code = super::budget::rewrite(text).map_err(|e| {
+                let code = super::budget::rewrite_with(text, direct_bucket).map_err(|e| {
                     mlua::Error::runtime(format!("{}:{}: {}", path.display(), e.line, e.message))
                 })?;
                 let v: Value = lua
@@ -762,7 +773,7 @@ impl ScriptVm {
 
         let budget = i64::try_from(src.instruction_budget).unwrap_or(i64::MAX);
         syntax_check(&lua, &src.source, &format!("@{}", file.display())).map_err(le)?;
-        let code = super::budget::rewrite(&src.source)
+        let code = super::budget::rewrite_with(&src.source, direct_bucket)
             .map_err(|e| ConfigError::new(file, Some(e.line), e.message))?;
         // The top level's first check ticks and takes the first chunk.
         guard.arm(budget.saturating_mul(TOP_LEVEL_BUDGETS));
