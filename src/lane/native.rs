@@ -24,6 +24,9 @@ const MAX_HEADERS: usize = 4;
 const MAX_LISTS: usize = 2;
 /// Bits of one header value's `graygate.bucket` (0..=99) in the flags.
 const BUCKET_BITS: usize = 7;
+/// The flags' bit of list 0's verdict (list `i`'s is `LIST_BIT + i`),
+/// above the buckets.
+const LIST_BIT: usize = MAX_HEADERS * BUCKET_BITS;
 
 /// What a native script's source names as literals (see the module doc).
 #[derive(Debug, Default)]
@@ -81,14 +84,15 @@ impl Prefetch {
         }
     }
 
-    /// The flags argument for `r`: bit `i` is list `i`'s verdict for the
-    /// client; header `j`'s bucket (when present and `bucket`) is at bit
-    /// `lists + 7 j`.
+    /// The flags argument for `r`: header `j`'s bucket (when present and
+    /// `bucket`) is at bit `7 j`, list `i`'s verdict for the client at bit
+    /// [`LIST_BIT`]` + i` (below 2^30: exact as a Lua number). The glue
+    /// reads them with `%` and comparisons, so no call to `bit`.
     fn flags(&self, lists: &std::collections::BTreeMap<String, IpList>, r: &RequestInfo) -> i64 {
         let mut f = 0i64;
         for (i, name) in self.lists.iter().enumerate() {
             if lists.get(name).is_some_and(|l| l.contains(r.client_ip)) {
-                f |= 1 << i;
+                f |= 1 << (LIST_BIT + i);
             }
         }
         f
@@ -141,13 +145,12 @@ impl Prefetch {
     ) -> mlua::Result<(Option<BString>, Option<BString>)> {
         let mut flags = self.flags(lists, r);
         let found = self.found(r);
-        let base = self.lists.len();
         let mut text: [Option<&str>; MAX_HEADERS] = Default::default();
         let mut all_text = true;
         for (j, b) in found.iter().enumerate() {
             if let Some(b) = *b {
                 if self.bucket {
-                    flags |= i64::from(super::bucket(b)) << (base + BUCKET_BITS * j);
+                    flags |= i64::from(super::bucket(b)) << (BUCKET_BITS * j);
                 }
                 match std::str::from_utf8(b) {
                     Ok(t) if b.len() <= super::script::UNLIMITED_STRING_MAX => text[j] = Some(t),
@@ -186,7 +189,7 @@ impl Prefetch {
         };
         let mut s = String::from(GLUE_HEAD);
         s.push_str(&format!(
-            "local _{}{} = select(8, ...)\nlocal flags{}\n",
+            "local _{}{} = select(6, ...)\nlocal flags{}\n",
             names("n", k),
             names("l", self.lists.len()),
             names("v", k)
@@ -197,20 +200,26 @@ impl Prefetch {
         }
         s.push_str("  end\n  return host_header(self, name)\nend)\n");
         s.push_str("rawset(req, 'in_list', function(self, name)\n");
+        // Bit `b` of flags is set when flags % 2^(b+1) >= 2^b.
         for (i, _) in self.lists.iter().enumerate() {
+            let b = LIST_BIT + i;
             s.push_str(&format!(
-                "  if name == l{} then return band(flags, {}) ~= 0 end\n",
+                "  if name == l{} then return flags % {} >= {} end\n",
                 i + 1,
-                1 << i
+                1u64 << (b + 1),
+                1u64 << b
             ));
         }
         s.push_str("  return host_in_list(self, name)\nend)\n");
         if self.bucket {
             s.push_str("rawset(gg, 'bucket', function(s)\n");
+            // Bits shift..shift+7 of flags, by `%` and `/` (exact on
+            // numbers below 2^53).
             for i in 1..=k {
-                let shift = self.lists.len() + BUCKET_BITS * (i - 1);
+                let shift = BUCKET_BITS * (i - 1);
+                let (low, high) = (1u64 << shift, 1u64 << (shift + BUCKET_BITS));
                 s.push_str(&format!(
-                    "  if s == v{i} and v{i} ~= nil then return band(rshift(flags, {shift}), 127) end\n"
+                    "  if s == v{i} and v{i} ~= nil then return (flags % {high} - flags % {low}) / {low} end\n"
                 ));
             }
             s.push_str("  return host_bucket(s)\nend)\n");
@@ -258,11 +267,11 @@ impl IntoLuaMulti for Restore {
 
 /// The glue's fixed start: its arguments (the `req` table, the real
 /// `graygate` and `ngx.req` tables before they are locked, and the host
-/// functions it stands in front of; then the names, from the 9th), and the
+/// functions it stands in front of; then the names, from the 7th), and the
 /// `set_header` / `clear_header` wrappers that mark the handed-over header
 /// values stale for the rest of the call.
 const GLUE_HEAD: &str = r#"
-local req, gg, ngx_req, host_header, host_in_list, host_bucket, band, rshift = ...
+local req, gg, ngx_req, host_header, host_in_list, host_bucket = ...
 local rawset, next, type = rawset, next, type
 local stale = false
 for _, name in ipairs({ "set_header", "clear_header" }) do
@@ -301,7 +310,6 @@ pub(crate) fn install(
 ) -> mlua::Result<Function> {
     let gg: Table = globals.raw_get("graygate")?;
     let ngx_req: Table = globals.raw_get::<Table>("ngx")?.raw_get("req")?;
-    let bit: Table = globals.raw_get("bit")?;
     let mut args = mlua::MultiValue::new();
     let host_header: Function = req.raw_get("header")?;
     let host_in_list: Function = req.raw_get("in_list")?;
@@ -313,8 +321,6 @@ pub(crate) fn install(
         mlua::Value::Function(host_header),
         mlua::Value::Function(host_in_list),
         mlua::Value::Function(host_bucket),
-        bit.raw_get("band")?,
-        bit.raw_get("rshift")?,
     ] {
         args.push_back(v);
     }
