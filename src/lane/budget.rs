@@ -48,134 +48,8 @@ fn check() -> String {
 /// first chunk argument (`{ [1] = count, tick = function }`); the script
 /// sees the remaining arguments as its `...`.
 pub fn rewrite(src: &str) -> Result<String, RewriteError> {
-    rewrite_with(src, false, None)
+    rewrite_with(src, false)
 }
-
-/// The literally named request reads a native script's rewrite answers
-/// without a call (`lane::native` fills the slots per request): a
-/// `NAME:header("…")` / `NAME:in_list("…")` whose name is here, written on
-/// one line, in a context where the rewritten expression is exactly
-/// equivalent (see [`inline_read`]).
-#[derive(Debug, Default, Clone)]
-pub struct Inline {
-    /// `header` names as written; header `j`'s value is the budget
-    /// table's `[HEADER_SLOT + j]` (nil when absent).
-    pub headers: Vec<Vec<u8>>,
-    /// `in_list` names; list `i`'s verdict is `[LIST_SLOT + i]`.
-    pub lists: Vec<Vec<u8>>,
-}
-
-/// The budget table's slot of the first named header's value.
-pub const HEADER_SLOT: usize = 2;
-/// The budget table's slot of the first named list's verdict.
-pub const LIST_SLOT: usize = 6;
-
-impl Inline {
-    /// The slot answering `method(lit)`, where `lit` is a quoted literal's
-    /// source text (no escapes).
-    fn slot(&self, method: &str, lit: &str) -> Option<usize> {
-        let q = lit.as_bytes().first().copied()?;
-        if !(q == b'"' || q == b'\'') || lit.len() < 2 || lit.contains('\\') {
-            return None;
-        }
-        let name = lit[1..lit.len() - 1].as_bytes();
-        let (names, base) = match method {
-            "header" => (&self.headers, HEADER_SLOT),
-            "in_list" => (&self.lists, LIST_SLOT),
-            _ => return None,
-        };
-        names.iter().position(|n| n == name).map(|i| base + i)
-    }
-}
-
-/// Where tokens `t[i..i + 6]` are `NAME:header("…")` (or `in_list`) with a
-/// name `inline` answers, all on one line: the span it replaces (from
-/// byte, to byte) and the replacement. `NAME == __gg_b.r` (the request
-/// being decided, false once a script changed its headers) picks the
-/// slot, else the call is made as written. Only where the two agree on
-/// every value:
-///
-/// - `if READ then` / `elseif READ then`, and `READ == LITERAL` /
-///   `READ ~= LITERAL` after a token no operator of higher precedence
-///   than `==` can be (`if`, `return`, `(`, `=`, `and`, …): an absent
-///   header reads false instead of nil there, which no truth test or
-///   comparison with a literal tells apart;
-/// - `local OTHER = READ` ending the statement: the slot or the call's
-///   value, assigned by an `if`.
-///
-/// Elsewhere (a call's argument, `..`, a multiple assignment, a
-/// multi-value position) the call stays.
-fn inline_read(
-    src: &str,
-    t: &[Token<'_>],
-    i: usize,
-    inline: &Inline,
-) -> Option<(usize, usize, String)> {
-    let (
-        Kind::Name(obj),
-        Kind::Punct(":"),
-        Kind::Name(method),
-        Kind::Punct("("),
-        Kind::Literal,
-        Kind::Punct(")"),
-    ) = (
-        t[i].kind,
-        t.get(i + 1)?.kind,
-        t.get(i + 2)?.kind,
-        t.get(i + 3)?.kind,
-        t.get(i + 4)?.kind,
-        t.get(i + 5)?.kind,
-    )
-    else {
-        return None;
-    };
-    if KEYWORDS.contains(&obj) || obj.starts_with(RESERVED) || t[i + 5].line != t[i].line {
-        return None;
-    }
-    let slot = inline.slot(method, &src[t[i + 4].start..t[i + 4].end])?;
-    let call = &src[t[i].start..t[i + 5].end];
-    let prev = i.checked_sub(1).map(|p| t[p].kind);
-    let next = t.get(i + 6).map(|x| x.kind);
-    let expr = || format!("({obj} == {B}.r and {B}[{slot}] or {obj} ~= {B}.r and {call})");
-    let truth =
-        matches!(prev, Some(Kind::Name("if" | "elseif"))) && next == Some(Kind::Name("then"));
-    let compared = matches!(
-        prev,
-        Some(
-            Kind::Name("if" | "elseif" | "while" | "until" | "return" | "and" | "or" | "not")
-                | Kind::Punct("(" | "," | "=" | "{" | "[")
-        )
-    ) && matches!(next, Some(Kind::Punct("==" | "~=")))
-        && t.get(i + 7).map(|x| x.kind) == Some(Kind::Literal);
-    if truth || compared {
-        return Some((t[i].start, t[i + 5].end, expr()));
-    }
-    // `local OTHER = READ` and the statement ends.
-    if i >= 3 {
-        if let (Kind::Name("local"), Kind::Name(var), Kind::Punct("=")) =
-            (t[i - 3].kind, t[i - 2].kind, t[i - 1].kind)
-        {
-            let ends = match next {
-                None | Some(Kind::Punct(";") | Kind::Label) => true,
-                Some(Kind::Name(n)) => n != "and" && n != "or",
-                _ => false,
-            };
-            if ends && var != obj && !KEYWORDS.contains(&var) && t[i - 3].line == t[i].line {
-                let text = format!(
-                    "local {var} if {obj} == {B}.r then {var} = {B}[{slot}] else {var} = {call} end"
-                );
-                return Some((t[i - 3].start, t[i + 5].end, text));
-            }
-        }
-    }
-    None
-}
-
-/// Lua 5.1's reserved words.
-const KEYWORDS: [&str; 21] = [
-    "and", "break", "do", "else", "elseif", "end", "false", "for", "function", "goto", "if", "in",
-    "local", "nil", "not", "or", "repeat", "return", "then", "true", "until",
-];
 
 /// Whether every script text may have its `graygate.bucket(…)` calls
 /// read `bucket` from the budget table instead ([`rewrite_with`]): true
@@ -223,14 +97,7 @@ pub fn direct_bucket<'a>(mut texts: impl Iterator<Item = &'a str>) -> bool {
 /// `bucket` is `graygate.bucket`: one table read, where the global and
 /// the library's read-only proxy are two metatable lookups each (~300
 /// instructions a call, callgrind).
-///
-/// With `inline`, the literal request reads [`inline_read`] accepts are
-/// answered from the budget table's slots.
-pub fn rewrite_with(
-    src: &str,
-    direct_bucket: bool,
-    inline: Option<&Inline>,
-) -> Result<String, RewriteError> {
+pub fn rewrite_with(src: &str, direct_bucket: bool) -> Result<String, RewriteError> {
     let check = check();
     let mut out = String::with_capacity(src.len() + src.len() / 4 + 64);
     // A `#!` first line stays first (the loader skips it only there).
@@ -243,39 +110,13 @@ pub fn rewrite_with(
     // Same line as the script's first: positions stay put.
     out.push_str(&format!("local {B} = ... return (function(...) "));
     let mut lx = Lexer::new(src);
-    let mut toks = Vec::new();
-    while let Some(tok) = lx.next_token()? {
-        toks.push(tok);
-    }
     // After `function`: waiting for its parameter list's `(`, then `)`.
     let mut function_head = 0u8;
     let mut copied = header;
     let mut prev = Kind::Punct(";");
-    let mut i = 0;
-    while i < toks.len() {
-        let tok = toks[i];
-        i += 1;
+    while let Some(tok) = lx.next_token()? {
         let field = matches!(prev, Kind::Punct("." | ":"));
         prev = tok.kind;
-        if let Some(inline) = inline.filter(|_| !field && function_head == 0) {
-            if let Some((from, to, text)) = inline_read(src, &toks, i - 1, inline) {
-                // Copied up to the span (a `local` before it included).
-                out.push_str(&src[copied..from.max(copied)]);
-                if from < copied {
-                    return Err(RewriteError {
-                        line: tok.line,
-                        message: "internal: overlapping rewrite".into(),
-                    });
-                }
-                out.push_str(&text);
-                copied = to;
-                while i < toks.len() && toks[i].start < to {
-                    i += 1;
-                }
-                prev = Kind::Punct(")");
-                continue;
-            }
-        }
         if direct_bucket && !field && tok.kind == Kind::Name("graygate") {
             // `direct_bucket` holds: this is `graygate.bucket(`.
             out.push_str(&src[copied..tok.end - "graygate".len()]);
@@ -337,8 +178,6 @@ enum Kind<'a> {
 #[derive(Debug, Clone, Copy)]
 struct Token<'a> {
     kind: Kind<'a>,
-    /// Byte offset of the token's first byte.
-    start: usize,
     /// Byte offset just past the token.
     end: usize,
     line: usize,
@@ -458,7 +297,6 @@ impl<'a> Lexer<'a> {
         };
         Ok(Some(Token {
             kind,
-            start,
             end: self.i,
             line,
         }))
@@ -712,7 +550,7 @@ mod tests {
         }
         // One text that could shadow it is enough to keep the global.
         assert!(!yes(&["return graygate.bucket('a')", "_G.graygate = {}"]));
-        let code = rewrite_with("return graygate.bucket(x) + y.graygate", true, None).unwrap();
+        let code = rewrite_with("return graygate.bucket(x) + y.graygate", true).unwrap();
         assert!(
             code.contains(&format!("return {B}.bucket(x) + y.graygate")),
             "{code}"
@@ -720,67 +558,6 @@ mod tests {
         assert!(rewrite("return graygate.bucket(x)")
             .unwrap()
             .contains("return graygate.bucket(x)"));
-    }
-
-    #[test]
-    fn literal_reads_are_answered_inline_only_where_exactly_equivalent() {
-        let inline = Inline {
-            headers: vec![b"X-Gray".to_vec(), b"X-User-Id".to_vec()],
-            lists: vec![b"office".to_vec()],
-        };
-        let rw = |src: &str| rewrite_with(src, false, Some(&inline)).unwrap();
-        let e = |obj: &str, slot: usize, call: &str| {
-            format!("({obj} == {B}.r and {B}[{slot}] or {obj} ~= {B}.r and {call})")
-        };
-        for (src, want) in [
-            (
-                "if req:header(\"X-Gray\") == \"1\" then",
-                format!("if {} == \"1\" then", e("req", 2, "req:header(\"X-Gray\")")),
-            ),
-            (
-                "if r:in_list('office') then",
-                format!("if {} then", e("r", 6, "r:in_list('office')")),
-            ),
-            (
-                "return not req:header('X-User-Id') ~= 5",
-                format!("return not {} ~= 5", e("req", 3, "req:header('X-User-Id')")),
-            ),
-            (
-                "local uid = req:header(\"X-User-Id\")\nx()",
-                format!("local uid if req == {B}.r then uid = {B}[3] else uid = req:header(\"X-User-Id\") end\nx()"),
-            ),
-            ("local ok = req:in_list(\"office\") return ok", format!("local ok if req == {B}.r then ok = {B}[6] else ok = req:in_list(\"office\") end return ok")),
-        ] {
-            assert!(rw(src).contains(&want), "{src}\n{}", rw(src));
-        }
-        // Left as calls: other names, escapes, values where nil and false
-        // differ, multi-value positions, spans over lines, fields.
-        for src in [
-            "if req:header('x-gray') == '1' then end",
-            "if req:header('X-\\71ray') == '1' then end",
-            "if req:header 'X-Gray' == '1' then end",
-            "local a = req:header('X-Gray') .. 'x'",
-            "local req = req:header('X-Gray')",
-            "local a, b = req:header('X-Gray')",
-            "local a = b, req:header('X-Gray')",
-            "return req:header('X-Gray')",
-            "f(req:header('X-Gray'))",
-            "x = req:header('X-Gray')",
-            "if a == req:header('X-Gray') == '1' then end",
-            "if req:header('X-Gray') == nil then end",
-            "if req:header('X-Gray') == y then end",
-            "if req:header('X-Gray') and y then end",
-            "if req:header(\n'X-Gray') then end",
-            "if t.req:header('X-Gray') then end",
-            "local a = req:header('X-Gray') or 'x'",
-        ] {
-            let out = rw(src);
-            assert!(!out.contains(&format!("{B}.r")), "{src}\n{out}");
-        }
-        // Lines stay put, and a reserved name is still refused.
-        let src = "local a = req:header('X-Gray')\nerror('two')";
-        assert_eq!(rw(src).matches('\n').count(), 2);
-        assert!(rewrite_with("if __gg_b:header('X-Gray') then end", false, Some(&inline)).is_err());
     }
 
     #[test]

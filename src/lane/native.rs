@@ -181,16 +181,6 @@ impl Prefetch {
         call_n(entry, n, flags, v, ())
     }
 
-    /// The reads a rewrite may answer from the budget table's slots
-    /// (`budget::inline_read`): the named headers and lists, which the
-    /// entry stores there per request.
-    pub(crate) fn inline(&self) -> super::budget::Inline {
-        super::budget::Inline {
-            headers: self.headers.clone(),
-            lists: self.lists.iter().map(|l| l.as_bytes().to_vec()).collect(),
-        }
-    }
-
     /// The glue [`install`] runs (see `GLUE_HEAD`).
     fn glue_source(&self) -> String {
         let k = self.headers.len();
@@ -235,24 +225,11 @@ impl Prefetch {
             s.push_str("  return host_bucket(s)\nend)\n");
         }
         s.push_str(&format!(
-            "return function(lane, env, b)\n  slots = b\n  return function(f{})\n    flags{} = f{}\n    stale = false\n    b.r = req\n",
+            "return function(lane, env)\n  return function(f{})\n    flags{} = f{}\n    stale = false\n",
             names("a", k),
             names("v", k),
             names("a", k)
         ));
-        // The slots the rewritten reads answer from (`budget::inline_read`).
-        for i in 1..=k {
-            let slot = super::budget::HEADER_SLOT + i - 1;
-            s.push_str(&format!("    b[{slot}] = a{i}\n"));
-        }
-        for i in 0..self.lists.len() {
-            let (slot, bit) = (super::budget::LIST_SLOT + i, LIST_BIT + i);
-            s.push_str(&format!(
-                "    b[{slot}] = f % {} >= {}\n",
-                1u64 << (bit + 1),
-                1u64 << bit
-            ));
-        }
         s.push_str(GLUE_TAIL);
         s
     }
@@ -296,12 +273,11 @@ impl IntoLuaMulti for Restore {
 const GLUE_HEAD: &str = r#"
 local req, gg, ngx_req, host_header, host_in_list, host_bucket = ...
 local rawset, next, type = rawset, next, type
-local stale, slots = false, nil
+local stale = false
 for _, name in ipairs({ "set_header", "clear_header" }) do
   local raw = ngx_req[name]
   rawset(ngx_req, name, function(...)
     stale = true
-    if slots then slots.r = false end
     return raw(...)
   end)
 end
@@ -522,39 +498,6 @@ mod tests {
                 Ok(w) => assert_eq!(got, Ok(Some(w)), "{text}"),
                 Err(w) => assert!(got.as_ref().unwrap_err().contains(w), "{text}: {got:?}"),
             }
-        }
-    }
-
-    #[test]
-    fn reads_answered_inline_are_what_the_host_calls_give() {
-        both_modes(reads_answered_inline_are_what_the_host_calls_give_in);
-    }
-
-    fn reads_answered_inline_are_what_the_host_calls_give_in() {
-        // Each rewritten form (`budget::inline_read`) beside the same read
-        // by a name the source does not name (a host call), for present,
-        // absent and empty values and both lists; then after set_header
-        // and clear_header in the same call, and on a table that is not
-        // the request.
-        let text = "return function(req)\n  local out = {}\n  local a = req:header('X-A')\n  local b = req:header(\"X-B\")\n  local l1 = req:in_list('office')\n  local l2 = req:in_list('vpn')\n  out[#out + 1] = tostring(a) .. tostring(req:header(string.lower('X-A'))) .. tostring(b) .. tostring(l1) .. tostring(l2)\n  if req:header('X-A') then out[#out + 1] = 'a' end\n  if req:header('X-B') == '' then out[#out + 1] = 'b-empty' end\n  if req:header('X-B') ~= 'z' then out[#out + 1] = 'b-not-z' end\n  if req:in_list('office') then out[#out + 1] = 'office' elseif req:in_list('vpn') then out[#out + 1] = 'vpn' end\n  local n = _G['ng' .. 'x']\n  n.req.set_header('X-A', 'set')\n  local c = req:header('X-A')\n  if req:header('X-A') == 'set' then out[#out + 1] = 'seen' end\n  n.req.clear_header('X-B')\n  local d = req:header('X-B')\n  local fake = { header = function() return false end, in_list = function() return 'f' end }\n  local e = fake:header('X-A')\n  if fake:in_list('office') == 'f' then out[#out + 1] = 'fake' end\n  out[#out + 1] = tostring(c) .. tostring(d) .. tostring(e)\n  return table.concat(out, ' ')\nend\n";
-        for (ip, hs, want) in [
-            (
-                "127.0.0.1",
-                vec![("x-a", "1"), ("x-b", "")],
-                "11truefalse a b-empty b-not-z office seen fake setnilfalse",
-            ),
-            (
-                "10.0.0.1",
-                vec![("x-b", "z")],
-                "nilnilzfalsetrue vpn seen fake setnilfalse",
-            ),
-            (
-                "192.168.0.1",
-                vec![],
-                "nilnilnilfalsefalse b-not-z seen fake setnilfalse",
-            ),
-        ] {
-            assert_eq!(run(text, ip, &hs).unwrap().as_deref(), Some(want), "{ip}");
         }
     }
 

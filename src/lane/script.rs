@@ -688,9 +688,6 @@ impl ScriptVm {
         // that is the same function (`budget::direct_bucket`): the one the
         // native glue installed, if it did, or the host's.
         let direct_bucket = super::budget::direct_bucket(src.texts());
-        // A native script's literal reads answered from the slots.
-        let inline = native.as_ref().map(|(p, _)| p.inline());
-        let minline = inline.clone();
         if direct_bucket {
             let bucket: Value = globals
                 .raw_get::<Table>("graygate")
@@ -758,15 +755,9 @@ impl ScriptVm {
                 })?;
                 let name_at = format!("@{}", path.display());
                 syntax_check(lua, text, &name_at)?;
-                let code = super::budget::rewrite_with(text, direct_bucket, minline.as_ref())
-                    .map_err(|e| {
-                        mlua::Error::runtime(format!(
-                            "{}:{}: {}",
-                            path.display(),
-                            e.line,
-                            e.message
-                        ))
-                    })?;
+                let code = super::budget::rewrite_with(text, direct_bucket).map_err(|e| {
+                    mlua::Error::runtime(format!("{}:{}: {}", path.display(), e.line, e.message))
+                })?;
                 let v: Value = lua
                     .load(code)
                     .set_name(name_at)
@@ -782,7 +773,7 @@ impl ScriptVm {
 
         let budget = i64::try_from(src.instruction_budget).unwrap_or(i64::MAX);
         syntax_check(&lua, &src.source, &format!("@{}", file.display())).map_err(le)?;
-        let code = super::budget::rewrite_with(&src.source, direct_bucket, inline.as_ref())
+        let code = super::budget::rewrite_with(&src.source, direct_bucket)
             .map_err(|e| ConfigError::new(file, Some(e.line), e.message))?;
         // The top level's first check ticks and takes the first chunk.
         guard.arm(budget.saturating_mul(TOP_LEVEL_BUDGETS));
@@ -832,7 +823,7 @@ impl ScriptVm {
         let entry = match native {
             Some((p, make)) => Entry::Native(
                 p,
-                make.call::<Function>((lane_fn.clone(), env.clone(), counter.clone()))
+                make.call::<Function>((lane_fn.clone(), env.clone()))
                     .map_err(le)?,
             ),
             None => Entry::Ngx(
@@ -905,9 +896,7 @@ impl ScriptVm {
 /// script is at every check (to place a memory error) instead of every
 /// [`TICK_EVERY`].
 fn budget_counter(lua: &Lua, guard: &Rc<Guard>) -> mlua::Result<Table> {
-    // The array part holds the count and `lane::native`'s slots
-    // (`budget::HEADER_SLOT`..).
-    let t = lua.create_table_with_capacity(super::budget::LIST_SLOT + 2, 3)?;
+    let t = lua.create_table_with_capacity(1, 1)?;
     let g = guard.clone();
     let tick = lua.create_function(move |lua, ()| -> mlua::Result<i64> {
         let left = g.left.get();
