@@ -13,7 +13,7 @@
 
 use mlua::{BString, Function, IntoLua, IntoLuaMulti, Lua, LuaString, Table};
 
-use super::script::request_string;
+use super::script::{request_string, Restore};
 use super::RequestInfo;
 use crate::base::lists::IpList;
 
@@ -164,7 +164,7 @@ impl Prefetch {
         }
         if all_text {
             let limit = lua.set_memory_limit(0)?;
-            let r = call_n(entry, n, flags, text, Restore(limit));
+            let r = call_n(entry, n, flags, text, Restore(Some(limit)));
             if r.is_err() {
                 // Restore runs before the function does; an error before
                 // it (none is known) must not leave the limit lifted.
@@ -249,19 +249,6 @@ fn call_n<T: IntoLua, L: IntoLuaMulti>(
         2 => entry.call((flags, a, b, last)),
         3 => entry.call((flags, a, b, c, last)),
         _ => entry.call((flags, a, b, c, d, last)),
-    }
-}
-
-/// The last argument of a call whose values were pushed with the memory
-/// limit lifted ([`Prefetch::call`]): it pushes nothing and sets the
-/// limit back. mlua pushes a call's arguments in order and runs the
-/// function after the last, so the function always runs under the limit.
-struct Restore(usize);
-
-impl IntoLuaMulti for Restore {
-    fn into_lua_multi(self, lua: &Lua) -> mlua::Result<mlua::MultiValue> {
-        lua.set_memory_limit(self.0)?;
-        Ok(mlua::MultiValue::new())
     }
 }
 

@@ -17,10 +17,10 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use http::{HeaderName, HeaderValue};
 use md5::{Digest, Md5};
-use mlua::{Function, Lua, LuaString, MultiValue, Table, UserData, UserDataMethods, Value};
+use mlua::{Either, Function, Lua, LuaString, MultiValue, Table, UserData, UserDataMethods, Value};
 use percent_encoding::percent_decode;
 
-use super::script::{request_string, with_current, with_edit, with_req};
+use super::script::{pushed, request_string, with_current, with_edit, with_req, Pushed, Restore};
 use super::shared_dict::{DictError, DictValue, SharedDict, MAX_KEY_LEN};
 use super::RequestInfo;
 
@@ -388,23 +388,23 @@ fn fetch_all(
     names: &[VarName],
     headers: bool,
     args: bool,
-) -> mlua::Result<(Value, Value, Value)> {
-    with_current(|r, c| {
+) -> mlua::Result<(Pushed, Pushed, Pushed, Restore)> {
+    let (h, a, v) = with_current(|r, c| -> mlua::Result<_> {
         c.ngx_cached = true;
         let h = match headers {
-            true => headers_table(lua, r, DEFAULT_MAX)?,
-            false => Value::Nil,
+            true => Either::Left(headers_packed(r, DEFAULT_MAX)),
+            false => Either::Right(Value::Nil),
         };
         let a = match args {
-            true => args_table(lua, r, DEFAULT_MAX)?,
-            false => Value::Nil,
+            true => args_packed(lua, r, DEFAULT_MAX)?,
+            false => Either::Right(Value::Nil),
         };
         let mut packed = Vec::with_capacity(128);
         for n in names {
             match n.value(r, &mut c.parsed) {
                 Some(v) if v.len() > PACKED_VALUE_MAX => {
                     let each = fetch_each(lua, r, &mut c.parsed, names)?;
-                    return Ok((h, a, Value::Table(each)));
+                    return Ok((h, a, Either::Right(Value::Table(each))));
                 }
                 Some(v) => {
                     packed.push(v.len() as u8 + 1);
@@ -413,8 +413,19 @@ fn fetch_all(
                 None => packed.push(0),
             }
         }
-        Ok((h, a, Value::String(request_string(lua, &packed)?)))
-    })?
+        Ok((h, a, Either::Left(packed)))
+    })??;
+    let (h, a, v) = (pushed(lua, h)?, pushed(lua, a)?, pushed(lua, v)?);
+    // The last fallible step: the three are pushed with the limit lifted
+    // and `Restore` sets it back (a host function has LUA_MINSTACK slots,
+    // so the pushes cannot fail).
+    let direct = [&h, &a, &v].iter().any(|p| p.is_left());
+    let limit = if direct {
+        Some(lua.set_memory_limit(0)?)
+    } else {
+        None
+    };
+    Ok((h, a, v, Restore(limit)))
 }
 
 /// Longest value [`fetch_all`] packs (its length byte holds length + 1).
@@ -841,20 +852,33 @@ impl Packed {
 /// (in order); `max` counts header lines. Header names and values never
 /// hold NUL, so they always pack.
 fn headers_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Value> {
+    Ok(Value::String(request_string(lua, &headers_packed(r, max))?))
+}
+
+/// [`headers_table`]'s packed entries.
+fn headers_packed(r: &RequestInfo, max: usize) -> Vec<u8> {
     let h = &r.parts.headers;
     let mut p = Packed(Vec::with_capacity(512));
     for (name, value) in h.iter().take(max) {
         p.push_unchecked(name.as_str().as_bytes(), value.as_bytes());
     }
-    Ok(Value::String(request_string(lua, &p.0)?))
+    p.0
 }
 
 /// `ngx.req.get_uri_args()`: decoded (`+` is a space), repeated as arrays,
 /// a bare `flag` as `true`. A decoded NUL falls back to building the table
 /// here.
 fn args_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Value> {
+    match args_packed(lua, r, max)? {
+        Either::Left(p) => Ok(Value::String(request_string(lua, &p)?)),
+        Either::Right(t) => Ok(t),
+    }
+}
+
+/// [`args_table`]'s packed entries, or its table where they do not pack.
+fn args_packed(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Either<Vec<u8>, Value>> {
     let Some(q) = r.parts.uri.query() else {
-        return Ok(Value::String(request_string(lua, b"")?));
+        return Ok(Either::Left(Vec::new()));
     };
     let parts = || q.as_bytes().split(|&c| c == b'&').filter(|p| !p.is_empty());
     // Borrowed unless an escape was decoded.
@@ -874,7 +898,7 @@ fn args_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Value> {
         }
     }
     if packed {
-        return Ok(Value::String(request_string(lua, &p.0)?));
+        return Ok(Either::Left(p.0));
     }
     let t = lua.create_table()?;
     for part in parts().take(max) {
@@ -892,7 +916,7 @@ fn args_table(lua: &Lua, r: &RequestInfo, max: usize) -> mlua::Result<Value> {
             one => t.raw_set(lua.create_string(&k)?, lua.create_sequence_from([one, v])?)?,
         }
     }
-    Ok(Value::Table(t))
+    Ok(Either::Right(Value::Table(t)))
 }
 
 /// `ngx.req`, and the glue's `reset` and `make_entry` (see [`PerRequest`]).
@@ -1384,6 +1408,35 @@ pub(crate) mod tests {
         );
         assert_eq!(r.unwrap().as_deref(), Some("nil"));
         assert_eq!(req.parts.uri.query(), None);
+    }
+
+    #[test]
+    fn batched_values_that_are_not_utf8_come_as_their_bytes() {
+        both_modes(batched_values_that_are_not_utf8_come_as_their_bytes_in);
+    }
+
+    fn batched_values_that_are_not_utf8_come_as_their_bytes_in() {
+        // The batch's strings are pushed as they are where UTF-8; a header
+        // value with obs-text, a decoded %E9 and a value of 127 bytes or
+        // more (its length byte is not UTF-8) take the Lua-string path,
+        // beside UTF-8 ones in the same call.
+        let long = "v".repeat(200);
+        let mut r = request(
+            &format!("/p?a=%E9&b=ok&c={long}"),
+            "10.0.0.1",
+            &[("x-b", "ok"), ("x-long", &long)],
+        );
+        let raw = HeaderValue::from_bytes(b"\xe9t\xe9").unwrap();
+        r.parts.headers.insert("x-a", raw);
+        let got = eval(
+            "local h, a = ngx.req.get_headers(), ngx.req.get_uri_args()
+             local v = ngx.var.http_x_a
+             return table.concat({ h['x-a']:byte(1), #h['x-a'], h['x-b'], #h['x-long'],
+               a.a:byte(1), #a.a, a.b, #a.c, v:byte(1), #v, ngx.var.http_x_b,
+               #ngx.var.http_x_long, #ngx.var.arg_c }, ' ')",
+            r,
+        );
+        assert_eq!(got, "233 3 ok 200 233 1 ok 200 233 3 ok 200 200");
     }
 
     #[test]

@@ -331,6 +331,47 @@ pub(crate) fn request_string(lua: &Lua, b: &[u8]) -> mlua::Result<mlua::LuaStrin
     s
 }
 
+/// The last of the values a host pushes (a call's arguments, a host
+/// function's results) with the VM's memory limit lifted: it pushes
+/// nothing and sets the limit (when `Some`) back. mlua pushes the values
+/// in order, this one last, before anything runs in the VM again, so no
+/// script code runs without the limit; a `String` or `&str` among them is
+/// pushed straight onto the stack (a `LuaString` made first costs a
+/// reference slot, two moves between Lua threads and its release, ~250
+/// instructions a value, callgrind). As with [`request_string`], only
+/// bounded request values are pushed that way.
+pub(crate) struct Restore(pub Option<usize>);
+
+impl mlua::IntoLuaMulti for Restore {
+    fn into_lua_multi(self, lua: &Lua) -> mlua::Result<MultiValue> {
+        if let Some(limit) = self.0 {
+            lua.set_memory_limit(limit)?;
+        }
+        Ok(MultiValue::new())
+    }
+}
+
+/// A host function's result that [`Restore`] lets mlua push directly:
+/// packed request bytes as a `String` where they are UTF-8 and within
+/// [`UNLIMITED_STRING_MAX`], else a Lua string made by
+/// [`request_string`] (or any other value as it is).
+pub(crate) type Pushed = mlua::Either<String, Value>;
+
+/// `v` as a [`Pushed`] (see there).
+pub(crate) fn pushed(lua: &Lua, v: mlua::Either<Vec<u8>, Value>) -> mlua::Result<Pushed> {
+    match v {
+        mlua::Either::Left(b) if b.len() <= UNLIMITED_STRING_MAX => match String::from_utf8(b) {
+            Ok(s) => Ok(mlua::Either::Left(s)),
+            Err(e) => Ok(mlua::Either::Right(Value::String(request_string(
+                lua,
+                e.as_bytes(),
+            )?))),
+        },
+        mlua::Either::Left(b) => Ok(mlua::Either::Right(Value::String(request_string(lua, &b)?))),
+        mlua::Either::Right(v) => Ok(mlua::Either::Right(v)),
+    }
+}
+
 /// Builds the `req` object scripts see: a table whose methods (`header`,
 /// `cookie`, `arg`, `in_list`) are plain functions and whose fields (`ip`,
 /// `path`, …) come from an `__index` function; both read the request being
