@@ -11,9 +11,9 @@
 //! functions as before. The entry also empties the per-request globals and
 //! checks the lane function's result type, in Lua.
 
-use mlua::{BString, Function, Lua, LuaString, Table};
+use mlua::{BString, Function, IntoLua, IntoLuaMulti, Lua, LuaString, Table};
 
-use super::script::request_string;
+use super::script::{request_string, Restore};
 use super::RequestInfo;
 use crate::base::lists::IpList;
 
@@ -24,9 +24,9 @@ const MAX_HEADERS: usize = 4;
 const MAX_LISTS: usize = 2;
 /// Bits of one header value's `graygate.bucket` (0..=99) in the flags.
 const BUCKET_BITS: usize = 7;
-
-/// A request's entry arguments ([`Prefetch::args`]).
-pub(crate) struct Args(i64, [Option<LuaString>; MAX_HEADERS]);
+/// The flags' bit of list 0's verdict (list `i`'s is `LIST_BIT + i`),
+/// above the buckets.
+const LIST_BIT: usize = MAX_HEADERS * BUCKET_BITS;
 
 /// What a native script's source names as literals (see the module doc).
 #[derive(Debug, Default)]
@@ -84,29 +84,23 @@ impl Prefetch {
         }
     }
 
-    /// The flags argument for `r`: bit `i` is list `i`'s verdict for the
-    /// client; header `j`'s bucket (when present and `bucket`) is at bit
-    /// `lists + 7 j`.
+    /// The flags argument for `r`: header `j`'s bucket (when present and
+    /// `bucket`) is at bit `7 j`, list `i`'s verdict for the client at bit
+    /// [`LIST_BIT`]` + i` (below 2^30: exact as a Lua number). The glue
+    /// reads them with `%` and comparisons, so no call to `bit`.
     fn flags(&self, lists: &std::collections::BTreeMap<String, IpList>, r: &RequestInfo) -> i64 {
         let mut f = 0i64;
         for (i, name) in self.lists.iter().enumerate() {
             if lists.get(name).is_some_and(|l| l.contains(r.client_ip)) {
-                f |= 1 << i;
+                f |= 1 << (LIST_BIT + i);
             }
         }
         f
     }
 
-    /// The entry's arguments for `r` (read while the request is
-    /// borrowed; [`Prefetch::call`] follows once it is not): the flags and
-    /// the named headers' values as Lua strings (nil where absent).
-    pub(crate) fn args(
-        &self,
-        lua: &Lua,
-        lists: &std::collections::BTreeMap<String, IpList>,
-        r: &RequestInfo,
-    ) -> mlua::Result<Args> {
-        let mut flags = self.flags(lists, r);
+    /// The named headers' first values in `r` (`None` where absent), in
+    /// the order of `headers`.
+    fn found<'r>(&self, r: &'r RequestInfo) -> [Option<&'r [u8]>; MAX_HEADERS] {
         let mut found: [Option<&[u8]>; MAX_HEADERS] = Default::default();
         let h = &r.parts.headers;
         if h.keys_len() <= super::HEADER_SCAN_MAX {
@@ -126,35 +120,65 @@ impl Prefetch {
                 *f = r.header_bytes(name).map(|v| v.as_bytes());
             }
         }
-        let mut v: [Option<LuaString>; MAX_HEADERS] = Default::default();
-        let base = self.lists.len();
-        for (j, b) in found.into_iter().enumerate() {
-            if let Some(b) = b {
-                if self.bucket {
-                    flags |= i64::from(super::bucket(b)) << (base + BUCKET_BITS * j);
-                }
-                v[j] = Some(request_string(lua, b)?);
-            }
-        }
-        Ok(Args(flags, v))
+        found
     }
 
-    /// Calls `entry` (the function [`install`] makes) with `args`. Returns
-    /// the lane function's result: a lane name or nil, and the type's name
-    /// when it returned anything else.
+    /// Calls `entry` (the function [`install`] makes) for `r`: the flags
+    /// (list verdicts, buckets) and the named headers' values as its
+    /// arguments. Returns the lane function's result: a lane name or nil,
+    /// and the type's name when it returned anything else.
+    ///
+    /// The values are pushed as they are read, with the VM's memory limit
+    /// lifted for the pushes only (mlua pushes a `&str` straight onto the
+    /// stack when no limit is set; a `LuaString` made first costs a
+    /// reference slot, two moves between Lua threads and its release,
+    /// ~250 instructions per value, callgrind): the call's last argument,
+    /// [`Restore`], pushes nothing and sets the limit back before the
+    /// function runs. A value that is not UTF-8 takes the strings'
+    /// protected path ([`request_string`]) as before.
     pub(crate) fn call(
         &self,
+        lua: &Lua,
         entry: &Function,
-        args: Args,
+        lists: &std::collections::BTreeMap<String, IpList>,
+        r: &RequestInfo,
     ) -> mlua::Result<(Option<BString>, Option<BString>)> {
-        let Args(flags, [a, b, c, d]) = args;
-        match self.headers.len() {
-            0 => entry.call((flags,)),
-            1 => entry.call((flags, a)),
-            2 => entry.call((flags, a, b)),
-            3 => entry.call((flags, a, b, c)),
-            _ => entry.call((flags, a, b, c, d)),
+        let mut flags = self.flags(lists, r);
+        let found = self.found(r);
+        let mut text: [Option<&str>; MAX_HEADERS] = Default::default();
+        let mut all_text = true;
+        for (j, b) in found.iter().enumerate() {
+            if let Some(b) = *b {
+                if self.bucket {
+                    flags |= i64::from(super::bucket(b)) << (BUCKET_BITS * j);
+                }
+                match std::str::from_utf8(b) {
+                    Ok(t) if b.len() <= super::script::UNLIMITED_STRING_MAX => text[j] = Some(t),
+                    _ => all_text = false,
+                }
+            }
         }
+        let n = self.headers.len();
+        if !found.iter().any(Option::is_some) {
+            return call_n(entry, n, flags, text, ());
+        }
+        if all_text {
+            let limit = lua.set_memory_limit(0)?;
+            let r = call_n(entry, n, flags, text, Restore(Some(limit)));
+            if r.is_err() {
+                // Restore runs before the function does; an error before
+                // it (none is known) must not leave the limit lifted.
+                lua.set_memory_limit(limit)?;
+            }
+            return r;
+        }
+        let mut v: [Option<LuaString>; MAX_HEADERS] = Default::default();
+        for (slot, b) in v.iter_mut().zip(found) {
+            if let Some(b) = b {
+                *slot = Some(request_string(lua, b)?);
+            }
+        }
+        call_n(entry, n, flags, v, ())
     }
 
     /// The glue [`install`] runs (see `GLUE_HEAD`).
@@ -165,7 +189,7 @@ impl Prefetch {
         };
         let mut s = String::from(GLUE_HEAD);
         s.push_str(&format!(
-            "local _{}{} = select(8, ...)\nlocal flags{}\n",
+            "local _{}{} = select(6, ...)\nlocal flags{}\n",
             names("n", k),
             names("l", self.lists.len()),
             names("v", k)
@@ -176,20 +200,26 @@ impl Prefetch {
         }
         s.push_str("  end\n  return host_header(self, name)\nend)\n");
         s.push_str("rawset(req, 'in_list', function(self, name)\n");
+        // Bit `b` of flags is set when flags % 2^(b+1) >= 2^b.
         for (i, _) in self.lists.iter().enumerate() {
+            let b = LIST_BIT + i;
             s.push_str(&format!(
-                "  if name == l{} then return band(flags, {}) ~= 0 end\n",
+                "  if name == l{} then return flags % {} >= {} end\n",
                 i + 1,
-                1 << i
+                1u64 << (b + 1),
+                1u64 << b
             ));
         }
         s.push_str("  return host_in_list(self, name)\nend)\n");
         if self.bucket {
             s.push_str("rawset(gg, 'bucket', function(s)\n");
+            // Bits shift..shift+7 of flags, by `%` and `/` (exact on
+            // numbers below 2^53).
             for i in 1..=k {
-                let shift = self.lists.len() + BUCKET_BITS * (i - 1);
+                let shift = BUCKET_BITS * (i - 1);
+                let (low, high) = (1u64 << shift, 1u64 << (shift + BUCKET_BITS));
                 s.push_str(&format!(
-                    "  if s == v{i} and v{i} ~= nil then return band(rshift(flags, {shift}), 127) end\n"
+                    "  if s == v{i} and v{i} ~= nil then return (flags % {high} - flags % {low}) / {low} end\n"
                 ));
             }
             s.push_str("  return host_bucket(s)\nend)\n");
@@ -205,13 +235,30 @@ impl Prefetch {
     }
 }
 
+/// `entry(flags, values[..n]…, last…)`.
+fn call_n<T: IntoLua, L: IntoLuaMulti>(
+    entry: &Function,
+    n: usize,
+    flags: i64,
+    [a, b, c, d]: [Option<T>; MAX_HEADERS],
+    last: L,
+) -> mlua::Result<(Option<BString>, Option<BString>)> {
+    match n {
+        0 => entry.call((flags, last)),
+        1 => entry.call((flags, a, last)),
+        2 => entry.call((flags, a, b, last)),
+        3 => entry.call((flags, a, b, c, last)),
+        _ => entry.call((flags, a, b, c, d, last)),
+    }
+}
+
 /// The glue's fixed start: its arguments (the `req` table, the real
 /// `graygate` and `ngx.req` tables before they are locked, and the host
-/// functions it stands in front of; then the names, from the 9th), and the
+/// functions it stands in front of; then the names, from the 7th), and the
 /// `set_header` / `clear_header` wrappers that mark the handed-over header
 /// values stale for the rest of the call.
 const GLUE_HEAD: &str = r#"
-local req, gg, ngx_req, host_header, host_in_list, host_bucket, band, rshift = ...
+local req, gg, ngx_req, host_header, host_in_list, host_bucket = ...
 local rawset, next, type = rawset, next, type
 local stale = false
 for _, name in ipairs({ "set_header", "clear_header" }) do
@@ -250,7 +297,6 @@ pub(crate) fn install(
 ) -> mlua::Result<Function> {
     let gg: Table = globals.raw_get("graygate")?;
     let ngx_req: Table = globals.raw_get::<Table>("ngx")?.raw_get("req")?;
-    let bit: Table = globals.raw_get("bit")?;
     let mut args = mlua::MultiValue::new();
     let host_header: Function = req.raw_get("header")?;
     let host_in_list: Function = req.raw_get("in_list")?;
@@ -262,8 +308,6 @@ pub(crate) fn install(
         mlua::Value::Function(host_header),
         mlua::Value::Function(host_in_list),
         mlua::Value::Function(host_bucket),
-        bit.raw_get("band")?,
-        bit.raw_get("rshift")?,
     ] {
         args.push_back(v);
     }
@@ -381,6 +425,67 @@ mod tests {
             got.unwrap().as_deref(),
             Some("nil=nil 2=2 nil=nil nil=nil nil=nil nil=nil falsetrue falsetrue")
         );
+    }
+
+    #[test]
+    fn a_named_value_that_is_not_utf8_is_its_bytes() {
+        both_modes(a_named_value_that_is_not_utf8_is_its_bytes_in);
+    }
+
+    fn a_named_value_that_is_not_utf8_is_its_bytes_in() {
+        // Such a value takes the protected string path; a UTF-8 one beside
+        // it in the same call too.
+        let text = "return function(req)\n  local a, b = req:header('X-A'), req:header('X-B')\n  return tostring(a == req:header(string.lower('X-A'))) .. #a .. b .. graygate.bucket(a)\nend\n";
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("t.lua");
+        std::fs::write(&p, text).unwrap();
+        let mut src = ScriptSource::load(&p).unwrap();
+        src.jit = jit();
+        let mut r = request("127.0.0.1", &[("x-b", "b")]);
+        let raw = http::HeaderValue::from_bytes(b"\xe9t\xe9").unwrap();
+        r.parts.headers.insert("x-a", raw);
+        let got = call_lane(&src, &lists(), r, RuleCtx::default()).1.unwrap();
+        let want = format!("true3b{}", crate::lane::bucket(b"\xe9t\xe9"));
+        assert_eq!(got, Some(want));
+    }
+
+    #[test]
+    fn graygate_bucket_is_the_scripts_own_where_it_shadows_it() {
+        both_modes(graygate_bucket_is_the_scripts_own_where_it_shadows_it_in);
+    }
+
+    fn graygate_bucket_is_the_scripts_own_where_it_shadows_it_in() {
+        // Read from the budget table (`budget::direct_bucket`) or as the
+        // global, `graygate.bucket` is what the script would see.
+        let mine = "{ bucket = function() return 'mine' end }";
+        for (text, want) in [
+            (
+                "return function(req) return graygate.bucket('abc') .. graygate.bucket(req:header('X-A')) end\n".to_string(),
+                Ok(format!("{}{}", crate::lane::bucket(b"abc"), crate::lane::bucket(b"1"))),
+            ),
+            (
+                format!("local graygate = {mine}\nreturn function() return graygate.bucket('abc') end\n"),
+                Ok("mine".to_string()),
+            ),
+            (
+                format!("return function() graygate = {mine} return graygate.bucket('abc') end\n"),
+                Ok("mine".to_string()),
+            ),
+            (
+                format!("return function() _G.graygate = {mine} return graygate.bucket('abc') end\n"),
+                Ok("mine".to_string()),
+            ),
+            (
+                "return function() function graygate.bucket() return 'mine' end return graygate.bucket('abc') end\n".to_string(),
+                Err("graygate is read-only"),
+            ),
+        ] {
+            let got = run(&text, "127.0.0.1", &[("x-a", "1")]);
+            match want {
+                Ok(w) => assert_eq!(got, Ok(Some(w)), "{text}"),
+                Err(w) => assert!(got.as_ref().unwrap_err().contains(w), "{text}: {got:?}"),
+            }
+        }
     }
 
     #[test]

@@ -305,7 +305,7 @@ fn opt_str(lua: &Lua, s: Option<&[u8]>) -> mlua::Result<Value> {
 
 /// Longest request value [`request_string`] creates outside the VM's
 /// memory limit; a longer one takes mlua's protected path.
-const UNLIMITED_STRING_MAX: usize = 64 << 10;
+pub(crate) const UNLIMITED_STRING_MAX: usize = 64 << 10;
 
 /// A Lua string holding a value read from the request being decided (a
 /// header, cookie, argument or variable).
@@ -329,6 +329,47 @@ pub(crate) fn request_string(lua: &Lua, b: &[u8]) -> mlua::Result<mlua::LuaStrin
     let s = lua.create_string(b);
     lua.set_memory_limit(limit)?;
     s
+}
+
+/// The last of the values a host pushes (a call's arguments, a host
+/// function's results) with the VM's memory limit lifted: it pushes
+/// nothing and sets the limit (when `Some`) back. mlua pushes the values
+/// in order, this one last, before anything runs in the VM again, so no
+/// script code runs without the limit; a `String` or `&str` among them is
+/// pushed straight onto the stack (a `LuaString` made first costs a
+/// reference slot, two moves between Lua threads and its release, ~250
+/// instructions a value, callgrind). As with [`request_string`], only
+/// bounded request values are pushed that way.
+pub(crate) struct Restore(pub Option<usize>);
+
+impl mlua::IntoLuaMulti for Restore {
+    fn into_lua_multi(self, lua: &Lua) -> mlua::Result<MultiValue> {
+        if let Some(limit) = self.0 {
+            lua.set_memory_limit(limit)?;
+        }
+        Ok(MultiValue::new())
+    }
+}
+
+/// A host function's result that [`Restore`] lets mlua push directly:
+/// packed request bytes as a `String` where they are UTF-8 and within
+/// [`UNLIMITED_STRING_MAX`], else a Lua string made by
+/// [`request_string`] (or any other value as it is).
+pub(crate) type Pushed = mlua::Either<String, Value>;
+
+/// `v` as a [`Pushed`] (see there).
+pub(crate) fn pushed(lua: &Lua, v: mlua::Either<Vec<u8>, Value>) -> mlua::Result<Pushed> {
+    match v {
+        mlua::Either::Left(b) if b.len() <= UNLIMITED_STRING_MAX => match String::from_utf8(b) {
+            Ok(s) => Ok(mlua::Either::Left(s)),
+            Err(e) => Ok(mlua::Either::Right(Value::String(request_string(
+                lua,
+                e.as_bytes(),
+            )?))),
+        },
+        mlua::Either::Left(b) => Ok(mlua::Either::Right(Value::String(request_string(lua, &b)?))),
+        mlua::Either::Right(v) => Ok(mlua::Either::Right(v)),
+    }
 }
 
 /// Builds the `req` object scripts see: a table whose methods (`header`,
@@ -684,6 +725,17 @@ impl ScriptVm {
             ..Guard::default()
         });
         let counter = budget_counter(&lua, &guard).map_err(le)?;
+        // `graygate.bucket(…)` calls read it from the budget table where
+        // that is the same function (`budget::direct_bucket`): the one the
+        // native glue installed, if it did, or the host's.
+        let direct_bucket = super::budget::direct_bucket(src.texts());
+        if direct_bucket {
+            let bucket: Value = globals
+                .raw_get::<Table>("graygate")
+                .and_then(|g| g.raw_get("bucket"))
+                .map_err(le)?;
+            counter.raw_set("bucket", bucket).map_err(le)?;
+        }
         let g = guard.clone();
         let killed = lua
             .create_function(move |_, ()| Ok(g.killed.get()))
@@ -744,7 +796,7 @@ impl ScriptVm {
                 })?;
                 let name_at = format!("@{}", path.display());
                 syntax_check(lua, text, &name_at)?;
-                let code = super::budget::rewrite(text).map_err(|e| {
+                let code = super::budget::rewrite_with(text, direct_bucket).map_err(|e| {
                     mlua::Error::runtime(format!("{}:{}: {}", path.display(), e.line, e.message))
                 })?;
                 let v: Value = lua
@@ -762,7 +814,7 @@ impl ScriptVm {
 
         let budget = i64::try_from(src.instruction_budget).unwrap_or(i64::MAX);
         syntax_check(&lua, &src.source, &format!("@{}", file.display())).map_err(le)?;
-        let code = super::budget::rewrite(&src.source)
+        let code = super::budget::rewrite_with(&src.source, direct_bucket)
             .map_err(|e| ConfigError::new(file, Some(e.line), e.message))?;
         // The top level's first check ticks and takes the first chunk.
         guard.arm(budget.saturating_mul(TOP_LEVEL_BUDGETS));
@@ -847,8 +899,7 @@ impl ScriptVm {
         let entry = match &self.entry {
             Entry::Ngx(entry) => entry,
             Entry::Native(p, entry) => {
-                let args = p.args(&self.lua, &self.lists, req)?;
-                let r = p.call(entry, args);
+                let r = p.call(&self.lua, entry, &self.lists, req);
                 // `ngx` reached by a computed name filled its caches.
                 if with_current(|_, c| c.ngx_cached).unwrap_or(true) {
                     let _ = self.reset.call::<()>(());
