@@ -27,7 +27,7 @@ use crate::generation::Generation;
 use crate::nodes::{Choice, Fallback, NoCandidates, Service};
 use crate::observe::metrics::NodeTracker;
 use crate::upstream::body::{ClientBody, Replay};
-use crate::upstream::fields::{first, idempotent, strip_hop_by_hop, Added};
+use crate::upstream::fields::{idempotent, scan, strip_hop_by_hop, strip_hop_by_hop_found, Added};
 use crate::upstream::{OutHead, PooledBody, RawHead, Upstream};
 
 /// Rate-limits the lane-fallback WARN to once per 10 s per (service,
@@ -182,12 +182,20 @@ fn rewrite_request<'g>(
     upstream: &UpstreamConfig,
     upgrades: &[String],
 ) -> Outbound<'g> {
-    let original_host = first(&parts.headers, &header::HOST).cloned();
-    let upgrade = upgrade_requested(&parts.headers).filter(|u| upgrade_allowed(u, upgrades));
+    // Host, Upgrade and the hop-by-hop check in one pass over the fields.
+    let scan = scan(&parts.headers);
+    let original_host = scan.host.cloned();
+    let upgrade = scan
+        .upgrade
+        .and_then(|u| upgrade_requested(&parts.headers, u))
+        .filter(|u| upgrade_allowed(u, upgrades));
+    let hop_by_hop = scan.hop_by_hop;
     let client_upgrade = upgrade
         .as_ref()
         .and_then(|_| parts.extensions.remove::<hyper::upgrade::OnUpgrade>());
-    strip_hop_by_hop(&mut parts.headers);
+    if hop_by_hop {
+        strip_hop_by_hop_found(&mut parts.headers);
+    }
     if let Some(u) = &upgrade {
         parts
             .headers
@@ -319,7 +327,10 @@ async fn attempt_all(
         // wrapper future to move, no timer).
         let timeouts = (read_timeout, per_try);
         let plain = service.transport.is_none();
-        let outcome = if plain && Upstream::inline_ok(&out.headers, &up_body) {
+        // No upgrade kept: the rewrite left no `Upgrade` field (no scan).
+        let inline = Upstream::inline_body(&up_body)
+            && (out.upgrade.is_none() || Upstream::inline_ok(&out.headers, &up_body));
+        let outcome = if plain && inline {
             // The inline exchange borrows the head: no request built, no
             // fields cloned or moved per attempt.
             let head = OutHead {
@@ -472,9 +483,11 @@ fn upgrade_allowed(value: &HeaderValue, allowed: &[String]) -> bool {
     protocols.all(|p| !p.is_empty() && allowed.iter().any(|a| a.eq_ignore_ascii_case(p)))
 }
 
-fn upgrade_requested(h: &HeaderMap) -> Option<HeaderValue> {
-    // Usually no Upgrade field at all: one scan, no Connection lookup.
-    let upgrade = first(h, &header::UPGRADE)?;
+/// The `Upgrade` value `upgrade` (the first), if a `Connection` field
+/// names `upgrade` too.
+fn upgrade_requested(h: &HeaderMap, upgrade: &HeaderValue) -> Option<HeaderValue> {
+    // Usually no Upgrade field at all (the caller's scan): no Connection
+    // lookup then.
     let conn_upgrade = h
         .get_all(header::CONNECTION)
         .iter()
