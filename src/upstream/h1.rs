@@ -17,7 +17,7 @@ use std::future::Future;
 use std::io::{self, Write as _};
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::task::{ready, Context, Poll, Waker};
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -65,10 +65,15 @@ thread_local! {
 impl Conn {
     /// True when the peer has sent something (EOF, a reset, stray bytes) on
     /// an idle connection: it cannot carry a new request. Reads tokio's
-    /// cached readiness only — no system call.
+    /// cached readiness only — no system call, and (unlike a poll of the
+    /// readiness) no waker put into the registration under its lock: the
+    /// closure runs only when the socket is marked readable or closed.
     fn is_stale(&self) -> bool {
-        let mut cx = Context::from_waker(Waker::noop());
-        self.stream.poll_read_ready(&mut cx).is_ready() || !self.rbuf.is_empty()
+        let readable = self
+            .stream
+            .try_io(tokio::io::Interest::READABLE, || Ok(()))
+            .is_ok();
+        readable || !self.rbuf.is_empty()
     }
 
     /// Reads more into the read buffer. Goes through tokio's `poll_read`,
@@ -832,6 +837,43 @@ impl Body for RawBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A pooled connection is stale once its peer closed it or sent
+    /// stray bytes (seen through the I/O driver's readiness), and not
+    /// before.
+    #[tokio::test]
+    async fn is_stale_sees_a_close_and_stray_bytes() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        for stray in [false, true] {
+            let stream = TcpStream::connect(addr).await.unwrap();
+            let (mut peer, _) = listener.accept().await.unwrap();
+            let conn = Conn {
+                stream,
+                rbuf: BytesMut::new(),
+                wbuf: Vec::new(),
+                read_size: READ_MIN,
+                spans: Vec::new(),
+            };
+            // A round trip on the connection: the driver has polled it.
+            peer.write_all(b"").await.unwrap();
+            tokio::task::yield_now().await;
+            assert!(!conn.is_stale(), "a quiet connection is usable");
+            if stray {
+                peer.write_all(b"x").await.unwrap();
+            } else {
+                drop(peer);
+            }
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while !conn.is_stale() {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "stray {stray}: never stale"
+                );
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+    }
 
     #[test]
     fn content_length_is_digits_only() {
