@@ -695,7 +695,7 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
     } else {
         Version::HTTP_10
     };
-    *req.headers_mut() = headers;
+    crate::base::head::drop_map(std::mem::replace(req.headers_mut(), headers));
     Parse::Done(Parsed {
         req,
         keep_alive,
@@ -1190,6 +1190,8 @@ fn encode_head(
         w.extend_from_slice(b"\r\n");
     }
     w.extend_from_slice(b"\r\n");
+    // Empty now; never had room when the node's lines went out raw.
+    crate::base::head::drop_map(headers);
     (coding, keep)
 }
 
