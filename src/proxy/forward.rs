@@ -293,10 +293,10 @@ async fn attempt_all(
     // No body was buffered: the serve phase's reading (`t0`) is still
     // this first attempt's start.
     let t0_fresh = matches!(replay, Replay::Empty);
-    let mut tried: Vec<usize> = Vec::with_capacity(max_attempts);
+    let mut tried = Tried::default();
     let mut last_error = None;
     while tried.len() < max_attempts {
-        let Some(idx) = choice.pick(now_ms(), &tried, key) else {
+        let Some(idx) = choice.pick(now_ms(), tried.as_slice(), key) else {
             break;
         };
         let Some(up_body) = replay.next_body() else {
@@ -429,6 +429,45 @@ async fn attempt_all(
     Err(last_error.unwrap_or_else(|| ErrorKind::NoNodeAvailable.into()))
 }
 
+/// Nodes a request tried so far (indices into the candidate set): the
+/// first few inline — no allocation for the usual one or two attempts —,
+/// a `Vec` past that.
+#[derive(Default)]
+struct Tried {
+    inline: [usize; TRIED_INLINE],
+    len: usize,
+    more: Vec<usize>,
+}
+
+/// Attempts [`Tried`] holds inline.
+const TRIED_INLINE: usize = 4;
+
+impl Tried {
+    fn push(&mut self, idx: usize) {
+        if self.len < TRIED_INLINE {
+            self.inline[self.len] = idx;
+        } else {
+            if self.len == TRIED_INLINE {
+                self.more.extend_from_slice(&self.inline);
+            }
+            self.more.push(idx);
+        }
+        self.len += 1;
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn as_slice(&self) -> &[usize] {
+        if self.len <= TRIED_INLINE {
+            &self.inline[..self.len]
+        } else {
+            &self.more
+        }
+    }
+}
+
 /// The respond phase: passes the node's answer back, keeping the node in
 /// flight until its body is done; a `101 Switching Protocols` answer to an
 /// upgrade request joins the two connections into a tunnel that keeps the
@@ -495,4 +534,24 @@ fn upgrade_requested(h: &HeaderMap, upgrade: &HeaderValue) -> Option<HeaderValue
         .flat_map(|v| v.split(','))
         .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
     conn_upgrade.then(|| upgrade.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `Tried` keeps every pushed index in order, inline and past it.
+    #[test]
+    fn tried_keeps_every_index_in_order() {
+        let mut t = Tried::default();
+        let mut want = Vec::new();
+        assert!(t.as_slice().is_empty());
+        for i in 0..TRIED_INLINE * 3 {
+            let idx = i * 7 % 5 + i;
+            t.push(idx);
+            want.push(idx);
+            assert_eq!(t.len(), want.len());
+            assert_eq!(t.as_slice(), &want[..], "after {} pushes", i + 1);
+        }
+    }
 }
