@@ -208,6 +208,44 @@ async fn idle_connections_the_upstream_closed_are_replaced() {
 }
 
 #[tokio::test]
+async fn bodiless_answers_keep_their_fields_on_a_reused_connection() {
+    // A head with no body after it takes the map on the way out; the
+    // head's fields must not stay with the pooled connection for the next
+    // answer, nor be lost.
+    let wire = Wire::start(|head| {
+        if head.starts_with("GET /empty") {
+            (
+                b"HTTP/1.1 200 OK\r\nX-Mixed-Case: a\r\ncontent-length: 0\r\n\r\n".to_vec(),
+                false,
+            )
+        } else {
+            (
+                b"HTTP/1.1 200 OK\r\nX-Other: b\r\ncontent-length: 4\r\n\r\nbody".to_vec(),
+                false,
+            )
+        }
+    })
+    .await;
+    let s = setup(&wire);
+    for round in 0..3 {
+        let r = s.gw.get("/empty").await;
+        assert_eq!(r.status, 200, "round {round}");
+        assert_eq!(
+            r.header("x-mixed-case").as_deref(),
+            Some("a"),
+            "round {round}"
+        );
+        assert_eq!(r.header("x-other"), None, "round {round}");
+        assert!(r.body.is_empty());
+        let r = s.gw.get("/full").await;
+        assert_eq!(r.text(), "body", "round {round}");
+        assert_eq!(r.header("x-other").as_deref(), Some("b"), "round {round}");
+        assert_eq!(r.header("x-mixed-case"), None, "round {round}");
+    }
+    assert_eq!(wire.connections(), 1);
+}
+
+#[tokio::test]
 async fn head_responses_have_no_body_and_keep_the_connection() {
     let wire = Wire::start(|head| {
         let body = if head.starts_with("HEAD") {

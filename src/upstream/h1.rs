@@ -56,6 +56,10 @@ pub struct Conn {
     read_size: usize,
     /// Field positions of the head being parsed (reused: no allocation).
     spans: Vec<Span>,
+    /// The last response head's fields as sent ([`RawHead`]), until the
+    /// caller takes them: kept here, on the boxed connection, so the
+    /// response that moves through the layers stays small.
+    raw: Option<RawHead>,
 }
 
 thread_local! {
@@ -239,6 +243,7 @@ pub async fn request(
         wbuf: Vec::with_capacity(1024),
         read_size: READ_MIN,
         spans: Vec::new(),
+        raw: None,
     });
     match exchange(&mut conn, addr, &req, deadline).await {
         Ok(head) => finish(head, conn, addr, head_request, s),
@@ -251,9 +256,9 @@ pub async fn request(
 struct Head {
     status: StatusCode,
     version: Version,
-    /// End-to-end fields only (empty when `raw` holds them).
+    /// End-to-end fields only (empty when the connection's `raw` holds
+    /// them).
     headers: HeaderMap,
-    raw: Option<RawHead>,
     meta: Meta,
 }
 
@@ -281,8 +286,12 @@ async fn exchange(
     }
     loop {
         if !conn.rbuf.is_empty() {
-            if let Some(head) =
-                parse_head(&mut conn.rbuf, &mut conn.spans, req.raw_ok).map_err(|e| (e, true))?
+            if let Some(head) = parse_head(
+                &mut conn.rbuf,
+                &mut conn.spans,
+                req.raw_ok.then_some(&mut conn.raw),
+            )
+            .map_err(|e| (e, true))?
             {
                 return Ok(head);
             }
@@ -323,10 +332,12 @@ async fn exchange(
 
 /// Parses a final response head off the front of `buf`, skipping interim
 /// `1xx` responses. `Ok(None)`: incomplete.
+/// With `raw_to`, a plain head's fields go there as [`RawHead`] (the
+/// head's map is empty then).
 fn parse_head(
     buf: &mut BytesMut,
     spans: &mut Vec<Span>,
-    raw_ok: bool,
+    raw_to: Option<&mut Option<RawHead>>,
 ) -> Result<Option<Head>, Failed> {
     loop {
         // The usual strict head is read in one pass (`head`); anything else
@@ -369,13 +380,13 @@ fn parse_head(
             )
         });
         let head = buf.split_to(n).freeze();
-        if raw_ok {
+        if let Some(to) = raw_to {
             if let Some(raw) = RawHead::of(&head, spans, &meta, status) {
+                *to = Some(raw);
                 return Ok(Some(Head {
                     status,
                     version,
                     headers: HeaderMap::new(),
-                    raw: Some(raw),
                     meta,
                 }));
             }
@@ -385,7 +396,6 @@ fn parse_head(
             status,
             version,
             headers,
-            raw: None,
             meta,
         }));
     }
@@ -690,6 +700,16 @@ fn finish(
             Version::HTTP_10 => head.meta.keep_alive,
             _ => !head.meta.close,
         };
+    let mut conn = conn;
+    let mut headers = head.headers;
+    if matches!(framing, Framing::Done) {
+        // No body to follow: the client side would put the fields into
+        // the map anyway (it rewrites such a head); done here, before the
+        // connection goes back to the pool with them.
+        if let Some(raw) = conn.raw.take() {
+            headers = raw.to_map();
+        }
+    }
     let mut body = RawBody {
         conn: Some(conn),
         framing,
@@ -697,13 +717,12 @@ fn finish(
         addr,
         max_idle: s.max_idle,
         stall: Stall::new(s.read_timeout),
-        raw: head.raw,
     };
     body.release_if_done();
     let mut resp = Response::new(body);
     *resp.status_mut() = head.status;
     *resp.version_mut() = head.version;
-    *resp.headers_mut() = head.headers;
+    crate::base::head::drop_map(std::mem::replace(resp.headers_mut(), headers));
     Ok(resp)
 }
 
@@ -716,9 +735,6 @@ pub struct RawBody {
     max_idle: usize,
     /// The read timeout between two reads of the body.
     stall: Stall,
-    /// The head's fields as sent (the response's map is empty then),
-    /// until the caller takes them.
-    raw: Option<RawHead>,
 }
 
 impl RawBody {
@@ -726,7 +742,7 @@ impl RawBody {
     /// allowed it and the head was plain ([`RawHead`]); the response's map
     /// is empty then.
     pub fn take_raw_head(&mut self) -> Option<RawHead> {
-        self.raw.take()
+        self.conn.as_mut()?.raw.take()
     }
 
     /// At the body's end: the connection goes back to the pool when the
@@ -735,8 +751,10 @@ impl RawBody {
         if !matches!(self.framing, Framing::Done) {
             return;
         }
-        if let Some(conn) = self.conn.take() {
+        if let Some(mut conn) = self.conn.take() {
             if self.keep_alive && conn.rbuf.is_empty() {
+                // A head's fields not taken are not the next response's.
+                conn.raw = None;
                 checkin(self.addr, conn, self.max_idle);
             }
         }
@@ -854,6 +872,7 @@ mod tests {
                 wbuf: Vec::new(),
                 read_size: READ_MIN,
                 spans: Vec::new(),
+                raw: None,
             };
             // A round trip on the connection: the driver has polled it.
             peer.write_all(b"").await.unwrap();
