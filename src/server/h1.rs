@@ -1241,26 +1241,24 @@ mod tests {
 
     /// A future type of its own for the slot tests (the same type at each
     /// call).
-    fn job(x: u32, guard: Option<DropCount>) -> impl Future<Output = u32> {
-        async move {
-            let _guard = guard;
-            // One wait before the answer, so a test can drop it midway.
-            let mut waited = false;
-            poll_fn(|cx| {
-                if waited {
-                    return Poll::Ready(());
-                }
-                waited = true;
-                cx.waker().wake_by_ref();
-                Poll::Pending
-            })
-            .await;
-            x
-        }
+    async fn job(x: u32, guard: Option<DropCount>) -> u32 {
+        let _guard = guard;
+        // One wait before the answer, so a test can drop it midway.
+        let mut waited = false;
+        poll_fn(|cx| {
+            if waited {
+                return Poll::Ready(());
+            }
+            waited = true;
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        })
+        .await;
+        x
     }
 
-    fn other_job() -> impl Future<Output = u32> {
-        async { 7 }
+    async fn other_job() -> u32 {
+        7
     }
 
     /// Counts its drops.
