@@ -272,7 +272,18 @@ async fn exchange(
 ) -> Result<Head, (Failed, bool)> {
     let mut wbuf = std::mem::take(&mut conn.wbuf);
     req.encode(addr, &mut wbuf);
-    let written = deadline.within(conn.stream.write_all(&wbuf)).await;
+    // The usual head fits the socket's send buffer: one try first, no
+    // write future (its readiness poll and budget check) unless it waits.
+    let first = match conn.stream.try_write(&wbuf) {
+        Ok(n) => Ok(n),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
+        Err(e) => Err(e),
+    };
+    let written = match first {
+        Ok(n) if n == wbuf.len() => Ok(Ok(())),
+        Ok(n) => deadline.within(conn.stream.write_all(&wbuf[n..])).await,
+        Err(e) => Ok(Err(e)),
+    };
     conn.wbuf = wbuf;
     written
         .map_err(|_| (Failed::timeout(), true))?
