@@ -208,6 +208,98 @@ async fn idle_connections_the_upstream_closed_are_replaced() {
 }
 
 #[tokio::test]
+async fn bodiless_answers_keep_their_fields_on_a_reused_connection() {
+    // A head with no body after it takes the map on the way out; the
+    // head's fields must not stay with the pooled connection for the next
+    // answer, nor be lost.
+    let wire = Wire::start(|head| {
+        if head.starts_with("GET /empty") {
+            (
+                b"HTTP/1.1 200 OK\r\nX-Mixed-Case: a\r\ncontent-length: 0\r\n\r\n".to_vec(),
+                false,
+            )
+        } else {
+            (
+                b"HTTP/1.1 200 OK\r\nX-Other: b\r\ncontent-length: 4\r\n\r\nbody".to_vec(),
+                false,
+            )
+        }
+    })
+    .await;
+    let s = setup(&wire);
+    for round in 0..3 {
+        let r = s.gw.get("/empty").await;
+        assert_eq!(r.status, 200, "round {round}");
+        assert_eq!(
+            r.header("x-mixed-case").as_deref(),
+            Some("a"),
+            "round {round}"
+        );
+        assert_eq!(r.header("x-other"), None, "round {round}");
+        assert!(r.body.is_empty());
+        let r = s.gw.get("/full").await;
+        assert_eq!(r.text(), "body", "round {round}");
+        assert_eq!(r.header("x-other").as_deref(), Some("b"), "round {round}");
+        assert_eq!(r.header("x-mixed-case"), None, "round {round}");
+    }
+    assert_eq!(wire.connections(), 1);
+}
+
+#[tokio::test]
+async fn a_request_head_larger_than_one_write_arrives_whole() {
+    // A node with a small receive buffer and 6 MB of one field: the
+    // first try writes only part of the head into the socket, the rest
+    // goes out by the waiting write as the node reads.
+    let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    sock.set_recv_buffer_size(4096).unwrap();
+    sock.bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into())
+        .unwrap();
+    sock.listen(16).unwrap();
+    sock.set_nonblocking(true).unwrap();
+    let listener = TcpListener::from_std(sock.into()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let got = Arc::new(Mutex::new(Vec::<usize>::new()));
+    let seen = got.clone();
+    tokio::spawn(async move {
+        let (mut c, _) = listener.accept().await.unwrap();
+        let mut buf = Vec::new();
+        loop {
+            let mut chunk = [0u8; 4096];
+            let n = match c.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            let from = buf.len().saturating_sub(3);
+            buf.extend_from_slice(&chunk[..n]);
+            if let Some(p) = buf[from..].windows(4).position(|w| w == b"\r\n\r\n") {
+                seen.lock().unwrap().push(from + p + 4);
+                buf.clear();
+                let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                if c.write_all(ok).await.is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    let s = setup_extra(addr, "client:\n  max_header_bytes: 8000000\n");
+    let big = "a".repeat(6_000_000);
+    for round in 0..2 {
+        let r = Req::get("/big-head")
+            .header("x-big", &big)
+            .send(s.gw.addr)
+            .await;
+        assert_eq!(r.status, 200, "round {round}: {}", r.text());
+        assert_eq!(r.text(), "ok");
+        let lens = got.lock().unwrap().clone();
+        assert_eq!(lens.len(), round + 1, "round {round}: {lens:?}");
+        assert!(
+            lens[round] > 600_000,
+            "round {round}: the head arrived cut: {lens:?}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn head_responses_have_no_body_and_keep_the_connection() {
     let wire = Wire::start(|head| {
         let body = if head.starts_with("HEAD") {

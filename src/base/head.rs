@@ -18,6 +18,17 @@
 /// Name start, name end, value start, value end of a header field.
 pub type Span = (u32, u32, u32, u32);
 
+/// Drops a field map; one that never had room for a field (a
+/// `HeaderMap::new()`, which allocates nothing — e.g. the map a
+/// `Request::new`/`Response::new` starts with, replaced by the parsed one)
+/// is forgotten instead: its drop frees nothing but still walks the map's
+/// three parts (~60 instructions, callgrind; three such drops per request).
+pub fn drop_map(map: http::HeaderMap) {
+    if map.capacity() == 0 {
+        std::mem::forget(map);
+    }
+}
+
 /// A response head's status line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StatusLine {
@@ -266,6 +277,32 @@ fn fields(buf: &[u8], mut at: usize, spans: &mut Vec<Span>, max: usize) -> Optio
 
 #[cfg(test)]
 mod tests {
+    /// A map that had room is dropped (its values' bytes released); a
+    /// fresh one is empty and has none.
+    #[test]
+    fn drop_map_drops_maps_that_had_room() {
+        let bytes = bytes::Bytes::from(b"value".to_vec());
+        let mut m = http::HeaderMap::new();
+        assert_eq!(m.capacity(), 0);
+        m.insert(
+            http::header::HOST,
+            http::HeaderValue::from_maybe_shared(bytes.clone()).unwrap(),
+        );
+        assert!(!bytes.is_unique());
+        drop_map(m);
+        assert!(bytes.is_unique(), "the map's values were not dropped");
+        let mut emptied = http::HeaderMap::with_capacity(2);
+        emptied.insert(
+            http::header::HOST,
+            http::HeaderValue::from_maybe_shared(bytes.clone()).unwrap(),
+        );
+        emptied.clear();
+        assert!(emptied.capacity() > 0);
+        drop_map(emptied);
+        drop_map(http::HeaderMap::new());
+        assert!(bytes.is_unique());
+    }
+
     use super::*;
 
     const MAX: usize = 100;

@@ -15,7 +15,6 @@ use crate::base::error::ErrorKind;
 use crate::config::PassiveHealth;
 use crate::lane::RequestInfo;
 use crate::nodes::health::NodeHealth;
-use crate::observe::access_log::AccessLog;
 use crate::observe::node_stats::NodeCounters;
 use crate::upstream::body::ClientFault;
 use crate::upstream::RawHead;
@@ -101,12 +100,7 @@ impl RequestCtx {
     /// no copy of the ~400-byte context per request.
     ///
     /// [`Pending::new`]: super::record::Pending::new
-    pub fn begin(
-        info: &RequestInfo,
-        peer: SocketAddr,
-        start: Instant,
-        log: &AccessLog,
-    ) -> RequestCtx {
+    pub fn begin(info: &RequestInfo, peer: SocketAddr, start: Instant, log: bool) -> RequestCtx {
         RequestCtx {
             client: Client {
                 peer,
@@ -119,7 +113,7 @@ impl RequestCtx {
             end: start,
             decision: None,
             set_cookie: None,
-            log_head: log.enabled().then(|| {
+            log_head: log.then(|| {
                 (
                     info.parts.method.to_string(),
                     info.parts.uri.path().to_string(),

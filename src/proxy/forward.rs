@@ -27,7 +27,7 @@ use crate::generation::Generation;
 use crate::nodes::{Choice, Fallback, NoCandidates, Service};
 use crate::observe::metrics::NodeTracker;
 use crate::upstream::body::{ClientBody, Replay};
-use crate::upstream::fields::{first, idempotent, strip_hop_by_hop, Added};
+use crate::upstream::fields::{idempotent, scan, strip_hop_by_hop, strip_hop_by_hop_found, Added};
 use crate::upstream::{OutHead, PooledBody, RawHead, Upstream};
 
 /// Rate-limits the lane-fallback WARN to once per 10 s per (service,
@@ -182,12 +182,20 @@ fn rewrite_request<'g>(
     upstream: &UpstreamConfig,
     upgrades: &[String],
 ) -> Outbound<'g> {
-    let original_host = first(&parts.headers, &header::HOST).cloned();
-    let upgrade = upgrade_requested(&parts.headers).filter(|u| upgrade_allowed(u, upgrades));
+    // Host, Upgrade and the hop-by-hop check in one pass over the fields.
+    let scan = scan(&parts.headers);
+    let original_host = scan.host.cloned();
+    let upgrade = scan
+        .upgrade
+        .and_then(|u| upgrade_requested(&parts.headers, u))
+        .filter(|u| upgrade_allowed(u, upgrades));
+    let hop_by_hop = scan.hop_by_hop;
     let client_upgrade = upgrade
         .as_ref()
         .and_then(|_| parts.extensions.remove::<hyper::upgrade::OnUpgrade>());
-    strip_hop_by_hop(&mut parts.headers);
+    if hop_by_hop {
+        strip_hop_by_hop_found(&mut parts.headers);
+    }
     if let Some(u) = &upgrade {
         parts
             .headers
@@ -285,10 +293,10 @@ async fn attempt_all(
     // No body was buffered: the serve phase's reading (`t0`) is still
     // this first attempt's start.
     let t0_fresh = matches!(replay, Replay::Empty);
-    let mut tried: Vec<usize> = Vec::with_capacity(max_attempts);
+    let mut tried = Tried::default();
     let mut last_error = None;
     while tried.len() < max_attempts {
-        let Some(idx) = choice.pick(now_ms(), &tried, key) else {
+        let Some(idx) = choice.pick(now_ms(), tried.as_slice(), key) else {
             break;
         };
         let Some(up_body) = replay.next_body() else {
@@ -319,7 +327,10 @@ async fn attempt_all(
         // wrapper future to move, no timer).
         let timeouts = (read_timeout, per_try);
         let plain = service.transport.is_none();
-        let outcome = if plain && Upstream::inline_ok(&out.headers, &up_body) {
+        // No upgrade kept: the rewrite left no `Upgrade` field (no scan).
+        let inline = Upstream::inline_body(&up_body)
+            && (out.upgrade.is_none() || Upstream::inline_ok(&out.headers, &up_body));
+        let outcome = if plain && inline {
             // The inline exchange borrows the head: no request built, no
             // fields cloned or moved per attempt.
             let head = OutHead {
@@ -418,6 +429,45 @@ async fn attempt_all(
     Err(last_error.unwrap_or_else(|| ErrorKind::NoNodeAvailable.into()))
 }
 
+/// Nodes a request tried so far (indices into the candidate set): the
+/// first few inline — no allocation for the usual one or two attempts —,
+/// a `Vec` past that.
+#[derive(Default)]
+struct Tried {
+    inline: [usize; TRIED_INLINE],
+    len: usize,
+    more: Vec<usize>,
+}
+
+/// Attempts [`Tried`] holds inline.
+const TRIED_INLINE: usize = 4;
+
+impl Tried {
+    fn push(&mut self, idx: usize) {
+        if self.len < TRIED_INLINE {
+            self.inline[self.len] = idx;
+        } else {
+            if self.len == TRIED_INLINE {
+                self.more.extend_from_slice(&self.inline);
+            }
+            self.more.push(idx);
+        }
+        self.len += 1;
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn as_slice(&self) -> &[usize] {
+        if self.len <= TRIED_INLINE {
+            &self.inline[..self.len]
+        } else {
+            &self.more
+        }
+    }
+}
+
 /// The respond phase: passes the node's answer back, keeping the node in
 /// flight until its body is done; a `101 Switching Protocols` answer to an
 /// upgrade request joins the two connections into a tunnel that keeps the
@@ -472,9 +522,11 @@ fn upgrade_allowed(value: &HeaderValue, allowed: &[String]) -> bool {
     protocols.all(|p| !p.is_empty() && allowed.iter().any(|a| a.eq_ignore_ascii_case(p)))
 }
 
-fn upgrade_requested(h: &HeaderMap) -> Option<HeaderValue> {
-    // Usually no Upgrade field at all: one scan, no Connection lookup.
-    let upgrade = first(h, &header::UPGRADE)?;
+/// The `Upgrade` value `upgrade` (the first), if a `Connection` field
+/// names `upgrade` too.
+fn upgrade_requested(h: &HeaderMap, upgrade: &HeaderValue) -> Option<HeaderValue> {
+    // Usually no Upgrade field at all (the caller's scan): no Connection
+    // lookup then.
     let conn_upgrade = h
         .get_all(header::CONNECTION)
         .iter()
@@ -482,4 +534,24 @@ fn upgrade_requested(h: &HeaderMap) -> Option<HeaderValue> {
         .flat_map(|v| v.split(','))
         .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
     conn_upgrade.then(|| upgrade.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `Tried` keeps every pushed index in order, inline and past it.
+    #[test]
+    fn tried_keeps_every_index_in_order() {
+        let mut t = Tried::default();
+        let mut want = Vec::new();
+        assert!(t.as_slice().is_empty());
+        for i in 0..TRIED_INLINE * 3 {
+            let idx = i * 7 % 5 + i;
+            t.push(idx);
+            want.push(idx);
+            assert_eq!(t.len(), want.len());
+            assert_eq!(t.as_slice(), &want[..], "after {} pushes", i + 1);
+        }
+    }
 }

@@ -74,7 +74,7 @@ pub async fn handle(
     peer: SocketAddr,
     req: Request<RequestBody>,
 ) -> Result<Response<record::Recorded>, Infallible> {
-    handle_with(plane, peer, req, Handover::default()).await
+    handle_with(plane.clone(), peer, req, Handover::default()).await
 }
 
 /// What the client side knows of a request it hands over.
@@ -101,9 +101,10 @@ impl Default for Handover {
 }
 
 /// [`handle`], with what the client side knows of the request
-/// ([`Handover`]).
+/// ([`Handover`]). The future owns what it needs (`plane` too): it borrows
+/// nothing.
 pub async fn handle_with(
-    plane: &Arc<DataPlane>,
+    plane: Arc<DataPlane>,
     peer: SocketAddr,
     mut req: Request<RequestBody>,
     from: Handover,
@@ -118,10 +119,10 @@ pub async fn handle_with(
     );
     let (parts, body) = req.into_parts();
     let info = resolve::resolve_request(parts, peer.ip(), &gen.trusted);
-    let mut pending = record::Pending::new(plane, gen, || {
-        RequestCtx::begin(&info, peer, start, &plane.access_log)
-    });
-    let (gen, ctx) = pending.parts_mut();
+    let log = plane.access_log.enabled();
+    let mut pending =
+        record::Pending::new(plane, gen, || RequestCtx::begin(&info, peer, start, log));
+    let (plane, gen, ctx) = pending.parts_mut();
     ctx.raw_ok = from.raw_ok;
     // The request's fields stay in `info` (moved only where the lane phase
     // takes them): each move of it is a 272-byte copy.

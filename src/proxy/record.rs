@@ -37,7 +37,7 @@ impl Pending {
     /// The box is allocated before the context is built (`ctx`), so the
     /// context is written into it in place.
     pub fn new(
-        plane: &Arc<DataPlane>,
+        plane: Arc<DataPlane>,
         gen: Arc<Generation>,
         ctx: impl FnOnce() -> RequestCtx,
     ) -> Box<Pending> {
@@ -45,7 +45,7 @@ impl Pending {
         Box::write(
             slot,
             Pending {
-                plane: plane.clone(),
+                plane,
                 gen,
                 ctx: ctx(),
                 status: 0,
@@ -53,9 +53,9 @@ impl Pending {
         )
     }
 
-    /// The generation serving the request, and its context.
-    pub fn parts_mut(&mut self) -> (&Generation, &mut RequestCtx) {
-        (&self.gen, &mut self.ctx)
+    /// The data plane and generation serving the request, and its context.
+    pub fn parts_mut(&mut self) -> (&DataPlane, &Generation, &mut RequestCtx) {
+        (&self.plane, &self.gen, &mut self.ctx)
     }
 }
 

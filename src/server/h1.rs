@@ -225,10 +225,11 @@ pub(super) fn serve(
     })
 }
 
-async fn run(mut conn: Conn) {
+async fn run(conn: Conn) {
     // Served here until the connection closes or goes to hyper (the tick's
     // registration is dropped with `plain`'s state, before hyper's turn).
-    let Some(bytes) = plain(&mut conn).await else {
+    // Boxed: the exchange takes it and hands it back, a pointer's move.
+    let Some((conn, bytes)) = plain(Box::new(conn)).await else {
         return;
     };
     let Conn {
@@ -237,7 +238,7 @@ async fn run(mut conn: Conn) {
         peer,
         _open,
         ..
-    } = conn;
+    } = *conn;
     let io = Rewind {
         pre: bytes.freeze(),
         inner: stream,
@@ -248,7 +249,7 @@ async fn run(mut conn: Conn) {
 
 /// The connection's requests on this path; `Some`: hand it to hyper, these
 /// bytes first.
-async fn plain(conn: &mut Conn) -> Option<BytesMut> {
+async fn plain(mut conn: Box<Conn>) -> Option<(Box<Conn>, BytesMut)> {
     // The tick's wake-up, kept registered across requests (renewed only
     // once it has fired): no waiter put into and taken out of the accept
     // loop's list per request.
@@ -259,46 +260,109 @@ async fn plain(conn: &mut Conn) -> Option<BytesMut> {
         }
         // Boxed: the exchange's state (the head being read, the response
         // being written) lives only while a request does; the idle
-        // connection's task stays small.
-        match in_box(|| conn.exchange()).await {
+        // connection's task stays small. The exchange owns the connection
+        // meanwhile (its future borrows nothing, so its heap slot can serve
+        // the thread's next request: [`InBox`]).
+        let (back, next) = InBox::new(move || conn.exchange_owned()).await;
+        conn = back;
+        match next {
             Next::KeepAlive => {}
             Next::Close => return None,
-            Next::Hyper(bytes) => return Some(bytes),
+            Next::Hyper(bytes) => return Some((conn, bytes)),
         }
     }
 }
 
-/// Runs the future `make` builds in a heap slot allocated before it is
-/// built, so that the (large, unstarted) future is written in place — not
-/// built on the stack and copied into its box (`Box::pin(f)`: the request's
-/// 8 KB future was one memcpy per request).
-async fn in_box<F: Future>(make: impl FnOnce() -> F) -> F::Output {
-    InBox::new(make).await
+/// Heap slots of finished [`InBox`] futures, kept per thread for the next
+/// request's future of the same type (at most [`SLOTS_MAX`]): a request's
+/// futures are over 1 KB, past mimalloc's small-block fast path (~0.2k
+/// instructions per allocation there, callgrind). Each entry is a holder
+/// of one type's slot (`Option<Pin<Box<Option<F>>>>`), kept when emptied:
+/// no allocation per request for the holder either.
+const SLOTS_MAX: usize = 16;
+
+thread_local! {
+    static SLOTS: RefCell<Vec<Box<dyn std::any::Any>>> = const { RefCell::new(Vec::new()) };
 }
 
-/// A future built in place in its heap slot ([`in_box`]); already built
-/// when this is made, so moving it moves a pointer (not the unstarted
-/// future's captured values, as moving an `in_box` future did).
-struct InBox<F>(Pin<Box<Option<F>>>);
+/// The holder type of a kept slot for futures of type `F`.
+type Kept<F> = Option<Pin<Box<Option<F>>>>;
 
-impl<F: Future> InBox<F> {
+/// A kept slot for futures of type `F`, if the thread has one.
+fn take_slot<F: 'static>() -> Option<Pin<Box<Option<F>>>> {
+    SLOTS
+        .try_with(|s| {
+            let mut s = s.borrow_mut();
+            s.iter_mut()
+                .rev()
+                .filter_map(|h| h.downcast_mut::<Kept<F>>())
+                .find_map(Option::take)
+        })
+        .ok()
+        .flatten()
+}
+
+/// Keeps an emptied slot for the thread's next future of its type (or frees
+/// it, with [`SLOTS_MAX`] kept already).
+fn keep_slot<F: 'static>(slot: Pin<Box<Option<F>>>) {
+    let _ = SLOTS.try_with(|s| {
+        let mut s = s.borrow_mut();
+        let n = s.len();
+        let free = s
+            .iter_mut()
+            .filter_map(|h| h.downcast_mut::<Kept<F>>())
+            .find(|h| h.is_none());
+        match free {
+            Some(h) => *h = Some(slot),
+            None if n < SLOTS_MAX => s.push(Box::new(Some(slot))),
+            None => {}
+        }
+    });
+}
+
+/// A future built in place in its heap slot: already built when this is
+/// made, so moving it moves a pointer (not the unstarted future's captured
+/// values). The slot is allocated before the future is built (`Box::pin(f)`
+/// builds it on the stack and copies it in: the request's 8 KB future was
+/// one memcpy per request), or taken from the thread's kept ones; once the
+/// future is done or dropped, its state is dropped in place and the empty
+/// slot kept for the next ([`keep_slot`]).
+struct InBox<F: Future + 'static>(Option<Pin<Box<Option<F>>>>);
+
+impl<F: Future + 'static> InBox<F> {
     fn new(make: impl FnOnce() -> F) -> InBox<F> {
         // Allocated before `None` is written: `Box::pin(None)` wrote it on
         // the stack and copied the whole slot (1.8 KB for the exchange)
         // into the box.
-        let mut slot: Pin<Box<Option<F>>> = Box::into_pin(Box::write(Box::new_uninit(), None));
+        let mut slot =
+            take_slot::<F>().unwrap_or_else(|| Box::into_pin(Box::write(Box::new_uninit(), None)));
         slot.as_mut().set(Some(make()));
-        InBox(slot)
+        InBox(Some(slot))
     }
 }
 
-impl<F: Future> Future for InBox<F> {
+impl<F: Future + 'static> Future for InBox<F> {
     type Output = F::Output;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        match self.0.as_mut().as_pin_mut() {
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        match self
+            .get_mut()
+            .0
+            .as_mut()
+            .and_then(|s| s.as_mut().as_pin_mut())
+        {
             Some(f) => f.poll(cx),
             None => unreachable!("set when made"),
+        }
+    }
+}
+
+impl<F: Future + 'static> Drop for InBox<F> {
+    fn drop(&mut self) {
+        if let Some(mut slot) = self.0.take() {
+            // The future's state goes now, as it would with its box.
+            slot.as_mut().set(None);
+            keep_slot(slot);
         }
     }
 }
@@ -341,6 +405,13 @@ impl Conn {
                 None => tick.set(self.drain.clone().notified_owned()),
             }
         }
+    }
+
+    /// [`Self::exchange`] on the connection it owns meanwhile (handed back
+    /// with the outcome).
+    async fn exchange_owned(mut self: Box<Self>) -> (Box<Conn>, Next) {
+        let next = self.exchange().await;
+        (self, next)
     }
 
     /// One request: read its head, serve it, write the answer.
@@ -424,10 +495,12 @@ impl Conn {
         }
         let method_head = req.method() == Method::HEAD;
         let version = req.version();
-        let plane = &self.server.plane;
-        // Boxed on its own: the exchange's future stays small.
+        // Boxed on its own: the exchange's future stays small. It owns a
+        // handle on the data plane (borrows nothing): its slot serves the
+        // thread's next request ([`InBox`]).
         // A client that goes away meanwhile cancels the request (as on
         // hyper's connections).
+        let plane = self.server.plane.clone();
         let handled = unless_gone(
             &self.stream,
             InBox::new(|| {
@@ -622,7 +695,7 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
     } else {
         Version::HTTP_10
     };
-    *req.headers_mut() = headers;
+    crate::base::head::drop_map(std::mem::replace(req.headers_mut(), headers));
     Parse::Done(Parsed {
         req,
         keep_alive,
@@ -1117,6 +1190,8 @@ fn encode_head(
         w.extend_from_slice(b"\r\n");
     }
     w.extend_from_slice(b"\r\n");
+    // Empty now; never had room when the node's lines went out raw.
+    crate::base::head::drop_map(headers);
     (coding, keep)
 }
 
@@ -1163,6 +1238,110 @@ impl AsyncWrite for Rewind {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A future type of its own for the slot tests (the same type at each
+    /// call).
+    async fn job(x: u32, guard: Option<DropCount>) -> u32 {
+        let _guard = guard;
+        // One wait before the answer, so a test can drop it midway.
+        let mut waited = false;
+        poll_fn(|cx| {
+            if waited {
+                return Poll::Ready(());
+            }
+            waited = true;
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        })
+        .await;
+        x
+    }
+
+    async fn other_job() -> u32 {
+        7
+    }
+
+    /// Counts its drops.
+    struct DropCount(std::rc::Rc<Cell<u32>>);
+
+    impl Drop for DropCount {
+        fn drop(&mut self) {
+            self.0.set(self.0.get() + 1);
+        }
+    }
+
+    fn addr<F: Future + 'static>(b: &InBox<F>) -> usize {
+        let slot: &Option<F> = b.0.as_ref().expect("made");
+        slot as *const Option<F> as usize
+    }
+
+    /// Slots kept for the futures `_make` makes.
+    fn kept_slots<F: Future + 'static>(_make: fn(u32, Option<DropCount>) -> F) -> usize {
+        SLOTS.with(|s| {
+            s.borrow()
+                .iter()
+                .filter(|h| h.downcast_ref::<Kept<F>>().is_some_and(Option::is_some))
+                .count()
+        })
+    }
+
+    fn run_to_end<F: Future>(f: F) -> F::Output {
+        let mut f = std::pin::pin!(f);
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        loop {
+            if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+                return v;
+            }
+        }
+    }
+
+    /// A finished or dropped future's heap slot serves the thread's next
+    /// future of the same type (not one of another type); a future dropped
+    /// midway has its state dropped then, not when the slot is reused.
+    #[test]
+    fn inbox_slots_are_kept_per_type_and_reused() {
+        let first = InBox::new(|| job(1, None));
+        let at = addr(&first);
+        assert_eq!(kept_slots(job), 0);
+        assert_eq!(run_to_end(first), 1);
+        assert_eq!(
+            kept_slots(job),
+            1,
+            "the finished future's slot was not kept"
+        );
+        let other = InBox::new(other_job);
+        assert_ne!(addr(&other), at, "another type took the kept slot");
+        assert_eq!(kept_slots(job), 1);
+        assert_eq!(run_to_end(other), 7);
+        let again = InBox::new(|| job(2, None));
+        assert_eq!(addr(&again), at, "the kept slot was not reused");
+        assert_eq!(kept_slots(job), 0);
+        // Two at once: the second takes a fresh slot; both are kept after.
+        let beside = InBox::new(|| job(3, None));
+        assert_ne!(addr(&beside), at);
+        assert_eq!(run_to_end(again) + run_to_end(beside), 5);
+        assert_eq!(kept_slots(job), 2, "the emptied holder was not refilled");
+        // Dropped midway: its state (the guard) goes with the drop.
+        let drops = std::rc::Rc::new(Cell::new(0));
+        let mut midway = Box::pin(InBox::new(|| job(4, Some(DropCount(drops.clone())))));
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        assert!(midway.as_mut().poll(&mut cx).is_pending());
+        assert_eq!(kept_slots(job), 1);
+        drop(midway);
+        assert_eq!(drops.get(), 1, "the dropped future's state outlived it");
+        assert_eq!(kept_slots(job), 2);
+    }
+
+    /// At most `SLOTS_MAX` slots are kept per thread.
+    #[test]
+    fn inbox_keeps_at_most_slots_max() {
+        let many: Vec<_> = (0..SLOTS_MAX as u32 + 5)
+            .map(|i| InBox::new(move || job(i, None)))
+            .collect();
+        let sum: u32 = many.into_iter().map(run_to_end).sum();
+        assert_eq!(sum, (0..SLOTS_MAX as u32 + 5).sum::<u32>());
+        assert_eq!(kept_slots(job), SLOTS_MAX);
+    }
 
     fn parsed(raw: &[u8]) -> Parse {
         let mut b = BytesMut::from(raw);

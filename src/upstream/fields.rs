@@ -178,6 +178,50 @@ pub fn count_first<'h>(
     (first.map_or(0, |_| 1 + found.count()), first)
 }
 
+/// What the rewrite of a request reads of its fields ([`scan`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Scan<'h> {
+    /// The first `Host` value.
+    pub host: Option<&'h HeaderValue>,
+    /// The first `Upgrade` value.
+    pub upgrade: Option<&'h HeaderValue>,
+    /// Some field is hop-by-hop or `Transfer-Encoding`
+    /// ([`strip_hop_by_hop_found`] has work to do).
+    pub hop_by_hop: bool,
+}
+
+/// [`first`] of `Host` and of `Upgrade` and whether any field is hop-by-hop
+/// — one pass over a small map's names instead of three (hashed lookups
+/// above [`SCAN_MAX`] values, as `first`).
+pub fn scan(headers: &HeaderMap) -> Scan<'_> {
+    if headers.len() > SCAN_MAX {
+        return Scan {
+            host: headers.get(header::HOST),
+            upgrade: headers.get(header::UPGRADE),
+            hop_by_hop: headers.keys().any(stripped),
+        };
+    }
+    let mut s = Scan::default();
+    for (n, v) in headers.iter() {
+        if *n == header::HOST {
+            s.host.get_or_insert(v);
+        } else if !s.hop_by_hop || s.upgrade.is_none() {
+            if *n == header::UPGRADE {
+                s.upgrade.get_or_insert(v);
+            }
+            s.hop_by_hop |= stripped(n);
+        }
+    }
+    s
+}
+
+/// Does [`strip_hop_by_hop`] remove fields named `n` (unless a
+/// `Connection` field names others)?
+fn stripped(n: &HeaderName) -> bool {
+    let b = n.as_str().as_bytes();
+    is_hop_by_hop(b) || (b.len() == 17 && *n == header::TRANSFER_ENCODING)
+}
+
 /// Removes hop-by-hop headers, including those named in `Connection`.
 /// (`Transfer-Encoding` is framing that hyper owns on each side.)
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
@@ -186,9 +230,14 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let any = headers
         .keys()
         .any(|n| n == header::TRANSFER_ENCODING || HOP_BY_HOP.contains(n));
-    if !any {
-        return;
+    if any {
+        strip_hop_by_hop_found(headers);
     }
+}
+
+/// [`strip_hop_by_hop`] once a field to strip is known to be there
+/// ([`Scan::hop_by_hop`]).
+pub fn strip_hop_by_hop_found(headers: &mut HeaderMap) {
     if headers.contains_key(header::CONNECTION) {
         strip_connection_named(headers);
     }
@@ -498,6 +547,49 @@ mod tests {
                     (all.iter().count(), all.iter().next()),
                     "{name} with {extra}"
                 );
+            }
+        }
+    }
+
+    /// `scan` reads what `first(Host)`, `first(Upgrade)` and
+    /// `strip_hop_by_hop`'s check read, on small and large maps, with each
+    /// hop-by-hop name (any position, repeated values) and none.
+    #[test]
+    fn scan_agrees_with_first_and_the_hop_by_hop_check() {
+        let hop: Vec<Option<HeaderName>> = std::iter::once(None)
+            .chain(HOP_BY_HOP.iter().cloned().map(Some))
+            .chain([Some(header::TRANSFER_ENCODING)])
+            .collect();
+        for extra in [0usize, 2, SCAN_MAX + 3] {
+            for h_name in &hop {
+                for at in [0usize, 1, extra] {
+                    let mut h = HeaderMap::new();
+                    for i in 0..extra.max(at) {
+                        if i == at {
+                            if let Some(n) = h_name {
+                                h.append(n.clone(), HeaderValue::from_static("h1"));
+                            }
+                        }
+                        h.append(
+                            HeaderName::from_bytes(format!("x-f{i}").as_bytes()).unwrap(),
+                            HeaderValue::from_static("v"),
+                        );
+                    }
+                    h.append(header::HOST, HeaderValue::from_static("a"));
+                    h.append(header::HOST, HeaderValue::from_static("b"));
+                    if let Some(n) = h_name {
+                        h.append(n.clone(), HeaderValue::from_static("h2"));
+                    }
+                    let want = Scan {
+                        host: first(&h, &header::HOST),
+                        upgrade: first(&h, &header::UPGRADE),
+                        hop_by_hop: h
+                            .keys()
+                            .any(|n| n == header::TRANSFER_ENCODING || HOP_BY_HOP.contains(n)),
+                    };
+                    assert_eq!(want.hop_by_hop, h_name.is_some());
+                    assert_eq!(scan(&h), want, "{h_name:?} at {at} with {extra}");
+                }
             }
         }
     }

@@ -17,7 +17,7 @@ use std::future::Future;
 use std::io::{self, Write as _};
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::task::{ready, Context, Poll, Waker};
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -56,6 +56,10 @@ pub struct Conn {
     read_size: usize,
     /// Field positions of the head being parsed (reused: no allocation).
     spans: Vec<Span>,
+    /// The last response head's fields as sent ([`RawHead`]), until the
+    /// caller takes them: kept here, on the boxed connection, so the
+    /// response that moves through the layers stays small.
+    raw: Option<RawHead>,
 }
 
 thread_local! {
@@ -65,10 +69,15 @@ thread_local! {
 impl Conn {
     /// True when the peer has sent something (EOF, a reset, stray bytes) on
     /// an idle connection: it cannot carry a new request. Reads tokio's
-    /// cached readiness only — no system call.
+    /// cached readiness only — no system call, and (unlike a poll of the
+    /// readiness) no waker put into the registration under its lock: the
+    /// closure runs only when the socket is marked readable or closed.
     fn is_stale(&self) -> bool {
-        let mut cx = Context::from_waker(Waker::noop());
-        self.stream.poll_read_ready(&mut cx).is_ready() || !self.rbuf.is_empty()
+        let readable = self
+            .stream
+            .try_io(tokio::io::Interest::READABLE, || Ok(()))
+            .is_ok();
+        readable || !self.rbuf.is_empty()
     }
 
     /// Reads more into the read buffer. Goes through tokio's `poll_read`,
@@ -234,6 +243,7 @@ pub async fn request(
         wbuf: Vec::with_capacity(1024),
         read_size: READ_MIN,
         spans: Vec::new(),
+        raw: None,
     });
     match exchange(&mut conn, addr, &req, deadline).await {
         Ok(head) => finish(head, conn, addr, head_request, s),
@@ -246,9 +256,9 @@ pub async fn request(
 struct Head {
     status: StatusCode,
     version: Version,
-    /// End-to-end fields only (empty when `raw` holds them).
+    /// End-to-end fields only (empty when the connection's `raw` holds
+    /// them).
     headers: HeaderMap,
-    raw: Option<RawHead>,
     meta: Meta,
 }
 
@@ -262,7 +272,18 @@ async fn exchange(
 ) -> Result<Head, (Failed, bool)> {
     let mut wbuf = std::mem::take(&mut conn.wbuf);
     req.encode(addr, &mut wbuf);
-    let written = deadline.within(conn.stream.write_all(&wbuf)).await;
+    // The usual head fits the socket's send buffer: one try first, no
+    // write future (its readiness poll and budget check) unless it waits.
+    let first = match conn.stream.try_write(&wbuf) {
+        Ok(n) => Ok(n),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
+        Err(e) => Err(e),
+    };
+    let written = match first {
+        Ok(n) if n == wbuf.len() => Ok(Ok(())),
+        Ok(n) => deadline.within(conn.stream.write_all(&wbuf[n..])).await,
+        Err(e) => Ok(Err(e)),
+    };
     conn.wbuf = wbuf;
     written
         .map_err(|_| (Failed::timeout(), true))?
@@ -276,8 +297,12 @@ async fn exchange(
     }
     loop {
         if !conn.rbuf.is_empty() {
-            if let Some(head) =
-                parse_head(&mut conn.rbuf, &mut conn.spans, req.raw_ok).map_err(|e| (e, true))?
+            if let Some(head) = parse_head(
+                &mut conn.rbuf,
+                &mut conn.spans,
+                req.raw_ok.then_some(&mut conn.raw),
+            )
+            .map_err(|e| (e, true))?
             {
                 return Ok(head);
             }
@@ -318,10 +343,12 @@ async fn exchange(
 
 /// Parses a final response head off the front of `buf`, skipping interim
 /// `1xx` responses. `Ok(None)`: incomplete.
+/// With `raw_to`, a plain head's fields go there as [`RawHead`] (the
+/// head's map is empty then).
 fn parse_head(
     buf: &mut BytesMut,
     spans: &mut Vec<Span>,
-    raw_ok: bool,
+    raw_to: Option<&mut Option<RawHead>>,
 ) -> Result<Option<Head>, Failed> {
     loop {
         // The usual strict head is read in one pass (`head`); anything else
@@ -364,13 +391,13 @@ fn parse_head(
             )
         });
         let head = buf.split_to(n).freeze();
-        if raw_ok {
+        if let Some(to) = raw_to {
             if let Some(raw) = RawHead::of(&head, spans, &meta, status) {
+                *to = Some(raw);
                 return Ok(Some(Head {
                     status,
                     version,
                     headers: HeaderMap::new(),
-                    raw: Some(raw),
                     meta,
                 }));
             }
@@ -380,7 +407,6 @@ fn parse_head(
             status,
             version,
             headers,
-            raw: None,
             meta,
         }));
     }
@@ -685,6 +711,16 @@ fn finish(
             Version::HTTP_10 => head.meta.keep_alive,
             _ => !head.meta.close,
         };
+    let mut conn = conn;
+    let mut headers = head.headers;
+    if matches!(framing, Framing::Done) {
+        // No body to follow: the client side would put the fields into
+        // the map anyway (it rewrites such a head); done here, before the
+        // connection goes back to the pool with them.
+        if let Some(raw) = conn.raw.take() {
+            headers = raw.to_map();
+        }
+    }
     let mut body = RawBody {
         conn: Some(conn),
         framing,
@@ -692,13 +728,12 @@ fn finish(
         addr,
         max_idle: s.max_idle,
         stall: Stall::new(s.read_timeout),
-        raw: head.raw,
     };
     body.release_if_done();
     let mut resp = Response::new(body);
     *resp.status_mut() = head.status;
     *resp.version_mut() = head.version;
-    *resp.headers_mut() = head.headers;
+    crate::base::head::drop_map(std::mem::replace(resp.headers_mut(), headers));
     Ok(resp)
 }
 
@@ -711,9 +746,6 @@ pub struct RawBody {
     max_idle: usize,
     /// The read timeout between two reads of the body.
     stall: Stall,
-    /// The head's fields as sent (the response's map is empty then),
-    /// until the caller takes them.
-    raw: Option<RawHead>,
 }
 
 impl RawBody {
@@ -721,7 +753,7 @@ impl RawBody {
     /// allowed it and the head was plain ([`RawHead`]); the response's map
     /// is empty then.
     pub fn take_raw_head(&mut self) -> Option<RawHead> {
-        self.raw.take()
+        self.conn.as_mut()?.raw.take()
     }
 
     /// At the body's end: the connection goes back to the pool when the
@@ -730,8 +762,10 @@ impl RawBody {
         if !matches!(self.framing, Framing::Done) {
             return;
         }
-        if let Some(conn) = self.conn.take() {
+        if let Some(mut conn) = self.conn.take() {
             if self.keep_alive && conn.rbuf.is_empty() {
+                // A head's fields not taken are not the next response's.
+                conn.raw = None;
                 checkin(self.addr, conn, self.max_idle);
             }
         }
@@ -832,6 +866,44 @@ impl Body for RawBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A pooled connection is stale once its peer closed it or sent
+    /// stray bytes (seen through the I/O driver's readiness), and not
+    /// before.
+    #[tokio::test]
+    async fn is_stale_sees_a_close_and_stray_bytes() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        for stray in [false, true] {
+            let stream = TcpStream::connect(addr).await.unwrap();
+            let (mut peer, _) = listener.accept().await.unwrap();
+            let conn = Conn {
+                stream,
+                rbuf: BytesMut::new(),
+                wbuf: Vec::new(),
+                read_size: READ_MIN,
+                spans: Vec::new(),
+                raw: None,
+            };
+            // A round trip on the connection: the driver has polled it.
+            peer.write_all(b"").await.unwrap();
+            tokio::task::yield_now().await;
+            assert!(!conn.is_stale(), "a quiet connection is usable");
+            if stray {
+                peer.write_all(b"x").await.unwrap();
+            } else {
+                drop(peer);
+            }
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while !conn.is_stale() {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "stray {stray}: never stale"
+                );
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+    }
 
     #[test]
     fn content_length_is_digits_only() {

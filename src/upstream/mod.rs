@@ -135,8 +135,12 @@ impl Upstream {
     /// fields and this body (the inline exchange: no upgrade asked, the
     /// body in hand)?
     pub fn inline_ok(headers: &http::HeaderMap, body: &UpBody) -> bool {
+        Self::inline_body(body) && fields::first(headers, &http::header::UPGRADE).is_none()
+    }
+
+    /// Can the inline exchange send this body (in hand, not streamed)?
+    pub fn inline_body(body: &UpBody) -> bool {
         !matches!(body, UpBody::Stream(_))
-            && fields::first(headers, &http::header::UPGRADE).is_none()
     }
 
     /// The inline exchange for a request whose head is borrowed (see
