@@ -325,8 +325,8 @@ pub(crate) fn install(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lane::script::vm_mode::{both_modes, jit};
-    use crate::lane::script::{call_lane, RuleCtx, ScriptSource};
+    use crate::lane::script::vm_mode::{both_modes, load_src};
+    use crate::lane::script::{call_lane, RuleCtx};
     use std::collections::BTreeMap;
     use std::path::Path;
     use std::sync::Arc;
@@ -359,11 +359,7 @@ mod tests {
 
     /// Runs `text`'s lane function for a request from `ip` with `headers`.
     fn run(text: &str, ip: &str, headers: &[(&str, &str)]) -> Result<Option<String>, String> {
-        let d = tempfile::tempdir().unwrap();
-        let p = d.path().join("t.lua");
-        std::fs::write(&p, text).unwrap();
-        let mut src = ScriptSource::load(&p).unwrap();
-        src.jit = jit();
+        let (_d, src) = load_src(text);
         call_lane(&src, &lists(), request(ip, headers), RuleCtx::default())
             .1
             .map_err(|e| e.message)
@@ -436,11 +432,7 @@ mod tests {
         // Such a value takes the protected string path; a UTF-8 one beside
         // it in the same call too.
         let text = "return function(req)\n  local a, b = req:header('X-A'), req:header('X-B')\n  return tostring(a == req:header(string.lower('X-A'))) .. #a .. b .. graygate.bucket(a)\nend\n";
-        let d = tempfile::tempdir().unwrap();
-        let p = d.path().join("t.lua");
-        std::fs::write(&p, text).unwrap();
-        let mut src = ScriptSource::load(&p).unwrap();
-        src.jit = jit();
+        let (_d, src) = load_src(text);
         let mut r = request("127.0.0.1", &[("x-b", "b")]);
         let raw = http::HeaderValue::from_bytes(b"\xe9t\xe9").unwrap();
         r.parts.headers.insert("x-a", raw);
@@ -537,11 +529,7 @@ mod tests {
         );
         // The next request (same VM) sees its own values.
         let text = "return function(req)\n  return tostring(req:header('X-Gray')) .. tostring(req:in_list('office'))\nend\n";
-        let d = tempfile::tempdir().unwrap();
-        let p = d.path().join("t.lua");
-        std::fs::write(&p, text).unwrap();
-        let mut src = ScriptSource::load(&p).unwrap();
-        src.jit = jit();
+        let (_d, src) = load_src(text);
         let lists = lists();
         for (ip, h, want) in [
             ("127.0.0.1", Some("1"), "1true"),

@@ -1266,6 +1266,17 @@ pub(crate) mod vm_mode {
         }
         JIT.with(|j| j.set(false));
     }
+
+    /// `text` as a script (`t.lua` in a temporary directory, kept while
+    /// the source is used), in this thread's VM mode.
+    pub(crate) fn load_src(text: &str) -> (tempfile::TempDir, super::ScriptSource) {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("t.lua");
+        std::fs::write(&p, text).unwrap();
+        let mut src = super::ScriptSource::load(&p).unwrap();
+        src.jit = jit();
+        (d, src)
+    }
 }
 
 #[cfg(test)]
@@ -1359,15 +1370,7 @@ mod tests {
         assert!(err.message.contains("must return a function"), "{err}");
     }
 
-    use super::vm_mode::{both_modes, jit};
-
-    fn load_src(text: &str) -> (tempfile::TempDir, ScriptSource) {
-        let d = tempfile::tempdir().unwrap();
-        let p = write(d.path(), "t.lua", text);
-        let mut src = ScriptSource::load(&p).unwrap();
-        src.jit = jit();
-        (d, src)
-    }
+    use super::vm_mode::{both_modes, jit, load_src};
 
     /// Whether this thread's VM runs with LuaJIT's compiler on.
     fn vm_jit_on() -> bool {

@@ -227,10 +227,7 @@ fn stripped(n: &HeaderName) -> bool {
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none: one pass comparing names (cheap for the
     // standard ones) instead of nine hashed removals.
-    let any = headers
-        .keys()
-        .any(|n| n == header::TRANSFER_ENCODING || HOP_BY_HOP.contains(n));
-    if any {
+    if headers.keys().any(stripped) {
         strip_hop_by_hop_found(headers);
     }
 }

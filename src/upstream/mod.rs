@@ -173,10 +173,8 @@ impl Upstream {
             body,
             raw_ok,
         };
-        let mut deadline = match head.start {
-            Some(start) => Deadline::after_from(start, limit),
-            None => Deadline::after(limit),
-        };
+        let mut deadline =
+            Deadline::after_from(head.start.unwrap_or_else(std::time::Instant::now), limit);
         let settings = self.settings(read_timeout);
         let resp = h1::request(addr, out, &settings, &mut deadline).await?;
         Ok(resp.map(|b| PooledBody::Raw(b, None)))
