@@ -7,7 +7,8 @@
 //! (186 MB after 10,000 idle connections closed). [`nudge`] frees one huge
 //! block, which runs mimalloc's purge of everything that has expired; the
 //! accept loop calls it once a second for a few seconds after connections
-//! closed (nothing is done on a busy or steady worker).
+//! closed or kept request slots were freed (nothing is done on a busy or
+//! steady worker).
 
 /// Above mimalloc's largest size class (512 KiB): a page of its own, whose
 /// free runs the arena purge.
@@ -33,6 +34,12 @@ impl Tidy {
     /// How long after connections closed: past the purge delay, and a
     /// little more for pages retired late.
     const SPAN_MS: u64 = 4000;
+
+    /// Memory was freed at `now` (not by closed connections): nudge for
+    /// the next few seconds as after closes.
+    pub fn freed(&mut self, now: u64) {
+        self.until = now + Self::SPAN_MS;
+    }
 
     /// A tick at `now` (`now_ms`) with `open` connections: true when to
     /// [`nudge`].
@@ -69,6 +76,10 @@ mod tests {
         assert!(t.tick(3, t0 + 2200));
         assert!(t.tick(3, t0 + 3200));
         assert!(!t.tick(3, t0 + 4200), "quiet again");
+        t.freed(t0 + 4300);
+        assert!(t.tick(3, t0 + 4300), "freed memory: nudged as after closes");
+        assert!(t.tick(3, t0 + 8200));
+        assert!(!t.tick(3, t0 + 9200), "quiet again");
         nudge();
     }
 }

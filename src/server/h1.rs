@@ -274,50 +274,95 @@ async fn plain(mut conn: Box<Conn>) -> Option<(Box<Conn>, BytesMut)> {
 }
 
 /// Heap slots of finished [`InBox`] futures, kept per thread for the next
-/// request's future of the same type (at most [`SLOTS_MAX`]): a request's
-/// futures are over 1 KB, past mimalloc's small-block fast path (~0.2k
-/// instructions per allocation there, callgrind). Each entry is a holder
-/// of one type's slot (`Option<Pin<Box<Option<F>>>>`), kept when emptied:
-/// no allocation per request for the holder either.
-const SLOTS_MAX: usize = 16;
+/// request's future of the same type: a request's futures are over 1 KB,
+/// past mimalloc's small-block fast path (~0.2k instructions per allocation
+/// there, callgrind). One free list per future type (a request uses two),
+/// each holding at most [`SLOTS_MAX`]: as many as a burst of requests in
+/// flight at once on the thread needed, so 256 connections' requests take
+/// kept slots as 16 did. What a list did not hand out over a whole period
+/// of the accept loop's tick is freed then ([`trim_slots`]): after a burst
+/// the thread keeps only what its steady load uses.
+const SLOTS_MAX: usize = 1024;
 
 thread_local! {
-    static SLOTS: RefCell<Vec<Box<dyn std::any::Any>>> = const { RefCell::new(Vec::new()) };
+    static SLOTS: RefCell<Vec<Box<dyn Slots>>> = const { RefCell::new(Vec::new()) };
 }
 
-/// The holder type of a kept slot for futures of type `F`.
-type Kept<F> = Option<Pin<Box<Option<F>>>>;
+/// One future type's kept slots.
+struct Free<F> {
+    slots: Vec<Pin<Box<Option<F>>>>,
+    /// The fewest slots the list held since the last trim: that many were
+    /// never handed out meanwhile.
+    low: usize,
+}
 
-/// A kept slot for futures of type `F`, if the thread has one.
-fn take_slot<F: 'static>() -> Option<Pin<Box<Option<F>>>> {
+/// A free list of any future type (for [`trim_slots`]).
+trait Slots: std::any::Any {
+    /// Frees the slots not handed out since the last trim; how many.
+    fn trim(&mut self) -> usize;
+}
+
+impl<F: 'static> Slots for Free<F> {
+    fn trim(&mut self) -> usize {
+        let unused = self.low.min(self.slots.len());
+        self.slots.truncate(self.slots.len() - unused);
+        self.low = self.slots.len();
+        unused
+    }
+}
+
+/// Runs `f` on the thread's free list for futures of type `F` (made empty
+/// the first time).
+fn with_free<F: 'static, R>(f: impl FnOnce(&mut Free<F>) -> R) -> Option<R> {
     SLOTS
         .try_with(|s| {
             let mut s = s.borrow_mut();
-            s.iter_mut()
-                .rev()
-                .filter_map(|h| h.downcast_mut::<Kept<F>>())
-                .find_map(Option::take)
+            let at = match s
+                .iter()
+                .position(|l| (&**l as &dyn std::any::Any).is::<Free<F>>())
+            {
+                Some(at) => at,
+                None => {
+                    s.push(Box::new(Free::<F> {
+                        slots: Vec::new(),
+                        low: 0,
+                    }));
+                    s.len() - 1
+                }
+            };
+            let list = (&mut *s[at] as &mut dyn std::any::Any).downcast_mut::<Free<F>>()?;
+            Some(f(list))
         })
         .ok()
         .flatten()
 }
 
+/// A kept slot for futures of type `F`, if the thread has one.
+fn take_slot<F: 'static>() -> Option<Pin<Box<Option<F>>>> {
+    with_free::<F, _>(|l| {
+        let slot = l.slots.pop();
+        l.low = l.low.min(l.slots.len());
+        slot
+    })
+    .flatten()
+}
+
 /// Keeps an emptied slot for the thread's next future of its type (or frees
 /// it, with [`SLOTS_MAX`] kept already).
 fn keep_slot<F: 'static>(slot: Pin<Box<Option<F>>>) {
-    let _ = SLOTS.try_with(|s| {
-        let mut s = s.borrow_mut();
-        let n = s.len();
-        let free = s
-            .iter_mut()
-            .filter_map(|h| h.downcast_mut::<Kept<F>>())
-            .find(|h| h.is_none());
-        match free {
-            Some(h) => *h = Some(slot),
-            None if n < SLOTS_MAX => s.push(Box::new(Some(slot))),
-            None => {}
+    with_free::<F, _>(|l| {
+        if l.slots.len() < SLOTS_MAX {
+            l.slots.push(slot);
         }
     });
+}
+
+/// Frees the thread's kept slots that were not handed out since the last
+/// call (the accept loop calls this on its tick); how many were freed.
+pub(crate) fn trim_slots() -> usize {
+    SLOTS
+        .try_with(|s| s.borrow_mut().iter_mut().map(|l| l.trim()).sum())
+        .unwrap_or(0)
 }
 
 /// A future built in place in its heap slot: already built when this is
@@ -1277,12 +1322,7 @@ mod tests {
 
     /// Slots kept for the futures `_make` makes.
     fn kept_slots<F: Future + 'static>(_make: fn(u32, Option<DropCount>) -> F) -> usize {
-        SLOTS.with(|s| {
-            s.borrow()
-                .iter()
-                .filter(|h| h.downcast_ref::<Kept<F>>().is_some_and(Option::is_some))
-                .count()
-        })
+        with_free::<F, _>(|l| l.slots.len()).unwrap_or(0)
     }
 
     fn run_to_end<F: Future>(f: F) -> F::Output {
@@ -1341,6 +1381,29 @@ mod tests {
         let sum: u32 = many.into_iter().map(run_to_end).sum();
         assert_eq!(sum, (0..SLOTS_MAX as u32 + 5).sum::<u32>());
         assert_eq!(kept_slots(job), SLOTS_MAX);
+    }
+
+    /// A trim frees the slots no future took since the last trim, and keeps
+    /// those taken meanwhile (the steady load's), however many the burst
+    /// left.
+    #[test]
+    fn trim_frees_the_slots_unused_since_the_last_trim() {
+        let burst: Vec<_> = (0..40).map(|i| InBox::new(move || job(i, None))).collect();
+        burst.into_iter().for_each(|f| drop(run_to_end(f)));
+        assert_eq!(kept_slots(job), 40);
+        trim_slots();
+        // Since the trim, at most 3 at once were in use: 37 stayed unused.
+        for _ in 0..5 {
+            let three: Vec<_> = (0..3).map(|i| InBox::new(move || job(i, None))).collect();
+            three.into_iter().for_each(|f| drop(run_to_end(f)));
+        }
+        assert_eq!(kept_slots(job), 40);
+        assert_eq!(trim_slots(), 37, "the unused slots were not freed");
+        assert_eq!(kept_slots(job), 3, "the steady load's slots were freed");
+        // Nothing taken since: the next trim frees the rest.
+        assert_eq!(trim_slots(), 3);
+        assert_eq!(kept_slots(job), 0);
+        assert_eq!(trim_slots(), 0);
     }
 
     fn parsed(raw: &[u8]) -> Parse {

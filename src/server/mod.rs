@@ -119,7 +119,13 @@ impl Server {
                 _ = shutdown.wait_for(|s| *s) => break,
                 _ = tick.tick() => {
                     drain.notify_waiters();
-                    if tidy.tick(self.connections.get(), now_ms()) {
+                    // The request slots a burst left and the steady load
+                    // did not use since the last tick go back too.
+                    let now = now_ms();
+                    if h1::trim_slots() > 0 {
+                        tidy.freed(now);
+                    }
+                    if tidy.tick(self.connections.get(), now) {
                         crate::base::tidy::nudge();
                     }
                     continue;
