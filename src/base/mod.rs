@@ -1,7 +1,7 @@
 //! Layer: base — the small shared vocabulary of both planes, above only
 //! `config`: clocks, coarse per-thread deadlines, the response body type, the fast read of HTTP/1.x heads, the per-request `Decision`, the
-//! typed request-path error, live counters, IP lists, rate-limited logging and
-//! the allocator nudge that returns closed connections' memory.
+//! typed request-path error, live counters, IP lists, rate-limited logging,
+//! bounded free lists and the allocator nudge that returns freed memory.
 //! Nothing here knows about generations, nodes or the gateway.
 
 pub mod body;
@@ -10,6 +10,7 @@ pub mod counter;
 pub mod deadline;
 pub mod decision;
 pub mod error;
+pub mod freelist;
 pub mod head;
 pub mod lists;
 pub mod ratelog;

@@ -47,6 +47,7 @@ use super::Server;
 use crate::base::body::{RequestBody, SendFile};
 use crate::base::clock::now_ms;
 use crate::base::counter::Counted;
+use crate::base::freelist::FreeList;
 use crate::base::head::{httparse_spans, span_in, RequestLine, Span};
 use crate::base::ratelog::log_limited;
 use crate::proxy;
@@ -65,13 +66,15 @@ const MAX_URI_LEN: usize = (u16::MAX - 1) as usize;
 /// A pooled read buffer's size; a head longer than this grows it (up to the
 /// connection's limit).
 const READ_BUF: usize = 4096;
-/// Read buffers kept per thread between requests.
-const POOL_MAX: usize = 32;
+/// Read buffers kept per thread between requests (as many as a burst of
+/// requests in flight used; what the load does not use again is freed on
+/// the accept loop's tick, [`trim_kept`]).
+const POOL_MAX: usize = 1024;
 /// A body frame up to this size is copied behind its head (one write).
 const COALESCE: usize = 16 * 1024;
 
 thread_local! {
-    static READ_POOL: RefCell<Vec<BytesMut>> = const { RefCell::new(Vec::new()) };
+    static READ_POOL: RefCell<FreeList<BytesMut>> = const { RefCell::new(FreeList::new(POOL_MAX)) };
     static WRITE_BUF: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
     static DATE: RefCell<(u64, [u8; 29])> = const { RefCell::new((0, [0; 29])) };
     static SPANS: Cell<Vec<Span>> = const { Cell::new(Vec::new()) };
@@ -134,7 +137,7 @@ fn remember_name(n: &HeaderName) {
 
 fn take_read_buf() -> BytesMut {
     READ_POOL
-        .with(|p| p.borrow_mut().pop())
+        .with(|p| p.borrow_mut().take())
         .unwrap_or_else(|| BytesMut::with_capacity(READ_BUF))
 }
 
@@ -150,12 +153,8 @@ fn give_read_buf(mut b: BytesMut) {
     if b.capacity() > 4 * READ_BUF {
         return;
     }
-    READ_POOL.with(|p| {
-        let mut p = p.borrow_mut();
-        if p.len() < POOL_MAX {
-            p.push(b);
-        }
-    });
+    // A full list gives it back: dropped here.
+    drop(READ_POOL.with(|p| p.borrow_mut().give(b)));
 }
 
 /// The `Date` value, formatted once per second per thread (as hyper does).
@@ -289,14 +288,9 @@ thread_local! {
 }
 
 /// One future type's kept slots.
-struct Free<F> {
-    slots: Vec<Pin<Box<Option<F>>>>,
-    /// The fewest slots the list held since the last trim: that many were
-    /// never handed out meanwhile.
-    low: usize,
-}
+type Free<F> = FreeList<Pin<Box<Option<F>>>>;
 
-/// A free list of any future type (for [`trim_slots`]).
+/// A free list of any future type (for [`trim_kept`]).
 trait Slots: std::any::Any {
     /// Frees the slots not handed out since the last trim; how many.
     fn trim(&mut self) -> usize;
@@ -304,10 +298,7 @@ trait Slots: std::any::Any {
 
 impl<F: 'static> Slots for Free<F> {
     fn trim(&mut self) -> usize {
-        let unused = self.low.min(self.slots.len());
-        self.slots.truncate(self.slots.len() - unused);
-        self.low = self.slots.len();
-        unused
+        FreeList::trim(self)
     }
 }
 
@@ -323,10 +314,7 @@ fn with_free<F: 'static, R>(f: impl FnOnce(&mut Free<F>) -> R) -> Option<R> {
             {
                 Some(at) => at,
                 None => {
-                    s.push(Box::new(Free::<F> {
-                        slots: Vec::new(),
-                        low: 0,
-                    }));
+                    s.push(Box::new(Free::<F>::new(SLOTS_MAX)));
                     s.len() - 1
                 }
             };
@@ -339,30 +327,25 @@ fn with_free<F: 'static, R>(f: impl FnOnce(&mut Free<F>) -> R) -> Option<R> {
 
 /// A kept slot for futures of type `F`, if the thread has one.
 fn take_slot<F: 'static>() -> Option<Pin<Box<Option<F>>>> {
-    with_free::<F, _>(|l| {
-        let slot = l.slots.pop();
-        l.low = l.low.min(l.slots.len());
-        slot
-    })
-    .flatten()
+    with_free::<F, _>(Free::take).flatten()
 }
 
 /// Keeps an emptied slot for the thread's next future of its type (or frees
 /// it, with [`SLOTS_MAX`] kept already).
 fn keep_slot<F: 'static>(slot: Pin<Box<Option<F>>>) {
-    with_free::<F, _>(|l| {
-        if l.slots.len() < SLOTS_MAX {
-            l.slots.push(slot);
-        }
-    });
+    // A full list gives the (empty) slot back: freed here.
+    drop(with_free::<F, _>(|l| l.give(slot)));
 }
 
-/// Frees the thread's kept slots that were not handed out since the last
-/// call (the accept loop calls this on its tick); how many were freed.
-pub(crate) fn trim_slots() -> usize {
-    SLOTS
+/// Frees the thread's kept read buffers and request slots that were not
+/// handed out since the last call (the accept loop calls this on its tick);
+/// how many were freed.
+pub(crate) fn trim_kept() -> usize {
+    let slots = SLOTS
         .try_with(|s| s.borrow_mut().iter_mut().map(|l| l.trim()).sum())
-        .unwrap_or(0)
+        .unwrap_or(0);
+    let bufs = READ_POOL.try_with(|p| p.borrow_mut().trim()).unwrap_or(0);
+    slots + bufs
 }
 
 /// A future built in place in its heap slot: already built when this is
@@ -1322,7 +1305,7 @@ mod tests {
 
     /// Slots kept for the futures `_make` makes.
     fn kept_slots<F: Future + 'static>(_make: fn(u32, Option<DropCount>) -> F) -> usize {
-        with_free::<F, _>(|l| l.slots.len()).unwrap_or(0)
+        with_free::<F, _>(|l| l.len()).unwrap_or(0)
     }
 
     fn run_to_end<F: Future>(f: F) -> F::Output {
@@ -1383,27 +1366,27 @@ mod tests {
         assert_eq!(kept_slots(job), SLOTS_MAX);
     }
 
-    /// A trim frees the slots no future took since the last trim, and keeps
-    /// those taken meanwhile (the steady load's), however many the burst
-    /// left.
+    /// The tick's trim reaches the request slots and the read buffers: what
+    /// a burst left and nothing took since the last trim is freed.
     #[test]
-    fn trim_frees_the_slots_unused_since_the_last_trim() {
+    fn trim_kept_frees_the_slots_and_buffers_a_burst_left() {
         let burst: Vec<_> = (0..40).map(|i| InBox::new(move || job(i, None))).collect();
         burst.into_iter().for_each(|f| drop(run_to_end(f)));
-        assert_eq!(kept_slots(job), 40);
-        trim_slots();
-        // Since the trim, at most 3 at once were in use: 37 stayed unused.
-        for _ in 0..5 {
-            let three: Vec<_> = (0..3).map(|i| InBox::new(move || job(i, None))).collect();
-            three.into_iter().for_each(|f| drop(run_to_end(f)));
-        }
-        assert_eq!(kept_slots(job), 40);
-        assert_eq!(trim_slots(), 37, "the unused slots were not freed");
-        assert_eq!(kept_slots(job), 3, "the steady load's slots were freed");
-        // Nothing taken since: the next trim frees the rest.
-        assert_eq!(trim_slots(), 3);
-        assert_eq!(kept_slots(job), 0);
-        assert_eq!(trim_slots(), 0);
+        let bufs: Vec<_> = (0..40).map(|_| take_read_buf()).collect();
+        bufs.into_iter().for_each(give_read_buf);
+        let kept_bufs = || READ_POOL.with(|p| p.borrow().len());
+        assert_eq!((kept_slots(job), kept_bufs()), (40, 40));
+        // One taken and given back since the first trim: it stays.
+        trim_kept();
+        let f = InBox::new(|| job(1, None));
+        assert_eq!(run_to_end(f), 1);
+        give_read_buf(take_read_buf());
+        assert_eq!(
+            trim_kept(),
+            78,
+            "the burst's slots and buffers were not freed"
+        );
+        assert_eq!((kept_slots(job), kept_bufs()), (1, 1));
     }
 
     fn parsed(raw: &[u8]) -> Parse {

@@ -119,10 +119,11 @@ impl Server {
                 _ = shutdown.wait_for(|s| *s) => break,
                 _ = tick.tick() => {
                     drain.notify_waiters();
-                    // The request slots a burst left and the steady load
-                    // did not use since the last tick go back too.
+                    // The read buffers and request slots a burst left and
+                    // the steady load did not use since the last tick go
+                    // back too.
                     let now = now_ms();
-                    if h1::trim_slots() > 0 {
+                    if h1::trim_kept() > 0 {
                         tidy.freed(now);
                     }
                     if tidy.tick(self.connections.get(), now) {
