@@ -56,7 +56,7 @@ impl Caches {
 
 /// What the lane call needs of the `ngx` layer, so no request sees
 /// another's values: `reset` empties the caches a request left; `make_entry`
-/// (lane function, env) wraps a lane function into an entry that does so
+/// (lane function, env, req) wraps a lane function into an entry that does so
 /// (and empties `env`) before each call, in Lua. The entry pays for itself
 /// where the script reads `ngx.*` (~300 instructions a call less than
 /// `reset` from Rust) and costs ~120 where it does not, so it is used for
@@ -308,16 +308,21 @@ local function get_uri_args(max)
 end
 -- The entry of a script that mentions `ngx.`: empties what the last
 -- request left — these caches and the globals it wrote (`env`, where
--- per-request global writes land) — then tail-calls the lane function, so
--- errors and positions are the script's own. A call stopped by an error or
--- a limit is cleaned up all the same, before the next one.
-local function make_entry(lane, env)
-  return function(req)
+-- per-request global writes land) — then calls the lane function with
+-- `req` (an upvalue: nothing to push per call) and checks its result here:
+-- a string or nil as it is, anything else as nil and its type's name (read
+-- by Rust from the stack as bytes, no reference to a Lua value). Errors
+-- and positions are the script's own. A call stopped by an error or a
+-- limit is cleaned up all the same, before the next one.
+local function make_entry(lane, env, req)
+  return function()
     if dirty then reset() end
     if next(env) ~= nil then
       for k in next, env do rawset(env, k, nil) end
     end
-    return lane(req)
+    local r = lane(req)
+    if r == nil or type(r) == "string" then return r end
+    return nil, type(r)
   end
 end
 return get_headers, get_uri_args, reset, make_entry
