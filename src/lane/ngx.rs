@@ -267,6 +267,49 @@ local function unpack_entries(s)
   end
   return t
 end
+-- The get_headers() / get_uri_args() table of a request whose packed
+-- entries are the last such request's (the same interned string: a
+-- pointer compare) is copied from that table's keys and values, kept here
+-- (arrays copied too: a script's table is its own), instead of split
+-- again: every substring made is an interned string (LuaJIT hashes it and
+-- looks it up, ~125 instructions) and the splitting's `find`s. `last` is
+-- cleared while the copy is rebuilt, so a rebuild stopped half-way (a
+-- memory error) is never reused. The copy is a table of its own, as
+-- unpacking makes one.
+local new_tab = table.new
+local function copy_array(v)
+  local a = new_tab(#v, 0)
+  for j = 1, #v do a[j] = v[j] end
+  return a
+end
+local function memo_entries()
+  local last, keys, vals, n = nil, {}, {}, 0
+  return function(p)
+    if p == last then
+      local t = new_tab(0, n)
+      for i = 1, n do
+        local v = vals[i]
+        if type(v) == "table" then v = copy_array(v) end
+        t[keys[i]] = v
+      end
+      return t
+    end
+    local t = unpack_entries(p)
+    if type(p) == "string" then
+      last = nil
+      local m = 0
+      for k, v in next, t do
+        m = m + 1
+        if type(v) == "table" then v = copy_array(v) end
+        keys[m], vals[m] = k, v
+      end
+      for i = m + 1, n do keys[i], vals[i] = nil, nil end
+      n, last = m, p
+    end
+    return t
+  end
+end
+local headers_entries, args_entries = memo_entries(), memo_entries()
 -- The names the source mentions (`names`, a set too) are fetched together
 -- on the request's first miss or first get_headers()/get_uri_args(), the
 -- batch; `DONE` (a key no script can reach) marks the cache filled, so a
@@ -327,7 +370,7 @@ local function get_headers(max)
     if h == nil then
       dirty = true
       local p = batched(3) or build_headers(nil)
-      h = setmetatable(unpack_entries(p), { __index = hdr_index })
+      h = setmetatable(headers_entries(p), { __index = hdr_index })
       rawset(rcache, 1, h)
     end
     return h
@@ -339,7 +382,7 @@ local function get_uri_args(max)
     local a = rawget(rcache, 2)
     if a == nil then
       dirty = true
-      a = unpack_entries(batched(4) or build_args(nil))
+      a = args_entries(batched(4) or build_args(nil))
       rawset(rcache, 2, a)
     end
     return a
@@ -1809,6 +1852,58 @@ pub(crate) mod tests {
             );
             assert!(failed.unwrap_err().message.contains("boom"));
             assert_eq!(ok("/?uid=3", &[("X-User-Id", "u3")]), "nilnil|u3|u3|3|nil");
+        }
+    }
+
+    #[test]
+    fn tables_of_unchanged_entries_are_fresh_copies() {
+        both_modes(tables_of_unchanged_entries_are_fresh_copies_in);
+    }
+
+    /// One VM, requests whose packed get_headers() / get_uri_args()
+    /// entries repeat (the table is copied from the last one's entries):
+    /// each request sees its own table with the request's values, however
+    /// the one before changed its tables (fields added, changed, removed,
+    /// repeated values' arrays written), hot enough for the JIT.
+    fn tables_of_unchanged_entries_are_fresh_copies_in() {
+        let (_d, mut src) = crate::lane::script::vm_mode::load_src(
+            "local function list(t)
+               local keys = {}
+               for k in pairs(t) do keys[#keys + 1] = k end
+               table.sort(keys)
+               for i, k in ipairs(keys) do
+                 local v = t[k]
+                 if type(v) == 'table' then v = table.concat(v, '+') end
+                 keys[i] = k .. '=' .. tostring(v)
+               end
+               return table.concat(keys, ' ')
+             end
+             return function()
+               local h, a = ngx.req.get_headers(), ngx.req.get_uri_args()
+               local out = list(h) .. ' | ' .. list(a)
+               h.injected, h.accept[1], h['x-user-id'], h.host = 'x', 'changed', nil, 'h'
+               a.injected, a.name[2], a.flag, a.uid = 'x', 'changed', nil, 'u'
+               table.insert(h.accept, 'more')
+               return out
+             end\n",
+        );
+        src.jit = jit();
+        let lists = Arc::new(BTreeMap::new());
+        let one = |uid: &str| {
+            let req = request(
+                &format!("/p?name=a&name=b%20c&flag&uid={uid}"),
+                "10.1.2.3",
+                &[("X-User-Id", uid), ("Accept", "a"), ("accept", "b")],
+            );
+            call_lane(&src, &lists, req, RuleCtx::default()).1.unwrap().unwrap()
+        };
+        let want = |uid: &str| {
+            format!("accept=a+b x-user-id={uid} | flag=true name=a+b c uid={uid}")
+        };
+        for i in 0..150 {
+            // Runs of the same entries, then a change.
+            let uid = format!("u{}", i / 50);
+            assert_eq!(one(&uid), want(&uid), "request {i}");
         }
     }
 
