@@ -98,18 +98,28 @@ pub(crate) fn mentioned<'a>(texts: impl IntoIterator<Item = &'a str> + Clone) ->
 
 /// `ngx.crc32_short` / `crc32_long` with LuaJIT's compiler on: CRC-32
 /// (IEEE, reflected, as zlib's and nginx's `ngx_crc32_*`) of a string of
-/// at most `max` bytes computed in Lua by table, so the JIT compiles it into
-/// the script's trace; a host call (mlua's trampoline, the argument copied,
-/// the trace ended and stitched) costs ~450 instructions, ~10 a byte here.
-/// Longer strings and anything not a string (a number is hashed as its
-/// text, anything else raises the host's error) go to `host`. On the
-/// interpreter every byte costs a dozen bytecodes and four fast-function
-/// calls, so the host function serves there.
-const CRC32_LUA: &str = r#"
-local host, bit, max = ...
+/// at most [`CRC32_LUA_MAX`] bytes computed in Lua by table, so the JIT
+/// compiles it into the script's trace; a host call (mlua's trampoline, the
+/// argument copied, the trace ended and stitched) costs ~450 instructions.
+/// The steps are written out, one per byte (a loop of a few iterations
+/// per call ran its first iteration in the interpreter every time: a loop
+/// trace is entered from its loop-back only). Longer strings and anything
+/// not a string (a number is hashed as its text, anything else raises the
+/// host's error) go to the host function. On the interpreter every byte
+/// costs a dozen bytecodes and four fast-function calls, so the host
+/// function serves there.
+fn crc32_source() -> String {
+    let mut steps = String::new();
+    for i in 1..=CRC32_LUA_MAX {
+        steps.push_str(&format!(
+            "  b = byte(s, {i}) if not b then goto done end c = bxor(rshift(c, 8), T[band(bxor(c, b), 255)])\n"
+        ));
+    }
+    format!(
+        r#"local host, bit = ...
 local band, bxor, rshift, bnot = bit.band, bit.bxor, bit.rshift, bit.bnot
 local byte, type = string.byte, type
-local T = {}
+local T = {{}}
 for i = 0, 255 do
   local c = i
   for _ = 1, 8 do
@@ -118,18 +128,18 @@ for i = 0, 255 do
   T[i] = c
 end
 return function(s)
-  if type(s) ~= "string" or #s > max then return host(s) end
-  local c = -1
-  for i = 1, #s do
-    c = bxor(rshift(c, 8), T[band(bxor(c, byte(s, i)), 255)])
-  end
+  if type(s) ~= "string" or #s > {CRC32_LUA_MAX} then return host(s) end
+  local c, b = -1
+{steps}  ::done::
   c = bnot(c)
   if c < 0 then c = c + 4294967296 end
   return c
 end
-"#;
+"#
+    )
+}
 
-/// Longest string [`CRC32_LUA`] hashes in Lua (~10 instructions a byte
+/// Longest string [`crc32_source`] hashes in Lua (~10 instructions a byte
 /// compiled, against a host call's ~450 and crc32fast's fraction of one).
 const CRC32_LUA_MAX: usize = 32;
 
@@ -162,9 +172,9 @@ pub(crate) fn install(
     let crc32 = lua.create_function(|_, s: mlua::BString| Ok(i64::from(crc32fast::hash(&s))))?;
     let crc32 = match jit {
         true => lua
-            .load(CRC32_LUA)
+            .load(crc32_source())
             .set_name("=graygate_crc32")
-            .call::<Function>((crc32, g.raw_get::<Table>("bit")?, CRC32_LUA_MAX))?,
+            .call::<Function>((crc32, g.raw_get::<Table>("bit")?))?,
         false => crc32,
     };
     ngx.raw_set("crc32_short", &crc32)?;
