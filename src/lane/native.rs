@@ -549,9 +549,18 @@ mod tests {
         both_modes(the_lane_functions_result_is_checked_in);
     }
 
+    /// Both entries: the native one, and the `ngx` glue's (a script that
+    /// mentions `ngx.`), which has `req` as its upvalue.
     fn the_lane_functions_result_is_checked_in() {
+        for read in ["", "local _ = ngx.var.uri "] {
+            the_lane_functions_result_is_checked_by(read);
+        }
+    }
+
+    fn the_lane_functions_result_is_checked_by(read: &str) {
         for (ret, want) in [
             ("'gray'", Ok(Some("gray".to_string()))),
+            ("req.ip", Ok(Some("127.0.0.1".to_string()))),
             ("nil", Ok(None)),
             ("", Ok(None)),
             (
@@ -569,13 +578,16 @@ mod tests {
             ("'\\255'", Err("lane() returned a string that is not UTF-8")),
         ] {
             let got = run(
-                &format!("return function(req) return {ret} end\n"),
+                &format!("return function(req) {read}return {ret} end\n"),
                 "127.0.0.1",
                 &[],
             );
             match want {
-                Ok(w) => assert_eq!(got, Ok(w), "{ret}"),
-                Err(w) => assert!(got.as_ref().unwrap_err().contains(w), "{ret}: {got:?}"),
+                Ok(w) => assert_eq!(got, Ok(w), "{read}{ret}"),
+                Err(w) => assert!(
+                    got.as_ref().unwrap_err().contains(w),
+                    "{read}{ret}: {got:?}"
+                ),
             }
         }
     }

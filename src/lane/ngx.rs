@@ -56,7 +56,7 @@ impl Caches {
 
 /// What the lane call needs of the `ngx` layer, so no request sees
 /// another's values: `reset` empties the caches a request left; `make_entry`
-/// (lane function, env) wraps a lane function into an entry that does so
+/// (lane function, env, req) wraps a lane function into an entry that does so
 /// (and empties `env`) before each call, in Lua. The entry pays for itself
 /// where the script reads `ngx.*` (~300 instructions a call less than
 /// `reset` from Rust) and costs ~120 where it does not, so it is used for
@@ -96,13 +96,61 @@ pub(crate) fn mentioned<'a>(texts: impl IntoIterator<Item = &'a str> + Clone) ->
     }
 }
 
+/// `ngx.crc32_short` / `crc32_long` with LuaJIT's compiler on: CRC-32
+/// (IEEE, reflected, as zlib's and nginx's `ngx_crc32_*`) of a string of
+/// at most [`CRC32_LUA_MAX`] bytes computed in Lua by table, so the JIT
+/// compiles it into the script's trace; a host call (mlua's trampoline, the
+/// argument copied, the trace ended and stitched) costs ~450 instructions.
+/// The steps are written out, one per byte (a loop of a few iterations
+/// per call ran its first iteration in the interpreter every time: a loop
+/// trace is entered from its loop-back only). Longer strings and anything
+/// not a string (a number is hashed as its text, anything else raises the
+/// host's error) go to the host function. On the interpreter every byte
+/// costs a dozen bytecodes and four fast-function calls, so the host
+/// function serves there.
+fn crc32_source() -> String {
+    let mut steps = String::new();
+    for i in 1..=CRC32_LUA_MAX {
+        steps.push_str(&format!(
+            "  b = byte(s, {i}) if not b then goto done end c = bxor(rshift(c, 8), T[band(bxor(c, b), 255)])\n"
+        ));
+    }
+    format!(
+        r#"local host, bit = ...
+local band, bxor, rshift, bnot = bit.band, bit.bxor, bit.rshift, bit.bnot
+local byte, type = string.byte, type
+local T = {{}}
+for i = 0, 255 do
+  local c = i
+  for _ = 1, 8 do
+    if band(c, 1) == 1 then c = bxor(rshift(c, 1), 0xEDB88320) else c = rshift(c, 1) end
+  end
+  T[i] = c
+end
+return function(s)
+  if type(s) ~= "string" or #s > {CRC32_LUA_MAX} then return host(s) end
+  local c, b = -1
+{steps}  ::done::
+  c = bnot(c)
+  if c < 0 then c = c + 4294967296 end
+  return c
+end
+"#
+    )
+}
+
+/// Longest string [`crc32_source`] hashes in Lua (~10 instructions a byte
+/// compiled, against a host call's ~450 and crc32fast's fraction of one).
+const CRC32_LUA_MAX: usize = 32;
+
 /// Installs `ngx` into `g` (`bit` is LuaJIT's own library); `mentioned`
-/// says what the batch fetches.
+/// says what the batch fetches; `jit`: LuaJIT's compiler is on.
 pub(crate) fn install(
     lua: &Lua,
     g: &Table,
     dicts: &BTreeMap<String, Arc<SharedDict>>,
     mentioned: Mentioned,
+    jit: bool,
 ) -> mlua::Result<PerRequest> {
     let ngx = lua.create_table()?;
     for (name, n) in LEVELS {
@@ -119,16 +167,18 @@ pub(crate) fn install(
     let (req, reset, make_entry) = req_table(lua, &caches, mentioned)?;
     ngx.raw_set("req", req)?;
     ngx.raw_set("log", lua.create_function(log)?)?;
-    ngx.raw_set(
-        "crc32_short",
-        // Bytes, not a `LuaString`: a short copy costs less than mlua's
-        // reference to the argument.
-        lua.create_function(|_, s: mlua::BString| Ok(i64::from(crc32fast::hash(&s))))?,
-    )?;
-    ngx.raw_set(
-        "crc32_long",
-        lua.create_function(|_, s: mlua::BString| Ok(i64::from(crc32fast::hash(&s))))?,
-    )?;
+    // Bytes, not a `LuaString`: a short copy costs less than mlua's
+    // reference to the argument.
+    let crc32 = lua.create_function(|_, s: mlua::BString| Ok(i64::from(crc32fast::hash(&s))))?;
+    let crc32 = match jit {
+        true => lua
+            .load(crc32_source())
+            .set_name("=graygate_crc32")
+            .call::<Function>((crc32, g.raw_get::<Table>("bit")?))?,
+        false => crc32,
+    };
+    ngx.raw_set("crc32_short", &crc32)?;
+    ngx.raw_set("crc32_long", crc32)?;
     ngx.raw_set(
         "md5",
         lua.create_function(|lua, s: LuaString| {
@@ -227,6 +277,49 @@ local function unpack_entries(s)
   end
   return t
 end
+-- The get_headers() / get_uri_args() table of a request whose packed
+-- entries are the last such request's (the same interned string: a
+-- pointer compare) is copied from that table's keys and values, kept here
+-- (arrays copied too: a script's table is its own), instead of split
+-- again: every substring made is an interned string (LuaJIT hashes it and
+-- looks it up, ~125 instructions) and the splitting's `find`s. `last` is
+-- cleared while the copy is rebuilt, so a rebuild stopped half-way (a
+-- memory error) is never reused. The copy is a table of its own, as
+-- unpacking makes one.
+local new_tab = table.new
+local function copy_array(v)
+  local a = new_tab(#v, 0)
+  for j = 1, #v do a[j] = v[j] end
+  return a
+end
+local function memo_entries()
+  local last, keys, vals, n = nil, {}, {}, 0
+  return function(p)
+    if p == last then
+      local t = new_tab(0, n)
+      for i = 1, n do
+        local v = vals[i]
+        if type(v) == "table" then v = copy_array(v) end
+        t[keys[i]] = v
+      end
+      return t
+    end
+    local t = unpack_entries(p)
+    if type(p) == "string" then
+      last = nil
+      local m = 0
+      for k, v in next, t do
+        m = m + 1
+        if type(v) == "table" then v = copy_array(v) end
+        keys[m], vals[m] = k, v
+      end
+      for i = m + 1, n do keys[i], vals[i] = nil, nil end
+      n, last = m, p
+    end
+    return t
+  end
+end
+local headers_entries, args_entries = memo_entries(), memo_entries()
 -- The names the source mentions (`names`, a set too) are fetched together
 -- on the request's first miss or first get_headers()/get_uri_args(), the
 -- batch; `DONE` (a key no script can reach) marks the cache filled, so a
@@ -287,7 +380,7 @@ local function get_headers(max)
     if h == nil then
       dirty = true
       local p = batched(3) or build_headers(nil)
-      h = setmetatable(unpack_entries(p), { __index = hdr_index })
+      h = setmetatable(headers_entries(p), { __index = hdr_index })
       rawset(rcache, 1, h)
     end
     return h
@@ -299,7 +392,7 @@ local function get_uri_args(max)
     local a = rawget(rcache, 2)
     if a == nil then
       dirty = true
-      a = unpack_entries(batched(4) or build_args(nil))
+      a = args_entries(batched(4) or build_args(nil))
       rawset(rcache, 2, a)
     end
     return a
@@ -308,16 +401,21 @@ local function get_uri_args(max)
 end
 -- The entry of a script that mentions `ngx.`: empties what the last
 -- request left — these caches and the globals it wrote (`env`, where
--- per-request global writes land) — then tail-calls the lane function, so
--- errors and positions are the script's own. A call stopped by an error or
--- a limit is cleaned up all the same, before the next one.
-local function make_entry(lane, env)
-  return function(req)
+-- per-request global writes land) — then calls the lane function with
+-- `req` (an upvalue: nothing to push per call) and checks its result here:
+-- a string or nil as it is, anything else as nil and its type's name (read
+-- by Rust from the stack as bytes, no reference to a Lua value). Errors
+-- and positions are the script's own. A call stopped by an error or a
+-- limit is cleaned up all the same, before the next one.
+local function make_entry(lane, env, req)
+  return function()
     if dirty then reset() end
     if next(env) ~= nil then
       for k in next, env do rawset(env, k, nil) end
     end
-    return lane(req)
+    local r = lane(req)
+    if r == nil or type(r) == "string" then return r end
+    return nil, type(r)
   end
 end
 return get_headers, get_uri_args, reset, make_entry
@@ -355,6 +453,8 @@ fn var_bytes<'a>(r: &'a RequestInfo, parsed: &mut Parsed, name: &[u8]) -> Option
 /// it.
 enum VarName {
     Header(HeaderName),
+    /// `remote_addr`: written into the batch's string as it is packed.
+    RemoteAddr,
     Other(Vec<u8>),
 }
 
@@ -362,6 +462,7 @@ impl VarName {
     fn new(name: &[u8]) -> VarName {
         match name.strip_prefix(b"http_").and_then(header_name) {
             Some(h) => VarName::Header(h),
+            None if name == b"remote_addr" => VarName::RemoteAddr,
             None => VarName::Other(name.to_vec()),
         }
     }
@@ -370,6 +471,7 @@ impl VarName {
     fn value<'a>(&self, r: &'a RequestInfo, parsed: &mut Parsed) -> Option<Cow<'a, [u8]>> {
         match self {
             VarName::Header(h) => header_values(r, h),
+            VarName::RemoteAddr => variable(r, b"remote_addr"),
             VarName::Other(n) => var_bytes(r, parsed, n),
         }
     }
@@ -401,6 +503,15 @@ fn fetch_all(
         };
         let mut packed = Vec::with_capacity(128);
         for n in names {
+            if let VarName::RemoteAddr = n {
+                // At most 45 bytes (an IPv6 address): always packs; no
+                // buffer of its own (~100 instructions less).
+                let at = packed.len();
+                packed.push(0);
+                super::ip_text_into(r.client_ip, &mut packed);
+                packed[at] = (packed.len() - at) as u8;
+                continue;
+            }
             match n.value(r, &mut c.parsed) {
                 Some(v) if v.len() > PACKED_VALUE_MAX => {
                     let each = fetch_each(lua, r, &mut c.parsed, names)?;
@@ -725,6 +836,10 @@ fn at(b: &[u8], (s, e): (u32, u32)) -> &[u8] {
 /// everything up to the `;` kept (`a = 7 ;` gives `"7 "`).
 fn cookie_var<'a>(r: &'a RequestInfo, parsed: &mut Parsed, name: &[u8]) -> Option<&'a [u8]> {
     let headers = || values_of(&r.parts.headers, &http::header::COOKIE);
+    if parsed.cookies.as_ref().is_some_and(Vec::is_empty) {
+        // No cookies (split before): no header scan.
+        return None;
+    }
     let pairs = parsed.cookies.get_or_insert_with(|| {
         let mut out = Vec::new();
         for (src, v) in headers().enumerate() {
@@ -1372,6 +1487,45 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn crc32_is_the_hosts_on_both_sides_of_the_lua_length() {
+        both_modes(crc32_is_the_hosts_on_both_sides_of_the_lua_length_in);
+    }
+
+    /// With the JIT on, strings up to CRC32_LUA_MAX bytes are hashed in
+    /// Lua: every length up to past it, every byte value, each string
+    /// hashed often enough to be compiled; numbers are hashed as their text.
+    fn crc32_is_the_hosts_on_both_sides_of_the_lua_length_in() {
+        let text = |n: usize| -> Vec<u8> { (1..=n).map(|i| ((i * 37 + n * 11) % 256) as u8).collect() };
+        let body = r#"
+            local out = {}
+            for n = 0, 40 do
+              local t = {}
+              for i = 1, n do t[i] = string.char((i * 37 + n * 11) % 256) end
+              local s = table.concat(t)
+              local a
+              for _ = 1, 60 do a = ngx.crc32_short(s) end
+              out[#out + 1] = type(a) .. string.format("%.0f/%.0f", a, ngx.crc32_long(s))
+            end
+            out[#out + 1] = tostring(ngx.crc32_short(12345)) .. tostring(ngx.crc32_long(-1.5))
+            out[#out + 1] = tostring(pcall(ngx.crc32_short, {}))
+            return table.concat(out, ",")
+        "#;
+        let mut want: Vec<String> = (0..=40)
+            .map(|n| {
+                let c = crc32fast::hash(&text(n));
+                format!("number{c}/{c}")
+            })
+            .collect();
+        want.push(format!(
+            "{}{}",
+            crc32fast::hash(b"12345"),
+            crc32fast::hash(b"-1.5")
+        ));
+        want.push("false".into());
+        assert_eq!(eval(body, std_req()), want.join(","));
+    }
+
+    #[test]
     fn ngx_var_fields() {
         let v = |name: &str| eval(&format!("return tostring(ngx.var.{name})"), std_req());
         assert_eq!(v("remote_addr"), "10.1.2.3");
@@ -1725,6 +1879,96 @@ pub(crate) mod tests {
             );
             assert!(failed.unwrap_err().message.contains("boom"));
             assert_eq!(ok("/?uid=3", &[("X-User-Id", "u3")]), "nilnil|u3|u3|3|nil");
+        }
+    }
+
+    #[test]
+    fn the_batch_writes_remote_addr_and_cookies_of_any_request() {
+        both_modes(the_batch_writes_remote_addr_and_cookies_of_any_request_in);
+    }
+
+    /// `remote_addr` written straight into the batch's string, IPv4 and
+    /// the longest IPv6 texts, before and after other values; two
+    /// `cookie_*` reads with and without a Cookie header (the second read
+    /// of a request without cookies scans nothing).
+    fn the_batch_writes_remote_addr_and_cookies_of_any_request_in() {
+        let (_d, mut src) = crate::lane::script::vm_mode::load_src(
+            "return function()
+               return table.concat({ tostring(ngx.var.cookie_a), ngx.var.remote_addr,
+                 tostring(ngx.var.cookie_b), tostring(ngx.var.http_x_user_id) }, '|')
+             end\n",
+        );
+        src.jit = jit();
+        let lists = Arc::new(BTreeMap::new());
+        for ip in [
+            "10.1.2.3",
+            "255.255.255.255",
+            "ffff:ffff:ffff:ffff:ffff:ffff:255.255.255.255",
+            "2001:db8:85a3:1234:5678:8a2e:370:7334",
+            "::1",
+        ] {
+            for (headers, want) in [
+                (vec![], "nil|IP|nil|nil"),
+                (vec![("Cookie", "b=2; a=1"), ("X-User-Id", "u")], "1|IP|2|u"),
+                (vec![("Cookie", "c=3"), ("X-User-Id", "u")], "nil|IP|nil|u"),
+            ] {
+                let text = ip.parse::<IpAddr>().unwrap().to_string();
+                let req = request("/", ip, &headers);
+                let got = call_lane(&src, &lists, req, RuleCtx::default()).1.unwrap();
+                assert_eq!(got.unwrap(), want.replace("IP", &text), "{ip} {headers:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn tables_of_unchanged_entries_are_fresh_copies() {
+        both_modes(tables_of_unchanged_entries_are_fresh_copies_in);
+    }
+
+    /// One VM, requests whose packed get_headers() / get_uri_args()
+    /// entries repeat (the table is copied from the last one's entries):
+    /// each request sees its own table with the request's values, however
+    /// the one before changed its tables (fields added, changed, removed,
+    /// repeated values' arrays written), hot enough for the JIT.
+    fn tables_of_unchanged_entries_are_fresh_copies_in() {
+        let (_d, mut src) = crate::lane::script::vm_mode::load_src(
+            "local function list(t)
+               local keys = {}
+               for k in pairs(t) do keys[#keys + 1] = k end
+               table.sort(keys)
+               for i, k in ipairs(keys) do
+                 local v = t[k]
+                 if type(v) == 'table' then v = table.concat(v, '+') end
+                 keys[i] = k .. '=' .. tostring(v)
+               end
+               return table.concat(keys, ' ')
+             end
+             return function()
+               local h, a = ngx.req.get_headers(), ngx.req.get_uri_args()
+               local out = list(h) .. ' | ' .. list(a)
+               h.injected, h.accept[1], h['x-user-id'], h.host = 'x', 'changed', nil, 'h'
+               a.injected, a.name[2], a.flag, a.uid = 'x', 'changed', nil, 'u'
+               table.insert(h.accept, 'more')
+               return out
+             end\n",
+        );
+        src.jit = jit();
+        let lists = Arc::new(BTreeMap::new());
+        let one = |uid: &str| {
+            let req = request(
+                &format!("/p?name=a&name=b%20c&flag&uid={uid}"),
+                "10.1.2.3",
+                &[("X-User-Id", uid), ("Accept", "a"), ("accept", "b")],
+            );
+            call_lane(&src, &lists, req, RuleCtx::default()).1.unwrap().unwrap()
+        };
+        let want = |uid: &str| {
+            format!("accept=a+b x-user-id={uid} | flag=true name=a+b c uid={uid}")
+        };
+        for i in 0..150 {
+            // Runs of the same entries, then a change.
+            let uid = format!("u{}", i / 50);
+            assert_eq!(one(&uid), want(&uid), "request {i}");
         }
     }
 

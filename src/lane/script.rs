@@ -500,7 +500,6 @@ struct ScriptVm {
     /// `lane_fn` behind its entry, which empties the per-request globals
     /// before each call.
     entry: Entry,
-    req: Table,
     /// The lists the VM was built with (a native entry's `in_list` verdicts).
     lists: Arc<BTreeMap<String, IpList>>,
     /// The `ngx` glue's `reset`: empties the caches a call's host calls
@@ -516,7 +515,8 @@ struct ScriptVm {
 /// How a VM calls its lane function.
 enum Entry {
     /// A script that mentions `ngx.`: the `ngx` glue's entry, which also
-    /// empties the `ngx` caches (see `ngx::PerRequest`); called with `req`.
+    /// empties the `ngx` caches (see `ngx::PerRequest`); `req` is its
+    /// upvalue.
     Ngx(Function),
     /// Any other script: `lane::native`'s entry, called with the request
     /// values the source names.
@@ -705,7 +705,7 @@ impl ScriptVm {
         globals.raw_set("graygate", gg).map_err(le)?;
         let mentioned = super::ngx::mentioned(src.texts());
         let uses_ngx = mentioned.ngx;
-        let per_request = super::ngx::install(&lua, &globals, &src.dicts, mentioned).map_err(le)?;
+        let per_request = super::ngx::install(&lua, &globals, &src.dicts, mentioned, jit_on).map_err(le)?;
         // A native script's named request values come as the call's
         // arguments (`lane::native`); its glue wraps `graygate.bucket` and
         // `ngx.req.set_header` before the libraries are locked.
@@ -870,7 +870,7 @@ impl ScriptVm {
             None => Entry::Ngx(
                 per_request
                     .make_entry
-                    .call::<Function>((lane_fn.clone(), env.clone()))
+                    .call::<Function>((lane_fn.clone(), env.clone(), &req))
                     .map_err(le)?,
             ),
         };
@@ -879,7 +879,6 @@ impl ScriptVm {
             lua,
             lane_fn,
             entry,
-            req,
             lists,
             reset: per_request.reset,
             guard,
@@ -896,34 +895,27 @@ impl ScriptVm {
         // entry function taking it as an argument, ~160 — cost more than
         // the count hook did on the shipped script.
         self.guard.arm(self.budget);
-        let entry = match &self.entry {
-            Entry::Ngx(entry) => entry,
+        // Either entry checks the result's type in Lua; it is read from
+        // the stack as bytes: no reference to a Lua value is made (~200
+        // instructions, callgrind).
+        let r = match &self.entry {
+            // `req` is the entry's upvalue: no argument to push.
+            Entry::Ngx(entry) => entry.call(())?,
             Entry::Native(p, entry) => {
                 let r = p.call(&self.lua, entry, &self.lists, req);
                 // `ngx` reached by a computed name filled its caches.
                 if with_current(|_, c| c.ngx_cached).unwrap_or(true) {
                     let _ = self.reset.call::<()>(());
                 }
-                // The result read from the stack as bytes: no reference
-                // to a Lua value is made (~200 instructions, callgrind).
-                return match r? {
-                    (Some(lane), _) => String::from_utf8(lane.into())
-                        .map(Some)
-                        .map_err(|_| not_utf8()),
-                    (None, None) => Ok(None),
-                    (None, Some(ty)) => Err(wrong_type(&String::from_utf8_lossy(&ty))),
-                };
+                r?
             }
         };
-        match entry.call::<Value>(&self.req)? {
-            Value::Nil => Ok(None),
-            // Copied from the bytes: `to_str()?.to_string()` went through
-            // a borrowed `str` and `Display` (~480 instructions, callgrind).
-            Value::String(s) => match std::str::from_utf8(&s.as_bytes()) {
-                Ok(lane) => Ok(Some(lane.to_owned())),
-                Err(_) => Err(s.to_str().err().unwrap_or_else(not_utf8)),
-            },
-            other => Err(wrong_type(other.type_name())),
+        match r {
+            (Some(lane), _) => String::from_utf8(lane.into())
+                .map(Some)
+                .map_err(|_| not_utf8()),
+            (None, None) => Ok(None),
+            (None, Some(ty)) => Err(wrong_type(&String::from_utf8_lossy(&ty))),
         }
     }
 }
