@@ -1495,7 +1495,8 @@ pub(crate) mod tests {
     /// Lua: every length up to past it, every byte value, each string
     /// hashed often enough to be compiled; numbers are hashed as their text.
     fn crc32_is_the_hosts_on_both_sides_of_the_lua_length_in() {
-        let text = |n: usize| -> Vec<u8> { (1..=n).map(|i| ((i * 37 + n * 11) % 256) as u8).collect() };
+        let text =
+            |n: usize| -> Vec<u8> { (1..=n).map(|i| ((i * 37 + n * 11) % 256) as u8).collect() };
         let body = r#"
             local out = {}
             for n = 0, 40 do
@@ -1960,11 +1961,13 @@ pub(crate) mod tests {
                 "10.1.2.3",
                 &[("X-User-Id", uid), ("Accept", "a"), ("accept", "b")],
             );
-            call_lane(&src, &lists, req, RuleCtx::default()).1.unwrap().unwrap()
+            call_lane(&src, &lists, req, RuleCtx::default())
+                .1
+                .unwrap()
+                .unwrap()
         };
-        let want = |uid: &str| {
-            format!("accept=a+b x-user-id={uid} | flag=true name=a+b c uid={uid}")
-        };
+        let want =
+            |uid: &str| format!("accept=a+b x-user-id={uid} | flag=true name=a+b c uid={uid}");
         for i in 0..150 {
             // Runs of the same entries, then a change.
             let uid = format!("u{}", i / 50);

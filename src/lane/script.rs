@@ -705,7 +705,8 @@ impl ScriptVm {
         globals.raw_set("graygate", gg).map_err(le)?;
         let mentioned = super::ngx::mentioned(src.texts());
         let uses_ngx = mentioned.ngx;
-        let per_request = super::ngx::install(&lua, &globals, &src.dicts, mentioned, jit_on).map_err(le)?;
+        let per_request =
+            super::ngx::install(&lua, &globals, &src.dicts, mentioned, jit_on).map_err(le)?;
         // A native script's named request values come as the call's
         // arguments (`lane::native`); its glue wraps `graygate.bucket` and
         // `ngx.req.set_header` before the libraries are locked.
