@@ -7,8 +7,8 @@
 //! (186 MB after 10,000 idle connections closed). [`nudge`] frees one huge
 //! block, which runs mimalloc's purge of everything that has expired; the
 //! accept loop calls it once a second for a few seconds after connections
-//! closed or kept request slots were freed (nothing is done on a busy or
-//! steady worker).
+//! closed or kept request slots were freed (nothing is done on a steady
+//! worker that frees nothing).
 
 /// Above mimalloc's largest size class (512 KiB): a page of its own, whose
 /// free runs the arena purge.
@@ -28,12 +28,24 @@ pub struct Tidy {
     /// Nudge until then (`now_ms`).
     until: u64,
     nudged: u64,
+    /// The last [`trim_due`](Self::trim_due) that said yes (`now_ms`).
+    trimmed: u64,
 }
 
 impl Tidy {
     /// How long after connections closed: past the purge delay, and a
     /// little more for pages retired late.
     const SPAN_MS: u64 = 4000;
+
+    /// True at most once a second: when the kept free lists are trimmed.
+    pub fn trim_due(&mut self, now: u64) -> bool {
+        if now >= self.trimmed + 1000 {
+            self.trimmed = now;
+            true
+        } else {
+            false
+        }
+    }
 
     /// Memory was freed at `now` (not by closed connections): nudge for
     /// the next few seconds as after closes.
@@ -80,6 +92,9 @@ mod tests {
         assert!(t.tick(3, t0 + 4300), "freed memory: nudged as after closes");
         assert!(t.tick(3, t0 + 8200));
         assert!(!t.tick(3, t0 + 9200), "quiet again");
+        assert!(t.trim_due(t0));
+        assert!(!t.trim_due(t0 + 10), "trimmed twice within a second");
+        assert!(t.trim_due(t0 + 1000));
         nudge();
     }
 }

@@ -279,7 +279,7 @@ async fn plain(mut conn: Box<Conn>) -> Option<(Box<Conn>, BytesMut)> {
 /// each holding at most [`SLOTS_MAX`]: as many as a burst of requests in
 /// flight at once on the thread needed, so 256 connections' requests take
 /// kept slots as 16 did. What a list did not hand out over a whole period
-/// of the accept loop's tick is freed then ([`trim_slots`]): after a burst
+/// of the accept loop's tick is freed then ([`trim_kept`]): after a burst
 /// the thread keeps only what its steady load uses.
 const SLOTS_MAX: usize = 1024;
 

@@ -120,10 +120,12 @@ impl Server {
                 _ = tick.tick() => {
                     drain.notify_waiters();
                     // The read buffers and request slots a burst left and
-                    // the steady load did not use since the last tick go
-                    // back too.
+                    // the steady load did not use over the last second go
+                    // back too (at most once a second however short the
+                    // tick: a 10 ms window would free what the load takes
+                    // again at once).
                     let now = now_ms();
-                    if h1::trim_kept() > 0 {
+                    if tidy.trim_due(now) && h1::trim_kept() > 0 {
                         tidy.freed(now);
                     }
                     if tidy.tick(self.connections.get(), now) {
