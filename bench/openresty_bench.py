@@ -21,6 +21,7 @@ Usage:
   python3 bench/openresty_bench.py --extra before=/tmp/graygate-old   # another build side by side
   python3 bench/openresty_bench.py --quick                  # a few seconds, unpinned
   python3 bench/openresty_bench.py --jit                    # also each build with script_limits.jit: true
+  python3 bench/openresty_bench.py --jit-only               # each build with script_limits.jit: true only
 """
 
 import argparse
@@ -97,6 +98,8 @@ def main():
     ap.add_argument("--no-pin", action="store_true")
     ap.add_argument("--jit", action="store_true",
                     help="also run each build with script_limits.jit: true (rows NAME-jit)")
+    ap.add_argument("--jit-only", action="store_true",
+                    help="run each build with script_limits.jit: true only (rows NAME-jit)")
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args()
     if a.quick:
@@ -121,7 +124,7 @@ def main():
             module = SCRIPTS[script]
             targets = []
             for name, path in builds:
-                for jit in ([False, True] if a.jit else [False]):
+                for jit in ([True] if a.jit_only else [False, True] if a.jit else [False]):
                     targets.append(start_graygate(work, path, f"{name}{'-jit' if jit else ''}-{script}",
                                                   os.path.join(bench.BENCH, f"{module}.lua"), jit))
                     started.append(targets[-1])

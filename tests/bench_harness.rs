@@ -85,3 +85,38 @@ fn static_bench_quick_mode_runs_both_servers() {
         assert_eq!(cols[8], "0 / 0", "errors in {row}");
     }
 }
+
+/// `bench/pgo.py --train-only`: the PGO build's training load (the native
+/// script, both OpenResty scripts on the interpreter and with the JIT, every
+/// load mix at 32 and 256 connections, static files from a lane's own tree
+/// and by fallback) runs on this build with every request answered — the
+/// script stops at the first run with an error, so a training load that
+/// taught the optimized build the error path fails here.
+#[test]
+fn pgo_training_load_runs_without_errors() {
+    let out = Command::new("python3")
+        .args([
+            "bench/pgo.py",
+            "--train-only",
+            env!("CARGO_BIN_EXE_graygate"),
+            "--train-seconds",
+            "1",
+        ])
+        .output()
+        .expect("python3 runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "training failed:\n{stderr}");
+    for part in [
+        "native",
+        "simple",
+        "simple-jit",
+        "heavy",
+        "heavy-jit",
+        "static",
+    ] {
+        assert!(
+            stderr.lines().any(|l| l == format!("trained: {part}")),
+            "{part} not trained:\n{stderr}"
+        );
+    }
+}

@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""A profile-guided (PGO) release build of graygate.
+
+rustc's own PGO, in three steps:
+  1. an instrumented release build (`-Cprofile-generate`, its own target dir
+     target/pgo-gen, so the plain release build's cache is not touched);
+  2. a training load on it: the request path as operators run it — the
+     shipped native script (scripts/gray.lua), the two OpenResty scripts of
+     bench/ on LuaJIT's interpreter and with `script_limits.jit: true`, each
+     under the three load mixes at 32 and 256 connections, and static files
+     (2 KiB, 100 KiB; a lane's own file and the fallback to formal); graygate
+     is stopped with SIGTERM, which writes its profile;
+  3. `llvm-profdata merge` (the LLVM major version rustc reports: Debian's
+     package `llvm-<major>`) and the optimized release build
+     (`-Cprofile-use`, target dir target/pgo-use).
+The training's wrk runs are short and unpinned: only which code runs how
+often matters, not its speed.
+
+Usage:
+  python3 bench/pgo.py                 # ~15 minutes on 2 cores; prints the binary's path
+  python3 bench/pgo.py --train-seconds 1
+  python3 bench/pgo.py --train-only target/debug/graygate --train-seconds 1   # the load alone
+  packaging/build-deb.sh --binary "$(python3 bench/pgo.py)"
+The benchmarks take the result with --graygate target/pgo-use/release/graygate.
+"""
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench as B  # noqa: E402
+import openresty_bench as ORB  # noqa: E402
+import static_bench as SB  # noqa: E402
+
+
+def profdata_tool():
+    """llvm-profdata of rustc's LLVM major version (a profile is read only by its own)."""
+    out = subprocess.run(["rustc", "-vV"], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"LLVM version: (\d+)", out)
+    if not m:
+        raise SystemExit("rustc -vV names no LLVM version")
+    major = m.group(1)
+    for name in (f"llvm-profdata-{major}", f"/usr/lib/llvm-{major}/bin/llvm-profdata"):
+        if shutil.which(name):
+            return name
+    raise SystemExit(f"llvm-profdata for LLVM {major} not found: apt-get install llvm-{major}")
+
+
+def cargo_build(target_dir, rustflags):
+    env = dict(os.environ)
+    env["RUSTFLAGS"] = (env.get("RUSTFLAGS", "") + " " + rustflags).strip()
+    subprocess.run(["cargo", "build", "--release", "--locked", "--target-dir", target_dir],
+                   cwd=B.REPO, env=env, check=True, stdout=sys.stderr)
+    return os.path.join(target_dir, "release", "graygate")
+
+
+def load(port, seconds, what, **wrk):
+    """One training run; every request must be answered 2xx/3xx (a training
+    load of errors would teach the build the error path)."""
+    r = B.run_wrk(port, wrk.pop("mix", None), wrk.pop("conns", 32), seconds, **wrk)
+    if r["errors"] or not r["requests"]:
+        raise SystemExit(f"training run {what}: {r['errors']} errors in {r['requests']} requests")
+
+
+def train(binary, work, seconds):
+    """Runs the training load on the instrumented `binary`."""
+    B.PIN["on"] = False
+    started = [B.start_backends(work)]
+    try:
+        scripts = [("native", os.path.join(B.REPO, "scripts", "gray.lua"), False)]
+        for name, module in ORB.SCRIPTS.items():
+            for jit in (False, True):
+                scripts.append((f"{name}{'-jit' if jit else ''}",
+                                os.path.join(B.BENCH, f"{module}.lua"), jit))
+        for name, script, jit in scripts:
+            t = ORB.start_graygate(work, binary, f"pgo-{name}", script, jit)
+            started.append(t)
+            for mix in ("untagged", "user-id", "x-gray"):
+                for conns in (32, 256):
+                    load(t.port, seconds, f"{name} {mix} @ {conns}", mix=mix, conns=conns)
+            t.stop()
+            started.remove(t)
+            print(f"trained: {name}", file=sys.stderr, flush=True)
+        root = SB.make_tree(work, {k: SB.SIZES[k] for k in ("2k", "100k")})
+        t = SB.start_graygate(work, binary, root)
+        started.append(t)
+        for size in ("2k", "100k"):
+            for tree in SB.TREES:
+                load(t.port, seconds, f"static {size} {tree}", path=SB.url_path(tree, size),
+                     args=["-H", "X-Gray: 1"])
+        t.stop()
+        started.remove(t)
+        print("trained: static", file=sys.stderr, flush=True)
+    finally:
+        B.stop_all(started, work)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--train-seconds", type=int, default=2, help="wrk seconds per training run")
+    ap.add_argument("--train-only", metavar="BINARY",
+                    help="only run the training load on BINARY (no build): the harness's own check")
+    ap.add_argument("--data", help="where the instrumented build writes its profile "
+                                   "(default target/pgo-data; part of its flags, so keep it "
+                                   "the same to reuse that build)")
+    a = ap.parse_args()
+    for tool in ("nginx", "wrk"):
+        if not shutil.which(tool):
+            raise SystemExit(f"{tool} not found: apt-get install nginx-core libnginx-mod-http-lua wrk")
+    if a.train_only:
+        work = tempfile.mkdtemp(prefix="graygate-pgo-train-")
+        try:
+            train(a.train_only, work, a.train_seconds)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
+    tool = profdata_tool()
+    target = os.path.join(B.REPO, "target")
+    data = os.path.abspath(a.data or os.path.join(target, "pgo-data"))
+    shutil.rmtree(data, ignore_errors=True)
+    os.makedirs(data)
+    work = tempfile.mkdtemp(prefix="graygate-pgo-train-")
+    try:
+        gen = cargo_build(os.path.join(target, "pgo-gen"), f"-Cprofile-generate={data}")
+        train(gen, work, a.train_seconds)
+        raws = glob.glob(os.path.join(data, "*.profraw"))
+        if not raws:
+            raise SystemExit("the training wrote no profile (graygate did not exit cleanly?)")
+        merged = os.path.join(target, "pgo.profdata")
+        subprocess.run([tool, "merge", "-o", merged] + raws, check=True)
+        print(f"profile: {len(raws)} raw file(s) merged into {merged}", file=sys.stderr)
+        binary = cargo_build(os.path.join(target, "pgo-use"), f"-Cprofile-use={merged}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(binary)
+
+
+if __name__ == "__main__":
+    main()
