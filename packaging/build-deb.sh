@@ -4,6 +4,9 @@
 #
 #   packaging/build-deb.sh                      # cargo build --release, then the .deb
 #   packaging/build-deb.sh --binary PATH        # package an already built binary
+#   packaging/build-deb.sh --pgo                # the profile-guided build of bench/pgo.py
+#                                               # (needs nginx, wrk and Debian's llvm-<N>
+#                                               # matching rustc's LLVM; ~15 minutes)
 #   options: --out DIR (default target/debian), --compress xz|gzip|none,
 #            --no-strip (keep debug symbols; by default they are stripped,
 #            as dh_strip does, when binutils' strip is installed)
@@ -19,16 +22,20 @@ binary=""
 out="$repo/target/debian"
 compress="xz"
 strip_debug=1
+pgo=0
 while [ $# -gt 0 ]; do
 	case "$1" in
 	--binary) binary="$2"; shift 2 ;;
+	--pgo) pgo=1; shift ;;
 	--out) out="$2"; shift 2 ;;
 	--compress) compress="$2"; shift 2 ;;
 	--no-strip) strip_debug=0; shift ;;
 	*) echo "unknown option $1" >&2; exit 2 ;;
 	esac
 done
-if [ -z "$binary" ]; then
+if [ -z "$binary" ] && [ "$pgo" = 1 ]; then
+	binary="$(cd "$repo" && python3 bench/pgo.py)"
+elif [ -z "$binary" ]; then
 	(cd "$repo" && cargo build --release --locked >&2)
 	binary="${CARGO_TARGET_DIR:-$repo/target}/release/graygate"
 fi
