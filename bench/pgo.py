@@ -60,17 +60,19 @@ def cargo_build(target_dir, rustflags):
     return os.path.join(target_dir, "release", "graygate")
 
 
-def load(port, seconds, what, **wrk):
+def load(port, seconds, what, mix=None, conns=32, **wrk):
     """One training run; every request must be answered 2xx/3xx (a training
     load of errors would teach the build the error path)."""
-    r = B.run_wrk(port, wrk.pop("mix", None), wrk.pop("conns", 32), seconds, **wrk)
+    r = B.run_wrk(port, mix, conns, seconds, **wrk)
     if r["errors"] or not r["requests"]:
         raise SystemExit(f"training run {what}: {r['errors']} errors in {r['requests']} requests")
 
 
-def train(binary, work, seconds):
-    """Runs the training load on the instrumented `binary`."""
+def train(binary, seconds):
+    """Runs the training load on the instrumented `binary` (in a temporary
+    directory of its own, removed by `bench.stop_all`)."""
     B.PIN["on"] = False
+    work = tempfile.mkdtemp(prefix="graygate-pgo-train-")
     started = [B.start_backends(work)]
     try:
         scripts = [("native", os.path.join(B.REPO, "scripts", "gray.lua"), False)]
@@ -98,7 +100,7 @@ def train(binary, work, seconds):
         started.remove(t)
         print("trained: static", file=sys.stderr, flush=True)
     finally:
-        B.stop_all(started, work)
+        B.stop_all(started, work)  # removes `work` too
 
 
 def main():
@@ -114,31 +116,22 @@ def main():
         if not shutil.which(tool):
             raise SystemExit(f"{tool} not found: apt-get install nginx-core libnginx-mod-http-lua wrk")
     if a.train_only:
-        work = tempfile.mkdtemp(prefix="graygate-pgo-train-")
-        try:
-            train(a.train_only, work, a.train_seconds)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        train(a.train_only, a.train_seconds)
         return
     tool = profdata_tool()
     target = os.path.join(B.REPO, "target")
     data = os.path.abspath(a.data or os.path.join(target, "pgo-data"))
     shutil.rmtree(data, ignore_errors=True)
     os.makedirs(data)
-    work = tempfile.mkdtemp(prefix="graygate-pgo-train-")
-    try:
-        gen = cargo_build(os.path.join(target, "pgo-gen"), f"-Cprofile-generate={data}")
-        train(gen, work, a.train_seconds)
-        raws = glob.glob(os.path.join(data, "*.profraw"))
-        if not raws:
-            raise SystemExit("the training wrote no profile (graygate did not exit cleanly?)")
-        merged = os.path.join(target, "pgo.profdata")
-        subprocess.run([tool, "merge", "-o", merged] + raws, check=True)
-        print(f"profile: {len(raws)} raw file(s) merged into {merged}", file=sys.stderr)
-        binary = cargo_build(os.path.join(target, "pgo-use"), f"-Cprofile-use={merged}")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    print(binary)
+    gen = cargo_build(os.path.join(target, "pgo-gen"), f"-Cprofile-generate={data}")
+    train(gen, a.train_seconds)
+    raws = glob.glob(os.path.join(data, "*.profraw"))
+    if not raws:
+        raise SystemExit("the training wrote no profile (graygate did not exit cleanly?)")
+    merged = os.path.join(target, "pgo.profdata")
+    subprocess.run([tool, "merge", "-o", merged] + raws, check=True)
+    print(f"profile: {len(raws)} raw file(s) merged into {merged}", file=sys.stderr)
+    print(cargo_build(os.path.join(target, "pgo-use"), f"-Cprofile-use={merged}"))
 
 
 if __name__ == "__main__":
