@@ -2,11 +2,13 @@
 # Builds the graygate Debian package with plain dpkg-deb (part of dpkg, on
 # every Debian system: no cargo-deb, no debhelper needed).
 #
-#   packaging/build-deb.sh                      # cargo build --release, then the .deb
-#   packaging/build-deb.sh --binary PATH        # package an already built binary
-#   packaging/build-deb.sh --pgo                # the profile-guided build of bench/pgo.py
+#   packaging/build-deb.sh                      # the release build: bench/pgo.py's
+#                                               # profile-guided build, then the .deb
 #                                               # (needs nginx, wrk and Debian's llvm-<N>
 #                                               # matching rustc's LLVM; ~15 minutes)
+#   packaging/build-deb.sh --no-pgo             # plain cargo build --release (~6 minutes)
+#   packaging/build-deb.sh --binary PATH        # package an already built binary
+#   (--pgo is accepted: it names the default)
 #   options: --out DIR (default target/debian), --compress xz|gzip|none,
 #            --no-strip (keep debug symbols; by default they are stripped,
 #            as dh_strip does, when binutils' strip is installed)
@@ -22,11 +24,12 @@ binary=""
 out="$repo/target/debian"
 compress="xz"
 strip_debug=1
-pgo=0
+pgo=1
 while [ $# -gt 0 ]; do
 	case "$1" in
 	--binary) binary="$2"; shift 2 ;;
 	--pgo) pgo=1; shift ;;
+	--no-pgo) pgo=0; shift ;;
 	--out) out="$2"; shift 2 ;;
 	--compress) compress="$2"; shift 2 ;;
 	--no-strip) strip_debug=0; shift ;;

@@ -254,3 +254,50 @@ async fn debian_package_holds_a_gateway_that_starts_on_its_config() {
         "pid file removed at exit"
     );
 }
+
+/// The script's options: the default build is bench/pgo.py's (seen by
+/// its first check failing on a PATH without nginx, before any build),
+/// `--no-pgo` with `--binary` packages the given binary, and an unknown
+/// option is refused.
+#[test]
+fn build_deb_defaults_to_the_pgo_build_and_takes_no_pgo() {
+    let dir = env!("CARGO_MANIFEST_DIR");
+    let script = format!("{dir}/packaging/build-deb.sh");
+    let bare = tempfile::tempdir().unwrap();
+    // The interpreter itself (not a version manager's shim, which needs more
+    // of PATH), and what the script runs before it.
+    let python = run(Command::new("python3").args(["-c", "import sys; print(sys.executable)"]));
+    std::os::unix::fs::symlink(python.trim(), bare.path().join("python3")).unwrap();
+    let dirname = run(Command::new("bash").args(["-c", "command -v dirname"]));
+    std::os::unix::fs::symlink(dirname.trim(), bare.path().join("dirname")).unwrap();
+    let out = Command::new("/bin/bash")
+        .arg(&script)
+        .env("PATH", bare.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("nginx not found"), "{err}");
+
+    let work = tempfile::tempdir().unwrap();
+    let deb = run(Command::new("bash")
+        .arg(&script)
+        .args([
+            "--no-pgo",
+            "--binary",
+            env!("CARGO_BIN_EXE_graygate"),
+            "--compress",
+            "none",
+            "--out",
+        ])
+        .arg(work.path()));
+    assert!(std::path::Path::new(deb.trim()).is_file(), "{deb}");
+
+    let bad = Command::new("bash")
+        .arg(&script)
+        .arg("--bogus")
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown option --bogus"));
+}
