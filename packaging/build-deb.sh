@@ -36,11 +36,13 @@ while [ $# -gt 0 ]; do
 	*) echo "unknown option $1" >&2; exit 2 ;;
 	esac
 done
-if [ -z "$binary" ] && [ "$pgo" = 1 ]; then
-	binary="$(cd "$repo" && python3 bench/pgo.py)"
-elif [ -z "$binary" ]; then
-	(cd "$repo" && cargo build --release --locked >&2)
-	binary="${CARGO_TARGET_DIR:-$repo/target}/release/graygate"
+if [ -z "$binary" ]; then
+	if [ "$pgo" = 1 ]; then
+		binary="$(cd "$repo" && python3 bench/pgo.py)"
+	else
+		(cd "$repo" && cargo build --release --locked >&2)
+		binary="${CARGO_TARGET_DIR:-$repo/target}/release/graygate"
+	fi
 fi
 version="$(sed -n 's/^version = "\(.*\)"$/\1/p' "$repo/Cargo.toml" | head -n1)"
 arch="$(dpkg --print-architecture)"

@@ -25,10 +25,14 @@ fn run(cmd: &mut Command) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// The packaging script of this checkout.
+fn script() -> String {
+    format!("{}/packaging/build-deb.sh", env!("CARGO_MANIFEST_DIR"))
+}
+
 fn build_package(out: &Path, extra: &[&str]) -> PathBuf {
-    let dir = env!("CARGO_MANIFEST_DIR");
     let deb = run(Command::new("bash")
-        .arg(format!("{dir}/packaging/build-deb.sh"))
+        .arg(script())
         .args(extra)
         .args([
             "--binary",
@@ -262,8 +266,7 @@ async fn debian_package_holds_a_gateway_that_starts_on_its_config() {
 /// option is refused.
 #[test]
 fn build_deb_defaults_to_the_pgo_build_and_takes_no_pgo() {
-    let dir = env!("CARGO_MANIFEST_DIR");
-    let script = format!("{dir}/packaging/build-deb.sh");
+    let script = script();
     let bare = tempfile::tempdir().unwrap();
     // The interpreter itself (not a version manager's shim, which needs more
     // of PATH), and what the script runs before it.
