@@ -757,8 +757,8 @@ mod tests {
 
     #[test]
     fn readme_example_compiles_and_decides() {
-        let readme = include_str!("../../README.md");
-        let section = readme.split("## Declarative rules").nth(1).unwrap();
+        let readme = include_str!("../../docs/src/reference/rules.md");
+        let section = readme.split("# Declarative rules").nth(1).unwrap();
         let yaml = section
             .split("```yaml\n")
             .nth(1)
@@ -771,8 +771,8 @@ mod tests {
             "partner_ips".to_string(),
             IpList::parse(Path::new("p.txt"), "203.0.113.0/24\n").unwrap(),
         );
-        let cfg: RulesConfig = crate::config::parse_yaml(Path::new("README.md"), yaml).unwrap();
-        let r = Rules::compile(&cfg, Path::new("README.md"), yaml, None, &lists).unwrap();
+        let cfg: RulesConfig = crate::config::parse_yaml(Path::new("rules.md"), yaml).unwrap();
+        let r = Rules::compile(&cfg, Path::new("rules.md"), yaml, None, &lists).unwrap();
         assert_eq!(r.rules.len(), 6);
         let v = |q: RequestInfo| lane_of(&r, &q);
         assert_eq!(v(req("/", "203.0.113.9", &[("x-beta", "1")])).0, "<deny>");
