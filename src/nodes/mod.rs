@@ -99,7 +99,6 @@ pub struct LaneNodes {
     /// Live counters of `nodes[i]` (in flight: least_request), shared with
     /// `observe::node_stats` across reloads.
     pub counters: Vec<Arc<NodeCounters>>,
-    pub balance: Balance,
     pub slow_start_ms: u64,
     pub zone_min_healthy: u32,
     /// Is zone preference on (the gateway has a zone, min_healthy > 0)?
@@ -146,7 +145,6 @@ impl LaneNodes {
         LaneNodes {
             health: (0..n).map(|_| Arc::new(NodeHealth::default())).collect(),
             counters: (0..n).map(|_| Arc::default()).collect(),
-            balance: sel.balance,
             slow_start_ms: sel.slow_start_ms,
             zone_min_healthy: sel.zone_min_healthy,
             zone_pref,
@@ -201,15 +199,11 @@ impl LaneNodes {
     /// same-zone node is down or tried), else any node of the set.
     pub fn pick_in(&self, step: ZoneStep, w: &Want) -> Option<usize> {
         if step == ZoneStep::Local {
-            if let Some(i) = self
-                .local
-                .as_ref()
-                .and_then(|l| l.pick(self, self.balance, w))
-            {
+            if let Some(i) = self.local.as_ref().and_then(|l| l.pick(self, w)) {
                 return Some(i);
             }
         }
-        self.all.pick(self, self.balance, w)
+        self.all.pick(self, w)
     }
 
     /// A pick over the whole set without a key (round-robin order for
