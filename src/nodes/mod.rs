@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use http::{HeaderMap, Uri};
 
-use crate::config::{Balance, HealthConfig, NodeConfig, FORMAL};
+use crate::config::{Balance, HealthConfig, NodeConfig, ServiceConfig, FORMAL};
 use crate::observe::node_stats::NodeCounters;
 use balance::{slow_start_factor, Members, Picker, Want};
 use hash::{HashKey, KeyHash};
@@ -74,13 +74,15 @@ pub struct Select {
 }
 
 impl Default for Select {
+    /// A node file's defaults, without a gateway zone.
     fn default() -> Select {
+        let c = ServiceConfig::default();
         Select {
-            balance: Balance::RoundRobin,
+            balance: c.balance,
             hash_key: None,
-            slow_start_ms: 0,
+            slow_start_ms: c.slow_start_ms,
             zone: None,
-            zone_min_healthy: 1,
+            zone_min_healthy: c.zone_min_healthy,
         }
     }
 }
