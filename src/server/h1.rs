@@ -501,11 +501,11 @@ impl Conn {
                 }
             }
         };
-        let Parsed {
+        let ParsedHead {
             req,
             keep_alive,
             body_len,
-            underscores,
+            has_underscores,
         } = parsed;
         // The body arrived with the head (else the request went to hyper).
         let body = if body_len == 0 {
@@ -532,11 +532,11 @@ impl Conn {
         let handled = unless_gone(
             &self.stream,
             InBox::new(|| {
-                let from = proxy::Handover {
+                let hints = proxy::ServerHints {
                     raw_ok: true,
-                    underscores,
+                    may_have_underscores: has_underscores,
                 };
-                proxy::handle_with(plane, self.peer, req.map(|()| body), from)
+                proxy::handle_with(plane, self.peer, req.map(|()| body), hints)
             }),
         );
         let Some(Ok(resp)) = handled.await else {
@@ -569,13 +569,13 @@ impl Conn {
     }
 }
 
-/// A parsed request head.
-struct Parsed {
+/// A request head the plain path parsed, with its body's length.
+struct ParsedHead {
     req: Request<()>,
     keep_alive: bool,
     body_len: usize,
-    /// Some field name has a `_`.
-    underscores: bool,
+    /// Some field name has a `_` (every name was looked at).
+    has_underscores: bool,
 }
 
 // Returned once per request and matched at once: a box would cost an
@@ -585,7 +585,7 @@ enum Parse {
     Partial,
     /// Not for this path: hyper serves the connection from here.
     Hyper,
-    Done(Parsed),
+    Done(ParsedHead),
 }
 
 /// Parses the head at the front of `buf`; on success it is split off (the
@@ -684,7 +684,7 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
         return Parse::Hyper;
     };
     let mut headers = HeaderMap::with_capacity(spans.len());
-    let mut underscores = false;
+    let mut has_underscores = false;
     for &(ns, ne, vs, ve) in spans.iter() {
         let bytes = &head[ns as usize..ne as usize];
         // The usual names have no `_`: only the others are searched.
@@ -692,7 +692,7 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
             .or_else(|| seen_name(bytes))
             .ok_or(())
             .or_else(|()| {
-                underscores |= bytes.contains(&b'_');
+                has_underscores |= bytes.contains(&b'_');
                 let name = HeaderName::from_bytes(bytes);
                 if let Ok(n) = &name {
                     remember_name(n);
@@ -724,11 +724,11 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
         Version::HTTP_10
     };
     crate::base::head::drop_map(std::mem::replace(req.headers_mut(), headers));
-    Parse::Done(Parsed {
+    Parse::Done(ParsedHead {
         req,
         keep_alive,
         body_len,
-        underscores,
+        has_underscores,
     })
 }
 
@@ -1421,7 +1421,7 @@ mod tests {
                     .iter()
                     .map(|(n, v)| (n.clone(), v.clone()))
                     .collect::<Vec<_>>(),
-                p.underscores,
+                p.has_underscores,
             ),
             _ => panic!("not parsed: {}", String::from_utf8_lossy(raw)),
         };
@@ -1445,7 +1445,7 @@ mod tests {
                     .collect();
                 let prev = &names[i.saturating_sub(1)];
                 let raw = format!("GET / HTTP/1.1\r\nHost: x\r\n{wire}: {i}\r\n{prev}: p\r\n\r\n");
-                let (got, underscores) = fields(raw.as_bytes());
+                let (got, has_underscores) = fields(raw.as_bytes());
                 let want = [
                     ("host", "x".to_string()),
                     (&*name.to_ascii_lowercase(), i.to_string()),
@@ -1461,7 +1461,7 @@ mod tests {
                     .collect();
                 assert_eq!(got, want, "{raw}");
                 assert_eq!(
-                    underscores,
+                    has_underscores,
                     name.contains('_') || prev.contains('_'),
                     "{raw}"
                 );
@@ -1606,20 +1606,20 @@ mod tests {
     /// not to, any other is searched.
     #[test]
     fn parse_notes_underscored_names() {
-        let underscores = |raw: &[u8]| match parsed(raw) {
-            Parse::Done(p) => p.underscores,
+        let has_underscores = |raw: &[u8]| match parsed(raw) {
+            Parse::Done(p) => p.has_underscores,
             _ => panic!("not parsed: {:?}", String::from_utf8_lossy(raw)),
         };
-        assert!(!underscores(
+        assert!(!has_underscores(
             b"GET / HTTP/1.1\r\nHost: x\r\nAccept-Encoding: id\r\n\r\n"
         ));
-        assert!(!underscores(
+        assert!(!has_underscores(
             b"GET / HTTP/1.1\r\nHost: x\r\nX-User-Id: 7\r\n\r\n"
         ));
-        assert!(underscores(
+        assert!(has_underscores(
             b"GET / HTTP/1.1\r\nHost: x\r\nX_User_Id: 7\r\n\r\n"
         ));
-        assert!(underscores(
+        assert!(has_underscores(
             b"GET / HTTP/1.1\r\nx_gray_tag: v2\r\nHost: x\r\n\r\n"
         ));
     }
