@@ -796,7 +796,7 @@ fn default_weight() -> u32 {
 
 /// The local bootstrap of a gateway whose configuration lives in etcd: its
 /// own addresses and where the store is. Everything else comes from keys
-/// under `etcd.prefix` (see the README's key layout).
+/// under `etcd.prefix` (the key layout is in the fleet-on-etcd guide).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Bootstrap {

@@ -1,11 +1,12 @@
-//! Layer: node choice (data plane, above upstream; uses upstream for active
-//! probes, observe's node counters, lane's cookie parser, base, config). API
-//! services and their nodes, grouped by lane, and the selection rule: healthy
-//! nodes of the request's lane, else formal nodes (never another gray lane);
-//! within that set the gateway's zone first (`zone`), then the service's
-//! `balance` policy (`balance`: round-robin, least-request, Maglev hash,
-//! random; `hash`: the request key and the table), with slow start for nodes
-//! that joined or were re-admitted.
+//! Layer: nodes — node choice (data plane, above upstream; uses upstream
+//! for active probes, observe's node counters, lane's cookie parser, base,
+//! config). API services and their nodes, grouped by lane, and the
+//! selection rule: healthy nodes of the request's lane, else formal nodes
+//! (never another gray lane); within that set the gateway's zone first
+//! (`zone`), then the service's `balance` policy (`balance`: round-robin,
+//! least-request, Maglev hash, random, each policy's state in one
+//! `Policy` variant; `hash`: the request key and the table), with slow
+//! start for nodes that joined or were re-admitted.
 
 pub mod balance;
 pub mod hash;

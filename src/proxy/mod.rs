@@ -125,7 +125,7 @@ pub async fn handle_with(
     let (plane, gen, ctx) = pending.parts_mut();
     ctx.raw_ok = hints.raw_ok;
     // The request's fields stay in `info` (moved only where the lane phase
-    // takes them): each move of it is a 272-byte copy.
+    // takes them): each move of it copies the whole value.
     let routed = match invalid {
         Some(kind) => Err(Error::new(kind)),
         None => route(gen, &info),
