@@ -93,22 +93,25 @@ pub struct Picker {
 }
 
 /// One balance policy and its selection state: a pick matches it once.
+/// (`repr(u8)`: a plain tag to match, not one folded into a field's niche,
+/// which takes decoding on every pick.)
 #[derive(Debug)]
+#[repr(u8)]
 enum Policy {
+    /// `round_robin`.
     RoundRobin(RoundRobin),
-    /// Weighted draws (member positions).
+    /// `random`: weighted draws (member positions).
     Random(Alias),
-    /// Two weighted draws (member positions) per pick.
+    /// `least_request`: two weighted draws (member positions) per pick.
     LeastRequest(Alias),
-    /// The consistent-hash table; requests without the key go round-robin.
-    Hash {
-        table: Maglev,
-        keyless: RoundRobin,
-    },
+    /// `hash`: the consistent-hash table; requests without the key go
+    /// round-robin.
+    Hash { table: Maglev, keyless: RoundRobin },
 }
 
-/// Smooth weighted round-robin state.
+/// Smooth weighted round-robin state (`repr(u8)` as [`Policy`]).
 #[derive(Debug)]
+#[repr(u8)]
 enum RoundRobin {
     /// One period precomputed (lane-node indices) and the position in it.
     Schedule { seq: Vec<u32>, cursor: AtomicUsize },
