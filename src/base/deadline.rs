@@ -395,7 +395,7 @@ mod tests {
     #[tokio::test]
     async fn a_coarse_clock_lagging_at_the_start_does_not_pass_a_deadline_early() {
         // The lag must fit under the reading (it starts at 1 with the
-        // process's first): at most ~15 ms of this loop, once.
+        // process's first): at most 15 ms of this loop, once.
         while now_ms() <= 15 {
             std::thread::yield_now();
         }

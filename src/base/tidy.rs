@@ -3,8 +3,8 @@
 //! mimalloc (the global allocator) returns ("purges") the pages a burst of
 //! closed connections freed only `purge_delay` (1 s) after they were freed,
 //! and only when it next frees a page of its own: on a worker that has gone
-//! quiet that never happens, and the process kept its peak RSS for good
-//! (186 MB after 10,000 idle connections closed). [`nudge`] frees one huge
+//! quiet that never happens, and the process would keep its peak RSS (after
+//! many idle connections closed) for good. [`nudge`] frees one huge
 //! block, which runs mimalloc's purge of everything that has expired; the
 //! accept loop calls it once a second for a few seconds after connections
 //! closed or kept request slots were freed (nothing is done on a steady

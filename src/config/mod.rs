@@ -1,6 +1,11 @@
 //! Layer: config (bottom; imports nothing of the crate). Configuration files:
 //! the main YAML file and the node files it names, parsed into plain structs.
 //! Every error carries `file:line` so `graygate --check` reads like `nginx -t`.
+//!
+//! Each default is written once. A struct whose every key is optional says
+//! `#[serde(default)]` and holds its defaults in its one `impl Default`; a
+//! struct with a required key (serde cannot take the rest from `Default`)
+//! names one function per default that is not the type's own.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -164,46 +169,38 @@ pub struct MainConfig {
     pub static_cache: StaticCacheConfig,
 }
 
+fn default_tag_header() -> String {
+    "X-Gray-Tag".to_string()
+}
+
+/// Quiet time before a reload, after a file change or a watch event.
+fn default_debounce_ms() -> u64 {
+    150
+}
+
 /// The open-file and content cache of each static tree.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct StaticCacheConfig {
     /// File content one static tree's cache may hold in memory.
-    #[serde(default = "default_static_max_size")]
     pub max_size: SizeValue,
     /// Files larger than this are read in chunks per request, never held.
-    #[serde(default = "default_static_max_file_size")]
     pub max_file_size: SizeValue,
     /// (lane, path) entries one tree's cache may hold (files, directories
     /// and misses alike).
-    #[serde(default = "default_static_max_entries")]
     pub max_entries: usize,
     /// A cached entry is checked against the disk (`stat`) when it is
     /// older than this.
-    #[serde(default = "default_static_valid_ms")]
     pub valid_ms: u64,
-}
-
-fn default_static_max_size() -> SizeValue {
-    SizeValue::Bytes(64 << 20)
-}
-fn default_static_max_file_size() -> SizeValue {
-    SizeValue::Bytes(1 << 20)
-}
-fn default_static_max_entries() -> usize {
-    10_000
-}
-fn default_static_valid_ms() -> u64 {
-    500
 }
 
 impl Default for StaticCacheConfig {
     fn default() -> Self {
         StaticCacheConfig {
-            max_size: default_static_max_size(),
-            max_file_size: default_static_max_file_size(),
-            max_entries: default_static_max_entries(),
-            valid_ms: default_static_valid_ms(),
+            max_size: SizeValue::Bytes(64 << 20),
+            max_file_size: SizeValue::Bytes(1 << 20),
+            max_entries: 10_000,
+            valid_ms: 500,
         }
     }
 }
@@ -237,7 +234,7 @@ pub struct ListenerConfig {
     #[serde(default)]
     pub h2c: bool,
     /// TLS listener only: offer `h2` in ALPN (else HTTP/1.1 only).
-    #[serde(default = "default_true")]
+    #[serde(default = "yes")]
     pub http2: bool,
 }
 
@@ -251,7 +248,7 @@ pub struct TlsConfig {
     pub min_version: String,
     /// Stateless session tickets (TLS 1.3 and 1.2) besides the
     /// server-side session cache.
-    #[serde(default = "default_true")]
+    #[serde(default = "yes")]
     pub session_tickets: bool,
 }
 
@@ -281,68 +278,38 @@ pub struct CertConfig {
 
 /// HTTP/2 server limits (client side).
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct Http2Config {
     /// SETTINGS_MAX_CONCURRENT_STREAMS per connection.
-    #[serde(default = "default_h2_streams")]
     pub max_concurrent_streams: u32,
     /// SETTINGS_MAX_HEADER_LIST_SIZE (decoded header bytes of one request).
-    #[serde(default = "default_h2_header_list")]
     pub max_header_list_size: u32,
     /// Flow-control window of one stream (request body bytes in flight).
-    #[serde(default = "default_h2_stream_window")]
     pub initial_stream_window_bytes: u32,
     /// Flow-control window of the whole connection.
-    #[serde(default = "default_h2_conn_window")]
     pub initial_connection_window_bytes: u32,
     /// Largest frame payload the gateway accepts.
-    #[serde(default = "default_h2_frame")]
     pub max_frame_size: u32,
     /// Streams the client may reset before the gateway accepted them
     /// (rapid reset, CVE-2023-44487); beyond, GOAWAY and close.
-    #[serde(default = "default_h2_resets")]
     pub max_pending_accept_reset_streams: usize,
     /// Streams the gateway may reset because of client protocol errors
     /// before it closes the connection.
-    #[serde(default = "default_h2_local_resets")]
     pub max_local_error_reset_streams: usize,
     /// PING an idle connection this often (0 = off).
-    #[serde(default)]
     pub keepalive_interval_ms: u64,
-}
-
-fn default_h2_streams() -> u32 {
-    128
-}
-fn default_h2_header_list() -> u32 {
-    32 * 1024
-}
-fn default_h2_stream_window() -> u32 {
-    256 * 1024
-}
-fn default_h2_conn_window() -> u32 {
-    1024 * 1024
-}
-fn default_h2_frame() -> u32 {
-    16 * 1024
-}
-fn default_h2_resets() -> usize {
-    20
-}
-fn default_h2_local_resets() -> usize {
-    1024
 }
 
 impl Default for Http2Config {
     fn default() -> Self {
         Http2Config {
-            max_concurrent_streams: default_h2_streams(),
-            max_header_list_size: default_h2_header_list(),
-            initial_stream_window_bytes: default_h2_stream_window(),
-            initial_connection_window_bytes: default_h2_conn_window(),
-            max_frame_size: default_h2_frame(),
-            max_pending_accept_reset_streams: default_h2_resets(),
-            max_local_error_reset_streams: default_h2_local_resets(),
+            max_concurrent_streams: 128,
+            max_header_list_size: 32 * 1024,
+            initial_stream_window_bytes: 256 * 1024,
+            initial_connection_window_bytes: 1024 * 1024,
+            max_frame_size: 16 * 1024,
+            max_pending_accept_reset_streams: 20,
+            max_local_error_reset_streams: 1024,
             keepalive_interval_ms: 0,
         }
     }
@@ -405,83 +372,72 @@ impl SizeValue {
 }
 
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct ScriptLimits {
     /// What one lane call may run: each loop iteration or function call
     /// (a budget check, `lane::budget`) charges 10.
-    #[serde(default = "default_budget")]
     pub instruction_budget: u64,
     /// Memory one worker's Lua VM may hold.
-    #[serde(default = "default_memory_limit")]
     pub memory_limit: SizeValue,
     /// LuaJIT's trace compiler on: faster scripts, but machine code is
     /// written at run time (W+X mappings), so the systemd unit needs
     /// `MemoryDenyWriteExecute=no`.
-    #[serde(default)]
     pub jit: bool,
-}
-
-fn default_budget() -> u64 {
-    DEFAULT_INSTRUCTION_BUDGET
-}
-
-fn default_memory_limit() -> SizeValue {
-    SizeValue::Bytes(DEFAULT_MEMORY_LIMIT as u64)
 }
 
 impl Default for ScriptLimits {
     fn default() -> Self {
         ScriptLimits {
-            instruction_budget: default_budget(),
-            memory_limit: default_memory_limit(),
+            instruction_budget: DEFAULT_INSTRUCTION_BUDGET,
+            memory_limit: SizeValue::Bytes(DEFAULT_MEMORY_LIMIT as u64),
             jit: false,
         }
     }
 }
 
-fn default_tag_header() -> String {
-    "X-Gray-Tag".to_string()
-}
-
-fn default_debounce_ms() -> u64 {
-    150
-}
-
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct RouteConfig {
     /// Host to match (case-insensitive, port ignored); absent = any host.
-    #[serde(default)]
     pub host: Option<String>,
     /// Path prefix; longest wins.
-    #[serde(default = "default_prefix")]
     pub prefix: String,
     /// Name of an API service from a node file.
-    #[serde(default)]
     pub service: Option<String>,
     /// Static tree root holding one directory per lane.
-    #[serde(default, rename = "static")]
+    #[serde(rename = "static")]
     pub static_root: Option<PathBuf>,
     /// File served for a path ending in `/`.
-    #[serde(default = "default_index")]
     pub index: String,
     /// Cache-Control for static responses.
-    #[serde(default = "default_cache_control")]
     pub cache_control: String,
     /// Precompressed siblings (`app.js.br`, `.zst`, `.gz`) a static route
     /// serves, in the order tried, to clients whose `Accept-Encoding` takes
     /// them (nginx's `gzip_static`/`brotli_static`, Caddy's
     /// `precompressed`); empty: none.
-    #[serde(default)]
     pub precompressed: Vec<Precompressed>,
     /// Keep a browser in its decided lane with a signed cookie.
-    #[serde(default)]
     pub sticky: bool,
     /// Protocols a client may upgrade to on this route (`Upgrade` tokens,
     /// case-insensitive). Any other upgrade request is proxied as a plain
     /// request with its `Upgrade`/`Connection` tokens removed.
-    #[serde(default = "default_upgrades")]
     pub upgrades: Vec<String>,
+}
+
+impl Default for RouteConfig {
+    fn default() -> Self {
+        RouteConfig {
+            host: None,
+            prefix: "/".to_string(),
+            service: None,
+            static_root: None,
+            index: "index.html".to_string(),
+            cache_control: "private, no-cache".to_string(),
+            precompressed: Vec::new(),
+            sticky: false,
+            upgrades: vec!["websocket".to_string()],
+        }
+    }
 }
 
 /// A content coding a static file may be stored precompressed in.
@@ -513,176 +469,86 @@ impl Precompressed {
     }
 }
 
-fn default_upgrades() -> Vec<String> {
-    vec!["websocket".to_string()]
-}
-
-fn default_prefix() -> String {
-    "/".to_string()
-}
-
-fn default_index() -> String {
-    "index.html".to_string()
-}
-
-fn default_cache_control() -> String {
-    "private, no-cache".to_string()
-}
-
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct UpstreamConfig {
-    #[serde(default = "default_connect_ms")]
     pub connect_timeout_ms: u64,
     /// Time allowed for the upstream's response headers.
-    #[serde(default = "default_response_ms")]
     pub response_timeout_ms: u64,
     /// Idle pooled upstream connections are closed after this.
-    #[serde(default = "default_idle_ms")]
     pub idle_timeout_ms: u64,
-    #[serde(default = "default_pool_max_idle")]
     pub pool_max_idle_per_host: usize,
     /// Extra attempts on other nodes of the same candidate set.
-    #[serde(default = "default_retries")]
     pub retries: u32,
     /// Deadline for a response head, across all attempts.
-    #[serde(default = "default_total_ms")]
     pub total_timeout_ms: u64,
     /// Idempotent request bodies up to this size are buffered so they can be
     /// replayed on a retry.
-    #[serde(default = "default_retry_buffer")]
     pub retry_buffer_bytes: usize,
     /// Longest wait between two reads of an upstream response body (nginx's
     /// `proxy_read_timeout`); the exchange then ends and counts against the
     /// node. A service may override it.
-    #[serde(default = "default_read_ms")]
     pub read_timeout_ms: u64,
-}
-
-fn default_read_ms() -> u64 {
-    60_000
-}
-
-fn default_retries() -> u32 {
-    2
-}
-fn default_total_ms() -> u64 {
-    60_000
-}
-fn default_retry_buffer() -> usize {
-    64 * 1024
-}
-
-fn default_connect_ms() -> u64 {
-    2_000
-}
-fn default_response_ms() -> u64 {
-    30_000
-}
-fn default_idle_ms() -> u64 {
-    60_000
-}
-fn default_pool_max_idle() -> usize {
-    256
 }
 
 impl Default for UpstreamConfig {
     fn default() -> Self {
         UpstreamConfig {
-            connect_timeout_ms: default_connect_ms(),
-            response_timeout_ms: default_response_ms(),
-            idle_timeout_ms: default_idle_ms(),
-            pool_max_idle_per_host: default_pool_max_idle(),
-            retries: default_retries(),
-            total_timeout_ms: default_total_ms(),
-            retry_buffer_bytes: default_retry_buffer(),
-            read_timeout_ms: default_read_ms(),
+            connect_timeout_ms: 2_000,
+            response_timeout_ms: 30_000,
+            idle_timeout_ms: 60_000,
+            pool_max_idle_per_host: 256,
+            retries: 2,
+            total_timeout_ms: 60_000,
+            retry_buffer_bytes: 64 * 1024,
+            read_timeout_ms: 60_000,
         }
     }
 }
 
 /// Client-facing limits and timeouts.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct ClientConfig {
     /// Time from a request's first byte to its complete head (slowloris).
-    #[serde(default = "default_header_ms")]
     pub header_timeout_ms: u64,
     /// An idle keep-alive connection is closed after this.
-    #[serde(default = "default_client_idle_ms")]
     pub idle_timeout_ms: u64,
     /// Concurrent client connections; more are answered 503 and closed.
-    #[serde(default = "default_max_conns")]
     pub max_connections: usize,
     /// Longest request target (path + query) → 414.
-    #[serde(default = "default_max_uri")]
     pub max_uri_bytes: usize,
     /// Largest request head (all header names and values) → 431.
-    #[serde(default = "default_max_header")]
     pub max_header_bytes: usize,
     /// On SIGTERM/SIGINT, in-flight requests get this long to finish.
-    #[serde(default = "default_drain_ms")]
     pub drain_timeout_ms: u64,
     /// While draining, a keep-alive connection idle this long is closed
     /// (one that sends sooner gets its answer with `Connection: close`).
-    #[serde(default = "default_drain_idle_ms")]
     pub drain_idle_ms: u64,
     /// Longest wait between two reads of a client's request body (nginx's
     /// `client_body_timeout`): then 408, never charged to a node.
-    #[serde(default = "default_body_ms")]
     pub body_timeout_ms: u64,
     /// Longest a response write to the client may stall (nginx's
     /// `send_timeout`): then the connection is closed.
-    #[serde(default = "default_send_ms")]
     pub send_timeout_ms: u64,
     /// Pass header fields whose names contain `_` (nginx's
     /// `underscores_in_headers`); off: they are dropped before routing,
     /// scripts and forwarding.
-    #[serde(default)]
     pub underscores_in_headers: bool,
-}
-
-fn default_body_ms() -> u64 {
-    60_000
-}
-fn default_send_ms() -> u64 {
-    60_000
-}
-
-fn default_header_ms() -> u64 {
-    10_000
-}
-fn default_client_idle_ms() -> u64 {
-    60_000
-}
-fn default_max_conns() -> usize {
-    10_000
-}
-fn default_max_uri() -> usize {
-    8 * 1024
-}
-fn default_max_header() -> usize {
-    32 * 1024
-}
-fn default_drain_ms() -> u64 {
-    15_000
-}
-fn default_drain_idle_ms() -> u64 {
-    1_000
 }
 
 impl Default for ClientConfig {
     fn default() -> Self {
         ClientConfig {
-            header_timeout_ms: default_header_ms(),
-            idle_timeout_ms: default_client_idle_ms(),
-            max_connections: default_max_conns(),
-            max_uri_bytes: default_max_uri(),
-            max_header_bytes: default_max_header(),
-            drain_timeout_ms: default_drain_ms(),
-            drain_idle_ms: default_drain_idle_ms(),
-            body_timeout_ms: default_body_ms(),
-            send_timeout_ms: default_send_ms(),
+            header_timeout_ms: 10_000,
+            idle_timeout_ms: 60_000,
+            max_connections: 10_000,
+            max_uri_bytes: 8 * 1024,
+            max_header_bytes: 32 * 1024,
+            drain_timeout_ms: 15_000,
+            drain_idle_ms: 1_000,
+            body_timeout_ms: 60_000,
+            send_timeout_ms: 60_000,
             underscores_in_headers: false,
         }
     }
@@ -690,76 +556,63 @@ impl Default for ClientConfig {
 
 /// The sticky-lane cookie.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct StickyConfig {
-    #[serde(default = "default_sticky_cookie")]
     pub cookie: String,
     /// HMAC key (at least 16 bytes). Prefer `key_env`.
-    #[serde(default)]
     pub key: Option<String>,
     /// Environment variable holding the key when `key` is absent.
-    #[serde(default = "default_sticky_env")]
     pub key_env: String,
     /// Lifetime of a cookie; older ones are ignored and re-decided.
-    #[serde(default = "default_sticky_age")]
     pub max_age_secs: u64,
     /// Add the `Secure` attribute (set when TLS terminates in front).
-    #[serde(default)]
     pub secure: bool,
 }
 
-fn default_sticky_cookie() -> String {
-    "graygate_lane".to_string()
-}
-fn default_sticky_env() -> String {
-    "GRAYGATE_STICKY_KEY".to_string()
-}
-fn default_sticky_age() -> u64 {
-    86_400
+impl Default for StickyConfig {
+    fn default() -> Self {
+        StickyConfig {
+            cookie: "graygate_lane".to_string(),
+            key: None,
+            key_env: "GRAYGATE_STICKY_KEY".to_string(),
+            max_age_secs: 86_400,
+            secure: false,
+        }
+    }
 }
 
 /// Health checking of a service's nodes.
 #[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct HealthConfig {
-    #[serde(default)]
     pub passive: PassiveHealth,
     /// Background probes; off unless configured.
-    #[serde(default)]
     pub active: Option<ActiveHealth>,
 }
 
 /// Ejection on consecutive failures seen by real traffic.
 #[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct PassiveHealth {
     /// Consecutive failures (connect errors, timeouts, 5xx) that eject a
     /// node; 0 disables passive ejection.
-    #[serde(default = "default_max_fails")]
     pub max_fails: u32,
     /// How long an ejected node is skipped before a trial request.
-    #[serde(default = "default_cooldown_ms")]
     pub cooldown_ms: u64,
     /// Whether a 5xx response counts as a failure.
-    #[serde(default = "default_true")]
     pub fail_on_5xx: bool,
 }
 
-fn default_max_fails() -> u32 {
-    3
-}
-fn default_cooldown_ms() -> u64 {
-    10_000
-}
-fn default_true() -> bool {
+/// `true`, for keys that default to on.
+fn yes() -> bool {
     true
 }
 
 impl Default for PassiveHealth {
     fn default() -> Self {
         PassiveHealth {
-            max_fails: default_max_fails(),
-            cooldown_ms: default_cooldown_ms(),
+            max_fails: 3,
+            cooldown_ms: 10_000,
             fail_on_5xx: true,
         }
     }
@@ -809,56 +662,64 @@ fn default_lane() -> String {
 }
 
 /// A node file: services and their nodes.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct NodeFile {
-    #[serde(default)]
     pub services: BTreeMap<String, ServiceConfig>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct ServiceConfig {
-    #[serde(default)]
     pub nodes: Vec<NodeConfig>,
-    #[serde(default)]
     pub health: HealthConfig,
     /// When every node of a gray lane is down: 503 instead of formal.
-    #[serde(default)]
     pub strict: bool,
     /// Overrides `upstream.retries` for this service.
-    #[serde(default)]
     pub retries: Option<u32>,
     /// Overrides `upstream.read_timeout_ms` for this service.
-    #[serde(default)]
     pub read_timeout_ms: Option<u64>,
     /// How the gateway talks to the nodes: `http1` (default) or `h2`
     /// (h2c with prior knowledge, or h2 by ALPN over TLS; e.g. gRPC).
-    #[serde(default)]
     pub protocol: NodeProtocol,
     /// TLS to the nodes (absent = plain TCP).
-    #[serde(default)]
     pub tls: Option<NodeTlsConfig>,
     /// How a node is picked among the candidates of the lane.
-    #[serde(default)]
     pub balance: Balance,
     /// The request key of `balance: hash`: `header:<name>`, `cookie:<name>`,
     /// `arg:<name>` (query argument) or `client_ip`.
-    #[serde(default)]
     pub hash_key: Option<String>,
     /// A node that joins (new in a reload) or is re-admitted after ejection
     /// ramps its weight from 10% to 100% over this time; 0 = off.
-    #[serde(default)]
     pub slow_start_ms: u64,
     /// The gateway's zone is used while at least this many of the lane's
     /// same-zone nodes are healthy; below, every zone of the lane. 0 turns
     /// zone preference off for the service.
-    #[serde(default = "default_zone_min_healthy")]
     pub zone_min_healthy: u32,
 }
 
+impl Default for ServiceConfig {
+    fn default() -> Self {
+        ServiceConfig {
+            nodes: Vec::new(),
+            health: HealthConfig::default(),
+            strict: false,
+            retries: None,
+            read_timeout_ms: None,
+            protocol: NodeProtocol::default(),
+            tls: None,
+            balance: Balance::default(),
+            hash_key: None,
+            slow_start_ms: 0,
+            zone_min_healthy: 1,
+        }
+    }
+}
+
+/// `zone_min_healthy`'s default, for the registry's service config (which
+/// repeats the node-selection keys of [`ServiceConfig`]).
 pub fn default_zone_min_healthy() -> u32 {
-    1
+    ServiceConfig::default().zone_min_healthy
 }
 
 /// Node selection policy within the candidate set of a lane.
@@ -898,19 +759,16 @@ pub enum NodeProtocol {
 
 /// TLS to a service's nodes.
 #[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct NodeTlsConfig {
     /// SNI and the name verified in the node's certificate (default: the
     /// node's IP address, verified against the certificate's IP SANs, no
     /// SNI sent).
-    #[serde(default)]
     pub server_name: Option<String>,
     /// PEM file of CA certificates to verify against (default: the
     /// system's roots).
-    #[serde(default)]
     pub ca: Option<PathBuf>,
     /// Accept any certificate. For tests only; logged as a warning.
-    #[serde(default)]
     pub insecure_skip_verify: bool,
 }
 
@@ -938,7 +796,7 @@ fn default_weight() -> u32 {
 
 /// The local bootstrap of a gateway whose configuration lives in etcd: its
 /// own addresses and where the store is. Everything else comes from keys
-/// under `etcd.prefix` (see the README's key layout).
+/// under `etcd.prefix` (the key layout is in the fleet-on-etcd guide).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Bootstrap {
@@ -1079,6 +937,60 @@ mod tests {
         let text = "listen: 127.0.0.1:8080\nlisten_typo: 1\n";
         let err = parse_yaml::<MainConfig>(Path::new("g.yaml"), text).unwrap_err();
         assert_eq!(err.line, Some(2));
+    }
+
+    /// Each struct whose every key is optional: `{}` parses to its
+    /// `Default`, so the one `impl Default` is what an absent key reads.
+    #[test]
+    fn an_empty_section_parses_to_its_default() {
+        fn same<T: serde::de::DeserializeOwned + Default + fmt::Debug>() {
+            let parsed: T = parse_yaml(Path::new("g.yaml"), "{}").unwrap();
+            let name = std::any::type_name::<T>();
+            assert_eq!(
+                format!("{parsed:?}"),
+                format!("{:?}", T::default()),
+                "{name}"
+            );
+        }
+        same::<StaticCacheConfig>();
+        same::<Http2Config>();
+        same::<ScriptLimits>();
+        same::<RouteConfig>();
+        same::<UpstreamConfig>();
+        same::<ClientConfig>();
+        same::<StickyConfig>();
+        same::<HealthConfig>();
+        same::<PassiveHealth>();
+        same::<NodeFile>();
+        same::<ServiceConfig>();
+        same::<NodeTlsConfig>();
+        same::<rules::RulesConfig>();
+        same::<rules::SourceConfig>();
+        same::<rules::UidConfig>();
+        same::<release::StepSpec>();
+        same::<release::MatchSpec>();
+        same::<release::AnalysisSpec>();
+        same::<release::WebhooksSpec>();
+        same::<release::ReleasesFile>();
+    }
+
+    #[test]
+    fn defaulted_sections_still_reject_unknown_keys() {
+        let text = "listen: 127.0.0.1:8080\nclient:\n  idle_timeout_ms: 5\n  idle_timeot_ms: 5\n";
+        let err = parse_yaml::<MainConfig>(Path::new("g.yaml"), text).unwrap_err();
+        assert_eq!(err.line, Some(4), "{err}");
+        assert!(err.message.contains("idle_timeot_ms"), "{err}");
+        let c = parse_yaml::<MainConfig>(
+            Path::new("g.yaml"),
+            "listen: 127.0.0.1:8080\nclient:\n  idle_timeout_ms: 5\n",
+        )
+        .unwrap()
+        .client;
+        assert_eq!(c.idle_timeout_ms, 5);
+        assert_eq!(
+            c.header_timeout_ms,
+            ClientConfig::default().header_timeout_ms
+        );
     }
 
     #[test]

@@ -35,112 +35,103 @@ fn default_routes() -> Vec<String> {
 /// One step: a traffic share (`weight`, percent of the key's buckets) or a
 /// match (A/B style), held at least `min_duration_ms`.
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct StepSpec {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub weight: Option<f64>,
-    #[serde(default, rename = "match", skip_serializing_if = "Option::is_none")]
+    #[serde(rename = "match", skip_serializing_if = "Option::is_none")]
     pub matches: Option<MatchSpec>,
-    #[serde(default = "default_step_ms")]
     pub min_duration_ms: u64,
     /// `manual`: after this step's analysis passes, wait for `promote`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub gate: Option<String>,
 }
 
-fn default_step_ms() -> u64 {
-    60_000
+impl Default for StepSpec {
+    fn default() -> Self {
+        StepSpec {
+            weight: None,
+            matches: None,
+            min_duration_ms: 60_000,
+            gate: None,
+        }
+    }
 }
 
 /// The requests a match step sends to the lane (every condition holds).
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
 pub struct MatchSpec {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub header: Option<OneOrMany<MatchConfig>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub cookie: Option<OneOrMany<MatchConfig>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub query: Option<OneOrMany<MatchConfig>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub ip: Option<IpConfig>,
 }
 
 /// How each interval is judged: gray against formal, both live at once.
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct AnalysisSpec {
-    #[serde(default = "default_interval_ms")]
     pub interval_ms: u64,
     /// Fewer requests than this in either lane: inconclusive.
-    #[serde(default = "default_min_requests")]
     pub min_requests: u64,
     /// Gray's error rate may exceed formal's by this many percentage points.
-    #[serde(default = "default_error_delta")]
     pub max_error_delta_pp: f64,
     /// Gray's p99 may be at most this multiple of formal's.
-    #[serde(default = "default_p99_ratio")]
     pub max_p99_ratio: f64,
     /// Optional absolute ceilings for gray.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_error_rate_pct: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_p99_ms: Option<f64>,
     /// Failed intervals (counted within the release) that roll it back.
-    #[serde(default = "default_threshold")]
     pub failure_threshold: u32,
-}
-
-fn default_interval_ms() -> u64 {
-    10_000
-}
-fn default_min_requests() -> u64 {
-    100
-}
-fn default_error_delta() -> f64 {
-    0.5
-}
-fn default_p99_ratio() -> f64 {
-    1.2
-}
-fn default_threshold() -> u32 {
-    2
 }
 
 impl Default for AnalysisSpec {
     fn default() -> Self {
         AnalysisSpec {
-            interval_ms: default_interval_ms(),
-            min_requests: default_min_requests(),
-            max_error_delta_pp: default_error_delta(),
-            max_p99_ratio: default_p99_ratio(),
+            interval_ms: 10_000,
+            min_requests: 100,
+            max_error_delta_pp: 0.5,
+            max_p99_ratio: 1.2,
             max_error_rate_pct: None,
             max_p99_ms: None,
-            failure_threshold: default_threshold(),
+            failure_threshold: 2,
         }
     }
 }
 
 /// URLs called with a JSON POST; a non-2xx answer or a timeout holds the
 /// release where it is.
-#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
 pub struct WebhooksSpec {
     /// Before each step is applied.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub before_step: Option<String>,
     /// Before promotion.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub confirm: Option<String>,
     /// After a rollback (informational: its answer cannot hold anything).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub rollback: Option<String>,
-    #[serde(default = "default_hook_ms")]
     pub timeout_ms: u64,
 }
 
-fn default_hook_ms() -> u64 {
-    2_000
+impl Default for WebhooksSpec {
+    fn default() -> Self {
+        WebhooksSpec {
+            before_step: None,
+            confirm: None,
+            rollback: None,
+            timeout_ms: 2_000,
+        }
+    }
 }
 
 /// Where a release is.
@@ -228,7 +219,7 @@ pub struct ReleaseRecord {
 
 /// The release state file.
 #[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(default)]
 pub struct ReleasesFile {
-    #[serde(default)]
     pub releases: Vec<ReleaseRecord>,
 }

@@ -5,41 +5,40 @@ use serde::{Deserialize, Serialize};
 
 /// A rule file (or the inline `rules:` block of the main config).
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct RulesConfig {
     /// Master switch: `false` skips deny, rules and fallback alike.
-    #[serde(default = "yes")]
     pub enabled: bool,
     /// Where the uid comes from (header, cookie or query argument).
-    #[serde(default)]
     pub uid: Option<SourceConfig>,
     /// Checked first; a match sends the request to formal, final.
-    #[serde(default)]
     pub deny: Vec<RuleConfig>,
     /// Ordered; the first rule whose conditions all hold decides.
-    #[serde(default)]
     pub rules: Vec<RuleConfig>,
     /// Lane when no rule matches (default formal).
-    #[serde(default)]
     pub fallback: Option<String>,
 }
 
-fn yes() -> bool {
-    true
+impl Default for RulesConfig {
+    fn default() -> Self {
+        RulesConfig {
+            enabled: true,
+            uid: None,
+            deny: Vec::new(),
+            rules: Vec::new(),
+            fallback: None,
+        }
+    }
 }
 
 /// Exactly one of `header`, `cookie`, `query` (and, for percentage keys
 /// only, `ip: true`).
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
 pub struct SourceConfig {
-    #[serde(default)]
     pub header: Option<String>,
-    #[serde(default)]
     pub cookie: Option<String>,
-    #[serde(default)]
     pub query: Option<String>,
-    #[serde(default)]
     pub ip: bool,
 }
 
@@ -123,14 +122,12 @@ pub struct MatchConfig {
 
 /// ABTestingGateway's uidappoint (`in`), uidrange (`ranges`) and
 /// uidsuffix (`suffix`); the condition holds when any given form matches.
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
 pub struct UidConfig {
-    #[serde(default, rename = "in")]
+    #[serde(rename = "in")]
     pub list: Vec<Scalar>,
-    #[serde(default)]
     pub ranges: Vec<RangeConfig>,
-    #[serde(default)]
     pub suffix: Vec<Scalar>,
 }
 

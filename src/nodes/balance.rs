@@ -88,66 +88,96 @@ pub struct Picker {
     pub members: Vec<u32>,
     /// Sum of the members' weights.
     pub total_weight: u64,
-    /// One period of smooth WRR (lane-node indices): round_robin, and
-    /// hash's keyless requests.
-    schedule: Option<Vec<u32>>,
-    cursor: AtomicUsize,
+    /// The service's policy with the state it needs, and only that.
+    policy: Policy,
+}
+
+/// One balance policy and its selection state: a pick matches it once.
+/// (`repr(u8)`: a plain tag to match, not one folded into a field's niche,
+/// which takes decoding on every pick.)
+#[derive(Debug)]
+#[repr(u8)]
+enum Policy {
+    /// `round_robin`.
+    RoundRobin(RoundRobin),
+    /// `random`: weighted draws (member positions).
+    Random(Alias),
+    /// `least_request`: two weighted draws (member positions) per pick.
+    LeastRequest(Alias),
+    /// `hash`: the consistent-hash table; requests without the key go
+    /// round-robin.
+    Hash { table: Maglev, keyless: RoundRobin },
+}
+
+/// Smooth weighted round-robin state (`repr(u8)` as [`Policy`]).
+#[derive(Debug)]
+#[repr(u8)]
+enum RoundRobin {
+    /// One period precomputed (lane-node indices) and the position in it.
+    Schedule { seq: Vec<u32>, cursor: AtomicUsize },
     /// Live smooth-WRR state (by member position) for lanes too heavy to
     /// precompute.
-    current: Mutex<Vec<i64>>,
-    /// Weighted draws (member positions): random and least_request.
-    alias: Option<Alias>,
-    /// Consistent-hash table: hash.
-    maglev: Option<Maglev>,
+    Live(Mutex<Vec<i64>>),
+}
+
+impl RoundRobin {
+    /// The schedule over `members` (weights `weights`), or live state when
+    /// the lane is too heavy to precompute.
+    fn new(members: &[u32], weights: &[u32]) -> RoundRobin {
+        match smooth_schedule(weights) {
+            Some(s) => RoundRobin::Schedule {
+                seq: s.into_iter().map(|m| members[m as usize]).collect(),
+                cursor: AtomicUsize::new(0),
+            },
+            None => RoundRobin::Live(Mutex::new(vec![0; members.len()])),
+        }
+    }
 }
 
 impl Picker {
     /// Builds the state `policy` needs over `members` (indices into `nodes`).
     pub fn new(nodes: &[Node], members: Vec<u32>, policy: Balance) -> Picker {
         let weights: Vec<u32> = members.iter().map(|&i| nodes[i as usize].weight).collect();
-        let rr = matches!(policy, Balance::RoundRobin | Balance::Hash);
-        let schedule = rr
-            .then(|| smooth_schedule(&weights))
-            .flatten()
-            .map(|s| s.into_iter().map(|m| members[m as usize]).collect());
-        let alias =
-            matches!(policy, Balance::Random | Balance::LeastRequest).then(|| Alias::new(&weights));
-        let maglev = (policy == Balance::Hash).then(|| {
-            let entries: Vec<(u32, String, u32)> = members
-                .iter()
-                .map(|&i| {
-                    let n = &nodes[i as usize];
-                    (i, n.addr.to_string(), n.weight)
-                })
-                .collect();
-            Maglev::build(&entries)
-        });
+        let policy = match policy {
+            Balance::RoundRobin => Policy::RoundRobin(RoundRobin::new(&members, &weights)),
+            Balance::Random => Policy::Random(Alias::new(&weights)),
+            Balance::LeastRequest => Policy::LeastRequest(Alias::new(&weights)),
+            Balance::Hash => {
+                let entries: Vec<(u32, String, u32)> = members
+                    .iter()
+                    .map(|&i| {
+                        let n = &nodes[i as usize];
+                        (i, n.addr.to_string(), n.weight)
+                    })
+                    .collect();
+                Policy::Hash {
+                    table: Maglev::build(&entries),
+                    keyless: RoundRobin::new(&members, &weights),
+                }
+            }
+        };
         Picker {
             total_weight: weights.iter().map(|&w| u64::from(w)).sum(),
-            current: Mutex::new(vec![0; members.len()]),
             members,
-            schedule,
-            cursor: AtomicUsize::new(0),
-            alias,
-            maglev,
+            policy,
         }
     }
 
-    /// The lane-node index `policy` picks for `w`, if any member is
+    /// The lane-node index the policy picks for `w`, if any member is
     /// eligible.
-    pub fn pick(&self, set: &impl Members, policy: Balance, w: &Want) -> Option<usize> {
+    pub fn pick(&self, set: &impl Members, w: &Want) -> Option<usize> {
         if let [only] = self.members[..] {
             let i = only as usize;
             return set.eligible(i, w).then_some(i);
         }
-        match policy {
-            Balance::RoundRobin => self.round_robin(set, w),
-            Balance::Hash => match w.key {
-                Some(k) => self.hash(set, w, k),
-                None => self.round_robin(set, w),
+        match &self.policy {
+            Policy::RoundRobin(rr) => self.round_robin(rr, set, w),
+            Policy::Hash { table, keyless } => match w.key {
+                Some(k) => self.hash(table, set, w, k),
+                None => self.round_robin(keyless, set, w),
             },
-            Balance::Random => self.random(set, w, None),
-            Balance::LeastRequest => self.least_request(set, w),
+            Policy::Random(alias) => self.random(alias, set, w, None),
+            Policy::LeastRequest(alias) => self.least_request(alias, set, w),
         }
     }
 
@@ -156,14 +186,15 @@ impl Picker {
     /// scan at a random position of the schedule (a weighted draw), so the
     /// node gets exactly `factor × weight` against the others' weights and
     /// what it gives up is spread over them by weight.
-    fn round_robin(&self, set: &impl Members, w: &Want) -> Option<usize> {
-        let Some(seq) = &self.schedule else {
-            return self.live_round_robin(set, w);
+    fn round_robin(&self, rr: &RoundRobin, set: &impl Members, w: &Want) -> Option<usize> {
+        let (seq, cursor) = match rr {
+            RoundRobin::Schedule { seq, cursor } => (seq, cursor),
+            RoundRobin::Live(current) => return self.live_round_robin(current, set, w),
         };
         let mut start = if w.advance {
-            self.cursor.fetch_add(1, Ordering::Relaxed)
+            cursor.fetch_add(1, Ordering::Relaxed)
         } else {
-            self.cursor.load(Ordering::Relaxed)
+            cursor.load(Ordering::Relaxed)
         };
         let len = seq.len();
         let slow = set.slow_start();
@@ -195,8 +226,13 @@ impl Picker {
 
     /// Smooth WRR computed live (lanes too heavy to precompute), with
     /// slow-start weights applied exactly.
-    fn live_round_robin(&self, set: &impl Members, w: &Want) -> Option<usize> {
-        let mut cur = self.current.lock().unwrap_or_else(|e| e.into_inner());
+    fn live_round_robin(
+        &self,
+        current: &Mutex<Vec<i64>>,
+        set: &impl Members,
+        w: &Want,
+    ) -> Option<usize> {
+        let mut cur = current.lock().unwrap_or_else(|e| e.into_inner());
         let slow = set.slow_start();
         let mut total = 0i64;
         let mut best: Option<(usize, i64)> = None;
@@ -227,8 +263,13 @@ impl Picker {
 
     /// Weighted random: alias-table draws, a warming node kept with
     /// probability `factor` (rejection sampling: exact effective weights).
-    fn random(&self, set: &impl Members, w: &Want, exclude: Option<usize>) -> Option<usize> {
-        let alias = self.alias.as_ref()?;
+    fn random(
+        &self,
+        alias: &Alias,
+        set: &impl Members,
+        w: &Want,
+        exclude: Option<usize>,
+    ) -> Option<usize> {
         let slow = set.slow_start();
         for _ in 0..DRAWS {
             let i = self.members[alias.sample()] as usize;
@@ -276,9 +317,9 @@ impl Picker {
     /// Power of two choices: two distinct weighted draws; the second wins
     /// only with strictly fewer requests in flight per unit of effective
     /// weight.
-    fn least_request(&self, set: &impl Members, w: &Want) -> Option<usize> {
-        let a = self.random(set, w, None)?;
-        let Some(b) = self.random(set, w, Some(a)) else {
+    fn least_request(&self, alias: &Alias, set: &impl Members, w: &Want) -> Option<usize> {
+        let a = self.random(alias, set, w, None)?;
+        let Some(b) = self.random(alias, set, w, Some(a)) else {
             return Some(a);
         };
         let eff = |i: usize| f64::from(set.weight(i)) * set.factor(i, w.now);
@@ -291,10 +332,7 @@ impl Picker {
     /// missing node move, spread over the others). A warming node takes
     /// the keys whose second hash falls under its factor — each key moves
     /// to it once, as the factor rises.
-    fn hash(&self, set: &impl Members, w: &Want, key: KeyHash) -> Option<usize> {
-        let Some(table) = &self.maglev else {
-            return self.round_robin(set, w);
-        };
+    fn hash(&self, table: &Maglev, set: &impl Members, w: &Want, key: KeyHash) -> Option<usize> {
         let slow = set.slow_start();
         let found = table.walk(key, self.members.len(), |i| {
             set.eligible(i, w) && (!slow || key.admits(set.factor(i, w.now)))
@@ -449,6 +487,13 @@ pub(crate) mod tests {
         }
     }
 
+    impl Picker {
+        /// Is the round-robin schedule precomputed?
+        fn precomputed(&self) -> bool {
+            matches!(self.policy, Policy::RoundRobin(RoundRobin::Schedule { .. }))
+        }
+    }
+
     pub fn want(tried: &[usize]) -> Want<'_> {
         Want {
             now: 1,
@@ -459,10 +504,10 @@ pub(crate) mod tests {
         }
     }
 
-    fn counts(f: &Fake, p: &Picker, policy: Balance, n: usize) -> Vec<u64> {
+    fn counts(f: &Fake, p: &Picker, n: usize) -> Vec<u64> {
         let mut c = vec![0u64; f.weights.len()];
         for _ in 0..n {
-            c[p.pick(f, policy, &want(&[])).unwrap()] += 1;
+            c[p.pick(f, &want(&[])).unwrap()] += 1;
         }
         c
     }
@@ -498,24 +543,20 @@ pub(crate) mod tests {
         ] {
             let f = Fake::new(&weights);
             let p = f.picker(Balance::RoundRobin);
-            assert!(p.schedule.is_some());
+            assert!(p.precomputed());
             let mut live = f.picker(Balance::RoundRobin);
-            live.schedule = None;
+            live.policy = Policy::RoundRobin(RoundRobin::Live(Mutex::new(vec![0; weights.len()])));
             let total: u32 = weights.iter().sum();
             for _ in 0..2 * total {
                 let w = want(&[]);
-                assert_eq!(
-                    p.pick(&f, Balance::RoundRobin, &w),
-                    live.pick(&f, Balance::RoundRobin, &w),
-                    "{weights:?}"
-                );
+                assert_eq!(p.pick(&f, &w), live.pick(&f, &w), "{weights:?}");
             }
         }
         // Too heavy to precompute: live smooth WRR still spreads by weight.
         let f = Fake::new(&[100_000, 50_000]);
         let heavy = f.picker(Balance::RoundRobin);
-        assert!(heavy.schedule.is_none());
-        let c = counts(&f, &heavy, Balance::RoundRobin, 300);
+        assert!(!heavy.precomputed());
+        let c = counts(&f, &heavy, 300);
         assert_eq!(c, vec![200, 100]);
     }
 
@@ -524,7 +565,7 @@ pub(crate) mod tests {
         let f = Fake::new(&[5, 1, 1, 3, 2]);
         let p = f.picker(Balance::RoundRobin);
         // Whole periods: smooth WRR is exact, χ² = 0.
-        let c = counts(&f, &p, Balance::RoundRobin, 12 * 1000);
+        let c = counts(&f, &p, 12 * 1000);
         assert_eq!(c, vec![5000, 1000, 1000, 3000, 2000]);
         assert!(chi_square(&c, &shares(&[5.0, 1.0, 1.0, 3.0, 2.0])) < 1e-9);
     }
@@ -535,7 +576,7 @@ pub(crate) mod tests {
         let weights = [5, 1, 1, 3, 2];
         let f = Fake::new(&weights);
         let p = f.picker(Balance::Random);
-        let c = counts(&f, &p, Balance::Random, 120_000);
+        let c = counts(&f, &p, 120_000);
         let chi = chi_square(&c, &shares(&[5.0, 1.0, 1.0, 3.0, 2.0]));
         assert!(chi < CHI2_4DF_P001, "χ² = {chi}, counts {c:?}");
         // …and the test can fail: uniform shares are far off.
@@ -573,7 +614,7 @@ pub(crate) mod tests {
         let expect = shares(&[4.0, 4.0, 1.0]);
         for policy in [Balance::Random, Balance::RoundRobin] {
             let p = f.picker(policy);
-            let c = counts(&f, &p, policy, 90_000);
+            let c = counts(&f, &p, 90_000);
             let chi = chi_square(&c, &expect);
             // 2 degrees of freedom, p = 0.001.
             assert!(chi < 13.82, "{policy:?}: χ² = {chi}, {c:?}");
@@ -597,7 +638,7 @@ pub(crate) mod tests {
             w.key = Some(KeyHash::of(b"user-1"));
             loop {
                 let w = Want { tried: &tried, ..w };
-                let Some(i) = p.pick(&f, policy, &w) else {
+                let Some(i) = p.pick(&f, &w) else {
                     break;
                 };
                 assert!(i != 1 && !tried.contains(&i), "{policy:?}");
@@ -612,7 +653,7 @@ pub(crate) mod tests {
                 ignore_health: true,
                 ..w
             };
-            assert_eq!(p.pick(&f, policy, &w), Some(1), "{policy:?}");
+            assert_eq!(p.pick(&f, &w), Some(1), "{policy:?}");
         }
     }
 
@@ -622,7 +663,7 @@ pub(crate) mod tests {
         let mut f = Fake::new(&[1, 1, 1, 1]);
         f.in_flight = vec![0, 9, 9, 9];
         let p = f.picker(Balance::LeastRequest);
-        let c = counts(&f, &p, Balance::LeastRequest, 10_000);
+        let c = counts(&f, &p, 10_000);
         // Node 0 wins whenever drawn (7/16 of pairs include it).
         assert!(c[0] > 4_000, "{c:?}");
         // Weight-aware: a node of weight 4 with 2 in flight (0.5 per unit)
@@ -630,11 +671,11 @@ pub(crate) mod tests {
         let mut g = Fake::new(&[4, 1]);
         g.in_flight = vec![2, 1];
         let p = g.picker(Balance::LeastRequest);
-        let c = counts(&g, &p, Balance::LeastRequest, 1_000);
+        let c = counts(&g, &p, 1_000);
         assert_eq!(c, vec![1_000, 0]);
         // Idle: weighted random.
         g.in_flight = vec![0, 0];
-        let c = counts(&g, &p, Balance::LeastRequest, 50_000);
+        let c = counts(&g, &p, 50_000);
         let chi = chi_square(&c, &shares(&[4.0, 1.0]));
         assert!(chi < 10.83, "χ² = {chi}, {c:?}");
     }

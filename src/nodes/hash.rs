@@ -1,14 +1,15 @@
 //! Layer: nodes. Consistent hashing for `balance: hash`: the request key
 //! (`hash_key`: a header, a cookie, a query argument or the client IP), its
-//! MurmurHash3 (x64 128, first 64 bits; stable across builds and gateways, so every replica
-//! pins a key to the same node), and a weighted Maglev table.
+//! MurmurHash3 (x64 128, first 64 bits; stable across builds and gateways,
+//! so every replica pins a key to the same node), and a weighted Maglev
+//! table.
 //!
 //! Why Maglev rather than a ketama ring: a lookup is one table index however
 //! many nodes the lane has (a ring is a binary search over nodes × points),
-//! the spread over nodes is even (within ~1% at 100 entries a node), and it
-//! is weighted the way Envoy's is. Adding or removing one of N nodes moves
-//! about 1/N of the keys (a little more than a ring's minimum, measured by
-//! the tests below). Nodes are identified by address, not by name: default
+//! the spread over nodes is even (the table keeps about 100 entries a
+//! node), and it is weighted the way Envoy's is. Adding or removing one of
+//! N nodes moves about 1/N of the keys (a little more than a ring's
+//! minimum; the tests below bound it). Nodes are identified by address, not by name: default
 //! names carry an index that shifts when a node is removed.
 
 use std::fmt;
@@ -337,7 +338,7 @@ mod tests {
         let eleven = table(&(0..11).collect::<Vec<_>>());
         let nine = table(&(1..10).collect::<Vec<_>>());
         let before: Vec<usize> = keys.iter().map(|&k| ten.lookup(k).unwrap()).collect();
-        // Add node 10: ~1/11 of the keys move, nearly all of them to it.
+        // Add node 10: about 1/11 of the keys move, nearly all of them to it.
         let mut moved = 0;
         let mut to_new = 0;
         for (k, &b) in keys.iter().zip(&before) {

@@ -1,11 +1,12 @@
-//! Layer: node choice (data plane, above upstream; uses upstream for active
-//! probes, observe's node counters, lane's cookie parser, base, config). API
-//! services and their nodes, grouped by lane, and the selection rule: healthy
-//! nodes of the request's lane, else formal nodes (never another gray lane);
-//! within that set the gateway's zone first (`zone`), then the service's
-//! `balance` policy (`balance`: round-robin, least-request, Maglev hash,
-//! random; `hash`: the request key and the table), with slow start for nodes
-//! that joined or were re-admitted.
+//! Layer: nodes — node choice (data plane, above upstream; uses upstream
+//! for active probes, observe's node counters, lane's cookie parser, base,
+//! config). API services and their nodes, grouped by lane, and the
+//! selection rule: healthy nodes of the request's lane, else formal nodes
+//! (never another gray lane); within that set the gateway's zone first
+//! (`zone`), then the service's `balance` policy (`balance`: round-robin,
+//! least-request, Maglev hash, random, each policy's state in one
+//! `Policy` variant; `hash`: the request key and the table), with slow
+//! start for nodes that joined or were re-admitted.
 
 pub mod balance;
 pub mod hash;
@@ -19,7 +20,7 @@ use std::sync::Arc;
 
 use http::{HeaderMap, Uri};
 
-use crate::config::{Balance, HealthConfig, NodeConfig, FORMAL};
+use crate::config::{Balance, HealthConfig, NodeConfig, ServiceConfig, FORMAL};
 use crate::observe::node_stats::NodeCounters;
 use balance::{slow_start_factor, Members, Picker, Want};
 use hash::{HashKey, KeyHash};
@@ -74,13 +75,15 @@ pub struct Select {
 }
 
 impl Default for Select {
+    /// A node file's defaults, without a gateway zone.
     fn default() -> Select {
+        let c = ServiceConfig::default();
         Select {
-            balance: Balance::RoundRobin,
+            balance: c.balance,
             hash_key: None,
-            slow_start_ms: 0,
+            slow_start_ms: c.slow_start_ms,
             zone: None,
-            zone_min_healthy: 1,
+            zone_min_healthy: c.zone_min_healthy,
         }
     }
 }
@@ -99,7 +102,6 @@ pub struct LaneNodes {
     /// Live counters of `nodes[i]` (in flight: least_request), shared with
     /// `observe::node_stats` across reloads.
     pub counters: Vec<Arc<NodeCounters>>,
-    pub balance: Balance,
     pub slow_start_ms: u64,
     pub zone_min_healthy: u32,
     /// Is zone preference on (the gateway has a zone, min_healthy > 0)?
@@ -146,7 +148,6 @@ impl LaneNodes {
         LaneNodes {
             health: (0..n).map(|_| Arc::new(NodeHealth::default())).collect(),
             counters: (0..n).map(|_| Arc::default()).collect(),
-            balance: sel.balance,
             slow_start_ms: sel.slow_start_ms,
             zone_min_healthy: sel.zone_min_healthy,
             zone_pref,
@@ -201,15 +202,11 @@ impl LaneNodes {
     /// same-zone node is down or tried), else any node of the set.
     pub fn pick_in(&self, step: ZoneStep, w: &Want) -> Option<usize> {
         if step == ZoneStep::Local {
-            if let Some(i) = self
-                .local
-                .as_ref()
-                .and_then(|l| l.pick(self, self.balance, w))
-            {
+            if let Some(i) = self.local.as_ref().and_then(|l| l.pick(self, w)) {
                 return Some(i);
             }
         }
-        self.all.pick(self, self.balance, w)
+        self.all.pick(self, w)
     }
 
     /// A pick over the whole set without a key (round-robin order for

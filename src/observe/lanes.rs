@@ -14,7 +14,7 @@ use std::time::Duration;
 const BASE_US: f64 = 50.0;
 /// Growth per bucket.
 const GROWTH: f64 = 1.08;
-/// Buckets (the last holds everything above ~2 minutes).
+/// Buckets (the last holds everything above about 2 minutes).
 pub const BUCKETS: usize = 200;
 /// Lanes tracked at most (more are not tracked; their analyses say so).
 const MAX_LANES: usize = 64;

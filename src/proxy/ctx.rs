@@ -97,7 +97,7 @@ impl Verdict {
 impl RequestCtx {
     /// A fresh context for the request `info` describes (the resolve
     /// phase's result). Built straight into its box ([`Pending::new`]):
-    /// no copy of the ~400-byte context per request.
+    /// no copy of the whole context per request.
     ///
     /// [`Pending::new`]: super::record::Pending::new
     pub fn begin(info: &RequestInfo, peer: SocketAddr, start: Instant, log: bool) -> RequestCtx {

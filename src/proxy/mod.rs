@@ -74,12 +74,12 @@ pub async fn handle(
     peer: SocketAddr,
     req: Request<RequestBody>,
 ) -> Result<Response<record::Recorded>, Infallible> {
-    handle_with(plane.clone(), peer, req, Handover::default()).await
+    handle_with(plane.clone(), peer, req, ServerHints::default()).await
 }
 
-/// What the client side knows of a request it hands over.
+/// What the client-side server knows of one request it hands the proxy.
 #[derive(Debug, Clone, Copy)]
-pub struct Handover {
+pub struct ServerHints {
     /// The plain HTTP/1.1 server writes the answer: a node's plain response
     /// head may keep its fields as the node sent them
     /// ([`record::Recorded::take_raw_head`]; the response's map is empty
@@ -87,27 +87,27 @@ pub struct Handover {
     pub raw_ok: bool,
     /// Some field name may have a `_` (false only when the client side saw
     /// every name without one: the underscore filter is skipped then).
-    pub underscores: bool,
+    pub may_have_underscores: bool,
 }
 
-impl Default for Handover {
+impl Default for ServerHints {
     /// Nothing known: every check runs, the response gets a map.
     fn default() -> Self {
-        Handover {
+        ServerHints {
             raw_ok: false,
-            underscores: true,
+            may_have_underscores: true,
         }
     }
 }
 
 /// [`handle`], with what the client side knows of the request
-/// ([`Handover`]). The future owns what it needs (`plane` too): it borrows
+/// ([`ServerHints`]). The future owns what it needs (`plane` too): it borrows
 /// nothing.
 pub async fn handle_with(
     plane: Arc<DataPlane>,
     peer: SocketAddr,
     mut req: Request<RequestBody>,
-    from: Handover,
+    hints: ServerHints,
 ) -> Result<Response<record::Recorded>, Infallible> {
     let start = Instant::now();
     let gen = plane.current();
@@ -115,7 +115,7 @@ pub async fn handle_with(
         &mut req,
         &gen.config.client,
         &gen.lane.tag_header,
-        from.underscores,
+        hints.may_have_underscores,
     );
     let (parts, body) = req.into_parts();
     let info = resolve::resolve_request(parts, peer.ip(), &gen.trusted);
@@ -123,9 +123,9 @@ pub async fn handle_with(
     let mut pending =
         record::Pending::new(plane, gen, || RequestCtx::begin(&info, peer, start, log));
     let (plane, gen, ctx) = pending.parts_mut();
-    ctx.raw_ok = from.raw_ok;
+    ctx.raw_ok = hints.raw_ok;
     // The request's fields stay in `info` (moved only where the lane phase
-    // takes them): each move of it is a 272-byte copy.
+    // takes them): each move of it copies the whole value.
     let routed = match invalid {
         Some(kind) => Err(Error::new(kind)),
         None => route(gen, &info),

@@ -25,7 +25,7 @@ use crate::observe::metrics::Observation;
 
 /// A request's context and what is left to do once its body is done —
 /// boxed when the request begins, so the context is written once and never
-/// moved again (each move of it was a ~0.5 KB copy).
+/// moved again (it is large: each move would be a copy of all of it).
 pub struct Pending {
     plane: Arc<DataPlane>,
     gen: Arc<Generation>,

@@ -22,14 +22,14 @@ use crate::upstream::fields::{count_first, first};
 /// `Host`; an absolute-form target's authority replaces it, §3.2.2), and
 /// header names with underscores (dropped unless allowed; even when allowed,
 /// no spelling of the tag header, `X-Forwarded-*`, `Forwarded` or
-/// `X-Real-IP` with `_` passes). `underscores`: some name may have a `_`
-/// (false when the client side saw every name: the filter has nothing to
-/// do).
+/// `X-Real-IP` with `_` passes). `may_have_underscores` is false only when
+/// the client side saw every name without a `_`: the filter then has
+/// nothing to do.
 pub fn validate<B>(
     req: &mut Request<B>,
     limits: &ClientConfig,
     tag_header: &HeaderName,
-    underscores: bool,
+    may_have_underscores: bool,
 ) -> Option<ErrorKind> {
     if let Some(e) = check_limits(req, limits) {
         return Some(e);
@@ -37,7 +37,7 @@ pub fn validate<B>(
     if let Some(e) = check_host(req) {
         return Some(e);
     }
-    if underscores {
+    if may_have_underscores {
         drop_underscored(req.headers_mut(), limits.underscores_in_headers, tag_header);
     }
     None

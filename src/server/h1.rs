@@ -1,10 +1,10 @@
 //! Layer: server. The hand-written HTTP/1.1 server connection for plain
 //! listeners (and the HTTP/1.1 side of h2c ones): a small loop instead of
-//! hyper's server connection, for two measured reasons — an idle keep-alive
+//! hyper's server connection, for two reasons — an idle keep-alive
 //! connection holds no buffer (hyper keeps its read and write buffers for the
-//! connection's life: ~21 KB each), and a request costs fewer instructions
-//! (no dispatcher task state, no per-request timers, heads parsed straight
-//! into the `http` types and encoded into a reused per-thread buffer).
+//! connection's life), and a request does less work (no dispatcher task
+//! state, no per-request timers, heads parsed straight into the `http` types
+//! and encoded into a reused per-thread buffer).
 //!
 //! The common request takes this path: a complete head (httparse, the parser
 //! hyper uses), no body or a `Content-Length` body that arrived with it.
@@ -55,8 +55,10 @@ use crate::proxy::record::Recorded;
 use crate::upstream::fields::name_eq;
 use crate::upstream::RawHead;
 
-/// `TCP_NOTSENT_LOWAT` of a connection once it sends a file by sendfile(2)
-/// (measured: 32 KiB; see the README's static section).
+/// `TCP_NOTSENT_LOWAT` of a connection once it sends a file by sendfile(2):
+/// enough unsent bytes queued to keep the link busy, few enough that a
+/// slow reader does not pin a large socket buffer (the static-files
+/// benchmark page has the runs behind the value).
 const SENDFILE_LOWAT: u32 = 32 * 1024;
 /// Fields a head may have on this path (hyper's default limit; more → hyper,
 /// which answers 431).
@@ -89,8 +91,8 @@ const SEEN_NAME_MAX: usize = 64;
 /// The thread's last few request field names outside
 /// `fields::known_name` (an application's `X-User-Id`, a lane tag): each
 /// `HeaderName::from_bytes` of one lower-cases it, matches it against the
-/// standard names and allocates its copy (~270 instructions a field); a
-/// clone of a kept one is a reference count.
+/// standard names and allocates its copy; a clone of a kept one is a
+/// reference count.
 #[derive(Default)]
 struct SeenNames {
     names: Vec<HeaderName>,
@@ -273,14 +275,14 @@ async fn plain(mut conn: Box<Conn>) -> Option<(Box<Conn>, BytesMut)> {
 }
 
 /// Heap slots of finished [`InBox`] futures, kept per thread for the next
-/// request's future of the same type: a request's futures are over 1 KB,
-/// past mimalloc's small-block fast path (~0.2k instructions per allocation
-/// there, callgrind). One free list per future type (a request uses two),
-/// each holding at most [`SLOTS_MAX`]: as many as a burst of requests in
-/// flight at once on the thread needed, so 256 connections' requests take
-/// kept slots as 16 did. What a list did not hand out over a whole period
-/// of the accept loop's tick is freed then ([`trim_kept`]): after a burst
-/// the thread keeps only what its steady load uses.
+/// request's future of the same type: a request's futures are larger than
+/// mimalloc's small blocks, so each allocation would leave its fast path.
+/// One free list per future type (a request uses two), each holding at most
+/// [`SLOTS_MAX`]: enough for a burst of requests in flight at once on the
+/// thread, so many connections take kept slots as a few do. What a list did
+/// not hand out over a whole period of the accept loop's tick is freed then
+/// ([`trim_kept`]): after a burst the thread keeps only what its steady load
+/// uses.
 const SLOTS_MAX: usize = 1024;
 
 thread_local! {
@@ -351,17 +353,16 @@ pub(crate) fn trim_kept() -> usize {
 /// A future built in place in its heap slot: already built when this is
 /// made, so moving it moves a pointer (not the unstarted future's captured
 /// values). The slot is allocated before the future is built (`Box::pin(f)`
-/// builds it on the stack and copies it in: the request's 8 KB future was
-/// one memcpy per request), or taken from the thread's kept ones; once the
+/// builds it on the stack and copies it in: a large memcpy per request),
+/// or taken from the thread's kept ones; once the
 /// future is done or dropped, its state is dropped in place and the empty
 /// slot kept for the next ([`keep_slot`]).
 struct InBox<F: Future + 'static>(Option<Pin<Box<Option<F>>>>);
 
 impl<F: Future + 'static> InBox<F> {
     fn new(make: impl FnOnce() -> F) -> InBox<F> {
-        // Allocated before `None` is written: `Box::pin(None)` wrote it on
-        // the stack and copied the whole slot (1.8 KB for the exchange)
-        // into the box.
+        // Allocated before `None` is written: `Box::pin(None)` would write
+        // it on the stack and copy the whole slot into the box.
         let mut slot =
             take_slot::<F>().unwrap_or_else(|| Box::into_pin(Box::write(Box::new_uninit(), None)));
         slot.as_mut().set(Some(make()));
@@ -501,11 +502,11 @@ impl Conn {
                 }
             }
         };
-        let Parsed {
+        let ParsedHead {
             req,
             keep_alive,
             body_len,
-            underscores,
+            has_underscores,
         } = parsed;
         // The body arrived with the head (else the request went to hyper).
         let body = if body_len == 0 {
@@ -532,11 +533,11 @@ impl Conn {
         let handled = unless_gone(
             &self.stream,
             InBox::new(|| {
-                let from = proxy::Handover {
+                let hints = proxy::ServerHints {
                     raw_ok: true,
-                    underscores,
+                    may_have_underscores: has_underscores,
                 };
-                proxy::handle_with(plane, self.peer, req.map(|()| body), from)
+                proxy::handle_with(plane, self.peer, req.map(|()| body), hints)
             }),
         );
         let Some(Ok(resp)) = handled.await else {
@@ -569,13 +570,13 @@ impl Conn {
     }
 }
 
-/// A parsed request head.
-struct Parsed {
+/// A request head the plain path parsed, with its body's length.
+struct ParsedHead {
     req: Request<()>,
     keep_alive: bool,
     body_len: usize,
-    /// Some field name has a `_`.
-    underscores: bool,
+    /// Some field name has a `_` (every name was looked at).
+    has_underscores: bool,
 }
 
 // Returned once per request and matched at once: a box would cost an
@@ -585,7 +586,7 @@ enum Parse {
     Partial,
     /// Not for this path: hyper serves the connection from here.
     Hyper,
-    Done(Parsed),
+    Done(ParsedHead),
 }
 
 /// Parses the head at the front of `buf`; on success it is split off (the
@@ -623,7 +624,7 @@ fn httparse_request(buf: &[u8], spans: &mut Vec<Span>) -> Result<Option<RequestL
 
 fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
     // The usual strict head is read in one pass; anything else by
-    // httparse, as before.
+    // httparse.
     let line = match crate::base::head::request(buf, spans, MAX_HEADERS) {
         Some(line) => line,
         None => match httparse_request(buf, spans) {
@@ -684,7 +685,7 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
         return Parse::Hyper;
     };
     let mut headers = HeaderMap::with_capacity(spans.len());
-    let mut underscores = false;
+    let mut has_underscores = false;
     for &(ns, ne, vs, ve) in spans.iter() {
         let bytes = &head[ns as usize..ne as usize];
         // The usual names have no `_`: only the others are searched.
@@ -692,7 +693,7 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
             .or_else(|| seen_name(bytes))
             .ok_or(())
             .or_else(|()| {
-                underscores |= bytes.contains(&b'_');
+                has_underscores |= bytes.contains(&b'_');
                 let name = HeaderName::from_bytes(bytes);
                 if let Ok(n) = &name {
                     remember_name(n);
@@ -724,11 +725,11 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
         Version::HTTP_10
     };
     crate::base::head::drop_map(std::mem::replace(req.headers_mut(), headers));
-    Parse::Done(Parsed {
+    Parse::Done(ParsedHead {
         req,
         keep_alive,
         body_len,
-        underscores,
+        has_underscores,
     })
 }
 
@@ -847,7 +848,7 @@ impl Out<'_> {
         let mut head = head;
         // A node's plain head goes out as its lines; the cases where this
         // side rewrites a field (no body, HEAD, a length that is not the
-        // body's) take the map, as before.
+        // body's) take the map.
         let raw = body.take_raw_head().and_then(|raw| {
             let exact = body.size_hint().exact();
             if end || f.head || raw.length.is_some_and(|l| exact != Some(l)) {
@@ -937,7 +938,7 @@ impl Out<'_> {
                 break;
             }
             // A client gone while the body is awaited drops it (recorded as
-            // the client's abort), as hyper's connections did.
+            // the client's abort), as hyper's connections do.
             let next = poll_fn(|cx| Pin::new(&mut body).poll_frame(cx));
             let Some(next) = unless_gone(self.stream, next).await else {
                 WRITE_BUF.set(w);
@@ -1421,7 +1422,7 @@ mod tests {
                     .iter()
                     .map(|(n, v)| (n.clone(), v.clone()))
                     .collect::<Vec<_>>(),
-                p.underscores,
+                p.has_underscores,
             ),
             _ => panic!("not parsed: {}", String::from_utf8_lossy(raw)),
         };
@@ -1445,7 +1446,7 @@ mod tests {
                     .collect();
                 let prev = &names[i.saturating_sub(1)];
                 let raw = format!("GET / HTTP/1.1\r\nHost: x\r\n{wire}: {i}\r\n{prev}: p\r\n\r\n");
-                let (got, underscores) = fields(raw.as_bytes());
+                let (got, has_underscores) = fields(raw.as_bytes());
                 let want = [
                     ("host", "x".to_string()),
                     (&*name.to_ascii_lowercase(), i.to_string()),
@@ -1461,7 +1462,7 @@ mod tests {
                     .collect();
                 assert_eq!(got, want, "{raw}");
                 assert_eq!(
-                    underscores,
+                    has_underscores,
                     name.contains('_') || prev.contains('_'),
                     "{raw}"
                 );
@@ -1606,20 +1607,20 @@ mod tests {
     /// not to, any other is searched.
     #[test]
     fn parse_notes_underscored_names() {
-        let underscores = |raw: &[u8]| match parsed(raw) {
-            Parse::Done(p) => p.underscores,
+        let has_underscores = |raw: &[u8]| match parsed(raw) {
+            Parse::Done(p) => p.has_underscores,
             _ => panic!("not parsed: {:?}", String::from_utf8_lossy(raw)),
         };
-        assert!(!underscores(
+        assert!(!has_underscores(
             b"GET / HTTP/1.1\r\nHost: x\r\nAccept-Encoding: id\r\n\r\n"
         ));
-        assert!(!underscores(
+        assert!(!has_underscores(
             b"GET / HTTP/1.1\r\nHost: x\r\nX-User-Id: 7\r\n\r\n"
         ));
-        assert!(underscores(
+        assert!(has_underscores(
             b"GET / HTTP/1.1\r\nHost: x\r\nX_User_Id: 7\r\n\r\n"
         ));
-        assert!(underscores(
+        assert!(has_underscores(
             b"GET / HTTP/1.1\r\nx_gray_tag: v2\r\nHost: x\r\n\r\n"
         ));
     }

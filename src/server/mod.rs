@@ -272,7 +272,7 @@ impl Server {
                         let mut serving = tokio::task::JoinSet::new();
                         let mut ls = ls;
                         // One listener (the usual plain set-up): served
-                        // inline, exactly as before listeners of other kinds.
+                        // inline, without a task of its own.
                         if ls.len() == 1 {
                             let (kind, l) = ls.remove(0);
                             match TcpListener::from_std(l) {

@@ -24,7 +24,7 @@ use lru::LruCache;
 use rustc_hash::FxBuildHasher;
 
 use crate::base::clock::now_ms;
-use crate::config::FORMAL;
+use crate::config::{SizeValue, StaticCacheConfig, FORMAL};
 
 /// Shards of the entry map (a power of two).
 const SHARDS: usize = 16;
@@ -43,12 +43,15 @@ pub struct CacheSettings {
 }
 
 impl Default for CacheSettings {
+    /// `static_cache`'s defaults.
     fn default() -> Self {
+        let c = StaticCacheConfig::default();
+        let bytes = |v: &SizeValue| v.bytes().expect("the default sizes are byte counts");
         CacheSettings {
-            max_size: 64 << 20,
-            max_file_size: 1 << 20,
-            max_entries: 10_000,
-            valid_ms: 500,
+            max_size: bytes(&c.max_size),
+            max_file_size: bytes(&c.max_file_size),
+            max_entries: c.max_entries,
+            valid_ms: c.valid_ms,
         }
     }
 }

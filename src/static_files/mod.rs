@@ -23,7 +23,7 @@ use http_body_util::{Empty, Full};
 
 use crate::base::body::{boxed, plain, Body};
 use crate::base::decision::Decision;
-use crate::config::Precompressed;
+use crate::config::{Precompressed, RouteConfig};
 use body::{FileBody, Segment};
 pub use cache::CacheSettings;
 use cache::{Content, FileCache, FileInfo, Resolved};
@@ -43,7 +43,7 @@ pub struct StaticTree {
 impl StaticTree {
     /// A tree and its cache (shared with earlier generations serving the same
     /// root, index and settings). A `cache_control` that is no valid header
-    /// value falls back to `private, no-cache`.
+    /// value falls back to the route default's.
     pub fn new(
         root: PathBuf,
         index: String,
@@ -52,8 +52,10 @@ impl StaticTree {
     ) -> StaticTree {
         let cache = cache::cache_for(&root, &index, settings);
         StaticTree {
-            cache_control: HeaderValue::from_str(cache_control)
-                .unwrap_or(HeaderValue::from_static("private, no-cache")),
+            cache_control: HeaderValue::from_str(cache_control).unwrap_or_else(|_| {
+                HeaderValue::from_str(&RouteConfig::default().cache_control)
+                    .expect("the default Cache-Control is a valid header value")
+            }),
             root,
             index,
             cache,

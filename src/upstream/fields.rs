@@ -64,8 +64,8 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 /// A header name from the wire, as `HeaderName::from_bytes` makes it: the
 /// names nearly every request or response carries are recognised by their
 /// length and one case-insensitive compare (from_bytes lower-cases the
-/// name into a scratch buffer and matches it against ~90 standard names:
-/// ~115 instructions a field, on each side of every exchange).
+/// name into a scratch buffer and matches it against every standard name,
+/// for each field on each side of every exchange).
 pub fn name_of(b: &[u8]) -> Result<HeaderName, http::header::InvalidHeaderName> {
     match known_name(b) {
         Some(n) => Ok(n),

@@ -352,7 +352,7 @@ fn parse_head(
 ) -> Result<Option<Head>, Failed> {
     loop {
         // The usual strict head is read in one pass (`head`); anything else
-        // by httparse, as before. Either way `spans` holds every field.
+        // by httparse. Either way `spans` holds every field.
         let line = match crate::base::head::response(buf, spans, MAX_HEADERS) {
             Some(line) => line,
             None => match httparse_head(buf, spans)? {

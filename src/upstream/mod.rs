@@ -181,7 +181,7 @@ impl Upstream {
     }
 
     /// The hyper path within `limit` (boxed: hyper's client futures would
-    /// make the inline path's future several KB, copied on every move).
+    /// make the inline path's future large, copied on every move).
     async fn hyper_within(
         &self,
         addr: SocketAddr,
@@ -205,7 +205,8 @@ impl Upstream {
     ) -> Result<Response<PooledBody>, Error> {
         match transport {
             None => self.request(addr, req, added, timeouts).await,
-            // Boxed: the plain path's future stays as small as before.
+            // Boxed: the plain path's future does not grow by the TLS and
+            // h2 paths' state.
             Some(t) => Box::pin(self.request_transport(addr, t, req, added, timeouts)).await,
         }
     }
