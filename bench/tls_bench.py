@@ -174,7 +174,6 @@ def run_handshakes(target, duration, clients=2):
     conns = 0
     for p in procs:
         out, _ = p.communicate()
-        m = re.search(r"(\d+) connections in ([\d.]+)s; ([\d.]+) connections/user sec", out)
         m2 = re.search(r"(\d+) connections in (\d+) real seconds", out)
         if not m2:
             raise SystemExit(f"s_time output:\n{out}")
