@@ -76,18 +76,18 @@ def load(port, seconds, what, mix=None, conns=32, **wrk):
 
 def train(binary, seconds):
     """Runs the training load on the instrumented `binary` (in a temporary
-    directory of its own, removed by `bench.stop_all`)."""
+    directory of its own, removed by `lib.stop_all`)."""
     lib.PIN["on"] = False
     work = tempfile.mkdtemp(prefix="graygate-pgo-train-")
     started = [lib.start_backends(work)]
     try:
         scripts = [("native", os.path.join(lib.REPO, "scripts", "gray.lua"), False)]
-        for name, module in ORlib.SCRIPTS.items():
+        for name, module in lib.OPENRESTY_SCRIPTS.items():
             for jit in (False, True):
                 scripts.append((f"{name}{'-jit' if jit else ''}",
                                 os.path.join(lib.BENCH, f"{module}.lua"), jit))
         for name, script, jit in scripts:
-            t = ORlib.start_graygate(work, binary, f"pgo-{name}", script, jit)
+            t = lib.start_graygate(work, binary, name=f"pgo-{name}", script=script, jit=jit)
             started.append(t)
             for mix in ("untagged", "user-id", "x-gray"):
                 for conns in (32, 256):
@@ -95,12 +95,12 @@ def train(binary, seconds):
             t.stop()
             started.remove(t)
             print(f"trained: {name}", file=sys.stderr, flush=True)
-        root = Slib.make_tree(work, {k: Slib.SIZES[k] for k in ("2k", "100k")})
-        t = Slib.start_graygate(work, binary, root)
+        root = lib.make_static_tree(work, {k: lib.STATIC_SIZES[k] for k in ("2k", "100k")})
+        t = lib.start_static_graygate(work, binary, root)
         started.append(t)
         for size in ("2k", "100k"):
-            for tree in Slib.TREES:
-                load(t.port, seconds, f"static {size} {tree}", path=Slib.url_path(tree, size),
+            for tree in lib.STATIC_TREES:
+                load(t.port, seconds, f"static {size} {tree}", path=lib.static_url_path(tree, size),
                      args=["-H", "X-Gray: 1"])
         t.stop()
         started.remove(t)
