@@ -247,3 +247,38 @@ fn tls_bench_quick_mode_runs_both_gateways() {
         }
     }
 }
+
+/// `bench/vm_compare --quick` (its own Cargo project, built here with the
+/// LuaJIT feature into this suite's scratch folder): the heavy chain's
+/// pure-Lua part runs plainly and with the count hook on the interpreter.
+#[test]
+fn vm_compare_quick_mode_runs_luajit() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let target = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("vm_compare");
+    for mode in ["plain", "nojithook"] {
+        let out = Command::new(&cargo)
+            .args([
+                "run",
+                "--quiet",
+                "--locked",
+                "--manifest-path",
+                "bench/vm_compare/Cargo.toml",
+                "--features",
+                "luajit",
+                "--target-dir",
+            ])
+            .arg(&target)
+            .args(["--", "bench/openresty_heavy.lua", "--quick"])
+            .args((mode != "plain").then_some(mode))
+            .output()
+            .expect("cargo runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "vm_compare {mode}:\n{stdout}\n{stderr}"
+        );
+        println!("{stdout}");
+        assert!(stdout.contains(&format!("luajit {mode}: ")), "{stdout}");
+    }
+}
