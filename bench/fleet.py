@@ -16,153 +16,36 @@ etcd (Debian's etcd-server) this script starts on free ports:
 
 Usage:
   python3 bench/fleet.py --graygate target/release/graygate [--pushes 50] [--duration 5]
+  python3 bench/fleet.py --quick --graygate target/debug/graygate   # seconds (CI): fails on errors
 """
 
 import argparse
-import base64
 import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
-CLK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
-def b64(s):
-    return base64.b64encode(s.encode() if isinstance(s, str) else s).decode()
-
-
-class Etcd:
-    def __init__(self, tmp):
-        self.url = f"http://127.0.0.1:{free_port()}"
-        peer = f"http://127.0.0.1:{free_port()}"
-        self.proc = subprocess.Popen(
-            ["etcd", "--name", "b0", "--data-dir", os.path.join(tmp, "etcd"),
-             "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"b0={peer}", "--quota-backend-bytes", str(4 << 30)],
-            stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "etcd.log"), "w"))
-        deadline = time.time() + 30
-        while True:
-            try:
-                self.call("/v3/kv/range", {"key": b64("x")})
-                break
-            except Exception:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    def call(self, path, body):
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return json.load(r)
-
-    def put(self, key, value):
-        return int(self.call("/v3/kv/put", {"key": b64(key), "value": b64(value)})["header"]["revision"])
-
-    def txn_puts(self, kvs):
-        ops = [{"request_put": {"key": b64(k), "value": b64(v)}} for k, v in kvs]
-        return int(self.call("/v3/kv/txn", {"success": ops})["header"]["revision"])
-
-    def stop(self):
-        self.proc.kill()
-        self.proc.wait()
-
-
-class Proc:
-    """A graygate process; its stderr collected to a file."""
-
-    def __init__(self, args, tmp, name):
-        self.log = os.path.join(tmp, name + ".log")
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(self.log, "w"),
-                                     env=dict(os.environ, RUST_LOG="info"))
-        deadline = time.time() + 30
-        while True:
-            text = self.text()
-            m = re.search(r"graygate listening addr=(\S+)", text)
-            a = re.search(r"admin listening addr=(\S+)", text)
-            if m and (a or "admin" not in name):
-                self.addr = m.group(1)
-                self.admin = a.group(1) if a else None
-                return
-            if self.proc.poll() is not None or time.time() > deadline:
-                raise SystemExit(f"{name} did not start:\n{text}")
-            time.sleep(0.02)
-
-    def text(self):
-        with open(self.log) as f:
-            return f.read()
-
-    def status(self):
-        with urllib.request.urlopen(f"http://{self.admin}/status", timeout=5) as r:
-            return json.load(r)
-
-    def cpu(self):
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK
-
-    def rss_mb(self):
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        return 0.0
-
-    def stop(self):
-        self.proc.kill()
-        self.proc.wait()
-
-
-def pct(values, p):
-    v = sorted(values)
-    return v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))]
-
-
-def start_upstream(gg, tmp, procs):
-    """A graygate running only demo nodes (fast, fixed JSON) for formal and
-    gray on free ports; returns the two ports."""
-    up = [free_port(), free_port()]
-    updir = os.path.join(tmp, "up")
-    os.makedirs(updir)
-    with open(os.path.join(updir, "up.yaml"), "w") as f:
-        f.write(f"listen: 127.0.0.1:0\ndemo_nodes:\n  - {{ name: f1, addr: \"127.0.0.1:{up[0]}\", lane: formal }}\n"
-                f"  - {{ name: g1, addr: \"127.0.0.1:{up[1]}\", lane: gray }}\n")
-    procs.append(Proc([gg, "--config", os.path.join(updir, "up.yaml")], tmp, "upstream"))
-    return up
-
-
-def write_nodes(conf, up):
-    """conf/nodes.yaml: service `api` with the upstream's formal and gray node."""
-    with open(os.path.join(conf, "nodes.yaml"), "w") as f:
-        f.write(f"services:\n  api:\n    nodes:\n      - {{ name: f1, addr: \"127.0.0.1:{up[0]}\", lane: formal }}\n"
-                f"      - {{ name: g1, addr: \"127.0.0.1:{up[1]}\", lane: gray }}\n")
+import lib
+from lib import Etcd, b64, pct, start_upstream, write_nodes
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--graygate", default="target/release/graygate")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pushes", type=int, default=50)
     ap.add_argument("--services", type=int, default=1000)
     ap.add_argument("--nodes", type=int, default=10)
     ap.add_argument("--duration", type=int, default=5)
+    lib.add_quick(ap)
     args = ap.parse_args()
+    if args.quick:
+        args.pushes, args.services, args.nodes, args.duration = 3, 20, 2, 1
+    lib.require(("etcd", "wrk"), [args.graygate])
+    errors = 0
     tmp = tempfile.mkdtemp(prefix="graygate-fleet-")
     procs = []
     etcd = Etcd(tmp)
@@ -181,21 +64,12 @@ def main():
         script = "return function(req)\n  if req:header('X-Gray') then return 'gray' end\n  -- v{n}\nend\n"
         with open(os.path.join(conf, "gray.lua"), "w") as f:
             f.write(script.format(n=0))
-        out = subprocess.run([gg, "push", "--config", os.path.join(conf, "main.yaml"), "--etcd", etcd.url,
-                              "--prefix", prefix], capture_output=True, text=True)
-        if out.returncode != 0:
-            raise SystemExit(out.stdout + out.stderr)
+        lib.push_config(gg, conf, etcd, prefix)
 
         def boot(name):
-            d = os.path.join(tmp, name)
-            os.makedirs(d, exist_ok=True)
-            p = os.path.join(d, "boot.yaml")
-            with open(p, "w") as f:
-                f.write(f"listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\netcd:\n  endpoints: [\"{etcd.url}\"]\n"
-                        f"  prefix: {prefix}\n  cache_dir: cache\n  id: {name}\n")
-            return p
+            return lib.etcd_boot_config(tmp, name, etcd, prefix)
 
-        gws = [Proc([gg, "--config", boot(f"gw{i}-admin")], tmp, f"gw{i}-admin") for i in (1, 2)]
+        gws = [lib.GatewayProc([gg, "--config", boot(f"gw{i}-admin")], tmp, f"gw{i}-admin") for i in (1, 2)]
         procs += gws
 
         # 1. push -> both serving the new revision.
@@ -254,8 +128,8 @@ def main():
         # runs either way), so only the source differs.
         with open(os.path.join(pulled, "main.yaml"), "a") as f:
             f.write("admin_listen: 127.0.0.1:0\n")
-        files_gw = Proc([gg, "--config", os.path.join(pulled, "main.yaml")], tmp, "files-admin")
-        etcd_gw = Proc([gg, "--config", boot("etcd-admin")], tmp, "etcd-admin")
+        files_gw = lib.GatewayProc([gg, "--config", os.path.join(pulled, "main.yaml")], tmp, "files-admin")
+        etcd_gw = lib.GatewayProc([gg, "--config", boot("etcd-admin")], tmp, "etcd-admin")
         procs += [files_gw, etcd_gw]
         print(f"## request CPU, etcd source vs files (wrk -t1 -c16 -d{args.duration}s, 1 worker each, same config)\n")
         print("| source | req/s | CPU per request |\n|---|---|---|")
@@ -266,12 +140,14 @@ def main():
             cpu = g.cpu() - c0
             reqs = int(re.search(r"(\d+) requests in", out).group(1))
             rps = float(re.search(r"Requests/sec:\s+([0-9.]+)", out).group(1))
+            errors += lib.wrk_errors(out)
             print(f"| {name} | {rps:.0f} | {cpu / reqs * 1e6:.1f} µs |")
     finally:
         for p in procs:
             p.stop()
         etcd.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+    lib.fail_on_errors(errors)
 
 
 if __name__ == "__main__":

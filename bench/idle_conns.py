@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Memory held by idle keep-alive client connections: graygate vs nginx+lua,
-one worker each, the same gray job as bench/bench.py.
+one worker each, the same gray job as bench/lib.py.
 
 For each target: RSS of its worker once it has served a few requests (the
 idle baseline), then N connections are opened and left idle — half of them
@@ -14,6 +14,7 @@ machine).
 Usage:
   cargo build --release
   python3 bench/idle_conns.py [--conns 10000] [--only graygate,nginx-lua]
+  python3 bench/idle_conns.py --quick --graygate target/debug/graygate   # 200 connections (CI)
 """
 import argparse
 import os
@@ -24,29 +25,20 @@ import sys
 import tempfile
 import time
 
-import bench
+import lib
+
+# How long RSS must hold still to count as settled (--quick: shorter).
+SETTLE = {"secs": 2.0}
 
 
-def rss_kb(pids):
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
-        except OSError:
-            pass
-    return total
-
-
-def settle(pids, secs=2.0, limit=60.0):
+def settle(pids, secs=None, limit=60.0):
     """RSS once it has not moved by more than 64 KB for `secs` (sampled every 100 ms)."""
-    last, stable_since = rss_kb(pids), time.time()
+    secs = SETTLE["secs"] if secs is None else secs
+    last, stable_since = lib.rss_kb(pids), time.time()
     deadline = time.time() + limit
     while time.time() < deadline:
         time.sleep(0.1)
-        now = rss_kb(pids)
+        now = lib.rss_kb(pids)
         if abs(now - last) > 64:
             last, stable_since = now, time.time()
         elif time.time() - stable_since >= secs:
@@ -106,16 +98,19 @@ def measure(target, n):
             pass
     for s in socks:
         s.close()
-    after = settle(workers, secs=3.0)
+    after = settle(workers, secs=SETTLE["secs"] * 1.5)
     return base, held, after, alive
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--graygate", default=os.path.join(bench.REPO, "target", "release", "graygate"))
     ap.add_argument("--conns", type=int, default=10000)
     ap.add_argument("--only", help="comma-separated: graygate,nginx-lua")
+    lib.add_quick(ap)
     a = ap.parse_args()
+    if a.quick:
+        a.conns, SETTLE["secs"] = 200, 0.5
+    lib.require(("nginx", "nginx-lua"), [a.graygate])
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = a.conns + 1024
     if soft < want:
@@ -123,27 +118,27 @@ def main():
             raise SystemExit(f"RLIMIT_NOFILE hard limit {hard} < {want}: raise it (ulimit -Hn)")
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     work = tempfile.mkdtemp(prefix="graygate-idle-")
-    backends = bench.start_backends(work)
+    backends = lib.start_backends(work)
     rows = {}
     try:
         def graygate():
-            cfg = bench.write_graygate_config(work, "graygate", 1)
+            cfg = lib.write_graygate_config(work, "graygate", 1)
             with open(cfg, "a") as f:
                 # Room for every connection; nothing times out during the run.
                 f.write(f"client: {{ max_connections: {a.conns + 1000}, idle_timeout_ms: 600000 }}\n")
-            env = dict(os.environ, RUST_LOG=bench.GRAYGATE_LOG)
-            return bench.Target("graygate", [a.graygate, "--config", cfg],
+            env = dict(os.environ, RUST_LOG=lib.GRAYGATE_LOG)
+            return lib.Target("graygate", [a.graygate, "--config", cfg],
                                 os.path.join(work, "graygate.log"), cpus=None, env=env)
 
         def nginx():
-            sock = bench.listen_socket()
-            path = bench.nginx_lua_conf(work, sock.getsockname()[1])
+            sock = lib.listen_socket()
+            path = lib.nginx_lua_conf(work, sock.getsockname()[1])
             with open(path) as f:
                 conf = f.read().replace("worker_connections 16384;", f"worker_connections {a.conns + 1000};")
                 conf = conf.replace("keepalive_timeout 120s;", "keepalive_timeout 600s;")
             with open(path, "w") as f:
                 f.write(conf)
-            return bench.Target("nginx-lua", ["nginx", "-p", work, "-e", "stderr", "-c", path],
+            return lib.Target("nginx-lua", ["nginx", "-p", work, "-e", "stderr", "-c", path],
                                 os.path.join(work, "nginx-lua.log"), cpus=None, socks=[sock], nginx=True)
 
         targets = {"graygate": graygate, "nginx-lua": nginx}
@@ -168,6 +163,7 @@ def main():
         per = (held - base) / a.conns
         print(f"| {name} | {base/1024:.1f} | {held/1024:.1f} | {per:.2f} | {after/1024:.1f} "
               f"| {after/base:.2f} | {alive} |")
+    lib.fail_on_errors(sum(a.conns - alive for _, _, _, alive in rows.values()), "connections (closed while idle)")
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ Usage:
   python3 bench/instructions.py --script openresty_heavy   # an OpenResty module, unchanged
                                                            # in graygate and nginx+lua
   python3 bench/instructions.py --jit                 # adds graygate-jit: script_limits.jit: true
+  python3 bench/instructions.py --quick --graygate target/debug/graygate   # 20 requests (CI)
 With --script NAME, graygate runs bench/NAME.lua as its script and nginx runs
 `access_by_lua_block { ngx.var.lane = require("NAME").lane() or "formal" }`
-(as bench/openresty_bench.py does); HAProxy has no such script and is left out.
+(as bench/openresty_lib.py does); HAProxy has no such script and is left out.
 nginx's peer is "unix:" there, so a script's client-address checks take the
 not-in-range branch in nginx and the 127.0.0.1 one in graygate.
 """
@@ -37,7 +38,7 @@ import sys
 import tempfile
 import time
 
-import bench
+import lib
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -69,14 +70,14 @@ def wait_unix(path, proc, what, limit):
     raise SystemExit(f"{what} did not answer on {path}")
 
 
-def count(cmd, sock, unix, mixes, n, out, port=None):
+def count(cmd, sock, unix, mixes, n, out, port=None, warmup=200):
     """`sock`: the listening socket the target inherits; `unix`: the unix
     socket it listens on; `port`: a loopback port it binds itself; none:
     graygate on port 0, its logged address read back."""
     for f in glob.glob(out + "*"):
         os.remove(f)
     vg = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
-    env = dict(os.environ, RUST_LOG=bench.GRAYGATE_LOG)
+    env = dict(os.environ, RUST_LOG=lib.GRAYGATE_LOG)
     fds = (sock.fileno(),) if sock else ()
     log = out + ".log"
     with open(log, "w") as logf:
@@ -89,8 +90,8 @@ def count(cmd, sock, unix, mixes, n, out, port=None):
             wait_unix(unix, proc, cmd[0], limit=120)
         else:
             if port is None:
-                port = bench.logged_port(log, proc, cmd[0], limit=120)
-            bench.wait_http(port, proc, cmd[0], limit=120)
+                port = lib.logged_port(log, proc, cmd[0], limit=120)
+            lib.wait_http(port, proc, cmd[0], limit=120)
         pid = proc.pid
         results = {}
         for mix, headers in mixes.items():
@@ -106,7 +107,7 @@ def count(cmd, sock, unix, mixes, n, out, port=None):
                     if r.status != 200:
                         raise SystemExit(f"{cmd[0]}: status {r.status}")
 
-            send(200)
+            send(warmup)
             subprocess.run(["callgrind_control", "-z", str(pid)], capture_output=True)
             subprocess.run(["callgrind_control", "-i", "on", str(pid)], capture_output=True)
             send(n)
@@ -135,19 +136,21 @@ def count(cmd, sock, unix, mixes, n, out, port=None):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--graygate", default=os.path.join(bench.REPO, "target", "release", "graygate"))
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--only", help="comma-separated: graygate,nginx-lua,haproxy-lua")
     ap.add_argument("--script", help="an OpenResty module in bench/ (e.g. openresty_heavy) "
                                      "run unchanged by graygate and nginx+lua")
     ap.add_argument("--jit", action="store_true",
                     help="also graygate-jit: the same build with script_limits.jit: true")
+    lib.add_quick(ap)
     a = ap.parse_args()
-    if not shutil.which("valgrind"):
-        raise SystemExit("valgrind not found: apt-get install valgrind")
+    warmup = 200
+    if a.quick:
+        a.requests, warmup = 20, 20
+    lib.require(("valgrind", "callgrind_control", "nginx", "nginx-lua", "haproxy"), [a.graygate])
     mixes = {"untagged": {}, "user-id": {"X-User-Id": "u{i}"}, "x-gray": {"X-Gray": "1"}}
     work = tempfile.mkdtemp(prefix="graygate-instr-")
-    backends = bench.start_backends(work)
+    backends = lib.start_backends(work)
     try:
         # The regular config writers; each target runs under valgrind in one
         # process. graygate listens on port 0, HAProxy on a socket bound
@@ -159,8 +162,8 @@ def main():
         # just before; no inherited socket): an OpenResty script reads
         # ngx.var.remote_addr, which must be an address as in graygate.
         def graygate(jit=False):
-            kw = {"script": os.path.join(bench.BENCH, f"{a.script}.lua")} if a.script else {}
-            gg = bench.write_graygate_config(work, "graygate-jit" if jit else "graygate", 1, **kw)
+            kw = {"script": os.path.join(lib.BENCH, f"{a.script}.lua")} if a.script else {}
+            gg = lib.write_graygate_config(work, "graygate-jit" if jit else "graygate", 1, **kw)
             if jit:
                 with open(gg, "a") as f:
                     f.write("script_limits:\n  jit: true\n")
@@ -168,7 +171,7 @@ def main():
 
         def nginx():
             if a.script:
-                probe = bench.listen_socket()
+                probe = lib.listen_socket()
                 port = probe.getsockname()[1]
                 probe.close()
                 listen = f"listen 127.0.0.1:{port} backlog=8192;"
@@ -178,7 +181,7 @@ def main():
                 listen = f"listen unix:{unix} backlog=8192;"
             access = (f"access_by_lua_block {{ ngx.var.lane = require(\"{a.script}\").lane()"
                       f" or \"formal\" }}") if a.script else None
-            ng = bench.nginx_lua_conf(work, 1, access=access)
+            ng = lib.nginx_lua_conf(work, 1, access=access)
             with open(ng) as f:
                 conf = f.read().replace("master_process on;", "master_process off;")
                 conf = conf.replace("listen 127.0.0.1:1 backlog=8192;", listen)
@@ -187,8 +190,8 @@ def main():
             return ["nginx", "-p", work, "-e", "stderr", "-c", ng], None, (None if port else unix), port
 
         def haproxy():
-            sock = bench.listen_socket()
-            return ["haproxy", "-db", "-f", bench.haproxy_conf(work, sock.fileno())], sock, None, None
+            sock = lib.listen_socket()
+            return ["haproxy", "-db", "-f", lib.haproxy_conf(work, sock.fileno())], sock, None, None
 
         targets = {"graygate": graygate, "graygate-jit": lambda: graygate(jit=True),
                    "nginx-lua": nginx, "haproxy-lua": haproxy}
@@ -201,7 +204,7 @@ def main():
         for name in names:
             cmd, sock, unix, port = targets[name]()
             rows[name] = count(cmd, sock, unix, mixes, a.requests,
-                               os.path.join(work, f"cg-{name}.out"), port=port)
+                               os.path.join(work, f"cg-{name}.out"), port=port, warmup=warmup)
             print(f"done: {name}", file=sys.stderr, flush=True)
     finally:
         backends.stop()

@@ -10,7 +10,7 @@ Two module scripts in bench/ run unchanged as the same file in both gateways:
                                       percentage; every request walks it all
 nginx runs `access_by_lua_block { ngx.var.lane = require(...).lane() or "formal" }`
 and proxies to the lane's upstream; graygate runs the file as its `script:`.
-Set-up as bench/bench.py (whose helpers this reuses): one worker each pinned to
+Set-up as bench/bench.py (helpers: bench/lib.py): one worker each pinned to
 CPU 1, the backends and wrk on CPU 0, ephemeral ports, wrk -t1, targets
 alternated over the rounds, medians. Before measuring, both gateways must give
 the same lane (and tag) on a set of probe requests.
@@ -19,7 +19,7 @@ Usage:
   python3 bench/openresty_bench.py                          # 3 rounds x 4 s, ~4 minutes
   python3 bench/openresty_bench.py --scripts heavy --duration 5
   python3 bench/openresty_bench.py --extra before=/tmp/graygate-old   # another build side by side
-  python3 bench/openresty_bench.py --quick                  # a few seconds, unpinned
+  python3 bench/openresty_bench.py --quick                  # seconds, unpinned (CI; fails on errors)
   python3 bench/openresty_bench.py --jit                    # also each build with script_limits.jit: true
   python3 bench/openresty_bench.py --jit-only               # each build with script_limits.jit: true only
 """
@@ -28,14 +28,10 @@ import argparse
 import http.client
 import json
 import os
-import shutil
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench  # noqa: E402  (the helpers of bench/bench.py)
-
-SCRIPTS = {"simple": "openresty_simple", "heavy": "openresty_heavy"}
+import lib
 
 
 def probe_cases():
@@ -73,20 +69,8 @@ def same_lanes(targets):
         raise SystemExit(f"the probes never gave both lanes: {seen}")
 
 
-def start_graygate(work, binary, name, script, jit):
-    """bench.start_graygate, with `script_limits.jit: true` when `jit`."""
-    cfg = bench.write_graygate_config(work, name, 1, script=script)
-    if jit:
-        with open(cfg, "a") as f:
-            f.write("script_limits:\n  jit: true\n")
-    env = dict(os.environ, RUST_LOG=bench.GRAYGATE_LOG)
-    return bench.Target(name, [binary, "--config", cfg], os.path.join(work, f"{name}.log"),
-                        cpus=frozenset({1}), env=env)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--graygate", default=os.path.join(bench.REPO, "target", "release", "graygate"))
     ap.add_argument("--extra", action="append", default=[], metavar="NAME=PATH",
                     help="another graygate build measured side by side")
     ap.add_argument("--scripts", default="simple,heavy")
@@ -94,24 +78,19 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--conns", default="32,256")
     ap.add_argument("--mixes", default="untagged,user-id,x-gray")
-    ap.add_argument("--quick", action="store_true", help="a few seconds, nothing pinned")
     ap.add_argument("--no-pin", action="store_true")
     ap.add_argument("--jit", action="store_true",
                     help="also run each build with script_limits.jit: true (rows NAME-jit)")
     ap.add_argument("--jit-only", action="store_true",
                     help="run each build with script_limits.jit: true only (rows NAME-jit)")
     ap.add_argument("--json", help="also write the results here")
+    lib.add_quick(ap)
     a = ap.parse_args()
     if a.quick:
         a.duration, a.rounds, a.conns = 1, 1, "32"
-    for tool in ("nginx", "wrk"):
-        if not shutil.which(tool):
-            raise SystemExit(f"{tool} not found: apt-get install nginx-core libnginx-mod-http-lua wrk")
     builds = [("graygate", a.graygate)] + [tuple(e.split("=", 1)) for e in a.extra]
-    for _, path in builds:
-        if not os.path.exists(path):
-            raise SystemExit(f"{path} not found: cargo build --release")
-    bench.PIN["on"] = not (a.quick or a.no_pin) and {0, 1} <= os.sched_getaffinity(0)
+    lib.require(("nginx", "nginx-lua", "wrk"), [path for _, path in builds])
+    lib.PIN["on"] = not (a.quick or a.no_pin) and {0, 1} <= os.sched_getaffinity(0)
     dur = max(1, int(a.duration))
     conns = [int(c) for c in a.conns.split(",")]
     mixes = a.mixes.split(",")
@@ -119,18 +98,18 @@ def main():
     started = []
     out = {}
     try:
-        started.append(bench.start_backends(work))
+        started.append(lib.start_backends(work))
         for script in a.scripts.split(","):
-            module = SCRIPTS[script]
+            module = lib.OPENRESTY_SCRIPTS[script]
             targets = []
             for name, path in builds:
                 for jit in ([True] if a.jit_only else [False, True] if a.jit else [False]):
-                    targets.append(start_graygate(work, path, f"{name}{'-jit' if jit else ''}-{script}",
-                                                  os.path.join(bench.BENCH, f"{module}.lua"), jit))
+                    targets.append(lib.start_graygate(work, path, name=f"{name}{'-jit' if jit else ''}-{script}",
+                                                      script=os.path.join(lib.BENCH, f"{module}.lua"), jit=jit))
                     started.append(targets[-1])
             access = (f"access_by_lua_block {{ ngx.var.lane = require(\"{module}\").lane()"
                       f" or \"formal\" }}")
-            targets.append(bench.start_nginx(work, name=f"nginx-{script}", access=access))
+            targets.append(lib.start_nginx(work, name=f"nginx-{script}", access=access))
             started.append(targets[-1])
             same_lanes(targets)
             anchor = targets[-1].name
@@ -140,14 +119,14 @@ def main():
                     for rnd in range(a.rounds):
                         order = targets[rnd % len(targets):] + targets[:rnd % len(targets)]
                         for t in order:
-                            runs[t.name].append(bench.measure(t, mix, c, dur))
-                    per = {n: bench.summarize(r) for n, r in runs.items()}
+                            runs[t.name].append(lib.measure(t, mix, c, dur))
+                    per = {n: lib.summarize(r) for n, r in runs.items()}
                     out[(script, mix, c)] = (anchor, per)
                     print(f"done: {script} {mix} @ {c}", file=sys.stderr, flush=True)
             for t in targets:
                 t.stop()
                 started.remove(t)
-        pinning = "gateways pinned to CPU 1, backends and wrk to CPU 0" if bench.PIN["on"] else "nothing pinned"
+        pinning = "gateways pinned to CPU 1, backends and wrk to CPU 0" if lib.PIN["on"] else "nothing pinned"
         print(f"wrk -t1, {dur}s per run, {a.rounds} round(s), targets alternated; {pinning}.\n")
         print("| script | mix | conns | target | req/s (median) | p99 ms | errors | CPU µs/req "
               "| user / sys µs | req/s ÷ nginx | CPU ÷ nginx |\n|---|---|---|---|---|---|---|---|---|---|---|")
@@ -161,7 +140,8 @@ def main():
             with open(a.json, "w") as f:
                 json.dump({f"{s}/{m}@{c}": per for (s, m, c), (_, per) in out.items()}, f, indent=1)
     finally:
-        bench.stop_all(started, work)
+        lib.stop_all(started, work)
+    lib.fail_on_errors(sum(s["errors"] for _, per in out.values() for s in per.values()))
 
 
 if __name__ == "__main__":

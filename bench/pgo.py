@@ -16,10 +16,15 @@ rustc's own PGO, in three steps:
 The training's wrk runs are short and unpinned: only which code runs how
 often matters, not its speed.
 
+Every prerequisite (nginx with its Lua module, wrk; for the build also cargo,
+rustc and the matching llvm-profdata) is checked before anything runs; one
+message names all that are missing.
+
 Usage:
   python3 bench/pgo.py                 # ~15 minutes on 2 cores; prints the binary's path
   python3 bench/pgo.py --train-seconds 1
   python3 bench/pgo.py --train-only target/debug/graygate --train-seconds 1   # the load alone
+  python3 bench/pgo.py --quick --graygate target/debug/graygate   # the same, CI's check
   packaging/build-deb.sh --binary "$(python3 bench/pgo.py)"
 The benchmarks take the result with --graygate target/pgo-use/release/graygate.
 """
@@ -33,55 +38,56 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench as B  # noqa: E402
-import openresty_bench as ORB  # noqa: E402
-import static_bench as SB  # noqa: E402
+import lib
 
 
 def profdata_tool():
-    """llvm-profdata of rustc's LLVM major version (a profile is read only by its own)."""
-    out = subprocess.run(["rustc", "-vV"], capture_output=True, text=True, check=True).stdout
+    """(llvm-profdata of rustc's LLVM major version, None) -- a profile is read
+    only by its own -- or (None, what is missing)."""
+    try:
+        out = subprocess.run(["rustc", "-vV"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None, "rustc not found: the Rust toolchain (rustup)"
     m = re.search(r"LLVM version: (\d+)", out)
     if not m:
-        raise SystemExit("rustc -vV names no LLVM version")
+        return None, "rustc -vV names no LLVM version"
     major = m.group(1)
     for name in (f"llvm-profdata-{major}", f"/usr/lib/llvm-{major}/bin/llvm-profdata"):
         if shutil.which(name):
-            return name
-    raise SystemExit(f"llvm-profdata for LLVM {major} not found: apt-get install llvm-{major}")
+            return name, None
+    return None, f"llvm-profdata for LLVM {major} not found: apt-get install llvm-{major}"
 
 
 def cargo_build(target_dir, rustflags):
     env = dict(os.environ)
     env["RUSTFLAGS"] = (env.get("RUSTFLAGS", "") + " " + rustflags).strip()
     subprocess.run(["cargo", "build", "--release", "--locked", "--target-dir", target_dir],
-                   cwd=B.REPO, env=env, check=True, stdout=sys.stderr)
+                   cwd=lib.REPO, env=env, check=True, stdout=sys.stderr)
     return os.path.join(target_dir, "release", "graygate")
 
 
 def load(port, seconds, what, mix=None, conns=32, **wrk):
     """One training run; every request must be answered 2xx/3xx (a training
     load of errors would teach the build the error path)."""
-    r = B.run_wrk(port, mix, conns, seconds, **wrk)
+    r = lib.run_wrk(port, mix, conns, seconds, **wrk)
     if r["errors"] or not r["requests"]:
         raise SystemExit(f"training run {what}: {r['errors']} errors in {r['requests']} requests")
 
 
 def train(binary, seconds):
     """Runs the training load on the instrumented `binary` (in a temporary
-    directory of its own, removed by `bench.stop_all`)."""
-    B.PIN["on"] = False
+    directory of its own, removed by `lib.stop_all`)."""
+    lib.PIN["on"] = False
     work = tempfile.mkdtemp(prefix="graygate-pgo-train-")
-    started = [B.start_backends(work)]
+    started = [lib.start_backends(work)]
     try:
-        scripts = [("native", os.path.join(B.REPO, "scripts", "gray.lua"), False)]
-        for name, module in ORB.SCRIPTS.items():
+        scripts = [("native", os.path.join(lib.REPO, "scripts", "gray.lua"), False)]
+        for name, module in lib.OPENRESTY_SCRIPTS.items():
             for jit in (False, True):
                 scripts.append((f"{name}{'-jit' if jit else ''}",
-                                os.path.join(B.BENCH, f"{module}.lua"), jit))
+                                os.path.join(lib.BENCH, f"{module}.lua"), jit))
         for name, script, jit in scripts:
-            t = ORB.start_graygate(work, binary, f"pgo-{name}", script, jit)
+            t = lib.start_graygate(work, binary, name=f"pgo-{name}", script=script, jit=jit)
             started.append(t)
             for mix in ("untagged", "user-id", "x-gray"):
                 for conns in (32, 256):
@@ -89,18 +95,18 @@ def train(binary, seconds):
             t.stop()
             started.remove(t)
             print(f"trained: {name}", file=sys.stderr, flush=True)
-        root = SB.make_tree(work, {k: SB.SIZES[k] for k in ("2k", "100k")})
-        t = SB.start_graygate(work, binary, root)
+        root = lib.make_static_tree(work, {k: lib.STATIC_SIZES[k] for k in ("2k", "100k")})
+        t = lib.start_static_graygate(work, binary, root)
         started.append(t)
         for size in ("2k", "100k"):
-            for tree in SB.TREES:
-                load(t.port, seconds, f"static {size} {tree}", path=SB.url_path(tree, size),
+            for tree in lib.STATIC_TREES:
+                load(t.port, seconds, f"static {size} {tree}", path=lib.static_url_path(tree, size),
                      args=["-H", "X-Gray: 1"])
         t.stop()
         started.remove(t)
         print("trained: static", file=sys.stderr, flush=True)
     finally:
-        B.stop_all(started, work)  # removes `work` too
+        lib.stop_all(started, work)  # removes `work` too
 
 
 def main():
@@ -111,15 +117,18 @@ def main():
     ap.add_argument("--data", help="where the instrumented build writes its profile "
                                    "(default target/pgo-data; part of its flags, so keep it "
                                    "the same to reuse that build)")
+    lib.add_quick(ap)
     a = ap.parse_args()
-    for tool in ("nginx", "wrk"):
-        if not shutil.which(tool):
-            raise SystemExit(f"{tool} not found: apt-get install nginx-core libnginx-mod-http-lua wrk")
+    if a.quick:  # the training load alone, on --graygate, one second a run
+        a.train_only, a.train_seconds = a.train_only or a.graygate, 1
+    load_tools = ("nginx", "nginx-lua", "wrk")
     if a.train_only:
+        lib.require(load_tools, [a.train_only])
         train(a.train_only, a.train_seconds)
         return
-    tool = profdata_tool()
-    target = os.path.join(B.REPO, "target")
+    tool, missing = profdata_tool()
+    lib.require(load_tools + ("cargo",), more=[missing] if missing else [])
+    target = os.path.join(lib.REPO, "target")
     data = os.path.abspath(a.data or os.path.join(target, "pgo-data"))
     shutil.rmtree(data, ignore_errors=True)
     os.makedirs(data)

@@ -12,21 +12,22 @@ ms, written just before its etcd transaction; same machine clock).
 
 Usage:
   python3 bench/release_fleet.py --graygate target/release/graygate [--steps 40]
+  python3 bench/release_fleet.py --quick --graygate target/debug/graygate   # 3 steps (CI)
 """
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fleet import Etcd, Proc, pct, start_upstream, write_nodes  # noqa: E402
+import lib
+from lib import Etcd, pct, start_upstream, write_nodes
 
 
 def get(url):
@@ -35,10 +36,13 @@ def get(url):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--graygate", default="target/release/graygate")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=40)
+    lib.add_quick(ap)
     args = ap.parse_args()
+    if args.quick:
+        args.steps = 3
+    lib.require(("etcd", "wrk"), [args.graygate])
     tmp = tempfile.mkdtemp(prefix="graygate-release-fleet-")
     procs = []
     etcd = Etcd(tmp)
@@ -52,21 +56,12 @@ def main():
             f.write("listen: 127.0.0.1:0\nnode_files: [nodes.yaml]\nworkers: 1\n"
                     "routes:\n  - { prefix: /, service: api }\n")
         write_nodes(conf, up)
-        out = subprocess.run([gg, "push", "--config", os.path.join(conf, "main.yaml"), "--etcd", etcd.url,
-                              "--prefix", prefix], capture_output=True, text=True)
-        if out.returncode != 0:
-            raise SystemExit(out.stdout + out.stderr)
+        lib.push_config(gg, conf, etcd, prefix)
 
         def boot(name):
-            d = os.path.join(tmp, name)
-            os.makedirs(d, exist_ok=True)
-            p = os.path.join(d, "boot.yaml")
-            with open(p, "w") as f:
-                f.write(f"listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\netcd:\n  endpoints: [\"{etcd.url}\"]\n"
-                        f"  prefix: {prefix}\n  cache_dir: cache\n  id: {name}\n  counters_ms: 100\n")
-            return p
+            return lib.etcd_boot_config(tmp, name, etcd, prefix, extra="  counters_ms: 100\n")
 
-        gws = [Proc([gg, "--config", boot(f"gw{i}-admin")], tmp, f"gw{i}-admin") for i in (1, 2)]
+        gws = [lib.GatewayProc([gg, "--config", boot(f"gw{i}-admin")], tmp, f"gw{i}-admin") for i in (1, 2)]
         procs += gws
         deadline = time.time() + 30
         while not any(get(f"http://{g.admin}/releases")["fleet"]["this_gateway_leads"] for g in gws):
@@ -134,6 +129,9 @@ def main():
         for p in procs:
             p.stop()
         etcd.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    if doc["state"] != "promoted":
+        raise SystemExit(f"release_fleet.py: the release ended {doc['state']}, not promoted")
 
 
 if __name__ == "__main__":

@@ -7,14 +7,21 @@ the send timeout has cut them off. Not a test: a measurement for the README.
 Usage:
   cargo build --release
   python3 bench/slow_readers.py [--clients 1000] [--size-mb 4] [--send-timeout-ms 5000]
+  python3 bench/slow_readers.py --quick --graygate target/debug/graygate   # seconds (CI)
+Before the slow readers, one client reads the whole file (the run fails
+unless it gets every byte).
 """
 import argparse
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+
+import lib
 
 
 def rss_kb(pid):
@@ -51,12 +58,19 @@ def settle(pid, secs=3.0):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--binary", default="target/release/graygate")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--graygate", "--binary", dest="graygate", default="target/release/graygate",
+                    help="the graygate binary (--binary: the older name)")
     ap.add_argument("--clients", type=int, default=1000)
     ap.add_argument("--size-mb", type=int, default=4)
     ap.add_argument("--send-timeout-ms", type=int, default=5000)
+    ap.add_argument("--quick", action="store_true",
+                    help="a few seconds, for CI (exits non-zero on errors)")
     a = ap.parse_args()
+    settle_secs = 3.0
+    if a.quick:
+        a.clients, a.size_mb, a.send_timeout_ms, settle_secs = 50, 1, 1000, 0.5
+    lib.require(binaries=[a.graygate])
     work = tempfile.mkdtemp(prefix="graygate-slow-")
     os.makedirs(os.path.join(work, "static", "formal"))
     with open(os.path.join(work, "static", "formal", "big.bin"), "wb") as f:
@@ -72,7 +86,7 @@ def main():
     # would fill with the send-timeout warnings and stall the gateway.
     log = os.path.join(work, "graygate.log")
     with open(log, "w") as err:
-        proc = subprocess.Popen([a.binary, "--config", cfg], stderr=err,
+        proc = subprocess.Popen([a.graygate, "--config", cfg], stderr=err,
                                 env=dict(os.environ, RUST_LOG="info"))
     port = None
     deadline = time.time() + 20
@@ -83,8 +97,18 @@ def main():
                     port = int(line.split("addr=")[1].split()[0].rsplit(":", 1)[1])
         time.sleep(0.05)
     if port is None:
-        raise SystemExit(f"graygate did not start; see {log}")
-    base = settle(proc.pid, 1.0)
+        proc.kill()
+        raise SystemExit(f"graygate did not start:\n{open(log).read()}")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/big.bin", timeout=30) as r:
+            got = len(r.read())
+    except OSError as e:
+        proc.kill()
+        raise SystemExit(f"slow_readers.py: a full read of /big.bin failed: {e}")
+    if got != a.size_mb << 20:
+        proc.kill()
+        raise SystemExit(f"slow_readers.py: /big.bin gave {got} bytes, not {a.size_mb << 20}")
+    base = settle(proc.pid, min(1.0, settle_secs))
     socks = []
     for _ in range(a.clients):
         s = socket.socket()
@@ -92,14 +116,18 @@ def main():
         s.connect(("127.0.0.1", port))
         s.sendall(b"GET /big.bin HTTP/1.1\r\nHost: a\r\n\r\n")
         socks.append(s)
-    held = settle(proc.pid)
+    held = settle(proc.pid, settle_secs)
     # The send timeout cuts them off; RSS after.
     time.sleep(a.send_timeout_ms / 1000 + 2)
-    after = settle(proc.pid)
+    after = settle(proc.pid, settle_secs)
     for s in socks:
         s.close()
+    crashed = proc.poll()
     proc.terminate()
     proc.wait()
+    shutil.rmtree(work, ignore_errors=True)
+    if crashed is not None:
+        raise SystemExit(f"slow_readers.py: graygate exited (code {crashed}) during the run")
     per = (held - base) / a.clients
     print(f"slow readers: {a.clients} x {a.size_mb} MiB static file, send_timeout_ms={a.send_timeout_ms}")
     print(f"RSS idle {base/1024:.1f} MB, with readers hanging {held/1024:.1f} MB "

@@ -14,7 +14,7 @@ connections; rounds alternate the servers.
 Usage:
   cargo build --release
   python3 bench/static_bench.py                       # full run (~5 minutes)
-  python3 bench/static_bench.py --quick               # seconds: the harness smoke test
+  python3 bench/static_bench.py --quick               # seconds (CI): fails on any error
   python3 bench/static_bench.py --duration 4 --rounds 3 --json out.json
 Prints a markdown table: median req/s and CPU µs per request (user+sys from
 /proc over the run ÷ requests) of each, and graygate ÷ nginx. The last column
@@ -29,41 +29,20 @@ not: this column shows whether work was added or only moved.
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench as B  # noqa: E402  (the process, pinning and wrk helpers)
+import lib
 
-SIZES = {"2k": 2 * 1024, "100k": 100 * 1024, "1m": 1024 * 1024}
-TREES = ("lane", "fallback")
-
-
-def make_tree(work, sizes):
-    """static/{formal,gray}/own/<size>.bin and static/formal/fb/<size>.bin;
-    gray's own files differ from formal's (first byte)."""
-    root = os.path.join(work, "static")
-    for size, n in sizes.items():
-        data = bytearray(os.urandom(n))
-        for rel in (f"formal/own/{size}.bin", f"formal/fb/{size}.bin", f"gray/own/{size}.bin"):
-            path = os.path.join(root, rel)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            data[0] = ord("G") if rel.startswith("gray") else ord("F")
-            with open(path, "wb") as f:
-                f.write(data)
-    return root
-
-
-def url_path(tree, size):
-    return f"/{'own' if tree == 'lane' else 'fb'}/{size}.bin"
+SIZES, TREES = lib.STATIC_SIZES, lib.STATIC_TREES
+url_path = lib.static_url_path
 
 
 def start_nginx(work, root):
-    main, http = B.nginx_common(work, "nginx-static")
-    sock = B.listen_socket()
+    main, http = lib.nginx_common(work, "nginx-static")
+    sock = lib.listen_socket()
     port = sock.getsockname()[1]
     conf = main + f"""
 http {{
@@ -83,25 +62,8 @@ http {{
     path = os.path.join(work, "nginx-static.conf")
     with open(path, "w") as f:
         f.write(conf)
-    return B.Target("nginx", ["nginx", "-p", work, "-e", "stderr", "-c", path],
+    return lib.Target("nginx", ["nginx", "-p", work, "-e", "stderr", "-c", path],
                     os.path.join(work, "nginx-static.log"), socks=[sock], nginx=True)
-
-
-def start_graygate(work, binary, root):
-    cfg = os.path.join(work, "graygate-static.yaml")
-    with open(cfg, "w") as f:
-        f.write(f"""listen: 127.0.0.1:0
-workers: 1
-rules:
-  rules:
-    - {{ name: testers, lane: gray, header: {{ name: X-Gray, values: ["1"] }} }}
-routes:
-  - prefix: /
-    static: {root}
-""")
-    env = dict(os.environ, RUST_LOG=B.GRAYGATE_LOG)
-    return B.Target("graygate", [binary, "--config", cfg], os.path.join(work, "graygate-static.log"),
-                    env=env)
 
 
 def sanity_check(target, root, sizes):
@@ -123,23 +85,18 @@ def sanity_check(target, root, sizes):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--graygate", default=os.path.join(B.REPO, "target", "release", "graygate"))
     ap.add_argument("--duration", type=float, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--conns", default="32,256")
     ap.add_argument("--sizes", default=",".join(SIZES))
-    ap.add_argument("--quick", action="store_true", help="a few seconds, for the test suite (no pinning)")
     ap.add_argument("--no-pin", action="store_true")
     ap.add_argument("--json", help="also write results here")
+    lib.add_quick(ap)
     a = ap.parse_args()
     if a.quick:
         a.duration, a.rounds, a.conns, a.sizes = 1, 1, "32", "2k"
-    for tool in ("nginx", "wrk"):
-        if not shutil.which(tool):
-            raise SystemExit(f"{tool} not found: apt-get install nginx-core wrk")
-    if not os.path.exists(a.graygate):
-        raise SystemExit(f"{a.graygate} not found: cargo build --release")
-    B.PIN["on"] = not (a.quick or a.no_pin) and {0, 1} <= os.sched_getaffinity(0)
+    lib.require(("nginx", "wrk"), [a.graygate])
+    lib.PIN["on"] = not (a.quick or a.no_pin) and {0, 1} <= os.sched_getaffinity(0)
     sizes = {s: SIZES[s] for s in a.sizes.split(",")}
     conns = [int(c) for c in a.conns.split(",")]
     dur = max(1, int(a.duration))
@@ -147,8 +104,8 @@ def main():
     os.chmod(work, 0o755)  # nginx's workers run as an unprivileged user
     started = []
     try:
-        root = make_tree(work, sizes)
-        for start in (lambda: start_graygate(work, a.graygate, root), lambda: start_nginx(work, root)):
+        root = lib.make_static_tree(work, sizes)
+        for start in (lambda: lib.start_static_graygate(work, a.graygate, root), lambda: start_nginx(work, root)):
             started.append(start())
             sanity_check(started[-1], root, sizes)
         targets = list(started)
@@ -160,12 +117,12 @@ def main():
                     for rnd in range(a.rounds):
                         order = targets[rnd % 2:] + targets[:rnd % 2]
                         for t in order:
-                            runs[t.name].append(B.measure(t, None, c, dur, path=url_path(tree, size),
+                            runs[t.name].append(lib.measure(t, None, c, dur, path=url_path(tree, size),
                                                           args=["-H", "X-Gray: 1"]))
-                    rows.append((size, c, tree, {n: B.summarize(r) for n, r in runs.items()}))
+                    rows.append((size, c, tree, {n: lib.summarize(r) for n, r in runs.items()}))
                     print(f"done: {size} @ {c} {tree}", file=sys.stderr, flush=True)
         load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-        pinning = "each server one worker pinned to CPU 1, wrk on CPU 0" if B.PIN["on"] else "nothing pinned"
+        pinning = "each server one worker pinned to CPU 1, wrk on CPU 0" if lib.PIN["on"] else "nothing pinned"
         print("## Static files: graygate vs nginx (sendfile on)\n")
         print(f"wrk -t1, {dur}s per run, {a.rounds} round(s), medians, servers alternated; {pinning}; "
               f"`X-Gray: 1` on every request. Load after the run: {load}\n")
@@ -183,9 +140,8 @@ def main():
             with open(a.json, "w") as f:
                 json.dump([{"file": s, "conns": c, "tree": t, **per} for s, c, t, per in rows], f, indent=1)
     finally:
-        for t in started:
-            t.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        lib.stop_all(started, work)
+    lib.fail_on_errors(sum(s["errors"] for _, _, _, per in rows for s in per.values()))
 
 
 if __name__ == "__main__":

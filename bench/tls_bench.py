@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """HTTPS benchmark: graygate vs nginx+lua, TLS termination side by side.
 
-Same job and pinning as bench/bench.py: each gateway runs ONE worker pinned
+Same job and pinning as bench/lib.py: each gateway runs ONE worker pinned
 to CPU 1, the two nginx backends (fixed JSON for formal and gray) and the
 load generators run on CPU 0; the lane decision is the shipped
 scripts/gray.lua for graygate and bench/nginx_gray.lua for nginx. Both
@@ -15,12 +15,16 @@ Measured, alternating the targets over rounds (median reported):
   handshakes  new full TLS handshakes per second with `openssl s_time -new`
           (two clients), and the gateway's CPU time per handshake.
 
+Every listener is on an ephemeral port: nginx gets a socket bound here
+(inherited), graygate's TLS listener is on port 0 and its logged address is
+read back. Pinning needs two CPUs and is off with --quick or --no-pin.
+
 Usage:
   apt-get install nginx-core libnginx-mod-http-lua nghttp2-client   # once
   cargo build --release
-  python3 bench/tls_bench.py                 # ~2 minutes
-  python3 bench/tls_bench.py --duration 3 --rounds 1   # quicker
-Not part of the test suite.
+  python3 bench/tls_lib.py                 # ~2 minutes
+  python3 bench/tls_lib.py --duration 3 --rounds 1   # quicker
+  python3 bench/tls_lib.py --quick --graygate target/debug/graygate   # seconds (CI): fails on errors
 """
 
 import argparse
@@ -32,14 +36,13 @@ import sys
 import tempfile
 import time
 
-import bench
+import lib
 
-PORT_GG, PORT_NGINX = 19280, 19281
 CLK = os.sysconf("SC_CLK_TCK")
 
 
 def make_cert(work):
-    cert, key = os.path.join(work, "bench.crt"), os.path.join(work, "bench.key")
+    cert, key = os.path.join(work, "lib.crt"), os.path.join(work, "lib.key")
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
                     "-nodes", "-days", "30", "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
@@ -47,33 +50,53 @@ def make_cert(work):
     return cert, key
 
 
+def tls_port(log, proc, limit=20.0):
+    """The port of graygate's TLS listener ("listening addr=… proto=\"https …")."""
+    deadline = time.time() + limit
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"graygate exited early (code {proc.returncode}); see {log}")
+        with open(log, errors="replace") as f:
+            m = re.search(r"listening addr=127\.0\.0\.1:(\d+) proto=\"?https", f.read())
+        if m:
+            return int(m.group(1))
+        time.sleep(0.05)
+    raise SystemExit("graygate logged no TLS listener")
+
+
 def start_graygate(work, binary, cert, key):
-    cfg = bench.write_graygate_config(work, "graygate-tls", 19290, 1)
+    """graygate (shipped script) with a TLS listener on port 0; its `port`
+    is that listener's."""
+    cfg = lib.write_graygate_config(work, "graygate-tls", 1)
     with open(cfg, "a") as f:
         f.write(f"""listeners:
-  - listen: 127.0.0.1:{PORT_GG}
+  - listen: 127.0.0.1:0
     tls:
       certificates:
         - {{ cert: {cert}, key: {key} }}
 """)
-    env = dict(os.environ, RUST_LOG="warn")
-    return bench.Target("graygate", [binary, "--config", cfg], PORT_GG,
-                        os.path.join(work, "graygate-tls.log"), cpus="1", env=env)
+    env = dict(os.environ, RUST_LOG=lib.GRAYGATE_LOG)
+    log = os.path.join(work, "graygate-tls.log")
+    t = lib.Target("graygate", [binary, "--config", cfg], log, env=env)
+    t.port = tls_port(log, t.proc)
+    return t
 
 
 def start_nginx(work, cert, key):
-    main, http = bench.nginx_common(work, "nginx-tls")
+    main, http = lib.nginx_common(work, "nginx-tls")
+    sock = lib.listen_socket()
+    port = sock.getsockname()[1]
     conf = """
 load_module /usr/lib/nginx/modules/ndk_http_module.so;
 load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;
 """ + main + f"""
 http {{
 {http}
-    lua_package_path "{bench.BENCH}/?.lua;;";
-    upstream formal {{ server 127.0.0.1:{bench.PORT_FORMAL}; keepalive 1024; keepalive_requests 100000000; }}
-    upstream gray   {{ server 127.0.0.1:{bench.PORT_GRAY}; keepalive 1024; keepalive_requests 100000000; }}
+    lua_package_path "{lib.BENCH}/?.lua;;";
+    upstream formal {{ server 127.0.0.1:{lib.BACKEND_PORTS['formal']}; keepalive 1024; keepalive_requests 100000000; }}
+    upstream gray   {{ server 127.0.0.1:{lib.BACKEND_PORTS['gray']}; keepalive 1024; keepalive_requests 100000000; }}
     server {{
-        listen 127.0.0.1:{PORT_NGINX} ssl http2 backlog=8192;
+        listen 127.0.0.1:{port} ssl http2 backlog=8192;
         ssl_certificate {cert};
         ssl_certificate_key {key};
         ssl_protocols TLSv1.2 TLSv1.3;
@@ -82,7 +105,7 @@ http {{
         http2_max_concurrent_streams 128;
         location / {{
             set $lane formal;
-            access_by_lua_file {bench.BENCH}/nginx_gray.lua;
+            access_by_lua_file {lib.BENCH}/nginx_gray.lua;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_set_header Host $http_host;
@@ -98,8 +121,8 @@ http {{
     path = os.path.join(work, "nginx-tls.conf")
     with open(path, "w") as f:
         f.write(conf)
-    return bench.Target("nginx-lua", ["nginx", "-p", work, "-e", "stderr", "-c", path], PORT_NGINX,
-                        os.path.join(work, "nginx-tls.log"))
+    return lib.Target("nginx-lua", ["nginx", "-p", work, "-e", "stderr", "-c", path],
+                      os.path.join(work, "nginx-tls.log"), socks=[sock], nginx=True)
 
 
 def check(port, name):
@@ -113,13 +136,18 @@ def check(port, name):
 
 
 def cpu(target):
-    u, s = bench.cpu_ticks(target.pids())
+    u, s = lib.cpu_ticks(target.pids())
     return (u + s) / CLK
+
+
+def client_cpus():
+    """The load generators' CPU pinning prefix (none when not pinning)."""
+    return ["taskset", "-c", "0"] if lib.PIN["on"] else []
 
 
 def run_h2load(target, args, duration):
     t0 = cpu(target)
-    out = subprocess.run(["taskset", "-c", "0", "h2load", "-t", "1", "-D", f"{duration:g}",
+    out = subprocess.run([*client_cpus(), "h2load", "-t", "1", "-D", f"{duration:g}",
                           "--warm-up-time", "1", *args, f"https://localhost:{target.port}/api/x"],
                          capture_output=True, text=True)
     used = cpu(target) - t0
@@ -138,7 +166,7 @@ def run_h2load(target, args, duration):
 
 def run_handshakes(target, duration, clients=2):
     t0 = cpu(target)
-    procs = [subprocess.Popen(["taskset", "-c", "0", "openssl", "s_time", "-connect",
+    procs = [subprocess.Popen([*client_cpus(), "openssl", "s_time", "-connect",
                                f"127.0.0.1:{target.port}", "-new", "-time", str(duration)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(clients)]
@@ -146,7 +174,6 @@ def run_handshakes(target, duration, clients=2):
     conns = 0
     for p in procs:
         out, _ = p.communicate()
-        m = re.search(r"(\d+) connections in ([\d.]+)s; ([\d.]+) connections/user sec", out)
         m2 = re.search(r"(\d+) connections in (\d+) real seconds", out)
         if not m2:
             raise SystemExit(f"s_time output:\n{out}")
@@ -157,16 +184,24 @@ def run_handshakes(target, duration, clients=2):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--graygate", default=os.path.join(bench.REPO, "target", "release", "graygate"))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=5)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
+    lib.add_quick(ap)
     a = ap.parse_args()
+    if a.quick:
+        a.duration, a.rounds = 1, 1
+    lib.require(("nginx", "nginx-lua", "h2load", "openssl", "curl", "taskset"), [a.graygate])
+    lib.PIN["on"] = not (a.quick or a.no_pin) and {0, 1} <= os.sched_getaffinity(0)
     work = tempfile.mkdtemp(prefix="gg-tls-bench-")
+    os.chmod(work, 0o755)  # nginx's workers (an unprivileged user) read the certificate
     cert, key = make_cert(work)
-    backends = bench.start_backends(work)
     targets = []
+    backends = None
+    errors = 0
     try:
+        backends = lib.start_backends(work)
         targets = [start_graygate(work, a.graygate, cert, key), start_nginx(work, cert, key)]
         for t in targets:
             check(t.port, t.name)
@@ -182,7 +217,8 @@ def main():
                 for t in order:
                     results[(test, t.name)].append(fn(t))
                     time.sleep(0.5)
-        print(f"\nTLS benchmark, {a.rounds} rounds × {a.duration:g} s, medians; one worker each on CPU 1\n")
+        pinning = "one worker each on CPU 1" if lib.PIN["on"] else "one worker each, nothing pinned"
+        print(f"\nTLS benchmark, {a.rounds} rounds × {a.duration:g} s, medians; {pinning}\n")
         print("| test | target | rate (req/s or handshakes/s) | errors | gateway CPU µs per request/handshake | rate ÷ nginx | CPU ÷ nginx |")
         print("|---|---|---|---|---|---|---|")
         for test in tests:
@@ -196,12 +232,12 @@ def main():
             base = med["nginx-lua"]
             for t in targets:
                 rate, c, err = med[t.name]
+                errors += err
                 print(f"| {test} | {t.name} | {rate:.0f} | {err} | {c:.1f} | {rate / base[0]:.2f} | {c / base[1]:.2f} |")
         sys.stdout.flush()
     finally:
-        for t in targets:
-            t.stop()
-        backends.stop()
+        lib.stop_all(targets + ([backends] if backends else []), work)
+    lib.fail_on_errors(errors)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
-//! The benchmark harness's quick mode runs in the suite so it cannot rot:
-//! all three gateways start, pass the same lane sanity checks, and carry
-//! load without errors. (Figures are printed, never asserted.)
+//! Every bench script's quick mode runs in the suite so none can rot: each
+//! starts its gateways on this (debug) build, makes its own checks before
+//! measuring, and carries its load without a failed request — a script
+//! exits non-zero on one. Figures are printed, never asserted; the checks
+//! here are only that a script ran to its table.
 
-use std::process::Command;
+use std::process::{Command, Output};
 
-/// Runs a bench script in quick mode on this build; returns what it printed.
-fn quick(script: &str) -> String {
+/// Runs a bench script in quick mode on this build; returns its output.
+fn run_quick(script: &str) -> Output {
     let out = Command::new("python3")
         .args([
             script,
@@ -15,11 +17,30 @@ fn quick(script: &str) -> String {
         ])
         .output()
         .expect("python3 runs");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "harness failed:\n{stdout}\n{stderr}");
+    assert!(
+        out.status.success(),
+        "{script} --quick failed:\n{stdout}\n{stderr}"
+    );
     println!("{stdout}");
+    out
+}
+
+/// A bench script's quick mode; returns what it printed on stdout.
+fn quick(script: &str) -> String {
+    String::from_utf8_lossy(&run_quick(script).stdout).into_owned()
+}
+
+/// The cells of the table row of `stdout` starting with `prefix`.
+fn row<'a>(stdout: &'a str, prefix: &str) -> Vec<&'a str> {
     stdout
+        .lines()
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no row {prefix}:\n{stdout}"))
+        .split('|')
+        .map(str::trim)
+        .collect()
 }
 
 #[test]
@@ -86,26 +107,17 @@ fn static_bench_quick_mode_runs_both_servers() {
     }
 }
 
-/// `bench/pgo.py --train-only`: the PGO build's training load (the native
-/// script, both OpenResty scripts on the interpreter and with the JIT, every
-/// load mix at 32 and 256 connections, static files from a lane's own tree
-/// and by fallback) runs on this build with every request answered — the
-/// script stops at the first run with an error, so a training load that
-/// taught the optimized build the error path fails here.
+/// `bench/pgo.py --quick` (the training load alone, one second a run):
+/// the PGO build's training load (the native script, both OpenResty
+/// scripts on the interpreter and with the JIT, every load mix at 32 and
+/// 256 connections, static files from a lane's own tree and by fallback)
+/// runs on this build with every request answered — the script stops at
+/// the first run with an error, so a training load that taught the
+/// optimized build the error path fails here.
 #[test]
 fn pgo_training_load_runs_without_errors() {
-    let out = Command::new("python3")
-        .args([
-            "bench/pgo.py",
-            "--train-only",
-            env!("CARGO_BIN_EXE_graygate"),
-            "--train-seconds",
-            "1",
-        ])
-        .output()
-        .expect("python3 runs");
+    let out = run_quick("bench/pgo.py");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "training failed:\n{stderr}");
     for part in [
         "native",
         "simple",
@@ -118,5 +130,155 @@ fn pgo_training_load_runs_without_errors() {
             stderr.lines().any(|l| l == format!("trained: {part}")),
             "{part} not trained:\n{stderr}"
         );
+    }
+}
+
+/// `bench/pgo.py` checks every prerequisite before it builds or runs
+/// anything, and names all that are missing in one message (here: a PATH
+/// holding only the interpreter).
+#[test]
+fn pgo_names_every_missing_prerequisite_at_once() {
+    let bare = tempfile::tempdir().unwrap();
+    let python = Command::new("python3")
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()
+        .unwrap();
+    let python = String::from_utf8(python.stdout).unwrap();
+    std::os::unix::fs::symlink(python.trim(), bare.path().join("python3")).unwrap();
+    let out = Command::new(bare.path().join("python3"))
+        .arg("bench/pgo.py")
+        .env("PATH", bare.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    for tool in ["nginx", "wrk", "cargo", "rustc"] {
+        assert!(
+            stderr.contains(&format!("{tool} not found")),
+            "{tool} not named:\n{stderr}"
+        );
+    }
+    assert!(!stderr.contains("Traceback"), "{stderr}");
+}
+
+/// `bench/ab.py --quick`: the build against itself, one row each, no errors.
+#[test]
+fn ab_quick_mode_compares_builds() {
+    let stdout = quick("bench/ab.py");
+    let rows: Vec<&str> = stdout.lines().filter(|l| l.starts_with("| 32 |")).collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    for r in rows {
+        let cols: Vec<&str> = r.split('|').map(str::trim).collect();
+        assert_eq!(cols[8], "0", "errors in {r}");
+    }
+}
+
+/// `bench/fleet.py --quick`: an etcd on loopback, pushes reach both
+/// gateways, a small registry is built, and both sources carry load.
+#[test]
+fn fleet_quick_mode_runs_all_three_parts() {
+    let stdout = quick("bench/fleet.py");
+    for part in [
+        "## push -> every gateway serving it",
+        "services x 2 nodes read from etcd",
+        "## request CPU, etcd source vs files",
+    ] {
+        assert!(stdout.contains(part), "{part} missing:\n{stdout}");
+    }
+    assert!(stdout.contains("| etcd | "), "{stdout}");
+}
+
+/// `bench/release_fleet.py --quick`: a three-step release is stepped by
+/// the elected gateway and promoted (the script fails otherwise).
+#[test]
+fn release_fleet_quick_mode_promotes() {
+    let stdout = quick("bench/release_fleet.py");
+    assert!(stdout.starts_with("state promoted"), "{stdout}");
+}
+
+/// `bench/idle_conns.py --quick`: both servers hold every idle connection
+/// open (the script fails on one closed).
+#[test]
+fn idle_conns_quick_mode_holds_connections() {
+    let stdout = quick("bench/idle_conns.py");
+    for target in ["graygate", "nginx-lua"] {
+        let cols = row(&stdout, &format!("| {target} |"));
+        assert_eq!(cols[7], "200", "connections alive: {cols:?}");
+    }
+}
+
+/// `bench/slow_readers.py --quick`: a full read of the file, then slow
+/// readers cut off by the send timeout, graygate still up.
+#[test]
+fn slow_readers_quick_mode_runs() {
+    let stdout = quick("bench/slow_readers.py");
+    assert!(stdout.contains("after the send timeout"), "{stdout}");
+}
+
+/// `bench/instructions.py --quick`: each gateway under callgrind answers
+/// every request with 200 and yields a count for each mix.
+#[test]
+fn instructions_quick_mode_counts_every_target() {
+    let stdout = quick("bench/instructions.py");
+    for target in ["graygate", "nginx-lua", "haproxy-lua"] {
+        let cols = row(&stdout, &format!("| {target} |"));
+        for c in &cols[2..5] {
+            assert!(c.replace(',', "").parse::<f64>().unwrap() > 0.0, "{cols:?}");
+        }
+    }
+}
+
+/// `bench/tls_bench.py --quick`: both gateways terminate TLS on ephemeral
+/// ports, pass the h2 lane check, and carry h2, HTTP/1.1-over-TLS and
+/// handshake load without errors.
+#[test]
+fn tls_bench_quick_mode_runs_both_gateways() {
+    let stdout = quick("bench/tls_bench.py");
+    for test in ["h2 (", "h1-tls (", "new TLS 1.3 handshakes"] {
+        for target in ["graygate", "nginx-lua"] {
+            let line = stdout
+                .lines()
+                .find(|l| {
+                    l.starts_with(&format!("| {test}")) && l.contains(&format!("| {target} |"))
+                })
+                .unwrap_or_else(|| panic!("no row {test} {target}:\n{stdout}"));
+            let cols: Vec<&str> = line.split('|').map(str::trim).collect();
+            assert_eq!(cols[4], "0", "errors in {line}");
+        }
+    }
+}
+
+/// `bench/vm_compare --quick` (its own Cargo project, built here with the
+/// LuaJIT feature into this suite's scratch folder): the heavy chain's
+/// pure-Lua part runs plainly and with the count hook on the interpreter.
+#[test]
+fn vm_compare_quick_mode_runs_luajit() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let target = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("vm_compare");
+    for mode in ["plain", "nojithook"] {
+        let out = Command::new(&cargo)
+            .args([
+                "run",
+                "--quiet",
+                "--locked",
+                "--manifest-path",
+                "bench/vm_compare/Cargo.toml",
+                "--features",
+                "luajit",
+                "--target-dir",
+            ])
+            .arg(&target)
+            .args(["--", "bench/openresty_heavy.lua", "--quick"])
+            .args((mode != "plain").then_some(mode))
+            .output()
+            .expect("cargo runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "vm_compare {mode}:\n{stdout}\n{stderr}"
+        );
+        println!("{stdout}");
+        assert!(stdout.contains(&format!("luajit {mode}: ")), "{stdout}");
     }
 }

@@ -12,6 +12,7 @@
 //! cargo run --release --features luajit -- ../openresty_heavy.lua nojithook  # …with the count hook
 //! cargo run --release --features luau -- ../openresty_heavy.lua hook      # Luau interrupt
 //! cargo run --release --features luajit -- ../openresty_heavy.lua runaway # stopped? (LuaJIT: no)
+//! cargo run --features luajit -- ../openresty_heavy.lua --quick  # a fraction of the calls (CI)
 //! ```
 //! Not part of graygate's build (its own workspace; one VM per build).
 use std::time::Instant;
@@ -29,13 +30,11 @@ ngx = { var = VARS, req = { get_headers = function() return HDR end, get_uri_arg
 "#;
 
 fn main() {
+    // --quick (anywhere): a hundredth of the calls, for CI.
+    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().filter(|a| a != "--quick").collect();
     let lua = Lua::new();
-    let heavy = std::fs::read_to_string(
-        std::env::args()
-            .nth(1)
-            .expect("path to openresty_heavy.lua"),
-    )
-    .unwrap();
+    let heavy = std::fs::read_to_string(args.get(1).expect("path to openresty_heavy.lua")).unwrap();
     #[cfg(feature = "lua54")]
     let bitlib: Value = lua.load(BIT54).call(()).unwrap();
     #[cfg(feature = "luajit")]
@@ -44,7 +43,7 @@ fn main() {
     let bitlib: Value = lua.load(BITLUAU).call(()).unwrap();
     lua.load(STUB).call::<()>(bitlib).unwrap();
     let heavy = heavy.replace("local bit = require(\"bit\")", "local bit = bit");
-    let mode = std::env::args().nth(2).unwrap_or_default();
+    let mode = args.get(2).cloned().unwrap_or_default();
     // "jitcheck": LuaJIT with its compiler on and no hook; instead a budget
     // check is written into the source at every loop body and function
     // entry (what a load-time rewriter would insert), which compiled traces
@@ -151,8 +150,9 @@ fn main() {
         .load("local lane = ... return function(n) local x for i = 1, n do x = lane() end return x end")
         .call(lane)
         .unwrap();
-    let _ = driver.call::<Value>(200_000).unwrap();
-    let n = 3_000_000;
+    let scale = if quick { 100 } else { 1 };
+    let _ = driver.call::<Value>(200_000 / scale).unwrap();
+    let n = 3_000_000 / scale;
     let t = Instant::now();
     let c0 = cpu();
     let _ = driver.call::<Value>(n).unwrap();
