@@ -8,7 +8,7 @@ only connected, half after one served request on them (keep-alive) — and
 RSS is read once it stops growing; then every connection is closed and RSS
 is read again once it settles. Reported: RSS added per idle connection, and
 RSS after the close as a multiple of the idle baseline. Not a test: a
-measurement for the README (RSS of a process cannot be asserted on a shared
+measurement for docs/src/benchmarks/idle-connections.md (RSS of a process cannot be asserted on a shared
 machine).
 
 Usage:

@@ -2,7 +2,7 @@
 """Memory held by slow readers: N clients each request a large static file
 and never read it. Reports graygate's RSS before, while they hang (after the
 kernel's socket buffers and graygate's own buffers have filled), and after
-the send timeout has cut them off. Not a test: a measurement for the README.
+the send timeout has cut them off. Not a test: a measurement for docs/src/benchmarks/slow-readers.md.
 
 Usage:
   cargo build --release
