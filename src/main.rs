@@ -24,7 +24,7 @@ use graygate::{admin, demo};
 use tokio::signal::unix::{signal, SignalKind};
 
 // mimalloc: faster small allocations and lower fragmentation than glibc's
-// malloc for a proxy's many short-lived buffers (see README, Design).
+// malloc for a proxy's many short-lived buffers.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
