@@ -7,16 +7,16 @@
 #![forbid(unsafe_code)]
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{CommandFactory, Parser};
 use graygate::control::registry::{self, Instance, Registration};
-use graygate::control::source::etcd::{self, EtcdSource};
+use graygate::control::source::{self, etcd, ConfigSource};
 use graygate::control::upgrade::{self, Paths, Predecessor, Upgrade};
-use graygate::control::{reload, Gateway};
+use graygate::control::Gateway;
 use graygate::generation::Generation;
 use graygate::server::handover::{self, Inherited};
 use graygate::server::Kind;
@@ -24,7 +24,7 @@ use graygate::{admin, demo};
 use tokio::signal::unix::{signal, SignalKind};
 
 // mimalloc: faster small allocations and lower fragmentation than glibc's
-// malloc for a proxy's many short-lived buffers (see README, Design).
+// malloc for a proxy's many short-lived buffers.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -307,30 +307,35 @@ fn etcd_command(cmd: Command) -> ExitCode {
     }
 }
 
-/// `--check` of what is in etcd.
-fn check_etcd(url: &str, prefix: &str) -> ExitCode {
-    match runtime().block_on(etcd::check(url, prefix)) {
-        Ok((rev, warnings)) => {
-            for w in &warnings {
+/// `--check`: builds the configuration as a start would and says so.
+fn check(source: &ConfigSource) -> ExitCode {
+    match source.check() {
+        Ok(c) => {
+            for w in &c.warnings {
                 eprintln!("warning: {w}");
             }
-            println!("{url} {prefix} (revision {rev}): configuration ok");
+            // A files configuration's admin listener is checked as at start.
+            if let Some(cfg) = &c.config {
+                if let Some(Err(e)) = cfg.admin_listen.map(|a| admin::auth::check_bind(a, cfg)) {
+                    eprintln!("{}: {e}", c.name);
+                    println!("{}: configuration test failed", c.name);
+                    return ExitCode::FAILURE;
+                }
+            }
+            match c.revision {
+                Some(rev) => println!("{} (revision {rev}): configuration ok", c.name),
+                None => println!("{}: configuration ok", c.name),
+            }
             ExitCode::SUCCESS
         }
-        Err(e) => {
-            eprintln!("{e}");
-            println!("{url} {prefix}: configuration test failed");
+        Err(f) => {
+            eprintln!("{}", f.error);
+            if let Some(name) = f.name {
+                println!("{name}: configuration test failed");
+            }
             ExitCode::FAILURE
         }
     }
-}
-
-fn read_bootstrap(path: &Path) -> Option<graygate::config::Bootstrap> {
-    let text = std::fs::read_to_string(path).ok()?;
-    if !graygate::config::is_bootstrap(&text) {
-        return None;
-    }
-    graygate::config::parse_yaml(path, &text).ok()
 }
 
 fn main() -> ExitCode {
@@ -378,48 +383,22 @@ fn main() -> ExitCode {
         Some(cmd) => return etcd_command(cmd),
         None => {}
     }
-    let bootstrap =
-        std::fs::read_to_string(&cli.config).is_ok_and(|t| graygate::config::is_bootstrap(&t));
+    let source = match (&cli.etcd, &cli.prefix) {
+        (Some(url), Some(prefix)) if cli.check => ConfigSource::Store {
+            endpoints: url.clone(),
+            prefix: prefix.clone(),
+        },
+        _ => ConfigSource::open(&cli.config),
+    };
     if cli.check {
-        if let (Some(url), Some(prefix)) = (&cli.etcd, &cli.prefix) {
-            return check_etcd(url, prefix);
-        }
-        if bootstrap {
-            return match read_bootstrap(&cli.config) {
-                Some(b) => check_etcd(&b.etcd.endpoints.join(","), &b.etcd.prefix),
-                None => {
-                    eprintln!("{}: not a valid bootstrap file", cli.config.display());
-                    ExitCode::FAILURE
-                }
-            };
-        }
-        // The demo certificate is made as at start, so the shipped example
-        // checks before its first run too.
-        Generation::prepare(&cli.config);
-        return match Generation::load(&cli.config, 0) {
-            Ok(gen) => {
-                for w in &gen.warnings {
-                    eprintln!("warning: {w}");
-                }
-                if let Some(Err(e)) = gen
-                    .config
-                    .admin_listen
-                    .map(|a| admin::auth::check_bind(a, &gen.config))
-                {
-                    eprintln!("{}: {e}", cli.config.display());
-                    println!("{}: configuration test failed", cli.config.display());
-                    return ExitCode::FAILURE;
-                }
-                println!("{}: configuration ok", cli.config.display());
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("{e}");
-                println!("{}: configuration test failed", cli.config.display());
-                ExitCode::FAILURE
-            }
-        };
+        return check(&source);
     }
+    start(&cli, &source)
+}
+
+/// Starts the gateway on `source`, takes the sockets over at `--upgrade`,
+/// serves until a stop signal.
+fn start(cli: &Cli, source: &ConfigSource) -> ExitCode {
     // Control-plane runtime: admin, reload watcher or etcd watch, signals,
     // demo nodes. Requests are served by the worker threads.
     let rt = match tokio::runtime::Builder::new_current_thread()
@@ -432,21 +411,11 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let (gw, src) = if bootstrap {
-        match rt.block_on(etcd::start(&cli.config)) {
-            Ok((gw, src)) => (gw, Some(src)),
-            Err(e) => {
-                eprintln!("{}: {e}", cli.config.display());
-                return ExitCode::FAILURE;
-            }
-        }
-    } else {
-        match Gateway::load(&cli.config) {
-            Ok(gw) => (gw, None),
-            Err(e) => {
-                eprintln!("{e}");
-                return ExitCode::FAILURE;
-            }
+    let gw = match source.start(&rt) {
+        Ok(gw) => gw,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
         }
     };
     let paths = Paths::new(
@@ -480,7 +449,7 @@ fn main() -> ExitCode {
         .workers
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let up = Arc::new(Upgrade::new(paths));
-    let code = rt.block_on(run(gw, workers, up, predecessor, inherited, src));
+    let code = rt.block_on(run(gw, workers, up, predecessor, inherited));
     // Do not wait for blocking tasks (an upgrade attempt in progress).
     rt.shutdown_background();
     code
@@ -536,13 +505,40 @@ impl Signals {
     }
 }
 
+/// What [`bind`] opened: the client listeners by kind, the main listener's
+/// address, and the admin listener.
+struct Bound {
+    groups: Vec<(Kind, Vec<std::net::TcpListener>)>,
+    addr: String,
+    admin: Option<tokio::net::TcpListener>,
+}
+
+/// Serving: the tasks a stop ends, and the successor of a binary upgrade
+/// under way.
+struct Serving {
+    admin_task: Option<tokio::task::JoinHandle<()>>,
+    release_task: tokio::task::JoinHandle<()>,
+    /// Answers a successor on the upgrade socket; ends with its pid.
+    upgrade_wait: Option<tokio::task::JoinHandle<u32>>,
+    successor: Option<tokio::process::Child>,
+}
+
+/// How serving ended.
+enum Stop {
+    /// TERM: drain, then leave.
+    Graceful,
+    /// A successor took the sockets over (its pid): drain, stay in the fleet.
+    HandedOver(u32),
+    /// INT or QUIT: exit now.
+    Fast,
+}
+
 async fn run(
     gw: Arc<Gateway>,
     workers: usize,
     up: Arc<Upgrade>,
     predecessor: Option<Predecessor>,
-    mut inherited: Inherited,
-    src: Option<Arc<EtcdSource>>,
+    inherited: Inherited,
 ) -> ExitCode {
     // Handlers first: USR1/USR2 would otherwise kill the process.
     let mut signals = match Signals::new() {
@@ -553,7 +549,48 @@ async fn run(
         }
     };
     let gen = gw.current();
-    let demo_result = demo::spawn(
+    let bound = match bind(&gw, &gen, workers, &up, inherited).await {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut serving = match serve(&gw, gen, bound, workers, &up, predecessor).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let handed_over = match wait_for_stop(&gw, &up, &mut serving, &mut signals).await {
+        Stop::Fast => {
+            up.cleanup();
+            return ExitCode::SUCCESS;
+        }
+        Stop::Graceful => None,
+        Stop::HandedOver(pid) => Some(pid),
+    };
+    drain(&gw, &up, serving, handed_over, &mut signals).await;
+    // A gateway that stops (not one handing over) leaves the fleet.
+    if handed_over.is_none() {
+        source::leave(&gw).await;
+    }
+    up.cleanup();
+    ExitCode::SUCCESS
+}
+
+/// Opens every socket the configuration names — demo nodes, client
+/// listeners, admin — taking inherited ones first (binary upgrade). The
+/// error is the line to print.
+async fn bind(
+    gw: &Gateway,
+    gen: &Generation,
+    workers: usize,
+    up: &Upgrade,
+    mut inherited: Inherited,
+) -> Result<Bound, String> {
+    demo::spawn(
         &gen.config.demo_nodes,
         gen.lane.tag_header.clone(),
         |addr| {
@@ -569,20 +606,12 @@ async fn run(
             Ok(l)
         },
     )
-    .await;
-    if let Err(e) = demo_result {
-        eprintln!("cannot start demo nodes: {e}");
-        return ExitCode::FAILURE;
-    }
+    .await
+    .map_err(|e| format!("cannot start demo nodes: {e}"))?;
     let listen = gen.config.listen;
     let taken = inherited.take("client", listen);
-    let listeners = match handover::client_listeners(listen, workers, taken) {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("cannot listen on {listen}: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
+    let listeners = handover::client_listeners(listen, workers, taken)
+        .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
     for l in &listeners {
         if let Ok(a) = l.local_addr() {
             up.register("client", a, l);
@@ -601,86 +630,81 @@ async fn run(
         };
         // Inherited at an upgrade like the main listener (by address).
         let taken = inherited.take("client", l.listen);
-        match handover::client_listeners(l.listen, workers, taken) {
-            Ok(ls) => {
-                for s in &ls {
-                    if let Ok(a) = s.local_addr() {
-                        up.register("client", a, s);
-                    }
-                }
-                let a = ls[0]
-                    .local_addr()
-                    .map(|a| a.to_string())
-                    .unwrap_or_default();
-                let proto = match kind {
-                    Kind::Tls(_) if l.http2 => "https (h2, http/1.1)",
-                    Kind::Tls(_) => "https (http/1.1)",
-                    Kind::H2c => "http (http/1.1, h2c)",
-                    Kind::Plain => "http (http/1.1)",
-                };
-                tracing::info!(addr = %a, proto, "listening");
-                groups.push((kind, ls));
-            }
-            Err(e) => {
-                eprintln!("cannot listen on {}: {e}", l.listen);
-                return ExitCode::FAILURE;
+        let ls = handover::client_listeners(l.listen, workers, taken)
+            .map_err(|e| format!("cannot listen on {}: {e}", l.listen))?;
+        for s in &ls {
+            if let Ok(a) = s.local_addr() {
+                up.register("client", a, s);
             }
         }
+        let a = ls[0]
+            .local_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        let proto = match kind {
+            Kind::Tls(_) if l.http2 => "https (h2, http/1.1)",
+            Kind::Tls(_) => "https (http/1.1)",
+            Kind::H2c => "http (http/1.1, h2c)",
+            Kind::Plain => "http (http/1.1)",
+        };
+        tracing::info!(addr = %a, proto, "listening");
+        groups.push((kind, ls));
     }
-    let mut admin_task = None;
+    let mut admin = None;
     if let Some(admin_addr) = gen.config.admin_listen {
-        if let Err(e) = admin::auth::check_bind(admin_addr, &gen.config) {
-            eprintln!("{}: {e}", gw.config_path.display());
-            return ExitCode::FAILURE;
-        }
+        admin::auth::check_bind(admin_addr, &gen.config)
+            .map_err(|e| format!("{}: {e}", gw.config_path.display()))?;
         let bound = match inherited.take("admin", admin_addr).pop() {
             Some(l) => tokio::net::TcpListener::from_std(l),
             None => tokio::net::TcpListener::bind(admin_addr).await,
         };
-        match bound {
-            Ok(l) => {
-                let a = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
-                if let Ok(sa) = l.local_addr() {
-                    up.register("admin", sa, &l);
-                }
-                tracing::info!(addr = %a, "admin listening");
-                admin_task = Some(tokio::spawn(admin::serve(gw.clone(), l)));
-            }
-            Err(e) => {
-                eprintln!("cannot listen on {admin_addr}: {e}");
-                return ExitCode::FAILURE;
-            }
+        let l = bound.map_err(|e| format!("cannot listen on {admin_addr}: {e}"))?;
+        let a = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
+        if let Ok(sa) = l.local_addr() {
+            up.register("admin", sa, &l);
         }
+        tracing::info!(addr = %a, "admin listening");
+        admin = Some(l);
     }
     for e in inherited.leftover() {
         tracing::warn!(role = %e.role, addr = %e.addr, "inherited socket not in the new configuration; closed");
     }
+    Ok(Bound {
+        groups,
+        addr,
+        admin,
+    })
+}
+
+/// Starts serving on what [`bind`] opened: admin, the release controller,
+/// the source's watch, the workers, health checks; then the pid file,
+/// systemd, the predecessor of an upgrade told to go, and the upgrade
+/// socket. The error is the line to print.
+async fn serve(
+    gw: &Arc<Gateway>,
+    gen: Arc<Generation>,
+    bound: Bound,
+    workers: usize,
+    up: &Arc<Upgrade>,
+    predecessor: Option<Predecessor>,
+) -> Result<Serving, String> {
+    let admin_task = bound
+        .admin
+        .map(|l| tokio::spawn(admin::serve(gw.clone(), l)));
     // Progressive releases: stopped in the old process at a handover, so
     // only one controller steps them.
     let release_task = tokio::spawn(graygate::control::release::controller::run(gw.clone()));
-    let watcher_gw = gw.clone();
-    match src.clone() {
-        Some(src) => {
-            tokio::spawn(etcd::run(watcher_gw, src));
-        }
-        None => {
-            tokio::spawn(async move {
-                if let Err(e) = reload::run(watcher_gw).await {
-                    tracing::error!(error = %e, "file watcher failed; reload with SIGHUP only");
-                }
-            });
-        }
-    }
+    source::watch(gw);
     // Let the watcher (or the etcd task) install itself before "listening"
     // is logged: a file changed right after start is then never missed.
     tokio::task::yield_now().await;
-    if let Err(e) = gw.server.spawn_worker_groups(groups, workers) {
-        eprintln!("cannot start workers: {e}");
-        return ExitCode::FAILURE;
-    }
+    gw.server
+        .spawn_worker_groups(bound.groups, workers)
+        .map_err(|e| format!("cannot start workers: {e}"))?;
     // Active health checks run on this control-plane runtime.
     gw.sync_health(&gen);
     let pid = std::process::id();
+    let addr = bound.addr;
     tracing::info!(%addr, workers, generation = gen.id, pid, "graygate listening");
     drop(gen);
     // Serving: the pid file, then systemd (Type=notify, NotifyAccess=all).
@@ -706,7 +730,7 @@ async fn run(
             Err(e) => tracing::warn!(error = %e, "binary upgrade: ready task failed"),
         }
     }
-    let mut upgrade_wait = match up.bind() {
+    let upgrade_wait = match up.bind() {
         Ok(Some(l)) => Some(tokio::spawn(up.clone().serve(l))),
         Ok(None) => None,
         Err(e) => {
@@ -714,50 +738,76 @@ async fn run(
             None
         }
     };
+    Ok(Serving {
+        admin_task,
+        release_task,
+        upgrade_wait,
+        successor: None,
+    })
+}
 
-    let mut successor: Option<tokio::process::Child> = None;
-    let handed_over = loop {
+/// Acts on signals until one stops serving: USR1 reopens the access log,
+/// USR2 starts the new binary (which then takes over on the upgrade
+/// socket), TERM and a takeover end in a drain, INT and QUIT at once.
+async fn wait_for_stop(
+    gw: &Gateway,
+    up: &Upgrade,
+    serving: &mut Serving,
+    signals: &mut Signals,
+) -> Stop {
+    loop {
         tokio::select! {
             sig = signals.next() => match sig {
-                Sig::Graceful => break None,
+                Sig::Graceful => return Stop::Graceful,
                 Sig::Fast(name) => {
                     tracing::info!(signal = name, "fast shutdown: closing every connection now");
-                    up.cleanup();
-                    return ExitCode::SUCCESS;
+                    return Stop::Fast;
                 }
                 Sig::Reopen => {
                     tracing::info!("SIGUSR1; reopening the access log");
                     gw.plane.access_log.reopen().await;
                 }
                 Sig::Upgrade => {
-                    if upgrade_wait.is_none() {
+                    if serving.upgrade_wait.is_none() {
                         tracing::warn!("SIGUSR2 ignored: binary upgrade needs upgrade_socket (or pid_file)");
-                    } else if successor.is_some() {
+                    } else if serving.successor.is_some() {
                         tracing::warn!("SIGUSR2 ignored: an upgrade is in progress");
                     } else {
                         match up.spawn_successor() {
                             Ok(c) => {
                                 tracing::info!(successor = c.id().unwrap_or(0), "SIGUSR2; starting the new binary");
-                                successor = Some(c);
+                                serving.successor = Some(c);
                             }
                             Err(e) => tracing::error!(error = %e, "SIGUSR2: cannot start the new binary"),
                         }
                     }
                 }
             },
-            pid = async { upgrade_wait.as_mut().expect("guarded").await }, if upgrade_wait.is_some() => {
-                break pid.ok();
+            pid = async { serving.upgrade_wait.as_mut().expect("guarded").await }, if serving.upgrade_wait.is_some() => {
+                match pid {
+                    Ok(pid) => return Stop::HandedOver(pid),
+                    Err(_) => return Stop::Graceful,
+                }
             }
-            status = async { successor.as_mut().expect("guarded").wait().await }, if successor.is_some() => {
+            status = async { serving.successor.as_mut().expect("guarded").wait().await }, if serving.successor.is_some() => {
                 tracing::error!(status = ?status.ok(), "the new binary exited before taking over; this process keeps serving");
-                successor = None;
+                serving.successor = None;
             }
         }
-    };
-    // Graceful stop (SIGTERM) or handover: stop accepting (the listeners
-    // close — or live on in the successor), let in-flight requests finish,
-    // close keep-alive connections cleanly, wait for WebSocket tunnels; exit
-    // 0 within the drain time. INT/QUIT meanwhile turn it into a fast stop.
+    }
+}
+
+/// Graceful stop (SIGTERM) or handover: stop accepting (the listeners
+/// close — or live on in the successor), let in-flight requests finish,
+/// close keep-alive connections cleanly, wait for WebSocket tunnels,
+/// within the drain time. INT/QUIT meanwhile turn it into a fast stop.
+async fn drain(
+    gw: &Gateway,
+    up: &Upgrade,
+    mut serving: Serving,
+    handed_over: Option<u32>,
+    signals: &mut Signals,
+) {
     let drain = Duration::from_millis(gw.current().config.client.drain_timeout_ms);
     match handed_over {
         Some(to) => {
@@ -769,10 +819,10 @@ async fn run(
                 "binary upgrade done: stopped accepting, draining"
             );
             // The successor serves admin now, and steps the releases.
-            if let Some(t) = admin_task.take() {
+            if let Some(t) = serving.admin_task.take() {
                 t.abort();
             }
-            release_task.abort();
+            serving.release_task.abort();
         }
         None => {
             upgrade::notify_systemd("STOPPING=1");
@@ -784,7 +834,7 @@ async fn run(
             );
         }
     }
-    if let Some(t) = upgrade_wait.take() {
+    if let Some(t) = serving.upgrade_wait.take() {
         t.abort();
     }
     up.release();
@@ -798,15 +848,8 @@ async fn run(
                 "drain time over; closing remaining connections"
             ),
         },
-        name = signals.fast(&gw) => {
+        name = signals.fast(gw) => {
             tracing::info!(signal = name, "fast shutdown during the drain: closing every connection now");
         }
     }
-    // A gateway that stops (not one handing over) leaves the fleet.
-    if let (Some(src), None) = (src, handed_over) {
-        graygate::control::release::fleet::resign(&gw, &src).await;
-        etcd::leave(&src).await;
-    }
-    up.cleanup();
-    ExitCode::SUCCESS
 }

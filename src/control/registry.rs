@@ -15,7 +15,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::build::RegisteredServices;
-use crate::config::{find_line, parse_yaml, valid_lane, ConfigError, HealthConfig, NodeConfig};
+use crate::config::{find_line, parse_yaml, valid_lane, ConfigError, NodeConfig};
 use crate::config::{ServiceConfig, FORMAL};
 
 /// The value of `<prefix>/services/<svc>/nodes/<id>`.
@@ -40,37 +40,185 @@ fn one() -> u32 {
     1
 }
 
-/// The value of `<prefix>/services/<svc>/config` (YAML or JSON).
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// The value of `<prefix>/services/<svc>/config` (YAML or JSON): a node
+/// file's service settings (`health`, `strict`, `retries`, `balance`, …,
+/// every key but `nodes`, which come from the instances) plus `lane_key`.
+/// The settings are a [`ServiceConfig`] read by its own `Deserialize`, so a
+/// setting added there works here too, with the same errors (key, line).
+#[derive(Debug, Clone)]
 pub struct RegistryService {
     /// Metadata key whose value is an instance's lane (e.g. `version`).
-    #[serde(default)]
     pub lane_key: Option<String>,
-    #[serde(default)]
-    pub health: HealthConfig,
-    #[serde(default)]
-    pub strict: bool,
-    #[serde(default)]
-    pub retries: Option<u32>,
-    #[serde(default)]
-    pub read_timeout_ms: Option<u64>,
-    /// HTTP/1.1 (default) or h2 to the instances, as in node files.
-    #[serde(default)]
-    pub protocol: crate::config::NodeProtocol,
-    /// TLS to the instances, as in node files.
-    #[serde(default)]
-    pub tls: Option<crate::config::NodeTlsConfig>,
-    /// Node selection, as in node files (`balance`, `hash_key`,
-    /// `slow_start_ms`, `zone_min_healthy`).
-    #[serde(default)]
-    pub balance: crate::config::Balance,
-    #[serde(default)]
-    pub hash_key: Option<String>,
-    #[serde(default)]
-    pub slow_start_ms: u64,
-    #[serde(default = "crate::config::default_zone_min_healthy")]
-    pub zone_min_healthy: u32,
+    /// The service's settings; `nodes` is always empty.
+    pub service: ServiceConfig,
+}
+
+impl<'de> Deserialize<'de> for RegistryService {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_struct(
+            "RegistryService",
+            lane_key_aside::fields(),
+            lane_key_aside::RegistryVisitor,
+        )
+    }
+}
+
+/// Reading a registry service document as a [`ServiceConfig`]: the map is
+/// handed to `ServiceConfig`'s derived `Deserialize` with `lane_key` taken
+/// aside and `nodes` refused. Keys are read inside the YAML deserializer,
+/// so errors keep their line and key path.
+mod lane_key_aside {
+    use std::fmt;
+    use std::sync::OnceLock;
+
+    use serde::de::{self, DeserializeSeed, MapAccess, Visitor};
+    use serde::{Deserialize, Deserializer};
+
+    use super::RegistryService;
+    use crate::config::ServiceConfig;
+
+    /// The keys a registry service document may have: `lane_key`, then
+    /// `ServiceConfig`'s fields but `nodes` (as its derive names them).
+    pub fn fields() -> &'static [&'static str] {
+        static FIELDS: OnceLock<&'static [&'static str]> = OnceLock::new();
+        FIELDS.get_or_init(|| {
+            let mut v = vec!["lane_key"];
+            v.extend(service_fields().iter().filter(|f| **f != "nodes"));
+            Box::leak(v.into_boxed_slice())
+        })
+    }
+
+    /// `ServiceConfig`'s field list, asked of its derived `Deserialize` by a
+    /// deserializer that only records what `deserialize_struct` is given.
+    fn service_fields() -> &'static [&'static str] {
+        struct Grab;
+        #[derive(Debug)]
+        struct Fields(&'static [&'static str]);
+        impl fmt::Display for Fields {
+            fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("field list")
+            }
+        }
+        impl std::error::Error for Fields {}
+        impl de::Error for Fields {
+            fn custom<T: fmt::Display>(_: T) -> Self {
+                Fields(&[])
+            }
+        }
+        impl<'de> Deserializer<'de> for Grab {
+            type Error = Fields;
+            fn deserialize_any<V: Visitor<'de>>(self, _: V) -> Result<V::Value, Fields> {
+                Err(Fields(&[]))
+            }
+            fn deserialize_struct<V: Visitor<'de>>(
+                self,
+                _: &'static str,
+                fields: &'static [&'static str],
+                _: V,
+            ) -> Result<V::Value, Fields> {
+                Err(Fields(fields))
+            }
+            serde::forward_to_deserialize_any! {
+                bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string
+                bytes byte_buf option unit unit_struct newtype_struct seq tuple
+                tuple_struct map enum identifier ignored_any
+            }
+        }
+        ServiceConfig::deserialize(Grab)
+            .err()
+            .map_or(&[][..], |f| f.0)
+    }
+
+    pub struct RegistryVisitor;
+
+    impl<'de> Visitor<'de> for RegistryVisitor {
+        type Value = RegistryService;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("struct RegistryService")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<RegistryService, A::Error> {
+            let mut lane_key = None;
+            let service =
+                ServiceConfig::deserialize(de::value::MapAccessDeserializer::new(Aside {
+                    map,
+                    lane_key: &mut lane_key,
+                }))?;
+            Ok(RegistryService {
+                lane_key: lane_key.flatten(),
+                service,
+            })
+        }
+    }
+
+    /// The document's map as `ServiceConfig` sees it.
+    struct Aside<'a, A> {
+        map: A,
+        lane_key: &'a mut Option<Option<String>>,
+    }
+
+    enum Key<T> {
+        LaneKey,
+        Field(T),
+    }
+
+    /// Reads one key: `lane_key` is kept back (the seed stays for the next
+    /// key), another known key goes to `ServiceConfig`'s field seed.
+    struct KeySeed<'s, K> {
+        seed: &'s mut Option<K>,
+    }
+
+    impl<'de, K: DeserializeSeed<'de>> DeserializeSeed<'de> for KeySeed<'_, K> {
+        type Value = Key<K::Value>;
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_identifier(self)
+        }
+    }
+
+    impl<'de, K: DeserializeSeed<'de>> Visitor<'de> for KeySeed<'_, K> {
+        type Value = Key<K::Value>;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("field identifier")
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+            if v == "lane_key" {
+                return Ok(Key::LaneKey);
+            }
+            if !fields().contains(&v) {
+                return Err(E::unknown_field(v, fields()));
+            }
+            let seed = self.seed.take().expect("one seed per key");
+            seed.deserialize(de::value::StrDeserializer::<E>::new(v))
+                .map(Key::Field)
+        }
+    }
+
+    impl<'de, A: MapAccess<'de>> MapAccess<'de> for Aside<'_, A> {
+        type Error = A::Error;
+        fn next_key_seed<K: DeserializeSeed<'de>>(
+            &mut self,
+            seed: K,
+        ) -> Result<Option<K::Value>, A::Error> {
+            let mut seed = Some(seed);
+            loop {
+                match self.map.next_key_seed(KeySeed { seed: &mut seed })? {
+                    None => return Ok(None),
+                    Some(Key::Field(k)) => return Ok(Some(k)),
+                    Some(Key::LaneKey) => {
+                        if self.lane_key.is_some() {
+                            return Err(de::Error::duplicate_field("lane_key"));
+                        }
+                        *self.lane_key = Some(self.map.next_value()?);
+                    }
+                }
+            }
+        }
+        fn next_value_seed<V: DeserializeSeed<'de>>(
+            &mut self,
+            seed: V,
+        ) -> Result<V::Value, A::Error> {
+            self.map.next_value_seed(seed)
+        }
+    }
 }
 
 /// The key of an instance.
@@ -176,16 +324,7 @@ pub fn services<'a>(
             svc,
             ServiceConfig {
                 nodes,
-                health: cfg.health,
-                strict: cfg.strict,
-                retries: cfg.retries,
-                read_timeout_ms: cfg.read_timeout_ms,
-                protocol: cfg.protocol,
-                tls: cfg.tls,
-                balance: cfg.balance,
-                hash_key: cfg.hash_key,
-                slow_start_ms: cfg.slow_start_ms,
-                zone_min_healthy: cfg.zone_min_healthy,
+                ..cfg.service
             },
         ));
     }
@@ -358,5 +497,53 @@ mod tests {
         )];
         let e = services("/g", kvs.into_iter()).unwrap_err();
         assert!(e.to_string().contains("invalid lane"), "{e}");
+    }
+
+    #[test]
+    fn service_settings_read_as_a_node_file_reads_them() {
+        let kvs = [
+            (
+                "/g/services/api/config",
+                &b"lane_key: version\nstrict: true\nretries: 3\nbalance: least_request\n"[..],
+            ),
+            ("/g/services/api/nodes/a", &br#"{"addr":"127.0.0.1:1"}"#[..]),
+        ];
+        let s = services("/g", kvs.into_iter()).unwrap();
+        let api = &s[0].2;
+        assert!(api.strict);
+        assert_eq!(api.retries, Some(3));
+        assert_eq!(api.balance, crate::config::Balance::LeastRequest);
+        assert_eq!(api.nodes.len(), 1);
+        assert_eq!(s[0].0, PathBuf::from("/g/services/api/config"));
+    }
+
+    #[test]
+    fn bad_service_settings_name_their_key_line_and_the_keys_allowed() {
+        let cfg = |text: &'static str| {
+            let kvs = [
+                ("/g/services/api/config", text.as_bytes()),
+                ("/g/services/api/nodes/a", &br#"{"addr":"127.0.0.1:1"}"#[..]),
+            ];
+            services("/g", kvs.into_iter()).unwrap_err().to_string()
+        };
+        let e = cfg("lane_key: v\n\nstrict: yes please\n");
+        assert!(
+            e.starts_with("/g/services/api/config:3: strict: invalid type"),
+            "{e}"
+        );
+        let e = cfg("lane_key: v\nbogus: 1\n");
+        assert!(
+            e.starts_with("/g/services/api/config:2: unknown field `bogus`, expected one of `lane_key`, `health`, `strict`"),
+            "{e}"
+        );
+        let e = cfg("nodes: []\n");
+        assert!(e.contains("unknown field `nodes`"), "{e}");
+        let e = cfg("lane_key: a\nlane_key: b\n");
+        assert!(e.contains("duplicate field `lane_key`"), "{e}");
+        let e = cfg("health:\n  bogus: 1\n");
+        assert!(
+            e.starts_with("/g/services/api/config:2: health: unknown field `bogus`"),
+            "{e}"
+        );
     }
 }

@@ -11,7 +11,7 @@
 //! answer `ok` and drain (in-flight requests, keep-alive connections closed
 //! by `Connection: close` or while idle, WebSocket tunnels up to
 //! `drain_timeout_ms`) and exit. A successor that fails before `ready`
-//! (bad config, crash) leaves the running process serving as before.
+//! (bad config, crash) leaves the running process serving, undisturbed.
 
 use std::ffi::OsString;
 use std::io::{self, Read, Write};

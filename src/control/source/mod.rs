@@ -6,6 +6,17 @@
 //! on disk for starts while etcd is down. Both hand the same builder
 //! (`control::build`) a set of named documents, so validation and errors
 //! (document:line) are the same.
+//!
+//! [`ConfigSource`] is the seam the binary uses: it checks a configuration,
+//! starts a gateway on generation 1, and, once started, [`watch`] keeps the
+//! gateway current and [`leave`] takes it out of its fleet, whatever the
+//! source is.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::config::MainConfig;
+use crate::control::Gateway;
 
 pub mod etcd;
 pub mod files;
@@ -26,4 +37,149 @@ pub struct SourceStatus {
     pub store_error: Option<String>,
     /// etcd: this gateway's id in `<prefix>/status/<id>`.
     pub gateway_id: Option<String>,
+}
+
+/// Where a gateway's configuration comes from.
+#[derive(Debug, Clone)]
+pub enum ConfigSource {
+    /// A main file and every document it names.
+    Files(PathBuf),
+    /// A bootstrap file (it has `etcd:`): the documents are keys in etcd.
+    Etcd(PathBuf),
+    /// Members and a prefix given directly (`--check --etcd … --prefix …`):
+    /// only checked, never served.
+    Store { endpoints: String, prefix: String },
+}
+
+/// A configuration that passed `--check`.
+#[derive(Debug)]
+pub struct Checked {
+    /// What was checked: the file, or `<members> <prefix>`.
+    pub name: String,
+    /// etcd: the revision checked.
+    pub revision: Option<i64>,
+    pub warnings: Vec<String>,
+    /// Files: the main settings, for the checks the admin layer owns (its
+    /// listener's address).
+    pub config: Option<MainConfig>,
+}
+
+/// A configuration that failed `--check`.
+#[derive(Debug)]
+pub struct CheckFailed {
+    /// What was checked, when it could be told (not for a file that looks
+    /// like a bootstrap but does not parse as one).
+    pub name: Option<String>,
+    pub error: String,
+}
+
+impl ConfigSource {
+    /// What `path` names: a bootstrap (a YAML document with `etcd:`) or a
+    /// main file (anything else, an unreadable file included: its error
+    /// comes from the build).
+    pub fn open(path: &Path) -> ConfigSource {
+        let text = std::fs::read_to_string(path);
+        if text.is_ok_and(|t| crate::config::is_bootstrap(&t)) {
+            ConfigSource::Etcd(path.to_path_buf())
+        } else {
+            ConfigSource::Files(path.to_path_buf())
+        }
+    }
+
+    /// Builds the configuration as a start would, without serving it.
+    /// Blocking (etcd: on a runtime of its own).
+    pub fn check(&self) -> Result<Checked, CheckFailed> {
+        match self {
+            ConfigSource::Files(main) => {
+                let name = main.display().to_string();
+                match files::check(main) {
+                    Ok(gen) => Ok(Checked {
+                        name,
+                        revision: None,
+                        warnings: gen.warnings,
+                        config: Some(gen.config),
+                    }),
+                    Err(e) => Err(CheckFailed {
+                        name: Some(name),
+                        error: e.to_string(),
+                    }),
+                }
+            }
+            ConfigSource::Etcd(path) => match read_bootstrap(path) {
+                Some(b) => check_store(&b.etcd.endpoints.join(","), &b.etcd.prefix),
+                None => Err(CheckFailed {
+                    name: None,
+                    error: format!("{}: not a valid bootstrap file", path.display()),
+                }),
+            },
+            ConfigSource::Store { endpoints, prefix } => check_store(endpoints, prefix),
+        }
+    }
+
+    /// A gateway serving generation 1 (etcd: read from the store, or from
+    /// the cached snapshot while the store cannot be reached). Files load
+    /// outside `rt`; etcd is read on it. The error is the line to print.
+    pub fn start(&self, rt: &tokio::runtime::Runtime) -> Result<Arc<Gateway>, String> {
+        match self {
+            ConfigSource::Files(main) => files::start(main).map_err(|e| e.to_string()),
+            ConfigSource::Etcd(path) => rt
+                .block_on(etcd::start(path))
+                .map(|(gw, _)| gw)
+                .map_err(|e| format!("{}: {e}", path.display())),
+            ConfigSource::Store { endpoints, prefix } => Err(format!(
+                "{endpoints} {prefix}: members and a prefix are only checked; start from a bootstrap file"
+            )),
+        }
+    }
+}
+
+/// Starts what keeps `gw` on its source's newest state, on the current
+/// runtime: files — the file watcher and SIGHUP; etcd — the watch, SIGHUP
+/// and this gateway's status key. Returns at once.
+pub fn watch(gw: &Arc<Gateway>) {
+    match gw.etcd.clone() {
+        Some(src) => {
+            tokio::spawn(etcd::run(gw.clone(), src));
+        }
+        None => files::spawn_watch(gw.clone()),
+    }
+}
+
+/// At a graceful stop (not a handover): an etcd gateway gives up the
+/// release leadership and removes its status key; a files gateway has
+/// nothing to leave.
+pub async fn leave(gw: &Gateway) {
+    if let Some(src) = &gw.etcd {
+        crate::control::release::fleet::resign(gw, src).await;
+        etcd::leave(src).await;
+    }
+}
+
+fn read_bootstrap(path: &Path) -> Option<crate::config::Bootstrap> {
+    let text = std::fs::read_to_string(path).ok()?;
+    if !crate::config::is_bootstrap(&text) {
+        return None;
+    }
+    crate::config::parse_yaml(path, &text).ok()
+}
+
+/// `--check` of what is in etcd under `prefix`.
+fn check_store(endpoints: &str, prefix: &str) -> Result<Checked, CheckFailed> {
+    let name = format!("{endpoints} {prefix}");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    match rt.block_on(etcd::check(endpoints, prefix)) {
+        Ok((rev, warnings)) => Ok(Checked {
+            name,
+            revision: Some(rev),
+            warnings,
+            config: None,
+        }),
+        Err(error) => Err(CheckFailed {
+            name: Some(name),
+            error,
+        }),
+    }
 }
