@@ -1,7 +1,6 @@
 //! The admin dashboard end to end in headless Chromium (Debian's
 //! `chromium` + `chromium-driver`), driven over WebDriver by fantoccini.
 
-
 use std::time::{Duration, Instant};
 
 use crate::harness::browser::{wait_text, Driver};
@@ -12,8 +11,7 @@ const SCRIPT: &str = "return function(req) return req:header('X-Lane') end\n";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
-    let f1 = Backend::start("f1", "formal").await;
-    let v1 = Backend::start("v1", "v2").await;
+    let [f1, v1] = backends([("f1", "formal"), ("v1", "v2")]).await;
     let dead = closed_port();
     let fx = Fixture::new();
     fx.write("lane.lua", SCRIPT);
@@ -29,12 +27,18 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
             v1.node_yaml()
         ),
     );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config("script: lane.lua\nrules_file: rules.yaml\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /api/\n    service: api\n"),
-    );
+    let cfg = Config::new()
+        .script("lane.lua")
+        .rules_file("rules.yaml")
+        .node_files(&["nodes.yaml"])
+        .routes(&[Route::service("/api/", "api")])
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     let admin = gw.admin.unwrap();
+    // The browser first: the live split shows the last 10 s, and a
+    // browser's start on a loaded machine can take longer than that.
+    let driver = Driver::start().await;
+    let c = driver.browser().await;
     // Traffic: formal healthy, v2 healthy, gray failing: its only node is
     // down, so 3 requests fail (502) until passive health ejects it and the
     // lane falls back to formal.
@@ -54,8 +58,6 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
         assert_eq!(r.node(), "v1");
     }
 
-    let driver = Driver::start().await;
-    let c = driver.browser().await;
     c.goto(&format!("http://{admin}/")).await.unwrap();
     assert_eq!(c.title().await.unwrap(), "graygate dashboard");
 
@@ -232,14 +234,12 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
 async fn dashboard_works_behind_the_admin_token_with_http_basic() {
     let f1 = Backend::start("f1", "formal").await;
     let fx = Fixture::new();
-    fx.write(
-        "nodes.yaml",
-        &format!("services:\n  api:\n    nodes:\n{}", f1.node_yaml()),
-    );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config("admin_token: tok3n\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /api/\n    service: api\n"),
-    );
+    fx.api_nodes(&[&f1]);
+    let cfg = Config::new()
+        .set("admin_token", "tok3n")
+        .node_files(&["nodes.yaml"])
+        .routes(&[Route::service("/api/", "api")])
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     let admin = gw.admin.unwrap();
     assert_eq!(gw.get("/api/x").await.status, 200);
@@ -275,21 +275,13 @@ async fn dashboard_works_behind_the_admin_token_with_http_basic() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboard_shows_releases_and_their_decision_timeline() {
-    let f1 = Backend::start("f1", "formal").await;
-    let g1 = Backend::start("g1", "gray").await;
+    let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let fx = Fixture::new();
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  api:\n    nodes:\n{}{}",
-            f1.node_yaml(),
-            g1.node_yaml()
-        ),
-    );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config("node_files: [nodes.yaml]\nroutes:\n  - prefix: /api/\n    service: api\n"),
-    );
+    fx.api_nodes(&[&f1, &g1]);
+    let cfg = Config::new()
+        .node_files(&["nodes.yaml"])
+        .routes(&[Route::service("/api/", "api")])
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     let admin = gw.admin.unwrap();
     let spec = "name: web-v2\nlane: gray\nkey: { header: X-User }\nsteps:\n  - { weight: 30, min_duration_ms: 600000 }\nanalysis: { interval_ms: 200, min_requests: 1000000 }\n";

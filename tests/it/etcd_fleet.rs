@@ -2,13 +2,12 @@
 //! `etcd-server`, started here on free loopback ports, data in a temp dir,
 //! killed at the end) and real graygate processes.
 
-
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::harness::browser::{wait_text, Driver};
-use crate::harness::*;
 use crate::harness::etcd::*;
+use crate::harness::*;
 use fantoccini::Locator;
 
 const SCRIPT: &str =
@@ -22,17 +21,9 @@ async fn node_of(gw: &Gateway, gray: bool) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_gateways_converge_on_the_same_revision_after_a_push() {
     let etcd = Etcd::start(1).await;
-    let (f, g) = (
-        Backend::start("f1", "formal").await,
-        Backend::start("g1", "gray").await,
-    );
+    let [f, g] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let conf = Conf::new(&nodes_yaml(&[&f]), SCRIPT);
-    let r1 = push(&etcd, "/conv", &conf);
-    let root = tempfile::tempdir().unwrap();
-    let a = etcd.gateway(root.path(), "gw-a", "/conv");
-    let b = etcd.gateway(root.path(), "gw-b", "/conv");
-    a.wait_revision(r1).await;
-    b.wait_revision(r1).await;
+    let (_root, r1, [a, b]) = serve(&etcd, "/conv", &conf, ["gw-a", "gw-b"]).await;
     assert_eq!(a.status().await["source"], "etcd");
     assert_eq!(node_of(&a, true).await, "f1", "no gray node yet: formal");
     let gen_before = (
@@ -120,32 +111,16 @@ async fn two_gateways_converge_on_the_same_revision_after_a_push() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_broken_script_is_rejected_on_every_gateway_and_reported_per_gateway() {
     let etcd = Etcd::start(1).await;
-    let (f, g) = (
-        Backend::start("f1", "formal").await,
-        Backend::start("g1", "gray").await,
-    );
+    let [f, g] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let conf = Conf::new(&nodes_yaml(&[&f, &g]), SCRIPT);
-    let r1 = push(&etcd, "/bad", &conf);
-    let root = tempfile::tempdir().unwrap();
-    let a = etcd.gateway(root.path(), "gw-a", "/bad");
-    let b = etcd.gateway(root.path(), "gw-b", "/bad");
-    a.wait_revision(r1).await;
-    b.wait_revision(r1).await;
+    let (_root, r1, [a, b]) = serve(&etcd, "/bad", &conf, ["gw-a", "gw-b"]).await;
 
     // `push` refuses what --check refuses: nothing reaches etcd.
     conf.write(
         "gray.lua",
         "return function(req)\n  if req:header('X-Gray') then return 'gray'\nend\n",
     );
-    let (ok, out) = graygate(&[
-        "push",
-        "--config",
-        conf.main().to_str().unwrap(),
-        "--etcd",
-        &etcd.url(),
-        "--prefix",
-        "/bad",
-    ]);
+    let (ok, out) = try_push(&etcd, "/bad", &conf);
     assert!(!ok && out.contains("gray.lua:"), "{out}");
     assert_eq!(etcd.get("/bad/config/gray.lua").await.unwrap(), SCRIPT);
 
@@ -223,10 +198,7 @@ async fn leader(etcd: &Etcd) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_leader_killed_watches_resume_without_a_request_error() {
     let mut etcd = Etcd::start(3).await;
-    let (f, g) = (
-        Backend::start("f1", "formal").await,
-        Backend::start("g1", "gray").await,
-    );
+    let [f, g] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let conf = Conf::new(&nodes_yaml(&[&f, &g]), SCRIPT);
     let r1 = push(&etcd, "/ha", &conf);
     // The gateways' first endpoint is the leader: killing it breaks their
@@ -271,17 +243,9 @@ async fn the_leader_killed_watches_resume_without_a_request_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn etcd_down_gateways_keep_serving_and_a_restart_serves_the_cached_snapshot() {
     let mut etcd = Etcd::start(3).await;
-    let (f, g) = (
-        Backend::start("f1", "formal").await,
-        Backend::start("g1", "gray").await,
-    );
+    let [f, g] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let conf = Conf::new(&nodes_yaml(&[&f, &g]), SCRIPT);
-    let r1 = push(&etcd, "/down", &conf);
-    let root = tempfile::tempdir().unwrap();
-    let a = etcd.gateway(root.path(), "gw-a", "/down");
-    let mut b = etcd.gateway(root.path(), "gw-b", "/down");
-    a.wait_revision(r1).await;
-    b.wait_revision(r1).await;
+    let (root, r1, [a, mut b]) = serve(&etcd, "/down", &conf, ["gw-a", "gw-b"]).await;
     assert!(root.path().join("gw-b/cache/snapshot.json").is_file());
 
     // Every member stopped: both keep serving, the problem shows.
@@ -336,15 +300,9 @@ async fn etcd_down_gateways_keep_serving_and_a_restart_serves_the_cached_snapsho
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_compaction_past_the_watch_forces_a_full_reread() {
     let mut etcd = Etcd::start(1).await;
-    let (f, g) = (
-        Backend::start("f1", "formal").await,
-        Backend::start("g1", "gray").await,
-    );
+    let [f, g] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let conf = Conf::new(&nodes_yaml(&[&f, &g]), SCRIPT);
-    let r1 = push(&etcd, "/cmp", &conf);
-    let root = tempfile::tempdir().unwrap();
-    let mut a = etcd.gateway(root.path(), "gw-a", "/cmp");
-    a.wait_revision(r1).await;
+    let (_root, _r1, [mut a]) = serve(&etcd, "/cmp", &conf, ["gw-a"]).await;
     a.kill(); // stopped, its cache at r1
 
     // Changes while it is away, then their history compacted away.
@@ -377,11 +335,7 @@ async fn a_compaction_past_the_watch_forces_a_full_reread() {
     etcd.restart_all().await;
     a.wait_revision(r3).await;
     assert_eq!(node_of(&a, false).await, "g1");
-    assert!(
-        a.logs().contains("compact_revision="),
-        "{}",
-        a.logs()
-    );
+    assert!(a.logs().contains("compact_revision="), "{}", a.logs());
     // And the watch goes on after the re-read.
     let r4 = etcd
         .put(
@@ -450,10 +404,7 @@ async fn node_names(gw: &Gateway) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn registered_instances_carry_lane_metadata_and_leave_when_their_lease_expires() {
     let etcd = Etcd::start(1).await;
-    let (f, g) = (
-        Backend::start("f1", "formal").await,
-        Backend::start("g1", "gray").await,
-    );
+    let [f, g] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let conf = Conf::new(&nodes_yaml(&[&f]), SCRIPT);
     let r1 = push(&etcd, "/reg", &conf);
     // Spring-Cloud style: the lane is the `version` metadata.
@@ -517,8 +468,7 @@ async fn registered_instances_carry_lane_metadata_and_leave_when_their_lease_exp
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigterm_deregisters_before_the_instance_stops_with_zero_client_errors() {
     let etcd = Etcd::start(1).await;
-    let keep = Backend::start("keep", "formal").await;
-    let leaving = Backend::start("leaving", "formal").await;
+    let [keep, leaving] = backends([("keep", "formal"), ("leaving", "formal")]).await;
     // A service without retries whose nodes all come from the registry: a
     // request sent to a stopped node would be a client error.
     let conf = Conf::new("services:\n  api: { retries: 0 }\n", SCRIPT);
@@ -534,10 +484,7 @@ async fn sigterm_deregisters_before_the_instance_stops_with_zero_client_errors()
             && etcd.get("/term/services/api/nodes/leaving").await.is_some()
     })
     .await;
-    let r = push(&etcd, "/term", &conf);
-    let root = tempfile::tempdir().unwrap();
-    let a = etcd.gateway(root.path(), "gw-a", "/term");
-    a.wait_revision(r).await;
+    let (_root, _r, [a]) = serve(&etcd, "/term", &conf, ["gw-a"]).await;
     let load = Load::start(&[a.addr, a.addr]);
     eventually("both serve", Duration::from_secs(20), || async {
         keep.count() > 10 && leaving.count() > 10
@@ -582,17 +529,9 @@ async fn sigterm_deregisters_before_the_instance_stops_with_zero_client_errors()
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_admin_edits_one_gets_409() {
     let etcd = Etcd::start(1).await;
-    let (f, f2) = (
-        Backend::start("f1", "formal").await,
-        Backend::start("f2", "formal").await,
-    );
+    let [f, f2] = backends([("f1", "formal"), ("f2", "formal")]).await;
     let conf = Conf::new(&nodes_yaml(&[&f, &f2]), SCRIPT);
-    let r1 = push(&etcd, "/cas", &conf);
-    let root = tempfile::tempdir().unwrap();
-    let a = etcd.gateway(root.path(), "gw-a", "/cas");
-    let b = etcd.gateway(root.path(), "gw-b", "/cas");
-    a.wait_revision(r1).await;
-    b.wait_revision(r1).await;
+    let (_root, r1, [a, b]) = serve(&etcd, "/cas", &conf, ["gw-a", "gw-b"]).await;
     async fn patch(gw: &Gateway, weight: u32, rev: i64) -> Resp {
         let req = Req::get("/nodes/api/f1")
             .method("PATCH")
@@ -670,10 +609,7 @@ fn without_etcd_nothing_changes_status_says_files() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn admin_rule_edits_are_written_to_etcd_with_compare_and_swap() {
     let etcd = Etcd::start(1).await;
-    let (f, g) = (
-        Backend::start("f1", "formal").await,
-        Backend::start("g1", "gray").await,
-    );
+    let [f, g] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let conf = Conf::new(
         &nodes_yaml(&[&f, &g]),
         "return function(req) return nil end\n",
@@ -686,12 +622,7 @@ async fn admin_rule_edits_are_written_to_etcd_with_compare_and_swap() {
         "rules.yaml",
         "uid: { header: X-User-Id }\nrules:\n  - name: everyone\n    lane: gray\n    percentage: 0\n    key: { ip: true }\n",
     );
-    let r1 = push(&etcd, "/rules", &conf);
-    let root = tempfile::tempdir().unwrap();
-    let a = etcd.gateway(root.path(), "gw-a", "/rules");
-    let b = etcd.gateway(root.path(), "gw-b", "/rules");
-    a.wait_revision(r1).await;
-    b.wait_revision(r1).await;
+    let (_root, r1, [a, b]) = serve(&etcd, "/rules", &conf, ["gw-a", "gw-b"]).await;
     assert_eq!(node_of(&b, false).await, "f1");
     let set = |pct: u32, rev: i64| {
         Req::get("/rules/everyone")
@@ -724,12 +655,7 @@ async fn the_dashboard_lists_every_gateway_and_whether_all_run_the_same_revision
     let etcd = Etcd::start(1).await;
     let f = Backend::start("f1", "formal").await;
     let conf = Conf::new(&nodes_yaml(&[&f]), SCRIPT);
-    let r1 = push(&etcd, "/dash", &conf);
-    let root = tempfile::tempdir().unwrap();
-    let a = etcd.gateway(root.path(), "gw-a", "/dash");
-    let b = etcd.gateway(root.path(), "gw-b", "/dash");
-    a.wait_revision(r1).await;
-    b.wait_revision(r1).await;
+    let (_root, r1, [a, _b]) = serve(&etcd, "/dash", &conf, ["gw-a", "gw-b"]).await;
     let driver = Driver::start().await;
     let c = driver.browser().await;
     c.goto(&format!("http://{}/", a.admin.unwrap()))

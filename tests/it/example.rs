@@ -1,7 +1,6 @@
 //! The README's run command on the shipped config shows both lanes, for API
 //! and static, with nothing else started; and the Lua `req` API end to end.
 
-
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::time::Duration;
@@ -229,8 +228,7 @@ async fn shipped_config_shows_formal_and_gray() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lua_request_api() {
-    let f = Backend::start("f1", "formal").await;
-    let g = Backend::start("g1", "gray").await;
+    let [f, g] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let fx = Fixture::new();
     fx.write(
         "lane.lua",
@@ -254,20 +252,12 @@ async fn lua_request_api() {
 }
 "#,
     );
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  api:\n    nodes:\n{}{}",
-            f.node_yaml(),
-            g.node_yaml()
-        ),
-    );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(
-            "script: lane.lua\nnode_files: [nodes.yaml]\nroutes: [{ prefix: /, service: api }]\n",
-        ),
-    );
+    fx.api_nodes(&[&f, &g]);
+    let cfg = Config::new()
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     let req = Req::get("/api/cart?a=1&who=J%20Doe")
         .method("POST")

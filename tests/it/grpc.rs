@@ -8,7 +8,6 @@
 //! formal for a lane without nodes; the client reaches the gateway both over
 //! h2c and over TLS.
 
-
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -27,8 +26,8 @@ use tonic::server::{StreamingService, UnaryService};
 use tonic::{Code, Status, Streaming};
 use tonic_prost::ProstCodec;
 
-use crate::harness::*;
 use crate::harness::tls::*;
+use crate::harness::*;
 
 /// The one message of the test service.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -425,12 +424,11 @@ async fn a_node_certificate_that_does_not_verify_is_unavailable_in_grpc_terms() 
             node.yaml("tls-formal", "formal")
         ),
     );
-    let cfg = fx.write(
-        "graygate.yaml",
-        &main_config(
-            "node_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: grpc\nlisteners:\n  - { listen: 127.0.0.1:0, h2c: true }\n",
-        ),
-    );
+    let cfg = Config::new()
+        .node_files(&["nodes.yaml"])
+        .routes(&[Route::service("/", "grpc")])
+        .raw("listeners:\n  - { listen: 127.0.0.1:0, h2c: true }\n")
+        .write(&fx, "graygate.yaml");
     let gw = Gateway::start(&cfg);
     let ch = channel(listeners(&gw)[0], false).await;
     let (_, end) = chat(&ch, "/demo.Echo/Chat", false, &["a"]).await;
@@ -476,12 +474,11 @@ async fn an_http2_node_that_never_answers_times_out_at_the_response_timeout() {
             "services:\n  api:\n    protocol: h2\n    retries: 0\n    nodes:\n      - {{ name: s1, addr: \"{addr}\", lane: formal }}\n"
         ),
     );
-    let cfg = fx.write(
-        "graygate.yaml",
-        &main_config(
-            "node_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\nupstream:\n  response_timeout_ms: 300\n  total_timeout_ms: 30000\n",
-        ),
-    );
+    let cfg = Config::new()
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .raw("upstream:\n  response_timeout_ms: 300\n  total_timeout_ms: 30000\n")
+        .write(&fx, "graygate.yaml");
     let gw = Gateway::start(&cfg);
     let t0 = std::time::Instant::now();
     let r = Req::get("/x").send(gw.addr).await;

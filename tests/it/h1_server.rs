@@ -6,7 +6,6 @@
 //! request with trailers, `Expect: 100-continue`) and served on, and the
 //! header timeout on a keep-alive connection's second request.
 
-
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -163,27 +162,12 @@ fn gateway(fx: &Fixture, up: &Upstream, client: &str) -> Gateway {
             up.addr
         ),
     );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(&format!(
-            "node_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n{client}"
-        )),
-    );
+    let cfg = Config::new()
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .raw(&client)
+        .write(&fx, "gg.yaml");
     Gateway::start(&cfg)
-}
-
-/// Writes `bytes` and reads until the gateway closes (bounded).
-async fn exchange(addr: SocketAddr, bytes: &[u8]) -> String {
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(bytes).await.unwrap();
-    read_to_close(&mut s).await
-}
-
-async fn read_to_close(s: &mut TcpStream) -> String {
-    let mut out = Vec::new();
-    let r = tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out)).await;
-    assert!(r.is_ok(), "the gateway did not close the connection");
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Where the head in `buf` ends and its Content-Length (0 without one),
@@ -238,7 +222,7 @@ async fn pipelined_requests_are_answered_in_order_with_date() {
         req.extend_from_slice(format!("GET /p{i} HTTP/1.1\r\nHost: a\r\n\r\n").as_bytes());
     }
     req.extend_from_slice(b"GET /last HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n");
-    let text = exchange(gw.addr, &req).await;
+    let text = exchange_raw(gw.addr, &req).await;
     assert_eq!(text.matches("HTTP/1.1 200 OK\r\n").count(), 6, "{text}");
     let mut at = 0;
     for p in ["/p0", "/p1", "/p2", "/p3", "/p4", "/last"] {
@@ -254,7 +238,7 @@ async fn http10_closes_unless_keep_alive_is_asked_for() {
     let fx = Fixture::new();
     let gw = gateway(&fx, &up, "");
     // Plain HTTP/1.0: answered as 1.0, then closed.
-    let text = exchange(gw.addr, b"GET /a HTTP/1.0\r\nHost: a\r\n\r\n").await;
+    let text = exchange_raw(gw.addr, b"GET /a HTTP/1.0\r\nHost: a\r\n\r\n").await;
     assert!(text.starts_with("HTTP/1.0 200 OK\r\n"), "{text}");
     assert!(!text.to_ascii_lowercase().contains("keep-alive"), "{text}");
     // Keep-Alive asked for: said so, and the connection serves again.
@@ -273,7 +257,7 @@ async fn http10_closes_unless_keep_alive_is_asked_for() {
         );
     }
     // A close token among others on HTTP/1.1 ends the connection.
-    let text = exchange(
+    let text = exchange_raw(
         gw.addr,
         b"GET /a HTTP/1.1\r\nHost: a\r\nConnection: foo, close\r\n\r\nGET /b HTTP/1.1\r\nHost: a\r\n\r\n",
     )
@@ -286,7 +270,7 @@ async fn head_204_and_304_carry_no_body() {
     let up = Upstream::start().await;
     let fx = Fixture::new();
     let gw = gateway(&fx, &up, "");
-    let text = exchange(
+    let text = exchange_raw(
         gw.addr,
         b"HEAD /len HTTP/1.1\r\nHost: a\r\n\r\nGET /nocontent HTTP/1.1\r\nHost: a\r\n\r\nGET /notmod HTTP/1.1\r\nHost: a\r\n\r\nGET /end HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
     )
@@ -325,7 +309,7 @@ async fn unknown_length_bodies_are_chunked_or_close_delimited() {
     let up = Upstream::start().await;
     let fx = Fixture::new();
     let gw = gateway(&fx, &up, "");
-    let text = exchange(
+    let text = exchange_raw(
         gw.addr,
         b"GET /chunked HTTP/1.1\r\nHost: a\r\n\r\nGET /end HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
     )
@@ -352,7 +336,7 @@ async fn unknown_length_bodies_are_chunked_or_close_delimited() {
     assert_eq!(out, "hello world");
     assert!(text.ends_with("GET /end HTTP/1.1"), "{text}");
     // HTTP/1.0 cannot take chunks: the body runs to the close.
-    let text = exchange(gw.addr, b"GET /chunked HTTP/1.0\r\nHost: a\r\n\r\n").await;
+    let text = exchange_raw(gw.addr, b"GET /chunked HTTP/1.0\r\nHost: a\r\n\r\n").await;
     assert!(text.starts_with("HTTP/1.0 200 OK\r\n"), "{text}");
     assert!(
         !text.to_ascii_lowercase().contains("transfer-encoding"),
@@ -459,10 +443,7 @@ async fn a_client_that_goes_away_cancels_its_request_upstream() {
     let up = Upstream::start().await;
     let fx = Fixture::new();
     let gw = gateway(&fx, &up, "");
-    let mut s = TcpStream::connect(gw.addr).await.unwrap();
-    s.write_all(b"GET /hang HTTP/1.1\r\nHost: a\r\n\r\n")
-        .await
-        .unwrap();
+    let s = connect_with(gw.addr, b"GET /hang HTTP/1.1\r\nHost: a\r\n\r\n").await;
     eventually(
         "the request reached the upstream",
         Duration::from_secs(10),
@@ -491,10 +472,7 @@ async fn a_request_sent_with_its_fin_is_cancelled_and_the_connection_closed() {
     let fx = Fixture::new();
     let gw = gateway(&fx, &up, "client:\n  idle_timeout_ms: 60000\n");
     for round in 1..=3 {
-        let mut s = TcpStream::connect(gw.addr).await.unwrap();
-        s.write_all(b"GET /hang HTTP/1.1\r\nHost: a\r\n\r\n")
-            .await
-            .unwrap();
+        let mut s = connect_with(gw.addr, b"GET /hang HTTP/1.1\r\nHost: a\r\n\r\n").await;
         s.shutdown().await.unwrap();
         let rest = read_to_close(&mut s).await;
         assert!(!rest.contains("HTTP/1.1"), "{rest}");

@@ -5,22 +5,18 @@
 //! streams on to the nodes, with bounded memory and less CPU per reset stream
 //! than per real request — and it keeps serving.
 
-
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
-use crate::harness::*;
 use crate::harness::tls::*;
+use crate::harness::*;
 
 async fn setup() -> (Fixture, Gateway, Backend, SocketAddr, SocketAddr) {
     let fx = Fixture::new();
     let formal = Backend::start("f1", "formal").await;
     write_cert(&fx.path("certs"), "site", "localhost");
-    fx.write(
-        "nodes.yaml",
-        &format!("services:\n  api:\n    nodes:\n{}", formal.node_yaml()),
-    );
+    fx.api_nodes(&[&formal]);
     let cfg = fx.write(
         "graygate.yaml",
         &main_config(
@@ -242,10 +238,7 @@ async fn bodies_larger_than_the_windows_stream_both_ways_over_h2() {
     let fx = Fixture::new();
     let echo = Backend::start_mode("echo", "formal", Mode::Echo).await;
     write_cert(&fx.path("certs"), "site", "localhost");
-    fx.write(
-        "nodes.yaml",
-        &format!("services:\n  api:\n    nodes:\n{}", echo.node_yaml()),
-    );
+    fx.api_nodes(&[&echo]);
     let cfg = fx.write(
         "graygate.yaml",
         &main_config(

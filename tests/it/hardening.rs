@@ -5,22 +5,21 @@
 //! ends); a client that stops reading is cut off by the send timeout without
 //! blaming the node.
 
-
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use crate::harness::*;
+use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 
 /// A node that reads the whole request body before it answers (so a broken
 /// client body breaks the exchange), answering with the body's length.
@@ -144,21 +143,7 @@ async fn setup() -> Setup {
 "
         ),
     );
-    fx.write(
-        "gg.yaml",
-        &main_config(
-            "workers: 1
-node_files: [nodes.yaml]
-access_log: { path: access.log, format: json }
-client: { body_timeout_ms: 300, send_timeout_ms: 300 }
-routes:
-  - { prefix: /api/, service: api }
-  - { prefix: /cut/, service: cut }
-  - { prefix: /stall/, service: stall }
-  - { prefix: /big/, service: big }
-",
-        ),
-    );
+    Config::new().set("workers", 1).node_files(&["nodes.yaml"]).raw("access_log: { path: access.log, format: json }\nclient: { body_timeout_ms: 300, send_timeout_ms: 300 }\n").routes(&[Route::service("/api/", "api"), Route::service("/cut/", "cut"), Route::service("/stall/", "stall"), Route::service("/big/", "big")]).write(&fx, "gg.yaml");
     let gw = Gateway::start(&fx.path("gg.yaml"));
     Setup { fx, gw, api: done }
 }
@@ -166,8 +151,7 @@ routes:
 /// Sends `raw`, optionally closes the write side early, and returns the
 /// status of the answer (None: the connection closed without one).
 async fn send(addr: SocketAddr, raw: &[u8], close_after: bool) -> Option<u16> {
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(raw).await.unwrap();
+    let mut s = connect_with(addr, raw).await;
     if close_after {
         drop(s);
         return None;
@@ -204,14 +188,6 @@ async fn node(gw: &Gateway, name: &str) -> serde_json::Value {
         .flat_map(|s| s["nodes"].as_array().unwrap().clone())
         .find(|n| n["name"] == name)
         .unwrap_or_else(|| panic!("no node {name} in {doc}"))
-}
-
-async fn metric(gw: &Gateway, series: &str) -> f64 {
-    let text = Req::get("/metrics").send(gw.admin.unwrap()).await.text();
-    text.lines()
-        .filter(|l| l.starts_with(series))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 fn log_lines(fx: &Fixture) -> Vec<serde_json::Value> {
@@ -264,26 +240,23 @@ async fn a_flood_of_broken_client_bodies_leaves_every_node_healthy() {
     // Every failure is the client's: booked as such, once each.
     let client = r#"graygate_request_errors_total{kind="#;
     eventually("client errors counted", Duration::from_secs(10), || async {
-        let aborts = metric(
-            &s.gw,
-            &format!("{client}\"client_abort\",side=\"client\"}}"),
-        )
-        .await;
-        let bad = metric(&s.gw, &format!("{client}\"client_body\",side=\"client\"}}")).await;
-        let slow = metric(
-            &s.gw,
-            &format!("{client}\"client_body_timeout\",side=\"client\"}}"),
-        )
-        .await;
+        let aborts =
+            s.gw.metric_sum(&format!("{client}\"client_abort\",side=\"client\"}}"))
+                .await;
+        let bad =
+            s.gw.metric_sum(&format!("{client}\"client_body\",side=\"client\"}}"))
+                .await;
+        let slow =
+            s.gw.metric_sum(&format!(
+                "{client}\"client_body_timeout\",side=\"client\"}}"
+            ))
+            .await;
         aborts >= 24.0 && bad >= 36.0 && slow >= 24.0
     })
     .await;
     assert_eq!(
-        metric(
-            &s.gw,
-            r#"graygate_request_errors_total{kind="exchange",side="upstream"}"#
-        )
-        .await,
+        s.gw.metric_sum(r#"graygate_request_errors_total{kind="exchange",side="upstream"}"#)
+            .await,
         0.0
     );
     let n = node(&s.gw, "api-1").await;
@@ -311,10 +284,7 @@ async fn a_flood_of_broken_client_bodies_leaves_every_node_healthy() {
     // A real node failure still counts and ejects: a node that breaks off
     // its response body, three times.
     for _ in 0..3 {
-        let mut c = TcpStream::connect(addr).await.unwrap();
-        c.write_all(b"GET /cut/x HTTP/1.1\r\nHost: a\r\n\r\n")
-            .await
-            .unwrap();
+        let mut c = connect_with(addr, b"GET /cut/x HTTP/1.1\r\nHost: a\r\n\r\n").await;
         let mut sink = Vec::new();
         let _ = tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut sink)).await;
         // hyper drops the buffered head and first bytes when the body fails
@@ -349,10 +319,7 @@ async fn a_flood_of_broken_client_bodies_leaves_every_node_healthy() {
 async fn a_stalled_node_body_ends_at_the_read_timeout_and_counts_against_the_node() {
     let s = setup().await;
     let started = Instant::now();
-    let mut c = TcpStream::connect(s.gw.addr).await.unwrap();
-    c.write_all(b"GET /stall/x HTTP/1.1\r\nHost: a\r\n\r\n")
-        .await
-        .unwrap();
+    let mut c = connect_with(s.gw.addr, b"GET /stall/x HTTP/1.1\r\nHost: a\r\n\r\n").await;
     let mut got = Vec::new();
     // The gateway ends the exchange (the client sees the connection end
     // with the body incomplete) — long before our own 20 s bound.
@@ -374,11 +341,11 @@ async fn a_stalled_node_body_ends_at_the_read_timeout_and_counts_against_the_nod
             .any(|l| l["node"] == "stall-1" && l["error"] == "upstream_body_timeout")
     })
     .await;
-    let m = metric(
-        &s.gw,
-        r#"graygate_request_errors_total{kind="upstream_body_timeout",side="upstream"}"#,
-    )
-    .await;
+    let m =
+        s.gw.metric_sum(
+            r#"graygate_request_errors_total{kind="upstream_body_timeout",side="upstream"}"#,
+        )
+        .await;
     assert_eq!(m, 1.0);
 }
 

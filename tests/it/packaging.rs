@@ -6,7 +6,6 @@
 //! unpacked binary must pass `--check` on the packaged configuration and
 //! serve on it.
 
-
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;

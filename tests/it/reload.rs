@@ -2,7 +2,6 @@
 //! editor-style rename-over), SIGHUP, rejection of bad changes with
 //! file:line while the old generation keeps serving; and `--check`.
 
-
 use std::process::Command;
 use std::time::Duration;
 
@@ -21,9 +20,7 @@ struct Env {
 }
 
 async fn setup() -> Env {
-    let f = Backend::start("f1", "formal").await;
-    let g = Backend::start("g1", "gray").await;
-    let g2 = Backend::start("g2", "gray").await;
+    let [f, g, g2] = backends([("f1", "formal"), ("g1", "gray"), ("g2", "gray")]).await;
     let fx = Fixture::new();
     fx.write("scripts/lib/rules.lua", "return { lane = 'gray' }\n");
     fx.write(
@@ -37,12 +34,12 @@ async fn setup() -> Env {
         g.node_yaml()
     );
     fx.write("nodes.yaml", &nodes_formal_gray);
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(
-            "script: scripts/lane.lua\nlists: { testers: lists/testers.txt }\nnode_files: [nodes.yaml]\nroutes: [{ prefix: /, service: api }]\n",
-        ),
-    );
+    let cfg = Config::new()
+        .script("scripts/lane.lua")
+        .raw("lists: { testers: lists/testers.txt }\n")
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     let g2_yaml = g2.node_yaml();
     Env {
@@ -260,14 +257,11 @@ async fn in_flight_requests_finish_on_their_generation() {
     let slow = Backend::start_mode("slow", "formal", Mode::Gated(gate.clone())).await;
     let fast = Backend::start("fast", "formal").await;
     let fx = Fixture::new();
-    fx.write(
-        "nodes.yaml",
-        &format!("services:\n  api:\n    nodes:\n{}", slow.node_yaml()),
-    );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config("node_files: [nodes.yaml]\nroutes: [{ prefix: /, service: api }]\n"),
-    );
+    fx.api_nodes(&[&slow]);
+    let cfg = Config::new()
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     let resp = Req::get("/").send_streaming(gw.addr).await;
     assert_eq!(resp.status(), 200);

@@ -1,6 +1,5 @@
 //! Lane isolation, propagation and proxying through the real binary.
 
-
 use std::time::Duration;
 
 use crate::harness::*;
@@ -21,22 +20,26 @@ fn setup(nodes_yaml: &str, extra: &str) -> Setup {
         "nodes.yaml",
         &format!("services:\n  api:\n    nodes:\n{nodes_yaml}"),
     );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(&format!(
-            "script: lane.lua\nlists:\n  gray_ips: ips.txt\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n{extra}"
-        )),
-    );
+    let cfg = Config::new()
+        .script("lane.lua")
+        .raw("lists:\n  gray_ips: ips.txt\n")
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .raw(&extra)
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     Setup { _fx: fx, gw }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_lane_reaches_only_its_own_nodes() {
-    let f1 = Backend::start("f1", "formal").await;
-    let f2 = Backend::start("f2", "formal").await;
-    let g1 = Backend::start("g1", "gray").await;
-    let v1 = Backend::start("v1", "v2").await;
+    let [f1, f2, g1, v1] = backends([
+        ("f1", "formal"),
+        ("f2", "formal"),
+        ("g1", "gray"),
+        ("v1", "v2"),
+    ])
+    .await;
     let s = setup(
         &[&f1, &f2, &g1, &v1]
             .iter()
@@ -71,8 +74,7 @@ async fn each_lane_reaches_only_its_own_nodes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lane_without_nodes_falls_back_to_formal_never_other_gray() {
-    let f1 = Backend::start("f1", "formal").await;
-    let g1 = Backend::start("g1", "gray").await;
+    let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let s = setup(&(f1.node_yaml() + &g1.node_yaml()), "");
     for _ in 0..4 {
         let r = Req::get("/x")
@@ -99,8 +101,7 @@ async fn lane_without_nodes_falls_back_to_formal_never_other_gray() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn smooth_weighted_round_robin_within_a_lane() {
-    let a = Backend::start("a", "formal").await;
-    let b = Backend::start("b", "formal").await;
+    let [a, b] = backends([("a", "formal"), ("b", "formal")]).await;
     let nodes = format!(
         "      - {{ name: a, addr: \"{}\", weight: 3 }}\n      - {{ name: b, addr: \"{}\", weight: 1 }}\n",
         a.addr, b.addr
@@ -132,26 +133,21 @@ async fn no_candidate_is_a_503_with_a_short_body() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ip_list_decides_by_the_real_source_address() {
-    let f1 = Backend::start("f1", "formal").await;
-    let g1 = Backend::start("g1", "gray").await;
+    let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let fx = Fixture::new();
     fx.write("ips.txt", "127.0.9.0/24\n");
     fx.write(
         "lane.lua",
         "return function(req) if graygate.in_list('gray_ips', req.ip) then return 'gray' end end\n",
     );
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  api:\n    nodes:\n{}{}",
-            f1.node_yaml(),
-            g1.node_yaml()
-        ),
-    );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config("script: lane.lua\nlists: { gray_ips: ips.txt }\nnode_files: [nodes.yaml]\ntrusted_proxies: [127.0.0.2/32]\nroutes: [{ prefix: /, service: api }]\n"),
-    );
+    fx.api_nodes(&[&f1, &g1]);
+    let cfg = Config::new()
+        .script("lane.lua")
+        .raw("lists: { gray_ips: ips.txt }\n")
+        .node_files(&["nodes.yaml"])
+        .raw("trusted_proxies: [127.0.0.2/32]\n")
+        .route_all("api")
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     let r = Req::get("/").from_ip("127.0.9.5").send(gw.addr).await;
     assert_eq!(r.node(), "g1");
@@ -183,8 +179,7 @@ async fn ip_list_decides_by_the_real_source_address() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tag_header_replaced_from_clients_honoured_from_trusted_proxies() {
-    let f1 = Backend::start("f1", "formal").await;
-    let g1 = Backend::start("g1", "gray").await;
+    let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let s = setup(
         &(f1.node_yaml() + &g1.node_yaml()),
         "trusted_proxies: [127.0.0.3/32]\n",
@@ -334,27 +329,18 @@ async fn connect_error_is_502_and_timeout_is_504() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failing_script_sends_the_request_formal_and_logs() {
-    let f1 = Backend::start("f1", "formal").await;
-    let g1 = Backend::start("g1", "gray").await;
+    let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let fx = Fixture::new();
     fx.write(
         "lane.lua",
         "return function(req)\n  if req:header('X-Boom') then\n    error('kaboom')\n  end\n  if req:header('X-Bad') then return 'gray\\r\\nX-Evil: 1' end\n  return 'gray'\nend\n",
     );
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  api:\n    nodes:\n{}{}",
-            f1.node_yaml(),
-            g1.node_yaml()
-        ),
-    );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(
-            "script: lane.lua\nnode_files: [nodes.yaml]\nroutes: [{ prefix: /, service: api }]\n",
-        ),
-    );
+    fx.api_nodes(&[&f1, &g1]);
+    let cfg = Config::new()
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     assert_eq!(gw.get("/").await.node(), "g1");
     let r = Req::get("/").header("X-Boom", "1").send(gw.addr).await;
@@ -396,14 +382,14 @@ async fn failing_script_sends_the_request_formal_and_logs() {
 async fn unmatched_route_is_404() {
     let f1 = Backend::start("f1", "formal").await;
     let fx = Fixture::new();
-    fx.write(
-        "nodes.yaml",
-        &format!("services:\n  api:\n    nodes:\n{}", f1.node_yaml()),
-    );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config("node_files: [nodes.yaml]\nroutes:\n  - { prefix: /api/, service: api }\n  - { host: admin.example, prefix: /, service: api }\n"),
-    );
+    fx.api_nodes(&[&f1]);
+    let cfg = Config::new()
+        .node_files(&["nodes.yaml"])
+        .routes(&[
+            Route::service("/api/", "api"),
+            Route::service("/", "api").host("admin.example"),
+        ])
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     assert_eq!(gw.get("/other").await.status, 404);
     assert_eq!(gw.get("/api/x").await.status, 200);

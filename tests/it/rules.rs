@@ -1,7 +1,6 @@
 //! Declarative gray rules through the real binary: deny → rules → script,
 //! fallback, the enabled switch, hot reload and rejection of bad files.
 
-
 use std::time::Duration;
 
 use crate::harness::*;
@@ -194,12 +193,13 @@ async fn script_runs_after_rules_sees_the_verdict_and_may_override() {
         .lines()
         .map(|l| format!("  {l}\n"))
         .collect::<String>();
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(&format!(
-            "lists:\n  testers: testers.txt\nscript: lane.lua\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\nrules:\n{inline}"
-        )),
-    );
+    let cfg = Config::new()
+        .raw("lists:\n  testers: testers.txt\n")
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .raw(&format!("rules:\n{inline}\n"))
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
 
     // The rule decides; the script keeps it and sees its name and lane.
@@ -229,12 +229,13 @@ async fn rules_pin_sticky_cookies_and_deny_beats_a_sticky_cookie() {
     let fx = Fixture::new();
     write_common(&fx, &bs);
     fx.write("rules.yaml", RULES);
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(
-            "lists:\n  testers: testers.txt\nrules_file: rules.yaml\nnode_files: [nodes.yaml]\nsticky:\n  key: test-sticky-key-0123456789\nroutes:\n  - prefix: /\n    service: api\n    sticky: true\n",
-        ),
-    );
+    let cfg = Config::new()
+        .raw("lists:\n  testers: testers.txt\n")
+        .rules_file("rules.yaml")
+        .node_files(&["nodes.yaml"])
+        .raw("sticky:\n  key: test-sticky-key-0123456789\n")
+        .routes(&[Route::service("/", "api").sticky()])
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     // A rule decides gray and the lane is pinned in a cookie.
     let r = Req::get("/").from_ip("127.0.9.5").send(gw.addr).await;

@@ -2,22 +2,17 @@
 //! file, then signals), INT and QUIT stop at once, TERM drains — and a fast
 //! signal during a drain cuts it short. HUP reload is in tests/reload.rs.
 
-
 use std::time::Duration;
 
 use crate::harness::*;
 
 fn hang_config(fx: &Fixture, node: &Backend, extra: &str) -> std::path::PathBuf {
-    fx.write(
-        "nodes.yaml",
-        &format!("services:\n  api:\n    nodes:\n{}", node.node_yaml()),
-    );
-    fx.write(
-        "gg.yaml",
-        &main_config(&format!(
-            "node_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n{extra}"
-        )),
-    )
+    fx.api_nodes(&[&node]);
+    Config::new()
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .raw(&extra)
+        .write(&fx, "gg.yaml")
 }
 
 fn read(path: &std::path::Path) -> String {

@@ -9,7 +9,6 @@
 //! Content-Lengths, a broken chunk, TE + CL and a non-chunked coding from a
 //! node, and that such a connection is never reused.
 
-
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -307,8 +306,7 @@ struct Conversation {
 /// Sends `raw` on a fresh connection and reads until `want` responses have
 /// arrived or the gateway closes (bounded).
 async fn converse(addr: SocketAddr, raw: &[u8], want: usize) -> Conversation {
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(raw).await.unwrap();
+    let mut s = connect_with(addr, raw).await;
     let mut buf = Vec::new();
     let mut answers = Vec::new();
     let mut closed = false;
@@ -553,12 +551,12 @@ async fn setup(extra: &str) -> (Fixture, Gateway, Recorder) {
             up.addr
         ),
     );
-    fx.write(
-        "gg.yaml",
-        &main_config(&format!(
-            "workers: 1\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n{extra}"
-        )),
-    );
+    Config::new()
+        .set("workers", 1)
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .raw(&extra)
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&fx.path("gg.yaml"));
     (fx, gw, up)
 }
@@ -688,12 +686,13 @@ async fn absolute_form_authority_is_the_host_for_routing_and_upstream() {
             up.addr, other.addr
         ),
     );
-    fx.write(
-        "gg.yaml",
-        &main_config(
-            "node_files: [nodes.yaml]\nroutes:\n  - { host: real.example, prefix: /, service: real }\n  - { host: fake, prefix: /, service: fake }\n",
-        ),
-    );
+    Config::new()
+        .node_files(&["nodes.yaml"])
+        .routes(&[
+            Route::service("/", "real").host("real.example"),
+            Route::service("/", "fake").host("fake"),
+        ])
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&fx.path("gg.yaml"));
     let raw = "GET http://real.example/abs HTTP/1.1\r\nHost: fake\r\n\r\n";
     let conv = converse(gw.addr, raw.as_bytes(), 1).await;
@@ -719,12 +718,7 @@ async fn upgrades_are_allowed_per_route() {
             up.addr
         ),
     );
-    fx.write(
-        "gg.yaml",
-        &main_config(
-            "node_files: [nodes.yaml]\nroutes:\n  - { prefix: /, service: api }\n  - { prefix: /custom/, service: api, upgrades: [websocket, my-proto] }\n",
-        ),
-    );
+    Config::new().node_files(&["nodes.yaml"]).raw("routes:\n  - { prefix: /, service: api }\n  - { prefix: /custom/, service: api, upgrades: [websocket, my-proto] }\n").write(&fx, "gg.yaml");
     let gw = Gateway::start(&fx.path("gg.yaml"));
     // Not allowed on `/`: forwarded as a plain request, tokens removed.
     let raw = "GET /plain HTTP/1.1\r\nHost: a\r\nConnection: upgrade\r\nUpgrade: my-proto\r\n\r\n";

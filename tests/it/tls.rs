@@ -4,11 +4,10 @@
 //! pair served to new connections, a broken or mismatched one rejected with
 //! its file while the old one keeps serving).
 
-
 use std::time::Duration;
 
-use crate::harness::*;
 use crate::harness::tls::*;
+use crate::harness::*;
 
 const SCRIPT: &str = r#"
 return function(req)
@@ -34,20 +33,12 @@ struct Setup {
 /// api.example, a wildcard for *.wild.example) and a plain h2c listener.
 async fn setup() -> Setup {
     let fx = Fixture::new();
-    let formal = Backend::start("f1", "formal").await;
-    let gray = Backend::start("g1", "gray").await;
+    let [formal, gray] = backends([("f1", "formal"), ("g1", "gray")]).await;
     write_cert(&fx.path("certs"), "default", "localhost");
     write_cert(&fx.path("certs"), "api", "api.example");
     write_cert(&fx.path("certs"), "wild", "any.wild.example");
     fx.write("lane.lua", SCRIPT);
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  api:\n    nodes:\n{}{}",
-            formal.node_yaml(),
-            gray.node_yaml()
-        ),
-    );
+    fx.api_nodes(&[&formal, &gray]);
     fx.write("static/formal/index.html", "<h1>formal</h1>\n");
     fx.write("static/gray/index.html", "<h1>gray</h1>\n");
     let cfg = fx.write(
@@ -177,7 +168,7 @@ async fn https_over_h2_and_http1_routes_lanes_static_and_forwarded_proto() {
         2,
         "one connection reused: {text}"
     );
-    let metrics = Req::get("/metrics").send(s.gw.admin.unwrap()).await.text();
+    let metrics = s.gw.metrics().await;
     let served: f64 = metrics
         .lines()
         .filter(|l| l.starts_with("graygate_requests_total{") && l.contains("route=\"/api/\""))
@@ -307,10 +298,7 @@ async fn certificate_reload_and_bad_pairs_rejected_with_their_file() {
     let fx = Fixture::new();
     let formal = Backend::start("f1", "formal").await;
     write_cert(&fx.path("certs"), "site", "one.example");
-    fx.write(
-        "nodes.yaml",
-        &format!("services:\n  api:\n    nodes:\n{}", formal.node_yaml()),
-    );
+    fx.api_nodes(&[&formal]);
     let cfg = fx.write(
         "graygate.yaml",
         &main_config(

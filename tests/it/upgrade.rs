@@ -4,7 +4,6 @@
 //! connections with `Connection: close`, lets a WebSocket conversation end,
 //! then exits. Real processes, real sockets, continuous load.
 
-
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -12,8 +11,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use crate::harness::*;
+use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use http_body_util::{BodyExt, Empty};
 use hyper_util::rt::TokioIo;

@@ -197,7 +197,12 @@ impl Backend {
 
     /// The lane tag of every request recorded.
     pub fn tags(&self) -> Vec<Option<String>> {
-        self.seen.lock().unwrap().iter().map(|s| s.tag.clone()).collect()
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|s| s.tag.clone())
+            .collect()
     }
 
     pub fn last(&self) -> Seen {
@@ -249,7 +254,9 @@ impl Backend {
 
     /// A wait before each answer.
     pub fn set_delay(&self, d: Duration) {
-        self.state.delay_ms.store(d.as_millis() as u64, Ordering::SeqCst);
+        self.state
+            .delay_ms
+            .store(d.as_millis() as u64, Ordering::SeqCst);
     }
 
     /// Every `n`-th answer (0: none) is a 503.
@@ -367,4 +374,22 @@ impl State {
         *r.status_mut() = self.status();
         Ok(r)
     }
+}
+
+/// One [`Backend::start`] backend per `(name, lane)`.
+pub async fn backends<const N: usize>(specs: [(&str, &str); N]) -> [Backend; N] {
+    let mut all = Vec::with_capacity(N);
+    for (name, lane) in specs {
+        all.push(Backend::start(name, lane).await);
+    }
+    all.try_into().unwrap_or_else(|_| unreachable!())
+}
+
+/// One [`Backend::full`] backend per `(name, lane)`.
+pub async fn full_backends<const N: usize>(specs: [(&str, &str); N]) -> [Backend; N] {
+    let mut all = Vec::with_capacity(N);
+    for (name, lane) in specs {
+        all.push(Backend::full(name, lane).await);
+    }
+    all.try_into().unwrap_or_else(|_| unreachable!())
 }

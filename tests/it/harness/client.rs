@@ -160,10 +160,7 @@ impl Req {
 }
 
 /// Sends requests from many users (header `X-User`) until stopped.
-pub fn user_traffic(
-    addr: SocketAddr,
-    stop: Arc<std::sync::atomic::AtomicBool>,
-) -> tokio::task::JoinHandle<u64> {
+pub fn user_traffic(addr: SocketAddr, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<u64> {
     tokio::spawn(async move {
         let mut sent = 0u64;
         while !stop.load(std::sync::atomic::Ordering::Relaxed) {
@@ -244,17 +241,17 @@ pub async fn try_get(
 
 /// Requests in a loop against `addrs` until stopped: (ok, errors, last error).
 pub struct Load {
-    pub stop: Arc<std::sync::atomic::AtomicBool>,
+    pub stop: Arc<AtomicBool>,
     pub ok: Arc<AtomicUsize>,
-    pub errors: Arc<std::sync::Mutex<Vec<String>>>,
+    pub errors: Arc<Mutex<Vec<String>>>,
     pub tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Load {
     pub fn start(addrs: &[SocketAddr]) -> Load {
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
         let ok = Arc::new(AtomicUsize::new(0));
-        let errors = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let errors = Arc::new(Mutex::new(Vec::new()));
         let tasks = addrs
             .iter()
             .map(|&a| {
@@ -300,4 +297,24 @@ impl Load {
         let errors = self.errors.lock().unwrap().clone();
         (self.ok.load(Ordering::Relaxed), errors)
     }
+}
+
+/// A new connection with `bytes` written on it.
+pub async fn connect_with(addr: SocketAddr, bytes: &[u8]) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    s
+}
+
+/// Writes `bytes` on a new connection and reads until the peer closes.
+pub async fn exchange_raw(addr: SocketAddr, bytes: &[u8]) -> String {
+    read_to_close(&mut connect_with(addr, bytes).await).await
+}
+
+/// Reads until the peer closes the connection (bounded: 20 s).
+pub async fn read_to_close(s: &mut TcpStream) -> String {
+    let mut out = Vec::new();
+    let r = tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out)).await;
+    assert!(r.is_ok(), "the peer did not close the connection");
+    String::from_utf8_lossy(&out).into_owned()
 }

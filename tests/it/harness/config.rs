@@ -64,8 +64,7 @@ impl Config {
     /// debounce.
     pub fn new() -> Config {
         Config {
-            out: "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nreload_debounce_ms: 50\n"
-                .into(),
+            out: "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nreload_debounce_ms: 50\n".into(),
         }
     }
 
@@ -133,6 +132,18 @@ impl Config {
     /// Writes the file in the fixture (in place) and returns its path.
     pub fn write(&self, fx: &Fixture, rel: &str) -> PathBuf {
         fx.write(rel, &self.out)
+    }
+
+    /// Writes the file as editors save it (a temp file renamed over it).
+    pub fn write_rename(&self, fx: &Fixture, rel: &str) -> PathBuf {
+        fx.write_rename(rel, &self.out)
+    }
+}
+
+impl Fixture {
+    /// `nodes.yaml`: service `api` with these backends.
+    pub fn api_nodes(&self, bs: &[&super::Backend]) -> PathBuf {
+        Nodes::api(nodes_of(bs.iter().copied())).write(self, "nodes.yaml")
     }
 }
 

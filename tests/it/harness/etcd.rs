@@ -112,7 +112,9 @@ impl Etcd {
     }
 
     fn log_path(&self, i: usize) -> PathBuf {
-        self.dir.path().join(format!("{}.log", self.members[i].name))
+        self.dir
+            .path()
+            .join(format!("{}.log", self.members[i].name))
     }
 
     pub fn spawn(&mut self, i: usize) {
@@ -369,17 +371,25 @@ pub fn graygate(args: &[&str]) -> (bool, String) {
     (out.status.success(), text)
 }
 
-/// `graygate push`; returns the revision it printed.
-pub fn push(etcd: &Etcd, prefix: &str, conf: &Conf) -> i64 {
-    let (ok, out) = graygate(&[
+/// `graygate push` of `conf` under `prefix`: whether it succeeded, and
+/// what it printed.
+pub fn try_push(etcd: &Etcd, prefix: &str, conf: &Conf) -> (bool, String) {
+    let main = conf.main();
+    let url = etcd.url();
+    graygate(&[
         "push",
         "--config",
-        conf.main().to_str().unwrap(),
+        main.to_str().unwrap(),
         "--etcd",
-        &etcd.url(),
+        &url,
         "--prefix",
         prefix,
-    ]);
+    ])
+}
+
+/// `graygate push`; returns the revision it printed.
+pub fn push(etcd: &Etcd, prefix: &str, conf: &Conf) -> i64 {
+    let (ok, out) = try_push(etcd, prefix, conf);
     assert!(ok, "push failed: {out}");
     out.split("at revision ")
         .nth(1)
@@ -404,4 +414,22 @@ impl Gateway {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
+}
+
+/// Pushes `conf` under `prefix` and starts gateways `ids` from bootstraps
+/// in a new directory (returned: it holds their caches); returns once
+/// each serves the pushed revision.
+pub async fn serve<const N: usize>(
+    etcd: &Etcd,
+    prefix: &str,
+    conf: &Conf,
+    ids: [&str; N],
+) -> (tempfile::TempDir, i64, [Gateway; N]) {
+    let revision = push(etcd, prefix, conf);
+    let root = tempfile::tempdir().unwrap();
+    let gws = ids.map(|id| etcd.gateway(root.path(), id, prefix));
+    for g in &gws {
+        g.wait_revision(revision).await;
+    }
+    (root, revision, gws)
 }

@@ -338,6 +338,30 @@ impl Gateway {
         .await;
     }
 
+    /// The Prometheus text of `/metrics` on the admin listener.
+    pub async fn metrics(&self) -> String {
+        self.admin_get("/metrics").await.text()
+    }
+
+    /// The value of one series (its full name with labels), if present.
+    pub async fn metric(&self, series: &str) -> Option<f64> {
+        self.metrics()
+            .await
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    /// The sum of every series whose name (with labels) starts with
+    /// `prefix`.
+    pub async fn metric_sum(&self, prefix: &str) -> f64 {
+        self.metrics()
+            .await
+            .lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
     /// `GET <path>` on the main listener.
     pub async fn get(&self, path: &str) -> Resp {
         Req::get(path).send(self.addr).await

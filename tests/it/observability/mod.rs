@@ -4,7 +4,6 @@
 
 mod rules;
 
-
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -46,12 +45,12 @@ fn setup(nodes: &[&Backend], extra: &str) -> Setup {
         "nodes.yaml",
         &format!("services:\n  api:\n    nodes:\n{yaml}"),
     );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(&format!(
-            "script: lane.lua\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /api/\n    service: api\n{extra}"
-        )),
-    );
+    let cfg = Config::new()
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .routes(&[Route::service("/api/", "api")])
+        .raw(&extra)
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     Setup { fx, gw }
 }
@@ -71,8 +70,7 @@ async fn lane_req(gw: &Gateway, lane: &str) -> Resp {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_requests_decisions_fallbacks_script_errors_and_reloads() {
-    let f1 = Backend::start("f1", "formal").await;
-    let g1 = Backend::start("g1", "gray").await;
+    let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let s = setup(&[&f1, &g1], "");
     for _ in 0..3 {
         assert_eq!(s.gw.get("/api/x").await.status, 200);
@@ -375,10 +373,11 @@ async fn nodes_show_lane_weight_health_in_flight_requests_and_errors() {
             "services:\n  api:\n    health:\n      passive: {{ cooldown_ms: 600000 }}\n    nodes:\n{fx_nodes}"
         ),
     );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config("script: lane.lua\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /api/\n    service: api\n"),
-    );
+    let cfg = Config::new()
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .routes(&[Route::service("/api/", "api")])
+        .write(&fx, "gg.yaml");
     let s = Setup {
         gw: Gateway::start(&cfg),
         fx,
@@ -468,9 +467,7 @@ async fn nodes_show_lane_weight_health_in_flight_requests_and_errors() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_is_a_dry_run_of_lane_and_node_choice() {
-    let f1 = Backend::start("f1", "formal").await;
-    let f2 = Backend::start("f2", "formal").await;
-    let g1 = Backend::start("g1", "gray").await;
+    let [f1, f2, g1] = backends([("f1", "formal"), ("f2", "formal"), ("g1", "gray")]).await;
     let s = setup(&[&f1, &f2, &g1], "");
     let metrics_before = s.metrics().await;
 
@@ -554,9 +551,7 @@ async fn explain_is_a_dry_run_of_lane_and_node_choice() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_management_writes_the_file_back_and_applies_it() {
-    let f1 = Backend::start("f1", "formal").await;
-    let g1 = Backend::start("g1", "gray").await;
-    let g2 = Backend::start("g2", "gray").await;
+    let [f1, g1, g2] = backends([("f1", "formal"), ("g1", "gray"), ("g2", "gray")]).await;
     let s = setup(&[&f1, &g1], "");
     let admin = s.admin();
     let send = |m: &str, path: &str, body: &str| {
@@ -694,8 +689,7 @@ async fn draining_a_node_lets_in_flight_finish_and_sends_new_requests_elsewhere(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn access_log_json_and_text_and_off_by_default() {
-    let f1 = Backend::start("f1", "formal").await;
-    let g1 = Backend::start("g1", "gray").await;
+    let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let s = setup(
         &[&f1, &g1],
         "access_log: { path: access.log, format: json }\n",
@@ -785,19 +779,17 @@ async fn a_stuck_access_log_drops_lines_and_never_blocks_requests() {
         .status()
         .unwrap()
         .success());
-    fx.write(
-        "nodes.yaml",
-        &format!("services:\n  api:\n    nodes:\n{}", f1.node_yaml()),
-    );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config("node_files: [nodes.yaml]\naccess_log: { path: stuck.log, buffer: 4 }\nroutes:\n  - prefix: /\n    service: api\n"),
-    );
+    fx.api_nodes(&[&f1]);
+    let cfg = Config::new()
+        .node_files(&["nodes.yaml"])
+        .raw("access_log: { path: stuck.log, buffer: 4 }\n")
+        .route_all("api")
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     for _ in 0..20 {
         assert_eq!(gw.get("/x").await.status, 200);
     }
-    let m = Req::get("/metrics").send(gw.admin.unwrap()).await.text();
+    let m = gw.metrics().await;
     assert_eq!(
         sample(&m, "graygate_access_log_dropped_total"),
         Some(16.0),
@@ -807,8 +799,7 @@ async fn a_stuck_access_log_drops_lines_and_never_blocks_requests() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lane_response_header_is_off_by_default_and_configurable() {
-    let f1 = Backend::start("f1", "formal").await;
-    let g1 = Backend::start("g1", "gray").await;
+    let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let s = setup(&[&f1, &g1], "");
     assert_eq!(lane_req(&s.gw, "gray").await.header("x-gray-lane"), None);
     let t = setup(&[&f1, &g1], "lane_response_header: X-Gray-Lane\n");
@@ -827,22 +818,16 @@ async fn lane_response_header_is_off_by_default_and_configurable() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_follows_the_sticky_lane_cookie_like_real_traffic() {
-    let f1 = Backend::start("f1", "formal").await;
-    let g1 = Backend::start("g1", "gray").await;
+    let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let fx = Fixture::new();
     fx.write("lane.lua", SCRIPT);
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  api:\n    nodes:\n{}{}",
-            f1.node_yaml(),
-            g1.node_yaml()
-        ),
-    );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config("script: lane.lua\nnode_files: [nodes.yaml]\nsticky:\n  key: explain-sticky-key-0123456789\nroutes:\n  - prefix: /api/\n    service: api\n    sticky: true\n"),
-    );
+    fx.api_nodes(&[&f1, &g1]);
+    let cfg = Config::new()
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .raw("sticky:\n  key: explain-sticky-key-0123456789\n")
+        .routes(&[Route::service("/api/", "api").sticky()])
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     let admin = gw.admin.unwrap();
     // A real gray request gets the signed lane cookie.

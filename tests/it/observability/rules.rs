@@ -1,7 +1,6 @@
 //! Rule management through the admin API: the `enabled` switch and a rule's
 //! percentage, written back to the rule file and applied by a reload.
 
-
 use std::net::SocketAddr;
 
 use crate::harness::*;
@@ -30,22 +29,16 @@ async fn user(gw: &Gateway, uid: usize) -> Resp {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rule_percentage_and_switch_are_written_back_and_applied() {
-    let f1 = Backend::start("f1", "formal").await;
-    let g1 = Backend::start("g1", "gray").await;
+    let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let fx = Fixture::new();
     fx.write("rules.yaml", RULES);
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  api:\n    nodes:\n{}{}",
-            f1.node_yaml(),
-            g1.node_yaml()
-        ),
-    );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config("rules_file: rules.yaml\naccess_log: { path: access.log, format: json }\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /api/\n    service: api\n"),
-    );
+    fx.api_nodes(&[&f1, &g1]);
+    let cfg = Config::new()
+        .rules_file("rules.yaml")
+        .raw("access_log: { path: access.log, format: json }\n")
+        .node_files(&["nodes.yaml"])
+        .routes(&[Route::service("/api/", "api")])
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     let admin = gw.admin.unwrap();
     let rules_file = || std::fs::read_to_string(fx.path("rules.yaml")).unwrap();
@@ -79,12 +72,12 @@ async fn rule_percentage_and_switch_are_written_back_and_applied() {
         Req::get("/rules").send(admin).await.json()["rules"][1]["percentage"],
         100.0
     );
-    let m = Req::get("/metrics").send(admin).await.text();
+    let m = gw.metrics().await;
     assert_eq!(gray_matched(&m), 0.0);
     for u in 0..20 {
         assert_eq!(user(&gw, u).await.node(), "g1");
     }
-    let m = Req::get("/metrics").send(admin).await.text();
+    let m = gw.metrics().await;
     assert_eq!(gray_matched(&m), 20.0, "{m}");
     // The access log names the deciding rule.
     let log = fx.path("access.log");
@@ -148,14 +141,8 @@ async fn rule_percentage_and_switch_are_written_back_and_applied() {
 async fn inline_rules_are_shown_but_not_rewritten() {
     let f1 = Backend::start("f1", "formal").await;
     let fx = Fixture::new();
-    fx.write(
-        "nodes.yaml",
-        &format!("services:\n  api:\n    nodes:\n{}", f1.node_yaml()),
-    );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config("rules:\n  rules:\n    - { name: staff, lane: gray, header: { name: X-Staff, values: [\"1\"] } }\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /api/\n    service: api\n"),
-    );
+    fx.api_nodes(&[&f1]);
+    let cfg = Config::new().raw("rules:\n  rules:\n    - { name: staff, lane: gray, header: { name: X-Staff, values: [\"1\"] } }\n").node_files(&["nodes.yaml"]).routes(&[Route::service("/api/", "api")]).write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     let admin = gw.admin.unwrap();
     let doc = Req::get("/rules").send(admin).await.json();

@@ -10,14 +10,13 @@
 //! from its cache); a restarted gateway resumes at the step, and an
 //! abort through it applies on both.
 
-
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::harness::*;
 use crate::harness::etcd::*;
+use crate::harness::*;
 use http::StatusCode;
 
 /// Lease TTL of the election (and of the counters keys), seconds.
@@ -438,9 +437,7 @@ async fn a_restarted_gateway_resumes_at_the_step_and_an_abort_through_it_applies
     }
     // The leader stopped gracefully (it resigns) and started again.
     f.gws[l].signal("TERM");
-    let status = f.gws[l]
-        .wait_exit(Duration::from_secs(20))
-        .await;
+    let status = f.gws[l].wait_exit(Duration::from_secs(20)).await;
     assert!(status.is_some_and(|s| s.success()), "{status:?}");
     f.gws[l].restart();
     traffic.stop().await;

@@ -2,8 +2,6 @@
 //! timeouts, 414/431/400, the connection cap, hostile lane names and static
 //! paths, and graceful shutdown.
 
-
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,30 +16,16 @@ fn setup_with(fx: &Fixture, nodes: &[&Backend], script: &str, main_extra: &str) 
         n.push_str(&node.node_yaml());
     }
     fx.write("nodes.yaml", &n);
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(&format!(
-            "script: lane.lua\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n{main_extra}"
-        )),
-    );
+    let cfg = Config::new()
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .raw(&main_extra)
+        .write(&fx, "gg.yaml");
     Gateway::start(&cfg)
 }
 
 const HEADER_SCRIPT: &str = "return function(req) return req:header('X-Lane') end\n";
-
-/// Sends raw bytes and reads until the server closes (bounded).
-async fn raw(addr: SocketAddr, bytes: &[u8]) -> String {
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(bytes).await.unwrap();
-    read_to_close(&mut s).await
-}
-
-async fn read_to_close(s: &mut TcpStream) -> String {
-    let mut out = Vec::new();
-    let r = tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut out)).await;
-    assert!(r.is_ok(), "server did not close the connection");
-    String::from_utf8_lossy(&out).into_owned()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slowloris_head_is_cut_off_by_the_header_timeout() {
@@ -53,10 +37,7 @@ async fn slowloris_head_is_cut_off_by_the_header_timeout() {
         HEADER_SCRIPT,
         "client:\n  header_timeout_ms: 300\n  idle_timeout_ms: 60000\n",
     );
-    let mut s = TcpStream::connect(gw.addr).await.unwrap();
-    s.write_all(b"GET /x HTTP/1.1\r\nHost: a\r\nX-Slow: 1")
-        .await
-        .unwrap();
+    let mut s = connect_with(gw.addr, b"GET /x HTTP/1.1\r\nHost: a\r\nX-Slow: 1").await;
     // The head never completes: the gateway closes the connection.
     let text = read_to_close(&mut s).await;
     assert!(!text.contains("200"), "{text}");
@@ -73,10 +54,7 @@ async fn idle_keepalive_connections_are_closed() {
         HEADER_SCRIPT,
         "client:\n  header_timeout_ms: 60000\n  idle_timeout_ms: 300\n",
     );
-    let mut s = TcpStream::connect(gw.addr).await.unwrap();
-    s.write_all(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
-        .await
-        .unwrap();
+    let mut s = connect_with(gw.addr, b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n").await;
     // One answer, then the idle connection is closed by the gateway.
     let text = read_to_close(&mut s).await;
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
@@ -158,7 +136,7 @@ async fn oversized_and_malformed_requests_get_4xx() {
         "GET /x HTTP/1.1\r\nHost: a\r\nX-Huge: {}\r\n\r\n",
         "c".repeat(64 * 1024)
     );
-    let text = raw(gw.addr, huge.as_bytes()).await;
+    let text = exchange_raw(gw.addr, huge.as_bytes()).await;
     assert!(text.starts_with("HTTP/1.1 431"), "{text}");
     for bad in [
         &b"GARBAGE\r\n\r\n"[..],
@@ -166,7 +144,7 @@ async fn oversized_and_malformed_requests_get_4xx() {
         b"GET /x HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello",
         b"GET /x HTTP/1.1\r\nHost: a\r\nX: \x01\r\n\r\n",
     ] {
-        let text = raw(gw.addr, bad).await;
+        let text = exchange_raw(gw.addr, bad).await;
         assert!(
             text.starts_with("HTTP/1.1 400"),
             "{:?} → {text}",
@@ -200,13 +178,13 @@ async fn connection_cap_refuses_extra_connections() {
         assert_eq!(&buf, b"HTTP/1.1 200");
         held.push(s);
     }
-    let text = raw(gw.addr, b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n").await;
+    let text = exchange_raw(gw.addr, b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n").await;
     assert!(text.starts_with("HTTP/1.1 503"), "{text}");
     assert!(text.ends_with("too many connections\n"), "{text}");
     // Closing one frees a slot.
     held.pop();
     eventually("a slot frees up", Duration::from_secs(10), || async {
-        let text = raw(
+        let text = exchange_raw(
             gw.addr,
             b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
         )
@@ -218,8 +196,7 @@ async fn connection_cap_refuses_extra_connections() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_lane_names_never_reach_a_header() {
-    let f1 = Backend::full("f1", "formal").await;
-    let g1 = Backend::full("g1", "gray").await;
+    let [f1, g1] = full_backends([("f1", "formal"), ("g1", "gray")]).await;
     let fx = Fixture::new();
     // The script passes through whatever the client sends, with CR/LF.
     let script = "return function(req)\n  local l = req:header('X-Lane')\n  if l == 'crlf' then return 'gray\\r\\nX-Evil: 1' end\n  if l == 'nul' then return 'gray\\0' end\n  if l == 'space' then return 'gray lane' end\n  return l\nend\n";
@@ -268,10 +245,9 @@ async fn static_traversal_variants_are_404() {
     fx.write("site/formal/index.html", "formal index");
     fx.write("site/gray/app.js", "gray js");
     fx.write("secret.txt", "top secret");
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config("routes:\n  - prefix: /\n    static: site\n"),
-    );
+    let cfg = Config::new()
+        .routes(&[Route::static_dir("/", "site")])
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     assert_eq!(gw.get("/").await.text(), "formal index");
     for p in [
@@ -294,7 +270,7 @@ async fn static_traversal_variants_are_404() {
     }
     // Backslashes and a literal `..` on the wire.
     for p in ["/..\\secret.txt", "/a/../../secret.txt"] {
-        let text = raw(
+        let text = exchange_raw(
             gw.addr,
             format!("GET {p} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").as_bytes(),
         )
@@ -310,16 +286,13 @@ async fn sigterm_drains_in_flight_requests_then_exits_zero() {
     let slow = Backend::start_mode("slow", "formal", Mode::Gated(gate.clone())).await;
     let fx = Fixture::new();
     fx.write("lane.lua", HEADER_SCRIPT);
-    fx.write(
-        "nodes.yaml",
-        &format!("services:\n  api:\n    nodes:\n{}", slow.node_yaml()),
-    );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(
-            "script: lane.lua\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\nclient:\n  drain_timeout_ms: 30000\n",
-        ),
-    );
+    fx.api_nodes(&[&slow]);
+    let cfg = Config::new()
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .raw("client:\n  drain_timeout_ms: 30000\n")
+        .write(&fx, "gg.yaml");
     let mut gw = Gateway::start(&cfg);
     let addr = gw.addr;
     // An in-flight request: headers and the first chunk arrive, the rest
@@ -358,16 +331,13 @@ async fn drain_time_bounds_the_shutdown() {
     let hang = Backend::start_mode("hang", "formal", Mode::Hang).await;
     let fx = Fixture::new();
     fx.write("lane.lua", HEADER_SCRIPT);
-    fx.write(
-        "nodes.yaml",
-        &format!("services:\n  api:\n    nodes:\n{}", hang.node_yaml()),
-    );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(
-            "script: lane.lua\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\nclient:\n  drain_timeout_ms: 300\n",
-        ),
-    );
+    fx.api_nodes(&[&hang]);
+    let cfg = Config::new()
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .raw("client:\n  drain_timeout_ms: 300\n")
+        .write(&fx, "gg.yaml");
     let mut gw = Gateway::start(&cfg);
     let addr = gw.addr;
     let pending = tokio::spawn(async move { Req::get("/hang").send_streaming(addr).await });

@@ -5,7 +5,6 @@ mod reload;
 mod sticky;
 mod ws;
 
-
 use std::time::Duration;
 
 use crate::harness::*;
@@ -31,12 +30,12 @@ fn setup(service_extra: &str, nodes: &[&Backend], main_extra: &str) -> Setup {
     let fx = Fixture::new();
     fx.write("lane.lua", HEADER_SCRIPT);
     fx.write("nodes.yaml", &nodes_file(service_extra, nodes));
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(&format!(
-            "script: lane.lua\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n{main_extra}"
-        )),
-    );
+    let cfg = Config::new()
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .raw(&main_extra)
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     Setup { fx, gw }
 }
@@ -55,8 +54,7 @@ fn log_has(gw: &Gateway, needle: &str) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn passive_ejection_then_trial_readmission() {
-    let f1 = Backend::full("f1", "formal").await;
-    let f2 = Backend::full("f2", "formal").await;
+    let [f1, f2] = full_backends([("f1", "formal"), ("f2", "formal")]).await;
     let s = setup(
         "    retries: 0\n    health:\n      passive: { max_fails: 2, cooldown_ms: 1500 }\n",
         &[&f1, &f2],
@@ -108,8 +106,7 @@ async fn passive_ejection_then_trial_readmission() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_trial_ejects_again() {
-    let f1 = Backend::full("f1", "formal").await;
-    let f2 = Backend::full("f2", "formal").await;
+    let [f1, f2] = full_backends([("f1", "formal"), ("f2", "formal")]).await;
     let s = setup(
         "    retries: 0\n    health:\n      passive: { max_fails: 1, cooldown_ms: 300 }\n",
         &[&f1, &f2],
@@ -133,10 +130,13 @@ async fn failed_trial_ejects_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unhealthy_gray_lane_goes_formal_never_other_gray_and_recovers() {
-    let f1 = Backend::full("f1", "formal").await;
-    let g1 = Backend::full("g1", "gray").await;
-    let g2 = Backend::full("g2", "gray").await;
-    let v1 = Backend::full("v1", "v2").await;
+    let [f1, g1, g2, v1] = full_backends([
+        ("f1", "formal"),
+        ("g1", "gray"),
+        ("g2", "gray"),
+        ("v1", "v2"),
+    ])
+    .await;
     let s = setup(
         "    health:\n      active: { path: /health, interval_ms: 40, timeout_ms: 500, healthy: 1, unhealthy: 2 }\n",
         &[&f1, &g1, &g2, &v1],
@@ -187,8 +187,7 @@ async fn unhealthy_gray_lane_goes_formal_never_other_gray_and_recovers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strict_service_answers_503_when_its_lane_is_down() {
-    let f1 = Backend::full("f1", "formal").await;
-    let g1 = Backend::full("g1", "gray").await;
+    let [f1, g1] = full_backends([("f1", "formal"), ("g1", "gray")]).await;
     let s = setup(
         "    strict: true\n    health:\n      active: { path: /health, interval_ms: 40, timeout_ms: 500, healthy: 1, unhealthy: 1 }\n",
         &[&f1, &g1],
@@ -213,9 +212,7 @@ async fn strict_service_answers_503_when_its_lane_is_down() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn active_checkers_follow_reloads() {
-    let f1 = Backend::full("f1", "formal").await;
-    let g1 = Backend::full("g1", "gray").await;
-    let g2 = Backend::full("g2", "gray").await;
+    let [f1, g1, g2] = full_backends([("f1", "formal"), ("g1", "gray"), ("g2", "gray")]).await;
     let health = "    health:\n      active: { path: /health, interval_ms: 30, timeout_ms: 500 }\n";
     let s = setup(health, &[&f1, &g1], "");
     eventually("g1 probed", Duration::from_secs(10), || async {
@@ -244,9 +241,7 @@ async fn active_checkers_follow_reloads() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_failures_retry_on_the_same_lane_even_for_post() {
-    let f1 = Backend::full("f1", "formal").await;
-    let g2 = Backend::full("g2", "gray").await;
-    let v1 = Backend::full("v1", "v2").await;
+    let [f1, g2, v1] = full_backends([("f1", "formal"), ("g2", "gray"), ("v1", "v2")]).await;
     let dead = closed_port();
     let nodes = format!(
         "services:\n  api:\n    health:\n      passive: {{ max_fails: 1000 }}\n    nodes:\n      - {{ name: g-dead, addr: \"{dead}\", lane: gray }}\n{}{}{}",
@@ -282,10 +277,8 @@ async fn connect_failures_retry_on_the_same_lane_even_for_post() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idempotent_requests_retry_after_no_response_post_does_not() {
-    let a = Backend::full("a", "gray").await;
-    let b = Backend::full("b", "gray").await;
-    let f1 = Backend::full("f1", "formal").await;
-    let v1 = Backend::full("v1", "v2").await;
+    let [a, b, f1, v1] =
+        full_backends([("a", "gray"), ("b", "gray"), ("f1", "formal"), ("v1", "v2")]).await;
     let s = setup(
         "    health:\n      passive: { max_fails: 1000 }\n",
         &[&a, &b, &f1, &v1],
@@ -362,9 +355,7 @@ async fn retries_are_bounded_by_the_configured_count() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_response_and_total_timeouts() {
-    let h1 = Backend::full("h1", "formal").await;
-    let h2 = Backend::full("h2", "formal").await;
-    let g1 = Backend::full("g1", "gray").await;
+    let [h1, h2, g1] = full_backends([("h1", "formal"), ("h2", "formal"), ("g1", "gray")]).await;
     h1.set_mode(Mode::Hang);
     h2.set_mode(Mode::Hang);
     let s = setup(
@@ -393,12 +384,12 @@ async fn upstream_response_and_total_timeouts() {
     );
     // Total timeout shorter than one try: 504 once the total deadline is
     // over, long before the 30 s per-attempt timeout, after one attempt.
-    s.fx.write_rename(
-        "gg.yaml",
-        &main_config(
-            "script: lane.lua\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\nupstream:\n  response_timeout_ms: 30000\n  total_timeout_ms: 300\n",
-        ),
-    );
+    Config::new()
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .raw("upstream:\n  response_timeout_ms: 30000\n  total_timeout_ms: 300\n")
+        .write_rename(&s.fx, "gg.yaml");
     eventually("reloaded", Duration::from_secs(10), || async {
         s.gw.status().await["generation"]
             .as_u64()
@@ -443,8 +434,7 @@ async fn blackhole() -> (tokio::net::TcpListener, Vec<tokio::net::TcpStream>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_timeout_then_retry_on_the_same_lane() {
     let (hole, _held) = blackhole().await;
-    let g2 = Backend::full("g2", "gray").await;
-    let f1 = Backend::full("f1", "formal").await;
+    let [g2, f1] = full_backends([("g2", "gray"), ("f1", "formal")]).await;
     let nodes = format!(
         "services:\n  api:\n    health:\n      passive: {{ max_fails: 1000 }}\n    nodes:\n      - {{ name: g-hole, addr: \"{}\", lane: gray }}\n{}{}",
         hole.local_addr().unwrap(),
@@ -473,9 +463,7 @@ async fn connect_timeout_then_retry_on_the_same_lane() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_state_survives_reloads() {
-    let f1 = Backend::full("f1", "formal").await;
-    let f2 = Backend::full("f2", "formal").await;
-    let f3 = Backend::full("f3", "formal").await;
+    let [f1, f2, f3] = full_backends([("f1", "formal"), ("f2", "formal"), ("f3", "formal")]).await;
     let passive =
         "    retries: 0\n    health:\n      passive: { max_fails: 1, cooldown_ms: 600000 }\n";
     let s = setup(passive, &[&f1, &f2], "");
@@ -503,17 +491,9 @@ async fn health_state_survives_reloads() {
 }
 
 /// The value of the sample `series` (labels in exposition order), if any.
-async fn metric(gw: &Gateway, series: &str) -> Option<f64> {
-    let admin = gw.admin.expect("admin listener");
-    let text = Req::get("/metrics").send(admin).await.text();
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strict_service_lane_without_nodes_still_uses_formal() {
-    let f1 = Backend::full("f1", "formal").await;
-    let g1 = Backend::full("g1", "gray").await;
+    let [f1, g1] = full_backends([("f1", "formal"), ("g1", "gray")]).await;
     let s = setup("    strict: true\n", &[&f1, &g1], "");
     // v9 has no node at all: formal serves it, strict or not, with the
     // request's own lane in the tag.
@@ -525,11 +505,8 @@ async fn strict_service_lane_without_nodes_still_uses_formal() {
     }
     assert_eq!(g1.count(), 0);
     assert_eq!(
-        metric(
-            &s.gw,
-            "graygate_lane_fallbacks_total{lane=\"v9\",reason=\"lane_has_no_nodes\"}"
-        )
-        .await,
+        s.gw.metric("graygate_lane_fallbacks_total{lane=\"v9\",reason=\"lane_has_no_nodes\"}")
+            .await,
         Some(3.0)
     );
     // Its gray lane, which has a node, is still gray.
@@ -538,9 +515,7 @@ async fn strict_service_lane_without_nodes_still_uses_formal() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn all_unhealthy_tries_the_lanes_own_nodes_panic_mode() {
-    let f1 = Backend::full("f1", "formal").await;
-    let g1 = Backend::full("g1", "gray").await;
-    let v1 = Backend::full("v1", "v2").await;
+    let [f1, g1, v1] = full_backends([("f1", "formal"), ("g1", "gray"), ("v1", "v2")]).await;
     let s = setup(
         "    health:\n      active: { path: /health, interval_ms: 40, timeout_ms: 500, healthy: 1, unhealthy: 1 }\n",
         &[&f1, &g1, &v1],
@@ -555,8 +530,7 @@ async fn all_unhealthy_tries_the_lanes_own_nodes_panic_mode() {
             if name == "f1" { "formal" } else { "gray" })
     };
     eventually("f1 and g1 marked down", Duration::from_secs(10), || async {
-        metric(&s.gw, &down("f1")).await == Some(1.0)
-            && metric(&s.gw, &down("g1")).await == Some(1.0)
+        s.gw.metric(&down("f1")).await == Some(1.0) && s.gw.metric(&down("g1")).await == Some(1.0)
     })
     .await;
     // Nothing healthy for gray: its own node is tried anyway (not refused,
@@ -576,11 +550,8 @@ async fn all_unhealthy_tries_the_lanes_own_nodes_panic_mode() {
         "panic mode never crosses into another gray lane"
     );
     assert_eq!(
-        metric(
-            &s.gw,
-            "graygate_lane_fallbacks_total{lane=\"gray\",reason=\"all_unhealthy\"}"
-        )
-        .await,
+        s.gw.metric("graygate_lane_fallbacks_total{lane=\"gray\",reason=\"all_unhealthy\"}")
+            .await,
         Some(3.0)
     );
     assert_eq!(get_lane(&s.gw, "v2").await.node(), "v1");
@@ -588,8 +559,7 @@ async fn all_unhealthy_tries_the_lanes_own_nodes_panic_mode() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn active_probes_carry_the_lane_tag_and_user_agent_and_restart_on_change() {
-    let f1 = Backend::full("f1", "formal").await;
-    let g1 = Backend::full("g1", "gray").await;
+    let [f1, g1] = full_backends([("f1", "formal"), ("g1", "gray")]).await;
     let check = |path: &str| {
         format!("    health:\n      active: {{ path: {path}, interval_ms: 30, timeout_ms: 500 }}\n")
     };
@@ -648,8 +618,7 @@ async fn bodies_over_the_retry_buffer_stream_and_retry_only_after_connect_failur
 
     // A node that refuses connections: even a streamed body (over the
     // buffer) is retried on the other node, whole — it never left.
-    let b = Backend::full("b", "gray").await;
-    let f1 = Backend::full("f1", "formal").await;
+    let [b, f1] = full_backends([("b", "gray"), ("f1", "formal")]).await;
     let dead = closed_port();
     let s = setup(passive, &[&f1], &main);
     s.fx.write_rename(
@@ -735,8 +704,7 @@ async fn node_doc(gw: &Gateway, name: &str) -> serde_json::Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn five_xx_is_passed_back_not_retried() {
-    let a = Backend::full("a", "formal").await;
-    let b = Backend::full("b", "formal").await;
+    let [a, b] = full_backends([("a", "formal"), ("b", "formal")]).await;
     let s = setup(
         "    retries: 2\n    health:\n      passive: { max_fails: 1000 }\n",
         &[&a, &b],
@@ -784,8 +752,7 @@ async fn a_success_resets_the_failure_count() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_added_by_reload_starts_healthy_under_active_checks() {
-    let f1 = Backend::full("f1", "formal").await;
-    let g1 = Backend::full("g1", "gray").await;
+    let [f1, g1] = full_backends([("f1", "formal"), ("g1", "gray")]).await;
     // Its checks fail, but three failures 60 s apart are needed to mark
     // it down: until then it takes traffic.
     g1.set_health(503);
@@ -808,16 +775,14 @@ async fn idle_pooled_upstream_connections_are_closed() {
     let f1 = Backend::start("f1", "formal").await;
     let fx = Fixture::new();
     fx.write("lane.lua", HEADER_SCRIPT);
-    fx.write(
-        "nodes.yaml",
-        &format!("services:\n  api:\n    nodes:\n{}", f1.node_yaml()),
-    );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(
-            "workers: 1\nscript: lane.lua\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\nupstream:\n  idle_timeout_ms: 300\n",
-        ),
-    );
+    fx.api_nodes(&[&f1]);
+    let cfg = Config::new()
+        .set("workers", 1)
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .raw("upstream:\n  idle_timeout_ms: 300\n")
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     use std::sync::atomic::Ordering;
     let conns = || f1.connections.load(Ordering::SeqCst);

@@ -2,14 +2,13 @@
 //! concurrent load: zero failed requests, and every response came from a
 //! node that the generation which routed it allows for the request's lane.
 
-
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
 use crate::harness::*;
+use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -73,12 +72,11 @@ async fn hundred_reloads_under_load_fail_nothing_and_stay_in_lane() {
     let fx = Fixture::new();
     fx.write("lane.lua", &script(0));
     fx.write("nodes.yaml", &nodes_yaml(0, &nodes));
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(
-            "script: lane.lua\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n",
-        ),
-    );
+    let cfg = Config::new()
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     let addr = gw.addr;
 

@@ -2,7 +2,6 @@
 //! its lane across API calls, pages and assets when its IP changes; forged,
 //! tampered, stale or unserved-lane cookies are ignored and re-decided.
 
-
 use std::time::Duration;
 
 use crate::harness::*;
@@ -18,31 +17,28 @@ struct Setup {
 }
 
 async fn setup() -> Setup {
-    let f1 = Backend::start("f1", "formal").await;
-    let g1 = Backend::start("g1", "gray").await;
+    let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let fx = Fixture::new();
     fx.write("ips.txt", "127.0.9.0/24\n");
     fx.write(
         "lane.lua",
         "return function(req)\n  if graygate.in_list('gray_ips', req.ip) then return 'gray' end\nend\n",
     );
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  api:\n    nodes:\n{}{}",
-            f1.node_yaml(),
-            g1.node_yaml()
-        ),
-    );
+    fx.api_nodes(&[&f1, &g1]);
     fx.write("site/formal/index.html", "formal page");
     fx.write("site/formal/app.js", "formal js");
     fx.write("site/gray/index.html", "gray page");
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(&format!(
-            "script: lane.lua\nlists:\n  gray_ips: ips.txt\nnode_files: [nodes.yaml]\nsticky:\n  key: {KEY}\n  max_age_secs: 3600\nroutes:\n  - prefix: /api/\n    service: api\n    sticky: true\n  - prefix: /plain/\n    service: api\n  - prefix: /\n    static: site\n    sticky: true\n"
-        )),
-    );
+    let cfg = Config::new()
+        .script("lane.lua")
+        .raw("lists:\n  gray_ips: ips.txt\n")
+        .node_files(&["nodes.yaml"])
+        .raw(&format!("sticky:\n  key: {KEY}\n  max_age_secs: 3600\n"))
+        .routes(&[
+            Route::service("/api/", "api").sticky(),
+            Route::service("/plain/", "api"),
+            Route::static_dir("/", "site").sticky(),
+        ])
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     Setup { fx, gw, f1, g1 }
 }
@@ -204,29 +200,22 @@ fn sticky_route_without_a_key_is_rejected_with_file_and_line() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trusted_tag_beats_the_cookie_and_a_script_failure_sets_none() {
-    let f1 = Backend::start("f1", "formal").await;
-    let g1 = Backend::start("g1", "gray").await;
+    let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let fx = Fixture::new();
     fx.write("ips.txt", "127.0.9.0/24\n");
     fx.write(
         "lane.lua",
         "return function(req)\n  if req:header('X-Boom') then error('boom') end\n  if req:in_list('gray_ips') then return 'gray' end\nend\n",
     );
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  api:\n    nodes:\n{}{}",
-            f1.node_yaml(),
-            g1.node_yaml()
-        ),
-    );
+    fx.api_nodes(&[&f1, &g1]);
     // 127.0.0.1 is a trusted proxy; 127.0.9.x clients are not.
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(&format!(
-            "script: lane.lua\nlists:\n  gray_ips: ips.txt\ntrusted_proxies: [127.0.0.1/32]\nnode_files: [nodes.yaml]\nsticky:\n  key: {KEY}\nroutes:\n  - prefix: /\n    service: api\n    sticky: true\n"
-        )),
-    );
+    let cfg = Config::new()
+        .script("lane.lua")
+        .raw("lists:\n  gray_ips: ips.txt\ntrusted_proxies: [127.0.0.1/32]\n")
+        .node_files(&["nodes.yaml"])
+        .raw(&format!("sticky:\n  key: {KEY}\n"))
+        .routes(&[Route::service("/", "api").sticky()])
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     let gray = cookie_of(&Req::get("/a").from_ip("127.0.9.5").send(gw.addr).await).unwrap();
     assert!(gray.starts_with("graygate_lane=gray."), "{gray}");

@@ -3,7 +3,6 @@
 //! connection stays on its node — and lane — for its whole life, reloads
 //! notwithstanding.
 
-
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -111,12 +110,11 @@ async fn websocket_keeps_its_lane_for_the_connection_life() {
             "services:\n  chat:\n    nodes:\n      - {{ name: fws, addr: \"{f_addr}\" }}\n      - {{ name: gws, addr: \"{g_addr}\", lane: gray }}\n"
         ),
     );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(
-            "script: lane.lua\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: chat\n",
-        ),
-    );
+    let cfg = Config::new()
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .routes(&[Route::service("/", "chat")])
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
 
     let mut gray = connect(gw.addr, Some("gray")).await;
@@ -152,14 +150,11 @@ async fn upgrade_refused_by_the_node_is_passed_back() {
     // client gets the node's answer.
     let b = Backend::start("plain", "formal").await;
     let fx = Fixture::new();
-    fx.write(
-        "nodes.yaml",
-        &format!("services:\n  api:\n    nodes:\n{}", b.node_yaml()),
-    );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config("node_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n"),
-    );
+    fx.api_nodes(&[&b]);
+    let cfg = Config::new()
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     let r = Req::get("/x")
         .header("Connection", "Upgrade")
@@ -178,12 +173,11 @@ fn chat_config(fx: &Fixture, addr: SocketAddr, drain_ms: u64) -> std::path::Path
         "nodes.yaml",
         &format!("services:\n  chat:\n    nodes:\n      - {{ name: fws, addr: \"{addr}\" }}\n"),
     );
-    fx.write(
-        "gg.yaml",
-        &main_config(&format!(
-            "node_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: chat\nclient:\n  drain_timeout_ms: {drain_ms}\n"
-        )),
-    )
+    Config::new()
+        .node_files(&["nodes.yaml"])
+        .routes(&[Route::service("/", "chat")])
+        .raw(&format!("client:\n  drain_timeout_ms: {drain_ms}\n"))
+        .write(&fx, "gg.yaml")
 }
 
 /// A graceful stop drains WebSocket tunnels: the conversation goes on

@@ -6,7 +6,6 @@
 //! serving on), while the interpreter serves a hot loop under the same
 //! restriction. Without the restriction, `jit: true` serves.
 
-
 use std::process::Command;
 use std::time::Duration;
 

@@ -4,7 +4,6 @@
 mod jit_mdwe;
 mod openresty;
 
-
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -40,12 +39,12 @@ fn start_in(jit: bool, fx: &Fixture, backends: &[Backend], script: &str, extra: 
     };
     fx.write("scripts/main.lua", script);
     fx.write("nodes.yaml", &nodes_yaml(backends));
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(&format!(
-            "script: scripts/main.lua\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n{extra}"
-        )),
-    );
+    let cfg = Config::new()
+        .script("scripts/main.lua")
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .raw(&extra)
+        .write(&fx, "gg.yaml");
     Gateway::start(&cfg)
 }
 
@@ -796,24 +795,23 @@ fn an_unknown_or_ill_typed_jit_setting_is_rejected_with_its_line() {
         ("script_limits:\n  jit: 1\n", "jit"),
         ("script_limits:\n  jit_on: true\n", "unknown field"),
     ] {
-        let cfg = fx.write(
-            "gg.yaml",
-            &main_config(&format!(
-                "script: scripts/main.lua\n{limits}routes:\n  - prefix: /\n    static: site\n"
-            )),
-        );
+        let cfg = Config::new()
+            .script("scripts/main.lua")
+            .raw(&format!(
+                "{limits}routes:\n  - prefix: /\n    static: site\n"
+            ))
+            .write(&fx, "gg.yaml");
         let e = graygate::generation::Generation::load(&cfg, 1).unwrap_err();
         assert_eq!(e.line, Some(6), "{limits}: {e}");
         assert!(e.message.contains(needle), "{limits}: {e}");
     }
     // Both values load.
     for jit in ["true", "false"] {
-        let cfg = fx.write(
-            "gg.yaml",
-            &main_config(&format!(
-                "script: scripts/main.lua\nscript_limits:\n  jit: {jit}\nroutes:\n  - prefix: /\n    static: site\n"
-            )),
-        );
+        let cfg = Config::new()
+            .script("scripts/main.lua")
+            .raw(&format!("script_limits:\n  jit: {jit}\n"))
+            .routes(&[Route::static_dir("/", "site")])
+            .write(&fx, "gg.yaml");
         graygate::generation::Generation::load(&cfg, 1).unwrap();
     }
 }

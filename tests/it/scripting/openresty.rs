@@ -3,7 +3,6 @@
 //! requests must give the same lane and the same value for every probed
 //! `ngx.*` / `bit` expression. (nginx comes from `.ci/run`'s packages.)
 
-
 use std::net::TcpStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -208,16 +207,15 @@ async fn same_lanes_and_values_as_nginx_lua(jit: bool) {
         "local probe = require('probe')\nlocal policy = require('openresty_gray')\nreturn { lane = function()\n  ngx.req.set_header('X-Probe', table.concat(probe.probe(), '|'))\n  return policy.lane()\nend }\n",
     );
     let backend = Backend::start("b", "formal").await;
-    fx.write(
-        "nodes.yaml",
-        &format!("services:\n  api:\n    nodes:\n{}", backend.node_yaml()),
-    );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(&format!(
-            "script: lua/main.lua\nscript_limits:\n  jit: {jit}\nshared_dicts:\n  probe: 1m\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n",
-        )),
-    );
+    fx.api_nodes(&[&backend]);
+    let cfg = Config::new()
+        .script("lua/main.lua")
+        .raw(&format!(
+            "script_limits:\n  jit: {jit}\nshared_dicts:\n  probe: 1m\n"
+        ))
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     std::fs::create_dir_all(fx.path("nginx")).unwrap();
     let nginx = start_nginx(&fx.path("nginx"), &fx.path("lua"));

@@ -1,7 +1,6 @@
 //! Static-resource nodes: per-lane trees with per-file fallback to formal,
 //! caching validators that never mix lanes, ranges, HEAD and traversal.
 
-
 use crate::harness::*;
 
 const LANE_SCRIPT: &str = "return function(req) return req:header('X-Lane') end\n";
@@ -24,10 +23,10 @@ fn setup() -> (Fixture, Gateway) {
     )
     .unwrap();
     fx.write("lane.lua", LANE_SCRIPT);
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config("script: lane.lua\nroutes:\n  - prefix: /\n    static: site\n"),
-    );
+    let cfg = Config::new()
+        .script("lane.lua")
+        .routes(&[Route::static_dir("/", "site")])
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     (fx, gw)
 }
@@ -542,12 +541,10 @@ async fn precompressed_siblings_follow_accept_encoding_from_the_files_own_tree()
     fx.write("site/gray/app.js", "console.log('gray');\n");
     fx.write("site/formal/plain.txt", "no siblings\n");
     fx.write("lane.lua", LANE_SCRIPT);
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(
-            "script: lane.lua\nroutes:\n  - prefix: /\n    static: site\n    precompressed: [br, gzip]\n",
-        ),
-    );
+    let cfg = Config::new()
+        .script("lane.lua")
+        .raw("routes:\n  - prefix: /\n    static: site\n    precompressed: [br, gzip]\n")
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     let ae = |path: &str, v: &str| Req::get(path).header("Accept-Encoding", v);
 
@@ -657,12 +654,10 @@ async fn precompressed_siblings_follow_accept_encoding_from_the_files_own_tree()
 /// The load error of a config whose one static route (on `site`) has
 /// `extra` lines.
 fn rejected_route(fx: &Fixture, extra: &str) -> graygate::config::ConfigError {
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(&format!(
-            "routes:\n  - prefix: /\n    static: site\n{extra}"
-        )),
-    );
+    let cfg = Config::new()
+        .routes(&[Route::static_dir("/", "site")])
+        .raw(&extra)
+        .write(&fx, "gg.yaml");
     graygate::generation::Generation::load(&cfg, 1).unwrap_err()
 }
 
@@ -721,7 +716,8 @@ async fn a_held_big_file_goes_to_http2_clients_from_memory_without_opening_it() 
     );
     // The plain HTTP/1.1 server sends from the kept descriptor: no worker
     // stuck in `open` on the FIFO, the held bytes sent.
-    let plain = crate::harness::tls::curl(&["--max-time", "5"], &format!("http://{}/big.txt", gw.addr));
+    let plain =
+        crate::harness::tls::curl(&["--max-time", "5"], &format!("http://{}/big.txt", gw.addr));
     assert_eq!(
         (plain.ok, plain.version.as_str()),
         (true, "1.1"),

@@ -7,7 +7,6 @@
 //! by it, `/proc/net/tcp` how much the kernel holds for a stalled reader
 //! (the sendfile path's `TCP_NOTSENT_LOWAT`).
 
-
 use std::time::Duration;
 
 use crate::harness::*;

@@ -6,7 +6,6 @@
 //! `slow_start_ms`, and bad selection config is rejected with file:line
 //! while the old generation keeps serving.
 
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -38,12 +37,12 @@ fn files(fx: &Fixture, service_keys: &str, nodes: &str, main_extra: &str) -> std
         "nodes.yaml",
         &format!("services:\n  api:\n{service_keys}    nodes:\n{nodes}"),
     );
-    fx.write(
-        "gg.yaml",
-        &main_config(&format!(
-            "node_files: [nodes.yaml]\nroutes: [{{ prefix: /, service: api }}]\n{main_extra}"
-        )),
-    )
+    Config::new()
+        .node_files(&["nodes.yaml"])
+        .raw(&format!(
+            "routes: [{{ prefix: /, service: api }}]\n{main_extra}\n"
+        ))
+        .write(&fx, "gg.yaml")
 }
 
 async fn admin(gw: &Gateway, path: &str) -> serde_json::Value {

@@ -4,7 +4,6 @@
 //! closed while idle; the response-head pass-through to HTTP/1.1 clients
 //! (byte for byte, and each case that takes the map way).
 
-
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -110,12 +109,12 @@ fn setup_extra(addr: SocketAddr, extra: &str) -> Setup {
             "services:\n  api:\n    nodes:\n      - {{ name: w, addr: \"{addr}\", lane: formal }}\n"
         ),
     );
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(&format!(
-            "workers: 1\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n{extra}"
-        )),
-    );
+    let cfg = Config::new()
+        .set("workers", 1)
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .raw(&extra)
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     Setup { _fx: fx, gw }
 }
@@ -442,10 +441,7 @@ async fn a_body_cut_short_fails_the_client_response() {
     ] {
         let cut = Arc::new(tokio::sync::Notify::new());
         let s = setup_addr(cut_after(upstream, cut.clone()).await);
-        let mut sock = tokio::net::TcpStream::connect(s.gw.addr).await.unwrap();
-        sock.write_all(b"GET /short HTTP/1.1\r\nhost: t\r\n\r\n")
-            .await
-            .unwrap();
+        let mut sock = connect_with(s.gw.addr, b"GET /short HTTP/1.1\r\nhost: t\r\n\r\n").await;
         let body_start = |got: &[u8]| got.windows(4).position(|w| w == b"\r\n\r\n").map(|p| p + 4);
         let mut got = Vec::new();
         let early = read_until(&mut sock, &mut got, |g| {
@@ -484,10 +480,7 @@ async fn a_body_cut_short_fails_the_client_response() {
     })
     .await;
     let s = setup(&wire);
-    let mut sock = tokio::net::TcpStream::connect(s.gw.addr).await.unwrap();
-    sock.write_all(b"GET /short HTTP/1.1\r\nhost: t\r\n\r\n")
-        .await
-        .unwrap();
+    let mut sock = connect_with(s.gw.addr, b"GET /short HTTP/1.1\r\nhost: t\r\n\r\n").await;
     let mut got = Vec::new();
     let ended = read_until(&mut sock, &mut got, |_| false).await;
     assert!(ended.is_some());
@@ -583,8 +576,7 @@ async fn requests_without_host_get_the_node_address() {
         &b"GET /a HTTP/1.0\r\n\r\n"[..],
         &b"POST /b HTTP/1.0\r\ncontent-length: 3\r\n\r\nabc"[..],
     ] {
-        let mut sock = tokio::net::TcpStream::connect(s.gw.addr).await.unwrap();
-        sock.write_all(raw).await.unwrap();
+        let mut sock = connect_with(s.gw.addr, raw).await;
         let mut got = Vec::new();
         tokio::time::timeout(
             std::time::Duration::from_secs(10),
