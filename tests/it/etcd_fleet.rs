@@ -54,19 +54,15 @@ async fn two_gateways_converge_on_the_same_revision_after_a_push() {
     assert_eq!(ha, b.status().await["config_hash"]);
 
     // /fleet lists both, on the same revision.
-    eventually(
-        "fleet shows both on r2",
-        Duration::from_secs(10),
-        || async {
-            let fl = a.admin_get("/fleet").await.json();
-            let gws = fl["gateways"].as_array().cloned().unwrap_or_default();
-            gws.len() == 2
-                && gws
-                    .iter()
-                    .all(|g| g["revision"] == r2 && g["config_hash"] == ha)
-                && fl["same_revision"] == true
-        },
-    )
+    soon("fleet shows both on r2", || async {
+        let fl = a.admin_get("/fleet").await.json();
+        let gws = fl["gateways"].as_array().cloned().unwrap_or_default();
+        gws.len() == 2
+            && gws
+                .iter()
+                .all(|g| g["revision"] == r2 && g["config_hash"] == ha)
+            && fl["same_revision"] == true
+    })
     .await;
     let fl = b.admin_get("/fleet").await.json();
     let ids: Vec<&str> = fl["gateways"]
@@ -133,7 +129,7 @@ async fn a_broken_script_is_rejected_on_every_gateway_and_reported_per_gateway()
     )
     .await;
     for gw in [&a, &b] {
-        eventually("rejected", Duration::from_secs(10), || async {
+        soon("rejected", || async {
             gw.status().await["last_reload_error"]
                 .as_str()
                 .is_some_and(|e| e.starts_with("/bad/config/gray.lua:"))
@@ -148,18 +144,14 @@ async fn a_broken_script_is_rejected_on_every_gateway_and_reported_per_gateway()
             "the old script keeps serving"
         );
     }
-    eventually(
-        "fleet reports the error per gateway",
-        Duration::from_secs(10),
-        || async {
-            let fl = a.admin_get("/fleet").await.json();
-            let gws = fl["gateways"].as_array().cloned().unwrap_or_default();
-            gws.len() == 2
-                && gws.iter().all(|g| {
-                    g["last_error"].as_str().is_some_and(|e| e.contains(key)) && g["revision"] == r1
-                })
-        },
-    )
+    soon("fleet reports the error per gateway", || async {
+        let fl = a.admin_get("/fleet").await.json();
+        let gws = fl["gateways"].as_array().cloned().unwrap_or_default();
+        gws.len() == 2
+            && gws.iter().all(|g| {
+                g["last_error"].as_str().is_some_and(|e| e.contains(key)) && g["revision"] == r1
+            })
+    })
     .await;
     let (ok, out) = graygate(&["--check", "--etcd", &etcd.url(), "--prefix", "/bad"]);
     assert!(!ok && out.contains("/bad/config/gray.lua:"), "{out}");
@@ -221,10 +213,7 @@ async fn the_leader_killed_watches_resume_without_a_request_error() {
     assert_ne!(new_leader, l);
     // A change after the failover reaches both gateways.
     let r2 = etcd
-        .put(
-            "/ha/config/gray.lua",
-            "return function(req) return 'gray' end\n",
-        )
+        .put_script("/ha", "return function(req) return 'gray' end\n")
         .await;
     a.wait_revision(r2).await;
     b.wait_revision(r2).await;
@@ -286,10 +275,7 @@ async fn etcd_down_gateways_keep_serving_and_a_restart_serves_the_cached_snapsho
     // etcd back, a change: both catch up, live.
     etcd.restart_all().await;
     let r2 = etcd
-        .put(
-            "/down/config/gray.lua",
-            "return function(req) return 'gray' end\n",
-        )
+        .put_script("/down", "return function(req) return 'gray' end\n")
         .await;
     a.wait_revision(r2).await;
     b.wait_revision(r2).await;
@@ -306,16 +292,10 @@ async fn a_compaction_past_the_watch_forces_a_full_reread() {
     a.kill(); // stopped, its cache at r1
 
     // Changes while it is away, then their history compacted away.
-    etcd.put(
-        "/cmp/config/gray.lua",
-        "return function(req) return nil end\n",
-    )
-    .await;
+    etcd.put_script("/cmp", "return function(req) return nil end\n")
+        .await;
     let r3 = etcd
-        .put(
-            "/cmp/config/gray.lua",
-            "return function(req) return 'gray' end\n",
-        )
+        .put_script("/cmp", "return function(req) return 'gray' end\n")
         .await;
     let mut c = etcd.client().await;
     c.compact(
@@ -338,10 +318,7 @@ async fn a_compaction_past_the_watch_forces_a_full_reread() {
     assert!(a.logs().contains("compact_revision="), "{}", a.logs());
     // And the watch goes on after the re-read.
     let r4 = etcd
-        .put(
-            "/cmp/config/gray.lua",
-            "return function(req) return nil end\n",
-        )
+        .put_script("/cmp", "return function(req) return nil end\n")
         .await;
     a.wait_revision(r4).await;
     assert_eq!(node_of(&a, false).await, "f1");
@@ -421,7 +398,7 @@ async fn registered_instances_carry_lane_metadata_and_leave_when_their_lease_exp
         // sidecar's keep-alives every TTL/3 came late): 4 s.
         &["--meta", "version=gray", "--meta", "zone=hz", "--ttl", "4"],
     )));
-    eventually("registered", Duration::from_secs(10), || async {
+    soon("registered", || async {
         node_names(&a).await.contains(&"g1:gray".to_string())
     })
     .await;
@@ -479,7 +456,7 @@ async fn sigterm_deregisters_before_the_instance_stops_with_zero_client_errors()
         &leaving,
         &["--ttl", "5", "--drain", "1.5"],
     )));
-    eventually("both registered", Duration::from_secs(10), || async {
+    soon("both registered", || async {
         etcd.get("/term/services/api/nodes/keep").await.is_some()
             && etcd.get("/term/services/api/nodes/leaving").await.is_some()
     })
@@ -668,8 +645,7 @@ async fn the_dashboard_lists_every_gateway_and_whether_all_run_the_same_revision
         wait_text(&c, &css, "revision cell", |t| t == r1.to_string()).await;
     }
     // A rejected change: still one revision, the error in each row.
-    etcd.put("/dash/config/gray.lua", "return function(req)\n")
-        .await;
+    etcd.put_script("/dash", "return function(req)\n").await;
     let css = "tr[data-gateway='gw-b'] td:last-child";
     let err = wait_text(&c, css, "error cell", |t| {
         t.contains("/dash/config/gray.lua:")

@@ -3,7 +3,6 @@
 
 use std::collections::BTreeSet;
 use std::path::Path;
-use std::time::Duration;
 
 use crate::harness::*;
 
@@ -105,17 +104,13 @@ async fn shipped_config_shows_formal_and_gray() {
     // The demo nodes' ports, read back from the process; each names itself.
     let known: BTreeSet<u16> = [gw.addr.port(), gw.admin.unwrap().port(), https.port()].into();
     let mut demo = std::collections::BTreeMap::new();
-    eventually(
-        "three demo nodes listening",
-        Duration::from_secs(10),
-        || {
-            let ports: Vec<u16> = listening_ports(gw.pid())
-                .difference(&known)
-                .copied()
-                .collect();
-            async move { ports.len() == 3 }
-        },
-    )
+    soon("three demo nodes listening", || {
+        let ports: Vec<u16> = listening_ports(gw.pid())
+            .difference(&known)
+            .copied()
+            .collect();
+        async move { ports.len() == 3 }
+    })
     .await;
     for port in listening_ports(gw.pid()).difference(&known) {
         let addr = std::net::SocketAddr::from(([127, 0, 0, 1], *port));
@@ -128,7 +123,7 @@ async fn shipped_config_shows_formal_and_gray() {
     }
     assert_ne!(live, nodes);
     fx.write_rename("config/nodes.yaml", &live);
-    eventually("node file reloaded", Duration::from_secs(10), || async {
+    soon("node file reloaded", || async {
         gw.status().await["generation"] == 2
     })
     .await;
@@ -252,13 +247,7 @@ async fn lua_request_api() {
 }
 "#,
     );
-    fx.api_nodes(&[&f, &g]);
-    let cfg = Config::new()
-        .script("lane.lua")
-        .node_files(&["nodes.yaml"])
-        .route_all("api")
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+    let gw = fx.start_scripted(&[&f, &g]);
     let req = Req::get("/api/cart?a=1&who=J%20Doe")
         .method("POST")
         .header("Host", "Shop.Example:8080")

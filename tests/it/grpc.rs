@@ -312,16 +312,19 @@ async fn grpc_canary_over_h2c_and_tls_nodes() {
             lonely.yaml("lonely-formal", "formal"),
         ),
     );
-    let cfg = fx.write(
-        "graygate.yaml",
-        &main_config(
-            "script: lane.lua\nnode_files: [nodes.yaml]\n\
-             routes:\n  - prefix: /demo.Echo/\n    service: grpc\n  - prefix: /demo.SecureEcho/\n    service: grpc-tls\n\
-             \x20 - prefix: /demo.Lonely/\n    service: lonely\n\
-             listeners:\n  - { listen: 127.0.0.1:0, h2c: true }\n  - listen: 127.0.0.1:0\n    tls:\n      certificates:\n\
-             \x20       - { cert: certs/gw.crt, key: certs/gw.key }\n",
-        ),
-    );
+    let cfg = Config::new()
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .routes(&[
+            Route::service("/demo.Echo/", "grpc"),
+            Route::service("/demo.SecureEcho/", "grpc-tls"),
+            Route::service("/demo.Lonely/", "lonely"),
+        ])
+        .listeners(&[
+            Listener::h2c(),
+            Listener::tls().cert("certs/gw.crt", "certs/gw.key"),
+        ])
+        .write(&fx, "graygate.yaml");
     let gw = Gateway::start(&cfg);
     let ls = listeners(&gw);
     let (h2c, tls) = (ls[0], ls[1]);
@@ -427,7 +430,7 @@ async fn a_node_certificate_that_does_not_verify_is_unavailable_in_grpc_terms() 
     let cfg = Config::new()
         .node_files(&["nodes.yaml"])
         .routes(&[Route::service("/", "grpc")])
-        .raw("listeners:\n  - { listen: 127.0.0.1:0, h2c: true }\n")
+        .listeners(&[Listener::h2c()])
         .write(&fx, "graygate.yaml");
     let gw = Gateway::start(&cfg);
     let ch = channel(listeners(&gw)[0], false).await;

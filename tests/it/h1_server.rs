@@ -444,21 +444,17 @@ async fn a_client_that_goes_away_cancels_its_request_upstream() {
     let fx = Fixture::new();
     let gw = gateway(&fx, &up, "");
     let s = connect_with(gw.addr, b"GET /hang HTTP/1.1\r\nHost: a\r\n\r\n").await;
-    eventually(
-        "the request reached the upstream",
-        Duration::from_secs(10),
-        || async { up.body_of("/hang").is_some() },
-    )
+    soon("the request reached the upstream", || async {
+        up.body_of("/hang").is_some()
+    })
     .await;
     assert_eq!(up.closed.load(std::sync::atomic::Ordering::SeqCst), 0);
     drop(s);
     // The request is cancelled: its upstream connection is closed (never
     // pooled mid-exchange), long before any upstream timeout.
-    eventually(
-        "the upstream connection closed",
-        Duration::from_secs(10),
-        || async { up.closed.load(std::sync::atomic::Ordering::SeqCst) == 1 },
-    )
+    soon("the upstream connection closed", || async {
+        up.closed.load(std::sync::atomic::Ordering::SeqCst) == 1
+    })
     .await;
 }
 
@@ -476,11 +472,9 @@ async fn a_request_sent_with_its_fin_is_cancelled_and_the_connection_closed() {
         s.shutdown().await.unwrap();
         let rest = read_to_close(&mut s).await;
         assert!(!rest.contains("HTTP/1.1"), "{rest}");
-        eventually(
-            "the upstream connection closed",
-            Duration::from_secs(10),
-            || async { up.closed.load(std::sync::atomic::Ordering::SeqCst) == round },
-        )
+        soon("the upstream connection closed", || async {
+            up.closed.load(std::sync::atomic::Ordering::SeqCst) == round
+        })
         .await;
     }
 }

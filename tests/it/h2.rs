@@ -17,15 +17,15 @@ async fn setup() -> (Fixture, Gateway, Backend, SocketAddr, SocketAddr) {
     let formal = Backend::start("f1", "formal").await;
     write_cert(&fx.path("certs"), "site", "localhost");
     fx.api_nodes(&[&formal]);
-    let cfg = fx.write(
-        "graygate.yaml",
-        &main_config(
-            "workers: 1\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n\
-             listeners:\n  - listen: 127.0.0.1:0\n    tls:\n      certificates:\n\
-             \x20       - { cert: certs/site.crt, key: certs/site.key }\n\
-             \x20 - { listen: 127.0.0.1:0, h2c: true }\n",
-        ),
-    );
+    let cfg = Config::new()
+        .set("workers", 1)
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .listeners(&[
+            Listener::tls().cert("certs/site.crt", "certs/site.key"),
+            Listener::h2c(),
+        ])
+        .write(&fx, "graygate.yaml");
     let gw = Gateway::start(&cfg);
     let ls = listeners(&gw);
     (fx, gw, formal, ls[0], ls[1])
@@ -239,15 +239,7 @@ async fn bodies_larger_than_the_windows_stream_both_ways_over_h2() {
     let echo = Backend::start_mode("echo", "formal", Mode::Echo).await;
     write_cert(&fx.path("certs"), "site", "localhost");
     fx.api_nodes(&[&echo]);
-    let cfg = fx.write(
-        "graygate.yaml",
-        &main_config(
-            "node_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n\
-             http2: { initial_stream_window_bytes: 65535, initial_connection_window_bytes: 131072 }\n\
-             listeners:\n  - listen: 127.0.0.1:0\n    tls:\n      certificates:\n\
-             \x20       - { cert: certs/site.crt, key: certs/site.key }\n",
-        ),
-    );
+    let cfg = Config::new().node_files(&["nodes.yaml"]).route_all("api").raw("http2: { initial_stream_window_bytes: 65535, initial_connection_window_bytes: 131072 }\n").listeners(&[Listener::tls().cert("certs/site.crt", "certs/site.key")]).write(&fx, "graygate.yaml");
     let gw = Gateway::start(&cfg);
     let tls = listeners(&gw)[0];
     // 3 MiB: 48 stream windows' worth, so flow control must move it.

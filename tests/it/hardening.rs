@@ -239,7 +239,7 @@ async fn a_flood_of_broken_client_bodies_leaves_every_node_healthy() {
     }
     // Every failure is the client's: booked as such, once each.
     let client = r#"graygate_request_errors_total{kind="#;
-    eventually("client errors counted", Duration::from_secs(10), || async {
+    soon("client errors counted", || async {
         let aborts =
             s.gw.metric_sum(&format!("{client}\"client_abort\",side=\"client\"}}"))
                 .await;
@@ -273,7 +273,7 @@ async fn a_flood_of_broken_client_bodies_leaves_every_node_healthy() {
     assert_eq!(ok, Some(200));
     assert!(s.api.load(Ordering::SeqCst) >= 1);
     // The access log names each outcome.
-    eventually("log lines", Duration::from_secs(10), || async {
+    soon("log lines", || async {
         let lines = log_lines(&s.fx);
         ["client_body", "client_abort", "client_body_timeout"]
             .iter()
@@ -300,12 +300,12 @@ async fn a_flood_of_broken_client_bodies_leaves_every_node_healthy() {
             "{text}"
         );
     }
-    eventually("cut node ejected", Duration::from_secs(10), || async {
+    soon("cut node ejected", || async {
         let n = node(&s.gw, "cut-1").await;
         n["health"] == "unhealthy" && n["errors"] == 3
     })
     .await;
-    eventually("cut bodies logged", Duration::from_secs(10), || async {
+    soon("cut bodies logged", || async {
         log_lines(&s.fx)
             .iter()
             .filter(|l| l["node"] == "cut-1" && l["status"] == 200 && l["error"] == "upstream_body")
@@ -331,11 +331,11 @@ async fn a_stalled_node_body_ends_at_the_read_timeout_and_counts_against_the_nod
         "{text}"
     );
     assert!(started.elapsed() < Duration::from_secs(20));
-    eventually("stall counted", Duration::from_secs(10), || async {
+    soon("stall counted", || async {
         node(&s.gw, "stall-1").await["errors"] == 1
     })
     .await;
-    eventually("stall logged", Duration::from_secs(10), || async {
+    soon("stall logged", || async {
         log_lines(&s.fx)
             .iter()
             .any(|l| l["node"] == "stall-1" && l["error"] == "upstream_body_timeout")
@@ -363,15 +363,11 @@ async fn a_client_that_stops_reading_is_cut_off_and_the_node_is_not_blamed() {
         s.gw.logs().contains("client stopped reading the response")
     })
     .await;
-    eventually(
-        "recorded as the client's abort",
-        Duration::from_secs(10),
-        || async {
-            log_lines(&s.fx)
-                .iter()
-                .any(|l| l["node"] == "big-1" && l["error"] == "client_abort")
-        },
-    )
+    soon("recorded as the client's abort", || async {
+        log_lines(&s.fx)
+            .iter()
+            .any(|l| l["node"] == "big-1" && l["error"] == "client_abort")
+    })
     .await;
     let n = node(&s.gw, "big-1").await;
     assert_eq!(n["errors"], 0, "{n}");

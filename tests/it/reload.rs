@@ -28,11 +28,7 @@ async fn setup() -> Env {
         "local rules = require('lib.rules')\nreturn function(req)\n  if graygate.in_list('testers', req.ip) then return rules.lane end\n  return req:header('X-Lane')\nend\n",
     );
     fx.write("lists/testers.txt", "127.0.9.0/24\n");
-    let nodes_formal_gray = format!(
-        "services:\n  api:\n    nodes:\n{}{}",
-        f.node_yaml(),
-        g.node_yaml()
-    );
+    let nodes_formal_gray = Nodes::api(nodes_of([&f, &g])).to_yaml();
     fx.write("nodes.yaml", &nodes_formal_gray);
     let cfg = Config::new()
         .script("scripts/lane.lua")
@@ -267,10 +263,7 @@ async fn in_flight_requests_finish_on_their_generation() {
     assert_eq!(resp.status(), 200);
     // Swap the only node out while the response is still streaming.
     let started = std::time::Instant::now();
-    fx.write_rename(
-        "nodes.yaml",
-        &format!("services:\n  api:\n    nodes:\n{}", fast.node_yaml()),
-    );
+    fx.write_rename("nodes.yaml", &Nodes::api([fast.node()]).to_yaml());
     eventually("new generation applied", LIMIT, || async {
         generation(&gw).await >= 2
     })

@@ -12,14 +12,11 @@ struct Setup {
     gw: Gateway,
 }
 
-fn setup(nodes_yaml: &str, extra: &str) -> Setup {
+fn setup(nodes: impl IntoIterator<Item = Node>, extra: &str) -> Setup {
     let fx = Fixture::new();
     fx.write("lane.lua", HEADER_SCRIPT);
     fx.write("ips.txt", "127.0.9.0/24\n");
-    fx.write(
-        "nodes.yaml",
-        &format!("services:\n  api:\n    nodes:\n{nodes_yaml}"),
-    );
+    Nodes::api(nodes).write(&fx, "nodes.yaml");
     let cfg = Config::new()
         .script("lane.lua")
         .raw("lists:\n  gray_ips: ips.txt\n")
@@ -40,13 +37,7 @@ async fn each_lane_reaches_only_its_own_nodes() {
         ("v1", "v2"),
     ])
     .await;
-    let s = setup(
-        &[&f1, &f2, &g1, &v1]
-            .iter()
-            .map(|b| b.node_yaml())
-            .collect::<String>(),
-        "",
-    );
+    let s = setup(nodes_of([&f1, &f2, &g1, &v1]), "");
     for _ in 0..10 {
         let r = s.gw.get("/x").await;
         assert_eq!(r.status, 200);
@@ -75,7 +66,7 @@ async fn each_lane_reaches_only_its_own_nodes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lane_without_nodes_falls_back_to_formal_never_other_gray() {
     let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
-    let s = setup(&(f1.node_yaml() + &g1.node_yaml()), "");
+    let s = setup(nodes_of([&f1, &g1]), "");
     for _ in 0..4 {
         let r = Req::get("/x")
             .header("X-Lane", "gray-b")
@@ -102,11 +93,11 @@ async fn lane_without_nodes_falls_back_to_formal_never_other_gray() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn smooth_weighted_round_robin_within_a_lane() {
     let [a, b] = backends([("a", "formal"), ("b", "formal")]).await;
-    let nodes = format!(
-        "      - {{ name: a, addr: \"{}\", weight: 3 }}\n      - {{ name: b, addr: \"{}\", weight: 1 }}\n",
-        a.addr, b.addr
-    );
-    let s = setup(&nodes, "");
+    let nodes = [
+        Node::new("a", a.addr).with("weight", "3"),
+        Node::new("b", b.addr).with("weight", "1"),
+    ];
+    let s = setup(nodes, "");
     let mut seq = String::new();
     for _ in 0..8 {
         seq.push_str(&s.gw.get("/").await.node());
@@ -118,7 +109,7 @@ async fn smooth_weighted_round_robin_within_a_lane() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_candidate_is_a_503_with_a_short_body() {
     let g1 = Backend::start("g1", "gray").await;
-    let s = setup(&g1.node_yaml(), "");
+    let s = setup([g1.node()], "");
     let r = s.gw.get("/x").await;
     assert_eq!(r.status, 503);
     assert!(r.text().len() < 100 && !r.text().is_empty());
@@ -180,10 +171,7 @@ async fn ip_list_decides_by_the_real_source_address() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tag_header_replaced_from_clients_honoured_from_trusted_proxies() {
     let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
-    let s = setup(
-        &(f1.node_yaml() + &g1.node_yaml()),
-        "trusted_proxies: [127.0.0.3/32]\n",
-    );
+    let s = setup(nodes_of([&f1, &g1]), "trusted_proxies: [127.0.0.3/32]\n");
     // An untrusted client cannot pick its lane with the tag header.
     let r = Req::get("/")
         .from_ip("127.0.0.1")
@@ -214,7 +202,7 @@ async fn tag_header_replaced_from_clients_honoured_from_trusted_proxies() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn headers_rewritten_for_the_upstream() {
     let f1 = Backend::start("f1", "formal").await;
-    let s = setup(&f1.node_yaml(), "");
+    let s = setup([f1.node()], "");
     let r = Req::get("/p?q=1")
         .header("Host", "shop.example:8443")
         .header("Connection", "keep-alive, X-Private")
@@ -245,7 +233,7 @@ async fn headers_rewritten_for_the_upstream() {
 async fn upstream_connections_are_pooled() {
     let f1 = Backend::start("f1", "formal").await;
     // Pools are per worker thread: at most one connection per worker.
-    let s = setup(&f1.node_yaml(), "workers: 2\n");
+    let s = setup([f1.node()], "workers: 2\n");
     for _ in 0..20 {
         assert_eq!(s.gw.get("/").await.status, 200);
     }
@@ -257,7 +245,7 @@ async fn upstream_connections_are_pooled() {
     );
     // One worker: exactly one connection, reused.
     let f2 = Backend::start("f2", "formal").await;
-    let s1 = setup(&f2.node_yaml(), "workers: 1\n");
+    let s1 = setup([f2.node()], "workers: 1\n");
     for _ in 0..10 {
         assert_eq!(s1.gw.get("/").await.status, 200);
     }
@@ -267,7 +255,7 @@ async fn upstream_connections_are_pooled() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_closing_its_connections_loses_no_request() {
     let c = Backend::start_mode("c", "formal", Mode::JsonClose).await;
-    let s = setup(&c.node_yaml(), "workers: 1\n");
+    let s = setup([c.node()], "workers: 1\n");
     for _ in 0..30 {
         let r = s.gw.get("/").await;
         assert_eq!(r.status, 200, "{}", r.text());
@@ -280,7 +268,7 @@ async fn bodies_stream_both_ways() {
     use http_body_util::BodyExt;
     // Request body: 8 MiB echoed back intact.
     let echo = Backend::start_mode("e", "formal", Mode::Echo).await;
-    let s = setup(&echo.node_yaml(), "");
+    let s = setup([echo.node()], "");
     let big: Vec<u8> = (0..8 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();
     let r = Req::get("/upload")
         .method("POST")
@@ -294,7 +282,7 @@ async fn bodies_stream_both_ways() {
     // is still holding back the rest.
     let gate = std::sync::Arc::new(tokio::sync::Notify::new());
     let gated = Backend::start_mode("g", "formal", Mode::Gated(gate.clone())).await;
-    let s2 = setup(&gated.node_yaml(), "");
+    let s2 = setup([gated.node()], "");
     let resp = Req::get("/stream").send_streaming(s2.gw.addr).await;
     let mut body = resp.into_body();
     let first = tokio::time::timeout(Duration::from_secs(10), body.frame())
@@ -313,10 +301,7 @@ async fn connect_error_is_502_and_timeout_is_504() {
     let dead = closed_port();
     let hang = Backend::start_mode("h", "gray", Mode::Hang).await;
     let s = setup(
-        &format!(
-            "      - {{ name: dead, addr: \"{dead}\" }}\n{}",
-            hang.node_yaml()
-        ),
+        [Node::new("dead", dead), hang.node()],
         "upstream: { response_timeout_ms: 300 }\n",
     );
     let r = s.gw.get("/").await;
@@ -335,13 +320,7 @@ async fn failing_script_sends_the_request_formal_and_logs() {
         "lane.lua",
         "return function(req)\n  if req:header('X-Boom') then\n    error('kaboom')\n  end\n  if req:header('X-Bad') then return 'gray\\r\\nX-Evil: 1' end\n  return 'gray'\nend\n",
     );
-    fx.api_nodes(&[&f1, &g1]);
-    let cfg = Config::new()
-        .script("lane.lua")
-        .node_files(&["nodes.yaml"])
-        .route_all("api")
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+    let gw = fx.start_scripted(&[&f1, &g1]);
     assert_eq!(gw.get("/").await.node(), "g1");
     let r = Req::get("/").header("X-Boom", "1").send(gw.addr).await;
     assert_eq!(r.status, 200);

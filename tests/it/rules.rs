@@ -1,8 +1,6 @@
 //! Declarative gray rules through the real binary: deny → rules → script,
 //! fallback, the enabled switch, hot reload and rejection of bad files.
 
-use std::time::Duration;
-
 use crate::harness::*;
 
 const RULES: &str = "\
@@ -40,13 +38,7 @@ async fn backends() -> Vec<Backend> {
 
 fn write_common(fx: &Fixture, bs: &[Backend]) {
     fx.write("testers.txt", "127.0.8.0/24\n127.0.9.0/24\n");
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  api:\n    nodes:\n{}",
-            bs.iter().map(|b| b.node_yaml()).collect::<String>()
-        ),
-    );
+    Nodes::api(nodes_of(bs)).write(fx, "nodes.yaml");
 }
 
 async fn tag(gw: &Gateway, req: Req) -> String {
@@ -115,7 +107,7 @@ async fn rules_file_deny_first_ordered_rules_fallback_and_hot_reload() {
         "rules.yaml",
         &RULES.replace("fallback: formal", "fallback: gray-b"),
     );
-    eventually("new fallback applied", Duration::from_secs(10), || async {
+    soon("new fallback applied", || async {
         gw.status().await["generation"].as_u64().unwrap() > g0
             && tag(&gw, Req::get("/")).await == "gray-b"
     })
@@ -126,7 +118,7 @@ async fn rules_file_deny_first_ordered_rules_fallback_and_hot_reload() {
     // A bad file is rejected with file:line; the previous rules keep serving.
     let bad = RULES.replace("[127.0.8.0/24]", "[127.0.8.0/24, 300.1.1.1/8]");
     fx.write_rename("rules.yaml", &bad);
-    eventually("bad CIDR rejected", Duration::from_secs(10), || async {
+    soon("bad CIDR rejected", || async {
         gw.status().await["last_reload_error"]
             .as_str()
             .is_some_and(|e| e.contains("rules.yaml:5:") && e.contains("300.1.1.1/8"))
@@ -154,15 +146,11 @@ async fn rules_file_deny_first_ordered_rules_fallback_and_hot_reload() {
         ),
     ] {
         fx.write_rename("rules.yaml", &text);
-        eventually(
-            &format!("bad {what} rejected"),
-            Duration::from_secs(10),
-            || async {
-                gw.status().await["last_reload_error"]
-                    .as_str()
-                    .is_some_and(|e| e.contains(line))
-            },
-        )
+        soon(&format!("bad {what} rejected"), || async {
+            gw.status().await["last_reload_error"]
+                .as_str()
+                .is_some_and(|e| e.contains(line))
+        })
         .await;
         assert_eq!(tag(&gw, Req::get("/")).await, "gray-b", "{what}");
     }
@@ -172,7 +160,7 @@ async fn rules_file_deny_first_ordered_rules_fallback_and_hot_reload() {
         "rules.yaml",
         &RULES.replace("enabled: true", "enabled: false"),
     );
-    eventually("rules disabled", Duration::from_secs(10), || async {
+    soon("rules disabled", || async {
         gw.status().await["last_reload_error"].is_null()
             && tag(&gw, Req::get("/").from_ip("127.0.9.5")).await == "formal"
     })

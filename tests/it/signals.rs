@@ -30,35 +30,26 @@ async fn sigusr1_reopens_the_access_log_after_logrotate_renamed_it() {
     let rotated = fx.path("logs/access.log.1");
 
     assert_eq!(gw.get("/before").await.status, 200);
-    eventually("first line written", Duration::from_secs(10), || async {
+    soon("first line written", || async {
         read(&log).contains("\"GET /before\"")
     })
     .await;
     // logrotate: rename. Until the signal, lines follow the open file.
     std::fs::rename(&log, &rotated).unwrap();
     assert_eq!(gw.get("/between").await.status, 200);
-    eventually(
-        "line in the renamed file",
-        Duration::from_secs(10),
-        || async { read(&rotated).contains("\"GET /between\"") },
-    )
+    soon("line in the renamed file", || async {
+        read(&rotated).contains("\"GET /between\"")
+    })
     .await;
     assert!(!log.exists());
 
     gw.signal("USR1");
-    eventually(
-        "access log reopened by path",
-        Duration::from_secs(10),
-        || async { log.exists() },
-    )
-    .await;
+    soon("access log reopened by path", || async { log.exists() }).await;
     gw.wait_log("access log reopened").await;
     assert_eq!(gw.get("/after").await.status, 200);
-    eventually(
-        "new line in the new file",
-        Duration::from_secs(10),
-        || async { read(&log).contains("\"GET /after\"") },
-    )
+    soon("new line in the new file", || async {
+        read(&log).contains("\"GET /after\"")
+    })
     .await;
     let (old, new) = (read(&rotated), read(&log));
     assert!(!old.contains("/after"), "{old}");
@@ -86,19 +77,13 @@ async fn sigint_and_sigquit_stop_at_once_without_draining() {
             )
             .await
         });
-        eventually(
-            "request reached the node",
-            Duration::from_secs(10),
-            || async { hang.count() == 1 },
+        soon("request reached the node", || async { hang.count() == 1 }).await;
+        gw.signal(sig);
+        gw.exits_cleanly(
+            &format!("SIG{sig} did not stop graygate at once"),
+            "fast shutdown",
         )
         .await;
-        gw.signal(sig);
-        let status = gw
-            .wait_exit(Duration::from_secs(20))
-            .await
-            .unwrap_or_else(|| panic!("SIG{sig} did not stop graygate at once:\n{}", gw.logs()));
-        assert!(status.success(), "{sig}: {status:?}");
-        gw.wait_log("fast shutdown").await;
         // The in-flight request was cut, not answered.
         let r = pending.await.unwrap().expect("client saw the close");
         assert!(r.is_err(), "{sig}: the request was answered");
@@ -113,28 +98,22 @@ async fn sigterm_drains_until_a_fast_signal_cuts_it_short() {
     let mut gw = Gateway::start(&cfg);
     let addr = gw.addr;
     let pending = tokio::spawn(async move { Req::get("/hang").send_streaming_result(addr).await });
-    eventually(
-        "request reached the node",
-        Duration::from_secs(10),
-        || async { hang.count() == 1 },
-    )
-    .await;
+    soon("request reached the node", || async { hang.count() == 1 }).await;
     gw.signal("TERM");
     gw.wait_log("shutting down: draining connections").await;
-    eventually("listener closed", Duration::from_secs(10), || async {
+    soon("listener closed", || async {
         tokio::net::TcpStream::connect(addr).await.is_err()
     })
     .await;
     // Draining: the in-flight request keeps the process alive.
-    assert!(gw.wait_exit(Duration::from_millis(1)).await.is_none());
+    assert!(gw.running().await);
     assert!(!pending.is_finished());
     gw.signal("INT");
-    let status = gw
-        .wait_exit(Duration::from_secs(20))
-        .await
-        .unwrap_or_else(|| panic!("SIGINT did not cut the drain short:\n{}", gw.logs()));
-    assert!(status.success());
-    gw.wait_log("fast shutdown during the drain").await;
+    gw.exits_cleanly(
+        "SIGINT did not cut the drain short",
+        "fast shutdown during the drain",
+    )
+    .await;
     pending.abort();
 }
 
@@ -172,7 +151,7 @@ async fn draining_answers_a_keep_alive_request_with_connection_close() {
 
     gw.signal("TERM");
     gw.wait_log("shutting down: draining connections").await;
-    eventually("listener closed", Duration::from_secs(10), || async {
+    soon("listener closed", || async {
         tokio::net::TcpStream::connect(gw.addr).await.is_err()
     })
     .await;
@@ -195,10 +174,9 @@ async fn draining_answers_a_keep_alive_request_with_connection_close() {
         .unwrap()
         .unwrap();
     // That was the last connection: the drain is over.
-    let status = gw
-        .wait_exit(Duration::from_secs(20))
-        .await
-        .unwrap_or_else(|| panic!("no exit after the last connection closed:\n{}", gw.logs()));
-    assert!(status.success());
-    gw.wait_log("drained; exiting").await;
+    gw.exits_cleanly(
+        "no exit after the last connection closed",
+        "drained; exiting",
+    )
+    .await;
 }

@@ -4,8 +4,6 @@
 //! pair served to new connections, a broken or mismatched one rejected with
 //! its file while the old one keeps serving).
 
-use std::time::Duration;
-
 use crate::harness::tls::*;
 use crate::harness::*;
 
@@ -41,18 +39,22 @@ async fn setup() -> Setup {
     fx.api_nodes(&[&formal, &gray]);
     fx.write("static/formal/index.html", "<h1>formal</h1>\n");
     fx.write("static/gray/index.html", "<h1>gray</h1>\n");
-    let cfg = fx.write(
-        "graygate.yaml",
-        &main_config(
-            "script: lane.lua\nnode_files: [nodes.yaml]\naccess_log: { path: access.log, format: json }\n\
-             routes:\n  - prefix: /api/\n    service: api\n  - prefix: /\n    static: static\n\
-             listeners:\n  - listen: 127.0.0.1:0\n    tls:\n      certificates:\n\
-             \x20       - { cert: certs/default.crt, key: certs/default.key }\n\
-             \x20       - { cert: certs/api.crt, key: certs/api.key, server_names: [api.example] }\n\
-             \x20       - { cert: certs/wild.crt, key: certs/wild.key, server_names: [\"*.wild.example\"] }\n\
-             \x20 - { listen: 127.0.0.1:0, h2c: true }\n",
-        ),
-    );
+    let cfg = Config::new()
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .raw("access_log: { path: access.log, format: json }\n")
+        .routes(&[
+            Route::service("/api/", "api"),
+            Route::static_dir("/", "static"),
+        ])
+        .listeners(&[
+            Listener::tls()
+                .cert("certs/default.crt", "certs/default.key")
+                .cert_for("certs/api.crt", "certs/api.key", &["api.example"])
+                .cert_for("certs/wild.crt", "certs/wild.key", &["*.wild.example"]),
+            Listener::h2c(),
+        ])
+        .write(&fx, "graygate.yaml");
     let gw = Gateway::start(&cfg);
     let ls = listeners(&gw);
     assert_eq!(ls.len(), 2, "{}", gw.logs());
@@ -176,18 +178,14 @@ async fn https_over_h2_and_http1_routes_lanes_static_and_forwarded_proto() {
         .sum();
     assert!(served >= 9.0, "every stream counted: {served}\n{metrics}");
     let log_path = s.fx.path("access.log");
-    eventually(
-        "three access-log lines for /api/multi",
-        Duration::from_secs(10),
-        || {
-            let p = log_path.clone();
-            async move {
-                std::fs::read_to_string(&p)
-                    .map(|t| t.lines().filter(|l| l.contains("\"/api/multi\"")).count() == 3)
-                    .unwrap_or(false)
-            }
-        },
-    )
+    soon("three access-log lines for /api/multi", || {
+        let p = log_path.clone();
+        async move {
+            std::fs::read_to_string(&p)
+                .map(|t| t.lines().filter(|l| l.contains("\"/api/multi\"")).count() == 3)
+                .unwrap_or(false)
+        }
+    })
     .await;
 }
 
@@ -299,14 +297,11 @@ async fn certificate_reload_and_bad_pairs_rejected_with_their_file() {
     let formal = Backend::start("f1", "formal").await;
     write_cert(&fx.path("certs"), "site", "one.example");
     fx.api_nodes(&[&formal]);
-    let cfg = fx.write(
-        "graygate.yaml",
-        &main_config(
-            "node_files: [nodes.yaml]\nroutes:\n  - prefix: /\n    service: api\n\
-             listeners:\n  - listen: 127.0.0.1:0\n    tls:\n      certificates:\n\
-             \x20       - { cert: certs/site.crt, key: certs/site.key }\n",
-        ),
-    );
+    let cfg = Config::new()
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .listeners(&[Listener::tls().cert("certs/site.crt", "certs/site.key")])
+        .write(&fx, "graygate.yaml");
     let gw = Gateway::start(&cfg);
     let tls = listeners(&gw)[0];
     assert_eq!(served_cn(tls, Some("localhost")), "one.example");
@@ -314,11 +309,9 @@ async fn certificate_reload_and_bad_pairs_rejected_with_their_file() {
 
     // A new pair: new connections get it (the watcher reloads).
     write_cert(&fx.path("certs"), "site", "two.example");
-    eventually(
-        "the new certificate is served",
-        Duration::from_secs(10),
-        || async { served_cn(tls, Some("localhost")) == "two.example" },
-    )
+    soon("the new certificate is served", || async {
+        served_cn(tls, Some("localhost")) == "two.example"
+    })
     .await;
     let st = gw.status().await;
     assert!(st["generation"].as_u64().unwrap() > gen0);
@@ -329,7 +322,7 @@ async fn certificate_reload_and_bad_pairs_rejected_with_their_file() {
         "certs/site.key",
         "-----BEGIN PRIVATE KEY-----\nnot a key\n-----END PRIVATE KEY-----\n",
     );
-    eventually("broken key rejected", Duration::from_secs(10), || async {
+    soon("broken key rejected", || async {
         let st = gw.status().await;
         st["last_reload_error"]
             .as_str()
@@ -355,36 +348,28 @@ async fn certificate_reload_and_bad_pairs_rejected_with_their_file() {
     let rejected = gw.status().await["reloads_rejected"].as_u64().unwrap();
     let key_text = std::fs::read_to_string(other.join("o.key")).unwrap();
     fx.write_rename("certs/site.key", &key_text);
-    eventually(
-        "mismatched key rejected",
-        Duration::from_secs(10),
-        || async {
-            let st = gw.status().await;
-            st["reloads_rejected"].as_u64().unwrap() > rejected
-                && st["last_reload_error"]
-                    .as_str()
-                    .is_some_and(|e| e.contains("does not match") && e.contains("site.key"))
-        },
-    )
+    soon("mismatched key rejected", || async {
+        let st = gw.status().await;
+        st["reloads_rejected"].as_u64().unwrap() > rejected
+            && st["last_reload_error"]
+                .as_str()
+                .is_some_and(|e| e.contains("does not match") && e.contains("site.key"))
+    })
     .await;
     assert_eq!(served_cn(tls, Some("localhost")), "two.example");
     // A broken certificate file names the certificate.
     write_cert(&fx.path("certs"), "site", "four.example");
-    eventually("good pair again", Duration::from_secs(10), || async {
+    soon("good pair again", || async {
         served_cn(tls, Some("localhost")) == "four.example"
     })
     .await;
     let crt = fx.write_rename("certs/site.crt", "garbage\n");
-    eventually(
-        "broken certificate rejected",
-        Duration::from_secs(10),
-        || async {
-            let st = gw.status().await;
-            st["last_reload_error"]
-                .as_str()
-                .is_some_and(|e| e.contains(crt.to_str().unwrap()))
-        },
-    )
+    soon("broken certificate rejected", || async {
+        let st = gw.status().await;
+        st["last_reload_error"]
+            .as_str()
+            .is_some_and(|e| e.contains(crt.to_str().unwrap()))
+    })
     .await;
     assert_eq!(served_cn(tls, Some("localhost")), "four.example");
     // `--check` reports the same error with the file.
@@ -485,13 +470,16 @@ async fn https_nodes_verified_by_ca_and_sni_or_insecure_for_tests() {
              \x20 wrong-ca:\n    retries: 0\n    tls: {{ ca: certs/stranger.crt, server_name: node.internal }}\n    nodes: [{{ name: named-node, addr: \"{named_node}\" }}]\n",
         ),
     );
-    let cfg = fx.write(
-        "graygate.yaml",
-        &main_config(
-            "workers: 1\nnode_files: [nodes.yaml]\nroutes:\n  - { prefix: /ip/, service: by-ip }\n  - { prefix: /name/, service: by-name }\n\
-             \x20 - { prefix: /insecure/, service: insecure }\n  - { prefix: /wrong/, service: wrong-ca }\n",
-        ),
-    );
+    let cfg = Config::new()
+        .set("workers", 1)
+        .node_files(&["nodes.yaml"])
+        .routes(&[
+            Route::service("/ip/", "by-ip"),
+            Route::service("/name/", "by-name"),
+            Route::service("/insecure/", "insecure"),
+            Route::service("/wrong/", "wrong-ca"),
+        ])
+        .write(&fx, "graygate.yaml");
     let gw = Gateway::start(&cfg);
     for _ in 0..5 {
         let r = gw.get("/ip/x").await;
@@ -532,15 +520,11 @@ async fn listener_layout_changes_need_a_restart() {
     );
     assert_ne!(text, changed);
     s.fx.write_rename("graygate.yaml", &changed);
-    eventually(
-        "layout change rejected",
-        Duration::from_secs(10),
-        || async {
-            s.gw.status().await["last_reload_error"]
-                .as_str()
-                .is_some_and(|e| e.contains("needs a restart") && e.contains("graygate.yaml"))
-        },
-    )
+    soon("layout change rejected", || async {
+        s.gw.status().await["last_reload_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("needs a restart") && e.contains("graygate.yaml"))
+    })
     .await;
     // The running listeners are untouched.
     let r = curl(

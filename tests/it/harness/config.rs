@@ -141,6 +141,19 @@ impl Config {
 }
 
 impl Fixture {
+    /// Starts a gateway on `nodes.yaml` (service `api` on these backends)
+    /// and a main file whose script is `lane.lua` (written by the test)
+    /// and whose one route sends everything to `api`.
+    pub fn start_scripted(&self, nodes: &[&super::Backend]) -> super::Gateway {
+        self.api_nodes(nodes);
+        let cfg = Config::new()
+            .script("lane.lua")
+            .node_files(&["nodes.yaml"])
+            .route_all("api")
+            .write(self, "gg.yaml");
+        super::Gateway::start(&cfg)
+    }
+
     /// `nodes.yaml`: service `api` with these backends.
     pub fn api_nodes(&self, bs: &[&super::Backend]) -> PathBuf {
         Nodes::api(nodes_of(bs.iter().copied())).write(self, "nodes.yaml")
@@ -281,4 +294,54 @@ impl Nodes {
 /// The nodes of these backends (name, addr, lane).
 pub fn nodes_of<'a>(bs: impl IntoIterator<Item = &'a super::Backend>) -> Vec<Node> {
     bs.into_iter().map(super::Backend::node).collect()
+}
+
+/// One extra listener of the main file (`listeners:`), on a free port.
+#[derive(Clone)]
+pub struct Listener {
+    yaml: String,
+}
+
+impl Listener {
+    /// Cleartext HTTP/2 (prior knowledge) and HTTP/1.1.
+    pub fn h2c() -> Listener {
+        Listener {
+            yaml: "  - { listen: 127.0.0.1:0, h2c: true }\n".into(),
+        }
+    }
+
+    /// TLS, its certificates added with [`Listener::cert`].
+    pub fn tls() -> Listener {
+        Listener {
+            yaml: "  - listen: 127.0.0.1:0\n    tls:\n      certificates:\n".into(),
+        }
+    }
+
+    /// A certificate (the default one: no server names).
+    pub fn cert(self, cert: &str, key: &str) -> Listener {
+        self.cert_for(cert, key, &[])
+    }
+
+    /// A certificate for these server names.
+    pub fn cert_for(mut self, cert: &str, key: &str, names: &[&str]) -> Listener {
+        let names = if names.is_empty() {
+            String::new()
+        } else {
+            let quoted: Vec<String> = names.iter().map(|n| format!("\"{n}\"")).collect();
+            format!(", server_names: [{}]", quoted.join(", "))
+        };
+        let _ = writeln!(self.yaml, "        - {{ cert: {cert}, key: {key}{names} }}");
+        self
+    }
+}
+
+impl Config {
+    /// `listeners:`, in this order.
+    pub fn listeners(mut self, ls: &[Listener]) -> Config {
+        self.out.push_str("listeners:\n");
+        for l in ls {
+            self.out.push_str(&l.yaml);
+        }
+        self
+    }
 }

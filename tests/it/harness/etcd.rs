@@ -311,6 +311,12 @@ impl Etcd {
         }
     }
 
+    /// Puts the script `gray.lua` of the configuration under `prefix`;
+    /// returns the revision.
+    pub async fn put_script(&self, prefix: &str, text: &str) -> i64 {
+        self.put(&format!("{prefix}/config/gray.lua"), text).await
+    }
+
     pub async fn get(&self, key: &str) -> Option<String> {
         let mut c = self.client().await;
         let r = c.get(key, None).await.unwrap();

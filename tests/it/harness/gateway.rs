@@ -309,6 +309,22 @@ impl Gateway {
         }
     }
 
+    /// Waits (up to 20 s) for the process to exit with success, then for
+    /// `log` in its log; `why` says what should have ended it.
+    pub async fn exits_cleanly(&mut self, why: &str, log: &str) {
+        let status = self
+            .wait_exit(Duration::from_secs(20))
+            .await
+            .unwrap_or_else(|| panic!("{why}: still running:\n{}", self.logs()));
+        assert!(status.success(), "{why}: {status:?}\n{}", self.logs());
+        self.wait_log(log).await;
+    }
+
+    /// Whether the process is still running (it has not exited yet).
+    pub async fn running(&mut self) -> bool {
+        self.wait_exit(Duration::from_millis(1)).await.is_none()
+    }
+
     /// The admin listener's address.
     pub fn admin_addr(&self) -> SocketAddr {
         self.admin.expect("admin listener configured")
@@ -332,7 +348,7 @@ impl Gateway {
     /// Waits until a reload to a generation after `after` took effect
     /// (up to 10 s).
     pub async fn wait_generation(&self, after: u64) {
-        super::eventually("a new generation", Duration::from_secs(10), || async {
+        super::soon("a new generation", || async {
             self.generation().await > after
         })
         .await;

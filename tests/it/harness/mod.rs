@@ -50,6 +50,15 @@ where
     }
 }
 
+/// [`eventually`] within 10 s, the suite's usual bound.
+pub async fn soon<F, Fut>(what: &str, check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    eventually(what, Duration::from_secs(10), check).await
+}
+
 /// A main config with the common parts filled in.
 pub fn main_config(extra: &str) -> String {
     format!("listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nreload_debounce_ms: 50\n{extra}")

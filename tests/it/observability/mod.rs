@@ -40,11 +40,7 @@ impl Setup {
 fn setup(nodes: &[&Backend], extra: &str) -> Setup {
     let fx = Fixture::new();
     fx.write("lane.lua", SCRIPT);
-    let yaml: String = nodes.iter().map(|b| b.node_yaml()).collect();
-    fx.write(
-        "nodes.yaml",
-        &format!("services:\n  api:\n    nodes:\n{yaml}"),
-    );
+    fx.api_nodes(nodes);
     let cfg = Config::new()
         .script("lane.lua")
         .node_files(&["nodes.yaml"])
@@ -190,27 +186,19 @@ async fn metrics_count_requests_decisions_fallbacks_script_errors_and_reloads() 
 
     // A rejected and an applied reload show up.
     s.fx.write_rename("lane.lua", "return function(req) return (\n");
-    eventually(
-        "rejected reload counted",
-        Duration::from_secs(10),
-        || async {
-            sample(
-                &s.metrics().await,
-                "graygate_reloads_total{result=\"rejected\"}",
-            ) == Some(1.0)
-        },
-    )
+    soon("rejected reload counted", || async {
+        sample(
+            &s.metrics().await,
+            "graygate_reloads_total{result=\"rejected\"}",
+        ) == Some(1.0)
+    })
     .await;
     s.fx.write_rename("lane.lua", "return function(req) return 'gray' end\n");
-    eventually(
-        "applied reload counted",
-        Duration::from_secs(10),
-        || async {
-            let m = s.metrics().await;
-            sample(&m, "graygate_reloads_total{result=\"applied\"}") == Some(1.0)
-                && sample(&m, "graygate_generation") == Some(2.0)
-        },
-    )
+    soon("applied reload counted", || async {
+        let m = s.metrics().await;
+        sample(&m, "graygate_reloads_total{result=\"applied\"}") == Some(1.0)
+            && sample(&m, "graygate_generation") == Some(2.0)
+    })
     .await;
     // The rule change took effect: the gray-matched counter moves.
     assert_eq!(s.gw.get("/api/x").await.node(), "g1");
@@ -343,7 +331,7 @@ async fn status_reports_version_generation_reload_and_uptime() {
         "nodes.yaml",
         "services:\n  api:\n    nodes:\n      - { addr: nope }\n",
     );
-    eventually("reload error shown", Duration::from_secs(10), || async {
+    soon("reload error shown", || async {
         let st = s.gw.status().await;
         st["last_reload_result"] == "rejected"
             && st["last_reload_error"]
@@ -455,7 +443,7 @@ async fn nodes_show_lane_weight_health_in_flight_requests_and_errors() {
     drop(held);
     // A request is recorded when its response body ends — here when the
     // client drops it.
-    eventually("the fallback counted", Duration::from_secs(10), || async {
+    soon("the fallback counted", || async {
         let m = s.metrics().await;
         sample(
             &m,
@@ -700,7 +688,7 @@ async fn access_log_json_and_text_and_off_by_default() {
         .send(s.gw.addr)
         .await;
     let path = s.fx.path("access.log");
-    eventually("two log lines", Duration::from_secs(10), || async {
+    soon("two log lines", || async {
         std::fs::read_to_string(&path).is_ok_and(|t| t.lines().count() == 2)
     })
     .await;
@@ -723,7 +711,7 @@ async fn access_log_json_and_text_and_off_by_default() {
     let t = setup(&[&f1], "access_log: { path: text.log }\n");
     t.gw.get("/api/z").await;
     let path = t.fx.path("text.log");
-    eventually("text line", Duration::from_secs(10), || async {
+    soon("text line", || async {
         std::fs::read_to_string(&path).is_ok_and(|t| t.lines().count() == 1)
     })
     .await;
@@ -740,7 +728,7 @@ async fn access_log_json_and_text_and_off_by_default() {
     // written before a graceful exit is kept).
     let mut o = setup(&[&f1], "access_log: { path: stdout }\n");
     o.gw.get("/api/to-stdout").await;
-    eventually("line on stdout", Duration::from_secs(10), || async {
+    soon("line on stdout", || async {
         o.gw.stdout()
             .contains("\"GET /api/to-stdout\" 200 lane=formal")
     })

@@ -11,11 +11,7 @@ use tokio::net::TcpStream;
 
 fn setup_with(fx: &Fixture, nodes: &[&Backend], script: &str, main_extra: &str) -> Gateway {
     fx.write("lane.lua", script);
-    let mut n = String::from("services:\n  api:\n    nodes:\n");
-    for node in nodes {
-        n.push_str(&node.node_yaml());
-    }
-    fx.write("nodes.yaml", &n);
+    fx.api_nodes(nodes);
     let cfg = Config::new()
         .script("lane.lua")
         .node_files(&["nodes.yaml"])
@@ -25,18 +21,21 @@ fn setup_with(fx: &Fixture, nodes: &[&Backend], script: &str, main_extra: &str) 
     Gateway::start(&cfg)
 }
 
+/// One formal node `f1` behind a gateway whose lane is the `X-Lane`
+/// header, with `main_extra` in its main file.
+async fn one_node(main_extra: &str) -> (Backend, Fixture, Gateway) {
+    let f1 = Backend::full("f1", "formal").await;
+    let fx = Fixture::new();
+    let gw = setup_with(&fx, &[&f1], HEADER_SCRIPT, main_extra);
+    (f1, fx, gw)
+}
+
 const HEADER_SCRIPT: &str = "return function(req) return req:header('X-Lane') end\n";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slowloris_head_is_cut_off_by_the_header_timeout() {
-    let f1 = Backend::full("f1", "formal").await;
-    let fx = Fixture::new();
-    let gw = setup_with(
-        &fx,
-        &[&f1],
-        HEADER_SCRIPT,
-        "client:\n  header_timeout_ms: 300\n  idle_timeout_ms: 60000\n",
-    );
+    let (f1, _fx, gw) =
+        one_node("client:\n  header_timeout_ms: 300\n  idle_timeout_ms: 60000\n").await;
     let mut s = connect_with(gw.addr, b"GET /x HTTP/1.1\r\nHost: a\r\nX-Slow: 1").await;
     // The head never completes: the gateway closes the connection.
     let text = read_to_close(&mut s).await;
@@ -46,14 +45,8 @@ async fn slowloris_head_is_cut_off_by_the_header_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_keepalive_connections_are_closed() {
-    let f1 = Backend::full("f1", "formal").await;
-    let fx = Fixture::new();
-    let gw = setup_with(
-        &fx,
-        &[&f1],
-        HEADER_SCRIPT,
-        "client:\n  header_timeout_ms: 60000\n  idle_timeout_ms: 300\n",
-    );
+    let (_f1, _fx, gw) =
+        one_node("client:\n  header_timeout_ms: 60000\n  idle_timeout_ms: 300\n").await;
     let mut s = connect_with(gw.addr, b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n").await;
     // One answer, then the idle connection is closed by the gateway.
     let text = read_to_close(&mut s).await;
@@ -82,14 +75,8 @@ async fn an_idle_keepalive_connection_sleeps_between_ticks() {
     // worker would spin on the idle connection instead of sleeping. With
     // `drain_idle_ms: 40` the tick is every 10 ms, so the second below
     // passes ~100 of them.
-    let f1 = Backend::full("f1", "formal").await;
-    let fx = Fixture::new();
-    let gw = setup_with(
-        &fx,
-        &[&f1],
-        HEADER_SCRIPT,
-        "workers: 1\nclient:\n  idle_timeout_ms: 60000\n  drain_idle_ms: 40\n",
-    );
+    let (f1, _fx, gw) =
+        one_node("workers: 1\nclient:\n  idle_timeout_ms: 60000\n  drain_idle_ms: 40\n").await;
     let mut s = TcpStream::connect(gw.addr).await.unwrap();
     let text = one_answer(&mut s).await;
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
@@ -113,14 +100,8 @@ async fn an_idle_keepalive_connection_sleeps_between_ticks() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_and_malformed_requests_get_4xx() {
-    let f1 = Backend::full("f1", "formal").await;
-    let fx = Fixture::new();
-    let gw = setup_with(
-        &fx,
-        &[&f1],
-        HEADER_SCRIPT,
-        "client:\n  max_uri_bytes: 1024\n  max_header_bytes: 2048\n",
-    );
+    let (f1, _fx, gw) =
+        one_node("client:\n  max_uri_bytes: 1024\n  max_header_bytes: 2048\n").await;
     let long_path = format!("/{}", "a".repeat(1500));
     let r = Req::get(&long_path).send(gw.addr).await;
     assert_eq!(r.status, 414);
@@ -158,14 +139,7 @@ async fn oversized_and_malformed_requests_get_4xx() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connection_cap_refuses_extra_connections() {
-    let f1 = Backend::full("f1", "formal").await;
-    let fx = Fixture::new();
-    let gw = setup_with(
-        &fx,
-        &[&f1],
-        HEADER_SCRIPT,
-        "client:\n  max_connections: 3\n",
-    );
+    let (_f1, _fx, gw) = one_node("client:\n  max_connections: 3\n").await;
     let mut held = Vec::new();
     for _ in 0..3 {
         let mut s = TcpStream::connect(gw.addr).await.unwrap();
@@ -183,7 +157,7 @@ async fn connection_cap_refuses_extra_connections() {
     assert!(text.ends_with("too many connections\n"), "{text}");
     // Closing one frees a slot.
     held.pop();
-    eventually("a slot frees up", Duration::from_secs(10), || async {
+    soon("a slot frees up", || async {
         let text = exchange_raw(
             gw.addr,
             b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
@@ -303,27 +277,20 @@ async fn sigterm_drains_in_flight_requests_then_exits_zero() {
     // `drain_idle_ms` (1 s by default).
     let mut idle = TcpStream::connect(addr).await.unwrap();
     gw.signal("TERM");
-    eventually("listener closed", Duration::from_secs(10), || async {
+    soon("listener closed", || async {
         TcpStream::connect(addr).await.is_err()
     })
     .await;
     assert_eq!(read_to_close(&mut idle).await, "", "idle connection closed");
-    assert!(
-        gw.wait_exit(Duration::from_millis(1)).await.is_none(),
-        "exited before draining"
-    );
+    assert!(gw.running().await, "exited before draining");
     gate.notify_one();
     let body = http_body_util::BodyExt::collect(resp.into_body())
         .await
         .expect("in-flight body completes")
         .to_bytes();
     assert_eq!(&body[..], b"first;rest");
-    let status = gw
-        .wait_exit(Duration::from_secs(20))
-        .await
-        .unwrap_or_else(|| panic!("graygate did not exit:\n{}", gw.logs()));
-    assert!(status.success(), "{status:?}");
-    gw.wait_log("drained; exiting").await;
+    gw.exits_cleanly("graygate did not exit", "drained; exiting")
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -341,12 +308,7 @@ async fn drain_time_bounds_the_shutdown() {
     let mut gw = Gateway::start(&cfg);
     let addr = gw.addr;
     let pending = tokio::spawn(async move { Req::get("/hang").send_streaming(addr).await });
-    eventually(
-        "request reached the node",
-        Duration::from_secs(10),
-        || async { hang.count() == 1 },
-    )
-    .await;
+    soon("request reached the node", || async { hang.count() == 1 }).await;
     // SIGTERM: the graceful stop whose drain is bounded (SIGINT is a fast
     // stop since binary upgrades came, as in nginx; see tests/signals.rs).
     gw.signal("TERM");

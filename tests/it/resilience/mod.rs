@@ -19,14 +19,17 @@ struct Setup {
 /// `service_extra` goes under `services: api:` (e.g. health, strict);
 /// `main_extra` is appended to the main file.
 fn nodes_file(service_extra: &str, nodes: &[&Backend]) -> String {
-    let mut s = format!("services:\n  api:\n{service_extra}    nodes:\n");
-    for n in nodes {
-        s.push_str(&n.node_yaml());
-    }
-    s
+    let api = Service::new("api").raw(service_extra);
+    Nodes::new()
+        .service(api.nodes(nodes_of(nodes.iter().copied())))
+        .to_yaml()
 }
 
-fn setup(service_extra: &str, nodes: &[&Backend], main_extra: &str) -> Setup {
+fn setup(service_extra: &str, nodes: &[&Backend]) -> Setup {
+    setup_main(service_extra, nodes, "")
+}
+
+fn setup_main(service_extra: &str, nodes: &[&Backend], main_extra: &str) -> Setup {
     let fx = Fixture::new();
     fx.write("lane.lua", HEADER_SCRIPT);
     fx.write("nodes.yaml", &nodes_file(service_extra, nodes));
@@ -58,12 +61,11 @@ async fn passive_ejection_then_trial_readmission() {
     let s = setup(
         "    retries: 0\n    health:\n      passive: { max_fails: 2, cooldown_ms: 1500 }\n",
         &[&f1, &f2],
-        "",
     );
     f2.set_status(500);
     // f2 answers 500 until it has failed twice in a row: then it is ejected
     // and every request goes to f1.
-    eventually("f2 ejected", Duration::from_secs(10), || async {
+    soon("f2 ejected", || async {
         let mut all_f1 = true;
         for _ in 0..6 {
             let r = get_lane(&s.gw, "").await;
@@ -88,7 +90,7 @@ async fn passive_ejection_then_trial_readmission() {
         .await;
     // Healed: after the cool-down a trial request reaches f2 and re-admits it.
     f2.set_status(200);
-    eventually("f2 re-admitted", Duration::from_secs(10), || async {
+    soon("f2 re-admitted", || async {
         get_lane(&s.gw, "").await.node() == "f2"
     })
     .await;
@@ -110,17 +112,12 @@ async fn failed_trial_ejects_again() {
     let s = setup(
         "    retries: 0\n    health:\n      passive: { max_fails: 1, cooldown_ms: 300 }\n",
         &[&f1, &f2],
-        "",
     );
     f2.set_status(503);
-    eventually(
-        "f2 failed twice (ejection, failed trial)",
-        Duration::from_secs(10),
-        || async {
-            get_lane(&s.gw, "").await;
-            f2.count() >= 2
-        },
-    )
+    soon("f2 failed twice (ejection, failed trial)", || async {
+        get_lane(&s.gw, "").await;
+        f2.count() >= 2
+    })
     .await;
     eventually("re-ejection logged", Duration::from_secs(5), || async {
         log_has(&s.gw, "node failed its trial request; ejected again")
@@ -137,14 +134,10 @@ async fn unhealthy_gray_lane_goes_formal_never_other_gray_and_recovers() {
         ("v1", "v2"),
     ])
     .await;
-    let s = setup(
-        "    health:\n      active: { path: /health, interval_ms: 40, timeout_ms: 500, healthy: 1, unhealthy: 2 }\n",
-        &[&f1, &g1, &g2, &v1],
-        "",
-    );
+    let s = setup("    health:\n      active: { path: /health, interval_ms: 40, timeout_ms: 500, healthy: 1, unhealthy: 2 }\n", &[&f1, &g1, &g2, &v1]);
     // One gray node down: the other gray node takes all gray traffic.
     g1.set_health(503);
-    eventually("g1 marked down", Duration::from_secs(10), || async {
+    soon("g1 marked down", || async {
         log_has(&s.gw, "active health check: node unhealthy")
     })
     .await;
@@ -155,11 +148,9 @@ async fn unhealthy_gray_lane_goes_formal_never_other_gray_and_recovers() {
     // Whole lane down: gray traffic goes formal (tag still says gray),
     // never to the other gray lane v2.
     g2.set_health(500);
-    eventually(
-        "gray lane falls back to formal",
-        Duration::from_secs(10),
-        || async { get_lane(&s.gw, "gray").await.node() == "f1" },
-    )
+    soon("gray lane falls back to formal", || async {
+        get_lane(&s.gw, "gray").await.node() == "f1"
+    })
     .await;
     for _ in 0..6 {
         let r = get_lane(&s.gw, "gray").await;
@@ -179,7 +170,7 @@ async fn unhealthy_gray_lane_goes_formal_never_other_gray_and_recovers() {
     .await;
     // Healthy again: gray comes home.
     g1.set_health(200);
-    eventually("gray back on g1", Duration::from_secs(10), || async {
+    soon("gray back on g1", || async {
         get_lane(&s.gw, "gray").await.node() == "g1"
     })
     .await;
@@ -188,13 +179,9 @@ async fn unhealthy_gray_lane_goes_formal_never_other_gray_and_recovers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strict_service_answers_503_when_its_lane_is_down() {
     let [f1, g1] = full_backends([("f1", "formal"), ("g1", "gray")]).await;
-    let s = setup(
-        "    strict: true\n    health:\n      active: { path: /health, interval_ms: 40, timeout_ms: 500, healthy: 1, unhealthy: 1 }\n",
-        &[&f1, &g1],
-        "",
-    );
+    let s = setup("    strict: true\n    health:\n      active: { path: /health, interval_ms: 40, timeout_ms: 500, healthy: 1, unhealthy: 1 }\n", &[&f1, &g1]);
     g1.set_health(503);
-    eventually("strict 503", Duration::from_secs(10), || async {
+    soon("strict 503", || async {
         get_lane(&s.gw, "gray").await.status == 503
     })
     .await;
@@ -214,27 +201,19 @@ async fn strict_service_answers_503_when_its_lane_is_down() {
 async fn active_checkers_follow_reloads() {
     let [f1, g1, g2] = full_backends([("f1", "formal"), ("g1", "gray"), ("g2", "gray")]).await;
     let health = "    health:\n      active: { path: /health, interval_ms: 30, timeout_ms: 500 }\n";
-    let s = setup(health, &[&f1, &g1], "");
-    eventually("g1 probed", Duration::from_secs(10), || async {
-        g1.health_hits() >= 2
-    })
-    .await;
+    let s = setup(health, &[&f1, &g1]);
+    soon("g1 probed", || async { g1.health_hits() >= 2 }).await;
     assert_eq!(g2.health_hits(), 0);
     // Reload: g1 removed, g2 added.
     s.fx.write_rename("nodes.yaml", &nodes_file(health, &[&f1, &g2]));
-    eventually("g2 probed", Duration::from_secs(10), || async {
-        g2.health_hits() >= 2
-    })
-    .await;
+    soon("g2 probed", || async { g2.health_hits() >= 2 }).await;
     s.gw.wait_log("health checker stopped").await;
     // g1's checker is gone: while f1 gets several more probes, g1 gets at
     // most one that was already under way.
     let (g1_then, f1_then) = (g1.health_hits(), f1.health_hits());
-    eventually(
-        "f1 probed 4 more times",
-        Duration::from_secs(10),
-        || async { f1.health_hits() >= f1_then + 4 },
-    )
+    soon("f1 probed 4 more times", || async {
+        f1.health_hits() >= f1_then + 4
+    })
     .await;
     assert!(g1.health_hits() <= g1_then + 1, "g1 still probed");
 }
@@ -249,9 +228,9 @@ async fn connect_failures_retry_on_the_same_lane_even_for_post() {
         f1.node_yaml(),
         v1.node_yaml()
     );
-    let s = setup("", &[], "");
+    let s = setup("", &[]);
     s.fx.write_rename("nodes.yaml", &nodes);
-    eventually("nodes reloaded", Duration::from_secs(10), || async {
+    soon("nodes reloaded", || async {
         s.gw.status().await["generation"]
             .as_u64()
             .is_some_and(|g| g >= 2)
@@ -282,7 +261,6 @@ async fn idempotent_requests_retry_after_no_response_post_does_not() {
     let s = setup(
         "    health:\n      passive: { max_fails: 1000 }\n",
         &[&a, &b, &f1, &v1],
-        "",
     );
     a.set_mode(Mode::Drop);
     // GET and PUT (idempotent): whichever node is tried first, the answer
@@ -345,7 +323,6 @@ async fn retries_are_bounded_by_the_configured_count() {
     let s = setup(
         "    retries: 2\n    health:\n      passive: { max_fails: 1000 }\n",
         &refs,
-        "",
     );
     let r = get_lane(&s.gw, "").await;
     assert_eq!(r.status, 502);
@@ -358,7 +335,7 @@ async fn upstream_response_and_total_timeouts() {
     let [h1, h2, g1] = full_backends([("h1", "formal"), ("h2", "formal"), ("g1", "gray")]).await;
     h1.set_mode(Mode::Hang);
     h2.set_mode(Mode::Hang);
-    let s = setup(
+    let s = setup_main(
         "    health:\n      passive: { max_fails: 1000 }\n",
         &[&h1, &h2, &g1],
         "upstream:\n  response_timeout_ms: 300\n  total_timeout_ms: 20000\n",
@@ -390,7 +367,7 @@ async fn upstream_response_and_total_timeouts() {
         .route_all("api")
         .raw("upstream:\n  response_timeout_ms: 30000\n  total_timeout_ms: 300\n")
         .write_rename(&s.fx, "gg.yaml");
-    eventually("reloaded", Duration::from_secs(10), || async {
+    soon("reloaded", || async {
         s.gw.status().await["generation"]
             .as_u64()
             .is_some_and(|g| g >= 2)
@@ -441,9 +418,9 @@ async fn connect_timeout_then_retry_on_the_same_lane() {
         g2.node_yaml(),
         f1.node_yaml()
     );
-    let s = setup("", &[], "upstream:\n  connect_timeout_ms: 200\n");
+    let s = setup_main("", &[], "upstream:\n  connect_timeout_ms: 200\n");
     s.fx.write_rename("nodes.yaml", &nodes);
-    eventually("nodes reloaded", Duration::from_secs(10), || async {
+    soon("nodes reloaded", || async {
         s.gw.status().await["generation"]
             .as_u64()
             .is_some_and(|g| g >= 2)
@@ -466,9 +443,9 @@ async fn health_state_survives_reloads() {
     let [f1, f2, f3] = full_backends([("f1", "formal"), ("f2", "formal"), ("f3", "formal")]).await;
     let passive =
         "    retries: 0\n    health:\n      passive: { max_fails: 1, cooldown_ms: 600000 }\n";
-    let s = setup(passive, &[&f1, &f2], "");
+    let s = setup(passive, &[&f1, &f2]);
     f2.set_status(500);
-    eventually("f2 ejected", Duration::from_secs(10), || async {
+    soon("f2 ejected", || async {
         get_lane(&s.gw, "").await;
         f2.count() == 1
     })
@@ -476,7 +453,7 @@ async fn health_state_survives_reloads() {
     f2.set_status(200);
     // A reload that adds f3 keeps f2's ejection (same service and address).
     s.fx.write_rename("nodes.yaml", &nodes_file(passive, &[&f1, &f2, &f3]));
-    eventually("f3 serves", Duration::from_secs(10), || async {
+    soon("f3 serves", || async {
         get_lane(&s.gw, "").await.node() == "f3"
     })
     .await;
@@ -494,7 +471,7 @@ async fn health_state_survives_reloads() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strict_service_lane_without_nodes_still_uses_formal() {
     let [f1, g1] = full_backends([("f1", "formal"), ("g1", "gray")]).await;
-    let s = setup("    strict: true\n", &[&f1, &g1], "");
+    let s = setup("    strict: true\n", &[&f1, &g1]);
     // v9 has no node at all: formal serves it, strict or not, with the
     // request's own lane in the tag.
     for _ in 0..3 {
@@ -516,11 +493,7 @@ async fn strict_service_lane_without_nodes_still_uses_formal() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn all_unhealthy_tries_the_lanes_own_nodes_panic_mode() {
     let [f1, g1, v1] = full_backends([("f1", "formal"), ("g1", "gray"), ("v1", "v2")]).await;
-    let s = setup(
-        "    health:\n      active: { path: /health, interval_ms: 40, timeout_ms: 500, healthy: 1, unhealthy: 1 }\n",
-        &[&f1, &g1, &v1],
-        "",
-    );
+    let s = setup("    health:\n      active: { path: /health, interval_ms: 40, timeout_ms: 500, healthy: 1, unhealthy: 1 }\n", &[&f1, &g1, &v1]);
     // Gray and formal both fail their checks; only the other gray lane
     // (v2) is healthy.
     f1.set_health(503);
@@ -529,7 +502,7 @@ async fn all_unhealthy_tries_the_lanes_own_nodes_panic_mode() {
         format!("graygate_node_health{{lane=\"{}\",node=\"{name}\",service=\"api\",state=\"unhealthy\"}}",
             if name == "f1" { "formal" } else { "gray" })
     };
-    eventually("f1 and g1 marked down", Duration::from_secs(10), || async {
+    soon("f1 and g1 marked down", || async {
         s.gw.metric(&down("f1")).await == Some(1.0) && s.gw.metric(&down("g1")).await == Some(1.0)
     })
     .await;
@@ -563,8 +536,8 @@ async fn active_probes_carry_the_lane_tag_and_user_agent_and_restart_on_change()
     let check = |path: &str| {
         format!("    health:\n      active: {{ path: {path}, interval_ms: 30, timeout_ms: 500 }}\n")
     };
-    let s = setup(&check("/health"), &[&f1, &g1], "");
-    eventually("both probed", Duration::from_secs(10), || async {
+    let s = setup(&check("/health"), &[&f1, &g1]);
+    soon("both probed", || async {
         f1.probes_on("/health") >= 2 && g1.probes_on("/health") >= 2
     })
     .await;
@@ -577,21 +550,15 @@ async fn active_probes_carry_the_lane_tag_and_user_agent_and_restart_on_change()
     // A changed check (new path) restarts the checkers: probes move to the
     // new path and the old ones stop.
     s.fx.write_rename("nodes.yaml", &nodes_file(&check("/health-b"), &[&f1, &g1]));
-    eventually(
-        "probes on the new path",
-        Duration::from_secs(10),
-        || async { f1.probes_on("/health-b") >= 1 && g1.probes_on("/health-b") >= 1 },
-    )
+    soon("probes on the new path", || async {
+        f1.probes_on("/health-b") >= 1 && g1.probes_on("/health-b") >= 1
+    })
     .await;
     let old = (f1.probes_on("/health"), g1.probes_on("/health"));
     let new = (f1.probes_on("/health-b"), g1.probes_on("/health-b"));
-    eventually(
-        "4 more probes on the new path",
-        Duration::from_secs(10),
-        || async {
-            f1.probes_on("/health-b") >= new.0 + 4 && g1.probes_on("/health-b") >= new.1 + 4
-        },
-    )
+    soon("4 more probes on the new path", || async {
+        f1.probes_on("/health-b") >= new.0 + 4 && g1.probes_on("/health-b") >= new.1 + 4
+    })
     .await;
     // At most one probe on the old path that was already under way.
     assert!(f1.probes_on("/health") <= old.0 + 1, "old check still runs");
@@ -620,7 +587,7 @@ async fn bodies_over_the_retry_buffer_stream_and_retry_only_after_connect_failur
     // buffer) is retried on the other node, whole — it never left.
     let [b, f1] = full_backends([("b", "gray"), ("f1", "formal")]).await;
     let dead = closed_port();
-    let s = setup(passive, &[&f1], &main);
+    let s = setup_main(passive, &[&f1], &main);
     s.fx.write_rename(
         "nodes.yaml",
         &format!(
@@ -629,7 +596,7 @@ async fn bodies_over_the_retry_buffer_stream_and_retry_only_after_connect_failur
             f1.node_yaml()
         ),
     );
-    eventually("nodes reloaded", Duration::from_secs(10), || async {
+    soon("nodes reloaded", || async {
         s.gw.status().await["generation"]
             .as_u64()
             .is_some_and(|g| g >= 2)
@@ -650,7 +617,7 @@ async fn bodies_over_the_retry_buffer_stream_and_retry_only_after_connect_failur
     // streams, so it is not retried once a node has read it.
     let a = Backend::full("a", "gray").await;
     a.set_mode(Mode::Drop);
-    let s = setup(passive, &[&a, &b, &f1], &main);
+    let s = setup_main(passive, &[&a, &b, &f1], &main);
     let b_before = b.count();
     for _ in 0..4 {
         let r = put(s.gw.addr, limit).await;
@@ -708,7 +675,6 @@ async fn five_xx_is_passed_back_not_retried() {
     let s = setup(
         "    retries: 2\n    health:\n      passive: { max_fails: 1000 }\n",
         &[&a, &b],
-        "",
     );
     a.set_status(500);
     let (mut five, mut ok) = (0, 0);
@@ -737,7 +703,6 @@ async fn a_success_resets_the_failure_count() {
     let s = setup(
         "    retries: 0\n    health:\n      passive: { max_fails: 2, cooldown_ms: 600000 }\n",
         &[&f1],
-        "",
     );
     // fail, succeed, fail: never two in a row, so never ejected.
     for status in [500, 200, 500] {
@@ -757,10 +722,10 @@ async fn a_node_added_by_reload_starts_healthy_under_active_checks() {
     // it down: until then it takes traffic.
     g1.set_health(503);
     let health = "    health:\n      active: { path: /health, interval_ms: 60000, timeout_ms: 500, unhealthy: 3 }\n";
-    let s = setup(health, &[&f1], "");
+    let s = setup(health, &[&f1]);
     assert_eq!(get_lane(&s.gw, "gray").await.node(), "f1");
     s.fx.write_rename("nodes.yaml", &nodes_file(health, &[&f1, &g1]));
-    eventually("g1 added", Duration::from_secs(10), || async {
+    soon("g1 added", || async {
         get_lane(&s.gw, "gray").await.node() == "g1"
     })
     .await;
@@ -803,7 +768,7 @@ async fn idle_pooled_upstream_connections_are_closed() {
         assert_eq!(gw.get("/x").await.status, 200);
     }
     assert_eq!(conns(), 2, "a fresh connection");
-    eventually("the idle one closed", Duration::from_secs(10), || async {
+    soon("the idle one closed", || async {
         f1.closed.load(Ordering::SeqCst) == 1
     })
     .await;

@@ -2,8 +2,6 @@
 //! its lane across API calls, pages and assets when its IP changes; forged,
 //! tampered, stale or unserved-lane cookies are ignored and re-decided.
 
-use std::time::Duration;
-
 use crate::harness::*;
 use graygate::lane::sticky::{unix_now, Sticky};
 
@@ -141,11 +139,8 @@ async fn cookie_lives_while_a_node_or_static_tree_serves_its_lane() {
     let cookie = cookie_of(&r).unwrap();
     // The gray node goes away; the gray static tree still serves the lane,
     // so the cookie still holds: pages gray, API calls formal with the gray tag.
-    s.fx.write_rename(
-        "nodes.yaml",
-        &format!("services:\n  api:\n    nodes:\n{}", s.f1.node_yaml()),
-    );
-    eventually("reloaded", Duration::from_secs(10), || async {
+    s.fx.write_rename("nodes.yaml", &Nodes::api([s.f1.node()]).to_yaml());
+    soon("reloaded", || async {
         s.gw.status().await["generation"]
             .as_u64()
             .is_some_and(|g| g >= 2)
@@ -157,14 +152,9 @@ async fn cookie_lives_while_a_node_or_static_tree_serves_its_lane() {
     assert_eq!(r.json()["tag"], "gray");
     // Now nothing serves gray: the cookie is ignored and the lane re-decided.
     std::fs::remove_dir_all(s.fx.path("site/gray")).unwrap();
-    s.fx.write_rename(
-        "nodes.yaml",
-        &format!(
-            "# again\nservices:\n  api:\n    nodes:\n{}",
-            s.f1.node_yaml()
-        ),
-    );
-    eventually("reloaded again", Duration::from_secs(10), || async {
+    let again = Nodes::api([s.f1.node()]).comment("again");
+    s.fx.write_rename("nodes.yaml", &again.to_yaml());
+    soon("reloaded again", || async {
         s.gw.status().await["generation"]
             .as_u64()
             .is_some_and(|g| g >= 3)

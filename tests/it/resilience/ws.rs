@@ -129,7 +129,7 @@ async fn websocket_keeps_its_lane_for_the_connection_life() {
     // Reload: the script now sends everyone formal. New upgrades go formal;
     // the open gray connection stays on its gray node.
     fx.write_rename("lane.lua", "return function(req) return nil end\n");
-    eventually("reloaded", Duration::from_secs(10), || async {
+    soon("reloaded", || async {
         gw.status().await["generation"]
             .as_u64()
             .is_some_and(|g| g >= 2)
@@ -192,7 +192,7 @@ async fn websocket_tunnels_are_drained_on_sigterm() {
     let mut ws = connect(gw.addr, None).await;
     assert_eq!(next_text(&mut ws).await, "fws tag=formal");
     gw.signal("TERM");
-    eventually("listener closed", Duration::from_secs(10), || async {
+    soon("listener closed", || async {
         TcpStream::connect(gw.addr).await.is_err()
     })
     .await;
@@ -200,19 +200,12 @@ async fn websocket_tunnels_are_drained_on_sigterm() {
         ws.send(Message::text(m)).await.unwrap();
         assert_eq!(next_text(&mut ws).await, format!("fws:{m}"));
     }
-    assert!(
-        gw.wait_exit(Duration::from_millis(1)).await.is_none(),
-        "exited with a tunnel open"
-    );
+    assert!(gw.running().await, "exited with a tunnel open");
     ws.close(None).await.unwrap();
     drop(ws);
-    let status = gw
-        .wait_exit(Duration::from_secs(20))
-        .await
-        .unwrap_or_else(|| panic!("no exit after the tunnel ended:\n{}", gw.logs()));
-    assert!(status.success(), "{status:?}");
-    gw.wait_log("drained; exiting").await;
-    eventually("the node's side ended", Duration::from_secs(10), || async {
+    gw.exits_cleanly("no exit after the tunnel ended", "drained; exiting")
+        .await;
+    soon("the node's side ended", || async {
         ended.load(Ordering::SeqCst) == 1
     })
     .await;
@@ -231,12 +224,8 @@ async fn websocket_tunnels_are_cut_at_the_drain_time() {
     ws.send(Message::text("hi")).await.unwrap();
     assert_eq!(next_text(&mut ws).await, "fws:hi");
     gw.signal("TERM");
-    let status = gw
-        .wait_exit(Duration::from_secs(20))
-        .await
-        .unwrap_or_else(|| panic!("an open tunnel held up the exit:\n{}", gw.logs()));
-    assert!(status.success(), "{status:?}");
-    gw.wait_log("drain time over").await;
+    gw.exits_cleanly("an open tunnel held up the exit", "drain time over")
+        .await;
     // Both ends of the tunnel see it end.
     let end = tokio::time::timeout(Duration::from_secs(10), async {
         loop {
@@ -248,7 +237,7 @@ async fn websocket_tunnels_are_cut_at_the_drain_time() {
     })
     .await;
     assert!(end.is_ok(), "the client's tunnel stayed open");
-    eventually("the node's side ended", Duration::from_secs(10), || async {
+    soon("the node's side ended", || async {
         ended.load(Ordering::SeqCst) == 1
     })
     .await;

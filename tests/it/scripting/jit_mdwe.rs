@@ -7,7 +7,6 @@
 //! restriction. Without the restriction, `jit: true` serves.
 
 use std::process::Command;
-use std::time::Duration;
 
 use crate::harness::*;
 
@@ -97,15 +96,11 @@ async fn jit_is_refused_where_code_may_not_become_executable_and_the_interpreter
 
     // A reload to jit: true is rejected; the process and its lanes go on.
     write_main(&fx, true);
-    eventually(
-        "the jit reload rejected",
-        Duration::from_secs(10),
-        || async {
-            gw.status().await["last_reload_error"]
-                .as_str()
-                .is_some_and(|e| e.contains("script_limits.jit"))
-        },
-    )
+    soon("the jit reload rejected", || async {
+        gw.status().await["last_reload_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("script_limits.jit"))
+    })
     .await;
     serves_lanes(&gw).await;
     let err = gw.status().await["last_reload_error"].to_string();

@@ -19,10 +19,7 @@ async fn lane_backends(lanes: &[&str]) -> Vec<Backend> {
 }
 
 fn nodes_yaml(backends: &[Backend]) -> String {
-    format!(
-        "services:\n  api:\n    nodes:\n{}",
-        backends.iter().map(|b| b.node_yaml()).collect::<String>()
-    )
+    Nodes::api(nodes_of(backends)).to_yaml()
 }
 
 /// Writes the fixture and starts the gateway with `script` and `extra` config.
@@ -403,7 +400,7 @@ async fn shared_dict_is_shared_across_workers_and_survives_reload() {
     // A reload (new script text, new generation) keeps the dict's contents.
     let g0 = gw.status().await["generation"].as_u64().unwrap();
     fx.write_rename("scripts/main.lua", &format!("-- v2\n{script}"));
-    eventually("reload applied", Duration::from_secs(10), || async {
+    soon("reload applied", || async {
         gw.status().await["generation"].as_u64().unwrap() > g0
     })
     .await;
@@ -505,22 +502,18 @@ async fn sandbox_breaches_are_rejected_or_go_formal(jit: bool) {
     for (what, text, located) in cases {
         std::fs::write(fx.path("scripts/main.lua.tmp"), &text).unwrap();
         std::fs::rename(fx.path("scripts/main.lua.tmp"), fx.path("scripts/main.lua")).unwrap();
-        eventually(
-            &format!("{what} rejected"),
-            Duration::from_secs(10),
-            || async {
-                let st = gw.status().await;
-                st["last_reload_error"]
-                    .as_str()
-                    .is_some_and(|e| e.contains(located))
-            },
-        )
+        soon(&format!("{what} rejected"), || async {
+            let st = gw.status().await;
+            st["last_reload_error"]
+                .as_str()
+                .is_some_and(|e| e.contains(located))
+        })
         .await;
         // The old script keeps serving.
         assert_eq!(gw.get("/").await.json()["tag"], "gray", "{what}");
         // Reset to the good script so the next case is a fresh rejection.
         fx.write_rename("scripts/main.lua", good);
-        eventually("good script back", Duration::from_secs(10), || async {
+        soon("good script back", || async {
             gw.status().await["last_reload_error"].is_null()
         })
         .await;
@@ -536,7 +529,7 @@ async fn sandbox_breaches_are_rejected_or_go_formal(jit: bool) {
             marker.display()
         ),
     );
-    eventually("breach script loaded", Duration::from_secs(10), || async {
+    soon("breach script loaded", || async {
         let r = Req::get("/").header("X-Try", "1").send(gw.addr).await;
         r.json()["tag"] == "formal" && gw.get("/").await.json()["tag"] == "gray"
     })
@@ -706,7 +699,7 @@ end
     assert_eq!(result("fill").await, "true,false,true");
     // exptime: the item is there, then (polled) gone; others stay.
     assert_eq!(result("expire").await, "soon");
-    eventually("the item expired", Duration::from_secs(10), || async {
+    soon("the item expired", || async {
         result("read").await == "nil,here"
     })
     .await;
@@ -715,7 +708,7 @@ end
     let g0 = gw.status().await["generation"].as_u64().unwrap();
     let cfg = std::fs::read_to_string(fx.path("gg.yaml")).unwrap();
     fx.write_rename("gg.yaml", &cfg.replace("small: 10k", "small: 1m"));
-    eventually("reloaded", Duration::from_secs(10), || async {
+    soon("reloaded", || async {
         gw.status().await["generation"].as_u64().unwrap() > g0
     })
     .await;
@@ -770,7 +763,7 @@ async fn require_resolves_only_modules_found_at_load(jit: bool) {
         ),
     ] {
         fx.write_rename("scripts/main.lua", text);
-        eventually(located, Duration::from_secs(10), || async {
+        soon(located, || async {
             gw.status().await["last_reload_error"]
                 .as_str()
                 .is_some_and(|e| e.contains(located))
@@ -778,7 +771,7 @@ async fn require_resolves_only_modules_found_at_load(jit: bool) {
         .await;
         assert_eq!(gw.get("/").await.json()["tag"], "gray");
         fx.write_rename("scripts/main.lua", main);
-        eventually("good script back", Duration::from_secs(10), || async {
+        soon("good script back", || async {
             gw.status().await["last_reload_error"].is_null()
         })
         .await;

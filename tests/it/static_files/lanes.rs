@@ -302,13 +302,10 @@ async fn files_larger_than_the_cache_limit_are_served_whole_and_in_ranges() {
     std::fs::create_dir_all(fx.path("site/formal")).unwrap();
     std::fs::write(fx.path("site/formal/big.bin"), &big).unwrap();
     fx.write("site/formal/small.txt", "0123456789abcdef");
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(
-            "static_cache: { max_size: 128k, max_file_size: 64k, valid_ms: 200 }\n\
-             routes:\n  - prefix: /\n    static: site\n",
-        ),
-    );
+    let cfg = Config::new()
+        .raw("static_cache: { max_size: 128k, max_file_size: 64k, valid_ms: 200 }\n")
+        .routes(&[Route::static_dir("/", "site")])
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     for _ in 0..2 {
         let r = gw.get("/big.bin").await;
@@ -446,13 +443,11 @@ async fn big_whole_files_go_out_by_sendfile_on_a_kept_alive_connection() {
     std::fs::write(fx.path("site/gray/own.bin"), &gray_own).unwrap();
     std::fs::write(fx.path("site/formal/disk.bin"), &on_disk).unwrap();
     fx.write("lane.lua", LANE_SCRIPT);
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(
-            "script: lane.lua\nstatic_cache: { max_size: 4m, max_file_size: 1m, valid_ms: 200 }\n\
-             routes:\n  - prefix: /\n    static: site\n",
-        ),
-    );
+    let cfg = Config::new()
+        .script("lane.lua")
+        .raw("static_cache: { max_size: 4m, max_file_size: 1m, valid_ms: 200 }\n")
+        .routes(&[Route::static_dir("/", "site")])
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
     let req = |path: &str, method: &str, lane: &str| {
@@ -682,14 +677,11 @@ async fn a_held_big_file_goes_to_http2_clients_from_memory_without_opening_it() 
     let fx = Fixture::new();
     let bytes = String::from_utf8(pattern(100 * 1024)).unwrap();
     fx.write("site/formal/big.txt", &bytes);
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(
-            "static_cache: { max_file_size: 1m, valid_ms: 60000 }\n\
-             listeners:\n  - { listen: 127.0.0.1:0, h2c: true }\n\
-             routes:\n  - prefix: /\n    static: site\n",
-        ),
-    );
+    let cfg = Config::new()
+        .raw("static_cache: { max_file_size: 1m, valid_ms: 60000 }\n")
+        .listeners(&[Listener::h2c()])
+        .routes(&[Route::static_dir("/", "site")])
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     let h2c = crate::harness::tls::listeners(&gw)[0];
     let url = format!("http://{h2c}/big.txt");

@@ -152,14 +152,10 @@ async fn clients_closing_mid_file_leave_no_descriptor_behind() {
     let (_, sending) = open_fds(gw.pid(), "big.bin");
     assert_eq!(sending, 16, "the file open once per response being sent");
     drop(clients);
-    eventually(
-        "descriptors given back",
-        Duration::from_secs(10),
-        || async {
-            let (fds, files) = open_fds(gw.pid(), "big.bin");
-            fds <= before && files == 0
-        },
-    )
+    soon("descriptors given back", || async {
+        let (fds, files) = open_fds(gw.pid(), "big.bin");
+        fds <= before && files == 0
+    })
     .await;
     let r = gw.get("/big.bin").await;
     assert_eq!(r.status, 200);
@@ -217,7 +213,7 @@ async fn a_client_that_stops_reading_a_sendfile_body_is_cut_off() {
     let mut buf = Vec::new();
     read_at_least(&mut s, &mut buf, 64 << 10).await;
     // Never read again.
-    eventually("send timeout", Duration::from_secs(10), || async {
+    soon("send timeout", || async {
         gw.logs().contains("client stopped reading the response")
     })
     .await;
@@ -300,13 +296,12 @@ fn held_site(size: usize, valid_ms: u64) -> (Fixture, Gateway, Vec<u8>) {
     let big = pattern(size);
     std::fs::create_dir_all(fx.path("site/formal")).unwrap();
     std::fs::write(fx.path("site/formal/big.bin"), &big).unwrap();
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(&format!(
-            "static_cache: {{ max_file_size: 1m, valid_ms: {valid_ms} }}\n\
-             routes:\n  - prefix: /\n    static: site\n"
-        )),
-    );
+    let cfg = Config::new()
+        .raw(&format!(
+            "static_cache: {{ max_file_size: 1m, valid_ms: {valid_ms} }}\n"
+        ))
+        .routes(&[Route::static_dir("/", "site")])
+        .write(&fx, "gg.yaml");
     let gw = Gateway::start(&cfg);
     (fx, gw, big)
 }
