@@ -27,13 +27,12 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
             v1.node_yaml()
         ),
     );
-    let cfg = Config::new()
+    let gw = Config::new()
         .script("lane.lua")
         .rules_file("rules.yaml")
         .node_files(&["nodes.yaml"])
         .routes(&[Route::service("/api/", "api")])
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     let admin = gw.admin.unwrap();
     // The browser first: the live split shows the last 10 s, and a
     // browser's start on a loaded machine can take longer than that.
@@ -235,12 +234,11 @@ async fn dashboard_works_behind_the_admin_token_with_http_basic() {
     let f1 = Backend::start("f1", "formal").await;
     let fx = Fixture::new();
     fx.api_nodes(&[&f1]);
-    let cfg = Config::new()
+    let gw = Config::new()
         .set("admin_token", "tok3n")
         .node_files(&["nodes.yaml"])
         .routes(&[Route::service("/api/", "api")])
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     let admin = gw.admin.unwrap();
     assert_eq!(gw.get("/api/x").await.status, 200);
     assert_eq!(Req::get("/").send(admin).await.status, 401);
@@ -278,11 +276,10 @@ async fn dashboard_shows_releases_and_their_decision_timeline() {
     let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
     let fx = Fixture::new();
     fx.api_nodes(&[&f1, &g1]);
-    let cfg = Config::new()
+    let gw = Config::new()
         .node_files(&["nodes.yaml"])
         .routes(&[Route::service("/api/", "api")])
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     let admin = gw.admin.unwrap();
     let spec = "name: web-v2\nlane: gray\nkey: { header: X-User }\nsteps:\n  - { weight: 30, min_duration_ms: 600000 }\nanalysis: { interval_ms: 200, min_requests: 1000000 }\n";
     let r = Req::get("/releases")

@@ -180,22 +180,11 @@ impl GrpcNode {
 
 fn node_tls(fx: &Fixture) -> Arc<rustls::ServerConfig> {
     write_cert(&fx.path("certs"), "node", "node.example");
-    let pem = |p: &str| std::fs::read(fx.path(p)).unwrap();
-    use rustls::pki_types::pem::PemObject;
-    let certs = rustls::pki_types::CertificateDer::pem_slice_iter(&pem("certs/node.crt"))
-        .collect::<Result<Vec<_>, _>>()
-        .unwrap();
-    let key = rustls::pki_types::PrivateKeyDer::from_pem_slice(&pem("certs/node.key")).unwrap();
-    let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_no_client_auth()
-    .with_single_cert(certs, key)
-    .unwrap();
-    cfg.alpn_protocols = vec![b"h2".to_vec()];
-    Arc::new(cfg)
+    server_config(
+        &fx.path("certs/node.crt"),
+        &fx.path("certs/node.key"),
+        &[b"h2"],
+    )
 }
 
 /// A tonic channel to the gateway: h2c, or TLS (ALPN h2, the gateway's
@@ -312,7 +301,7 @@ async fn grpc_canary_over_h2c_and_tls_nodes() {
             lonely.yaml("lonely-formal", "formal"),
         ),
     );
-    let cfg = Config::new()
+    let gw = Config::new()
         .script("lane.lua")
         .node_files(&["nodes.yaml"])
         .routes(&[
@@ -324,8 +313,7 @@ async fn grpc_canary_over_h2c_and_tls_nodes() {
             Listener::h2c(),
             Listener::tls().cert("certs/gw.crt", "certs/gw.key"),
         ])
-        .write(&fx, "graygate.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "graygate.yaml");
     let ls = listeners(&gw);
     let (h2c, tls) = (ls[0], ls[1]);
 
@@ -427,12 +415,11 @@ async fn a_node_certificate_that_does_not_verify_is_unavailable_in_grpc_terms() 
             node.yaml("tls-formal", "formal")
         ),
     );
-    let cfg = Config::new()
+    let gw = Config::new()
         .node_files(&["nodes.yaml"])
         .routes(&[Route::service("/", "grpc")])
         .listeners(&[Listener::h2c()])
-        .write(&fx, "graygate.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "graygate.yaml");
     let ch = channel(listeners(&gw)[0], false).await;
     let (_, end) = chat(&ch, "/demo.Echo/Chat", false, &["a"]).await;
     let s = end.expect_err("the node's certificate is not signed by the configured CA");
@@ -477,12 +464,11 @@ async fn an_http2_node_that_never_answers_times_out_at_the_response_timeout() {
             "services:\n  api:\n    protocol: h2\n    retries: 0\n    nodes:\n      - {{ name: s1, addr: \"{addr}\", lane: formal }}\n"
         ),
     );
-    let cfg = Config::new()
+    let gw = Config::new()
         .node_files(&["nodes.yaml"])
         .route_all("api")
         .raw("upstream:\n  response_timeout_ms: 300\n  total_timeout_ms: 30000\n")
-        .write(&fx, "graygate.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "graygate.yaml");
     let t0 = std::time::Instant::now();
     let r = Req::get("/x").send(gw.addr).await;
     assert_eq!(r.status, 504, "{}", r.text());

@@ -17,7 +17,7 @@ async fn setup() -> (Fixture, Gateway, Backend, SocketAddr, SocketAddr) {
     let formal = Backend::start("f1", "formal").await;
     write_cert(&fx.path("certs"), "site", "localhost");
     fx.api_nodes(&[&formal]);
-    let cfg = Config::new()
+    let gw = Config::new()
         .set("workers", 1)
         .node_files(&["nodes.yaml"])
         .route_all("api")
@@ -25,8 +25,7 @@ async fn setup() -> (Fixture, Gateway, Backend, SocketAddr, SocketAddr) {
             Listener::tls().cert("certs/site.crt", "certs/site.key"),
             Listener::h2c(),
         ])
-        .write(&fx, "graygate.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "graygate.yaml");
     let ls = listeners(&gw);
     (fx, gw, formal, ls[0], ls[1])
 }
@@ -78,21 +77,8 @@ async fn h2load_burst_over_tls_is_served_completely() {
     let seen = formal.count();
     let code = |size: usize| {
         let big = format!("X-Big: {}", "a".repeat(size));
-        let out = std::process::Command::new("curl")
-            .args([
-                "-sk",
-                "--http2",
-                "-o",
-                "/dev/null",
-                "-w",
-                "%{http_code} %{http_version}",
-                "-H",
-                &big,
-            ])
-            .arg(format!("https://localhost:{}/api/big", tls.port()))
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        let url = format!("https://localhost:{}/api/big", tls.port());
+        curl_h2_write_out("%{http_code} %{http_version}", &["-H", &big], &[&url])
     };
     assert_eq!(code(40_000), "431 2");
     assert_eq!(formal.count(), seen, "refused before the node");
@@ -239,8 +225,8 @@ async fn bodies_larger_than_the_windows_stream_both_ways_over_h2() {
     let echo = Backend::start_mode("echo", "formal", Mode::Echo).await;
     write_cert(&fx.path("certs"), "site", "localhost");
     fx.api_nodes(&[&echo]);
-    let cfg = Config::new().node_files(&["nodes.yaml"]).route_all("api").raw("http2: { initial_stream_window_bytes: 65535, initial_connection_window_bytes: 131072 }\n").listeners(&[Listener::tls().cert("certs/site.crt", "certs/site.key")]).write(&fx, "graygate.yaml");
-    let gw = Gateway::start(&cfg);
+    let gw = Config::new().node_files(&["nodes.yaml"]).route_all("api").raw("http2: { initial_stream_window_bytes: 65535, initial_connection_window_bytes: 131072 }\n").listeners(&[Listener::tls().cert("certs/site.crt", "certs/site.key")])
+    .start(&fx, "graygate.yaml");
     let tls = listeners(&gw)[0];
     // 3 MiB: 48 stream windows' worth, so flow control must move it.
     let body: Vec<u8> = (0..3 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();

@@ -9,7 +9,6 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
 
 use crate::harness::*;
 
@@ -221,10 +220,7 @@ async fn debian_package_holds_a_gateway_that_starts_on_its_config() {
     std::fs::create_dir_all(root.join("run/graygate")).unwrap();
     // systemd's readiness protocol, as the unit's Type=notify expects.
     let notify_path = work.path().join("notify.sock");
-    let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
-    notify
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .unwrap();
+    let notify = notify_socket(&notify_path);
     let mut cmd = Command::new(&exe);
     cmd.env("NOTIFY_SOCKET", &notify_path);
     let mut gw = Gateway::start_cmd(cmd, &config, &[]);

@@ -30,13 +30,12 @@ async fn setup() -> Env {
     fx.write("lists/testers.txt", "127.0.9.0/24\n");
     let nodes_formal_gray = Nodes::api(nodes_of([&f, &g])).to_yaml();
     fx.write("nodes.yaml", &nodes_formal_gray);
-    let cfg = Config::new()
+    let gw = Config::new()
         .script("scripts/lane.lua")
         .raw("lists: { testers: lists/testers.txt }\n")
         .node_files(&["nodes.yaml"])
         .route_all("api")
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     let g2_yaml = g2.node_yaml();
     Env {
         fx,
@@ -254,11 +253,10 @@ async fn in_flight_requests_finish_on_their_generation() {
     let fast = Backend::start("fast", "formal").await;
     let fx = Fixture::new();
     fx.api_nodes(&[&slow]);
-    let cfg = Config::new()
+    let gw = Config::new()
         .node_files(&["nodes.yaml"])
         .route_all("api")
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     let resp = Req::get("/").send_streaming(gw.addr).await;
     assert_eq!(resp.status(), 200);
     // Swap the only node out while the response is still streaming.

@@ -17,14 +17,13 @@ fn setup(nodes: impl IntoIterator<Item = Node>, extra: &str) -> Setup {
     fx.write("lane.lua", HEADER_SCRIPT);
     fx.write("ips.txt", "127.0.9.0/24\n");
     Nodes::api(nodes).write(&fx, "nodes.yaml");
-    let cfg = Config::new()
+    let gw = Config::new()
         .script("lane.lua")
         .raw("lists:\n  gray_ips: ips.txt\n")
         .node_files(&["nodes.yaml"])
         .route_all("api")
         .raw(&extra)
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     Setup { _fx: fx, gw }
 }
 
@@ -132,14 +131,13 @@ async fn ip_list_decides_by_the_real_source_address() {
         "return function(req) if graygate.in_list('gray_ips', req.ip) then return 'gray' end end\n",
     );
     fx.api_nodes(&[&f1, &g1]);
-    let cfg = Config::new()
+    let gw = Config::new()
         .script("lane.lua")
         .raw("lists: { gray_ips: ips.txt }\n")
         .node_files(&["nodes.yaml"])
         .raw("trusted_proxies: [127.0.0.2/32]\n")
         .route_all("api")
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     let r = Req::get("/").from_ip("127.0.9.5").send(gw.addr).await;
     assert_eq!(r.node(), "g1");
     let r = Req::get("/").from_ip("127.0.10.5").send(gw.addr).await;
@@ -362,14 +360,13 @@ async fn unmatched_route_is_404() {
     let f1 = Backend::start("f1", "formal").await;
     let fx = Fixture::new();
     fx.api_nodes(&[&f1]);
-    let cfg = Config::new()
+    let gw = Config::new()
         .node_files(&["nodes.yaml"])
         .routes(&[
             Route::service("/api/", "api"),
             Route::service("/", "api").host("admin.example"),
         ])
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     assert_eq!(gw.get("/other").await.status, 404);
     assert_eq!(gw.get("/api/x").await.status, 200);
     let r = Req::get("/other")

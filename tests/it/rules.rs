@@ -181,14 +181,13 @@ async fn script_runs_after_rules_sees_the_verdict_and_may_override() {
         .lines()
         .map(|l| format!("  {l}\n"))
         .collect::<String>();
-    let cfg = Config::new()
+    let gw = Config::new()
         .raw("lists:\n  testers: testers.txt\n")
         .script("lane.lua")
         .node_files(&["nodes.yaml"])
         .route_all("api")
         .raw(&format!("rules:\n{inline}\n"))
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
 
     // The rule decides; the script keeps it and sees its name and lane.
     assert_eq!(tag(&gw, Req::get("/").from_ip("127.0.9.5")).await, "gray");
@@ -217,14 +216,13 @@ async fn rules_pin_sticky_cookies_and_deny_beats_a_sticky_cookie() {
     let fx = Fixture::new();
     write_common(&fx, &bs);
     fx.write("rules.yaml", RULES);
-    let cfg = Config::new()
+    let gw = Config::new()
         .raw("lists:\n  testers: testers.txt\n")
         .rules_file("rules.yaml")
         .node_files(&["nodes.yaml"])
         .raw("sticky:\n  key: test-sticky-key-0123456789\n")
         .routes(&[Route::service("/", "api").sticky()])
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     // A rule decides gray and the lane is pinned in a cookie.
     let r = Req::get("/").from_ip("127.0.9.5").send(gw.addr).await;
     assert_eq!(r.json()["tag"], "gray");

@@ -39,7 +39,7 @@ async fn setup() -> Setup {
     fx.api_nodes(&[&formal, &gray]);
     fx.write("static/formal/index.html", "<h1>formal</h1>\n");
     fx.write("static/gray/index.html", "<h1>gray</h1>\n");
-    let cfg = Config::new()
+    let gw = Config::new()
         .script("lane.lua")
         .node_files(&["nodes.yaml"])
         .raw("access_log: { path: access.log, format: json }\n")
@@ -54,8 +54,7 @@ async fn setup() -> Setup {
                 .cert_for("certs/wild.crt", "certs/wild.key", &["*.wild.example"]),
             Listener::h2c(),
         ])
-        .write(&fx, "graygate.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "graygate.yaml");
     let ls = listeners(&gw);
     assert_eq!(ls.len(), 2, "{}", gw.logs());
     Setup {
@@ -143,23 +142,11 @@ async fn https_over_h2_and_http1_routes_lanes_static_and_forwarded_proto() {
     // Several streams on one connection, each its own request in metrics
     // and the access log.
     let url = https(s.tls, "/api/multi");
-    let out = std::process::Command::new("curl")
-        .args([
-            "-sk",
-            "--http2",
-            "-o",
-            "/dev/null",
-            "-o",
-            "/dev/null",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_version} %{num_connects}\n",
-        ])
-        .args([&url, &url, &url])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = curl_h2_write_out(
+        "%{http_version} %{num_connects}\n",
+        &[],
+        &[&url, &url, &url],
+    );
     assert_eq!(
         text.lines().filter(|l| l.starts_with("2 ")).count(),
         3,
@@ -392,21 +379,7 @@ async fn tls_h1_node(
     std::net::SocketAddr,
     std::sync::Arc<std::sync::atomic::AtomicUsize>,
 ) {
-    use rustls::pki_types::pem::PemObject;
-    let certs = rustls::pki_types::CertificateDer::pem_file_iter(cert)
-        .unwrap()
-        .collect::<Result<Vec<_>, _>>()
-        .unwrap();
-    let key = rustls::pki_types::PrivateKeyDer::from_pem_file(key).unwrap();
-    let cfg = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_no_client_auth()
-    .with_single_cert(certs, key)
-    .unwrap();
-    let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(cfg));
+    let acceptor = tokio_rustls::TlsAcceptor::from(server_config(cert, key, &[]));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let conns = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -470,7 +443,7 @@ async fn https_nodes_verified_by_ca_and_sni_or_insecure_for_tests() {
              \x20 wrong-ca:\n    retries: 0\n    tls: {{ ca: certs/stranger.crt, server_name: node.internal }}\n    nodes: [{{ name: named-node, addr: \"{named_node}\" }}]\n",
         ),
     );
-    let cfg = Config::new()
+    let gw = Config::new()
         .set("workers", 1)
         .node_files(&["nodes.yaml"])
         .routes(&[
@@ -479,8 +452,7 @@ async fn https_nodes_verified_by_ca_and_sni_or_insecure_for_tests() {
             Route::service("/insecure/", "insecure"),
             Route::service("/wrong/", "wrong-ca"),
         ])
-        .write(&fx, "graygate.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "graygate.yaml");
     for _ in 0..5 {
         let r = gw.get("/ip/x").await;
         assert_eq!(r.status, 200, "{}", r.text());

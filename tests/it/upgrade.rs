@@ -294,10 +294,7 @@ async fn binary_upgrade_under_load_loses_no_request_and_lets_the_websocket_finis
     // systemd's notification socket (Type=notify, NotifyAccess=all): the
     // successor inherits it and must announce itself as the main process.
     let notify_path = s.fx.path("run/notify.sock");
-    let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
-    notify
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .unwrap();
+    let notify = notify_socket(&notify_path);
     let mut cmd = Command::new(&exe);
     cmd.env("NOTIFY_SOCKET", &notify_path);
     let mut old = Gateway::start_cmd(cmd, &s.cfg, &[]);

@@ -289,6 +289,18 @@ impl Load {
         .await;
     }
 
+    /// Stops the loop and fails on any error; returns the successes.
+    pub async fn stop_clean(self) -> usize {
+        let (ok, errors) = self.stop().await;
+        assert!(
+            errors.is_empty(),
+            "{} errors (of {ok}): {:?}",
+            errors.len(),
+            &errors[..errors.len().min(5)]
+        );
+        ok
+    }
+
     pub async fn stop(self) -> (usize, Vec<String>) {
         self.stop.store(true, Ordering::Relaxed);
         for t in self.tasks {

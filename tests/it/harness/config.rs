@@ -134,6 +134,11 @@ impl Config {
         fx.write(rel, &self.out)
     }
 
+    /// Writes the file and starts a gateway on it.
+    pub fn start(&self, fx: &Fixture, rel: &str) -> super::Gateway {
+        super::Gateway::start(&self.write(fx, rel))
+    }
+
     /// Writes the file as editors save it (a temp file renamed over it).
     pub fn write_rename(&self, fx: &Fixture, rel: &str) -> PathBuf {
         fx.write_rename(rel, &self.out)

@@ -378,6 +378,18 @@ impl Gateway {
             .sum()
     }
 
+    /// The node `name` of the first service in the admin `/nodes` document.
+    pub async fn node_doc(&self, name: &str) -> serde_json::Value {
+        let doc = self.admin_get("/nodes").await.json();
+        doc["services"][0]["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["name"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no node {name}: {doc}"))
+    }
+
     /// `GET <path>` on the main listener.
     pub async fn get(&self, path: &str) -> Resp {
         Req::get(path).send(self.addr).await

@@ -64,6 +64,16 @@ pub fn main_config(extra: &str) -> String {
     format!("listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nreload_debounce_ms: 50\n{extra}")
 }
 
+/// A datagram socket at `path` for systemd's readiness messages
+/// (`NOTIFY_SOCKET`), reads bounded by 20 s.
+pub fn notify_socket(path: &std::path::Path) -> std::os::unix::net::UnixDatagram {
+    let notify = std::os::unix::net::UnixDatagram::bind(path).unwrap();
+    notify
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    notify
+}
+
 /// A file of `n` bytes that shows where each byte came from.
 pub fn pattern(n: usize) -> Vec<u8> {
     (0..n)

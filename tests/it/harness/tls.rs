@@ -117,3 +117,40 @@ pub fn served_cn(addr: SocketAddr, sni: Option<&str>) -> String {
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|| format!("<no certificate: {out}>"))
 }
+
+/// A rustls server configuration for the certificate and key files
+/// `cert`, `key` (PEM), offering `alpn` (e.g. `h2`; none: empty).
+pub fn server_config(
+    cert: &Path,
+    key: &Path,
+    alpn: &[&[u8]],
+) -> std::sync::Arc<rustls::ServerConfig> {
+    use rustls::pki_types::pem::PemObject;
+    let certs = rustls::pki_types::CertificateDer::pem_file_iter(cert)
+        .unwrap()
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let key = rustls::pki_types::PrivateKeyDer::from_pem_file(key).unwrap();
+    let mut cfg = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .unwrap();
+    cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    std::sync::Arc::new(cfg)
+}
+
+/// `curl -sk --http2 -w <write_out> <args> <urls>` with every body
+/// discarded: what `-w` printed.
+pub fn curl_h2_write_out(write_out: &str, args: &[&str], urls: &[&str]) -> String {
+    let mut cmd = Command::new("curl");
+    cmd.args(["-sk", "--http2", "-w", write_out]).args(args);
+    for u in urls {
+        cmd.args(["-o", "/dev/null", u]);
+    }
+    let out = cmd.output().expect("run curl");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}

@@ -41,13 +41,12 @@ fn setup(nodes: &[&Backend], extra: &str) -> Setup {
     let fx = Fixture::new();
     fx.write("lane.lua", SCRIPT);
     fx.api_nodes(nodes);
-    let cfg = Config::new()
+    let gw = Config::new()
         .script("lane.lua")
         .node_files(&["nodes.yaml"])
         .routes(&[Route::service("/api/", "api")])
         .raw(&extra)
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     Setup { fx, gw }
 }
 
@@ -373,23 +372,14 @@ async fn nodes_show_lane_weight_health_in_flight_requests_and_errors() {
     // A request held open by the gated backend is in flight.
     let held = Req::get("/api/x").send_streaming(s.gw.addr).await;
     assert_eq!(held.status(), 200);
-    let node = |doc: &serde_json::Value, name: &str| {
-        doc["services"][0]["nodes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|n| n["name"] == name)
-            .cloned()
-            .unwrap()
-    };
     let doc = s.admin_get("/nodes").await.json();
     assert_eq!(doc["services"][0]["name"], "api");
-    let f = node(&doc, "f1");
+    let f = s.gw.node_doc("f1").await;
     assert_eq!(f["in_flight"], 1, "{doc}");
     assert_eq!(f["requests"], 1);
     assert_eq!(f["lane"], "formal");
     assert_eq!(f["health"], "healthy");
-    let d = node(&doc, "dead");
+    let d = s.gw.node_doc("dead").await;
     assert_eq!(
         (d["lane"].clone(), d["weight"].clone()),
         ("v2".into(), 3.into())
@@ -407,13 +397,13 @@ async fn nodes_show_lane_weight_health_in_flight_requests_and_errors() {
         .to_bytes();
     assert_eq!(&body[..], b"first;rest");
     eventually("in-flight back to 0", Duration::from_secs(5), || async {
-        node(&s.admin_get("/nodes").await.json(), "f1")["in_flight"] == 0
+        s.gw.node_doc("f1").await["in_flight"] == 0
     })
     .await;
     // Errors: the dead node answers 502 through the gateway.
     assert_eq!(lane_req(&s.gw, "v2").await.status, 502);
     assert_eq!(lane_req(&s.gw, "v2").await.status, 502);
-    let d = node(&s.admin_get("/nodes").await.json(), "dead");
+    let d = s.gw.node_doc("dead").await;
     assert_eq!(
         (d["requests"].clone(), d["errors"].clone()),
         (2.into(), 2.into())
@@ -421,7 +411,7 @@ async fn nodes_show_lane_weight_health_in_flight_requests_and_errors() {
     assert_eq!(d["health"], "healthy", "2 failures do not eject yet");
     // The third consecutive failure ejects it (passive health).
     assert_eq!(lane_req(&s.gw, "v2").await.status, 502);
-    let d = node(&s.admin_get("/nodes").await.json(), "dead");
+    let d = s.gw.node_doc("dead").await;
     assert_eq!(d["health"], "unhealthy", "{d}");
     assert_eq!(d["health_detail"]["ejected"], true);
     let m = s.metrics().await;
@@ -768,12 +758,11 @@ async fn a_stuck_access_log_drops_lines_and_never_blocks_requests() {
         .unwrap()
         .success());
     fx.api_nodes(&[&f1]);
-    let cfg = Config::new()
+    let gw = Config::new()
         .node_files(&["nodes.yaml"])
         .raw("access_log: { path: stuck.log, buffer: 4 }\n")
         .route_all("api")
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     for _ in 0..20 {
         assert_eq!(gw.get("/x").await.status, 200);
     }
@@ -810,13 +799,12 @@ async fn explain_follows_the_sticky_lane_cookie_like_real_traffic() {
     let fx = Fixture::new();
     fx.write("lane.lua", SCRIPT);
     fx.api_nodes(&[&f1, &g1]);
-    let cfg = Config::new()
+    let gw = Config::new()
         .script("lane.lua")
         .node_files(&["nodes.yaml"])
         .raw("sticky:\n  key: explain-sticky-key-0123456789\n")
         .routes(&[Route::service("/api/", "api").sticky()])
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     let admin = gw.admin.unwrap();
     // A real gray request gets the signed lane cookie.
     let r = lane_req(&gw, "gray").await;

@@ -33,13 +33,12 @@ async fn rule_percentage_and_switch_are_written_back_and_applied() {
     let fx = Fixture::new();
     fx.write("rules.yaml", RULES);
     fx.api_nodes(&[&f1, &g1]);
-    let cfg = Config::new()
+    let gw = Config::new()
         .rules_file("rules.yaml")
         .raw("access_log: { path: access.log, format: json }\n")
         .node_files(&["nodes.yaml"])
         .routes(&[Route::service("/api/", "api")])
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     let admin = gw.admin.unwrap();
     let rules_file = || std::fs::read_to_string(fx.path("rules.yaml")).unwrap();
     let gray_matched = |m: &str| {

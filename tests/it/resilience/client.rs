@@ -219,10 +219,9 @@ async fn static_traversal_variants_are_404() {
     fx.write("site/formal/index.html", "formal index");
     fx.write("site/gray/app.js", "gray js");
     fx.write("secret.txt", "top secret");
-    let cfg = Config::new()
+    let gw = Config::new()
         .routes(&[Route::static_dir("/", "site")])
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     assert_eq!(gw.get("/").await.text(), "formal index");
     for p in [
         "/%2e%2e/secret.txt",
@@ -261,13 +260,12 @@ async fn sigterm_drains_in_flight_requests_then_exits_zero() {
     let fx = Fixture::new();
     fx.write("lane.lua", HEADER_SCRIPT);
     fx.api_nodes(&[&slow]);
-    let cfg = Config::new()
+    let mut gw = Config::new()
         .script("lane.lua")
         .node_files(&["nodes.yaml"])
         .route_all("api")
         .raw("client:\n  drain_timeout_ms: 30000\n")
-        .write(&fx, "gg.yaml");
-    let mut gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     let addr = gw.addr;
     // An in-flight request: headers and the first chunk arrive, the rest
     // waits on the gate.
@@ -299,13 +297,12 @@ async fn drain_time_bounds_the_shutdown() {
     let fx = Fixture::new();
     fx.write("lane.lua", HEADER_SCRIPT);
     fx.api_nodes(&[&hang]);
-    let cfg = Config::new()
+    let mut gw = Config::new()
         .script("lane.lua")
         .node_files(&["nodes.yaml"])
         .route_all("api")
         .raw("client:\n  drain_timeout_ms: 300\n")
-        .write(&fx, "gg.yaml");
-    let mut gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     let addr = gw.addr;
     let pending = tokio::spawn(async move { Req::get("/hang").send_streaming(addr).await });
     soon("request reached the node", || async { hang.count() == 1 }).await;

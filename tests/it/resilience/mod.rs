@@ -33,13 +33,12 @@ fn setup_main(service_extra: &str, nodes: &[&Backend], main_extra: &str) -> Setu
     let fx = Fixture::new();
     fx.write("lane.lua", HEADER_SCRIPT);
     fx.write("nodes.yaml", &nodes_file(service_extra, nodes));
-    let cfg = Config::new()
+    let gw = Config::new()
         .script("lane.lua")
         .node_files(&["nodes.yaml"])
         .route_all("api")
         .raw(&main_extra)
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     Setup { fx, gw }
 }
 
@@ -51,17 +50,43 @@ async fn get_lane(gw: &Gateway, lane: &str) -> Resp {
     r.send(gw.addr).await
 }
 
+/// Formal nodes f1 and f2, no retries, passive health ejecting after
+/// `max_fails` failures for `cooldown_ms`.
+async fn ejectable_pair(max_fails: u32, cooldown_ms: u64) -> ([Backend; 2], Setup) {
+    let pair = full_backends([("f1", "formal"), ("f2", "formal")]).await;
+    let keys = format!(
+        "    retries: 0\n    health:\n      passive: {{ max_fails: {max_fails}, cooldown_ms: {cooldown_ms} }}\n"
+    );
+    let s = setup(&keys, &[&pair[0], &pair[1]]);
+    (pair, s)
+}
+
+/// Asserts that a request for `lane` is answered 200 by `node`, with `tag`
+/// as its lane tag when one is given.
+async fn served_by(gw: &Gateway, lane: &str, node: &str, tag: Option<&str>) {
+    let r = get_lane(gw, lane).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.node(), node);
+    if let Some(tag) = tag {
+        assert_eq!(r.json()["tag"], tag);
+    }
+}
+
+/// `graygate_lane_fallbacks_total` of `lane` for `reason`.
+async fn fallbacks(gw: &Gateway, lane: &str, reason: &str) -> Option<f64> {
+    gw.metric(&format!(
+        "graygate_lane_fallbacks_total{{lane=\"{lane}\",reason=\"{reason}\"}}"
+    ))
+    .await
+}
+
 fn log_has(gw: &Gateway, needle: &str) -> bool {
     gw.logs().contains(needle)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn passive_ejection_then_trial_readmission() {
-    let [f1, f2] = full_backends([("f1", "formal"), ("f2", "formal")]).await;
-    let s = setup(
-        "    retries: 0\n    health:\n      passive: { max_fails: 2, cooldown_ms: 1500 }\n",
-        &[&f1, &f2],
-    );
+    let ([_f1, f2], s) = ejectable_pair(2, 1500).await;
     f2.set_status(500);
     // f2 answers 500 until it has failed twice in a row: then it is ejected
     // and every request goes to f1.
@@ -108,11 +133,7 @@ async fn passive_ejection_then_trial_readmission() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_trial_ejects_again() {
-    let [f1, f2] = full_backends([("f1", "formal"), ("f2", "formal")]).await;
-    let s = setup(
-        "    retries: 0\n    health:\n      passive: { max_fails: 1, cooldown_ms: 300 }\n",
-        &[&f1, &f2],
-    );
+    let ([_f1, f2], s) = ejectable_pair(1, 300).await;
     f2.set_status(503);
     soon("f2 failed twice (ejection, failed trial)", || async {
         get_lane(&s.gw, "").await;
@@ -230,12 +251,7 @@ async fn connect_failures_retry_on_the_same_lane_even_for_post() {
     );
     let s = setup("", &[]);
     s.fx.write_rename("nodes.yaml", &nodes);
-    soon("nodes reloaded", || async {
-        s.gw.status().await["generation"]
-            .as_u64()
-            .is_some_and(|g| g >= 2)
-    })
-    .await;
+    s.gw.wait_generation(1).await;
     for i in 0..6 {
         let body = format!("payload-{i}");
         let r = Req::get("/x")
@@ -367,12 +383,7 @@ async fn upstream_response_and_total_timeouts() {
         .route_all("api")
         .raw("upstream:\n  response_timeout_ms: 30000\n  total_timeout_ms: 300\n")
         .write_rename(&s.fx, "gg.yaml");
-    soon("reloaded", || async {
-        s.gw.status().await["generation"]
-            .as_u64()
-            .is_some_and(|g| g >= 2)
-    })
-    .await;
+    s.gw.wait_generation(1).await;
     let started = std::time::Instant::now();
     let r = get_lane(&s.gw, "").await;
     let took = started.elapsed();
@@ -420,12 +431,7 @@ async fn connect_timeout_then_retry_on_the_same_lane() {
     );
     let s = setup_main("", &[], "upstream:\n  connect_timeout_ms: 200\n");
     s.fx.write_rename("nodes.yaml", &nodes);
-    soon("nodes reloaded", || async {
-        s.gw.status().await["generation"]
-            .as_u64()
-            .is_some_and(|g| g >= 2)
-    })
-    .await;
+    s.gw.wait_generation(1).await;
     for _ in 0..4 {
         let r = get_lane(&s.gw, "gray").await;
         assert_eq!(r.status, 200);
@@ -475,17 +481,10 @@ async fn strict_service_lane_without_nodes_still_uses_formal() {
     // v9 has no node at all: formal serves it, strict or not, with the
     // request's own lane in the tag.
     for _ in 0..3 {
-        let r = get_lane(&s.gw, "v9").await;
-        assert_eq!(r.status, 200, "{}", r.text());
-        assert_eq!(r.node(), "f1");
-        assert_eq!(r.json()["tag"], "v9");
+        served_by(&s.gw, "v9", "f1", Some("v9")).await;
     }
     assert_eq!(g1.count(), 0);
-    assert_eq!(
-        s.gw.metric("graygate_lane_fallbacks_total{lane=\"v9\",reason=\"lane_has_no_nodes\"}")
-            .await,
-        Some(3.0)
-    );
+    assert_eq!(fallbacks(&s.gw, "v9", "lane_has_no_nodes").await, Some(3.0));
     // Its gray lane, which has a node, is still gray.
     assert_eq!(get_lane(&s.gw, "gray").await.node(), "g1");
 }
@@ -509,24 +508,15 @@ async fn all_unhealthy_tries_the_lanes_own_nodes_panic_mode() {
     // Nothing healthy for gray: its own node is tried anyway (not refused,
     // and never v2); formal likewise.
     for _ in 0..3 {
-        let r = get_lane(&s.gw, "gray").await;
-        assert_eq!(r.status, 200, "{}", r.text());
-        assert_eq!(r.node(), "g1");
-        assert_eq!(r.json()["tag"], "gray");
-        let r = get_lane(&s.gw, "").await;
-        assert_eq!(r.status, 200, "{}", r.text());
-        assert_eq!(r.node(), "f1");
+        served_by(&s.gw, "gray", "g1", Some("gray")).await;
+        served_by(&s.gw, "", "f1", None).await;
     }
     assert_eq!(
         v1.count(),
         0,
         "panic mode never crosses into another gray lane"
     );
-    assert_eq!(
-        s.gw.metric("graygate_lane_fallbacks_total{lane=\"gray\",reason=\"all_unhealthy\"}")
-            .await,
-        Some(3.0)
-    );
+    assert_eq!(fallbacks(&s.gw, "gray", "all_unhealthy").await, Some(3.0));
     assert_eq!(get_lane(&s.gw, "v2").await.node(), "v1");
 }
 
@@ -596,12 +586,7 @@ async fn bodies_over_the_retry_buffer_stream_and_retry_only_after_connect_failur
             f1.node_yaml()
         ),
     );
-    soon("nodes reloaded", || async {
-        s.gw.status().await["generation"]
-            .as_u64()
-            .is_some_and(|g| g >= 2)
-    })
-    .await;
+    s.gw.wait_generation(1).await;
     for _ in 0..4 {
         let r = put(s.gw.addr, 4 * limit).await;
         assert_eq!(r.status, 200, "{}", r.text());
@@ -657,18 +642,6 @@ async fn bodies_over_the_retry_buffer_stream_and_retry_only_after_connect_failur
 }
 
 /// The admin API's view of node `name`.
-async fn node_doc(gw: &Gateway, name: &str) -> serde_json::Value {
-    let admin = gw.admin.expect("admin listener");
-    let doc = Req::get("/nodes").send(admin).await.json();
-    doc["services"][0]["nodes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|n| n["name"] == name)
-        .cloned()
-        .unwrap_or_else(|| panic!("no node {name}: {doc}"))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn five_xx_is_passed_back_not_retried() {
     let [a, b] = full_backends([("a", "formal"), ("b", "formal")]).await;
@@ -709,10 +682,10 @@ async fn a_success_resets_the_failure_count() {
         f1.set_status(status);
         assert_eq!(get_lane(&s.gw, "").await.status, status);
     }
-    assert_eq!(node_doc(&s.gw, "f1").await["health"], "healthy");
+    assert_eq!(s.gw.node_doc("f1").await["health"], "healthy");
     // A second failure in a row ejects it.
     assert_eq!(get_lane(&s.gw, "").await.status, 500);
-    assert_eq!(node_doc(&s.gw, "f1").await["health"], "unhealthy");
+    assert_eq!(s.gw.node_doc("f1").await["health"], "unhealthy");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -729,7 +702,7 @@ async fn a_node_added_by_reload_starts_healthy_under_active_checks() {
         get_lane(&s.gw, "gray").await.node() == "g1"
     })
     .await;
-    assert_eq!(node_doc(&s.gw, "g1").await["health"], "healthy");
+    assert_eq!(s.gw.node_doc("g1").await["health"], "healthy");
     for _ in 0..3 {
         assert_eq!(get_lane(&s.gw, "gray").await.node(), "g1");
     }
@@ -741,14 +714,13 @@ async fn idle_pooled_upstream_connections_are_closed() {
     let fx = Fixture::new();
     fx.write("lane.lua", HEADER_SCRIPT);
     fx.api_nodes(&[&f1]);
-    let cfg = Config::new()
+    let gw = Config::new()
         .set("workers", 1)
         .script("lane.lua")
         .node_files(&["nodes.yaml"])
         .route_all("api")
         .raw("upstream:\n  idle_timeout_ms: 300\n")
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     use std::sync::atomic::Ordering;
     let conns = || f1.connections.load(Ordering::SeqCst);
     assert_eq!(gw.get("/x").await.status, 200);

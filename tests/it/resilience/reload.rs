@@ -72,12 +72,11 @@ async fn hundred_reloads_under_load_fail_nothing_and_stay_in_lane() {
     let fx = Fixture::new();
     fx.write("lane.lua", &script(0));
     fx.write("nodes.yaml", &nodes_yaml(0, &nodes));
-    let cfg = Config::new()
+    let gw = Config::new()
         .script("lane.lua")
         .node_files(&["nodes.yaml"])
         .route_all("api")
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     let addr = gw.addr;
 
     // Load: 4 workers on pooled keep-alive connections, half of the

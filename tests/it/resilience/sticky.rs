@@ -26,7 +26,7 @@ async fn setup() -> Setup {
     fx.write("site/formal/index.html", "formal page");
     fx.write("site/formal/app.js", "formal js");
     fx.write("site/gray/index.html", "gray page");
-    let cfg = Config::new()
+    let gw = Config::new()
         .script("lane.lua")
         .raw("lists:\n  gray_ips: ips.txt\n")
         .node_files(&["nodes.yaml"])
@@ -36,8 +36,7 @@ async fn setup() -> Setup {
             Route::service("/plain/", "api"),
             Route::static_dir("/", "site").sticky(),
         ])
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     Setup { fx, gw, f1, g1 }
 }
 
@@ -140,12 +139,7 @@ async fn cookie_lives_while_a_node_or_static_tree_serves_its_lane() {
     // The gray node goes away; the gray static tree still serves the lane,
     // so the cookie still holds: pages gray, API calls formal with the gray tag.
     s.fx.write_rename("nodes.yaml", &Nodes::api([s.f1.node()]).to_yaml());
-    soon("reloaded", || async {
-        s.gw.status().await["generation"]
-            .as_u64()
-            .is_some_and(|g| g >= 2)
-    })
-    .await;
+    s.gw.wait_generation(1).await;
     assert_eq!(with_cookie(&s.gw, "/", &cookie).await.text(), "gray page");
     let r = with_cookie(&s.gw, "/api/x", &cookie).await;
     assert_eq!(r.node(), "f1");
@@ -154,12 +148,7 @@ async fn cookie_lives_while_a_node_or_static_tree_serves_its_lane() {
     std::fs::remove_dir_all(s.fx.path("site/gray")).unwrap();
     let again = Nodes::api([s.f1.node()]).comment("again");
     s.fx.write_rename("nodes.yaml", &again.to_yaml());
-    soon("reloaded again", || async {
-        s.gw.status().await["generation"]
-            .as_u64()
-            .is_some_and(|g| g >= 3)
-    })
-    .await;
+    s.gw.wait_generation(2).await;
     let r = with_cookie(&s.gw, "/api/x", &cookie).await;
     assert_eq!(r.json()["tag"], "formal");
     assert!(cookie_of(&r).unwrap().starts_with("graygate_lane=formal."));
@@ -199,14 +188,13 @@ async fn trusted_tag_beats_the_cookie_and_a_script_failure_sets_none() {
     );
     fx.api_nodes(&[&f1, &g1]);
     // 127.0.0.1 is a trusted proxy; 127.0.9.x clients are not.
-    let cfg = Config::new()
+    let gw = Config::new()
         .script("lane.lua")
         .raw("lists:\n  gray_ips: ips.txt\ntrusted_proxies: [127.0.0.1/32]\n")
         .node_files(&["nodes.yaml"])
         .raw(&format!("sticky:\n  key: {KEY}\n"))
         .routes(&[Route::service("/", "api").sticky()])
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     let gray = cookie_of(&Req::get("/a").from_ip("127.0.9.5").send(gw.addr).await).unwrap();
     assert!(gray.starts_with("graygate_lane=gray."), "{gray}");
     let formal = cookie_of(&gw.get("/a").await).unwrap();

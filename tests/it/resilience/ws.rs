@@ -110,12 +110,11 @@ async fn websocket_keeps_its_lane_for_the_connection_life() {
             "services:\n  chat:\n    nodes:\n      - {{ name: fws, addr: \"{f_addr}\" }}\n      - {{ name: gws, addr: \"{g_addr}\", lane: gray }}\n"
         ),
     );
-    let cfg = Config::new()
+    let gw = Config::new()
         .script("lane.lua")
         .node_files(&["nodes.yaml"])
         .routes(&[Route::service("/", "chat")])
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
 
     let mut gray = connect(gw.addr, Some("gray")).await;
     assert_eq!(next_text(&mut gray).await, "gws tag=gray");
@@ -129,12 +128,7 @@ async fn websocket_keeps_its_lane_for_the_connection_life() {
     // Reload: the script now sends everyone formal. New upgrades go formal;
     // the open gray connection stays on its gray node.
     fx.write_rename("lane.lua", "return function(req) return nil end\n");
-    soon("reloaded", || async {
-        gw.status().await["generation"]
-            .as_u64()
-            .is_some_and(|g| g >= 2)
-    })
-    .await;
+    gw.wait_generation(1).await;
     let mut late = connect(gw.addr, Some("gray")).await;
     assert_eq!(next_text(&mut late).await, "fws tag=formal");
     for i in 0..5 {
@@ -151,11 +145,10 @@ async fn upgrade_refused_by_the_node_is_passed_back() {
     let b = Backend::start("plain", "formal").await;
     let fx = Fixture::new();
     fx.api_nodes(&[&b]);
-    let cfg = Config::new()
+    let gw = Config::new()
         .node_files(&["nodes.yaml"])
         .route_all("api")
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     let r = Req::get("/x")
         .header("Connection", "Upgrade")
         .header("Upgrade", "websocket")

@@ -208,15 +208,14 @@ async fn same_lanes_and_values_as_nginx_lua(jit: bool) {
     );
     let backend = Backend::start("b", "formal").await;
     fx.api_nodes(&[&backend]);
-    let cfg = Config::new()
+    let gw = Config::new()
         .script("lua/main.lua")
         .raw(&format!(
             "script_limits:\n  jit: {jit}\nshared_dicts:\n  probe: 1m\n"
         ))
         .node_files(&["nodes.yaml"])
         .route_all("api")
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     std::fs::create_dir_all(fx.path("nginx")).unwrap();
     let nginx = start_nginx(&fx.path("nginx"), &fx.path("lua"));
     let nginx_addr = std::net::SocketAddr::from(([127, 0, 0, 1], nginx.port));

@@ -23,11 +23,10 @@ fn setup() -> (Fixture, Gateway) {
     )
     .unwrap();
     fx.write("lane.lua", LANE_SCRIPT);
-    let cfg = Config::new()
+    let gw = Config::new()
         .script("lane.lua")
         .routes(&[Route::static_dir("/", "site")])
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     (fx, gw)
 }
 
@@ -302,11 +301,10 @@ async fn files_larger_than_the_cache_limit_are_served_whole_and_in_ranges() {
     std::fs::create_dir_all(fx.path("site/formal")).unwrap();
     std::fs::write(fx.path("site/formal/big.bin"), &big).unwrap();
     fx.write("site/formal/small.txt", "0123456789abcdef");
-    let cfg = Config::new()
+    let gw = Config::new()
         .raw("static_cache: { max_size: 128k, max_file_size: 64k, valid_ms: 200 }\n")
         .routes(&[Route::static_dir("/", "site")])
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     for _ in 0..2 {
         let r = gw.get("/big.bin").await;
         assert_eq!(r.status, 200);
@@ -443,12 +441,11 @@ async fn big_whole_files_go_out_by_sendfile_on_a_kept_alive_connection() {
     std::fs::write(fx.path("site/gray/own.bin"), &gray_own).unwrap();
     std::fs::write(fx.path("site/formal/disk.bin"), &on_disk).unwrap();
     fx.write("lane.lua", LANE_SCRIPT);
-    let cfg = Config::new()
+    let gw = Config::new()
         .script("lane.lua")
         .raw("static_cache: { max_size: 4m, max_file_size: 1m, valid_ms: 200 }\n")
         .routes(&[Route::static_dir("/", "site")])
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
     let req = |path: &str, method: &str, lane: &str| {
         format!("{method} {path} HTTP/1.1\r\nHost: t\r\nX-Lane: {lane}\r\n\r\n")
@@ -677,12 +674,11 @@ async fn a_held_big_file_goes_to_http2_clients_from_memory_without_opening_it() 
     let fx = Fixture::new();
     let bytes = String::from_utf8(pattern(100 * 1024)).unwrap();
     fx.write("site/formal/big.txt", &bytes);
-    let cfg = Config::new()
+    let gw = Config::new()
         .raw("static_cache: { max_file_size: 1m, valid_ms: 60000 }\n")
         .listeners(&[Listener::h2c()])
         .routes(&[Route::static_dir("/", "site")])
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     let h2c = crate::harness::tls::listeners(&gw)[0];
     let url = format!("http://{h2c}/big.txt");
     let first = crate::harness::tls::curl(&["--http2-prior-knowledge"], &url);

@@ -296,13 +296,12 @@ fn held_site(size: usize, valid_ms: u64) -> (Fixture, Gateway, Vec<u8>) {
     let big = pattern(size);
     std::fs::create_dir_all(fx.path("site/formal")).unwrap();
     std::fs::write(fx.path("site/formal/big.bin"), &big).unwrap();
-    let cfg = Config::new()
+    let gw = Config::new()
         .raw(&format!(
             "static_cache: {{ max_file_size: 1m, valid_ms: {valid_ms} }}\n"
         ))
         .routes(&[Route::static_dir("/", "site")])
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     (fx, gw, big)
 }
 

@@ -109,13 +109,12 @@ fn setup_extra(addr: SocketAddr, extra: &str) -> Setup {
             "services:\n  api:\n    nodes:\n      - {{ name: w, addr: \"{addr}\", lane: formal }}\n"
         ),
     );
-    let cfg = Config::new()
+    let gw = Config::new()
         .set("workers", 1)
         .node_files(&["nodes.yaml"])
         .route_all("api")
         .raw(&extra)
-        .write(&fx, "gg.yaml");
-    let gw = Gateway::start(&cfg);
+        .start(&fx, "gg.yaml");
     Setup { _fx: fx, gw }
 }
 
