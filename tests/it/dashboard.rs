@@ -19,14 +19,13 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
         "rules.yaml",
         "uid: { header: X-User-Id }\nrules:\n  - { name: staff, lane: gray, header: { name: X-Staff, values: [\"1\"] } }\n  - { name: canary, lane: gray, percentage: 5 }\n",
     );
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  api:\n    health: {{ passive: {{ max_fails: 3, cooldown_ms: 600000 }} }}\n    nodes:\n{}{}      - {{ name: g1, addr: \"{dead}\", lane: gray }}\n",
-            f1.node_yaml(),
-            v1.node_yaml()
-        ),
-    );
+    let api = Service::new("api")
+        .set(
+            "health",
+            "{ passive: { max_fails: 3, cooldown_ms: 600000 } }",
+        )
+        .nodes([f1.node(), v1.node(), Node::new("g1", dead).lane("gray")]);
+    Nodes::new().service(api).write(&fx, "nodes.yaml");
     let gw = Config::new()
         .script("lane.lua")
         .rules_file("rules.yaml")

@@ -720,3 +720,25 @@ async fn binary_upgrade_on_an_etcd_sourced_config_loses_no_request() {
     assert_eq!(s["source_state"], "live");
     assert_ne!(read_pid(), Some(old));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_starts_again_on_new_ports_when_its_port_was_taken() {
+    // The first client port handed out is held by a listener here, as
+    // another process might have taken it: that member cannot bind, and
+    // the cluster comes up on new ports.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let busy = taken.local_addr().unwrap().port();
+    let mut first = true;
+    let etcd = Etcd::start_on(1, || {
+        if std::mem::take(&mut first) {
+            busy
+        } else {
+            free_port()
+        }
+    })
+    .await;
+    assert!(!etcd.url().ends_with(&format!(":{busy}")), "{}", etcd.url());
+    let rev = etcd.put("/retry/k", "v").await;
+    assert!(rev > 0);
+    assert_eq!(etcd.get("/retry/k").await.as_deref(), Some("v"));
+}

@@ -458,12 +458,9 @@ async fn an_http2_node_that_never_answers_times_out_at_the_response_timeout() {
         }
     });
     let fx = Fixture::new();
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  api:\n    protocol: h2\n    retries: 0\n    nodes:\n      - {{ name: s1, addr: \"{addr}\", lane: formal }}\n"
-        ),
-    );
+    let api = Service::new("api").set("protocol", "h2").set("retries", 0);
+    let api = api.node(Node::new("s1", addr).lane("formal"));
+    Nodes::new().service(api).write(&fx, "nodes.yaml");
     let gw = Config::new()
         .node_files(&["nodes.yaml"])
         .route_all("api")

@@ -544,13 +544,7 @@ fn expand(s: &str, path: &str) -> String {
 async fn setup(extra: &str) -> (Fixture, Gateway, Recorder) {
     let up = Recorder::start().await;
     let fx = Fixture::new();
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  api:\n    nodes:\n      - {{ name: n1, addr: \"{}\" }}\n",
-            up.addr
-        ),
-    );
+    Nodes::api([Node::new("n1", up.addr)]).write(&fx, "nodes.yaml");
     Config::new()
         .set("workers", 1)
         .node_files(&["nodes.yaml"])
@@ -679,13 +673,10 @@ async fn absolute_form_authority_is_the_host_for_routing_and_upstream() {
     let up = Recorder::start().await;
     let other = Recorder::start().await;
     let fx = Fixture::new();
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  real:\n    nodes:\n      - {{ addr: \"{}\" }}\n  fake:\n    nodes:\n      - {{ addr: \"{}\" }}\n",
-            up.addr, other.addr
-        ),
-    );
+    Nodes::new()
+        .service(Service::new("real").node(Node::at(up.addr)))
+        .service(Service::new("fake").node(Node::at(other.addr)))
+        .write(&fx, "nodes.yaml");
     Config::new()
         .node_files(&["nodes.yaml"])
         .routes(&[
@@ -711,13 +702,7 @@ async fn absolute_form_authority_is_the_host_for_routing_and_upstream() {
 async fn upgrades_are_allowed_per_route() {
     let up = Recorder::start().await;
     let fx = Fixture::new();
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  api:\n    nodes:\n      - {{ addr: \"{}\" }}\n",
-            up.addr
-        ),
-    );
+    Nodes::api([Node::at(up.addr)]).write(&fx, "nodes.yaml");
     Config::new().node_files(&["nodes.yaml"]).raw("routes:\n  - { prefix: /, service: api }\n  - { prefix: /custom/, service: api, upgrades: [websocket, my-proto] }\n").write(&fx, "gg.yaml");
     let gw = Gateway::start(&fx.path("gg.yaml"));
     // Not allowed on `/`: forwarded as a plain request, tokens removed.

@@ -24,7 +24,7 @@ pub const START_ATTEMPTS: usize = 5;
 
 /// A port that was free a moment ago (see the module note: its user must
 /// cope with losing it).
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -63,8 +63,14 @@ enum NotUp {
 impl Etcd {
     /// A healthy cluster of `n` members on free ports.
     pub async fn start(n: usize) -> Etcd {
+        Etcd::start_on(n, free_port).await
+    }
+
+    /// Like [`Etcd::start`], each port taken from `port` (a test of the
+    /// retry hands out a port that is in use first).
+    pub async fn start_on(n: usize, mut port: impl FnMut() -> u16) -> Etcd {
         for attempt in 1.. {
-            let mut e = Etcd::on_new_ports(n);
+            let mut e = Etcd::on_new_ports(n, &mut port);
             for i in 0..n {
                 e.spawn(i);
             }
@@ -79,7 +85,7 @@ impl Etcd {
         unreachable!()
     }
 
-    fn on_new_ports(n: usize) -> Etcd {
+    fn on_new_ports(n: usize, port: &mut impl FnMut() -> u16) -> Etcd {
         // Members' data on tmpfs where there is one: etcd fsyncs every
         // write, and on a loaded disk one fsync can outlast the gateways'
         // 500 ms etcd timeout (an admin action then fails with 503).
@@ -93,8 +99,8 @@ impl Etcd {
         let members: Vec<Member> = (0..n)
             .map(|i| Member {
                 name: format!("m{i}"),
-                client: format!("http://127.0.0.1:{}", free_port()),
-                peer: format!("http://127.0.0.1:{}", free_port()),
+                client: format!("http://127.0.0.1:{}", port()),
+                peer: format!("http://127.0.0.1:{}", port()),
                 child: None,
             })
             .collect();

@@ -346,20 +346,13 @@ async fn nodes_show_lane_weight_health_in_flight_requests_and_errors() {
     let f1 = Backend::start_mode("f1", "formal", Mode::Gated(gate.clone())).await;
     let g1 = Backend::start("g1", "gray").await;
     let dead = closed_port();
-    let fx_nodes = format!(
-        "{}{}      - {{ name: dead, addr: \"{dead}\", lane: v2, weight: 3 }}\n",
-        f1.node_yaml(),
-        g1.node_yaml()
-    );
+    let dead = Node::new("dead", dead).lane("v2").with("weight", "3");
     let fx = Fixture::new();
     fx.write("lane.lua", SCRIPT);
     // The default max_fails (3); a cool-down no test run outlasts.
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  api:\n    health:\n      passive: {{ cooldown_ms: 600000 }}\n    nodes:\n{fx_nodes}"
-        ),
-    );
+    let api = Service::new("api").raw("    health:\n      passive: { cooldown_ms: 600000 }\n");
+    let api = api.nodes([f1.node(), g1.node(), dead]);
+    Nodes::new().service(api).write(&fx, "nodes.yaml");
     let cfg = Config::new()
         .script("lane.lua")
         .node_files(&["nodes.yaml"])

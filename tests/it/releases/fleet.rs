@@ -39,13 +39,7 @@ async fn fleet(prefix: &str, gray_fail_every: u64) -> Fleet {
     let etcd = Etcd::start(1).await;
     let formal = Backend::text("formal", 0, StatusCode::OK).await;
     let gray = Backend::text("gray", gray_fail_every, StatusCode::OK).await;
-    let conf = Conf::new(
-        &format!(
-            "services:\n  api:\n    health: {{ passive: {{ max_fails: 0 }} }}\n    nodes:\n      - {{ name: f1, addr: \"{}\" }}\n      - {{ name: g1, addr: \"{}\", lane: gray }}\n",
-            formal.addr, gray.addr
-        ),
-        "",
-    );
+    let conf = Conf::new(&super::release_nodes(&formal, &gray).to_yaml(), "");
     conf.write(
         "main.yaml",
         "listen: 127.0.0.1:0\nnode_files: [nodes.yaml]\nroutes:\n  - { prefix: /api/, service: api }\n",

@@ -21,17 +21,20 @@ struct Setup {
     _formal: Backend,
 }
 
+/// Formal `f1` and gray `g1`, never ejected (the release judges them).
+pub fn release_nodes(formal: &Backend, gray: &Backend) -> Nodes {
+    let api = Service::new("api").set("health", "{ passive: { max_fails: 0 } }");
+    Nodes::new().service(api.nodes([
+        Node::new("f1", formal.addr),
+        Node::new("g1", gray.addr).lane("gray"),
+    ]))
+}
+
 async fn setup(gray_fail_every: u64) -> Setup {
     let formal = Backend::text("formal", 0, StatusCode::OK).await;
     let gray = Backend::text("gray", gray_fail_every, StatusCode::OK).await;
     let fx = Fixture::new();
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  api:\n    health: {{ passive: {{ max_fails: 0 }} }}\n    nodes:\n      - {{ name: f1, addr: \"{}\" }}\n      - {{ name: g1, addr: \"{}\", lane: gray }}\n",
-            formal.addr, gray.addr
-        ),
-    );
+    release_nodes(&formal, &gray).write(&fx, "nodes.yaml");
     Config::new()
         .set("workers", 1)
         .node_files(&["nodes.yaml"])

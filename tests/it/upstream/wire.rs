@@ -103,12 +103,7 @@ fn setup_addr(addr: SocketAddr) -> Setup {
 /// [`setup_addr`] with more of the gateway's configuration.
 fn setup_extra(addr: SocketAddr, extra: &str) -> Setup {
     let fx = Fixture::new();
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  api:\n    nodes:\n      - {{ name: w, addr: \"{addr}\", lane: formal }}\n"
-        ),
-    );
+    Nodes::api([Node::new("w", addr).lane("formal")]).write(&fx, "nodes.yaml");
     let gw = Config::new()
         .set("workers", 1)
         .node_files(&["nodes.yaml"])
