@@ -165,8 +165,8 @@ fn gateway(fx: &Fixture, up: &Upstream, client: &str) -> Gateway {
     let cfg = Config::new()
         .node_files(&["nodes.yaml"])
         .route_all("api")
-        .raw(&client)
-        .write(&fx, "gg.yaml");
+        .raw(client)
+        .write(fx, "gg.yaml");
     Gateway::start(&cfg)
 }
 

@@ -6,7 +6,11 @@
 //! Tests run in parallel threads of this one process, so none of them
 //! changes process-wide state: no environment variables, no working
 //! directory, no signal dispositions of this process (signals go to the
-//! gateway children), every file in its own temporary directory.
+//! gateway children), every file in its own temporary directory. That is
+//! why no area needs a binary of its own: `signals` signals the gateway
+//! processes, `scripting::jit_mdwe` sets `PR_SET_MDWE` in a `python3`
+//! child before it execs graygate, and `fuzz_smoke` calls pure library
+//! entry points.
 
 mod harness;
 

@@ -22,7 +22,7 @@ fn setup(nodes: impl IntoIterator<Item = Node>, extra: &str) -> Setup {
         .raw("lists:\n  gray_ips: ips.txt\n")
         .node_files(&["nodes.yaml"])
         .route_all("api")
-        .raw(&extra)
+        .raw(extra)
         .start(&fx, "gg.yaml");
     Setup { _fx: fx, gw }
 }

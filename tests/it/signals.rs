@@ -7,12 +7,12 @@ use std::time::Duration;
 use crate::harness::*;
 
 fn hang_config(fx: &Fixture, node: &Backend, extra: &str) -> std::path::PathBuf {
-    fx.api_nodes(&[&node]);
+    fx.api_nodes(&[node]);
     Config::new()
         .node_files(&["nodes.yaml"])
         .route_all("api")
-        .raw(&extra)
-        .write(&fx, "gg.yaml")
+        .raw(extra)
+        .write(fx, "gg.yaml")
 }
 
 fn read(path: &std::path::Path) -> String {

@@ -549,7 +549,7 @@ async fn setup(extra: &str) -> (Fixture, Gateway, Recorder) {
         .set("workers", 1)
         .node_files(&["nodes.yaml"])
         .route_all("api")
-        .raw(&extra)
+        .raw(extra)
         .write(&fx, "gg.yaml");
     let gw = Gateway::start(&fx.path("gg.yaml"));
     (fx, gw, up)

@@ -1,7 +1,6 @@
 //! Shared by the browser tests (tests/dashboard.rs, tests/etcd_fleet.rs):
 //! a chromedriver on a free loopback port and headless Chromium sessions
 //! (Debian's `chromium` + `chromium-driver`), driven by fantoccini.
-#![allow(dead_code)]
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

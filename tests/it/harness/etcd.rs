@@ -239,12 +239,6 @@ impl Etcd {
         }
     }
 
-    pub async fn wait_healthy(&mut self) {
-        if let Err(NotUp::PortTaken(log)) = self.wait_up().await {
-            panic!("etcd lost its ports:\n{log}");
-        }
-    }
-
     /// The bootstrap for gateway `id` in `root/id/boot.yaml`: this cluster
     /// under `prefix`, `extra` lines (indented) added to its `etcd:`.
     pub fn boot(&self, root: &Path, id: &str, prefix: &str, extra: &str) -> PathBuf {

@@ -221,11 +221,6 @@ impl Gateway {
         *self = Gateway::start_cmd(l.command(), &l.config.clone(), &extra);
     }
 
-    /// The config file it was started with.
-    pub fn config(&self) -> &Path {
-        &self.launch.config
-    }
-
     /// The directory of its config file.
     pub fn dir(&self) -> &Path {
         self.launch.config.parent().unwrap()

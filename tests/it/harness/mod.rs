@@ -4,7 +4,6 @@
 //! sockets), the typed config builder ([`Config`], [`Nodes`]), bounded
 //! polling ([`eventually`]); etcd clusters, TLS tools and a browser in
 //! their own modules.
-#![allow(dead_code)]
 
 pub mod backend;
 pub mod browser;
@@ -59,7 +58,19 @@ where
     eventually(what, Duration::from_secs(10), check).await
 }
 
-/// A main config with the common parts filled in.
+/// Why a configuration does not load (file, line, message).
+pub type LoadError = graygate::config::ConfigError;
+
+/// Loads a configuration in this process (graygate's library), as the
+/// binary does at start: for tests of what the loader accepts. The one
+/// place the suite names the loader's types.
+pub fn load_config(main: &std::path::Path) -> Result<graygate::generation::Generation, LoadError> {
+    graygate::generation::Generation::load(main, 1)
+}
+
+/// A main config with the common parts filled in, as text: for the tests
+/// whose `file:line` expectations or YAML text the builder must not
+/// change.
 pub fn main_config(extra: &str) -> String {
     format!("listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nreload_debounce_ms: 50\n{extra}")
 }

@@ -1,7 +1,6 @@
 //! TLS helpers for the edge-protocol tests: certificates made with rcgen
 //! (a name of our choosing as CN and SAN), the gateway's extra listeners read
 //! from its log, and curl / openssl run as real clients.
-#![allow(dead_code)]
 
 use std::net::SocketAddr;
 use std::path::Path;

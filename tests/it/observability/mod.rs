@@ -45,7 +45,7 @@ fn setup(nodes: &[&Backend], extra: &str) -> Setup {
         .script("lane.lua")
         .node_files(&["nodes.yaml"])
         .routes(&[Route::service("/api/", "api")])
-        .raw(&extra)
+        .raw(extra)
         .start(&fx, "gg.yaml");
     Setup { fx, gw }
 }

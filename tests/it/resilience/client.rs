@@ -16,8 +16,8 @@ fn setup_with(fx: &Fixture, nodes: &[&Backend], script: &str, main_extra: &str) 
         .script("lane.lua")
         .node_files(&["nodes.yaml"])
         .route_all("api")
-        .raw(&main_extra)
-        .write(&fx, "gg.yaml");
+        .raw(main_extra)
+        .write(fx, "gg.yaml");
     Gateway::start(&cfg)
 }
 

@@ -37,7 +37,7 @@ fn setup_main(service_extra: &str, nodes: &[&Backend], main_extra: &str) -> Setu
         .script("lane.lua")
         .node_files(&["nodes.yaml"])
         .route_all("api")
-        .raw(&main_extra)
+        .raw(main_extra)
         .start(&fx, "gg.yaml");
     Setup { fx, gw }
 }

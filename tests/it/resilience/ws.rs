@@ -170,7 +170,7 @@ fn chat_config(fx: &Fixture, addr: SocketAddr, drain_ms: u64) -> std::path::Path
         .node_files(&["nodes.yaml"])
         .routes(&[Route::service("/", "chat")])
         .raw(&format!("client:\n  drain_timeout_ms: {drain_ms}\n"))
-        .write(&fx, "gg.yaml")
+        .write(fx, "gg.yaml")
 }
 
 /// A graceful stop drains WebSocket tunnels: the conversation goes on

@@ -41,7 +41,7 @@ fn start_in(jit: bool, fx: &Fixture, backends: &[Backend], script: &str, extra: 
         .node_files(&["nodes.yaml"])
         .route_all("api")
         .raw(&extra)
-        .write(&fx, "gg.yaml");
+        .write(fx, "gg.yaml");
     Gateway::start(&cfg)
 }
 
@@ -794,7 +794,7 @@ fn an_unknown_or_ill_typed_jit_setting_is_rejected_with_its_line() {
                 "{limits}routes:\n  - prefix: /\n    static: site\n"
             ))
             .write(&fx, "gg.yaml");
-        let e = graygate::generation::Generation::load(&cfg, 1).unwrap_err();
+        let e = load_config(&cfg).unwrap_err();
         assert_eq!(e.line, Some(6), "{limits}: {e}");
         assert!(e.message.contains(needle), "{limits}: {e}");
     }
@@ -805,6 +805,6 @@ fn an_unknown_or_ill_typed_jit_setting_is_rejected_with_its_line() {
             .raw(&format!("script_limits:\n  jit: {jit}\n"))
             .routes(&[Route::static_dir("/", "site")])
             .write(&fx, "gg.yaml");
-        graygate::generation::Generation::load(&cfg, 1).unwrap();
+        load_config(&cfg).unwrap();
     }
 }

@@ -411,7 +411,7 @@ fn bad_static_cache_settings_are_rejected_with_their_line() {
                 "{cache}routes:\n  - prefix: /\n    static: site\n"
             )),
         );
-        let e = graygate::generation::Generation::load(&cfg, 1).unwrap_err();
+        let e = load_config(&cfg).unwrap_err();
         assert_eq!(e.line, Some(line), "{cache}: {e}");
         assert!(e.message.contains(needle), "{cache}: {e}");
     }
@@ -645,12 +645,12 @@ async fn precompressed_siblings_follow_accept_encoding_from_the_files_own_tree()
 
 /// The load error of a config whose one static route (on `site`) has
 /// `extra` lines.
-fn rejected_route(fx: &Fixture, extra: &str) -> graygate::config::ConfigError {
+fn rejected_route(fx: &Fixture, extra: &str) -> LoadError {
     let cfg = Config::new()
         .routes(&[Route::static_dir("/", "site")])
-        .raw(&extra)
-        .write(&fx, "gg.yaml");
-    graygate::generation::Generation::load(&cfg, 1).unwrap_err()
+        .raw(extra)
+        .write(fx, "gg.yaml");
+    load_config(&cfg).unwrap_err()
 }
 
 #[test]

@@ -42,7 +42,7 @@ fn files(fx: &Fixture, service_keys: &str, nodes: &str, main_extra: &str) -> std
         .raw(&format!(
             "routes: [{{ prefix: /, service: api }}]\n{main_extra}\n"
         ))
-        .write(&fx, "gg.yaml")
+        .write(fx, "gg.yaml")
 }
 
 async fn admin(gw: &Gateway, path: &str) -> serde_json::Value {
@@ -153,7 +153,7 @@ async fn hash_pins_each_key_to_one_node_and_keyless_requests_rotate() {
         node("h3", Duration::ZERO).await,
     ];
     let fx = Fixture::new();
-    let nodes: String = n.iter().map(|x| entry(x)).collect();
+    let nodes: String = n.iter().map(entry).collect();
     let cfg = files(
         &fx,
         "    balance: hash\n    hash_key: header:X-User-Id\n",
@@ -258,7 +258,7 @@ fn load_error(dir: &Path, nodes: &str, main_extra: &str) -> String {
         format!("listen: 127.0.0.1:0\nnode_files: [nodes.yaml]\nroutes: [{{ prefix: /, service: api }}]\n{main_extra}"),
     )
     .unwrap();
-    match graygate::generation::Generation::load(&dir.join("gg.yaml"), 1) {
+    match load_config(&dir.join("gg.yaml")) {
         Ok(_) => panic!("accepted:\n{nodes}"),
         Err(e) => e.to_string(),
     }

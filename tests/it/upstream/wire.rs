@@ -108,7 +108,7 @@ fn setup_extra(addr: SocketAddr, extra: &str) -> Setup {
         .set("workers", 1)
         .node_files(&["nodes.yaml"])
         .route_all("api")
-        .raw(&extra)
+        .raw(extra)
         .start(&fx, "gg.yaml");
     Setup { _fx: fx, gw }
 }
