@@ -170,11 +170,8 @@ impl GrpcNode {
         GrpcNode { addr, calls, task }
     }
 
-    fn yaml(&self, name: &str, lane: &str) -> String {
-        format!(
-            "      - {{ name: {name}, addr: \"{}\", lane: {lane} }}\n",
-            self.addr
-        )
+    fn node(&self, name: &str, lane: &str) -> Node {
+        Node::new(name, self.addr).lane(lane)
     }
 }
 
@@ -288,19 +285,19 @@ async fn grpc_canary_over_h2c_and_tls_nodes() {
         "lane.lua",
         "return function(req) if req:header('x-gray') == '1' then return 'gray' end end\n",
     );
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  grpc:\n    protocol: h2\n    nodes:\n{}{}\
-             \x20 grpc-tls:\n    protocol: h2\n    tls: {{ ca: certs/node.crt, server_name: node.example }}\n    nodes:\n{}{}\
-             \x20 lonely:\n    protocol: h2\n    nodes:\n{}",
-            formal.yaml("grpc-formal", "formal"),
-            gray.yaml("grpc-gray", "gray"),
-            sformal.yaml("tls-formal", "formal"),
-            sgray.yaml("tls-gray", "gray"),
-            lonely.yaml("lonely-formal", "formal"),
-        ),
-    );
+    let h2 = |name: &str| Service::new(name).set("protocol", "h2");
+    let node_ca = "{ ca: certs/node.crt, server_name: node.example }";
+    Nodes::new()
+        .service(h2("grpc").nodes([
+            formal.node("grpc-formal", "formal"),
+            gray.node("grpc-gray", "gray"),
+        ]))
+        .service(h2("grpc-tls").set("tls", node_ca).nodes([
+            sformal.node("tls-formal", "formal"),
+            sgray.node("tls-gray", "gray"),
+        ]))
+        .service(h2("lonely").node(lonely.node("lonely-formal", "formal")))
+        .write(&fx, "nodes.yaml");
     let gw = Config::new()
         .script("lane.lua")
         .node_files(&["nodes.yaml"])
@@ -408,13 +405,12 @@ async fn a_node_certificate_that_does_not_verify_is_unavailable_in_grpc_terms() 
     let tls_cfg = node_tls(&fx);
     let node = GrpcNode::start("tls-formal", Some(tls_cfg)).await;
     write_cert(&fx.path("other"), "ca", "someone.else");
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  grpc:\n    protocol: h2\n    retries: 0\n    tls: {{ ca: other/ca.crt, server_name: node.example }}\n    nodes:\n{}",
-            node.yaml("tls-formal", "formal")
-        ),
-    );
+    let grpc = Service::new("grpc")
+        .set("protocol", "h2")
+        .set("retries", 0)
+        .set("tls", "{ ca: other/ca.crt, server_name: node.example }")
+        .node(node.node("tls-formal", "formal"));
+    Nodes::new().service(grpc).write(&fx, "nodes.yaml");
     let gw = Config::new()
         .node_files(&["nodes.yaml"])
         .routes(&[Route::service("/", "grpc")])

@@ -155,13 +155,7 @@ impl Drop for Closed {
 }
 
 fn gateway(fx: &Fixture, up: &Upstream, client: &str) -> Gateway {
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  api:\n    nodes:\n      - {{ name: n1, addr: \"{}\", lane: formal }}\n",
-            up.addr
-        ),
-    );
+    Nodes::api([Node::new("n1", up.addr).lane("formal")]).write(fx, "nodes.yaml");
     let cfg = Config::new()
         .node_files(&["nodes.yaml"])
         .route_all("api")

@@ -121,28 +121,25 @@ async fn setup() -> Setup {
     let stall = raw_node(Raw::Stall).await;
     let big = raw_node(Raw::Big).await;
     let fx = Fixture::new();
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:
-  api:
-    health: {{ passive: {{ max_fails: 3, cooldown_ms: 60000 }} }}
-    nodes:
-      - {{ name: api-1, addr: \"{api}\" }}
-  cut:
-    health: {{ passive: {{ max_fails: 3, cooldown_ms: 60000 }} }}
-    nodes:
-      - {{ name: cut-1, addr: \"{cut}\" }}
-  stall:
-    read_timeout_ms: 300
-    nodes:
-      - {{ name: stall-1, addr: \"{stall}\" }}
-  big:
-    nodes:
-      - {{ name: big-1, addr: \"{big}\" }}
-"
-        ),
-    );
+    let health = "{ passive: { max_fails: 3, cooldown_ms: 60000 } }";
+    Nodes::new()
+        .service(
+            Service::new("api")
+                .set("health", health)
+                .node(Node::new("api-1", api)),
+        )
+        .service(
+            Service::new("cut")
+                .set("health", health)
+                .node(Node::new("cut-1", cut)),
+        )
+        .service(
+            Service::new("stall")
+                .set("read_timeout_ms", 300)
+                .node(Node::new("stall-1", stall)),
+        )
+        .service(Service::new("big").node(Node::new("big-1", big)))
+        .write(&fx, "nodes.yaml");
     Config::new().set("workers", 1).node_files(&["nodes.yaml"]).raw("access_log: { path: access.log, format: json }\nclient: { body_timeout_ms: 300, send_timeout_ms: 300 }\n").routes(&[Route::service("/api/", "api"), Route::service("/cut/", "cut"), Route::service("/stall/", "stall"), Route::service("/big/", "big")]).write(&fx, "gg.yaml");
     let gw = Gateway::start(&fx.path("gg.yaml"));
     Setup { fx, gw, api: done }

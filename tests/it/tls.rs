@@ -433,16 +433,33 @@ async fn https_nodes_verified_by_ca_and_sni_or_insecure_for_tests() {
         &fx.path("certs/named.key"),
     )
     .await;
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n\
-             \x20 by-ip:\n    tls: {{ ca: certs/ip.crt }}\n    nodes: [{{ name: ip-node, addr: \"{ip_node}\" }}]\n\
-             \x20 by-name:\n    tls: {{ ca: certs/named.crt, server_name: node.internal }}\n    nodes: [{{ name: named-node, addr: \"{named_node}\" }}]\n\
-             \x20 insecure:\n    tls: {{ insecure_skip_verify: true }}\n    nodes: [{{ name: named-node, addr: \"{named_node}\" }}]\n\
-             \x20 wrong-ca:\n    retries: 0\n    tls: {{ ca: certs/stranger.crt, server_name: node.internal }}\n    nodes: [{{ name: named-node, addr: \"{named_node}\" }}]\n",
-        ),
-    );
+    let named = || Node::new("named-node", named_node);
+    Nodes::new()
+        .service(
+            Service::new("by-ip")
+                .set("tls", "{ ca: certs/ip.crt }")
+                .node(Node::new("ip-node", ip_node)),
+        )
+        .service(
+            Service::new("by-name")
+                .set("tls", "{ ca: certs/named.crt, server_name: node.internal }")
+                .node(named()),
+        )
+        .service(
+            Service::new("insecure")
+                .set("tls", "{ insecure_skip_verify: true }")
+                .node(named()),
+        )
+        .service(
+            Service::new("wrong-ca")
+                .set("retries", 0)
+                .set(
+                    "tls",
+                    "{ ca: certs/stranger.crt, server_name: node.internal }",
+                )
+                .node(named()),
+        )
+        .write(&fx, "nodes.yaml");
     let gw = Config::new()
         .set("workers", 1)
         .node_files(&["nodes.yaml"])

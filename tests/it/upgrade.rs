@@ -267,13 +267,10 @@ async fn setup() -> Setup {
     let api = Backend::start("f1", "formal").await;
     let ws = ws_node().await;
     let fx = Fixture::new();
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  api:\n    nodes:\n{}  chat:\n    nodes:\n      - {{ name: ws1, addr: \"{ws}\" }}\n",
-            api.node_yaml()
-        ),
-    );
+    Nodes::new()
+        .service(Service::new("api").node(api.node()))
+        .service(Service::new("chat").node(Node::new("ws1", ws)))
+        .write(&fx, "nodes.yaml");
     let sock = fx.path("run/graygate.sock");
     std::fs::create_dir_all(sock.parent().unwrap()).unwrap();
     let cfg = fx.write(

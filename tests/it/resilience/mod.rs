@@ -19,11 +19,17 @@ struct Setup {
 /// `service_extra` goes under `services: api:` (e.g. health, strict);
 /// `main_extra` is appended to the main file.
 fn nodes_file(service_extra: &str, nodes: &[&Backend]) -> String {
-    let api = Service::new("api").raw(service_extra);
-    Nodes::new()
-        .service(api.nodes(nodes_of(nodes.iter().copied())))
-        .to_yaml()
+    api_file(service_extra, nodes_of(nodes.iter().copied()))
 }
+
+/// Service `api` with `service_extra` keys and these nodes.
+fn api_file(service_extra: &str, nodes: impl IntoIterator<Item = Node>) -> String {
+    let api = Service::new("api").raw(service_extra);
+    Nodes::new().service(api.nodes(nodes)).to_yaml()
+}
+
+/// Passive health that never ejects (a test's dead node stays listed).
+const NO_EJECTION: &str = "    health:\n      passive: { max_fails: 1000 }\n";
 
 fn setup(service_extra: &str, nodes: &[&Backend]) -> Setup {
     setup_main(service_extra, nodes, "")
@@ -243,12 +249,8 @@ async fn active_checkers_follow_reloads() {
 async fn connect_failures_retry_on_the_same_lane_even_for_post() {
     let [f1, g2, v1] = full_backends([("f1", "formal"), ("g2", "gray"), ("v1", "v2")]).await;
     let dead = closed_port();
-    let nodes = format!(
-        "services:\n  api:\n    health:\n      passive: {{ max_fails: 1000 }}\n    nodes:\n      - {{ name: g-dead, addr: \"{dead}\", lane: gray }}\n{}{}{}",
-        g2.node_yaml(),
-        f1.node_yaml(),
-        v1.node_yaml()
-    );
+    let dead = Node::new("g-dead", dead).lane("gray");
+    let nodes = api_file(NO_EJECTION, [dead, g2.node(), f1.node(), v1.node()]);
     let s = setup("", &[]);
     s.fx.write_rename("nodes.yaml", &nodes);
     s.gw.wait_generation(1).await;
@@ -423,12 +425,8 @@ async fn blackhole() -> (tokio::net::TcpListener, Vec<tokio::net::TcpStream>) {
 async fn connect_timeout_then_retry_on_the_same_lane() {
     let (hole, _held) = blackhole().await;
     let [g2, f1] = full_backends([("g2", "gray"), ("f1", "formal")]).await;
-    let nodes = format!(
-        "services:\n  api:\n    health:\n      passive: {{ max_fails: 1000 }}\n    nodes:\n      - {{ name: g-hole, addr: \"{}\", lane: gray }}\n{}{}",
-        hole.local_addr().unwrap(),
-        g2.node_yaml(),
-        f1.node_yaml()
-    );
+    let hole = Node::new("g-hole", hole.local_addr().unwrap()).lane("gray");
+    let nodes = api_file(NO_EJECTION, [hole, g2.node(), f1.node()]);
     let s = setup_main("", &[], "upstream:\n  connect_timeout_ms: 200\n");
     s.fx.write_rename("nodes.yaml", &nodes);
     s.gw.wait_generation(1).await;
@@ -580,10 +578,9 @@ async fn bodies_over_the_retry_buffer_stream_and_retry_only_after_connect_failur
     let s = setup_main(passive, &[&f1], &main);
     s.fx.write_rename(
         "nodes.yaml",
-        &format!(
-            "services:\n  api:\n{passive}    nodes:\n      - {{ name: g-dead, addr: \"{dead}\", lane: gray }}\n{}{}",
-            b.node_yaml(),
-            f1.node_yaml()
+        &api_file(
+            passive,
+            [Node::new("g-dead", dead).lane("gray"), b.node(), f1.node()],
         ),
     );
     s.gw.wait_generation(1).await;

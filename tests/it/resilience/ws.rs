@@ -104,12 +104,11 @@ async fn websocket_keeps_its_lane_for_the_connection_life() {
         "lane.lua",
         "return function(req) return req:header('X-Lane') end\n",
     );
-    fx.write(
-        "nodes.yaml",
-        &format!(
-            "services:\n  chat:\n    nodes:\n      - {{ name: fws, addr: \"{f_addr}\" }}\n      - {{ name: gws, addr: \"{g_addr}\", lane: gray }}\n"
-        ),
-    );
+    let chat = Service::new("chat").nodes([
+        Node::new("fws", f_addr),
+        Node::new("gws", g_addr).lane("gray"),
+    ]);
+    Nodes::new().service(chat).write(&fx, "nodes.yaml");
     let gw = Config::new()
         .script("lane.lua")
         .node_files(&["nodes.yaml"])
@@ -162,10 +161,8 @@ async fn upgrade_refused_by_the_node_is_passed_back() {
 }
 
 fn chat_config(fx: &Fixture, addr: SocketAddr, drain_ms: u64) -> std::path::PathBuf {
-    fx.write(
-        "nodes.yaml",
-        &format!("services:\n  chat:\n    nodes:\n      - {{ name: fws, addr: \"{addr}\" }}\n"),
-    );
+    let chat = Service::new("chat").node(Node::new("fws", addr));
+    Nodes::new().service(chat).write(fx, "nodes.yaml");
     Config::new()
         .node_files(&["nodes.yaml"])
         .routes(&[Route::service("/", "chat")])
