@@ -566,16 +566,25 @@ async fn concurrent_admin_edits_one_gets_409() {
 #[test]
 fn without_etcd_nothing_changes_status_says_files() {
     // The files default: /status has source "files" and no etcd fields
-    // (the shipped example itself is covered by tests/shipped_example.rs).
+    // (the shipped example itself is covered by the `example` module).
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let f = Backend::start("f1", "formal").await;
         let conf = Conf::new(&nodes_yaml(&[&f]), SCRIPT);
-        conf.write("main.yaml", "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nscript: gray.lua\nnode_files: [nodes.yaml]\nroutes:\n  - { prefix: /, service: api }\n");
+        let main = Config::empty()
+            .listen("127.0.0.1:0")
+            .set("admin_listen", "127.0.0.1:0")
+            .script("gray.lua")
+            .node_files(&["nodes.yaml"])
+            .route_all("api");
+        conf.write("main.yaml", &main.to_yaml());
         let gw = Gateway::start(&conf.main());
         let s = gw.status().await;
         assert_eq!(s["source"], "files");
-        assert!(s.get("source_state").is_none() && s.get("revision").is_none(), "{s}");
+        assert!(
+            s.get("source_state").is_none() && s.get("revision").is_none(),
+            "{s}"
+        );
         let fleet = Req::get("/fleet").send(gw.admin.unwrap()).await;
         assert_eq!(fleet.status, 404);
         assert_eq!(gw.get("/x").await.node(), "f1");
@@ -590,10 +599,13 @@ async fn admin_rule_edits_are_written_to_etcd_with_compare_and_swap() {
         &nodes_yaml(&[&f, &g]),
         "return function(req) return nil end\n",
     );
-    conf.write(
-        "main.yaml",
-        "listen: 127.0.0.1:0\nscript: gray.lua\nnode_files: [nodes.yaml]\nrules_file: rules.yaml\nroutes:\n  - { prefix: /, service: api }\n",
-    );
+    let main = Config::empty()
+        .listen("127.0.0.1:0")
+        .script("gray.lua")
+        .node_files(&["nodes.yaml"])
+        .rules_file("rules.yaml")
+        .route_all("api");
+    conf.write("main.yaml", &main.to_yaml());
     conf.write(
         "rules.yaml",
         "uid: { header: X-User-Id }\nrules:\n  - name: everyone\n    lane: gray\n    percentage: 0\n    key: { ip: true }\n",
@@ -624,7 +636,7 @@ async fn admin_rule_edits_are_written_to_etcd_with_compare_and_swap() {
 }
 
 // The dashboard's fleet panel in headless Chromium (Debian's `chromium` +
-// `chromium-driver`, as tests/dashboard.rs).
+// `chromium-driver`, as the `dashboard` module).
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_dashboard_lists_every_gateway_and_whether_all_run_the_same_revision() {

@@ -149,7 +149,7 @@ fn violations(g: &BTreeMap<String, BTreeSet<String>>) -> Vec<String> {
     for (m, deps) in g {
         let Some(&lm) = layer.get(m.as_str()) else {
             bad.push(format!(
-                "module `{m}` has no layer: add it to LAYERS in tests/layering.rs"
+                "module `{m}` has no layer: add it to LAYERS in tests/it/layering.rs"
             ));
             continue;
         };

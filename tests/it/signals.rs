@@ -1,6 +1,6 @@
 //! Signals as nginx: USR1 reopens the access log (logrotate renames the
 //! file, then signals), INT and QUIT stop at once, TERM drains — and a fast
-//! signal during a drain cuts it short. HUP reload is in tests/reload.rs.
+//! signal during a drain cuts it short. HUP reload is in the `reload` module.
 
 use std::time::Duration;
 

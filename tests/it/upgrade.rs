@@ -273,13 +273,14 @@ async fn setup() -> Setup {
         .write(&fx, "nodes.yaml");
     let sock = fx.path("run/graygate.sock");
     std::fs::create_dir_all(sock.parent().unwrap()).unwrap();
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(&format!(
-            "workers: 2\npid_file: run/graygate.pid\nupgrade_socket: {}\nnode_files: [nodes.yaml]\nroutes:\n  - prefix: /ws/\n    service: chat\n  - prefix: /\n    service: api\nclient:\n  drain_timeout_ms: 60000\n",
-            sock.display()
-        )),
-    );
+    let cfg = Config::new()
+        .set("workers", 2)
+        .set("pid_file", "run/graygate.pid")
+        .set("upgrade_socket", sock.display())
+        .node_files(&["nodes.yaml"])
+        .routes(&[Route::service("/ws/", "chat"), Route::service("/", "api")])
+        .raw("client:\n  drain_timeout_ms: 60000\n")
+        .write(&fx, "gg.yaml");
     Setup { fx, cfg, _api: api }
 }
 
@@ -503,13 +504,9 @@ async fn a_successor_that_fails_leaves_the_running_process_serving() {
     assert!(old.wait_exit(Duration::from_millis(1)).await.is_none());
 
     // No running process to take over from: a clear error.
-    let lonely = s.fx.write(
-        "lonely.yaml",
-        &main_config(&format!(
-            "upgrade_socket: {}\n",
-            s.fx.path("run/nobody.sock").display()
-        )),
-    );
+    let lonely = Config::new()
+        .set("upgrade_socket", s.fx.path("run/nobody.sock").display())
+        .write(&s.fx, "lonely.yaml");
     let out = Command::new(env!("CARGO_BIN_EXE_graygate"))
         .args(["--upgrade", "--config"])
         .arg(&lonely)

@@ -1,4 +1,4 @@
-//! Shared by the browser tests (tests/dashboard.rs, tests/etcd_fleet.rs):
+//! Shared by the browser tests (`dashboard`, `etcd_fleet`):
 //! a chromedriver on a free loopback port and headless Chromium sessions
 //! (Debian's `chromium` + `chromium-driver`), driven by fantoccini.
 

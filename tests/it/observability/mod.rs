@@ -264,10 +264,11 @@ async fn admin_token_is_required_and_compared() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn non_loopback_admin_needs_a_token_and_env_token_works() {
     let fx = Fixture::new();
-    let cfg = fx.write(
-        "gg.yaml",
-        "listen: 127.0.0.1:0\nadmin_listen: 0.0.0.0:0\nroutes: []\n",
-    );
+    let cfg = Config::empty()
+        .listen("127.0.0.1:0")
+        .set("admin_listen", "0.0.0.0:0")
+        .set("routes", "[]")
+        .write(&fx, "gg.yaml");
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_graygate"))
         .arg("--config")
         .arg(&cfg)
@@ -295,7 +296,7 @@ async fn non_loopback_admin_needs_a_token_and_env_token_works() {
     assert!(out.status.success(), "with a token it is fine");
 
     // The token may come from the environment.
-    let cfg = fx.write("gg2.yaml", &main_config("routes: []\n"));
+    let cfg = Config::new().set("routes", "[]").write(&fx, "gg2.yaml");
     let gw = Gateway::start_env(&cfg, &[("GRAYGATE_ADMIN_TOKEN", "from-env")]);
     let admin = gw.admin.unwrap();
     assert_eq!(Req::get("/status").send(admin).await.status, 401);

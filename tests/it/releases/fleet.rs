@@ -40,10 +40,11 @@ async fn fleet(prefix: &str, gray_fail_every: u64) -> Fleet {
     let formal = Backend::text("formal", 0, StatusCode::OK).await;
     let gray = Backend::text("gray", gray_fail_every, StatusCode::OK).await;
     let conf = Conf::new(&super::release_nodes(&formal, &gray).to_yaml(), "");
-    conf.write(
-        "main.yaml",
-        "listen: 127.0.0.1:0\nnode_files: [nodes.yaml]\nroutes:\n  - { prefix: /api/, service: api }\n",
-    );
+    let main = Config::empty()
+        .listen("127.0.0.1:0")
+        .node_files(&["nodes.yaml"])
+        .routes(&[Route::service("/api/", "api")]);
+    conf.write("main.yaml", &main.to_yaml());
     let rev = push(&etcd, prefix, &conf);
     let root = tempfile::tempdir().unwrap();
     let gws: Vec<Gateway> = ["gw-a", "gw-b"]

@@ -307,7 +307,7 @@ async fn drain_time_bounds_the_shutdown() {
     let pending = tokio::spawn(async move { Req::get("/hang").send_streaming(addr).await });
     soon("request reached the node", || async { hang.count() == 1 }).await;
     // SIGTERM: the graceful stop whose drain is bounded (SIGINT is a fast
-    // stop since binary upgrades came, as in nginx; see tests/signals.rs).
+    // stop since binary upgrades came, as in nginx; see the `signals` module).
     gw.signal("TERM");
     let signalled = std::time::Instant::now();
     // The request never ends: only the configured 300 ms drain bound lets

@@ -48,13 +48,11 @@ fn site(size: usize, extra: &str) -> (Fixture, Gateway, Vec<u8>) {
     std::fs::create_dir_all(fx.path("site/formal")).unwrap();
     std::fs::write(fx.path("site/formal/big.bin"), &big).unwrap();
     fx.write("site/formal/small.txt", "small\n");
-    let cfg = fx.write(
-        "gg.yaml",
-        &main_config(&format!(
-            "static_cache: {{ max_file_size: 1m }}\n{extra}routes:\n  - prefix: /\n    static: site\n"
-        )),
-    );
-    let gw = Gateway::start(&cfg);
+    let gw = Config::new()
+        .set("static_cache", "{ max_file_size: 1m }")
+        .raw(extra)
+        .routes(&[Route::static_dir("/", "site")])
+        .start(&fx, "gg.yaml");
     (fx, gw, big)
 }
 

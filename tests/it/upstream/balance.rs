@@ -21,27 +21,29 @@ async fn node(name: &str, delay: Duration) -> Backend {
 }
 
 /// A node-file entry without a lane.
-fn entry(b: &Backend) -> String {
-    Node::new(&b.name, b.addr).to_yaml()
+fn entry(b: &Backend) -> Node {
+    Node::new(&b.name, b.addr)
 }
 
 /// A node-file entry without a lane, in `zone`.
-fn in_zone(b: &Backend, zone: &str) -> String {
-    Node::new(&b.name, b.addr).with("zone", zone).to_yaml()
+fn in_zone(b: &Backend, zone: &str) -> Node {
+    Node::new(&b.name, b.addr).with("zone", zone)
 }
 
 /// Writes the node file (`service` keys, then the nodes) and a main config
 /// routing everything to service `api`.
-fn files(fx: &Fixture, service_keys: &str, nodes: &str, main_extra: &str) -> std::path::PathBuf {
-    fx.write(
-        "nodes.yaml",
-        &format!("services:\n  api:\n{service_keys}    nodes:\n{nodes}"),
-    );
+fn files(
+    fx: &Fixture,
+    service_keys: &str,
+    nodes: impl IntoIterator<Item = Node>,
+    main_extra: &str,
+) -> std::path::PathBuf {
+    let api = Service::new("api").raw(service_keys).nodes(nodes);
+    Nodes::new().service(api).write(fx, "nodes.yaml");
     Config::new()
         .node_files(&["nodes.yaml"])
-        .raw(&format!(
-            "routes: [{{ prefix: /, service: api }}]\n{main_extra}\n"
-        ))
+        .route_all("api")
+        .raw(main_extra)
         .write(fx, "gg.yaml")
 }
 
@@ -61,8 +63,8 @@ async fn least_request_avoids_a_slow_node_under_concurrent_load() {
     let fast2 = node("fast2", Duration::ZERO).await;
     let slow = node("slow", Duration::from_millis(300)).await;
     let fx = Fixture::new();
-    let nodes = format!("{}{}{}", entry(&fast1), entry(&fast2), entry(&slow));
-    let cfg = files(&fx, "    balance: least_request\n", &nodes, "");
+    let nodes = [entry(&fast1), entry(&fast2), entry(&slow)];
+    let cfg = files(&fx, "    balance: least_request\n", nodes, "");
     let gw = Gateway::start(&cfg);
     let addr = gw.addr;
     // 12 clients, 15 requests each, one after another per client.
@@ -109,15 +111,14 @@ async fn zone_spill_when_the_local_zone_fails() {
     let b1 = node("b1", Duration::ZERO).await;
     let b2 = node("b2", Duration::ZERO).await;
     let fx = Fixture::new();
-    let nodes = format!(
-        "{}{}{}",
+    let nodes = [
         in_zone(&a1, "zone-a"),
         in_zone(&b1, "zone-b"),
-        in_zone(&b2, "zone-b")
-    );
+        in_zone(&b2, "zone-b"),
+    ];
     let keys = "    health: { passive: { max_fails: 1, cooldown_ms: 60000 } }\n";
     // The file says zone-b; the environment (zone-a) wins.
-    let cfg = files(&fx, keys, &nodes, "zone: zone-b\n");
+    let cfg = files(&fx, keys, nodes, "zone: zone-b\n");
     let gw = Gateway::start_env(&cfg, &[("GRAYGATE_ZONE", "zone-a")]);
 
     for _ in 0..20 {
@@ -153,11 +154,11 @@ async fn hash_pins_each_key_to_one_node_and_keyless_requests_rotate() {
         node("h3", Duration::ZERO).await,
     ];
     let fx = Fixture::new();
-    let nodes: String = n.iter().map(entry).collect();
+    let nodes = n.iter().map(entry);
     let cfg = files(
         &fx,
         "    balance: hash\n    hash_key: header:X-User-Id\n",
-        &nodes,
+        nodes,
         "",
     );
     let gw = Gateway::start(&cfg);
@@ -197,14 +198,14 @@ async fn traffic_to_a_node_that_joins_rises_over_slow_start() {
     let fx = Fixture::new();
     let window = Duration::from_millis(4_000);
     let keys = format!("    slow_start_ms: {}\n", window.as_millis());
-    let cfg = files(&fx, &keys, &entry(&old), "");
+    let cfg = files(&fx, &keys, [entry(&old)], "");
     let gw = Gateway::start(&cfg);
     assert_eq!(node_of(&gw, Req::get("/")).await, "old");
 
     // The new node joins. Its ramp starts when the gateway applies the
     // reload — after `t0`, so time since `t0` bounds the ramp from above.
     let t0 = Instant::now();
-    files(&fx, &keys, &format!("{}{}", entry(&old), entry(&new)), "");
+    files(&fx, &keys, [entry(&old), entry(&new)], "");
     eventually("the reload applied", LIMIT, || async {
         gw.status().await["generation"].as_u64() == Some(2)
     })
@@ -311,10 +312,10 @@ fn bad_selection_config_is_rejected_with_file_and_line() {
 async fn a_rejected_balance_change_keeps_the_old_generation_serving() {
     let a = node("a", Duration::ZERO).await;
     let fx = Fixture::new();
-    let cfg = files(&fx, "    balance: random\n", &entry(&a), "");
+    let cfg = files(&fx, "    balance: random\n", [entry(&a)], "");
     let gw = Gateway::start(&cfg);
     assert_eq!(node_of(&gw, Req::get("/")).await, "a");
-    files(&fx, "    balance: fastest\n", &entry(&a), "");
+    files(&fx, "    balance: fastest\n", [entry(&a)], "");
     eventually("the reload rejected", LIMIT, || async {
         gw.status().await["last_reload_error"]
             .as_str()
