@@ -1,6 +1,6 @@
 //! Layer: tools (top; uses the data plane's phases, never the control plane).
 //! Entry points shared by the cargo-fuzz targets in `fuzz/` and the bounded
-//! stable-Rust smoke test (`tests/fuzz_smoke.rs`): config files → loader, and
+//! stable-Rust smoke test (`tests/it/fuzz_smoke.rs`): config files → loader, and
 //! raw request bytes → route and lane decision. Both check invariants and panic
 //! when one breaks, which is what a fuzzer looks for.
 

@@ -1,7 +1,7 @@
 //! graygate: a lane-routing edge gateway for gray (canary) releases.
 //!
 //! The layers, each importing only from those below it (a test,
-//! `tests/layering.rs`, keeps it so):
+//! `tests/it/layering.rs`, keeps it so):
 //!
 //! ```text
 //!  demo, fuzz_entry          tools for the shipped example and the fuzzers

@@ -14,8 +14,10 @@
 
 mod harness;
 
+mod bench_harness;
 mod cli;
 mod dashboard;
+mod docs_reference;
 mod etcd_fleet;
 mod example;
 mod fuzz_smoke;
