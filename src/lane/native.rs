@@ -325,7 +325,7 @@ pub(crate) fn install(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lane::script::vm_mode::{both_modes, load_src};
+    use crate::lane::script::testing::{both_modes, load_src};
     use crate::lane::script::{call_lane, RuleCtx};
     use std::collections::BTreeMap;
     use std::path::Path;

@@ -219,7 +219,7 @@ pub struct RuleCtx {
 pub(crate) struct Current {
     pub rule: RuleCtx,
     /// Cookies and arguments split once per request, on first use.
-    pub parsed: super::ngx::Parsed,
+    pub cookies_args: super::ngx::CookiesAndArgs,
     /// Set by the `ngx` host calls that fill per-request caches in Lua;
     /// the call empties them afterwards (`ScriptVm::reset`).
     pub ngx_cached: bool,
@@ -1175,7 +1175,7 @@ pub(crate) fn call_with(
         let slot = &mut *c.borrow_mut();
         let cur = &mut slot.cur;
         cur.rule = RuleCtx::default();
-        cur.parsed = Default::default();
+        cur.cookies_args = Default::default();
         cur.ngx_cached = false;
         slot.edited.take()
     });
@@ -1238,7 +1238,7 @@ fn run(
 /// Tests: the VM mode (`script_limits.jit`) of the scripts a test thread
 /// loads, shared by this module's and `ngx`'s tests.
 #[cfg(test)]
-pub(crate) mod vm_mode {
+pub(crate) mod testing {
     use std::cell::Cell;
 
     thread_local! {
@@ -1363,7 +1363,7 @@ mod tests {
         assert!(err.message.contains("must return a function"), "{err}");
     }
 
-    use super::vm_mode::{both_modes, jit, load_src};
+    use super::testing::{both_modes, jit, load_src};
 
     /// Whether this thread's VM runs with LuaJIT's compiler on.
     fn vm_jit_on() -> bool {
