@@ -31,7 +31,8 @@ pub fn decide(gen: &LanePolicy, req: RequestInfo) -> Decided {
 
 /// Decides the lane of `req` on a route: on a sticky route (`sticky_route`,
 /// with a signer configured) a valid cookie may keep an earlier lane, and a
-/// decision that pins ([`pins_cookie`]) comes with a fresh cookie to set.
+/// real decision (not a tag, a deny, a kept cookie, a failure or a
+/// rolled-back lane) comes with a fresh cookie to set.
 pub fn decide_on_route(gen: &LanePolicy, sticky_route: bool, mut req: RequestInfo) -> Decided {
     let sticky = gen
         .sticky

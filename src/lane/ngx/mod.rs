@@ -1,15 +1,15 @@
 //! Layer: lane. The OpenResty-compatible subset scripts see: `ngx.var.*`
-//! ([`var`]), `ngx.req.*` ([`req`]), `ngx.log` and `print` ([`log`]),
-//! `ngx.crc32_*` and `ngx.md5*` ([`digest`]), `ngx.time/now`,
-//! `ngx.shared.<dict>` ([`shared`]); `bit` is LuaJIT's own library, opened
+//! (`var`), `ngx.req.*` (`req`), `ngx.log` and `print` (`log`),
+//! `ngx.crc32_*` and `ngx.md5*` (`digest`), `ngx.time/now`,
+//! `ngx.shared.<dict>` (`shared`); `bit` is LuaJIT's own library, opened
 //! by the script module. Everything reads the request being decided
 //! through the script module's thread-local slot, lazily: nothing is built
 //! per request unless the script asks for it, and what it asks for is
 //! built once per request (`ngx.var` values, `get_headers()`,
 //! `get_uri_args()` are kept in per-request Lua tables, emptied after the
-//! call; what the source mentions comes in one host call, [`batch`]).
+//! call; what the source mentions comes in one host call, `batch`).
 //! This module installs the lot and runs the Lua glue (`glue.lua`) that
-//! keeps those tables and makes the per-request entry ([`PerRequest`]).
+//! keeps those tables and makes the per-request entry (`PerRequest`).
 //! Semantics follow nginx/lua-nginx-module (see the README's "OpenResty
 //! compatibility" section for the exact subset).
 
