@@ -12,7 +12,7 @@ use http::{HeaderName, HeaderValue, Method, Request, Uri};
 use crate::base::decision::Decision;
 use crate::config::{parse_yaml, valid_lane, ConfigError, MainConfig};
 use crate::generation::{Generation, Target};
-use crate::lane::sticky::decide_on_route;
+use crate::lane::decide_on_route;
 use crate::proxy::resolve::{resolve_request, validate};
 
 /// Separates the files inside one fuzz input.

@@ -5,6 +5,25 @@
 use std::sync::Arc;
 
 /// Who decided a request's lane.
+///
+/// Lane precedence (`lane::precedence`, the one place that applies it)
+/// takes the first source that decides, in this order:
+///
+/// 1. [`TrustedTag`](Self::TrustedTag) — a trusted proxy's tag header
+///    ([`InvalidLane`](Self::InvalidLane) when the tag is not a lane name);
+/// 2. [`Deny`](Self::Deny) — a deny rule: formal, whatever else would match;
+/// 3. [`StickyCookie`](Self::StickyCookie) — on sticky routes, a valid
+///    cookie naming a lane still served and not rolled back;
+/// 4. [`Release`](Self::Release) — a progressive release's current step;
+/// 5. [`Rule`](Self::Rule) / [`RuleFallback`](Self::RuleFallback) — the
+///    declarative rules' verdict, handed to the script;
+/// 6. [`Script`](Self::Script) — the script's lane, or nil to keep the rule
+///    verdict ([`ScriptError`](Self::ScriptError) /
+///    [`InvalidLane`](Self::InvalidLane) when it fails);
+/// 7. the fallbacks: the rule verdict, else [`Default`](Self::Default).
+///
+/// Over all of them, a lane a release rolled back is never the answer:
+/// [`RolledBack`](Self::RolledBack), formal.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DecidedBy {
     /// No script configured (or it returned nil): the baseline.

@@ -95,8 +95,7 @@ pub fn direct_bucket<'a>(mut texts: impl Iterator<Item = &'a str>) -> bool {
 /// [`rewrite`]; with `direct_bucket` (see [`direct_bucket`]) each global
 /// `graygate` of a `graygate.bucket(` call is the budget table, whose
 /// `bucket` is `graygate.bucket`: one table read, where the global and
-/// the library's read-only proxy are two metatable lookups each (~300
-/// instructions a call, callgrind).
+/// the library's read-only proxy are two metatable lookups each.
 pub fn rewrite_with(src: &str, direct_bucket: bool) -> Result<String, RewriteError> {
     let check = check();
     let mut out = String::with_capacity(src.len() + src.len() / 4 + 64);

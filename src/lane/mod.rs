@@ -1,33 +1,30 @@
 //! Layer: lane decision (data plane, beside nodes; uses base and config).
-//! Request → lane. A tag from a trusted proxy is honoured; otherwise deny
-//! rules, then the declarative rules, then the Lua script (which sees the rule
-//! verdict and may keep or override it) decide; anything missing, invalid or
-//! failing means `formal`. The outcome is a [`Decision`] that the proxy, logs,
-//! metrics and the explain endpoint read.
+//! Request → lane. The sources — a trusted proxy's tag, deny rules, a sticky
+//! cookie, release steps, declarative rules, the Lua script — are walked in
+//! one order ([`precedence`], documented on [`DecidedBy`]); anything
+//! missing, invalid or failing means `formal`. The outcome is a
+//! [`Decision`] that the proxy, logs, metrics and the explain endpoint read.
+//! This module holds what the sources read: the request ([`RequestInfo`])
+//! and the generation's [`LanePolicy`].
 
 pub mod budget;
 pub mod jit_probe;
 mod native;
 pub mod ngx;
+pub mod precedence;
 pub mod rules;
 pub mod script;
 pub mod shared_dict;
 pub mod sticky;
 
-use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use http::request::Parts;
-use http::HeaderValue;
-
-use std::collections::{BTreeMap, BTreeSet};
-
-use http::HeaderName;
+use http::{HeaderName, HeaderValue};
 
 use crate::base::lists::IpList;
-use crate::config::{valid_lane, FORMAL};
 
 /// What a lane decision reads: the request head plus the resolved client.
 #[derive(Debug, Clone)]
@@ -43,8 +40,8 @@ pub struct RequestInfo {
 }
 
 /// `ip` as text, as its `Display` writes it (`ngx.var.remote_addr`): an
-/// IPv4 address by hand — `to_string` pads each octet through the
-/// formatter (~500 instructions, callgrind, against ~60).
+/// IPv4 address by hand, since `to_string` pads each octet through the
+/// formatter at several times the cost.
 pub(crate) fn ip_text(ip: std::net::IpAddr) -> Vec<u8> {
     let mut out = Vec::with_capacity(15);
     ip_text_into(ip, &mut out);
@@ -92,8 +89,8 @@ impl RequestInfo {
     /// A request with few distinct header names is scanned, comparing
     /// lengths first and then bytes case-insensitively: cheaper than
     /// `HeaderMap::get(&str)`, which lower-cases the name into a buffer,
-    /// hashes it and probes (~310 instructions per lookup, callgrind; a
-    /// scanned entry costs ~10). Larger maps are hashed as before. A name
+    /// hashes it and probes, where a scanned entry costs a length compare.
+    /// Larger maps are hashed. A name
     /// that is not a valid header name matches nothing either way (stored
     /// names are valid lower-case tokens).
     pub fn header_bytes(&self, name: &[u8]) -> Option<&HeaderValue> {
@@ -141,6 +138,7 @@ pub fn cookie_value<'a>(headers: &'a http::HeaderMap, name: &str) -> Option<&'a 
 }
 
 pub use crate::base::decision::{DecidedBy, Decision, LaneName};
+pub use precedence::{decide, decide_on_route, Decided};
 
 /// Everything the lane decision reads from a generation.
 #[derive(Debug)]
@@ -164,149 +162,6 @@ pub struct LanePolicy {
     /// sticky cookie.
     pub revoked: BTreeSet<String>,
 }
-
-/// The decision a rule verdict stands for (none when rules are off).
-fn rule_verdict(verdict: &rules::Verdict) -> Option<Decision> {
-    match verdict {
-        rules::Verdict::Deny(name) => Some(Decision::new(FORMAL, DecidedBy::Deny(name.clone()))),
-        rules::Verdict::Disabled => None,
-        rules::Verdict::Rule { name, lane } => {
-            Some(Decision::new(lane, DecidedBy::Rule(name.clone())))
-        }
-        rules::Verdict::Fallback(lane) => Some(Decision::new(lane, DecidedBy::RuleFallback)),
-    }
-}
-
-/// A decided request: the request handed back (as the script left it —
-/// `ngx.req.set_header` edits included), its [`Decision`], and for sticky
-/// routes a fresh cookie to set.
-#[derive(Debug)]
-pub struct Decided {
-    pub info: RequestInfo,
-    pub decision: Decision,
-    pub set_cookie: Option<HeaderValue>,
-}
-
-impl Decided {
-    fn new(info: RequestInfo, decision: Decision) -> Decided {
-        Decided {
-            info,
-            decision,
-            set_cookie: None,
-        }
-    }
-}
-
-/// Decides the lane of `req` under `gen`: the trusted tag, deny rules,
-/// progressive releases' current steps, declarative rules, the script; a
-/// lane a release rolled back is never the answer (formal instead).
-pub fn decide(gen: &LanePolicy, mut req: RequestInfo) -> Decided {
-    // The request is only borrowed until here, and moved once, into the
-    // `Decided` (each move of it is a ~300-byte copy).
-    let (mut decision, edited) = decide_lane(gen, &req);
-    if let Some(e) = edited {
-        req = *e;
-    }
-    if !gen.revoked.is_empty() && gen.revoked.contains(decision.lane.as_str()) {
-        let lane: Arc<str> = decision.lane.as_str().into();
-        decision = Decision::new(FORMAL, DecidedBy::RolledBack(lane));
-    }
-    Decided::new(req, decision)
-}
-
-/// The decision for `req`, and the request as a script changed it.
-fn decide_lane(gen: &LanePolicy, req: &RequestInfo) -> (Decision, Option<Box<RequestInfo>>) {
-    if req.peer_trusted {
-        if let Some(v) = req.parts.headers.get(&gen.tag_header) {
-            let tag = v.to_str().unwrap_or("");
-            return if valid_lane(tag) {
-                (Decision::new(tag.to_string(), DecidedBy::TrustedTag), None)
-            } else {
-                log_limited(
-                    &INVALID_LOG,
-                    || tracing::warn!(tag = %String::from_utf8_lossy(v.as_bytes()), "invalid lane in trusted tag header; using formal"),
-                );
-                let d = Decision::new(FORMAL, DecidedBy::InvalidLane(lossy(v.as_bytes()).into()));
-                (d, None)
-            };
-        }
-    }
-    let verdict = gen
-        .rules
-        .as_ref()
-        .map_or(rules::Verdict::Disabled, |r| r.verdict(req));
-    let rule_decision = match &verdict {
-        rules::Verdict::Deny(name) => {
-            return (Decision::new(FORMAL, DecidedBy::Deny(name.clone())), None);
-        }
-        _ if gen.releases.is_some() => {
-            let step = gen.releases.as_ref().and_then(|r| r.first_match(req));
-            if let Some(step) = step {
-                let d = Decision::new(&step.lane, DecidedBy::Release(step.name.clone()));
-                return (d, None);
-            }
-            rule_verdict(&verdict)
-        }
-        _ => rule_verdict(&verdict),
-    };
-    let Some(src) = &gen.script else {
-        let d = rule_decision.unwrap_or_else(|| Decision::new(FORMAL, DecidedBy::Default));
-        return (d, None);
-    };
-    let rule_ctx = match verdict {
-        rules::Verdict::Rule { name, lane } => script::RuleCtx {
-            lane: Some(lane),
-            name: Some(name),
-        },
-        rules::Verdict::Fallback(lane) => script::RuleCtx {
-            lane: Some(lane),
-            name: None,
-        },
-        _ => script::RuleCtx::default(),
-    };
-    let (result, edited) = script::call_with(src, &gen.lists, req, rule_ctx);
-    let decision = match result {
-        // nil keeps the rule verdict (formal when there are no rules).
-        Ok(None) => rule_decision.unwrap_or_else(|| Decision::new(FORMAL, DecidedBy::Script)),
-        Ok(Some(lane)) if valid_lane(&lane) => Decision::new(lane, DecidedBy::Script),
-        Ok(Some(lane)) => {
-            log_limited(
-                &INVALID_LOG,
-                || tracing::warn!(lane = %lane.escape_debug(), "script returned an invalid lane name; using formal"),
-            );
-            Decision::new(FORMAL, DecidedBy::InvalidLane(lane))
-        }
-        Err(e) => {
-            match e.limit {
-                Some(limit) => log_limited(
-                    if limit == script::Limit::Memory {
-                        &MEMORY_LOG
-                    } else {
-                        &BUDGET_LOG
-                    },
-                    || tracing::error!(error = %e.message, limit = ?limit, "lane script stopped by a sandbox limit; request goes formal"),
-                ),
-                None => log_limited(
-                    &SCRIPT_ERR_LOG,
-                    || tracing::error!(error = %e.message, "lane script failed; request goes formal"),
-                ),
-            }
-            Decision::new(FORMAL, DecidedBy::ScriptError(e.message))
-        }
-    };
-    (decision, edited)
-}
-
-fn lossy(b: &[u8]) -> Cow<'_, str> {
-    String::from_utf8_lossy(b)
-}
-
-static SCRIPT_ERR_LOG: AtomicU64 = AtomicU64::new(0);
-static INVALID_LOG: AtomicU64 = AtomicU64::new(0);
-static BUDGET_LOG: AtomicU64 = AtomicU64::new(0);
-static MEMORY_LOG: AtomicU64 = AtomicU64::new(0);
-
-use crate::base::ratelog::log_limited;
 
 /// MurmurHash3 x86 32-bit, seed 0.
 pub fn murmur3(data: &[u8]) -> u32 {
@@ -349,7 +204,7 @@ mod tests {
 
     #[test]
     fn bucket_is_floor_mod_of_signed_hash() {
-        // 0x248bfa47 = 613153351 → 51.
+        // 0x248bfa47 is 613153351, whose floorMod by 100 is 51.
         assert_eq!(bucket(b"hello"), 51);
         // A hash with the top bit set is negative as an i32: floorMod keeps
         // the bucket in 0..100.

@@ -3,12 +3,11 @@
 //! `req:header("NAME")`, `req:in_list("NAME")`, and with them
 //! `graygate.bucket` of those header values — are read once per request in
 //! Rust and handed to the lane call as its arguments, so the script's reads
-//! of them are Lua calls that never leave the VM (a host call is ~450
-//! instructions of mlua's trampoline, argument conversion and result push;
-//! see the README's "Instructions per lane call"). Any other name, a name
-//! given in another case or built at run time, and every read after
+//! of them are Lua calls that never leave the VM (a host call goes through
+//! mlua's trampoline, argument conversion and result push). Any other name,
+//! a name given in another case or built at run time, and every read after
 //! `ngx.req.set_header` / `clear_header` in the same call go to the host
-//! functions as before. The entry also empties the per-request globals and
+//! functions. The entry also empties the per-request globals and
 //! checks the lane function's result type, in Lua.
 
 use mlua::{BString, Function, IntoLua, IntoLuaMulti, Lua, LuaString, Table};
@@ -18,7 +17,7 @@ use super::RequestInfo;
 use crate::base::lists::IpList;
 
 /// Header names handed over per request, at most (more are read by host
-/// calls as before).
+/// calls).
 const MAX_HEADERS: usize = 4;
 /// Lists whose verdict is handed over per request, at most.
 const MAX_LISTS: usize = 2;
@@ -131,11 +130,10 @@ impl Prefetch {
     /// The values are pushed as they are read, with the VM's memory limit
     /// lifted for the pushes only (mlua pushes a `&str` straight onto the
     /// stack when no limit is set; a `LuaString` made first costs a
-    /// reference slot, two moves between Lua threads and its release,
-    /// ~250 instructions per value, callgrind): the call's last argument,
-    /// [`Restore`], pushes nothing and sets the limit back before the
-    /// function runs. A value that is not UTF-8 takes the strings'
-    /// protected path ([`request_string`]) as before.
+    /// reference slot, two moves between Lua threads and its release): the
+    /// call's last argument, [`Restore`], pushes nothing and sets the limit
+    /// back before the function runs. A value that is not UTF-8 takes the strings'
+    /// protected path ([`request_string`]).
     pub(crate) fn call(
         &self,
         lua: &Lua,
@@ -325,7 +323,7 @@ pub(crate) fn install(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lane::script::vm_mode::{both_modes, load_src};
+    use crate::lane::script::testing::{both_modes, load_src};
     use crate::lane::script::{call_lane, RuleCtx};
     use std::collections::BTreeMap;
     use std::path::Path;

@@ -180,6 +180,16 @@ impl Rules {
         if let Some(name) = self.denied(r) {
             return Verdict::Deny(name.clone());
         }
+        self.matched(r)
+    }
+
+    /// The verdict once no deny rule matched: the first matching rule, else
+    /// the fallback lane (`Disabled` when off). Lane precedence checks the
+    /// deny rules earlier, before a sticky cookie and release steps.
+    pub fn matched(&self, r: &RequestInfo) -> Verdict {
+        if !self.enabled {
+            return Verdict::Disabled;
+        }
         match self.rules.iter().find(|x| x.matches(r)) {
             Some(x) => Verdict::Rule {
                 name: x.name.clone(),

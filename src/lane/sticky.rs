@@ -2,13 +2,14 @@
 //! signed with a key from the config or an environment variable. A valid,
 //! unexpired cookie keeps a browser in its lane across pages, assets and API
 //! calls; anything forged, tampered or stale is ignored and the lane is
-//! re-decided.
+//! re-decided. Only the cookie's reading and writing live here; when a
+//! cookie keeps its lane is lane precedence's call (`lane::precedence`).
 
 use hmac::{Hmac, Mac};
 use http::HeaderValue;
 use sha2::Sha256;
 
-use super::{cookie_value, decide, Decided, DecidedBy, Decision, LanePolicy, RequestInfo};
+use super::cookie_value;
 use crate::config::{valid_lane, StickyConfig};
 
 type HmacSha256 = Hmac<Sha256>;
@@ -118,6 +119,13 @@ impl Sticky {
         (now < expiry).then_some(lane)
     }
 
+    /// The lane of this signer's cookie in `headers`, when one verifies and
+    /// has not expired at `now`. Whether it is kept is lane precedence's
+    /// call (`lane::precedence`).
+    pub fn lane_in<'h>(&self, headers: &'h http::HeaderMap, now: u64) -> Option<&'h str> {
+        cookie_value(headers, &self.cookie).and_then(|v| self.verify(v, now))
+    }
+
     /// The `Set-Cookie` header value carrying `lane`.
     pub fn set_cookie(&self, lane: &str, now: u64) -> HeaderValue {
         let secure = if self.secure { "; Secure" } else { "" };
@@ -132,57 +140,6 @@ impl Sticky {
 }
 
 pub use crate::base::clock::unix_now;
-
-/// The lane of a request on a route: sticky routes (`sticky_route`, with
-/// a signer configured) go through [`decide_sticky`], others straight to
-/// [`decide`]. Returns a fresh cookie to set, if any. Real traffic,
-/// `/explain` and the fuzz entry all decide through here.
-pub fn decide_on_route(gen: &LanePolicy, sticky_route: bool, info: RequestInfo) -> Decided {
-    match gen.sticky.as_ref().filter(|_| sticky_route) {
-        Some(st) => decide_sticky(gen, st, info),
-        None => decide(gen, info),
-    }
-}
-
-/// Sticky routes: a valid cookie naming a lane this generation still serves
-/// keeps that lane; otherwise the lane is decided as usual and (for a real
-/// decision, not a script failure) a fresh cookie is returned to set. A tag
-/// from a trusted proxy always wins.
-pub fn decide_sticky(gen: &LanePolicy, st: &Sticky, info: RequestInfo) -> Decided {
-    let tagged = info.peer_trusted && info.parts.headers.contains_key(&gen.tag_header);
-    let now = unix_now();
-    // A deny rule beats a sticky cookie too (and pins no cookie).
-    let denied = gen
-        .rules
-        .as_ref()
-        .is_some_and(|r| r.denied(&info).is_some());
-    if !tagged && !denied {
-        let kept = cookie_value(&info.parts.headers, &st.cookie)
-            .and_then(|v| st.verify(v, now))
-            .filter(|l| gen.served_lanes.contains(*l) && !gen.revoked.contains(*l))
-            .map(str::to_string);
-        if let Some(l) = kept {
-            return Decided {
-                info,
-                decision: Decision::new(l, DecidedBy::StickyCookie),
-                set_cookie: None,
-            };
-        }
-    }
-    let mut decided = decide(gen, info);
-    let d = &decided.decision;
-    let cookie = matches!(
-        d.decided_by,
-        DecidedBy::Script
-            | DecidedBy::Default
-            | DecidedBy::Rule(_)
-            | DecidedBy::RuleFallback
-            | DecidedBy::Release(_)
-    )
-    .then(|| st.set_cookie(&d.lane, now));
-    decided.set_cookie = cookie;
-    decided
-}
 
 #[cfg(test)]
 mod tests {

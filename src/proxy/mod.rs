@@ -2,8 +2,8 @@
 //! nodes, upstream and static files; never imports the control plane).
 //!
 //! One request's story, each phase a named function around one [`RequestCtx`]:
-//! [`resolve`] (limits, host, client address) → route → decide the lane (sticky
-//! cookie, trusted tag, rules, script) → serve: [`forward`] (select node →
+//! [`resolve`] (limits, host, client address) → route → decide the lane (lane
+//! precedence, `lane::precedence`) → serve: [`forward`] (select node →
 //! rewrite request → buffer body → attempt → respond) or `static_files` →
 //! [`record`] (metrics, access log, lane header). Failures are typed
 //! (`base::error::Error`) and become the client's answer in one place.
@@ -170,10 +170,10 @@ fn route<'g>(gen: &'g Generation, info: &RequestInfo) -> Result<&'g Route, Error
         .ok_or(ErrorKind::NoRoute)?)
 }
 
-/// The lane phase: a sticky route's valid cookie keeps its lane; else the
-/// trusted tag, rules and script decide (`lane::decide`).
+/// The lane phase: lane precedence on the route (`lane::decide_on_route`;
+/// the order is documented on `DecidedBy`).
 fn decide(gen: &Generation, route: &Route, ctx: &mut RequestCtx, info: RequestInfo) -> RequestInfo {
-    let mut decided = lane::sticky::decide_on_route(&gen.lane, route.sticky, info);
+    let mut decided = lane::decide_on_route(&gen.lane, route.sticky, info);
     decided.decision.route = Some(route.prefix.clone());
     ctx.set_cookie = decided.set_cookie;
     ctx.decision = Some(decided.decision);

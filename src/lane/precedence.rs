@@ -1,0 +1,218 @@
+//! Layer: lane. Lane precedence: the one place that walks the sources of a
+//! request's lane in order and takes the first that decides. The order is
+//! documented on [`DecidedBy`]; [`decide_on_route`] is the only entry
+//! (real traffic, `/explain` and the fuzz entry all decide through it).
+
+use std::borrow::Cow;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use http::HeaderValue;
+
+use super::sticky::{unix_now, Sticky};
+use super::{rules, script, DecidedBy, Decision, LanePolicy, RequestInfo};
+use crate::base::ratelog::log_limited;
+use crate::config::{valid_lane, FORMAL};
+
+/// A decided request: the request handed back (as the script left it —
+/// `ngx.req.set_header` edits included), its [`Decision`], and for sticky
+/// routes a fresh cookie to set.
+#[derive(Debug)]
+pub struct Decided {
+    pub info: RequestInfo,
+    pub decision: Decision,
+    pub set_cookie: Option<HeaderValue>,
+}
+
+/// Decides the lane of `req` under `gen`, as on a route that is not sticky.
+pub fn decide(gen: &LanePolicy, req: RequestInfo) -> Decided {
+    decide_on_route(gen, false, req)
+}
+
+/// Decides the lane of `req` on a route: on a sticky route (`sticky_route`,
+/// with a signer configured) a valid cookie may keep an earlier lane, and a
+/// real decision (not a tag, a deny, a kept cookie, a failure or a
+/// rolled-back lane) comes with a fresh cookie to set.
+pub fn decide_on_route(gen: &LanePolicy, sticky_route: bool, mut req: RequestInfo) -> Decided {
+    let sticky = gen
+        .sticky
+        .as_ref()
+        .filter(|_| sticky_route)
+        .map(|st| (st, unix_now()));
+    // The request is only borrowed until here, and moved once, into the
+    // `Decided` (each move of it copies the whole head).
+    let (decision, edited) = precedence(gen, sticky, &req);
+    if let Some(e) = edited {
+        req = *e;
+    }
+    let set_cookie = match sticky {
+        Some((st, now)) if pins_cookie(&decision.decided_by) => {
+            Some(st.set_cookie(&decision.lane, now))
+        }
+        _ => None,
+    };
+    Decided {
+        info: req,
+        decision,
+        set_cookie,
+    }
+}
+
+/// Whether a decision is pinned by a fresh sticky cookie: a real decision
+/// is; a trusted tag, a deny, a kept cookie, a failure or a rolled-back lane
+/// is not.
+fn pins_cookie(by: &DecidedBy) -> bool {
+    matches!(
+        by,
+        DecidedBy::Script
+            | DecidedBy::Default
+            | DecidedBy::Rule(_)
+            | DecidedBy::RuleFallback
+            | DecidedBy::Release(_)
+    )
+}
+
+/// The lane precedence (the order on [`DecidedBy`]): the first source
+/// that decides, then the veto of a rolled-back lane over whatever
+/// decided. Also returns the request as a script changed it.
+fn precedence(
+    gen: &LanePolicy,
+    sticky: Option<(&Sticky, u64)>,
+    req: &RequestInfo,
+) -> (Decision, Option<Box<RequestInfo>>) {
+    let (decision, edited) = first_decided(gen, sticky, req);
+    if !gen.revoked.is_empty() && gen.revoked.contains(decision.lane.as_str()) {
+        let lane: Arc<str> = decision.lane.as_str().into();
+        return (Decision::new(FORMAL, DecidedBy::RolledBack(lane)), edited);
+    }
+    (decision, edited)
+}
+
+/// The sources in order — trusted tag, deny rules, sticky cookie, release
+/// steps, rules, script — and the fallbacks when none decides.
+fn first_decided(
+    gen: &LanePolicy,
+    sticky: Option<(&Sticky, u64)>,
+    req: &RequestInfo,
+) -> (Decision, Option<Box<RequestInfo>>) {
+    // 1. A tag from a trusted proxy (an invalid one means formal).
+    if req.peer_trusted {
+        if let Some(v) = req.parts.headers.get(&gen.tag_header) {
+            return (trusted_tag(v), None);
+        }
+    }
+    // 2. Deny rules: formal, and no sticky cookie keeps a lane.
+    let rules = gen.rules.as_ref();
+    if let Some(name) = rules.and_then(|r| r.denied(req)) {
+        return (Decision::new(FORMAL, DecidedBy::Deny(name.clone())), None);
+    }
+    // 3. A valid sticky cookie naming a lane still served and not rolled
+    //    back.
+    if let Some((st, now)) = sticky {
+        let kept = st
+            .lane_in(&req.parts.headers, now)
+            .filter(|l| gen.served_lanes.contains(*l) && !gen.revoked.contains(*l));
+        if let Some(l) = kept {
+            return (Decision::new(l.to_string(), DecidedBy::StickyCookie), None);
+        }
+    }
+    // 4. A progressive release's current step.
+    if let Some(step) = gen.releases.as_ref().and_then(|r| r.first_match(req)) {
+        let d = Decision::new(&step.lane, DecidedBy::Release(step.name.clone()));
+        return (d, None);
+    }
+    // 5. The declarative rules' verdict (a rule or their fallback lane).
+    let verdict = rules.map_or(rules::Verdict::Disabled, |r| r.matched(req));
+    let rule_decision = rule_verdict(&verdict);
+    // 6. The script, which sees the rule verdict and may keep it (nil) or
+    //    override it.
+    let Some(src) = &gen.script else {
+        // 7. No script: the rule verdict, else the default.
+        let d = rule_decision.unwrap_or_else(|| Decision::new(FORMAL, DecidedBy::Default));
+        return (d, None);
+    };
+    let rule_ctx = match verdict {
+        rules::Verdict::Rule { name, lane } => script::RuleCtx {
+            lane: Some(lane),
+            name: Some(name),
+        },
+        rules::Verdict::Fallback(lane) => script::RuleCtx {
+            lane: Some(lane),
+            name: None,
+        },
+        _ => script::RuleCtx::default(),
+    };
+    let (result, edited) = script::call_with(src, &gen.lists, req, rule_ctx);
+    (script_decision(result, rule_decision), edited)
+}
+
+/// The decision a trusted tag header stands for.
+fn trusted_tag(v: &HeaderValue) -> Decision {
+    let tag = v.to_str().unwrap_or("");
+    if valid_lane(tag) {
+        return Decision::new(tag.to_string(), DecidedBy::TrustedTag);
+    }
+    log_limited(
+        &INVALID_LOG,
+        || tracing::warn!(tag = %String::from_utf8_lossy(v.as_bytes()), "invalid lane in trusted tag header; using formal"),
+    );
+    Decision::new(FORMAL, DecidedBy::InvalidLane(lossy(v.as_bytes()).into()))
+}
+
+/// The decision a rule verdict stands for (none when rules are off).
+fn rule_verdict(verdict: &rules::Verdict) -> Option<Decision> {
+    match verdict {
+        rules::Verdict::Deny(name) => Some(Decision::new(FORMAL, DecidedBy::Deny(name.clone()))),
+        rules::Verdict::Disabled => None,
+        rules::Verdict::Rule { name, lane } => {
+            Some(Decision::new(lane, DecidedBy::Rule(name.clone())))
+        }
+        rules::Verdict::Fallback(lane) => Some(Decision::new(lane, DecidedBy::RuleFallback)),
+    }
+}
+
+/// The decision a script's result stands for: nil keeps the rule verdict
+/// (formal when there are no rules); a failure or an invalid name is
+/// formal.
+fn script_decision(
+    result: Result<Option<String>, script::ScriptError>,
+    rule_decision: Option<Decision>,
+) -> Decision {
+    match result {
+        Ok(None) => rule_decision.unwrap_or_else(|| Decision::new(FORMAL, DecidedBy::Script)),
+        Ok(Some(lane)) if valid_lane(&lane) => Decision::new(lane, DecidedBy::Script),
+        Ok(Some(lane)) => {
+            log_limited(
+                &INVALID_LOG,
+                || tracing::warn!(lane = %lane.escape_debug(), "script returned an invalid lane name; using formal"),
+            );
+            Decision::new(FORMAL, DecidedBy::InvalidLane(lane))
+        }
+        Err(e) => {
+            match e.limit {
+                Some(limit) => log_limited(
+                    if limit == script::Limit::Memory {
+                        &MEMORY_LOG
+                    } else {
+                        &BUDGET_LOG
+                    },
+                    || tracing::error!(error = %e.message, limit = ?limit, "lane script stopped by a sandbox limit; request goes formal"),
+                ),
+                None => log_limited(
+                    &SCRIPT_ERR_LOG,
+                    || tracing::error!(error = %e.message, "lane script failed; request goes formal"),
+                ),
+            }
+            Decision::new(FORMAL, DecidedBy::ScriptError(e.message))
+        }
+    }
+}
+
+fn lossy(b: &[u8]) -> Cow<'_, str> {
+    String::from_utf8_lossy(b)
+}
+
+static SCRIPT_ERR_LOG: AtomicU64 = AtomicU64::new(0);
+static INVALID_LOG: AtomicU64 = AtomicU64::new(0);
+static BUDGET_LOG: AtomicU64 = AtomicU64::new(0);
+static MEMORY_LOG: AtomicU64 = AtomicU64::new(0);
