@@ -1,0 +1,327 @@
+//! The admin dashboard end to end in headless Chromium (Debian's
+//! `chromium` + `chromium-driver`), driven over WebDriver by fantoccini.
+
+use std::time::{Duration, Instant};
+
+use crate::harness::browser::{wait_text, Driver};
+use crate::harness::*;
+use fantoccini::Locator;
+
+const SCRIPT: &str = "return function(req) return req:header('X-Lane') end\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
+    let [f1, v1] = backends([("f1", "formal"), ("v1", "v2")]).await;
+    let dead = closed_port();
+    let fx = Fixture::new();
+    fx.write("lane.lua", SCRIPT);
+    fx.write(
+        "rules.yaml",
+        "uid: { header: X-User-Id }\nrules:\n  - { name: staff, lane: gray, header: { name: X-Staff, values: [\"1\"] } }\n  - { name: canary, lane: gray, percentage: 5 }\n",
+    );
+    let api = Service::new("api")
+        .set(
+            "health",
+            "{ passive: { max_fails: 3, cooldown_ms: 600000 } }",
+        )
+        .nodes([f1.node(), v1.node(), Node::new("g1", dead).lane("gray")]);
+    Nodes::new().service(api).write(&fx, "nodes.yaml");
+    let gw = Config::new()
+        .script("lane.lua")
+        .rules_file("rules.yaml")
+        .node_files(&["nodes.yaml"])
+        .routes(&[Route::service("/api/", "api")])
+        .start(&fx, "gg.yaml");
+    let admin = gw.admin.unwrap();
+    // The browser first: the live split shows the last 10 s, and a
+    // browser's start on a loaded machine can take longer than that.
+    let driver = Driver::start().await;
+    let c = driver.browser().await;
+    // Traffic: formal healthy, v2 healthy, gray failing: its only node is
+    // down, so 3 requests fail (502) until passive health ejects it and the
+    // lane falls back to formal.
+    for _ in 0..10 {
+        assert_eq!(gw.get("/api/x").await.status, 200);
+    }
+    for i in 0..5 {
+        let r = Req::get("/api/x")
+            .header("X-Lane", "gray")
+            .send(gw.addr)
+            .await;
+        assert_eq!(r.status, if i < 3 { 502 } else { 200 });
+        let r = Req::get("/api/x")
+            .header("X-Lane", "v2")
+            .send(gw.addr)
+            .await;
+        assert_eq!(r.node(), "v1");
+    }
+
+    c.goto(&format!("http://{admin}/")).await.unwrap();
+    assert_eq!(c.title().await.unwrap(), "graygate dashboard");
+
+    // Live split per lane.
+    wait_text(
+        &c,
+        "#lanes tr[data-lane=formal] .total",
+        "formal total",
+        |t| t == "10",
+    )
+    .await;
+    wait_text(&c, "#lanes tr[data-lane=gray] .total", "gray total", |t| {
+        t == "5"
+    })
+    .await;
+    wait_text(&c, "#lanes tr[data-lane=v2] .total", "v2 total", |t| {
+        t == "5"
+    })
+    .await;
+    wait_text(
+        &c,
+        "#lanes tr[data-lane=gray] .error-rate",
+        "gray error rate",
+        |t| t == "60.00 %",
+    )
+    .await;
+    // Gray against the canary thresholds: its errors breach them.
+    wait_text(
+        &c,
+        "#canary tr[data-lane=gray] .verdict",
+        "gray verdict",
+        |t| t == "fail",
+    )
+    .await;
+    wait_text(
+        &c,
+        "#canary tr[data-lane=gray] .error-check",
+        "gray error check",
+        |t| t == "breach",
+    )
+    .await;
+    wait_text(
+        &c,
+        "#canary tr[data-lane=v2] .error-check",
+        "v2 error check",
+        |t| t == "ok",
+    )
+    .await;
+    // Nodes with health and counters.
+    wait_text(&c, "#nodes tr[data-node=g1] .errors", "g1 errors", |t| {
+        t == "3"
+    })
+    .await;
+    wait_text(&c, "#nodes tr[data-node=g1] .health", "g1 health", |t| {
+        t == "unhealthy"
+    })
+    .await;
+    wait_text(
+        &c,
+        "#nodes tr[data-node=f1] .requests",
+        "f1 requests",
+        |t| t == "12",
+    )
+    .await;
+    wait_text(&c, "#nodes tr[data-node=f1] .health", "f1 health", |t| {
+        t == "healthy"
+    })
+    .await;
+    // Rules and script, status.
+    wait_text(&c, "#script", "script source", |t| {
+        t.contains("req:header('X-Lane')")
+    })
+    .await;
+    wait_text(&c, "#routes tbody", "routes", |t| {
+        t.contains("/api/") && t.contains("service api")
+    })
+    .await;
+    wait_text(&c, "#generation", "generation", |t| t == "1").await;
+
+    // The declarative rules, live: a percentage changed through the API
+    // shows up.
+    wait_text(&c, "#rules-state", "rules state", |t| {
+        t.starts_with("enabled")
+    })
+    .await;
+    wait_text(
+        &c,
+        "#rules tr[data-rule=canary] .percentage",
+        "canary %",
+        |t| t == "5 %",
+    )
+    .await;
+    let r = Req::get("/rules/canary")
+        .method("PATCH")
+        .body(r#"{"percentage": 50}"#)
+        .send(admin)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    wait_text(
+        &c,
+        "#rules tr[data-rule=canary] .percentage",
+        "canary %",
+        |t| t == "50 %",
+    )
+    .await;
+
+    // The chart draws the formal lane's line over time.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let drawn = c
+            .execute(
+                "const c = document.getElementById('chart');
+                 const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                 let n = 0;
+                 for (let i = 0; i < d.length; i += 4) if (d[i] == 0x1f && d[i+1] == 0x6f && d[i+2] == 0xeb) n++;
+                 return n;",
+                vec![],
+            )
+            .await
+            .unwrap();
+        if drawn.as_u64().unwrap_or(0) > 20 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the chart never drew the formal line"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // The explain form.
+    let form = c.find(Locator::Id("explain-form")).await.unwrap();
+    let path = form.find(Locator::Css("input[name=path]")).await.unwrap();
+    path.clear().await.unwrap();
+    path.send_keys("/api/x").await.unwrap();
+    form.find(Locator::Css("textarea[name=headers]"))
+        .await
+        .unwrap()
+        .send_keys("X-Lane: v2")
+        .await
+        .unwrap();
+    c.find(Locator::Id("explain-submit"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    wait_text(&c, "dd[data-field=lane]", "explained lane", |t| t == "v2").await;
+    wait_text(&c, "dd[data-field=chosen]", "explained node", |t| t == "v1").await;
+    wait_text(&c, "dd[data-field=decided_by]", "explained decider", |t| {
+        t == "script"
+    })
+    .await;
+    assert_eq!(v1.count(), 5, "explain sent nothing to the node");
+
+    // A rejected reload shows up with its file:line.
+    fx.write_rename("lane.lua", "return function(req)\n  return (\nend\n");
+    wait_text(&c, "#reload-result", "reload result", |t| {
+        t.starts_with("rejected")
+    })
+    .await;
+    wait_text(&c, "#reload-error", "reload error", |t| {
+        t.contains("lane.lua:")
+    })
+    .await;
+
+    let png = c.screenshot().await.unwrap();
+    let shot = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png");
+    std::fs::write(&shot, png).unwrap();
+    c.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_works_behind_the_admin_token_with_http_basic() {
+    let f1 = Backend::start("f1", "formal").await;
+    let fx = Fixture::new();
+    fx.api_nodes(&[&f1]);
+    let gw = Config::new()
+        .set("admin_token", "tok3n")
+        .node_files(&["nodes.yaml"])
+        .routes(&[Route::service("/api/", "api")])
+        .start(&fx, "gg.yaml");
+    let admin = gw.admin.unwrap();
+    assert_eq!(gw.get("/api/x").await.status, 200);
+    assert_eq!(Req::get("/").send(admin).await.status, 401);
+
+    let driver = Driver::start().await;
+    let c = driver.browser().await;
+    // Without credentials the browser gets the 401, not the dashboard.
+    c.goto(&format!("http://{admin}/")).await.unwrap();
+    assert_ne!(c.title().await.unwrap(), "graygate dashboard");
+    // With the token as the Basic password the page and its data load.
+    c.goto(&format!("http://operator:tok3n@{admin}/"))
+        .await
+        .unwrap();
+    assert_eq!(c.title().await.unwrap(), "graygate dashboard");
+    wait_text(&c, "#generation", "generation", |t| t == "1").await;
+    wait_text(
+        &c,
+        "#nodes tr[data-node=f1] .requests",
+        "f1 requests",
+        |t| t == "1",
+    )
+    .await;
+    wait_text(
+        &c,
+        "#lanes tr[data-lane=formal] .total",
+        "formal total",
+        |t| t == "1",
+    )
+    .await;
+    c.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_shows_releases_and_their_decision_timeline() {
+    let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
+    let fx = Fixture::new();
+    fx.api_nodes(&[&f1, &g1]);
+    let gw = Config::new()
+        .node_files(&["nodes.yaml"])
+        .routes(&[Route::service("/api/", "api")])
+        .start(&fx, "gg.yaml");
+    let admin = gw.admin.unwrap();
+    let spec = "name: web-v2\nlane: gray\nkey: { header: X-User }\nsteps:\n  - { weight: 30, min_duration_ms: 600000 }\nanalysis: { interval_ms: 200, min_requests: 1000000 }\n";
+    let r = Req::get("/releases")
+        .method("POST")
+        .body(spec)
+        .send(admin)
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    for i in 0..20 {
+        Req::get("/api/x")
+            .header("X-User", &format!("d{i}"))
+            .send(gw.addr)
+            .await;
+    }
+    let driver = Driver::start().await;
+    let c = driver.browser().await;
+    c.goto(&format!("http://{admin}/")).await.unwrap();
+    let row = wait_text(
+        &c,
+        "#releases tr[data-release='web-v2']",
+        "the release row",
+        |t| t.contains("progressing") && t.contains("30.0 %"),
+    )
+    .await;
+    assert!(row.contains("gray"), "{row}");
+    // The timeline shows judged intervals with their values and reasons.
+    let tl = wait_text(&c, "#release-timeline", "inconclusive decisions", |t| {
+        t.contains("inconclusive") && t.contains("too few requests")
+    })
+    .await;
+    assert!(tl.contains("step 1 (30.0 %)"), "{tl}");
+    // An abort shows as rolled back.
+    let r = Req::get("/releases/web-v2/abort")
+        .method("POST")
+        .send(admin)
+        .await;
+    assert_eq!(r.status, 200);
+    wait_text(
+        &c,
+        "#releases tr[data-release='web-v2'] .state",
+        "rolled back",
+        |t| t == "rolled_back",
+    )
+    .await;
+    c.close().await.unwrap();
+}

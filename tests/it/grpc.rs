@@ -1,0 +1,471 @@
+//! A gRPC canary end to end with a real tonic client and real tonic
+//! services as nodes: HTTP/2 to the nodes in h2c (prior knowledge) and over
+//! TLS (ALPN h2, verified against a configured CA with SNI), bidirectional
+//! streaming through the gateway (each reply comes back before the next
+//! request message is sent, so neither direction is buffered), `grpc-status`
+//! trailers passed through (after data and trailers-only), the lane tag sent
+//! to the node as metadata, lane routing by metadata and the fallback to
+//! formal for a lane without nodes; the client reaches the gateway both over
+//! h2c and over TLS.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::uri::PathAndQuery;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::Stream;
+use tonic::server::{StreamingService, UnaryService};
+use tonic::{Code, Status, Streaming};
+use tonic_prost::ProstCodec;
+
+use crate::harness::tls::*;
+use crate::harness::*;
+
+/// The one message of the test service.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Msg {
+    #[prost(string, tag = "1")]
+    pub text: String,
+    #[prost(string, tag = "2")]
+    pub node: String,
+    /// The lane tag the node saw in its request metadata.
+    #[prost(string, tag = "3")]
+    pub tag: String,
+}
+
+type BoxStream = Pin<Box<dyn Stream<Item = Result<Msg, Status>> + Send>>;
+type BoxFut<T> = Pin<Box<dyn Future<Output = Result<tonic::Response<T>, Status>> + Send>>;
+
+/// `Chat`: one reply per message; a message "fail" ends the stream with
+/// PERMISSION_DENIED (a status in trailers after data).
+#[derive(Clone)]
+struct Chat {
+    node: String,
+}
+
+impl StreamingService<Msg> for Chat {
+    type Response = Msg;
+    type ResponseStream = BoxStream;
+    type Future = BoxFut<BoxStream>;
+
+    fn call(&mut self, req: tonic::Request<Streaming<Msg>>) -> Self::Future {
+        let tag = req
+            .metadata()
+            .get("x-gray-tag")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string();
+        let node = self.node.clone();
+        Box::pin(async move {
+            let mut inbound = req.into_inner();
+            let (tx, rx) = mpsc::channel(4);
+            tokio::spawn(async move {
+                while let Ok(Some(m)) = inbound.message().await {
+                    let reply = if m.text == "fail" {
+                        Err(Status::permission_denied("lane says no"))
+                    } else {
+                        Ok(Msg {
+                            text: m.text,
+                            node: node.clone(),
+                            tag: tag.clone(),
+                        })
+                    };
+                    let end = reply.is_err();
+                    if tx.send(reply).await.is_err() || end {
+                        break;
+                    }
+                }
+            });
+            Ok(tonic::Response::new(
+                Box::pin(ReceiverStream::new(rx)) as BoxStream
+            ))
+        })
+    }
+}
+
+/// `Deny`: a trailers-only PERMISSION_DENIED answer.
+#[derive(Clone)]
+struct Deny;
+
+impl UnaryService<Msg> for Deny {
+    type Response = Msg;
+    type Future = BoxFut<Msg>;
+
+    fn call(&mut self, _req: tonic::Request<Msg>) -> Self::Future {
+        Box::pin(async { Err(Status::new(Code::FailedPrecondition, "not today")) })
+    }
+}
+
+/// A tonic node on 127.0.0.1 (h2c, or TLS with ALPN h2).
+struct GrpcNode {
+    addr: SocketAddr,
+    calls: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for GrpcNode {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl GrpcNode {
+    async fn start(name: &str, tls: Option<Arc<rustls::ServerConfig>>) -> GrpcNode {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let (name, c) = (name.to_string(), calls.clone());
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let (name, c, tls) = (name.clone(), c.clone(), tls.clone());
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(
+                        move |req: http::Request<hyper::body::Incoming>| {
+                            let (name, c) = (name.clone(), c.clone());
+                            async move {
+                                c.fetch_add(1, Ordering::SeqCst);
+                                let resp = match req.uri().path() {
+                                    p if p.ends_with("/Chat") => {
+                                        tonic::server::Grpc::new(ProstCodec::<Msg, Msg>::default())
+                                            .streaming(Chat { node: name }, req)
+                                            .await
+                                    }
+                                    _ => {
+                                        tonic::server::Grpc::new(ProstCodec::<Msg, Msg>::default())
+                                            .unary(Deny, req)
+                                            .await
+                                    }
+                                };
+                                Ok::<_, Infallible>(resp)
+                            }
+                        },
+                    );
+                    let b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+                    match tls {
+                        None => {
+                            let _ = b.serve_connection(TokioIo::new(stream), svc).await;
+                        }
+                        Some(cfg) => {
+                            let Ok(s) = tokio_rustls::TlsAcceptor::from(cfg).accept(stream).await
+                            else {
+                                return;
+                            };
+                            let _ = b.serve_connection(TokioIo::new(s), svc).await;
+                        }
+                    }
+                });
+            }
+        });
+        GrpcNode { addr, calls, task }
+    }
+
+    fn node(&self, name: &str, lane: &str) -> Node {
+        Node::new(name, self.addr).lane(lane)
+    }
+}
+
+fn node_tls(fx: &Fixture) -> Arc<rustls::ServerConfig> {
+    write_cert(&fx.path("certs"), "node", "node.example");
+    server_config(
+        &fx.path("certs/node.crt"),
+        &fx.path("certs/node.key"),
+        &[b"h2"],
+    )
+}
+
+/// A tonic channel to the gateway: h2c, or TLS (ALPN h2, the gateway's
+/// self-signed certificate accepted) through a custom connector.
+async fn channel(addr: SocketAddr, tls: bool) -> tonic::transport::Channel {
+    let ep = tonic::transport::Endpoint::from_shared(format!("http://localhost:{}", addr.port()))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(10));
+    if !tls {
+        return ep.connect().await.expect("h2c channel to the gateway");
+    }
+    let connector = tower::service_fn(move |_uri: http::Uri| async move {
+        let tcp = tokio::net::TcpStream::connect(addr).await?;
+        let tls = graygate::upstream::tls::TlsConnect::new(None, Some("localhost"), true, true)
+            .map_err(std::io::Error::other)?;
+        let s = tls
+            .connect(tcp, addr)
+            .await
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
+        Ok::<_, std::io::Error>(TokioIo::new(s))
+    });
+    ep.connect_with_connector(connector)
+        .await
+        .expect("TLS channel to the gateway")
+}
+
+/// Bidirectional chat: each message is answered before the next is sent.
+async fn chat(
+    ch: &tonic::transport::Channel,
+    path: &'static str,
+    gray: bool,
+    texts: &[&str],
+) -> (Vec<Msg>, Result<(), Status>) {
+    let mut grpc = tonic::client::Grpc::new(ch.clone());
+    grpc.ready().await.unwrap();
+    let (tx, rx) = mpsc::channel::<Msg>(1);
+    let mut req = tonic::Request::new(ReceiverStream::new(rx));
+    if gray {
+        req.metadata_mut().insert("x-gray", "1".parse().unwrap());
+    }
+    tx.send(Msg {
+        text: texts[0].to_string(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let resp = grpc
+        .streaming(
+            req,
+            PathAndQuery::from_static(path),
+            ProstCodec::<Msg, Msg>::default(),
+        )
+        .await;
+    let mut inbound = match resp {
+        Ok(r) => r.into_inner(),
+        Err(s) => return (Vec::new(), Err(s)),
+    };
+    let mut got = Vec::new();
+    for next in texts[1..].iter().map(Some).chain([None]) {
+        match tokio::time::timeout(Duration::from_secs(10), inbound.message()).await {
+            Ok(Ok(Some(m))) => got.push(m),
+            Ok(Ok(None)) => return (got, Ok(())),
+            Ok(Err(s)) => return (got, Err(s)),
+            Err(_) => panic!("no reply within 10 s: a direction is buffered"),
+        }
+        match next {
+            Some(t) => {
+                let _ = tx
+                    .send(Msg {
+                        text: t.to_string(),
+                        ..Default::default()
+                    })
+                    .await;
+            }
+            None => break,
+        }
+    }
+    drop(tx);
+    // The end of the stream: trailers with grpc-status.
+    let end = tokio::time::timeout(Duration::from_secs(10), inbound.message())
+        .await
+        .expect("stream ends");
+    match end {
+        Ok(None) => (got, Ok(())),
+        Ok(Some(m)) => panic!("unexpected extra message {m:?}"),
+        Err(s) => (got, Err(s)),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_canary_over_h2c_and_tls_nodes() {
+    let fx = Fixture::new();
+    let tls_cfg = node_tls(&fx);
+    let formal = GrpcNode::start("grpc-formal", None).await;
+    let gray = GrpcNode::start("grpc-gray", None).await;
+    let sformal = GrpcNode::start("tls-formal", Some(tls_cfg.clone())).await;
+    let sgray = GrpcNode::start("tls-gray", Some(tls_cfg)).await;
+    let lonely = GrpcNode::start("lonely-formal", None).await;
+    write_cert(&fx.path("certs"), "gw", "localhost");
+    fx.write(
+        "lane.lua",
+        "return function(req) if req:header('x-gray') == '1' then return 'gray' end end\n",
+    );
+    let h2 = |name: &str| Service::new(name).set("protocol", "h2");
+    let node_ca = "{ ca: certs/node.crt, server_name: node.example }";
+    Nodes::new()
+        .service(h2("grpc").nodes([
+            formal.node("grpc-formal", "formal"),
+            gray.node("grpc-gray", "gray"),
+        ]))
+        .service(h2("grpc-tls").set("tls", node_ca).nodes([
+            sformal.node("tls-formal", "formal"),
+            sgray.node("tls-gray", "gray"),
+        ]))
+        .service(h2("lonely").node(lonely.node("lonely-formal", "formal")))
+        .write(&fx, "nodes.yaml");
+    let gw = Config::new()
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .routes(&[
+            Route::service("/demo.Echo/", "grpc"),
+            Route::service("/demo.SecureEcho/", "grpc-tls"),
+            Route::service("/demo.Lonely/", "lonely"),
+        ])
+        .listeners(&[
+            Listener::h2c(),
+            Listener::tls().cert("certs/gw.crt", "certs/gw.key"),
+        ])
+        .start(&fx, "graygate.yaml");
+    let ls = listeners(&gw);
+    let (h2c, tls) = (ls[0], ls[1]);
+
+    for (client_tls, ch) in [
+        (false, channel(h2c, false).await),
+        (true, channel(tls, true).await),
+    ] {
+        let via = if client_tls { "TLS" } else { "h2c" };
+        // Formal and gray lanes, h2c nodes; the tag arrives as metadata.
+        let (got, end) = chat(&ch, "/demo.Echo/Chat", false, &["a", "b", "c"]).await;
+        assert_eq!(end.map_err(|s| s.code()), Ok(()), "{via}");
+        assert_eq!(
+            got.iter().map(|m| m.text.as_str()).collect::<Vec<_>>(),
+            ["a", "b", "c"]
+        );
+        assert!(
+            got.iter()
+                .all(|m| m.node == "grpc-formal" && m.tag == "formal"),
+            "{via} {got:?}"
+        );
+        let (got, end) = chat(&ch, "/demo.Echo/Chat", true, &["x", "y"]).await;
+        assert!(end.is_ok(), "{via} {end:?}");
+        assert!(
+            got.iter().all(|m| m.node == "grpc-gray" && m.tag == "gray"),
+            "{via} {got:?}"
+        );
+        // TLS nodes (CA + SNI verified), both lanes.
+        let (got, end) = chat(&ch, "/demo.SecureEcho/Chat", true, &["s1", "s2"]).await;
+        assert!(end.is_ok(), "{via} {end:?}");
+        assert_eq!(got.len(), 2);
+        assert!(
+            got.iter().all(|m| m.node == "tls-gray" && m.tag == "gray"),
+            "{via} {got:?}"
+        );
+        let (got, _) = chat(&ch, "/demo.SecureEcho/Chat", false, &["s3"]).await;
+        assert_eq!(got[0].node, "tls-formal");
+        // A status in trailers after data passes through.
+        let (got, end) = chat(&ch, "/demo.Echo/Chat", true, &["ok", "fail"]).await;
+        assert_eq!(got.len(), 1, "{via}");
+        let s = end.expect_err("PERMISSION_DENIED after data");
+        assert_eq!(
+            (s.code(), s.message()),
+            (Code::PermissionDenied, "lane says no"),
+            "{via}"
+        );
+        // Trailers-only answer.
+        let mut grpc = tonic::client::Grpc::new(ch.clone());
+        grpc.ready().await.unwrap();
+        let r: Result<tonic::Response<Msg>, Status> = grpc
+            .unary(
+                tonic::Request::new(Msg::default()),
+                PathAndQuery::from_static("/demo.Echo/Deny"),
+                ProstCodec::<Msg, Msg>::default(),
+            )
+            .await;
+        let s = r.expect_err("FAILED_PRECONDITION");
+        assert_eq!(
+            (s.code(), s.message()),
+            (Code::FailedPrecondition, "not today"),
+            "{via}"
+        );
+        // A lane without nodes falls back to formal, still tagged gray.
+        let (got, end) = chat(&ch, "/demo.Lonely/Chat", true, &["l"]).await;
+        assert!(end.is_ok(), "{via} {end:?}");
+        assert_eq!(
+            (got[0].node.as_str(), got[0].tag.as_str()),
+            ("lonely-formal", "gray"),
+            "{via}"
+        );
+    }
+    assert!(gray.calls.load(Ordering::SeqCst) >= 4);
+    assert!(sgray.calls.load(Ordering::SeqCst) >= 2);
+    // Many concurrent streams share the per-thread node connection.
+    let ch = channel(h2c, false).await;
+    let mut tasks = Vec::new();
+    for i in 0..32 {
+        let ch = ch.clone();
+        tasks.push(tokio::spawn(async move {
+            let t = format!("m{i}");
+            chat(&ch, "/demo.Echo/Chat", i % 2 == 0, &[t.as_str()]).await
+        }));
+    }
+    for t in tasks {
+        let (got, end) = t.await.unwrap();
+        assert!(end.is_ok() && got.len() == 1, "{end:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_certificate_that_does_not_verify_is_unavailable_in_grpc_terms() {
+    let fx = Fixture::new();
+    let tls_cfg = node_tls(&fx);
+    let node = GrpcNode::start("tls-formal", Some(tls_cfg)).await;
+    write_cert(&fx.path("other"), "ca", "someone.else");
+    let grpc = Service::new("grpc")
+        .set("protocol", "h2")
+        .set("retries", 0)
+        .set("tls", "{ ca: other/ca.crt, server_name: node.example }")
+        .node(node.node("tls-formal", "formal"));
+    Nodes::new().service(grpc).write(&fx, "nodes.yaml");
+    let gw = Config::new()
+        .node_files(&["nodes.yaml"])
+        .routes(&[Route::service("/", "grpc")])
+        .listeners(&[Listener::h2c()])
+        .start(&fx, "graygate.yaml");
+    let ch = channel(listeners(&gw)[0], false).await;
+    let (_, end) = chat(&ch, "/demo.Echo/Chat", false, &["a"]).await;
+    let s = end.expect_err("the node's certificate is not signed by the configured CA");
+    assert_eq!(s.code(), Code::Unavailable, "{s:?}");
+    assert_eq!(
+        s.message(),
+        "gateway: 502 Bad Gateway",
+        "the gateway's 502 as a gRPC status"
+    );
+    assert_eq!(
+        node.calls.load(Ordering::SeqCst),
+        0,
+        "no request reached the unverified node"
+    );
+    assert!(
+        gw.logs().contains("upstream connect failed"),
+        "{}",
+        gw.logs()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_node_that_never_answers_times_out_at_the_response_timeout() {
+    // A node that takes the connection and says nothing (not even its
+    // SETTINGS): the attempt ends at `response_timeout_ms` with a 504, as
+    // on an HTTP/1.1 node, long before the total timeout.
+    let silent = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = silent.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let seen = accepted.clone();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = silent.accept().await {
+            seen.fetch_add(1, Ordering::SeqCst);
+            held.push(s);
+        }
+    });
+    let fx = Fixture::new();
+    let api = Service::new("api").set("protocol", "h2").set("retries", 0);
+    let api = api.node(Node::new("s1", addr).lane("formal"));
+    Nodes::new().service(api).write(&fx, "nodes.yaml");
+    let gw = Config::new()
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .raw("upstream:\n  response_timeout_ms: 300\n  total_timeout_ms: 30000\n")
+        .start(&fx, "graygate.yaml");
+    let t0 = std::time::Instant::now();
+    let r = Req::get("/x").send(gw.addr).await;
+    assert_eq!(r.status, 504, "{}", r.text());
+    assert_eq!(r.text(), "upstream timed out\n");
+    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+    assert_eq!(accepted.load(Ordering::SeqCst), 1);
+}

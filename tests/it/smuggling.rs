@@ -1,0 +1,770 @@
+//! Request smuggling and framing, on raw sockets: every classic desync
+//! attempt (CL.TE, TE.CL, obfuscated Transfer-Encoding, bad Content-Length,
+//! chunk tricks, bare LF, odd header names, HTTP/0.9, oversized heads,
+//! `Expect` with pipelined bytes, the h2c upgrade, Host rules) is sent to a
+//! real gateway in front of a recording upstream. For each: the exact status,
+//! the exact requests and bytes the upstream received, and that a follow-up
+//! on the same connection (pipelined in the same write, so a desync would
+//! show) and on a fresh one gets its own answer. The upstream side too: two
+//! Content-Lengths, a broken chunk, TE + CL and a non-chunked coding from a
+//! node, and that such a connection is never reused.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::harness::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// One request as the upstream received it.
+#[derive(Debug, Clone, PartialEq)]
+struct Got {
+    line: String,
+    /// The framing field as received: `content-length: N`,
+    /// `transfer-encoding: chunked`, or "".
+    framing: String,
+    /// Every header line, lower-cased names.
+    headers: Vec<String>,
+    /// The body bytes exactly as they came (chunked framing included).
+    body: Vec<u8>,
+    /// Which upstream connection carried it.
+    conn: usize,
+}
+
+/// A recording upstream: answers `200` with the request line as the body,
+/// except for `/up/...` paths, which get the scripted broken answers below.
+struct Recorder {
+    addr: SocketAddr,
+    got: Arc<Mutex<Vec<Got>>>,
+}
+
+fn find(buf: &[u8], pat: &[u8]) -> Option<usize> {
+    buf.windows(pat.len()).position(|w| w == pat)
+}
+
+async fn fill(sock: &mut TcpStream, buf: &mut Vec<u8>, need: impl Fn(&[u8]) -> bool) -> bool {
+    while !need(buf) {
+        let mut chunk = [0u8; 8192];
+        match sock.read(&mut chunk).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    true
+}
+
+/// The scripted answers of the upstream side.
+fn answer(line: &str) -> Vec<u8> {
+    let path = line.split(' ').nth(1).unwrap_or("");
+    let tail = path.rsplit('/').next().unwrap_or("");
+    match tail {
+        "two-lengths" => b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!".to_vec(),
+        "broken-chunk" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n".to_vec(),
+        "te-and-cl" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\nb\r\nhello world\r\n0\r\n\r\n".to_vec(),
+        "gzip-only" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nhello".to_vec(),
+        "bare-lf-chunk" => b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\nhello\r\n0\r\n\r\n".to_vec(),
+        _ => format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{line}", line.len()).into_bytes(),
+    }
+}
+
+impl Recorder {
+    async fn start() -> Recorder {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let got = Arc::new(Mutex::new(Vec::new()));
+        let connections = Arc::new(AtomicUsize::new(0));
+        let (g, c) = (got.clone(), connections);
+        tokio::spawn(async move {
+            while let Ok((mut sock, _)) = listener.accept().await {
+                let conn = c.fetch_add(1, Ordering::SeqCst);
+                let g = g.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    loop {
+                        if !fill(&mut sock, &mut buf, |b| find(b, b"\r\n\r\n").is_some()).await {
+                            return;
+                        }
+                        let end = find(&buf, b"\r\n\r\n").unwrap() + 4;
+                        let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+                        buf.drain(..end);
+                        let mut lines = head.split("\r\n");
+                        let line = lines.next().unwrap_or("").to_string();
+                        let headers: Vec<String> = lines
+                            .filter(|l| !l.is_empty())
+                            .map(|l| match l.split_once(':') {
+                                Some((k, v)) => format!("{}:{v}", k.to_ascii_lowercase()),
+                                None => l.to_string(),
+                            })
+                            .collect();
+                        let framing = headers
+                            .iter()
+                            .find(|h| {
+                                h.starts_with("content-length:")
+                                    || h.starts_with("transfer-encoding:")
+                            })
+                            .cloned()
+                            .unwrap_or_default();
+                        let body = if framing.starts_with("transfer-encoding") {
+                            // Read chunk by chunk, keeping the framing bytes.
+                            let mut body = Vec::new();
+                            loop {
+                                if !fill(&mut sock, &mut buf, |b| find(b, b"\r\n").is_some()).await
+                                {
+                                    return;
+                                }
+                                let l = find(&buf, b"\r\n").unwrap();
+                                let size = usize::from_str_radix(
+                                    String::from_utf8_lossy(&buf[..l])
+                                        .split(';')
+                                        .next()
+                                        .unwrap()
+                                        .trim(),
+                                    16,
+                                )
+                                .unwrap();
+                                let need = l + 2 + size + 2;
+                                if !fill(&mut sock, &mut buf, |b| b.len() >= need).await {
+                                    return;
+                                }
+                                body.extend(buf.drain(..need));
+                                if size == 0 {
+                                    break body;
+                                }
+                            }
+                        } else if let Some(n) = framing.strip_prefix("content-length:") {
+                            let n: usize = n.trim().parse().unwrap();
+                            if !fill(&mut sock, &mut buf, |b| b.len() >= n).await {
+                                return;
+                            }
+                            buf.drain(..n).collect()
+                        } else {
+                            Vec::new()
+                        };
+                        let reply = answer(&line);
+                        g.lock().unwrap().push(Got {
+                            line,
+                            framing,
+                            headers,
+                            body,
+                            conn,
+                        });
+                        if sock.write_all(&reply).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Recorder { addr, got }
+    }
+
+    /// Requests whose target starts with `prefix`.
+    fn got(&self, prefix: &str) -> Vec<Got> {
+        self.got
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|g| {
+                g.line
+                    .split(' ')
+                    .nth(1)
+                    .is_some_and(|t| t == prefix || t.starts_with(&format!("{prefix}/")))
+            })
+            .cloned()
+            .collect()
+    }
+}
+
+/// One response as the client read it.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Answer {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Parses one final response off the front of `buf` (1xx skipped):
+/// `Some((answer, used))`, or `None` while incomplete.
+fn parse_response(buf: &[u8], eof: bool) -> Option<(Answer, usize)> {
+    let mut start = 0;
+    loop {
+        let mut fields = [httparse::EMPTY_HEADER; 64];
+        let mut r = httparse::Response::new(&mut fields);
+        let n = match r.parse(&buf[start..]).ok()? {
+            httparse::Status::Complete(n) => n,
+            httparse::Status::Partial => return None,
+        };
+        let status = r.code?;
+        let headers: Vec<(String, String)> = r
+            .headers
+            .iter()
+            .map(|h| {
+                (
+                    h.name.to_string(),
+                    String::from_utf8_lossy(h.value).into_owned(),
+                )
+            })
+            .collect();
+        let at = start + n;
+        if (100..200).contains(&status) {
+            start = at;
+            continue;
+        }
+        let get = |k: &str| {
+            headers
+                .iter()
+                .find(|(n, _)| n.eq_ignore_ascii_case(k))
+                .map(|(_, v)| v.clone())
+        };
+        if let Some(len) = get("content-length") {
+            let len: usize = len.trim().parse().ok()?;
+            if buf.len() < at + len {
+                return None;
+            }
+            let body = buf[at..at + len].to_vec();
+            return Some((
+                Answer {
+                    status,
+                    headers,
+                    body,
+                },
+                at + len,
+            ));
+        }
+        if get("transfer-encoding").is_some_and(|t| t.contains("chunked")) {
+            let mut body = Vec::new();
+            let mut p = at;
+            loop {
+                let l = find(&buf[p..], b"\r\n")?;
+                let size = usize::from_str_radix(
+                    String::from_utf8_lossy(&buf[p..p + l])
+                        .split(';')
+                        .next()?
+                        .trim(),
+                    16,
+                )
+                .ok()?;
+                if buf.len() < p + l + 2 + size + 2 {
+                    return None;
+                }
+                body.extend_from_slice(&buf[p + l + 2..p + l + 2 + size]);
+                p += l + 2 + size + 2;
+                if size == 0 {
+                    return Some((
+                        Answer {
+                            status,
+                            headers,
+                            body,
+                        },
+                        p,
+                    ));
+                }
+            }
+        }
+        if status == 204 || status == 304 {
+            return Some((
+                Answer {
+                    status,
+                    headers,
+                    body: Vec::new(),
+                },
+                at,
+            ));
+        }
+        // Close-delimited.
+        return eof.then(|| {
+            (
+                Answer {
+                    status,
+                    headers,
+                    body: buf[at..].to_vec(),
+                },
+                buf.len(),
+            )
+        });
+    }
+}
+
+/// What came back on one connection: the responses, and whether the
+/// gateway closed it.
+struct Conversation {
+    answers: Vec<Answer>,
+    closed: bool,
+}
+
+/// Sends `raw` on a fresh connection and reads until `want` responses have
+/// arrived or the gateway closes (bounded).
+async fn converse(addr: SocketAddr, raw: &[u8], want: usize) -> Conversation {
+    let mut s = connect_with(addr, raw).await;
+    let mut buf = Vec::new();
+    let mut answers = Vec::new();
+    let mut closed = false;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        while let Some((a, used)) = parse_response(&buf, closed) {
+            buf.drain(..used);
+            answers.push(a);
+        }
+        if answers.len() >= want || closed {
+            break;
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(!left.is_zero(), "no answer in time; got {answers:?}");
+        let mut chunk = [0u8; 65536];
+        match tokio::time::timeout(left, s.read(&mut chunk)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => closed = true,
+            Ok(Ok(n)) => buf.extend_from_slice(&chunk[..n]),
+            Err(_) => panic!("no answer in time; got {answers:?}"),
+        }
+    }
+    if !closed && answers.len() >= want {
+        // Is the connection still open? A read that would block says yes.
+        let mut one = [0u8; 1];
+        closed = matches!(
+            tokio::time::timeout(Duration::from_millis(50), s.read(&mut one)).await,
+            Ok(Ok(0)) | Ok(Err(_))
+        );
+    }
+    Conversation { answers, closed }
+}
+
+/// One attack: the raw bytes (`{P}` stands for the case's own path), the
+/// status it must get, what the upstream must have received (request line,
+/// framing field, exact body bytes), and whether the connection survives.
+struct Case {
+    name: &'static str,
+    raw: &'static str,
+    status: u16,
+    upstream: &'static [(&'static str, &'static str, &'static [u8])],
+    keeps_connection: bool,
+}
+
+const CASES: &[Case] = &[
+    Case {
+        name: "CL.TE: Transfer-Encoding wins, Content-Length dropped, connection closed",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nContent-Length: 6\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\nX",
+        status: 200,
+        upstream: &[("POST {P} HTTP/1.1", "transfer-encoding: chunked", b"0\r\n\r\n")],
+        keeps_connection: false,
+    },
+    Case {
+        name: "TE.CL: the chunked body is the body, nothing is smuggled",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n8\r\nSMUGGLED\r\n0\r\n\r\n",
+        status: 200,
+        upstream: &[("POST {P} HTTP/1.1", "transfer-encoding: chunked", b"8\r\nSMUGGLED\r\n0\r\n\r\n")],
+        keeps_connection: false,
+    },
+    Case {
+        name: "space before the colon",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding : chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n",
+        status: 400,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "tab as white space is allowed",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding:\tchunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        status: 200,
+        upstream: &[("POST {P} HTTP/1.1", "transfer-encoding: chunked", b"3\r\nabc\r\n0\r\n\r\n")],
+        keeps_connection: true,
+    },
+    Case {
+        name: "duplicate Transfer-Encoding: chunked (last coding chunked)",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        status: 200,
+        upstream: &[("POST {P} HTTP/1.1", "transfer-encoding: chunked", b"3\r\nabc\r\n0\r\n\r\n")],
+        keeps_connection: true,
+    },
+    Case {
+        name: "obs-fold",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding:\r\n chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        status: 400,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "chunked, identity: final coding not chunked",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, identity\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        status: 400,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "Transfer-Encoding: gzip alone",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\nabc",
+        status: 400,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "duplicate equal Content-Length",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
+        status: 200,
+        upstream: &[("POST {P} HTTP/1.1", "content-length: 3", b"abc")],
+        keeps_connection: true,
+    },
+    Case {
+        name: "two different Content-Lengths",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd",
+        status: 400,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "Content-Length: +3",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nContent-Length: +3\r\n\r\nabc",
+        status: 400,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "Content-Length list",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nContent-Length: 3, 3\r\n\r\nabc",
+        status: 400,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "Content-Length with leading junk",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nContent-Length: x3\r\n\r\nabc",
+        status: 400,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "chunk-size overflow",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffffff1\r\nabc\r\n0\r\n\r\n",
+        status: 400,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "bare LF in a chunk line",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\nabc\r\n0\r\n\r\n",
+        status: 400,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "a chunk shorter than its size",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab\r\n0\r\n\r\n",
+        status: 400,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "bare LF line ends in the head (accepted, as nginx does: RFC 9112 §2.2 MAY)",
+        raw: "GET {P} HTTP/1.1\nHost: a\nX-A: 1\n\n",
+        status: 200,
+        upstream: &[("GET {P} HTTP/1.1", "", b"")],
+        keeps_connection: true,
+    },
+    Case {
+        name: "NUL in a header name",
+        raw: "GET {P} HTTP/1.1\r\nHost: a\r\nX-\0A: 1\r\n\r\n",
+        status: 400,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "space in a header name",
+        raw: "GET {P} HTTP/1.1\r\nHost: a\r\nX A: 1\r\n\r\n",
+        status: 400,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "HTTP/0.9 request line",
+        raw: "GET {P}\r\n\r\n",
+        status: 400,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "request target over max_uri_bytes",
+        raw: "GET {P}/LONGURI HTTP/1.1\r\nHost: a\r\n\r\n",
+        status: 414,
+        upstream: &[],
+        keeps_connection: true,
+    },
+    Case {
+        name: "head over the parser's buffer",
+        raw: "GET {P} HTTP/1.1\r\nHost: a\r\nX-Big: BIGHEADER\r\n\r\n",
+        status: 431,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "two Host fields",
+        raw: "GET {P} HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+        status: 400,
+        upstream: &[],
+        keeps_connection: true,
+    },
+    Case {
+        name: "no Host on HTTP/1.1",
+        raw: "GET {P} HTTP/1.1\r\n\r\n",
+        status: 400,
+        upstream: &[],
+        keeps_connection: true,
+    },
+    Case {
+        name: "Host with userinfo",
+        raw: "GET {P} HTTP/1.1\r\nHost: evil@a\r\n\r\n",
+        status: 400,
+        upstream: &[],
+        keeps_connection: true,
+    },
+    Case {
+        name: "h2c upgrade goes upstream as a plain request",
+        raw: "GET {P} HTTP/1.1\r\nHost: a\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n",
+        status: 200,
+        upstream: &[("GET {P} HTTP/1.1", "", b"")],
+        keeps_connection: true,
+    },
+];
+
+fn expand(s: &str, path: &str) -> String {
+    s.replace("{P}", path)
+        .replace("/LONGURI", &format!("/{}", "u".repeat(9000)))
+        .replace("BIGHEADER", &"h".repeat(70_000))
+}
+
+async fn setup(extra: &str) -> (Fixture, Gateway, Recorder) {
+    let up = Recorder::start().await;
+    let fx = Fixture::new();
+    Nodes::api([Node::new("n1", up.addr)]).write(&fx, "nodes.yaml");
+    Config::new()
+        .set("workers", 1)
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .raw(extra)
+        .write(&fx, "gg.yaml");
+    let gw = Gateway::start(&fx.path("gg.yaml"));
+    (fx, gw, up)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn classic_desync_attempts_get_exact_answers() {
+    let (_fx, gw, up) = setup("").await;
+    let mut failures = Vec::new();
+    for (i, case) in CASES.iter().enumerate() {
+        let path = format!("/c{i}");
+        let follow = format!("GET {path}/follow HTTP/1.1\r\nHost: a\r\n\r\n");
+        // The follow-up rides in the same write: a desync would swallow it
+        // into the first body or answer it twice.
+        let raw = format!("{}{follow}", expand(case.raw, &path));
+        let want = if case.keeps_connection { 2 } else { 1 };
+        let conv = converse(gw.addr, raw.as_bytes(), want).await;
+        let mut bad = |what: String| failures.push(format!("{}: {what}", case.name));
+        match conv.answers.first() {
+            Some(a) if a.status == case.status => {}
+            other => bad(format!(
+                "status {:?}, want {}",
+                other.map(|a| a.status),
+                case.status
+            )),
+        }
+        if case.keeps_connection {
+            let second = conv.answers.get(1);
+            let want_body = format!("GET {path}/follow HTTP/1.1");
+            if !second.is_some_and(|a| a.status == 200 && a.body == want_body.as_bytes()) {
+                bad(format!("follow-up on the same connection got {second:?}"));
+            }
+        } else if !conv.closed || conv.answers.len() != 1 {
+            bad(format!(
+                "connection should close after one answer: closed={} answers={}",
+                conv.closed,
+                conv.answers.len()
+            ));
+        }
+        // A fresh connection is served normally.
+        let fresh = format!("GET {path}/fresh HTTP/1.1\r\nHost: a\r\n\r\n");
+        let f = converse(gw.addr, fresh.as_bytes(), 1).await;
+        let want_body = format!("GET {path}/fresh HTTP/1.1");
+        if !f
+            .answers
+            .first()
+            .is_some_and(|a| a.status == 200 && a.body == want_body.as_bytes())
+        {
+            bad(format!("fresh connection got {:?}", f.answers.first()));
+        }
+        // Exactly what the case allows reached the upstream.
+        let got: Vec<(String, String, Vec<u8>)> = up
+            .got(&path)
+            .into_iter()
+            .filter(|g| !g.line.contains("/follow ") && !g.line.contains("/fresh "))
+            .map(|g| (g.line, g.framing, g.body))
+            .collect();
+        let want: Vec<(String, String, Vec<u8>)> = case
+            .upstream
+            .iter()
+            .map(|(l, f, b)| (expand(l, &path), f.to_string(), b.to_vec()))
+            .collect();
+        if got != want {
+            bad(format!("upstream received {got:?}, want {want:?}"));
+        }
+        let follows = up.got(&format!("{path}/follow")).len();
+        if follows != usize::from(case.keeps_connection) {
+            bad(format!(
+                "the follow-up reached the upstream {follows} times"
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expect_continue_with_pipelined_bytes_answers_each_request() {
+    let (_fx, gw, up) = setup("").await;
+    let raw = "POST /e HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\nabcGET /e/p HTTP/1.1\r\nHost: a\r\n\r\n";
+    let conv = converse(gw.addr, raw.as_bytes(), 2).await;
+    assert_eq!(conv.answers.len(), 2, "{:?}", conv.answers);
+    assert_eq!(conv.answers[0].status, 200);
+    assert_eq!(conv.answers[0].body, b"POST /e HTTP/1.1");
+    assert_eq!(conv.answers[1].body, b"GET /e/p HTTP/1.1");
+    let got = up.got("/e");
+    assert_eq!(got.len(), 2, "{got:?}");
+    assert_eq!(got[0].body, b"abc");
+    assert_eq!(got[0].framing, "content-length: 3");
+    assert!(got[1].body.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_forwarding_fields_with_underscores_never_reach_a_node() {
+    for (extra, allowed) in [
+        ("", false),
+        ("client: { underscores_in_headers: true }\n", true),
+    ] {
+        let (_fx, gw, up) = setup(extra).await;
+        let raw = "GET /u HTTP/1.1\r\nHost: a\r\nX_Gray_Tag: gray\r\nX_Forwarded_For: 6.6.6.6\r\nX_Real_IP: 6.6.6.6\r\nForwarded_: x\r\nX_Custom: kept-if-allowed\r\n\r\n";
+        let conv = converse(gw.addr, raw.as_bytes(), 1).await;
+        assert_eq!(conv.answers[0].status, 200);
+        let got = up.got("/u");
+        assert_eq!(got.len(), 1);
+        let h = &got[0].headers;
+        assert!(
+            !h.iter()
+                .any(|l| l.contains("6.6.6.6") || l.starts_with("x_gray_tag")),
+            "{h:?}"
+        );
+        assert!(h.iter().any(|l| l == "x-gray-tag: formal"), "{h:?}");
+        assert_eq!(
+            h.iter().any(|l| l.starts_with("x_custom")),
+            allowed,
+            "other underscored names pass only when allowed: {h:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn absolute_form_authority_is_the_host_for_routing_and_upstream() {
+    let up = Recorder::start().await;
+    let other = Recorder::start().await;
+    let fx = Fixture::new();
+    Nodes::new()
+        .service(Service::new("real").node(Node::at(up.addr)))
+        .service(Service::new("fake").node(Node::at(other.addr)))
+        .write(&fx, "nodes.yaml");
+    Config::new()
+        .node_files(&["nodes.yaml"])
+        .routes(&[
+            Route::service("/", "real").host("real.example"),
+            Route::service("/", "fake").host("fake"),
+        ])
+        .write(&fx, "gg.yaml");
+    let gw = Gateway::start(&fx.path("gg.yaml"));
+    let raw = "GET http://real.example/abs HTTP/1.1\r\nHost: fake\r\n\r\n";
+    let conv = converse(gw.addr, raw.as_bytes(), 1).await;
+    assert_eq!(conv.answers[0].status, 200);
+    let got = up.got("/abs");
+    assert_eq!(got.len(), 1, "routed by the target's authority");
+    assert!(
+        got[0].headers.iter().any(|l| l == "host: real.example"),
+        "{:?}",
+        got[0].headers
+    );
+    assert!(other.got("/abs").is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upgrades_are_allowed_per_route() {
+    let up = Recorder::start().await;
+    let fx = Fixture::new();
+    Nodes::api([Node::at(up.addr)]).write(&fx, "nodes.yaml");
+    Config::new().node_files(&["nodes.yaml"]).raw("routes:\n  - { prefix: /, service: api }\n  - { prefix: /custom/, service: api, upgrades: [websocket, my-proto] }\n").write(&fx, "gg.yaml");
+    let gw = Gateway::start(&fx.path("gg.yaml"));
+    // Not allowed on `/`: forwarded as a plain request, tokens removed.
+    let raw = "GET /plain HTTP/1.1\r\nHost: a\r\nConnection: upgrade\r\nUpgrade: my-proto\r\n\r\n";
+    let conv = converse(gw.addr, raw.as_bytes(), 1).await;
+    assert_eq!(conv.answers[0].status, 200);
+    let h = &up.got("/plain")[0].headers;
+    assert!(
+        !h.iter()
+            .any(|l| l.starts_with("upgrade") || l.starts_with("connection")),
+        "{h:?}"
+    );
+    // Allowed on `/custom/`: the upgrade is asked of the node.
+    let raw =
+        "GET /custom/x HTTP/1.1\r\nHost: a\r\nConnection: upgrade\r\nUpgrade: my-proto\r\n\r\n";
+    let conv = converse(gw.addr, raw.as_bytes(), 1).await;
+    assert_eq!(conv.answers[0].status, 200);
+    let h = &up.got("/custom/x")[0].headers;
+    assert!(h.iter().any(|l| l == "upgrade: my-proto"), "{h:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_upstream_framing_is_a_502_and_the_connection_is_not_reused() {
+    let (_fx, gw, up) = setup("").await;
+    let client = |path: &str| format!("GET {path} HTTP/1.1\r\nHost: a\r\n\r\n");
+    // A healthy exchange first: its connection is pooled and reused.
+    converse(gw.addr, client("/up/warm").as_bytes(), 1).await;
+    converse(gw.addr, client("/up/warm").as_bytes(), 1).await;
+    let warm = up.got("/up/warm");
+    assert_eq!(warm[0].conn, warm[1].conn, "a clean connection is reused");
+    for path in [
+        "/up/two-lengths",
+        "/up/broken-chunk",
+        "/up/gzip-only",
+        "/up/bare-lf-chunk",
+    ] {
+        let conv = converse(gw.addr, client(path).as_bytes(), 1).await;
+        assert_eq!(conv.answers[0].status, 502, "{path}: {:?}", conv.answers[0]);
+        let broken = up.got(path)[0].conn;
+        // The next request needs a new upstream connection.
+        let next = format!("{path}/next");
+        let conv = converse(gw.addr, client(&next).as_bytes(), 1).await;
+        assert_eq!(conv.answers[0].status, 200);
+        assert_ne!(
+            up.got(&next)[0].conn,
+            broken,
+            "{path}: the connection was reused"
+        );
+    }
+    // Transfer-Encoding and Content-Length from a node: the body is the
+    // chunked one, passed on without the received length; no reuse.
+    let conv = converse(gw.addr, client("/up/te-and-cl").as_bytes(), 1).await;
+    let a = &conv.answers[0];
+    assert_eq!(a.status, 200);
+    assert_eq!(a.body, b"hello world");
+    assert_ne!(a.header("content-length"), Some("5"), "{:?}", a.headers);
+    let conv = converse(gw.addr, client("/up/after-te").as_bytes(), 1).await;
+    assert_eq!(conv.answers[0].status, 200);
+    let after = up.got("/up/after-te");
+    assert_ne!(
+        after[0].conn,
+        up.got("/up/te-and-cl")[0].conn,
+        "the TE+CL connection was reused"
+    );
+}
