@@ -16,6 +16,7 @@ mod harness;
 
 mod cli;
 mod dashboard;
+mod drain;
 mod etcd_fleet;
 mod example;
 mod fuzz_smoke;
