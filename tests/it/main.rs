@@ -15,6 +15,7 @@
 mod harness;
 
 mod cli;
+mod cli_overrides;
 mod dashboard;
 mod drain;
 mod etcd_fleet;
