@@ -33,10 +33,12 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
         .routes(&[Route::service("/api/", "api")])
         .start(&fx, "gg.yaml");
     let admin = gw.admin.unwrap();
-    // The browser first: the live split shows the last 10 s, and a
-    // browser's start on a loaded machine can take longer than that.
+    // The page first: the live split shows the last 10 s, and a browser's
+    // start and first load on a loaded machine can take longer than that.
     let driver = Driver::start().await;
     let c = driver.browser().await;
+    c.goto(&format!("http://{admin}/")).await.unwrap();
+    assert_eq!(c.title().await.unwrap(), "graygate dashboard");
     // Traffic: formal healthy, v2 healthy, gray failing: its only node is
     // down, so 3 requests fail (502) until passive health ejects it and the
     // lane falls back to formal.
@@ -55,9 +57,6 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
             .await;
         assert_eq!(r.node(), "v1");
     }
-
-    c.goto(&format!("http://{admin}/")).await.unwrap();
-    assert_eq!(c.title().await.unwrap(), "graygate dashboard");
 
     // Live split per lane.
     wait_text(

@@ -397,11 +397,25 @@ async fn registered_instances_carry_lane_metadata_and_leave_when_their_lease_exp
 
     // Drained through the admin API: the instance's own key changes (its
     // lease kept), so gray goes to formal.
-    let drain = Req::get("/nodes/api/g1/drain")
-        .method("POST")
-        .send(a.admin.unwrap())
-        .await;
-    assert_eq!(drain.status, 200, "{}", drain.text());
+    // The edit handler can see the registration a moment after `/nodes`
+    // lists it (404 "no node"): asked again until it does.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let drain = Req::get("/nodes/api/g1/drain")
+            .method("POST")
+            .send(a.admin.unwrap())
+            .await;
+        if drain.status == 200 {
+            break;
+        }
+        assert!(
+            drain.status == 404 && Instant::now() < deadline,
+            "{} {}",
+            drain.status,
+            drain.text()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let v: serde_json::Value =
         serde_json::from_str(&etcd.get("/reg/services/api/nodes/g1").await.unwrap()).unwrap();
     assert_eq!(v["drain"], true, "{v}");

@@ -272,8 +272,22 @@ impl Etcd {
         self.gateway_with(root, id, prefix, "")
     }
 
+    ///
+    /// A first start needs etcd to answer within the bootstrap's
+    /// `timeout_ms`; on a loaded machine it may not, and a gateway without
+    /// a cached snapshot then exits ("etcd unreachable"): started again,
+    /// a few times.
     pub fn gateway_with(&self, root: &Path, id: &str, prefix: &str, extra: &str) -> Gateway {
-        Gateway::start(&self.boot(root, id, prefix, extra))
+        let boot = self.boot(root, id, prefix, extra);
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match Gateway::try_start(&boot) {
+                Ok(gw) => return gw,
+                Err(e) if tries < 3 && e.contains("etcd unreachable") => continue,
+                Err(e) => panic!("{e}"),
+            }
+        }
     }
 
     pub fn endpoints(&self) -> Vec<String> {

@@ -115,13 +115,16 @@ fn addr_in(line: &str) -> Option<SocketAddr> {
 }
 
 /// A thread that appends each line of `from` to a shared text.
-fn collect_lines(from: impl std::io::Read + Send + 'static, into: impl Fn(&str) + Send + 'static) {
+fn collect_lines(
+    from: impl std::io::Read + Send + 'static,
+    into: impl Fn(&str) + Send + 'static,
+) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         for line in BufReader::new(from).lines() {
             let Ok(line) = line else { break };
             into(&line);
         }
-    });
+    })
 }
 
 impl Gateway {
@@ -141,7 +144,19 @@ impl Gateway {
 
     /// Starts `cmd --config <config> <args…>` (any graygate binary, e.g. a
     /// copy or an unpacked package's) and waits until it listens.
-    pub fn start_cmd(mut cmd: Command, config: &Path, args: &[&str]) -> Gateway {
+    pub fn start_cmd(cmd: Command, config: &Path, args: &[&str]) -> Gateway {
+        Gateway::try_start_cmd(cmd, config, args).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Like [`Gateway::start`]; a process that exits before it listens is
+    /// an `Err` with its log.
+    pub fn try_start(config: &Path) -> Result<Gateway, String> {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_graygate"));
+        cmd.env_remove("GRAYGATE_ADMIN_TOKEN");
+        Gateway::try_start_cmd(cmd, config, &[])
+    }
+
+    fn try_start_cmd(mut cmd: Command, config: &Path, args: &[&str]) -> Result<Gateway, String> {
         let launch = Launch::of(&cmd, config, args);
         let mut child = cmd
             .arg("--config")
@@ -166,7 +181,7 @@ impl Gateway {
         });
         let logs = Arc::new(Mutex::new(String::new()));
         let l = logs.clone();
-        collect_lines(child.stderr.take().unwrap(), move |line| {
+        let stderr_reader = collect_lines(child.stderr.take().unwrap(), move |line| {
             let mut g = l.lock().unwrap();
             g.push_str(line);
             g.push('\n');
@@ -182,19 +197,24 @@ impl Gateway {
                 if let Some(addr) = find("graygate listening") {
                     let admin = find("admin listening");
                     if admin.is_some() || !wants_admin {
-                        return Gateway {
+                        return Ok(Gateway {
                             child,
                             addr,
                             admin,
                             logs,
                             stdout,
                             launch,
-                        };
+                        });
                     }
                 }
             }
             if let Ok(Some(status)) = child.try_wait() {
-                panic!("graygate exited with {status}:\n{}", logs.lock().unwrap());
+                // What it wrote last may still be in the pipe: read to its end.
+                let _ = stderr_reader.join();
+                return Err(format!(
+                    "graygate exited with {status}:\n{}",
+                    logs.lock().unwrap()
+                ));
             }
             assert!(
                 Instant::now() < deadline,
