@@ -362,14 +362,16 @@ fn listen_overrides() -> (Option<SocketAddr>, Option<SocketAddr>) {
     LISTEN_OVERRIDES.get().copied().unwrap_or_default()
 }
 
-/// Log lines start with the time and the process id: during a binary
-/// upgrade two processes write to the same journal.
+/// Log lines start with the time and the process id, as one token
+/// (`…Z[pid]`, so the level stays the line's second word for what splits
+/// lines on spaces): during a binary upgrade two processes write to the
+/// same journal.
 struct TimeAndPid;
 
 impl tracing_subscriber::fmt::time::FormatTime for TimeAndPid {
     fn format_time(&self, w: &mut tracing_subscriber::fmt::format::Writer<'_>) -> std::fmt::Result {
         tracing_subscriber::fmt::time::SystemTime.format_time(w)?;
-        write!(w, " [{}]", std::process::id())
+        write!(w, "[{}]", std::process::id())
     }
 }
 

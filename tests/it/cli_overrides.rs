@@ -31,7 +31,7 @@ async fn listen_overrides_and_the_pid_in_log_lines() {
     assert_eq!(gw.get("/api/x").await.status, 200);
     assert_eq!(gw.admin_get("/status").await.status, 200);
     let logs = gw.logs();
-    let pid = format!(" [{}] ", gw.pid());
+    let pid = format!("Z[{}] ", gw.pid());
     let lines: Vec<&str> = logs.lines().filter(|l| l.contains("listening")).collect();
     assert!(!lines.is_empty(), "{logs}");
     for l in lines {
