@@ -10,8 +10,9 @@
 #   packaging/build-deb.sh --binary PATH        # package an already built binary
 #   (--pgo is accepted: it names the default)
 #   options: --out DIR (default target/debian), --compress xz|gzip|none,
-#            --no-strip (keep debug symbols; by default they are stripped,
-#            as dh_strip does, when binutils' strip is installed)
+#            --no-strip (keep the symbol table and debug symbols; by default
+#            the binary is stripped with `strip --strip-unneeded`, as
+#            dh_strip does: binutils' strip must then be installed)
 #
 # Prints the path of the .deb. Contents: /usr/bin/graygate, the example
 # configuration under /etc/graygate/ (conffiles), the systemd unit, a
@@ -23,7 +24,7 @@ repo="$(dirname "$here")"
 binary=""
 out="$repo/target/debian"
 compress="xz"
-strip_debug=1
+strip=1
 pgo=1
 while [ $# -gt 0 ]; do
 	case "$1" in
@@ -32,7 +33,7 @@ while [ $# -gt 0 ]; do
 	--no-pgo) pgo=0; shift ;;
 	--out) out="$2"; shift 2 ;;
 	--compress) compress="$2"; shift 2 ;;
-	--no-strip) strip_debug=0; shift ;;
+	--no-strip) strip=0; shift ;;
 	*) echo "unknown option $1" >&2; exit 2 ;;
 	esac
 done
@@ -51,8 +52,14 @@ chmod 0755 "$stage"
 trap 'rm -rf "$stage"' EXIT
 
 install -D -m 0755 "$binary" "$stage/usr/bin/graygate"
-if [ "$strip_debug" = 1 ] && command -v strip >/dev/null; then
-	strip --strip-debug "$stage/usr/bin/graygate"
+if [ "$strip" = 1 ]; then
+	# The symbol table goes too (--strip-debug keeps it): what dh_strip does.
+	if ! command -v strip >/dev/null; then
+		echo "strip not found (binutils); install it or pass --no-strip" >&2
+		exit 1
+	fi
+	strip --strip-unneeded --remove-section=.comment --remove-section=.note \
+		"$stage/usr/bin/graygate"
 fi
 install -D -m 0644 "$here/graygate.yaml" "$stage/etc/graygate/graygate.yaml"
 install -D -m 0644 "$repo/config/nodes.yaml" "$stage/etc/graygate/nodes.yaml"

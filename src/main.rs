@@ -55,9 +55,16 @@ USR2 binary upgrade (start the binary again with --upgrade), TERM graceful stop 
 (drain up to client.drain_timeout_ms), QUIT or INT fast stop."
 )]
 struct Cli {
-    /// Main configuration file.
-    #[arg(long, short, default_value = "config/graygate.yaml")]
+    /// Main configuration file (installed as `<root>/usr/bin/graygate`:
+    /// `<root>/etc/graygate/graygate.yaml`, else config/graygate.yaml).
+    #[arg(long, short, default_value_os_t = default_config())]
     config: PathBuf,
+    /// Listen on this address instead of the configuration's `listen`.
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<SocketAddr>,
+    /// Serve the admin API on this address instead of `admin_listen`.
+    #[arg(long, value_name = "ADDR")]
+    admin_listen: Option<SocketAddr>,
     /// Validate the configuration (YAML, node files, lists, Lua) and exit.
     #[arg(long, short = 't')]
     check: bool,
@@ -338,8 +345,44 @@ fn check(source: &ConfigSource) -> ExitCode {
     }
 }
 
+/// The default `--config`: the packaged path when the binary runs from an
+/// installed tree (`/usr/bin/graygate` reads `/etc/graygate/graygate.yaml`,
+/// wherever the unit or a shell starts it), else the repository's example.
+fn default_config() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .filter(|exe| exe.parent().is_some_and(|d| d.ends_with("usr/bin")))
+        .and_then(|exe| Some(exe.parent()?.parent()?.parent()?.to_path_buf()))
+        .map_or_else(
+            || PathBuf::from("config/graygate.yaml"),
+            |root| root.join("etc/graygate/graygate.yaml"),
+        )
+}
+
+/// `--listen` and `--admin-listen`, read where the listeners are bound.
+static LISTEN_OVERRIDES: std::sync::OnceLock<(Option<SocketAddr>, Option<SocketAddr>)> =
+    std::sync::OnceLock::new();
+
+fn listen_overrides() -> (Option<SocketAddr>, Option<SocketAddr>) {
+    LISTEN_OVERRIDES.get().copied().unwrap_or_default()
+}
+
+/// Log lines start with the time and the process id, as one token
+/// (`…Z[pid]`, so the level stays the line's second word for what splits
+/// lines on spaces): during a binary upgrade two processes write to the
+/// same journal.
+struct TimeAndPid;
+
+impl tracing_subscriber::fmt::time::FormatTime for TimeAndPid {
+    fn format_time(&self, w: &mut tracing_subscriber::fmt::format::Writer<'_>) -> std::fmt::Result {
+        tracing_subscriber::fmt::time::SystemTime.format_time(w)?;
+        write!(w, "[{}]", std::process::id())
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let _ = LISTEN_OVERRIDES.set((cli.listen, cli.admin_listen));
     // `script_limits.jit` is accepted only where LuaJIT's compiler can run:
     // this binary asks a child of itself once (see lane::jit_probe).
     graygate::lane::jit_probe::set_probe(graygate::lane::jit_probe::in_child);
@@ -372,6 +415,7 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_timer(TimeAndPid)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match cli.command {
@@ -608,7 +652,7 @@ async fn bind(
     )
     .await
     .map_err(|e| format!("cannot start demo nodes: {e}"))?;
-    let listen = gen.config.listen;
+    let listen = listen_overrides().0.unwrap_or(gen.config.listen);
     let taken = inherited.take("client", listen);
     let listeners = handover::client_listeners(listen, workers, taken)
         .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
@@ -651,7 +695,7 @@ async fn bind(
         groups.push((kind, ls));
     }
     let mut admin = None;
-    if let Some(admin_addr) = gen.config.admin_listen {
+    if let Some(admin_addr) = listen_overrides().1.or(gen.config.admin_listen) {
         admin::auth::check_bind(admin_addr, &gen.config)
             .map_err(|e| format!("{}: {e}", gw.config_path.display()))?;
         let bound = match inherited.take("admin", admin_addr).pop() {

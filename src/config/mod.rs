@@ -886,8 +886,72 @@ pub fn parse_yaml<T: serde::de::DeserializeOwned>(
         if let Some(idx) = msg.find(" at line ") {
             msg.truncate(idx);
         }
+        // A duplicate key is reported at the start of its mapping; the
+        // duplicate's own line is what the reader needs.
+        let line = match (duplicate_key(&msg), e.location()) {
+            (Some(key), Some(at)) => duplicate_line(text, at.line(), at.column(), key).or(line),
+            _ => line,
+        };
         ConfigError::new(path, line, msg)
     })
+}
+
+/// The key a serde_yaml duplicate-key message names, if it is one.
+fn duplicate_key(msg: &str) -> Option<&str> {
+    let (open, close) = if let Some(i) = msg.find("duplicate field `") {
+        (i + "duplicate field `".len(), '`')
+    } else if let Some(i) = msg.find("duplicate entry with key \"") {
+        (i + "duplicate entry with key \"".len(), '"')
+    } else {
+        return None;
+    };
+    let rest = &msg[open..];
+    rest.find(close).map(|end| &rest[..end])
+}
+
+/// The line (1-based) of the second `key:` of the block mapping starting at
+/// `line`, `column` (1-based, where serde_yaml locates the mapping): its keys
+/// sit at that column; the mapping ends at the first line indented less.
+fn duplicate_line(text: &str, line: usize, column: usize, key: &str) -> Option<usize> {
+    let indent = column.checked_sub(1)?;
+    let is_key = |rest: &str| {
+        [
+            format!("{key}:"),
+            format!("\"{key}\":"),
+            format!("'{key}':"),
+        ]
+        .iter()
+        .any(|k| {
+            rest.strip_prefix(k.as_str())
+                .is_some_and(|after| after.is_empty() || after.starts_with([' ', '\t']))
+        })
+    };
+    let mut seen = false;
+    for (n, l) in text.lines().enumerate().skip(line.checked_sub(1)?) {
+        let body = l.trim_start_matches(' ');
+        if body.is_empty() || body.starts_with('#') {
+            continue;
+        }
+        let rest = if n + 1 == line {
+            l.get(indent..)?
+        } else {
+            let depth = l.len() - body.len();
+            if depth < indent {
+                break;
+            }
+            if depth > indent {
+                continue;
+            }
+            body
+        };
+        if is_key(rest) {
+            if seen {
+                return Some(n + 1);
+            }
+            seen = true;
+        }
+    }
+    None
 }
 
 /// Finds the first line (1-based) containing `needle` after a line containing
@@ -991,6 +1055,26 @@ mod tests {
             c.header_timeout_ms,
             ClientConfig::default().header_timeout_ms
         );
+    }
+
+    #[test]
+    fn a_duplicate_key_names_the_duplicates_line() {
+        let cases = [
+            ("listen: 127.0.0.1:8080\nworkers: 2\nlisten: 127.0.0.1:8081\n", 3),
+            (
+                "listen: 127.0.0.1:8080\nclient:\n  idle_timeout_ms: 5\n  # note\n\n  header_timeout_ms: 9\n  idle_timeout_ms: 6\n",
+                7,
+            ),
+        ];
+        for (text, line) in cases {
+            let err = parse_yaml::<MainConfig>(Path::new("g.yaml"), text).unwrap_err();
+            assert!(err.message.contains("duplicate"), "{err}");
+            assert_eq!(err.line, Some(line), "{err}");
+        }
+        // Untyped values report `duplicate entry`; the same line.
+        let text = "a:\n  - b: 1\n    c:\n      b: 1\n    b: 2\n";
+        let err = parse_yaml::<serde_yaml::Value>(Path::new("g.yaml"), text).unwrap_err();
+        assert_eq!(err.line, Some(5), "{err}");
     }
 
     #[test]

@@ -12,11 +12,13 @@
 //!   a request without the key is picked by `round_robin`.
 //!
 //! Every policy skips nodes that are down (unless the choice is in panic
-//! mode) and nodes already tried by this request, and applies slow start: a
+//! mode) and nodes already tried by this request, spreading their share
+//! over the eligible nodes by weight, and applies slow start: a
 //! warming node's weight is scaled by [`slow_start_factor`]. Every pick is
 //! O(1) in the usual case however many nodes the lane has; only when most
-//! draws land on nodes that are down or tried does a pick fall back to one
-//! exact pass over the members.
+//! draws (or, for `round_robin`, the schedule's entry) land on nodes that
+//! are down or tried does a pick fall back to one exact pass over the
+//! members.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -113,8 +115,16 @@ enum Policy {
 #[derive(Debug)]
 #[repr(u8)]
 enum RoundRobin {
-    /// One period precomputed (lane-node indices) and the position in it.
-    Schedule { seq: Vec<u32>, cursor: AtomicUsize },
+    /// One period precomputed (lane-node indices) and the position in it,
+    /// with live smooth-WRR state (by member position) for the entries of
+    /// nodes that are down or tried: those entries go to smooth WRR over
+    /// the eligible members, so a missing node's share is spread over the
+    /// rest by weight (nginx's behaviour), not handed to the next entry.
+    Schedule {
+        seq: Vec<u32>,
+        cursor: AtomicUsize,
+        spill: Mutex<Vec<i64>>,
+    },
     /// Live smooth-WRR state (by member position) for lanes too heavy to
     /// precompute.
     Live(Mutex<Vec<i64>>),
@@ -128,6 +138,7 @@ impl RoundRobin {
             Some(s) => RoundRobin::Schedule {
                 seq: s.into_iter().map(|m| members[m as usize]).collect(),
                 cursor: AtomicUsize::new(0),
+                spill: Mutex::new(vec![0; members.len()]),
             },
             None => RoundRobin::Live(Mutex::new(vec![0; members.len()])),
         }
@@ -181,14 +192,17 @@ impl Picker {
         }
     }
 
-    /// Smooth WRR: the next eligible schedule entry. A warming node's entry
-    /// is kept with probability `factor`; a rejected entry restarts the
-    /// scan at a random position of the schedule (a weighted draw), so the
-    /// node gets exactly `factor × weight` against the others' weights and
-    /// what it gives up is spread over them by weight.
+    /// Smooth WRR: the next schedule entry. An entry whose node is down or
+    /// tried is picked by live smooth WRR over the eligible members instead
+    /// (so each eligible node gets its weight's share of the missing
+    /// node's entries, and no neighbour gets them all). A warming node's
+    /// entry is kept with probability `factor`; a rejected entry restarts
+    /// the scan at a random position of the schedule (a weighted draw), so
+    /// the node gets exactly `factor × weight` against the others' weights
+    /// and what it gives up is spread over them by weight.
     fn round_robin(&self, rr: &RoundRobin, set: &impl Members, w: &Want) -> Option<usize> {
-        let (seq, cursor) = match rr {
-            RoundRobin::Schedule { seq, cursor } => (seq, cursor),
+        let (seq, cursor, spill) = match rr {
+            RoundRobin::Schedule { seq, cursor, spill } => (seq, cursor, spill),
             RoundRobin::Live(current) => return self.live_round_robin(current, set, w),
         };
         let mut start = if w.advance {
@@ -205,7 +219,7 @@ impl Picker {
             let i = seq[(start + k) % len] as usize;
             k += 1;
             if !set.eligible(i, w) {
-                continue;
+                return self.live_round_robin(spill, set, w).or(spare);
             }
             if slow {
                 let f = set.factor(i, w.now);
@@ -568,6 +582,71 @@ pub(crate) mod tests {
         let c = counts(&f, &p, 12 * 1000);
         assert_eq!(c, vec![5000, 1000, 1000, 3000, 2000]);
         assert!(chi_square(&c, &shares(&[5.0, 1.0, 1.0, 3.0, 2.0])) < 1e-9);
+    }
+
+    /// nginx's `ngx_http_upstream_get_peer`: smooth WRR computed per pick
+    /// over the peers that are up, a down peer skipped in the loop.
+    fn nginx_counts(weights: &[u32], down: &[bool], n: usize) -> Vec<u64> {
+        let mut cur = vec![0i64; weights.len()];
+        let mut c = vec![0u64; weights.len()];
+        for _ in 0..n {
+            let (mut total, mut best) = (0i64, None::<usize>);
+            for i in (0..weights.len()).filter(|&i| !down[i]) {
+                cur[i] += i64::from(weights[i]);
+                total += i64::from(weights[i]);
+                if best.is_none_or(|b| cur[i] > cur[b]) {
+                    best = Some(i);
+                }
+            }
+            let b = best.unwrap();
+            cur[b] -= total;
+            c[b] += 1;
+        }
+        c
+    }
+
+    /// χ² critical values at p = 0.001, by degrees of freedom (index).
+    const CHI2_P001: [f64; 5] = [0.0, 10.83, 13.82, 16.27, CHI2_4DF_P001];
+
+    #[test]
+    fn round_robin_spreads_a_down_nodes_share_by_weight() {
+        let cases: [(&[u32], &[usize]); 5] = [
+            (&[1, 1, 1, 1, 1], &[0, 1, 2]),
+            (&[1, 1, 1, 1, 1], &[1]),
+            (&[5, 1, 1, 3, 2], &[0]),
+            (&[5, 1, 1, 3, 2], &[0, 2, 4]),
+            (&[2, 3, 4], &[1]),
+        ];
+        for (weights, down_ids) in cases {
+            let mut f = Fake::new(weights);
+            for &d in down_ids {
+                f.down[d] = true;
+            }
+            let p = f.picker(Balance::RoundRobin);
+            assert!(p.precomputed());
+            let n = 6_000;
+            let ours = counts(&f, &p, n);
+            let nginx = nginx_counts(weights, &f.down, n);
+            // Over the nodes that are up: shares by weight, as nginx's.
+            let up: Vec<usize> = (0..weights.len()).filter(|&i| !f.down[i]).collect();
+            let expect = shares(
+                &up.iter()
+                    .map(|&i| f64::from(weights[i]))
+                    .collect::<Vec<_>>(),
+            );
+            let limit = CHI2_P001[up.len() - 1];
+            for (who, c) in [("graygate", &ours), ("nginx", &nginx)] {
+                let observed: Vec<u64> = up.iter().map(|&i| c[i]).collect();
+                let chi = chi_square(&observed, &expect);
+                assert!(
+                    chi < limit,
+                    "{who} {weights:?} down {down_ids:?}: χ² = {chi}, {c:?}"
+                );
+            }
+            for &d in down_ids {
+                assert_eq!(ours[d], 0);
+            }
+        }
     }
 
     #[test]

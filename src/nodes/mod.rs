@@ -678,6 +678,40 @@ mod tests {
     }
 
     #[test]
+    fn zone_spill_spreads_a_down_nodes_share_by_weight() {
+        // Two zones of two; the gateway in `a`, min_healthy 2; a1 down:
+        // spill over a2, b1 and b2, a third each (nginx spreads a down
+        // peer's share over the rest by weight).
+        let mut nodes: Vec<Node> = ["a1", "a2", "b1", "b2"]
+            .iter()
+            .map(|n| zoned(n, Some(&n[..1])))
+            .collect();
+        for (i, n) in nodes.iter_mut().enumerate() {
+            n.addr = format!("127.0.0.{}:80", i + 1).parse().unwrap();
+        }
+        let select = Select {
+            zone: Some("a".into()),
+            zone_min_healthy: 2,
+            ..Select::default()
+        };
+        let s = Service::with_select("s", nodes, select);
+        s.lanes[FORMAL].health[0].failure("a1", &eject_on_first_failure());
+        let now = crate::base::clock::now_ms() + 1;
+        let c = s.choose(FORMAL, now).unwrap();
+        assert_eq!(c.zone, ZoneStep::Spill);
+        let mut count = [0u64; 4];
+        let n = 3_000;
+        for _ in 0..n {
+            count[c.pick(now, &[], None).unwrap()] += 1;
+        }
+        assert_eq!(count[0], 0, "{count:?}");
+        let e = n as f64 / 3.0;
+        let chi: f64 = count[1..].iter().map(|&o| (o as f64 - e).powi(2) / e).sum();
+        // 2 degrees of freedom, p = 0.001.
+        assert!(chi < 13.82, "χ² = {chi}, {count:?}");
+    }
+
+    #[test]
     fn zone_steps_never_empty_the_set() {
         let now = crate::base::clock::now_ms();
         // The gateway has no zone: every node.

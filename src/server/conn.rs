@@ -201,6 +201,32 @@ pub struct Timeouts {
     pub header_ms: u64,
     pub idle_ms: u64,
     pub send_ms: u64,
+    /// When the drain began (`now_ms`); 0 = not draining.
+    pub drain_since: u64,
+    /// While draining, how long an idle connection is kept.
+    pub drain_idle_ms: u64,
+}
+
+impl Timeouts {
+    /// When a connection idle since `last` is closed.
+    pub fn idle_due(&self, last: u64) -> u64 {
+        idle_due(last, self.idle_ms, self.drain_since, self.drain_idle_ms)
+    }
+}
+
+/// When a keep-alive connection idle since `last` is closed: after
+/// `idle_ms`, and while draining (since `drain_since`, 0 = not) also
+/// `drain_idle_ms` after the later of the last activity and the drain's
+/// start. Counting from the drain's start rather than from the last request
+/// gives a client that holds a long-idle connection `drain_idle_ms` to reuse
+/// it (its request then gets `Connection: close`) before the close, instead
+/// of a close the moment the drain begins that its next request races.
+pub fn idle_due(last: u64, idle_ms: u64, drain_since: u64, drain_idle_ms: u64) -> u64 {
+    let normal = last + idle_ms;
+    if drain_since == 0 {
+        return normal;
+    }
+    normal.min(last.max(drain_since) + drain_idle_ms)
 }
 
 /// Decides what to do with a connection at `now`.
@@ -209,6 +235,7 @@ pub fn verdict(act: &Activity, now: u64, t: Timeouts) -> Verdict {
         header_ms,
         idle_ms,
         send_ms,
+        ..
     } = t;
     let blocked = act.write_blocked.load(Ordering::Relaxed);
     if blocked != 0 && now >= blocked + send_ms {
@@ -227,7 +254,7 @@ pub fn verdict(act: &Activity, now: u64, t: Timeouts) -> Verdict {
         let next = idle_ms.min(header_ms).min(send_ms).max(10);
         return Verdict::Wait(Duration::from_millis(next));
     }
-    let due = act.last.load(Ordering::Relaxed) + idle_ms;
+    let due = t.idle_due(act.last.load(Ordering::Relaxed));
     if now >= due {
         Verdict::Idle
     } else {
@@ -258,7 +285,33 @@ mod tests {
         header_ms: 100,
         idle_ms: 1000,
         send_ms: 100_000,
+        drain_since: 0,
+        drain_idle_ms: 1000,
     };
+
+    #[test]
+    fn drain_idle_counts_from_the_drain_start() {
+        // Idle since t0; the drain begins 5 s later: the connection gets
+        // `drain_idle_ms` from the drain's start, not a close at once.
+        let t0 = 1_000_000;
+        let idle = 60_000;
+        let d = t0 + 5_000;
+        assert_eq!(idle_due(t0, idle, 0, 1_000), t0 + idle);
+        assert_eq!(idle_due(t0, idle, d, 1_000), d + 1_000);
+        // A request after the drain began: from its end.
+        assert_eq!(idle_due(d + 300, idle, d, 1_000), d + 1_300);
+        // The normal idle timeout still ends it sooner when it is due first.
+        assert_eq!(idle_due(t0, 5_500, d, 1_000), t0 + 5_500);
+        let a = Activity::new();
+        let last = a.last.load(Ordering::Relaxed);
+        let t = Timeouts {
+            idle_ms: idle,
+            drain_since: last + 5_000,
+            ..T
+        };
+        assert!(matches!(verdict(&a, last + 5_000, t), Verdict::Wait(_)));
+        assert_eq!(verdict(&a, last + 6_000, t), Verdict::Idle);
+    }
 
     #[test]
     fn send_timer_runs_only_while_a_write_waits() {

@@ -410,16 +410,22 @@ impl Conn {
             // Registered before the timeout is checked: a tick between the
             // check and the wait is not missed. (A no-op once registered.)
             tick.as_mut().enable();
-            let idle_ms = {
+            let due = {
                 let gen = self.server.plane.current();
                 let limits = &gen.config.client;
-                if self.server.draining.load(Ordering::Relaxed) {
-                    limits.idle_timeout_ms.min(limits.drain_idle_ms)
+                let since = if self.server.draining.load(Ordering::Relaxed) {
+                    self.server.drain_since_or_now()
                 } else {
-                    limits.idle_timeout_ms
-                }
+                    0
+                };
+                super::conn::idle_due(
+                    self.last,
+                    limits.idle_timeout_ms,
+                    since,
+                    limits.drain_idle_ms,
+                )
             };
-            if now_ms() >= self.last + idle_ms {
+            if now_ms() >= due {
                 return false;
             }
             // The readiness waker sits in the socket's registration: no

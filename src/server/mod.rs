@@ -15,7 +15,7 @@ pub mod handover;
 pub mod tls;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,6 +56,9 @@ pub struct Server {
     /// The same, read per response: while draining, every answer carries
     /// `Connection: close`.
     draining: AtomicBool,
+    /// When the drain began (`now_ms`, at least 1); 0 = not draining. Idle
+    /// keep-alive connections get `drain_idle_ms` from this moment.
+    drain_since: AtomicU64,
     /// Accept loops still running (the drain waits for them, so no
     /// connection accepted at the last moment is missed).
     accepting: Arc<Counter>,
@@ -72,6 +75,7 @@ impl Server {
             connections,
             shutdown,
             draining: AtomicBool::new(false),
+            drain_since: AtomicU64::new(0),
             accepting: Arc::new(Counter::default()),
         }
     }
@@ -88,7 +92,26 @@ impl Server {
     /// Marks the drain as begun (the control plane calls this with the
     /// shutdown signal): responses from now on close their connection.
     pub fn begin_drain(&self) {
+        let _ = self.drain_since.compare_exchange(
+            0,
+            now_ms().max(1),
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
         self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// When the drain began (now, if the shutdown signal came without
+    /// [`begin_drain`](Self::begin_drain)); 0 while not draining.
+    fn drain_since(&self) -> u64 {
+        self.drain_since.load(Ordering::Relaxed)
+    }
+
+    fn drain_since_or_now(&self) -> u64 {
+        match self.drain_since() {
+            0 => now_ms().max(1),
+            t => t,
+        }
     }
 
     /// Accepts client connections until shutdown begins (then the listener
@@ -373,6 +396,8 @@ impl Server {
             header_ms: limits.header_timeout_ms,
             idle_ms: limits.idle_timeout_ms,
             send_ms: limits.send_timeout_ms,
+            drain_since: 0,
+            drain_idle_ms: limits.drain_idle_ms,
         };
         loop {
             let wait = match verdict(&act, now_ms(), timeouts) {
@@ -411,10 +436,12 @@ impl Server {
                 _ = tokio::time::sleep(wait) => {}
                 // Drain: requests in flight finish (their answers carry
                 // `Connection: close`); a connection idle for
-                // `drain_idle_ms` is closed — never one that is mid-request.
+                // `drain_idle_ms` since the drain's start (or its last
+                // request, if later) is closed — never one that is
+                // mid-request.
                 _ = shutdown.wait_for(|s| *s), if !draining => {
                     draining = true;
-                    timeouts.idle_ms = timeouts.idle_ms.min(limits.drain_idle_ms);
+                    timeouts.drain_since = self.drain_since_or_now();
                 }
             }
         }
@@ -580,5 +607,5 @@ async fn sniff_preface(stream: &TcpStream) -> std::io::Result<bool> {
     }
 }
 
-static CAP_LOG: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-static SEND_LOG: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static CAP_LOG: AtomicU64 = AtomicU64::new(0);
+static SEND_LOG: AtomicU64 = AtomicU64::new(0);

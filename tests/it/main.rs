@@ -16,8 +16,10 @@ mod harness;
 
 mod bench_harness;
 mod cli;
+mod cli_overrides;
 mod dashboard;
 mod docs_reference;
+mod drain;
 mod etcd_fleet;
 mod example;
 mod fuzz_smoke;

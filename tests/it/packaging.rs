@@ -289,3 +289,115 @@ fn build_deb_defaults_to_the_pgo_build_and_takes_no_pgo() {
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown option --bogus"));
 }
+
+/// The packaged binary is really stripped: no symbol table and no debug
+/// sections (`--strip-debug` would keep `.symtab`), and it still runs.
+#[test]
+fn packaged_binary_has_no_symbol_table() {
+    let work = tempfile::tempdir().unwrap();
+    let deb = build_package(work.path(), &[]);
+    let root = work.path().join("root");
+    run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&root));
+    let exe = root.join("usr/bin/graygate");
+    let sections = run(Command::new("readelf").args(["-S", "-W"]).arg(&exe));
+    assert!(
+        !sections.contains(".symtab"),
+        "symbol table kept:\n{sections}"
+    );
+    // (`.debug_gdb_scripts` is loaded with the program: strip keeps it.)
+    for debug in [".debug_info", ".debug_line", ".debug_str"] {
+        assert!(!sections.contains(debug), "{debug} kept:\n{sections}");
+    }
+    let before = std::fs::metadata(env!("CARGO_BIN_EXE_graygate"))
+        .unwrap()
+        .len();
+    assert!(std::fs::metadata(&exe).unwrap().len() < before);
+    assert!(run(Command::new(&exe).arg("--version")).starts_with("graygate "));
+    // --no-strip keeps them.
+    let kept = build_package(&work.path().join("kept"), &["--no-strip"]);
+    let root = work.path().join("kept-root");
+    run(Command::new("dpkg-deb").arg("-x").arg(&kept).arg(&root));
+    let sections = run(Command::new("readelf")
+        .args(["-S", "-W"])
+        .arg(root.join("usr/bin/graygate")));
+    assert!(sections.contains(".symtab"), "{sections}");
+}
+
+/// postinst's upgrade step against a stand-in `systemctl` (systemd present,
+/// the unit active): it signals the main process with an option every
+/// systemd the package installs on knows (`--kill-whom=` is 252's), waits
+/// for the new main process, and fails visibly — no `|| true` — when the
+/// signal fails or the upgrade does not complete.
+#[test]
+fn postinst_upgrade_signals_the_main_process_and_fails_visibly() {
+    let src = format!("{}/packaging/debian/postinst", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(src).unwrap();
+    let commands = text.lines().filter(|l| !l.trim_start().starts_with('#'));
+    for l in commands {
+        assert!(!l.contains("--kill-whom"), "needs systemd 252: {l}");
+        assert!(!l.contains("|| true") || !l.contains("kill"), "{l}");
+    }
+    let work = tempfile::tempdir().unwrap();
+    let systemd = work.path().join("run-systemd");
+    std::fs::create_dir_all(&systemd).unwrap();
+    let script = work.path().join("postinst");
+    std::fs::write(
+        &script,
+        text.replace("/run/systemd/system", systemd.to_str().unwrap()),
+    )
+    .unwrap();
+    let bin = work.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let log = work.path().join("calls");
+    // `show` answers the old pid until `kill` ran (then the new one, unless
+    // STUCK), `kill` fails when KILL_FAILS is set.
+    let fake = format!(
+        r#"#!/bin/sh
+echo "$*" >>{log}
+case "$1" in
+show) if [ -e {log}.killed ] && [ -z "$STUCK" ]; then echo 200; else echo 100; fi ;;
+kill) [ -z "$KILL_FAILS" ] || exit 1; touch {log}.killed ;;
+esac
+exit 0
+"#,
+        log = log.display()
+    );
+    for (name, body) in [
+        ("systemctl", fake.as_str()),
+        ("getent", "#!/bin/sh\nexit 0\n"),
+        ("install", "#!/bin/sh\nexit 0\n"),
+        ("sleep", "#!/bin/sh\nexit 0\n"),
+    ] {
+        let p = bin.join(name);
+        std::fs::write(&p, body).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let upgrade = |env: &[(&str, &str)]| {
+        let _ = std::fs::remove_file(&log);
+        let _ = std::fs::remove_file(log.with_extension("killed"));
+        let mut cmd = Command::new("sh");
+        cmd.arg(&script)
+            .args(["configure", "0.0.1-1"])
+            .env("PATH", format!("{}:/usr/bin:/bin", bin.display()));
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().unwrap();
+        let calls = std::fs::read_to_string(&log).unwrap_or_default();
+        (out, calls)
+    };
+    let (out, calls) = upgrade(&[]);
+    assert!(out.status.success(), "{out:?}\n{calls}");
+    assert!(
+        calls
+            .lines()
+            .any(|l| l == "kill --kill-who=main --signal=USR2 graygate.service"),
+        "{calls}"
+    );
+    let (out, calls) = upgrade(&[("KILL_FAILS", "1")]);
+    assert!(!out.status.success(), "a failed signal passed: {calls}");
+    let (out, _) = upgrade(&[("STUCK", "1")]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("binary upgrade did not complete"), "{err}");
+}
