@@ -10,13 +10,6 @@ use crate::harness::*;
 
 const DRAIN_IDLE_MS: u64 = 1_500;
 
-fn get(p: &str) -> http::Request<http_body_util::Empty<bytes::Bytes>> {
-    http::Request::get(p)
-        .header("host", "gg")
-        .body(http_body_util::Empty::new())
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_idle_past_drain_idle_is_kept_for_drain_idle_from_the_drain_start() {
     let f1 = Backend::start("f1", "formal").await;
@@ -33,23 +26,10 @@ async fn a_connection_idle_past_drain_idle_is_kept_for_drain_idle_from_the_drain
 
     // Two keep-alive connections (a real HTTP/1.1 client each): `reused`
     // comes back during the drain, `abandoned` never does.
-    let mut conns = Vec::new();
-    for _ in 0..2 {
-        let stream = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
-        let (mut tx, conn) =
-            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-                .await
-                .unwrap();
-        let conn = tokio::spawn(conn);
-        let r = tx.send_request(get("/before")).await.unwrap();
-        assert_eq!(r.status(), 200);
-        http_body_util::BodyExt::collect(r.into_body())
-            .await
-            .unwrap();
-        conns.push((tx, conn));
-    }
-    let (mut reused, reused_conn) = conns.remove(0);
-    let (_abandoned, abandoned_conn) = conns.remove(0);
+    let mut reused = KeepAlive::open(gw.addr).await;
+    let mut abandoned = KeepAlive::open(gw.addr).await;
+    assert_eq!(reused.get("/before").await.status, 200);
+    assert_eq!(abandoned.get("/before").await.status, 200);
     // The condition under test is the idle time itself: both connections
     // stay idle longer than `drain_idle_ms` before the drain begins.
     tokio::time::sleep(Duration::from_millis(DRAIN_IDLE_MS + 300)).await;
@@ -62,29 +42,11 @@ async fn a_connection_idle_past_drain_idle_is_kept_for_drain_idle_from_the_drain
     // start: a close counted from the last request has happened by now.
     tokio::time::sleep_until((drain_seen + Duration::from_millis(DRAIN_IDLE_MS / 2)).into()).await;
     reused
-        .ready()
-        .await
-        .expect("the idle connection is still open during the drain");
-    let r = reused
-        .send_request(get("/during-drain"))
-        .await
-        .expect("a request on the idle connection is answered, not reset");
-    assert_eq!(r.status(), 200);
-    assert_eq!(
-        r.headers().get("connection").map(|v| v.as_bytes()),
-        Some(&b"close"[..])
-    );
-    http_body_util::BodyExt::collect(r.into_body())
-        .await
-        .unwrap();
-    tokio::time::timeout(Duration::from_secs(10), reused_conn)
-        .await
-        .expect("the gateway closed the reused connection after that answer")
-        .unwrap()
-        .unwrap();
+        .answered_with_close_then_closed("/during-drain")
+        .await;
     // The abandoned connection is closed `drain_idle_ms` after the drain's
     // start, and then the drain is over.
-    tokio::time::timeout(Duration::from_secs(10), abandoned_conn)
+    tokio::time::timeout(Duration::from_secs(10), abandoned.conn)
         .await
         .expect("the abandoned connection was closed")
         .unwrap()

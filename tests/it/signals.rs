@@ -130,24 +130,10 @@ async fn draining_answers_a_keep_alive_request_with_connection_close() {
         "client:\n  drain_timeout_ms: 600000\n  drain_idle_ms: 60000\n",
     );
     let mut gw = Gateway::start(&cfg);
-    let stream = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
-    let (mut tx, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .unwrap();
-    let conn = tokio::spawn(conn);
-    let get = |p: &str| {
-        http::Request::get(p)
-            .header("host", "gg")
-            .body(http_body_util::Empty::<bytes::Bytes>::new())
-            .unwrap()
-    };
-    let first = tx.send_request(get("/first")).await.unwrap();
-    assert_eq!(first.status(), 200);
-    assert!(first.headers().get("connection").is_none());
-    http_body_util::BodyExt::collect(first.into_body())
-        .await
-        .unwrap();
+    let mut ka = KeepAlive::open(gw.addr).await;
+    let first = ka.get("/first").await;
+    assert_eq!(first.status, 200);
+    assert!(first.headers.get("connection").is_none());
 
     gw.signal("TERM");
     gw.wait_log("shutting down: draining connections").await;
@@ -156,23 +142,7 @@ async fn draining_answers_a_keep_alive_request_with_connection_close() {
     })
     .await;
     // The idle keep-alive connection still answers, and says it closes.
-    tx.ready()
-        .await
-        .expect("connection still open while draining");
-    let second = tx.send_request(get("/second")).await.expect("answered");
-    assert_eq!(second.status(), 200);
-    assert_eq!(
-        second.headers().get("connection").map(|v| v.as_bytes()),
-        Some(&b"close"[..])
-    );
-    http_body_util::BodyExt::collect(second.into_body())
-        .await
-        .unwrap();
-    tokio::time::timeout(Duration::from_secs(10), conn)
-        .await
-        .expect("the gateway closed the connection after that answer")
-        .unwrap()
-        .unwrap();
+    ka.answered_with_close_then_closed("/second").await;
     // That was the last connection: the drain is over.
     gw.exits_cleanly(
         "no exit after the last connection closed",

@@ -330,3 +330,60 @@ pub async fn read_to_close(s: &mut TcpStream) -> String {
     assert!(r.is_ok(), "the peer did not close the connection");
     String::from_utf8_lossy(&out).into_owned()
 }
+
+/// One real HTTP/1.1 keep-alive client connection (hyper's) and the task
+/// driving it, for tests that reuse a connection across gateway events.
+pub struct KeepAlive {
+    pub tx: hyper::client::conn::http1::SendRequest<http_body_util::Empty<Bytes>>,
+    pub conn: tokio::task::JoinHandle<hyper::Result<()>>,
+}
+
+impl KeepAlive {
+    pub async fn open(addr: SocketAddr) -> Self {
+        let stream = TcpStream::connect(addr).await.unwrap();
+        let (tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .unwrap();
+        KeepAlive {
+            tx,
+            conn: tokio::spawn(conn),
+        }
+    }
+
+    /// GETs `path` (Host `gg`) and reads the whole answer; returns its head.
+    pub async fn get(&mut self, path: &str) -> http::response::Parts {
+        let req = Request::get(path)
+            .header("host", "gg")
+            .body(http_body_util::Empty::new())
+            .unwrap();
+        let r = self
+            .tx
+            .send_request(req)
+            .await
+            .expect("answered, not reset");
+        let (head, body) = r.into_parts();
+        body.collect().await.unwrap();
+        head
+    }
+
+    /// While the gateway drains: `path` on this (idle) connection is
+    /// answered 200 with `Connection: close`, and then the gateway closes
+    /// the connection.
+    pub async fn answered_with_close_then_closed(mut self, path: &str) {
+        self.tx
+            .ready()
+            .await
+            .expect("the idle connection is still open during the drain");
+        let head = self.get(path).await;
+        assert_eq!(head.status, 200);
+        assert_eq!(
+            head.headers.get("connection").map(|v| v.as_bytes()),
+            Some(&b"close"[..])
+        );
+        tokio::time::timeout(Duration::from_secs(10), self.conn)
+            .await
+            .expect("the gateway closed the connection after that answer")
+            .unwrap()
+            .unwrap();
+    }
+}
