@@ -228,31 +228,27 @@ def machine_busy_ticks():
     return sum(v) - v[3] - v[4]
 
 
+def status_kb(pid, field):
+    """A `kB` field of /proc/PID/status (VmRSS, VmHWM, ...); 0 once the
+    process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def rss_kb(pids):
     """Current RSS of the processes, summed."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
-        except OSError:
-            pass
-    return total
+    return sum(status_kb(p, "VmRSS") for p in pids)
 
 
 def peak_rss_kb(pids):
-    best = 0
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        best = max(best, int(line.split()[1]))
-        except OSError:
-            pass
-    return best
+    """The largest peak RSS among the processes."""
+    return max((status_kb(p, "VmHWM") for p in pids), default=0)
 
 
 class Target:
@@ -340,11 +336,14 @@ http {{
                   os.path.join(work, "backends.log"), cpus={0}, socks=[formal, gray], nginx=True)
 
 
-def nginx_lua_conf(work, port, name="nginx-lua", access=None):
+def nginx_lua_conf(work, port, name="nginx-lua", access=None, listen_opts="", server_extra=""):
     """Writes the nginx+lua gateway's config for `port`; returns its path.
-    `access` replaces the access phase directive (default: bench/nginx_gray.lua)."""
+    `access` replaces the access phase directive (default: bench/nginx_gray.lua);
+    `listen_opts` (e.g. "ssl http2") and `server_extra` (directives of the
+    server block, e.g. the certificate) serve the TLS benchmark."""
     main, http = nginx_common(work, name)
     access = access or f"access_by_lua_file {BENCH}/nginx_gray.lua;"
+    opts = f" {listen_opts}" if listen_opts else ""
     conf = """
 load_module /usr/lib/nginx/modules/ndk_http_module.so;
 load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;
@@ -355,7 +354,8 @@ http {{
     upstream formal {{ server 127.0.0.1:{BACKEND_PORTS['formal']}; keepalive 1024; keepalive_requests 100000000; }}
     upstream gray   {{ server 127.0.0.1:{BACKEND_PORTS['gray']}; keepalive 1024; keepalive_requests 100000000; }}
     server {{
-        listen 127.0.0.1:{port} backlog=8192;
+        listen 127.0.0.1:{port}{opts} backlog=8192;
+{server_extra}
         location / {{
             set $lane formal;
             {access}

@@ -24,14 +24,6 @@ import urllib.request
 import lib
 
 
-def rss_kb(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
-
-
 def read_bytes(pid):
     """Bytes the process has read (files and sockets): still growing while
     it is filling its buffers and the kernel's."""
@@ -45,11 +37,11 @@ def read_bytes(pid):
 def settle(pid, secs=3.0):
     """RSS once it has stopped growing and the process has stopped reading
     for `secs` (sampled every 200 ms; at most a minute)."""
-    last, stable_since = (rss_kb(pid), read_bytes(pid)), time.time()
+    last, stable_since = (lib.rss_kb([pid]), read_bytes(pid)), time.time()
     deadline = time.time() + 60
     while time.time() < deadline:
         time.sleep(0.2)
-        now = (rss_kb(pid), read_bytes(pid))
+        now = (lib.rss_kb([pid]), read_bytes(pid))
         if abs(now[0] - last[0]) > 256 or now[1] != last[1]:
             last, stable_since = now, time.time()
         elif time.time() - stable_since >= secs:

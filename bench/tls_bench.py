@@ -83,44 +83,15 @@ def start_graygate(work, binary, cert, key):
 
 
 def start_nginx(work, cert, key):
-    main, http = lib.nginx_common(work, "nginx-tls")
     sock = lib.listen_socket()
     port = sock.getsockname()[1]
-    conf = """
-load_module /usr/lib/nginx/modules/ndk_http_module.so;
-load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;
-""" + main + f"""
-http {{
-{http}
-    lua_package_path "{lib.BENCH}/?.lua;;";
-    upstream formal {{ server 127.0.0.1:{lib.BACKEND_PORTS['formal']}; keepalive 1024; keepalive_requests 100000000; }}
-    upstream gray   {{ server 127.0.0.1:{lib.BACKEND_PORTS['gray']}; keepalive 1024; keepalive_requests 100000000; }}
-    server {{
-        listen 127.0.0.1:{port} ssl http2 backlog=8192;
+    path = lib.nginx_lua_conf(work, port, name="nginx-tls", listen_opts="ssl http2", server_extra=f"""
         ssl_certificate {cert};
         ssl_certificate_key {key};
         ssl_protocols TLSv1.2 TLSv1.3;
         ssl_session_cache shared:SSL:10m;
         ssl_session_tickets on;
-        http2_max_concurrent_streams 128;
-        location / {{
-            set $lane formal;
-            access_by_lua_file {lib.BENCH}/nginx_gray.lua;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_set_header Host $http_host;
-            proxy_set_header X-Gray-Tag $lane;
-            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
-            proxy_set_header X-Forwarded-Proto $scheme;
-            proxy_set_header X-Forwarded-Host $http_host;
-            proxy_pass http://$lane;
-        }}
-    }}
-}}
-"""
-    path = os.path.join(work, "nginx-tls.conf")
-    with open(path, "w") as f:
-        f.write(conf)
+        http2_max_concurrent_streams 128;""")
     return lib.Target("nginx-lua", ["nginx", "-p", work, "-e", "stderr", "-c", path],
                       os.path.join(work, "nginx-tls.log"), socks=[sock], nginx=True)
 
