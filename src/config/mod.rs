@@ -716,12 +716,6 @@ impl Default for ServiceConfig {
     }
 }
 
-/// `zone_min_healthy`'s default, for the registry's service config (which
-/// repeats the node-selection keys of [`ServiceConfig`]).
-pub fn default_zone_min_healthy() -> u32 {
-    ServiceConfig::default().zone_min_healthy
-}
-
 /// Node selection policy within the candidate set of a lane.
 #[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
