@@ -476,18 +476,62 @@ mod tests {
         assert_eq!(seq, "aabacaa");
     }
 
+    /// What a request of `lane` can reach through `choose` (the request
+    /// path's choice) and every retry after it: the nodes' names, the
+    /// fallback, panic mode.
+    fn reachable(
+        s: &Service,
+        lane: &str,
+        now: u64,
+    ) -> Result<(std::collections::BTreeSet<String>, Option<Fallback>, bool), NoCandidates> {
+        let c = s.choose(lane, now)?;
+        let mut tried = Vec::new();
+        while let Some(i) = c.pick(now, &tried, None) {
+            tried.push(i);
+        }
+        let names = tried.iter().map(|&i| c.set.nodes[i].name.to_string());
+        Ok((names.collect(), c.fallback, c.ignore_health))
+    }
+
     #[test]
     fn lane_then_formal_never_other_gray() {
-        let s = Service::new("s", vec![node("f", FORMAL, 1), node("g", "gray", 1)]);
+        let now = crate::base::clock::now_ms();
+        let s = Service::new(
+            "s",
+            vec![
+                node("f", FORMAL, 1),
+                node("g1", "gray", 1),
+                node("g2", "gray", 1),
+            ],
+        );
         let (set, fb) = s.candidates("gray").unwrap();
-        assert_eq!(set.pick().unwrap().name.as_ref(), "g");
-        assert_eq!(fb, None);
+        assert_eq!((set.nodes[0].name.as_ref(), fb), ("g1", None));
         let (set, fb) = s.candidates("v2").unwrap();
-        assert_eq!(set.pick().unwrap().name.as_ref(), "f");
+        assert_eq!(set.nodes[0].name.as_ref(), "f");
         assert_eq!(fb, Some(Fallback::LaneHasNoNodes));
+        let lane = |l| reachable(&s, l, now).unwrap();
+        assert_eq!(lane("gray"), (set_of(&["g1", "g2"]), None, false));
+        assert_eq!(lane(FORMAL), (set_of(&["f"]), None, false));
+        // A lane without nodes: formal, never the gray lane that has some.
+        let no_nodes = Some(Fallback::LaneHasNoNodes);
+        assert_eq!(lane("v2"), (set_of(&["f"]), no_nodes, false));
+        // ... and formal's nodes in panic mode when they are all down.
+        s.lanes[FORMAL].health[0].failure("f", &eject_on_first_failure());
+        assert_eq!(lane("v2"), (set_of(&["f"]), no_nodes, true));
+        // No formal node: nothing, never another lane's nodes.
         let only_gray = Service::new("s", vec![node("g", "gray", 1)]);
-        assert!(only_gray.candidates("v2").is_none());
-        assert!(only_gray.candidates(FORMAL).is_none());
+        for l in ["v2", FORMAL] {
+            assert_eq!(
+                reachable(&only_gray, l, now),
+                Err(NoCandidates::NoNodes),
+                "{l}"
+            );
+            assert!(only_gray.candidates(l).is_none(), "{l}");
+        }
+        assert_eq!(
+            reachable(&only_gray, "gray", now),
+            Ok((set_of(&["g"]), None, false))
+        );
     }
 
     #[test]
