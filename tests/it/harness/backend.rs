@@ -33,7 +33,7 @@ pub struct Seen {
     /// The lane tag (`X-Gray-Tag`) the gateway sent.
     pub tag: Option<String>,
     /// The request body, in the modes that read it ([`Mode::Full`],
-    /// [`Mode::Drop`]); empty otherwise.
+    /// [`Mode::Drop`], [`Mode::HoldDrop`]); empty otherwise.
     pub body: Bytes,
     /// When the request arrived.
     pub at: Instant,
@@ -73,6 +73,10 @@ pub enum Mode {
     /// Reads the request (and its body), then closes the connection
     /// unanswered.
     Drop,
+    /// Like [`Mode::Drop`], but holds each request until the notify lets
+    /// it go (`notify_one`: one request a call, kept if none waits yet):
+    /// a node that fails in the middle of a request, when the test says.
+    HoldDrop(Arc<tokio::sync::Notify>),
     /// JSON, then closes the connection (`Connection: close`).
     JsonClose,
     /// Streams the request body back.
@@ -323,12 +327,12 @@ impl State {
         if delay > 0 {
             tokio::time::sleep(Duration::from_millis(delay)).await;
         }
-        if !matches!(mode, Mode::Full | Mode::Drop) {
+        if !matches!(mode, Mode::Full | Mode::Drop | Mode::HoldDrop(_)) {
             self.seen.lock().unwrap().push(seen.clone());
         }
         let mut r = match mode {
             Mode::Json => Response::new(full(self.json(&tag).to_string())),
-            Mode::Full | Mode::Drop => {
+            Mode::Full | Mode::Drop | Mode::HoldDrop(_) => {
                 let body = req
                     .into_body()
                     .collect()
@@ -339,7 +343,10 @@ impl State {
                     body: body.clone(),
                     ..seen
                 });
-                if matches!(mode, Mode::Drop) {
+                if let Mode::HoldDrop(gate) = &mode {
+                    gate.notified().await;
+                }
+                if matches!(mode, Mode::Drop | Mode::HoldDrop(_)) {
                     // A service error makes hyper close the connection unanswered.
                     return Err(std::io::Error::other("dropping the connection"));
                 }

@@ -1,6 +1,7 @@
 //! Health checks, same-lane retries and timeouts through the real binary.
 
 mod client;
+mod mid_request;
 mod reload;
 mod sticky;
 mod ws;
