@@ -338,7 +338,7 @@ async fn kubernetes_volume_updates_reload_config_script_static_and_certificates(
     let gen = gw.generation().await;
     let old = publish("cfg", &cfg_files("'gray'")).unwrap();
     gw.wait_generation(gen).await;
-    assert_eq!(api().await, "g1");
+    soon("the new script", || async { api().await == "g1" }).await;
     std::fs::remove_dir_all(old).unwrap();
 
     // The Secret: the new certificate is served to new connections.
@@ -356,7 +356,7 @@ async fn kubernetes_volume_updates_reload_config_script_static_and_certificates(
     let gen = gw.generation().await;
     let old = publish("www", &[("site/formal/index.html", "<h1>v2</h1>\n".into())]).unwrap();
     gw.wait_generation(gen).await;
-    assert_eq!(page().await, "<h1>v2</h1>\n");
+    soon("the new page", || async { page().await == "<h1>v2</h1>\n" }).await;
     std::fs::remove_dir_all(old).unwrap();
 
     // Every replaced directory gone: all serves on, a rebuild (SIGHUP)
@@ -370,7 +370,10 @@ async fn kubernetes_volume_updates_reload_config_script_static_and_certificates(
     let gen = gw.generation().await;
     publish("cfg", &cfg_files("nil"));
     gw.wait_generation(gen).await;
-    assert_eq!(api().await, "f1");
+    soon("the script after the removals", || async {
+        api().await == "f1"
+    })
+    .await;
     assert!(gw.status().await["last_reload_error"].is_null());
 }
 
