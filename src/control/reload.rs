@@ -137,3 +137,53 @@ fn refresh(
     }
     *watched = dirs;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    #[test]
+    fn resolution_lists_every_link_then_the_target() {
+        let d = tempfile::tempdir().unwrap();
+        let root = d.path().canonicalize().unwrap();
+        // kubelet: name -> ..data/name, ..data -> ..ts
+        std::fs::create_dir(root.join("..ts")).unwrap();
+        std::fs::write(root.join("..ts/a.yaml"), "x").unwrap();
+        symlink("..ts", root.join("..data")).unwrap();
+        symlink("..data/a.yaml", root.join("a.yaml")).unwrap();
+        assert_eq!(
+            resolution(&root.join("a.yaml")),
+            [
+                root.join("a.yaml"),
+                root.join("..data"),
+                root.join("..ts/a.yaml")
+            ]
+        );
+        // A directory on the way that is a link (an absolute one).
+        symlink(root.join("..ts"), root.join("current")).unwrap();
+        assert_eq!(
+            resolution(&root.join("current/a.yaml")),
+            [root.join("current"), root.join("..ts/a.yaml")]
+        );
+        // No link: the path itself; a loop ends after MAX_LINKS.
+        assert_eq!(
+            resolution(&root.join("..ts/a.yaml")),
+            [root.join("..ts/a.yaml")]
+        );
+        symlink("loop", root.join("loop")).unwrap();
+        assert_eq!(resolution(&root.join("loop")).len(), MAX_LINKS + 1);
+        // The watcher's keys cover the links and the target's directory.
+        let keys = interesting(&[root.join("a.yaml")]);
+        for (dir, name) in [
+            (&root, "a.yaml"),
+            (&root, "..data"),
+            (&root.join("..ts"), "a.yaml"),
+        ] {
+            assert!(
+                keys.contains(&(dir.clone(), OsString::from(name))),
+                "{keys:?}"
+            );
+        }
+    }
+}
