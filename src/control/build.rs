@@ -1,8 +1,11 @@
 //! Layer: control plane. Building a generation: every file reachable from the
 //! main config is read, parsed, validated and compiled (the Lua top level runs
 //! in a fresh sandbox) into one [`Generation`], or the first error is returned
-//! with its file:line. Nothing is applied until the whole build succeeds
-//! (shared-dictionary resizes last of all).
+//! with its file:line. A build has no effect on live state, whether it is
+//! accepted or not: its shared dictionaries are private placeholders (the
+//! script's top level runs against them) and what a generation shares with
+//! the running gateway (dictionaries, health, counters) is attached by
+//! `Gateway::install` only once it is accepted.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -61,6 +64,7 @@ impl Generation {
         };
         let at = |needle: &str| find_line(&text, None, needle);
         let mut files = vec![config_path.to_path_buf()];
+        let mut watch_paths = Vec::new();
         let mut warnings = Vec::new();
 
         let tag_header = HeaderName::from_bytes(config.tag_header.as_bytes()).map_err(|_| {
@@ -248,6 +252,7 @@ impl Generation {
                             format!("static root {}: {e}", path.display()),
                         )
                     })?;
+                    watch_paths.push(path);
                     if !canon.join(FORMAL).is_dir() {
                         warnings.push(format!(
                             "static root {} has no {FORMAL}/ directory",
@@ -380,7 +385,7 @@ impl Generation {
         }
         let dicts: BTreeMap<String, Arc<SharedDict>> = dict_sizes
             .iter()
-            .map(|(name, bytes)| (name.clone(), shared_dict::dict(name, *bytes)))
+            .map(|(name, bytes)| (name.clone(), shared_dict::pending(name, *bytes)))
             .collect();
 
         if config.script_limits.jit && config.script.is_some() {
@@ -430,13 +435,6 @@ impl Generation {
             }
         }
 
-        // Everything is valid: apply changed dictionary sizes now (a
-        // rejected reload leaves the live dictionaries alone).
-        for (name, bytes) in &dict_sizes {
-            if let Some(d) = dicts.get(name).filter(|d| d.capacity() != *bytes) {
-                d.set_capacity(*bytes);
-            }
-        }
         let mut tls = Vec::with_capacity(config.listeners.len());
         for l in &config.listeners {
             let line = find_line(&text, Some("listeners:"), &l.listen.to_string());
@@ -484,6 +482,7 @@ impl Generation {
             routes,
             dicts,
             files,
+            watch_paths,
             loaded_at: SystemTime::now(),
             warnings,
             lane_tags,

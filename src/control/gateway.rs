@@ -97,6 +97,7 @@ impl Gateway {
         health.attach(&mut gen.services);
         let node_stats = NodeStats::default();
         attach_counters(&node_stats, &mut gen);
+        adopt_dicts(&mut gen);
         let plane = Arc::new(DataPlane {
             generation: Live::new(gen),
             client,
@@ -155,7 +156,10 @@ impl Gateway {
 
     /// Builds the next generation with `build` (given its id) and swaps it
     /// in; on any error the old one keeps serving and the error is
-    /// recorded. Blocking.
+    /// recorded. A build touches no live state: a generation rejected by
+    /// the build or by the checks here (the listener layout) leaves the
+    /// gateway exactly as it was; an accepted one is committed (health,
+    /// counters, shared dictionaries) just before the swap. Blocking.
     pub fn install(
         &self,
         build: impl FnOnce(u64) -> Result<Generation, ConfigError>,
@@ -197,8 +201,11 @@ impl Gateway {
                 for w in &gen.warnings {
                     tracing::warn!("{w}");
                 }
+                // Accepted: only now does it reach what outlives
+                // generations (health, counters, shared dictionaries).
                 self.plane.health.attach(&mut gen.services);
                 attach_counters(&self.plane.node_stats, &mut gen);
+                adopt_dicts(&mut gen);
                 let gen = Arc::new(gen);
                 self.plane.generation.publish(gen.clone());
                 self.sync_health(&gen);
@@ -244,5 +251,15 @@ impl Gateway {
 fn attach_counters(stats: &NodeStats, gen: &mut Generation) {
     for (name, svc) in gen.services.iter_mut() {
         svc.attach_counters(|addr| stats.get(name, addr));
+    }
+}
+
+/// Gives an accepted generation the live `ngx.shared` dictionaries in place
+/// of the placeholders it was built with (resizing them to its sizes), in
+/// the generation and in its script: the commit of what a build declared.
+fn adopt_dicts(gen: &mut Generation) {
+    crate::lane::shared_dict::adopt(&mut gen.dicts);
+    if let Some(script) = &mut gen.lane.script {
+        script.dicts = gen.dicts.clone();
     }
 }

@@ -1,12 +1,17 @@
 //! Layer: control plane. Hot reload: a notify watcher on the directories of
 //! every file the current generation was built from (so an editor's rename-over
-//! is seen), plus SIGHUP. Changes are debounced, then the whole configuration
+//! is seen), plus SIGHUP. Symlinks are followed: the watcher also watches
+//! every link on the way to each file (a file that is a link, a directory
+//! component that is one) and the directory of the final target, so a
+//! Kubernetes ConfigMap or Secret volume (kubelet swaps its `..data` link to
+//! a new timestamped directory), an `ln -sfn` deploy and an edit of a link's
+//! target all reload. Changes are debounced, then the whole configuration
 //! is rebuilt and swapped by [`Gateway::reload`]; a bad change is rejected and
 //! the old generation keeps serving.
 
 use std::collections::HashSet;
 use std::ffi::OsString;
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,14 +20,49 @@ use tokio::sync::mpsc;
 
 use crate::control::Gateway;
 
-/// (canonical directory, file name) of every file worth a reload.
+/// Links followed per file at most (as the kernel's `ELOOP` bound).
+const MAX_LINKS: usize = 40;
+
+/// The paths a change of `file` can come through: every symlink met while
+/// resolving it (the file itself, a directory on the way, a link a link
+/// points at), then the path it resolves to. A missing component ends the
+/// walk with the path as it stands.
+fn resolution(file: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut path = std::path::absolute(file).unwrap_or_else(|_| file.to_path_buf());
+    'walk: for _ in 0..MAX_LINKS {
+        let comps: Vec<Component> = path.components().collect();
+        let mut cur = PathBuf::new();
+        for (i, c) in comps.iter().enumerate() {
+            cur.push(c);
+            let is_link = std::fs::symlink_metadata(&cur).is_ok_and(|m| m.is_symlink());
+            if !is_link {
+                continue;
+            }
+            let Ok(target) = std::fs::read_link(&cur) else {
+                break;
+            };
+            out.push(cur.clone());
+            // A relative target is relative to the link's directory.
+            let mut next = cur.parent().map_or_else(PathBuf::new, Path::to_path_buf);
+            next.push(target);
+            next.extend(&comps[i + 1..]);
+            path = next;
+            continue 'walk;
+        }
+        break;
+    }
+    out.push(path);
+    out
+}
+
+/// (canonical directory, file name) of every path worth a reload: each of
+/// `files` and the links on the way to it.
 fn interesting(files: &[PathBuf]) -> HashSet<(PathBuf, OsString)> {
     files
         .iter()
-        .filter_map(|f| {
-            let dir = f.parent()?.canonicalize().ok()?;
-            Some((dir, f.file_name()?.to_os_string()))
-        })
+        .flat_map(|f| resolution(f))
+        .filter_map(|p| key_of(&p))
         .collect()
 }
 
@@ -73,7 +113,8 @@ pub async fn run(gw: Arc<Gateway>) -> notify::Result<()> {
 }
 
 /// Watches the directories of the current generation's files (plus the
-/// config file's), dropping directories no longer needed.
+/// config file's) and of the links leading to them, dropping directories
+/// no longer needed (a volume's previous timestamped directory).
 fn refresh(
     gw: &Gateway,
     watcher: &mut impl Watcher,
@@ -82,6 +123,7 @@ fn refresh(
 ) {
     let gen = gw.current();
     let mut files = gen.files.clone();
+    files.extend(gen.watch_paths.iter().cloned());
     files.push(gw.config_path.clone());
     *wanted = interesting(&files);
     let dirs: HashSet<PathBuf> = wanted.iter().map(|(d, _)| d.clone()).collect();
@@ -94,4 +136,54 @@ fn refresh(
         }
     }
     *watched = dirs;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    #[test]
+    fn resolution_lists_every_link_then_the_target() {
+        let d = tempfile::tempdir().unwrap();
+        let root = d.path().canonicalize().unwrap();
+        // kubelet: name -> ..data/name, ..data -> ..ts
+        std::fs::create_dir(root.join("..ts")).unwrap();
+        std::fs::write(root.join("..ts/a.yaml"), "x").unwrap();
+        symlink("..ts", root.join("..data")).unwrap();
+        symlink("..data/a.yaml", root.join("a.yaml")).unwrap();
+        assert_eq!(
+            resolution(&root.join("a.yaml")),
+            [
+                root.join("a.yaml"),
+                root.join("..data"),
+                root.join("..ts/a.yaml")
+            ]
+        );
+        // A directory on the way that is a link (an absolute one).
+        symlink(root.join("..ts"), root.join("current")).unwrap();
+        assert_eq!(
+            resolution(&root.join("current/a.yaml")),
+            [root.join("current"), root.join("..ts/a.yaml")]
+        );
+        // No link: the path itself; a loop ends after MAX_LINKS.
+        assert_eq!(
+            resolution(&root.join("..ts/a.yaml")),
+            [root.join("..ts/a.yaml")]
+        );
+        symlink("loop", root.join("loop")).unwrap();
+        assert_eq!(resolution(&root.join("loop")).len(), MAX_LINKS + 1);
+        // The watcher's keys cover the links and the target's directory.
+        let keys = interesting(&[root.join("a.yaml")]);
+        for (dir, name) in [
+            (&root, "a.yaml"),
+            (&root, "..data"),
+            (&root.join("..ts"), "a.yaml"),
+        ] {
+            assert!(
+                keys.contains(&(dir.clone(), OsString::from(name))),
+                "{keys:?}"
+            );
+        }
+    }
 }

@@ -56,6 +56,11 @@ pub struct Generation {
     pub dicts: BTreeMap<String, Arc<SharedDict>>,
     /// Every file this generation was built from (watched for changes).
     pub files: Vec<PathBuf>,
+    /// Paths watched besides `files` but not read as documents: each
+    /// static root as configured (before it was made canonical), so that
+    /// swapping a link on its way (a volume update, a deploy) rebuilds the
+    /// tree on its new target.
+    pub watch_paths: Vec<PathBuf>,
     pub loaded_at: SystemTime,
     /// Non-fatal findings (e.g. a lane nothing serves).
     pub warnings: Vec<String>,

@@ -2,9 +2,11 @@
 //! declared in the config, shared by every worker thread's Lua VM and surviving
 //! reloads (they live in a registry outside the `Generation`, keyed by name).
 //! Each dictionary is bounded in bytes; when full, `set` evicts the least
-//! recently used items, as OpenResty's `lua_shared_dict` does.
+//! recently used items, as OpenResty's `lua_shared_dict` does. A generation
+//! being built gets private placeholders ([`pending`]); only a committed
+//! one is given the live dictionaries ([`adopt`]).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -289,19 +291,33 @@ fn registry() -> &'static Mutex<HashMap<String, Arc<SharedDict>>> {
     REG.get_or_init(Default::default)
 }
 
-/// The process-wide dictionary `name`, created (with `capacity`) on first
-/// use; an existing one is returned as it is — contents survive reloads, and
-/// a new size is applied with [`SharedDict::set_capacity`] once the new
-/// configuration is known to be good.
-pub fn dict(name: &str, capacity: usize) -> Arc<SharedDict> {
+/// The dictionary `name` of a generation being built: a private, empty
+/// one of the size the configuration asks for, registered nowhere. The
+/// build's sandbox (the script's top level run to validate it) writes into
+/// it, so a build, rejected or not, never touches a live dictionary;
+/// [`adopt`] swaps it for the process-wide one when the generation is
+/// committed.
+pub fn pending(name: &str, capacity: usize) -> Arc<SharedDict> {
+    Arc::new(SharedDict::new(name, capacity))
+}
+
+/// Commits the dictionaries of a generation about to serve: each
+/// [`pending`] one is replaced by the process-wide dictionary of its name
+/// (contents survive reloads), which takes the pending one's size,
+/// evicting least recently used items if it shrank; a name seen for the
+/// first time gets a new, empty dictionary. Only the control plane calls
+/// this, once the generation is accepted.
+pub fn adopt(dicts: &mut BTreeMap<String, Arc<SharedDict>>) {
     let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
-    match reg.get(name) {
-        Some(d) => d.clone(),
-        None => {
-            let d = Arc::new(SharedDict::new(name, capacity));
-            reg.insert(name.to_string(), d.clone());
-            d
+    for (name, d) in dicts.iter_mut() {
+        let capacity = d.capacity();
+        let live = reg
+            .entry(name.clone())
+            .or_insert_with(|| Arc::new(SharedDict::new(name, capacity)));
+        if live.capacity() != capacity {
+            live.set_capacity(capacity);
         }
+        *d = live.clone();
     }
 }
 
@@ -388,14 +404,32 @@ mod tests {
     }
 
     #[test]
-    fn registry_keeps_contents_across_lookups() {
-        let a = dict("registry_test", 1 << 20);
-        a.set(b"k", Some(DictValue::Int(7)), None).unwrap();
-        let b = dict("registry_test", 2 << 20);
-        assert_eq!(b.get(b"k"), Some(DictValue::Int(7)));
-        assert_eq!(a.capacity(), 1 << 20);
-        b.set_capacity(2 << 20);
-        assert_eq!(a.capacity(), 2 << 20);
+    fn pending_dicts_are_private_until_adopted() {
+        let mut first =
+            BTreeMap::from([("adopt_test".to_string(), pending("adopt_test", 1 << 20))]);
+        adopt(&mut first);
+        let live = first["adopt_test"].clone();
+        for i in 0..100 {
+            live.set(format!("k{i}").as_bytes(), Some(DictValue::Int(i)), None)
+                .unwrap();
+        }
+        // A smaller size being built: the live dictionary is untouched,
+        // and what the build writes stays in its own copy.
+        let mut next = BTreeMap::from([("adopt_test".to_string(), pending("adopt_test", 1024))]);
+        next["adopt_test"].flush_all();
+        next["adopt_test"]
+            .set(b"x", Some(DictValue::Int(1)), None)
+            .unwrap();
+        assert_eq!(live.capacity(), 1 << 20);
+        assert_eq!(live.keys(0).len(), 100);
+        assert_eq!(live.get(b"x"), None);
+        // Adopted: the same live dictionary, resized (LRU items evicted).
+        adopt(&mut next);
+        assert!(Arc::ptr_eq(&next["adopt_test"], &live));
+        assert_eq!(live.capacity(), 1024);
+        assert!(live.used() <= 1024);
+        assert!(live.get(b"k99").is_some(), "the newest items stay");
+        assert_eq!(live.get(b"x"), None, "the build's writes are not adopted");
     }
 
     #[test]

@@ -271,6 +271,93 @@ async fn etcd_down_gateways_keep_serving_and_a_restart_serves_the_cached_snapsho
     assert!(b.status().await["store_error"].is_null());
 }
 
+/// The last-known-good snapshot cached by gateway `id` under `root`: its
+/// revision and the script `gray.lua` it holds.
+fn cached(root: &std::path::Path, id: &str, prefix: &str) -> (i64, String) {
+    use base64::Engine;
+    let path = root.join(id).join("cache/snapshot.json");
+    let snap: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let script = snap["kvs"][format!("{prefix}/config/gray.lua")]["value"]
+        .as_str()
+        .map(|v| base64::engine::general_purpose::STANDARD.decode(v).unwrap())
+        .unwrap_or_default();
+    (
+        snap["revision"].as_i64().unwrap(),
+        String::from_utf8(script).unwrap(),
+    )
+}
+
+async fn wait_rejected(gw: &Gateway, needle: &str) {
+    soon("the snapshot rejected", || async {
+        gw.status().await["last_reload_error"]
+            .as_str()
+            .is_some_and(|e| e.contains(needle))
+    })
+    .await
+}
+
+/// A snapshot the gateway rejects, by its build (a broken script) or after
+/// it (a listener change), is never written to the last-known-good cache:
+/// a restart while etcd is down serves the good configuration before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rejected_snapshot_never_replaces_the_cached_one() {
+    let mut etcd = Etcd::start(1).await;
+    let [f, g] = backends([("f1", "formal"), ("g1", "gray")]).await;
+    let conf = Conf::new(&nodes_yaml(&[&f, &g]), SCRIPT);
+    let (root, r1, [mut a]) = serve(&etcd, "/lkg", &conf, ["gw-a"]).await;
+    assert_eq!(
+        cached(root.path(), "gw-a", "/lkg"),
+        (r1, SCRIPT.to_string())
+    );
+    // Rejected by the build.
+    etcd.put_script("/lkg", "return function(req)\n  if then\nend\n")
+        .await;
+    wait_rejected(&a, "/lkg/config/gray.lua:2").await;
+    assert_eq!(
+        cached(root.path(), "gw-a", "/lkg"),
+        (r1, SCRIPT.to_string())
+    );
+    etcd.kill_all();
+    a.restart();
+    let s = a.status().await;
+    assert_eq!(
+        (s["source_state"].as_str(), &s["revision"]),
+        (Some("cached"), &r1.into()),
+        "{s}"
+    );
+    assert_eq!(node_of(&a, true).await, "g1");
+    assert_eq!(node_of(&a, false).await, "f1");
+
+    // etcd back: the broken script is seen and rejected again; a good one
+    // is applied and cached.
+    etcd.restart_all().await;
+    wait_rejected(&a, "/lkg/config/gray.lua:2").await;
+    let good = "return function(req) return 'gray' end\n";
+    let r3 = etcd.put_script("/lkg", good).await;
+    a.wait_revision(r3).await;
+    assert_eq!(cached(root.path(), "gw-a", "/lkg"), (r3, good.to_string()));
+
+    // Built, then rejected by the gateway (listeners need a restart).
+    let main = etcd.get("/lkg/config/main.yaml").await.unwrap();
+    etcd.put(
+        "/lkg/config/main.yaml",
+        &format!("{main}listeners:\n  - {{ listen: 127.0.0.1:0, h2c: true }}\n"),
+    )
+    .await;
+    wait_rejected(&a, "needs a restart").await;
+    assert_eq!(cached(root.path(), "gw-a", "/lkg"), (r3, good.to_string()));
+    etcd.kill_all();
+    a.restart();
+    let s = a.status().await;
+    assert_eq!(
+        (s["source_state"].as_str(), &s["revision"]),
+        (Some("cached"), &r3.into()),
+        "{s}"
+    );
+    assert_eq!(node_of(&a, false).await, "g1");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_compaction_past_the_watch_forces_a_full_reread() {
     let mut etcd = Etcd::start(1).await;

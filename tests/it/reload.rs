@@ -273,3 +273,235 @@ async fn in_flight_requests_finish_on_their_generation() {
     assert_eq!(body, "first;rest");
     assert_eq!(slow.count(), 1);
 }
+
+/// A certificate for `name` (CN and SAN) and its key, as PEM text.
+fn cert_pair(name: &str) -> (String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    crate::harness::tls::write_cert(dir.path(), "c", name);
+    let read = |ext: &str| std::fs::read_to_string(dir.path().join(format!("c.{ext}"))).unwrap();
+    (read("crt"), read("key"))
+}
+
+/// Three volumes laid out and updated as kubelet does (ConfigMap `cfg`:
+/// main file, node file, script; Secret `tls`: certificate and key;
+/// ConfigMap `www`: a static tree in a subdirectory). The gateway is
+/// started on the `cfg/graygate.yaml` symlink; each volume's update alone
+/// reloads it, and the directory each update replaced is removed while it
+/// serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubernetes_volume_updates_reload_config_script_static_and_certificates() {
+    use crate::harness::tls::{listeners, served_cn};
+    let [f, g] = backends([("f1", "formal"), ("g1", "gray")]).await;
+    let fx = Fixture::new();
+    let nodes = Nodes::api(nodes_of([&f, &g])).to_yaml();
+    let tls = fx.path("tls");
+    let www = fx.path("www");
+    let main = Config::new()
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .routes(&[
+            Route::service("/api/", "api"),
+            Route::static_dir("/", &format!("{}/site", www.display())),
+        ])
+        .listeners(&[Listener::tls().cert(
+            &format!("{}/tls.crt", tls.display()),
+            &format!("{}/tls.key", tls.display()),
+        )])
+        .to_yaml();
+    let script = |lane: &str| format!("return function(req) return {lane} end\n");
+    let cfg_files = |lane: &str| {
+        [
+            ("graygate.yaml", main.clone()),
+            ("nodes.yaml", nodes.clone()),
+            ("lane.lua", script(lane)),
+        ]
+    };
+    let publish = |vol: &str, files: &[(&str, String)]| {
+        let files: Vec<(&str, &str)> = files.iter().map(|(n, t)| (*n, t.as_str())).collect();
+        fx.kube_publish(vol, &files)
+    };
+    let (crt, key) = cert_pair("one.example");
+    publish("tls", &[("tls.crt", crt), ("tls.key", key)]);
+    publish("www", &[("site/formal/index.html", "<h1>v1</h1>\n".into())]);
+    publish("cfg", &cfg_files("nil"));
+    let config = fx.path("cfg/graygate.yaml");
+    assert!(std::fs::symlink_metadata(&config).unwrap().is_symlink());
+    let gw = Gateway::start(&config);
+    let addr = listeners(&gw)[0];
+    let api = || async { gw.get("/api/x").await.node() };
+    let page = || async { gw.get("/").await.text() };
+    assert_eq!(api().await, "f1");
+    assert_eq!(page().await, "<h1>v1</h1>\n");
+    assert_eq!(served_cn(addr, Some("localhost")), "one.example");
+
+    // The ConfigMap: a new script.
+    let gen = gw.generation().await;
+    let old = publish("cfg", &cfg_files("'gray'")).unwrap();
+    gw.wait_generation(gen).await;
+    soon("the new script", || async { api().await == "g1" }).await;
+    std::fs::remove_dir_all(old).unwrap();
+
+    // The Secret: the new certificate is served to new connections.
+    let gen = gw.generation().await;
+    let (crt, key) = cert_pair("two.example");
+    let old = publish("tls", &[("tls.crt", crt), ("tls.key", key)]).unwrap();
+    gw.wait_generation(gen).await;
+    soon("the new certificate is served", || async {
+        served_cn(addr, Some("localhost")) == "two.example"
+    })
+    .await;
+    std::fs::remove_dir_all(old).unwrap();
+
+    // The static tree's volume: its root is a link into `..data`.
+    let gen = gw.generation().await;
+    let old = publish("www", &[("site/formal/index.html", "<h1>v2</h1>\n".into())]).unwrap();
+    gw.wait_generation(gen).await;
+    soon("the new page", || async { page().await == "<h1>v2</h1>\n" }).await;
+    std::fs::remove_dir_all(old).unwrap();
+
+    // Every replaced directory gone: all serves on, a rebuild (SIGHUP)
+    // reads the new directories, and a further update is seen.
+    let gen = gw.generation().await;
+    gw.signal("HUP");
+    gw.wait_generation(gen).await;
+    assert_eq!(api().await, "g1");
+    assert_eq!(page().await, "<h1>v2</h1>\n");
+    assert_eq!(served_cn(addr, Some("localhost")), "two.example");
+    let gen = gw.generation().await;
+    publish("cfg", &cfg_files("nil"));
+    gw.wait_generation(gen).await;
+    soon("the script after the removals", || async {
+        api().await == "f1"
+    })
+    .await;
+    assert!(gw.status().await["last_reload_error"].is_null());
+}
+
+/// A deploy that switches a `current` symlink to a new release directory
+/// with `ln -sfn`: the gateway, started on `current/graygate.yaml`,
+/// reloads onto the new release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ln_sfn_deploy_of_a_release_directory_reloads() {
+    let [f, g] = backends([("f1", "formal"), ("g1", "gray")]).await;
+    let fx = Fixture::new();
+    for (release, lane) in [("v1", "nil"), ("v2", "'gray'")] {
+        fx.write(
+            &format!("releases/{release}/lane.lua"),
+            &format!("return function(req) return {lane} end\n"),
+        );
+        Nodes::api(nodes_of([&f, &g])).write(&fx, &format!("releases/{release}/nodes.yaml"));
+        Config::new()
+            .script("lane.lua")
+            .node_files(&["nodes.yaml"])
+            .route_all("api")
+            .write(&fx, &format!("releases/{release}/graygate.yaml"));
+    }
+    let ln = |release: &str| {
+        let ok = Command::new("ln")
+            .arg("-sfn")
+            .arg(format!("releases/{release}"))
+            .arg("current")
+            .current_dir(fx.dir.path())
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "ln -sfn failed");
+    };
+    ln("v1");
+    let gw = Gateway::start(&fx.path("current/graygate.yaml"));
+    assert_eq!(gw.get("/").await.node(), "f1");
+    let gen = gw.generation().await;
+    ln("v2");
+    gw.wait_generation(gen).await;
+    assert_eq!(gw.get("/").await.node(), "g1");
+    // And back.
+    let gen = gw.generation().await;
+    ln("v1");
+    gw.wait_generation(gen).await;
+    assert_eq!(gw.get("/").await.node(), "f1");
+}
+
+/// A reload rejected after its build (here: a listener change, which needs
+/// a restart) leaves every live thing as it was: a shared dictionary is
+/// neither resized (its items evicted) by the rejected generation's
+/// smaller size nor written by its script's top level; an accepted reload
+/// does resize it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_reload_leaves_shared_dictionaries_alone() {
+    let f = Backend::start("f1", "formal").await;
+    let fx = Fixture::new();
+    fx.api_nodes(&[&f]);
+    let script = "return function(req)\n  local d = ngx.shared.d\n  local batch = tonumber(req:header('X-Fill'))\n  if batch then\n    for i = batch * 100 + 1, batch * 100 + 100 do d:set('k' .. i, string.rep('v', 100)) end\n  end\n  ngx.req.set_header('X-Count', #d:get_keys(0))\nend\n";
+    fx.write("lane.lua", script);
+    let main = |size: &str, extra_listener: bool| {
+        let c = Config::new()
+            .script("lane.lua")
+            .node_files(&["nodes.yaml"])
+            .route_all("api")
+            .raw(&format!("shared_dicts:\n  d: {size}\n"));
+        if extra_listener {
+            c.listeners(&[Listener::h2c()])
+        } else {
+            c
+        }
+    };
+    let gw = main("1m", false).start(&fx, "gg.yaml");
+    let count = || async {
+        assert_eq!(gw.get("/").await.status, 200);
+        f.last()
+            .header("x-count")
+            .unwrap()
+            .parse::<usize>()
+            .unwrap()
+    };
+    for batch in 0..5 {
+        let r = Req::get("/")
+            .header("X-Fill", &batch.to_string())
+            .send(gw.addr)
+            .await;
+        assert_eq!(r.status, 200);
+    }
+    assert_eq!(count().await, 500);
+    let rejected = || async { gw.status().await["reloads_rejected"].as_u64().unwrap() };
+    let gen = generation(&gw).await;
+
+    // 16k holds about a hundred such items; the listener change is refused.
+    let before = rejected().await;
+    main("16k", true).write_rename(&fx, "gg.yaml");
+    eventually(
+        "the resize with a listener change rejected",
+        LIMIT,
+        || async { rejected().await > before },
+    )
+    .await;
+    assert!(wait_error(&gw, "needs a restart").await.contains("gg.yaml"));
+    assert_eq!(
+        count().await,
+        500,
+        "a rejected generation resized the dictionary"
+    );
+
+    // A script whose top level empties the dictionary, rejected with it.
+    let before = rejected().await;
+    fx.write_rename("lane.lua", &format!("ngx.shared.d:flush_all()\n{script}"));
+    eventually("the flushing script rejected", LIMIT, || async {
+        rejected().await > before
+    })
+    .await;
+    assert_eq!(
+        count().await,
+        500,
+        "a rejected script's top level wrote to the dictionary"
+    );
+    assert_eq!(generation(&gw).await, gen);
+
+    // Accepted (same listeners, the first script): resized now.
+    fx.write_rename("lane.lua", script);
+    main("16k", false).write_rename(&fx, "gg.yaml");
+    gw.wait_generation(gen).await;
+    eventually("the accepted resize evicts", LIMIT, || async {
+        let n = count().await;
+        n > 0 && n < 150
+    })
+    .await;
+}

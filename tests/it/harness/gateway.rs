@@ -54,6 +54,44 @@ impl Fixture {
     }
 }
 
+impl Fixture {
+    /// Publishes `files` (path relative to the volume → contents) as
+    /// kubelet's atomic writer updates a ConfigMap or Secret volume at
+    /// `rel`: a new `..<UTC timestamp>` directory holding the files, a
+    /// `..data_tmp` symlink to it renamed over `..data`, and each
+    /// top-level name a symlink into `..data` (made once). Returns the
+    /// directory `..data` pointed at before (kubelet removes it next; the
+    /// test does, when it chooses).
+    pub fn kube_publish(&self, rel: &str, files: &[(&str, &str)]) -> Option<PathBuf> {
+        use std::os::unix::fs::symlink;
+        let vol = self.path(rel);
+        std::fs::create_dir_all(&vol).unwrap();
+        let stamp = humantime::format_rfc3339_nanos(std::time::SystemTime::now())
+            .to_string()
+            .trim_end_matches('Z')
+            .replace(['-', 'T', ':'], "_");
+        let ts = format!("..{stamp}");
+        for (name, text) in files {
+            let p = vol.join(&ts).join(name);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, text).unwrap();
+        }
+        let data = vol.join("..data");
+        let old = std::fs::read_link(&data).ok().map(|t| vol.join(t));
+        let tmp = vol.join("..data_tmp");
+        symlink(&ts, &tmp).unwrap();
+        std::fs::rename(&tmp, &data).unwrap();
+        for (name, _) in files {
+            let top = Path::new(name).components().next().unwrap().as_os_str();
+            let link = vol.join(top);
+            if std::fs::symlink_metadata(&link).is_err() {
+                symlink(Path::new("..data").join(top), &link).unwrap();
+            }
+        }
+        old
+    }
+}
+
 /// How a gateway was started, to start it again.
 struct Launch {
     program: OsString,
