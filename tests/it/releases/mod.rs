@@ -2,8 +2,9 @@
 //! nodes: a gray node with 5% errors is rolled back after the failure
 //! threshold and gets no request after; a healthy gray is promoted through
 //! every step; too little traffic holds the release inconclusive; a webhook
-//! answering 500 holds it; a restarted gateway resumes at its step; sticky
-//! users keep their lane while the share rises and lose it at a rollback.
+//! answering 500 holds it; a restarted gateway resumes at its step; a
+//! rising share or a promotion moves sticky formal users in while gray ones
+//! stay, and a rollback unpins them.
 
 mod fleet;
 
@@ -265,44 +266,109 @@ async fn a_restarted_gateway_resumes_the_release_at_its_step() {
     assert_eq!(r.json()["state"], "progressing");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sticky_users_keep_their_lane_as_the_share_rises_and_lose_it_at_rollback() {
-    let s = setup(0).await;
-    let spec = "name: sticky\nlane: gray\nkey: { header: X-User }\nsteps:\n  - { weight: 20, min_duration_ms: 600000 }\n  - { weight: 80 }\nanalysis: { interval_ms: 100000, min_requests: 1 }\n";
-    assert_eq!(admin_post(&s.gw, "/releases", spec).await.status, 201);
-    // Find a user in the 20% and keep their cookie.
-    let mut pinned = None;
-    for i in 0..200 {
+/// Users `s0..s{n}` (header `X-User`) at the release's current step: each
+/// one's bucket, the lane it got and the sticky cookie it was given.
+async fn sticky_users(gw: &Gateway, n: usize) -> Vec<(u32, String, String)> {
+    let mut out = Vec::new();
+    for i in 0..n {
+        let user = format!("s{i}");
         let r = Req::get("/api/x")
+            .header("X-User", &user)
+            .send(gw.addr)
+            .await;
+        let cookie = r
+            .header("set-cookie")
+            .map(|c| c.split(';').next().unwrap().to_string())
+            .unwrap_or_else(|| panic!("{user}: no sticky cookie"));
+        out.push((graygate::lane::bucket(user.as_bytes()), r.text(), cookie));
+    }
+    out
+}
+
+/// The lane each cookie gets now, on requests without the release's key.
+async fn lanes_by_cookie(gw: &Gateway, users: &[(u32, String, String)]) -> Vec<String> {
+    let mut out = Vec::new();
+    for (_, _, cookie) in users {
+        let r = Req::get("/api/x")
+            .header("Cookie", cookie)
+            .send(gw.addr)
+            .await;
+        out.push(r.text());
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sticky_formal_users_join_as_the_share_rises_gray_users_stay_and_a_rollback_unpins() {
+    let s = setup(0).await;
+    let spec = format!(
+        "name: sticky\nlane: gray\nkey: {{ header: X-User }}\nsteps:\n  - {{ weight: 20, min_duration_ms: 1, gate: manual }}\n  - {{ weight: 80, min_duration_ms: 600000 }}\nanalysis: {{ interval_ms: 200, min_requests: 5, max_p99_ratio: 50 }}\n"
+    );
+    assert_eq!(admin_post(&s.gw, "/releases", &spec).await.status, 201);
+    // The first step passes and waits at its gate (still at 20 %).
+    let stop = Arc::new(AtomicBool::new(false));
+    let t = user_traffic(s.gw.addr, stop.clone());
+    eventually("at the manual gate", Duration::from_secs(30), || async {
+        release(&s.gw, "sticky").await["awaiting_promote"] == true
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    t.await.unwrap();
+    let users = sticky_users(&s.gw, 100).await;
+    for (b, lane, _) in &users {
+        assert_eq!(lane, if *b < 20 { "gray" } else { "formal" }, "bucket {b}");
+    }
+    assert!(users.iter().any(|u| (20..80).contains(&u.0)));
+    // With the cookie alone, everyone keeps the lane of the 20 % step.
+    let lanes = lanes_by_cookie(&s.gw, &users).await;
+    assert!(
+        users.iter().zip(&lanes).all(|(u, l)| &u.1 == l),
+        "{lanes:?}"
+    );
+    // The share rises to 80 %: formal users whose draw (recorded in their
+    // cookie) is now inside join, with or without the key; gray users stay.
+    let r = admin_post(&s.gw, "/releases/sticky/resume", "").await;
+    assert_eq!(r.json()["step"], 1, "{}", r.text());
+    let lanes = lanes_by_cookie(&s.gw, &users).await;
+    for ((b, _, _), lane) in users.iter().zip(&lanes) {
+        assert_eq!(
+            lane,
+            if *b < 80 { "gray" } else { "formal" },
+            "bucket {b} by cookie"
+        );
+    }
+    for (i, (b, _, cookie)) in users.iter().enumerate() {
+        let r = Req::get("/api/x")
+            .header("Cookie", cookie)
             .header("X-User", &format!("s{i}"))
             .send(s.gw.addr)
             .await;
-        if r.text() == "gray" {
-            pinned = r
-                .header("set-cookie")
-                .map(|c| c.split(';').next().unwrap().to_string());
-            break;
-        }
+        assert_eq!(
+            r.text(),
+            if *b < 80 { "gray" } else { "formal" },
+            "bucket {b} by key"
+        );
     }
-    let cookie = pinned.expect("someone is in the 20%");
-    // With the cookie and without the header, the user stays gray.
-    for _ in 0..5 {
-        let r = Req::get("/api/x")
-            .header("Cookie", &cookie)
-            .send(s.gw.addr)
-            .await;
-        assert_eq!(r.text(), "gray");
-    }
-    // Abort: the cookie no longer pins the rolled-back lane.
+    // Abort: no cookie pins the rolled-back lane.
     let r = admin_post(&s.gw, "/releases/sticky/abort", "").await;
     assert_eq!(r.status, 200, "{}", r.text());
-    for _ in 0..5 {
-        let r = Req::get("/api/x")
-            .header("Cookie", &cookie)
-            .send(s.gw.addr)
-            .await;
-        assert_eq!(r.text(), "formal");
-    }
+    let lanes = lanes_by_cookie(&s.gw, &users).await;
+    assert!(lanes.iter().all(|l| l == "formal"), "{lanes:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promotion_reaches_users_holding_a_formal_sticky_cookie_and_requests_without_the_key() {
+    let s = setup(0).await;
+    let spec = "name: promo\nlane: gray\nkey: { header: X-User }\nsteps:\n  - { weight: 20, min_duration_ms: 600000 }\nanalysis: { interval_ms: 100000 }\n";
+    assert_eq!(admin_post(&s.gw, "/releases", spec).await.status, 201);
+    let users = sticky_users(&s.gw, 40).await;
+    assert!(users.iter().filter(|u| u.1 == "formal").count() >= 20);
+    let r = admin_post(&s.gw, "/releases/promo/promote", "").await;
+    assert_eq!(r.json()["state"], "promoted", "{}", r.text());
+    let lanes = lanes_by_cookie(&s.gw, &users).await;
+    assert!(lanes.iter().all(|l| l == "gray"), "{lanes:?}");
+    // Nor does a request without the key stay formal.
+    assert_eq!(Req::get("/api/x").send(s.gw.addr).await.text(), "gray");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
