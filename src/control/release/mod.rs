@@ -283,6 +283,7 @@ mod tests {
                 failures: 0,
                 step_passes: 0,
                 awaiting_promote: false,
+                held: None,
                 created: 0,
                 history: vec![],
             },

@@ -230,6 +230,33 @@ async fn a_webhook_answering_500_holds_the_release() {
         .unwrap()
         .clone();
     assert!(held["reason"].as_str().unwrap().contains("500"), "{held}");
+    // The release says it is held, and why: in one release, the list and
+    // the command line.
+    assert_eq!(doc["state"], "held", "{doc}");
+    assert!(doc["held"].as_str().unwrap().contains("500"), "{doc}");
+    let list = Req::get("/releases").send(s.gw.admin.unwrap()).await.json();
+    assert_eq!(list["releases"][0]["state"], "held", "{list}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_graygate"))
+        .args(["release", "show", "hooked", "--admin"])
+        .arg(s.gw.admin.unwrap().to_string())
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&out.stdout);
+    assert!(out.contains("\"state\":\"held\""), "{out}");
+    // The webhook agrees at the next passing interval: on to the next step,
+    // no longer held.
+    hook.set_status(200);
+    stop.store(false, Ordering::Relaxed);
+    let t = user_traffic(s.gw.addr, stop.clone());
+    eventually("stepped on", Duration::from_secs(30), || async {
+        release(&s.gw, "hooked").await["step"] == 1
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    t.await.unwrap();
+    let doc = release(&s.gw, "hooked").await;
+    assert_eq!(doc["state"], "progressing", "{doc}");
+    assert!(doc["held"].is_null(), "{doc}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -369,6 +396,64 @@ async fn a_promotion_reaches_users_holding_a_formal_sticky_cookie_and_requests_w
     assert!(lanes.iter().all(|l| l == "gray"), "{lanes:?}");
     // Nor does a request without the key stay formal.
     assert_eq!(Req::get("/api/x").send(s.gw.addr).await.text(), "gray");
+}
+
+/// One request per decision source that can name a lane past the release
+/// rule and the sticky cookie: the script, a rule, a trusted proxy's tag.
+fn each_source() -> [(&'static str, Req); 3] {
+    [
+        ("script", Req::get("/api/x").header("X-Lane", "gray")),
+        ("rule", Req::get("/api/x").header("X-Beta", "1")),
+        (
+            "trusted_tag",
+            Req::get("/api/x")
+                .from_ip("127.0.0.3")
+                .header("X-Gray-Tag", "gray"),
+        ),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolled_back_lane_is_refused_to_the_script_a_rule_and_a_trusted_tag() {
+    let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
+    let fx = Fixture::new();
+    fx.api_nodes(&[&f1, &g1]);
+    fx.write(
+        "lane.lua",
+        "return function(req) return req:header('X-Lane') end\n",
+    );
+    let gw = Config::new()
+        .set("workers", 1)
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .raw("trusted_proxies: [127.0.0.3/32]\n")
+        .raw("rules:\n  enabled: true\n  rules:\n    - { name: beta, lane: gray, header: { name: X-Beta, values: [\"1\"] } }\n")
+        .start(&fx, "gg.yaml");
+    // Each source sends its request to gray while the lane is live.
+    for (by, req) in each_source() {
+        let r = req.send(gw.addr).await;
+        assert_eq!(r.node(), "g1", "{by}");
+    }
+    let spec =
+        "name: revoke\nlane: gray\nsteps:\n  - { weight: 10 }\nanalysis: { interval_ms: 100000 }\n";
+    assert_eq!(admin_post(&gw, "/releases", spec).await.status, 201);
+    let r = admin_post(&gw, "/releases/revoke/abort", "").await;
+    assert_eq!(r.json()["state"], "rolled_back", "{}", r.text());
+    // Rolled back: every source is refused the lane; formal serves, tagged
+    // formal, and gray gets nothing.
+    let before = g1.count();
+    for (by, req) in each_source() {
+        let r = req.send(gw.addr).await;
+        assert_eq!(r.node(), "f1", "{by}");
+        assert_eq!(r.json()["tag"], "formal", "{by}");
+    }
+    assert_eq!(g1.count(), before);
+    let m = gw.metrics().await;
+    assert!(
+        m.contains(r#"graygate_decisions_total{decided_by="rolled_back",lane="formal",rule=""} 3"#),
+        "{m}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
