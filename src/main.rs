@@ -114,6 +114,7 @@ enum Command {
     Push {
         #[arg(long, short)]
         config: PathBuf,
+        /// Member URL(s), comma-separated: the first that answers is used.
         #[arg(long)]
         etcd: String,
         #[arg(long)]
@@ -121,6 +122,7 @@ enum Command {
     },
     /// Write the configuration in etcd back to files (DIR/main.yaml, …).
     Pull {
+        /// Member URL(s), comma-separated: the first that answers is used.
         #[arg(long)]
         etcd: String,
         #[arg(long)]

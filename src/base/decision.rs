@@ -13,8 +13,12 @@ use std::sync::Arc;
 ///    ([`InvalidLane`](Self::InvalidLane) when the tag is not a lane name);
 /// 2. [`Deny`](Self::Deny) — a deny rule: formal, whatever else would match;
 /// 3. [`StickyCookie`](Self::StickyCookie) — on sticky routes, a valid
-///    cookie naming a lane still served and not rolled back;
-/// 4. [`Release`](Self::Release) — a progressive release's current step;
+///    cookie naming a lane still served and not rolled back, unless a
+///    release step takes the request for another lane (the cookie pins only
+///    outside a release's current share);
+/// 4. [`Release`](Self::Release) — a progressive release's current step (a
+///    share placed by the request's key, else by the draw a sticky cookie
+///    recorded);
 /// 5. [`Rule`](Self::Rule) / [`RuleFallback`](Self::RuleFallback) — the
 ///    declarative rules' verdict, handed to the script;
 /// 6. [`Script`](Self::Script) — the script's lane, or nil to keep the rule

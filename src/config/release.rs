@@ -205,6 +205,11 @@ pub struct ReleaseState {
     /// A manual gate is waiting for `promote`.
     #[serde(default)]
     pub awaiting_promote: bool,
+    /// Why a passed step is held where it is (a `before_step` or `confirm`
+    /// webhook refused or failed); retried at the next passing interval,
+    /// cleared when the release moves or an operator acts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held: Option<String>,
     pub created: u64,
     /// Newest last, capped.
     pub history: Vec<Analysis>,
@@ -215,6 +220,17 @@ pub struct ReleaseState {
 pub struct ReleaseRecord {
     pub spec: ReleaseSpec,
     pub state: ReleaseState,
+}
+
+impl ReleaseState {
+    /// The state operators see: the phase, or `held` for a progressing
+    /// release whose webhook holds it at its step.
+    pub fn name(&self) -> &'static str {
+        match (self.phase, &self.held) {
+            (Phase::Progressing, Some(_)) => "held",
+            (p, _) => p.as_str(),
+        }
+    }
 }
 
 /// The release state file.

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use http::HeaderValue;
 
-use super::sticky::{unix_now, Sticky};
+use super::sticky::{unix_now, Pin};
 use super::{rules, script, DecidedBy, Decision, LanePolicy, RequestInfo};
 use crate::base::ratelog::log_limited;
 use crate::config::{valid_lane, FORMAL};
@@ -32,30 +32,50 @@ pub fn decide(gen: &LanePolicy, req: RequestInfo) -> Decided {
 /// Decides the lane of `req` on a route: on a sticky route (`sticky_route`,
 /// with a signer configured) a valid cookie may keep an earlier lane, and a
 /// real decision (not a tag, a deny, a kept cookie, a failure or a
-/// rolled-back lane) comes with a fresh cookie to set.
+/// rolled-back lane) comes with a fresh cookie to set, carrying the user's
+/// draws in the releases' shares.
 pub fn decide_on_route(gen: &LanePolicy, sticky_route: bool, mut req: RequestInfo) -> Decided {
     let sticky = gen
         .sticky
         .as_ref()
         .filter(|_| sticky_route)
         .map(|st| (st, unix_now()));
+    let pin = sticky.and_then(|(st, now)| st.pin_in(&req.parts.headers, now));
     // The request is only borrowed until here, and moved once, into the
     // `Decided` (each move of it copies the whole head).
-    let (decision, edited) = precedence(gen, sticky, &req);
-    if let Some(e) = edited {
-        req = *e;
-    }
+    let (decision, edited) = precedence(gen, pin.as_ref(), &req);
     let set_cookie = match sticky {
         Some((st, now)) if pins_cookie(&decision.decided_by) => {
-            Some(st.set_cookie(&decision.lane, now))
+            let draws = draws(gen, &req, pin.as_ref());
+            Some(st.set_cookie(&decision.lane, &draws, now))
         }
         _ => None,
     };
+    if let Some(e) = edited {
+        req = *e;
+    }
     Decided {
         info: req,
         decision,
         set_cookie,
     }
+}
+
+/// The draws a fresh cookie records: for every release share, the user's
+/// bucket from this request's key, else the one the old cookie recorded.
+fn draws<'a>(gen: &'a LanePolicy, req: &RequestInfo, pin: Option<&Pin<'_>>) -> Vec<(&'a str, u32)> {
+    let Some(releases) = &gen.releases else {
+        return Vec::new();
+    };
+    releases
+        .rules
+        .iter()
+        .filter(|r| r.has_share())
+        .filter_map(|r| {
+            let d = r.draw(req).or_else(|| pin.and_then(|p| p.draw(&r.name)))?;
+            Some((&*r.name, d))
+        })
+        .collect()
 }
 
 /// Whether a decision is pinned by a fresh sticky cookie: a real decision
@@ -77,10 +97,10 @@ fn pins_cookie(by: &DecidedBy) -> bool {
 /// decided. Also returns the request as a script changed it.
 fn precedence(
     gen: &LanePolicy,
-    sticky: Option<(&Sticky, u64)>,
+    pin: Option<&Pin<'_>>,
     req: &RequestInfo,
 ) -> (Decision, Option<Box<RequestInfo>>) {
-    let (decision, edited) = first_decided(gen, sticky, req);
+    let (decision, edited) = first_decided(gen, pin, req);
     if !gen.revoked.is_empty() && gen.revoked.contains(decision.lane.as_str()) {
         let lane: Arc<str> = decision.lane.as_str().into();
         return (Decision::new(FORMAL, DecidedBy::RolledBack(lane)), edited);
@@ -88,11 +108,25 @@ fn precedence(
     (decision, edited)
 }
 
+/// The release step taking `req`, if any: a share placed by the request's
+/// key, else by the draw the sticky cookie recorded.
+fn release_step<'g>(
+    gen: &'g LanePolicy,
+    pin: Option<&Pin<'_>>,
+    req: &RequestInfo,
+) -> Option<&'g rules::Rule> {
+    let releases = gen.releases.as_ref()?;
+    match pin {
+        Some(p) => releases.first_match_drawn(req, |name| p.draw(name)),
+        None => releases.first_match(req),
+    }
+}
+
 /// The sources in order — trusted tag, deny rules, sticky cookie, release
 /// steps, rules, script — and the fallbacks when none decides.
 fn first_decided(
     gen: &LanePolicy,
-    sticky: Option<(&Sticky, u64)>,
+    pin: Option<&Pin<'_>>,
     req: &RequestInfo,
 ) -> (Decision, Option<Box<RequestInfo>>) {
     // 1. A tag from a trusted proxy (an invalid one means formal).
@@ -107,17 +141,20 @@ fn first_decided(
         return (Decision::new(FORMAL, DecidedBy::Deny(name.clone())), None);
     }
     // 3. A valid sticky cookie naming a lane still served and not rolled
-    //    back.
-    if let Some((st, now)) = sticky {
-        let kept = st
-            .lane_in(&req.parts.headers, now)
-            .filter(|l| gen.served_lanes.contains(*l) && !gen.revoked.contains(*l));
-        if let Some(l) = kept {
+    //    back — unless a release step takes the request for another lane:
+    //    the cookie pins only outside a release's current share, so a
+    //    rising share (or a promotion) moves formal users in, and users
+    //    already in stay in.
+    let step = release_step(gen, pin, req);
+    if let Some(p) = pin {
+        let l = p.lane;
+        let kept = gen.served_lanes.contains(l) && !gen.revoked.contains(l);
+        if kept && step.is_none_or(|s| &*s.lane == l) {
             return (Decision::new(l.to_string(), DecidedBy::StickyCookie), None);
         }
     }
     // 4. A progressive release's current step.
-    if let Some(step) = gen.releases.as_ref().and_then(|r| r.first_match(req)) {
+    if let Some(step) = step {
         let d = Decision::new(&step.lane, DecidedBy::Release(step.name.clone()));
         return (d, None);
     }

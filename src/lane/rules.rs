@@ -140,6 +140,35 @@ impl Rule {
     fn matches(&self, r: &RequestInfo) -> bool {
         self.conds.iter().all(|c| c.holds(r))
     }
+
+    /// [`Rule::matches`], where a percentage whose key `r` does not carry
+    /// is decided by `draw` (the user's bucket recorded earlier, e.g. in a
+    /// sticky cookie): a bucket from `r`'s own key always comes first.
+    fn matches_drawn(&self, r: &RequestInfo, draw: Option<u32>) -> bool {
+        self.conds.iter().all(|c| match c {
+            Cond::Percentage(src, pct) => src
+                .read(r)
+                .map(|k| super::bucket(k.as_bytes()))
+                .or(draw)
+                .is_some_and(|b| f64::from(b) < *pct),
+            c => c.holds(r),
+        })
+    }
+
+    /// The user's bucket in this rule's percentage, when it has one and `r`
+    /// carries its key (wherever `r` goes: the draw is the user's, not the
+    /// path's).
+    pub fn draw(&self, r: &RequestInfo) -> Option<u32> {
+        self.conds.iter().find_map(|c| match c {
+            Cond::Percentage(src, _) => src.read(r).map(|k| super::bucket(k.as_bytes())),
+            _ => None,
+        })
+    }
+
+    /// Whether the rule has a percentage (a share that draws users).
+    pub fn has_share(&self) -> bool {
+        self.conds.iter().any(|c| matches!(c, Cond::Percentage(..)))
+    }
 }
 
 /// The compiled rule set of one generation.
@@ -203,6 +232,18 @@ impl Rules {
     /// (release splits: no match means "not in the release").
     pub fn first_match(&self, r: &RequestInfo) -> Option<&Rule> {
         self.rules.iter().find(|x| x.matches(r))
+    }
+
+    /// [`Rules::first_match`] with each rule's percentage decided, when `r`
+    /// lacks its key, by `draw(rule name)`.
+    pub fn first_match_drawn(
+        &self,
+        r: &RequestInfo,
+        draw: impl Fn(&str) -> Option<u32>,
+    ) -> Option<&Rule> {
+        self.rules
+            .iter()
+            .find(|x| x.matches_drawn(r, draw(&x.name)))
     }
 
     /// Every lane a rule (or the fallback) can produce.

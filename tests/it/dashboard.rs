@@ -324,3 +324,49 @@ async fn dashboard_shows_releases_and_their_decision_timeline() {
     .await;
     c.close().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_shows_a_release_held_by_its_webhook_and_why() {
+    let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
+    let hook = Backend::text("hook", 0, http::StatusCode::SERVICE_UNAVAILABLE).await;
+    let fx = Fixture::new();
+    fx.api_nodes(&[&f1, &g1]);
+    let gw = Config::new()
+        .node_files(&["nodes.yaml"])
+        .routes(&[Route::service("/api/", "api")])
+        .start(&fx, "gg.yaml");
+    let admin = gw.admin.unwrap();
+    let spec = format!(
+        "name: hooked\nlane: gray\nkey: {{ header: X-User }}\nsteps:\n  - {{ weight: 50, min_duration_ms: 1 }}\n  - {{ weight: 80 }}\nwebhooks: {{ before_step: \"http://{}/ok\" }}\nanalysis: {{ interval_ms: 200, min_requests: 5, max_p99_ratio: 50 }}\n",
+        hook.addr
+    );
+    let r = Req::get("/releases")
+        .method("POST")
+        .body(spec)
+        .send(admin)
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let t = user_traffic(gw.addr, stop.clone());
+    let driver = Driver::start().await;
+    let c = driver.browser().await;
+    c.goto(&format!("http://{admin}/")).await.unwrap();
+    wait_text(
+        &c,
+        "#releases tr[data-release='hooked'] .state",
+        "held",
+        |t| t == "held",
+    )
+    .await;
+    let why = wait_text(
+        &c,
+        "#releases tr[data-release='hooked'] .last",
+        "the hold's reason",
+        |t| t.starts_with("held: "),
+    )
+    .await;
+    assert!(why.contains("503"), "{why}");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    t.await.unwrap();
+    c.close().await.unwrap();
+}

@@ -104,6 +104,52 @@ async fn two_gateways_converge_on_the_same_revision_after_a_push() {
     assert!(ok, "{out}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_and_pull_take_a_member_list_and_use_the_first_that_answers() {
+    let etcd = Etcd::start(1).await;
+    let [f] = backends([("f1", "formal")]).await;
+    let conf = Conf::new(&nodes_yaml(&[&f]), SCRIPT);
+    // A member that is down comes first, as `register` and `--check` take them.
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let list = format!("{dead},{}", etcd.url());
+    let main = conf.main();
+    let (ok, out) = graygate(&[
+        "push",
+        "--config",
+        main.to_str().unwrap(),
+        "--etcd",
+        &list,
+        "--prefix",
+        "/list",
+    ]);
+    assert!(ok && out.contains("at revision"), "{out}");
+    let (ok, out) = graygate(&["--check", "--etcd", &list, "--prefix", "/list"]);
+    assert!(ok && out.contains("configuration ok"), "{out}");
+    let pulled = tempfile::tempdir().unwrap();
+    let dir = pulled.path().to_str().unwrap();
+    let (ok, out) = graygate(&["pull", "--etcd", &list, "--prefix", "/list", "--dir", dir]);
+    assert!(ok && out.contains("pulled 3 documents"), "{out}");
+    assert_eq!(
+        std::fs::read_to_string(pulled.path().join("gray.lua")).unwrap(),
+        SCRIPT
+    );
+    // No member answering: an error naming each one tried, nothing written.
+    let dead2 = format!("http://127.0.0.1:{}", free_port());
+    let none = format!("{dead},{dead2}");
+    let (ok, out) = graygate(&[
+        "push",
+        "--config",
+        main.to_str().unwrap(),
+        "--etcd",
+        &none,
+        "--prefix",
+        "/list",
+    ]);
+    assert!(!ok && out.contains(&dead) && out.contains(&dead2), "{out}");
+    let (ok, out) = graygate(&["pull", "--etcd", &none, "--prefix", "/list", "--dir", dir]);
+    assert!(!ok && out.contains(&dead2), "{out}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_broken_script_is_rejected_on_every_gateway_and_reported_per_gateway() {
     let etcd = Etcd::start(1).await;
@@ -239,6 +285,8 @@ async fn etcd_down_gateways_keep_serving_and_a_restart_serves_the_cached_snapsho
             !gw.status().await["store_error"].is_null()
         })
         .await;
+        // The state says it too: what serves may be behind the store.
+        assert_eq!(gw.status().await["source_state"], "stale");
     }
     load.wait_ok(50).await;
     load.stop_clean().await;
@@ -269,6 +317,7 @@ async fn etcd_down_gateways_keep_serving_and_a_restart_serves_the_cached_snapsho
     b.wait_revision(r2).await;
     assert_eq!(node_of(&b, false).await, "g1");
     assert!(b.status().await["store_error"].is_null());
+    assert_eq!(a.status().await["source_state"], "live");
 }
 
 /// The last-known-good snapshot cached by gateway `id` under `root`: its

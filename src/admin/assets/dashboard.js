@@ -173,9 +173,10 @@ async function renderReleases(list) {
   fill(document.querySelector("#releases tbody"), list.releases.map((r) => {
     const last = r.last || {};
     return el("tr", { "data-release": r.name, class: r.state },
-      el("td", {}, r.name), el("td", {}, r.lane), el("td", { class: "state" }, r.state),
+      el("td", {}, r.name), el("td", {}, r.lane), el("td", { class: "state", title: r.held || "" }, r.state),
       el("td", {}, (r.step + 1) + " / " + r.steps), el("td", {}, num(r.weight, 1) + " %"),
-      el("td", {}, r.failures), el("td", {}, (last.outcome || "–") + (last.reason ? ": " + last.reason : "")));
+      el("td", {}, r.failures), el("td", { class: "last" }, r.held ? "held: " + r.held
+        : (last.outcome || "–") + (last.reason ? ": " + last.reason : "")));
   }));
   const tl = document.getElementById("release-timeline");
   if (!list.releases.length) { tl.replaceChildren(); return; }

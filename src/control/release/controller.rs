@@ -253,10 +253,12 @@ async fn advance(r: &mut ReleaseRecord) {
     };
     if let Some(url) = hook {
         if let Err(e) = webhook(&url, r, if last { "confirm" } else { "before_step" }).await {
+            r.state.held = Some(e.clone());
             note(r, "held", e);
             return;
         }
     }
+    r.state.held = None;
     r.state.awaiting_promote = false;
     if last {
         r.state.phase = Phase::Promoted;
@@ -272,6 +274,7 @@ async fn advance(r: &mut ReleaseRecord) {
 async fn roll_back(r: &mut ReleaseRecord, reason: String) {
     r.state.phase = Phase::RolledBack;
     r.state.awaiting_promote = false;
+    r.state.held = None;
     note(r, "rollback", reason);
     if let Some(url) = r.spec.webhooks.rollback.clone() {
         if let Err(e) = webhook(&url, r, "rollback").await {
@@ -594,6 +597,7 @@ fn new_record(spec: ReleaseSpec) -> ReleaseRecord {
             failures: 0,
             step_passes: 0,
             awaiting_promote: false,
+            held: None,
             created: now,
             history: Vec::new(),
         },
@@ -679,6 +683,9 @@ async fn apply_action(r: &mut ReleaseRecord, action: Action) -> Result<(), Refus
             r.state.phase.as_str()
         )));
     }
+    // An operator's action ends a hold (a resume past a failing webhook
+    // asks it again, and may hold again).
+    r.state.held = None;
     match action {
         Action::Promote => {
             r.state.phase = Phase::Promoted;

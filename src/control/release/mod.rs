@@ -120,10 +120,9 @@ fn step_rule(r: &ReleaseRecord) -> Option<RuleConfig> {
     };
     match r.state.phase {
         Phase::RolledBack => return None,
-        Phase::Promoted => {
-            rule.percentage = Some(100.0);
-            rule.key = Some(key());
-        }
+        // Every request on the routes, with the key or without it (and so
+        // past any sticky cookie naming another lane).
+        Phase::Promoted => {}
         Phase::Progressing | Phase::Paused => {
             let step = spec.steps.get(r.state.step)?;
             match (&step.weight, &step.matches) {
@@ -284,6 +283,7 @@ mod tests {
                 failures: 0,
                 step_passes: 0,
                 awaiting_promote: false,
+                held: None,
                 created: 0,
                 history: vec![],
             },

@@ -26,8 +26,10 @@ pub mod files;
 pub struct SourceStatus {
     /// `files` or `etcd`.
     pub source: &'static str,
-    /// etcd: `live` (applied from the store) or `cached` (from the
-    /// last-known-good snapshot on disk, the store not reached yet).
+    /// etcd: `live` (applied from the store, the store answering), `stale`
+    /// (applied from the store, which is unreachable or failing since: the
+    /// configuration may be behind it) or `cached` (from the last-known-good
+    /// snapshot on disk, the store not reached yet).
     pub source_state: Option<&'static str>,
     /// etcd: the revision of the newest change the serving generation holds.
     pub revision: Option<i64>,

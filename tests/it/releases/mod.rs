@@ -2,8 +2,9 @@
 //! nodes: a gray node with 5% errors is rolled back after the failure
 //! threshold and gets no request after; a healthy gray is promoted through
 //! every step; too little traffic holds the release inconclusive; a webhook
-//! answering 500 holds it; a restarted gateway resumes at its step; sticky
-//! users keep their lane while the share rises and lose it at a rollback.
+//! answering 500 holds it; a restarted gateway resumes at its step; a
+//! rising share or a promotion moves sticky formal users in while gray ones
+//! stay, and a rollback unpins them.
 
 mod fleet;
 
@@ -229,6 +230,33 @@ async fn a_webhook_answering_500_holds_the_release() {
         .unwrap()
         .clone();
     assert!(held["reason"].as_str().unwrap().contains("500"), "{held}");
+    // The release says it is held, and why: in one release, the list and
+    // the command line.
+    assert_eq!(doc["state"], "held", "{doc}");
+    assert!(doc["held"].as_str().unwrap().contains("500"), "{doc}");
+    let list = Req::get("/releases").send(s.gw.admin.unwrap()).await.json();
+    assert_eq!(list["releases"][0]["state"], "held", "{list}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_graygate"))
+        .args(["release", "show", "hooked", "--admin"])
+        .arg(s.gw.admin.unwrap().to_string())
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&out.stdout);
+    assert!(out.contains("\"state\":\"held\""), "{out}");
+    // The webhook agrees at the next passing interval: on to the next step,
+    // no longer held.
+    hook.set_status(200);
+    stop.store(false, Ordering::Relaxed);
+    let t = user_traffic(s.gw.addr, stop.clone());
+    eventually("stepped on", Duration::from_secs(30), || async {
+        release(&s.gw, "hooked").await["step"] == 1
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    t.await.unwrap();
+    let doc = release(&s.gw, "hooked").await;
+    assert_eq!(doc["state"], "progressing", "{doc}");
+    assert!(doc["held"].is_null(), "{doc}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -265,44 +293,168 @@ async fn a_restarted_gateway_resumes_the_release_at_its_step() {
     assert_eq!(r.json()["state"], "progressing");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sticky_users_keep_their_lane_as_the_share_rises_and_lose_it_at_rollback() {
-    let s = setup(0).await;
-    let spec = "name: sticky\nlane: gray\nkey: { header: X-User }\nsteps:\n  - { weight: 20, min_duration_ms: 600000 }\n  - { weight: 80 }\nanalysis: { interval_ms: 100000, min_requests: 1 }\n";
-    assert_eq!(admin_post(&s.gw, "/releases", spec).await.status, 201);
-    // Find a user in the 20% and keep their cookie.
-    let mut pinned = None;
-    for i in 0..200 {
+/// Users `s0..s{n}` (header `X-User`) at the release's current step: each
+/// one's bucket, the lane it got and the sticky cookie it was given.
+async fn sticky_users(gw: &Gateway, n: usize) -> Vec<(u32, String, String)> {
+    let mut out = Vec::new();
+    for i in 0..n {
+        let user = format!("s{i}");
         let r = Req::get("/api/x")
+            .header("X-User", &user)
+            .send(gw.addr)
+            .await;
+        let cookie = r
+            .header("set-cookie")
+            .map(|c| c.split(';').next().unwrap().to_string())
+            .unwrap_or_else(|| panic!("{user}: no sticky cookie"));
+        out.push((graygate::lane::bucket(user.as_bytes()), r.text(), cookie));
+    }
+    out
+}
+
+/// The lane each cookie gets now, on requests without the release's key.
+async fn lanes_by_cookie(gw: &Gateway, users: &[(u32, String, String)]) -> Vec<String> {
+    let mut out = Vec::new();
+    for (_, _, cookie) in users {
+        let r = Req::get("/api/x")
+            .header("Cookie", cookie)
+            .send(gw.addr)
+            .await;
+        out.push(r.text());
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sticky_formal_users_join_as_the_share_rises_gray_users_stay_and_a_rollback_unpins() {
+    let s = setup(0).await;
+    let spec = "name: sticky\nlane: gray\nkey: { header: X-User }\nsteps:\n  - { weight: 20, min_duration_ms: 1, gate: manual }\n  - { weight: 80, min_duration_ms: 600000 }\nanalysis: { interval_ms: 200, min_requests: 5, max_p99_ratio: 50 }\n";
+    assert_eq!(admin_post(&s.gw, "/releases", spec).await.status, 201);
+    // The first step passes and waits at its gate (still at 20 %).
+    let stop = Arc::new(AtomicBool::new(false));
+    let t = user_traffic(s.gw.addr, stop.clone());
+    eventually("at the manual gate", Duration::from_secs(30), || async {
+        release(&s.gw, "sticky").await["awaiting_promote"] == true
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    t.await.unwrap();
+    let users = sticky_users(&s.gw, 100).await;
+    for (b, lane, _) in &users {
+        assert_eq!(lane, if *b < 20 { "gray" } else { "formal" }, "bucket {b}");
+    }
+    assert!(users.iter().any(|u| (20..80).contains(&u.0)));
+    // With the cookie alone, everyone keeps the lane of the 20 % step.
+    let lanes = lanes_by_cookie(&s.gw, &users).await;
+    assert!(
+        users.iter().zip(&lanes).all(|(u, l)| &u.1 == l),
+        "{lanes:?}"
+    );
+    // The share rises to 80 %: formal users whose draw (recorded in their
+    // cookie) is now inside join, with or without the key; gray users stay.
+    let r = admin_post(&s.gw, "/releases/sticky/resume", "").await;
+    assert_eq!(r.json()["step"], 1, "{}", r.text());
+    let lanes = lanes_by_cookie(&s.gw, &users).await;
+    for ((b, _, _), lane) in users.iter().zip(&lanes) {
+        assert_eq!(
+            lane,
+            if *b < 80 { "gray" } else { "formal" },
+            "bucket {b} by cookie"
+        );
+    }
+    for (i, (b, _, cookie)) in users.iter().enumerate() {
+        let r = Req::get("/api/x")
+            .header("Cookie", cookie)
             .header("X-User", &format!("s{i}"))
             .send(s.gw.addr)
             .await;
-        if r.text() == "gray" {
-            pinned = r
-                .header("set-cookie")
-                .map(|c| c.split(';').next().unwrap().to_string());
-            break;
-        }
+        assert_eq!(
+            r.text(),
+            if *b < 80 { "gray" } else { "formal" },
+            "bucket {b} by key"
+        );
     }
-    let cookie = pinned.expect("someone is in the 20%");
-    // With the cookie and without the header, the user stays gray.
-    for _ in 0..5 {
-        let r = Req::get("/api/x")
-            .header("Cookie", &cookie)
-            .send(s.gw.addr)
-            .await;
-        assert_eq!(r.text(), "gray");
-    }
-    // Abort: the cookie no longer pins the rolled-back lane.
+    // Abort: no cookie pins the rolled-back lane.
     let r = admin_post(&s.gw, "/releases/sticky/abort", "").await;
     assert_eq!(r.status, 200, "{}", r.text());
-    for _ in 0..5 {
-        let r = Req::get("/api/x")
-            .header("Cookie", &cookie)
-            .send(s.gw.addr)
-            .await;
-        assert_eq!(r.text(), "formal");
+    let lanes = lanes_by_cookie(&s.gw, &users).await;
+    assert!(lanes.iter().all(|l| l == "formal"), "{lanes:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promotion_reaches_users_holding_a_formal_sticky_cookie_and_requests_without_the_key() {
+    let s = setup(0).await;
+    let spec = "name: promo\nlane: gray\nkey: { header: X-User }\nsteps:\n  - { weight: 20, min_duration_ms: 600000 }\nanalysis: { interval_ms: 100000 }\n";
+    assert_eq!(admin_post(&s.gw, "/releases", spec).await.status, 201);
+    let users = sticky_users(&s.gw, 40).await;
+    assert!(users.iter().filter(|u| u.1 == "formal").count() >= 20);
+    let r = admin_post(&s.gw, "/releases/promo/promote", "").await;
+    assert_eq!(r.json()["state"], "promoted", "{}", r.text());
+    let lanes = lanes_by_cookie(&s.gw, &users).await;
+    assert!(lanes.iter().all(|l| l == "gray"), "{lanes:?}");
+    // Nor does a request without the key stay formal.
+    assert_eq!(Req::get("/api/x").send(s.gw.addr).await.text(), "gray");
+}
+
+/// One request per decision source that can name a lane past the release
+/// rule and the sticky cookie: the script, a rule, a trusted proxy's tag.
+fn each_source() -> [(&'static str, Req); 3] {
+    [
+        ("script", Req::get("/api/x").header("X-Lane", "gray")),
+        ("rule", Req::get("/api/x").header("X-Beta", "1")),
+        (
+            "trusted_tag",
+            Req::get("/api/x")
+                .from_ip("127.0.0.3")
+                .header("X-Gray-Tag", "gray"),
+        ),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolled_back_lane_is_refused_to_the_script_a_rule_and_a_trusted_tag() {
+    let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
+    let fx = Fixture::new();
+    fx.api_nodes(&[&f1, &g1]);
+    fx.write(
+        "lane.lua",
+        "return function(req) return req:header('X-Lane') end\n",
+    );
+    let gw = Config::new()
+        .set("workers", 1)
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .raw("trusted_proxies: [127.0.0.3/32]\n")
+        .raw("rules:\n  enabled: true\n  rules:\n    - { name: beta, lane: gray, header: { name: X-Beta, values: [\"1\"] } }\n")
+        .start(&fx, "gg.yaml");
+    // Each source sends its request to gray while the lane is live.
+    for (by, req) in each_source() {
+        let r = req.send(gw.addr).await;
+        assert_eq!(r.node(), "g1", "{by}");
     }
+    let spec =
+        "name: revoke\nlane: gray\nsteps:\n  - { weight: 10 }\nanalysis: { interval_ms: 100000 }\n";
+    assert_eq!(admin_post(&gw, "/releases", spec).await.status, 201);
+    let r = admin_post(&gw, "/releases/revoke/abort", "").await;
+    assert_eq!(r.json()["state"], "rolled_back", "{}", r.text());
+    // Rolled back: every source is refused the lane; formal serves, tagged
+    // formal, and gray gets nothing.
+    let before = g1.count();
+    let mut leaks = Vec::new();
+    for (by, req) in each_source() {
+        let r = req.send(gw.addr).await;
+        if r.node() != "f1" || r.json()["tag"] != "formal" {
+            leaks.push(format!("{by}: {}", r.text()));
+        }
+    }
+    assert!(leaks.is_empty(), "the revoked lane leaked: {leaks:?}");
+    assert_eq!(g1.count(), before);
+    let m = gw.metrics().await;
+    assert!(
+        m.contains(r#"graygate_decisions_total{decided_by="rolled_back",lane="formal",rule=""} 3"#),
+        "{m}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -107,9 +107,9 @@ async fn forged_tampered_stale_and_unserved_cookies_are_ignored() {
     let right_key = Sticky::new("graygate_lane", KEY.as_bytes(), 3600, false);
     let wrong_key = Sticky::new("graygate_lane", b"some-other-key-0123456", 3600, false);
     let tampered = value.replacen("formal", "gray", 1);
-    let stale = right_key.sign("gray", now - 7200);
-    let unserved = right_key.sign("v9", now);
-    let forged = wrong_key.sign("gray", now);
+    let stale = right_key.sign("gray", &[], now - 7200);
+    let unserved = right_key.sign("v9", &[], now);
+    let forged = wrong_key.sign("gray", &[], now);
     for bad in [
         tampered.as_str(),
         stale.as_str(),
@@ -125,7 +125,7 @@ async fn forged_tampered_stale_and_unserved_cookies_are_ignored() {
     }
     assert_eq!(s.g1.count(), 0);
     // A correctly signed gray cookie is honoured.
-    let good = right_key.sign("gray", now);
+    let good = right_key.sign("gray", &[], now);
     let r = with_cookie(&s.gw, "/api/x", &format!("graygate_lane={good}")).await;
     assert_eq!(r.node(), "g1");
 }

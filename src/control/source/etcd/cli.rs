@@ -1,13 +1,14 @@
 //! Layer: control plane. The etcd side of the command line: `--check`
 //! of what is in etcd, `push` (a files configuration uploaded in one
 //! transaction) and `pull` (the configuration in etcd written back to
-//! files).
+//! files). Each takes the members as a comma-separated list and uses the
+//! first that answers.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use etcd_client::GetOptions;
+use etcd_client::{Client, GetOptions, GetResponse};
 
 use super::keys::norm_prefix;
 use super::snapshot::{build, read};
@@ -35,6 +36,38 @@ pub async fn check(endpoints: &str, prefix: &str) -> Result<(i64, Vec<String>), 
     let snap = snap.ok_or(last)?;
     let gen = build(&snap, None, Path::new("."), 0).map_err(err)?;
     Ok((snap.revision, gen.warnings))
+}
+
+/// Reads every key under `base` from the first of `endpoints`
+/// (comma-separated) that answers; returns that member's client too. An
+/// error names each member tried.
+async fn read_config(endpoints: &str, base: &str) -> Result<(Client, GetResponse), String> {
+    let mut failed = Vec::new();
+    for ep in endpoints
+        .split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+    {
+        let res = async {
+            let mut c = connect(ep, Duration::from_secs(3)).await?;
+            let r = tokio::time::timeout(
+                Duration::from_secs(10),
+                c.get(base, Some(GetOptions::new().with_prefix())),
+            )
+            .await
+            .map_err(|_| "etcd read timed out".to_string())?
+            .map_err(err)?;
+            Ok::<_, String>((c, r))
+        };
+        match res.await {
+            Ok(ok) => return Ok(ok),
+            Err(e) => failed.push(format!("{ep}: {e}")),
+        }
+    }
+    if failed.is_empty() {
+        return Err("no etcd endpoint given".into());
+    }
+    Err(failed.join("; "))
 }
 
 /// `push`: the documents of a files configuration that `--check` accepts,
@@ -82,22 +115,15 @@ pub fn documents_of_files(config: &Path) -> Result<BTreeMap<String, Vec<u8>>, St
 /// by the revisions read (a concurrent push fails instead of mixing).
 /// Returns the revision written.
 pub async fn push(
-    endpoint: &str,
+    endpoints: &str,
     prefix: &str,
     docs: &BTreeMap<String, Vec<u8>>,
 ) -> Result<i64, String> {
     use etcd_client::{Compare, CompareOp, Txn, TxnOp};
     let prefix = norm_prefix(prefix);
     let base = format!("{prefix}/config/");
-    let mut c = connect(endpoint, Duration::from_secs(3)).await?;
+    let (mut c, cur) = read_config(endpoints, &base).await?;
     let t = Duration::from_secs(10);
-    let cur = tokio::time::timeout(
-        t,
-        c.get(base.as_str(), Some(GetOptions::new().with_prefix())),
-    )
-    .await
-    .map_err(|_| "etcd read timed out".to_string())?
-    .map_err(err)?;
     let mut compares = Vec::new();
     let mut ops = Vec::new();
     let mut existing = BTreeMap::new();
@@ -139,17 +165,14 @@ pub async fn push(
 
 /// `pull`: writes every `<prefix>/config/` key to `dir/<path>`. Returns
 /// the revision and the files written.
-pub async fn pull(endpoint: &str, prefix: &str, dir: &Path) -> Result<(i64, Vec<PathBuf>), String> {
+pub async fn pull(
+    endpoints: &str,
+    prefix: &str,
+    dir: &Path,
+) -> Result<(i64, Vec<PathBuf>), String> {
     let prefix = norm_prefix(prefix);
     let base = format!("{prefix}/config/");
-    let mut c = connect(endpoint, Duration::from_secs(3)).await?;
-    let resp = tokio::time::timeout(
-        Duration::from_secs(10),
-        c.get(base.as_str(), Some(GetOptions::new().with_prefix())),
-    )
-    .await
-    .map_err(|_| "etcd read timed out".to_string())?
-    .map_err(err)?;
+    let (_, resp) = read_config(endpoints, &base).await?;
     let mut written = Vec::new();
     for kv in resp.kvs() {
         let k = String::from_utf8_lossy(kv.key()).into_owned();

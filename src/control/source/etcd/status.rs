@@ -1,6 +1,6 @@
 //! Layer: control plane. How an etcd gateway stands and who hears of it:
-//! the `/status` fields (`source_state` live or cached, revision, config
-//! hash, store error), this gateway's leased `<prefix>/status/<id>` key,
+//! the `/status` fields (`source_state` live, stale or cached, revision,
+//! config hash, store error), this gateway's leased `<prefix>/status/<id>` key,
 //! and `/fleet` (every gateway's key, and whether all serve the same
 //! revision and configuration).
 
@@ -50,12 +50,17 @@ impl EtcdSource {
         }
     }
 
+    /// The store failed: its error shows, and a live gateway is `stale`
+    /// until the store answers again (a cached one stays `cached`).
     pub(super) fn set_store_error(&self, gw: &Gateway, e: &str) {
         let mut st = gw.source.lock().unwrap_or_else(|e| e.into_inner());
         if st.store_error.as_deref() != Some(e) {
             tracing::warn!(error = %e, "etcd: unreachable or failing; serving the last configuration");
         }
         st.store_error = Some(e.to_string());
+        if st.source_state == Some("live") {
+            st.source_state = Some("stale");
+        }
     }
 }
 
