@@ -4,6 +4,13 @@
 //! passive-health verdict on the node, metrics, the access log — so a body
 //! the node cuts off, a stalled node, or a client that goes away shows with
 //! its real outcome, and only a node's own failure counts against it.
+//!
+//! A node's gRPC answer (HTTP 200, `application/grpc…`) is judged by its
+//! `grpc-status`, read from the head (trailers-only) or the trailers: a
+//! status the service counts (`grpc_error_codes`) is the node's error,
+//! recorded as its HTTP equivalent (`base::grpc::recorded_status`). One the
+//! node breaks off after its head ends with the gateway's status in
+//! trailers (UNAVAILABLE), never a bare stream reset.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -11,14 +18,16 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use bytes::Bytes;
-use http::header::HeaderValue;
+use http::header::{HeaderMap, HeaderValue};
 use http::{Response, StatusCode};
 use hyper::body::{Body as _, Frame, SizeHint};
 
 use super::ctx::RequestCtx;
 use super::DataPlane;
 use crate::base::body::{Body, BoxError};
-use crate::base::error::{Error, ErrorKind};
+use crate::base::error::{Error, ErrorKind, Side};
+use crate::base::grpc;
+use crate::config::grpc::{GrpcErrorCodes, UNKNOWN};
 use crate::generation::Generation;
 use crate::observe::access_log::Entry;
 use crate::observe::metrics::Observation;
@@ -31,6 +40,29 @@ pub struct Pending {
     gen: Arc<Generation>,
     ctx: RequestCtx,
     status: u16,
+    /// The node's answer is gRPC: its status decides the outcome.
+    grpc: Option<GrpcAnswer>,
+}
+
+/// A node's gRPC answer: the codes its service counts as errors, and the
+/// `grpc-status` seen so far (head or trailers).
+#[derive(Clone, Copy)]
+struct GrpcAnswer {
+    counted: GrpcErrorCodes,
+    status: Option<u8>,
+}
+
+impl GrpcAnswer {
+    /// The answer ended as its node sent it: an error if its status (none
+    /// at all reads as UNKNOWN, as gRPC clients read it) is counted.
+    fn outcome(self) -> Result<(), ErrorKind> {
+        let code = self.status.unwrap_or(UNKNOWN);
+        if self.counted.counts(code) {
+            Err(ErrorKind::Grpc(code))
+        } else {
+            Ok(())
+        }
+    }
 }
 
 impl Pending {
@@ -49,6 +81,7 @@ impl Pending {
                 gen,
                 ctx: ctx(),
                 status: 0,
+                grpc: None,
             },
         )
     }
@@ -64,6 +97,9 @@ impl Pending {
 pub struct Recorded {
     inner: Body,
     pending: Option<Box<Pending>>,
+    /// The status trailers that replaced a broken gRPC answer's rest went
+    /// out: nothing more.
+    ended: bool,
 }
 
 /// The response head's last touches (the lane response header), and the
@@ -84,11 +120,23 @@ pub fn respond(mut pending: Box<Pending>, resp: Response<Body>) -> Response<Reco
         }
     }
     p.status = head.status.as_u16();
+    // Only a node's answer (the gateway's own errors are recorded by their
+    // HTTP status).
+    p.grpc = match &p.ctx.verdict {
+        Some(v) if head.status == StatusCode::OK && grpc::is_grpc(&head.headers) => {
+            Some(GrpcAnswer {
+                counted: v.grpc_error_codes,
+                status: grpc::status_of(&head.headers),
+            })
+        }
+        _ => None,
+    };
     Response::from_parts(
         head,
         Recorded {
             inner,
             pending: Some(pending),
+            ended: false,
         },
     )
 }
@@ -118,6 +166,14 @@ impl Recorded {
             p.finish(outcome);
         }
     }
+
+    /// Trailers passing through: a gRPC answer's status.
+    fn trailers(&mut self, t: &HeaderMap) {
+        let answer = self.pending.as_mut().and_then(|p| p.grpc.as_mut());
+        if let (Some(a), Some(code)) = (answer, grpc::status_of(t)) {
+            a.status = Some(code);
+        }
+    }
 }
 
 impl hyper::body::Body for Recorded {
@@ -128,24 +184,45 @@ impl hyper::body::Body for Recorded {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let r = Pin::new(&mut self.inner).poll_frame(cx);
+        let this = &mut *self;
+        if this.ended {
+            return Poll::Ready(None);
+        }
+        let r = Pin::new(&mut this.inner).poll_frame(cx);
         match &r {
-            Poll::Ready(None) => self.record(Ok(())),
-            Poll::Ready(Some(Ok(_))) if self.inner.is_end_stream() => self.record(Ok(())),
+            Poll::Ready(None) => this.record(Ok(())),
+            Poll::Ready(Some(Ok(f))) => {
+                if let Some(t) = f.trailers_ref() {
+                    this.trailers(t);
+                }
+                if this.inner.is_end_stream() {
+                    this.record(Ok(()));
+                }
+            }
             Poll::Ready(Some(Err(e))) => {
                 let kind = e
                     .downcast_ref::<Error>()
                     .map_or(ErrorKind::UpstreamBody, Error::kind);
                 tracing::warn!(error = %e, "response body failed");
-                self.record(Err(kind));
+                let grpc = this.pending.as_ref().is_some_and(|p| p.grpc.is_some());
+                this.record(Err(kind));
+                if grpc {
+                    // The head went out as a gRPC answer: its client is
+                    // told why in the status trailers (UNAVAILABLE for a
+                    // node that went away or stalled) instead of a reset
+                    // stream it can only report as INTERNAL.
+                    this.ended = true;
+                    let fields = grpc::status_fields(Error::new(kind).status());
+                    return Poll::Ready(Some(Ok(Frame::trailers(fields))));
+                }
             }
-            _ => {}
+            Poll::Pending => {}
         }
         r
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.ended || self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -176,12 +253,24 @@ impl Pending {
     /// log (and a debug line).
     fn finish(&mut self, outcome: Result<(), ErrorKind>) {
         let ctx = &mut self.ctx;
+        // A gRPC answer that ended as its node sent it: its status says.
+        let outcome = match (outcome, self.grpc) {
+            (Ok(()), Some(answer)) => answer.outcome(),
+            (o, _) => o,
+        };
         // A failure while the client's own body was failing is the
         // client's, whatever broke first on the upstream side.
         let outcome = match (outcome, ctx.client_fault.as_ref().and_then(|f| f.kind())) {
             (Err(_), Some(client)) => Err(client),
             (o, _) => o,
         };
+        // A gRPC answer's failure is recorded as its HTTP equivalent (its
+        // head said 200): counted with the 5xx answers everywhere.
+        if let (Some(_), Err(kind)) = (self.grpc, outcome) {
+            if kind.side() == Side::Upstream {
+                self.status = Error::new(kind).status().as_u16();
+            }
+        }
         let error = match outcome {
             Ok(()) => ctx.error,
             Err(kind) => Some(ctx.error.unwrap_or(kind)),
@@ -191,7 +280,8 @@ impl Pending {
         if let Some(v) = ctx.verdict.take() {
             match outcome {
                 Ok(()) => v.give(true),
-                Err(kind) if kind.side() == crate::base::error::Side::Upstream => v.give(false),
+                Err(ErrorKind::Grpc(_)) => v.give_grpc_error(),
+                Err(kind) if kind.side() == Side::Upstream => v.give(false),
                 Err(_) => {}
             }
         }

@@ -3,9 +3,11 @@
 //! threshold and gets no request after; a healthy gray is promoted through
 //! every step; too little traffic holds the release inconclusive; a webhook
 //! answering 500 holds it; a restarted gateway resumes at its step; sticky
-//! users keep their lane while the share rises and lose it at a rollback.
+//! users keep their lane while the share rises and lose it at a rollback;
+//! a gRPC gray answering UNAVAILABLE is rolled back (`grpc`).
 
 mod fleet;
+mod grpc;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
