@@ -16,6 +16,13 @@ pub fn is_grpc(h: &HeaderMap) -> bool {
         .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
 }
 
+/// Is this message gRPC-Web (`application/grpc-web…`: its trailers travel
+/// in the body, not as HTTP trailers)?
+pub fn is_grpc_web(h: &HeaderMap) -> bool {
+    h.get(CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc-web"))
+}
+
 /// The `grpc-status` of a header block, if it has one: a value that is not
 /// a code 0–16 reads as UNKNOWN (as gRPC clients read it).
 pub fn status_of(h: &HeaderMap) -> Option<u8> {
@@ -59,7 +66,10 @@ pub fn code_for_http(status: StatusCode) -> u8 {
 /// answer the node broke off.
 pub fn status_fields(status: StatusCode) -> HeaderMap {
     let mut h = HeaderMap::with_capacity(2);
-    h.insert("grpc-status", HeaderValue::from(u16::from(code_for_http(status))));
+    h.insert(
+        "grpc-status",
+        HeaderValue::from(u16::from(code_for_http(status))),
+    );
     let reason = status.canonical_reason().unwrap_or("error");
     if let Ok(v) = HeaderValue::from_str(&format!("gateway: {} {reason}", status.as_u16())) {
         h.insert("grpc-message", v);
@@ -75,7 +85,14 @@ mod tests {
     fn status_values_read_as_grpc_clients_read_them() {
         let mut h = HeaderMap::new();
         assert_eq!(status_of(&h), None);
-        for (v, want) in [("0", 0), ("14", 14), (" 5 ", 5), ("17", 2), ("x", 2), ("", 2)] {
+        for (v, want) in [
+            ("0", 0),
+            ("14", 14),
+            (" 5 ", 5),
+            ("17", 2),
+            ("x", 2),
+            ("", 2),
+        ] {
             h.insert("grpc-status", HeaderValue::from_str(v).unwrap());
             assert_eq!(status_of(&h), Some(want), "{v:?}");
         }

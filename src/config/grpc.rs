@@ -100,7 +100,11 @@ impl GrpcErrorCodes {
 impl fmt::Debug for GrpcErrorCodes {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_list()
-            .entries((1..=16u8).filter(|c| self.counts(*c)).map(|c| NAMES[c as usize]))
+            .entries(
+                (1..=16u8)
+                    .filter(|c| self.counts(*c))
+                    .map(|c| NAMES[c as usize]),
+            )
             .finish()
     }
 }
@@ -155,9 +159,9 @@ impl<'de> Deserialize<'de> for GrpcErrorCodes {
                         Some(c) => codes.push(c),
                         None => {
                             return Err(de::Error::custom(format!(
-                                "grpc_error_codes: unknown gRPC status {shown} (names: {}; or 1-16)",
-                                NAMES[1..].join(", ")
-                            )))
+                            "grpc_error_codes: unknown gRPC status {shown} (names: {}; or 1-16)",
+                            NAMES[1..].join(", ")
+                        )))
                         }
                     }
                 }
@@ -208,5 +212,17 @@ mod tests {
         let e = p("[UNAVAILBLE]").unwrap_err();
         assert!(e.contains("unknown gRPC status \"UNAVAILBLE\""), "{e}");
         assert!(p("UNAVAILABLE").is_err(), "a list, not one name");
+    }
+
+    #[test]
+    fn a_bad_code_in_a_node_file_is_located() {
+        let text = "services:\n  api:\n    protocol: h2\n    grpc_error_codes: [UNAVAILABLE, OK]\n";
+        let e = super::super::parse_yaml::<super::super::NodeFile>(
+            std::path::Path::new("nodes.yaml"),
+            text,
+        )
+        .unwrap_err();
+        assert_eq!(e.line, Some(4), "{e}");
+        assert!(e.message.contains("OK (0) is never an error"), "{e}");
     }
 }

@@ -50,13 +50,21 @@ pub struct Pending {
 struct GrpcAnswer {
     counted: GrpcErrorCodes,
     status: Option<u8>,
+    /// gRPC-Web: only a trailers-only head's status is read (the others
+    /// are inside the body).
+    web: bool,
 }
 
 impl GrpcAnswer {
-    /// The answer ended as its node sent it: an error if its status (none
-    /// at all reads as UNKNOWN, as gRPC clients read it) is counted.
+    /// The answer ended as its node sent it: an error if its status is
+    /// counted. None at all reads as UNKNOWN, as gRPC clients read it —
+    /// but for gRPC-Web, whose status may be in the body.
     fn outcome(self) -> Result<(), ErrorKind> {
-        let code = self.status.unwrap_or(UNKNOWN);
+        let code = match (self.status, self.web) {
+            (Some(c), _) => c,
+            (None, false) => UNKNOWN,
+            (None, true) => return Ok(()),
+        };
         if self.counted.counts(code) {
             Err(ErrorKind::Grpc(code))
         } else {
@@ -127,6 +135,7 @@ pub fn respond(mut pending: Box<Pending>, resp: Response<Body>) -> Response<Reco
             Some(GrpcAnswer {
                 counted: v.grpc_error_codes,
                 status: grpc::status_of(&head.headers),
+                web: grpc::is_grpc_web(&head.headers),
             })
         }
         _ => None,
@@ -204,7 +213,11 @@ impl hyper::body::Body for Recorded {
                     .downcast_ref::<Error>()
                     .map_or(ErrorKind::UpstreamBody, Error::kind);
                 tracing::warn!(error = %e, "response body failed");
-                let grpc = this.pending.as_ref().is_some_and(|p| p.grpc.is_some());
+                let grpc = this
+                    .pending
+                    .as_ref()
+                    .and_then(|p| p.grpc)
+                    .is_some_and(|a| !a.web);
                 this.record(Err(kind));
                 if grpc {
                     // The head went out as a gRPC answer: its client is
@@ -331,5 +344,37 @@ impl Pending {
                 error: error.map(ErrorKind::as_str),
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_grpc_answer_s_outcome_is_its_counted_status() {
+        let answer = |status, web| GrpcAnswer {
+            counted: GrpcErrorCodes::default(),
+            status,
+            web,
+        };
+        assert_eq!(answer(Some(0), false).outcome(), Ok(()));
+        assert_eq!(answer(Some(5), false).outcome(), Ok(()), "NOT_FOUND");
+        assert_eq!(answer(Some(14), false).outcome(), Err(ErrorKind::Grpc(14)));
+        // No status at all: UNKNOWN; gRPC-Web keeps its own in the body.
+        assert_eq!(answer(None, false).outcome(), Err(ErrorKind::Grpc(2)));
+        assert_eq!(answer(None, true).outcome(), Ok(()));
+        assert_eq!(answer(Some(13), true).outcome(), Err(ErrorKind::Grpc(13)));
+        let picky = GrpcAnswer {
+            counted: GrpcErrorCodes::of(&[5]),
+            status: Some(14),
+            web: false,
+        };
+        assert_eq!(picky.outcome(), Ok(()));
+        assert_eq!(ErrorKind::Grpc(14).as_str(), "grpc_unavailable");
+        assert_eq!(
+            Error::new(ErrorKind::Grpc(4)).status(),
+            StatusCode::GATEWAY_TIMEOUT
+        );
     }
 }

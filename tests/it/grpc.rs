@@ -83,7 +83,10 @@ impl StreamingService<Msg> for Chat {
                 while let Ok(Some(m)) = inbound.message().await {
                     if m.text == "die" {
                         kill.send_modify(|n| *n += 1);
-                        return;
+                        // The reply stream stays open (its end would be
+                        // an OK status): only the connection's loss ends it.
+                        let _open = tx;
+                        match std::future::pending::<Infallible>().await {}
                     }
                     let reply = if m.text == "fail" {
                         Err(Status::permission_denied("lane says no"))
@@ -196,9 +199,7 @@ impl GrpcNode {
                                 let resp = match req.uri().path() {
                                     p if p.ends_with("/Chat") => {
                                         let chat = Chat { node: name, kill };
-                                        tonic::server::Grpc::new(codec())
-                                            .streaming(chat, req)
-                                            .await
+                                        tonic::server::Grpc::new(codec()).streaming(chat, req).await
                                     }
                                     p if p.ends_with("/Say") => {
                                         let say = Say {
@@ -559,7 +560,9 @@ pub async fn say(
     meta: &[(&'static str, &str)],
 ) -> Result<Msg, Status> {
     let mut grpc = tonic::client::Grpc::new(ch.clone());
-    grpc.ready().await.map_err(|e| Status::unknown(e.to_string()))?;
+    grpc.ready()
+        .await
+        .map_err(|e| Status::unknown(e.to_string()))?;
     let mut req = tonic::Request::new(Msg {
         text: text.to_string(),
         ..Default::default()
@@ -624,7 +627,10 @@ async fn grpc_statuses_count_as_errors_by_the_service_mapping() {
 
     // OK and a status the service does not count: answers, no errors.
     for _ in 0..3 {
-        assert_eq!(code(say(&ch, "/demo.Echo/Say", "hi", &[]).await), Ok("n1".into()));
+        assert_eq!(
+            code(say(&ch, "/demo.Echo/Say", "hi", &[]).await),
+            Ok("n1".into())
+        );
         let r = say(&ch, "/demo.Echo/Say", "status:5", &[]).await;
         assert_eq!(code(r), Err(Code::NotFound));
     }
@@ -645,7 +651,9 @@ async fn grpc_statuses_count_as_errors_by_the_service_mapping() {
     .await;
     let m = gw.metrics().await;
     let series = |status: &str| {
-        format!(r#"graygate_requests_total{{lane="formal",node="n1",route="/demo.Echo/",status_class="{status}"}}"#)
+        format!(
+            r#"graygate_requests_total{{lane="formal",node="n1",route="/demo.Echo/",status_class="{status}"}}"#
+        )
     };
     let value = |s: &str| {
         m.lines()
@@ -661,7 +669,11 @@ async fn grpc_statuses_count_as_errors_by_the_service_mapping() {
     assert!(!m.contains("grpc_not_found"), "{m}");
     // The node's errors, and three failures in a row eject it.
     let n = node_doc(&gw, "n1").await;
-    assert_eq!((n["requests"].as_u64(), n["errors"].as_u64()), (Some(9), Some(3)), "{n}");
+    assert_eq!(
+        (n["requests"].as_u64(), n["errors"].as_u64()),
+        (Some(9), Some(3)),
+        "{n}"
+    );
     assert_eq!(n["health"], "unhealthy", "{n}");
 
     // `picky`: NOT_FOUND counts, UNAVAILABLE does not.
@@ -676,7 +688,11 @@ async fn grpc_statuses_count_as_errors_by_the_service_mapping() {
     })
     .await;
     let p = node_doc(&gw, "p1").await;
-    assert_eq!((p["requests"].as_u64(), p["health"].as_str()), (Some(3), Some("healthy")), "{p}");
+    assert_eq!(
+        (p["requests"].as_u64(), p["health"].as_str()),
+        (Some(3), Some("healthy")),
+        "{p}"
+    );
     let m = gw.metrics().await;
     assert!(
         m.contains(r#"graygate_request_errors_total{kind="grpc_not_found",side="upstream"} 1"#),

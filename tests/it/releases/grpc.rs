@@ -17,7 +17,8 @@ use crate::harness::*;
 async fn a_grpc_gray_answering_unavailable_is_rolled_back() {
     let formal = GrpcNode::start("f1", None).await;
     let gray = GrpcNode::start("g1", None).await;
-    gray.fail_with.store(Code::Unavailable as i32, Ordering::SeqCst);
+    gray.fail_with
+        .store(Code::Unavailable as i32, Ordering::SeqCst);
     let fx = Fixture::new();
     let api = Service::new("grpc")
         .set("protocol", "h2")
@@ -60,7 +61,10 @@ async fn a_grpc_gray_answering_unavailable_is_rolled_back() {
     })
     .await;
     stop.store(true, Ordering::Relaxed);
-    assert!(traffic.await.unwrap() > 0, "the gray node answered UNAVAILABLE");
+    assert!(
+        traffic.await.unwrap() > 0,
+        "the gray node answered UNAVAILABLE"
+    );
     let doc = release(&gw, "grpc-bad").await;
     let analyses = doc["analyses"].as_array().unwrap();
     let fail = analyses
