@@ -51,6 +51,9 @@ pub enum ErrorKind {
     UpstreamBody,
     /// The node's response body stalled longer than the read timeout.
     UpstreamBodyTimeout,
+    /// The node's gRPC answer ended with this non-OK `grpc-status`, one
+    /// its service counts as an error (`grpc_error_codes`).
+    Grpc(u8),
 }
 
 /// Whose fault an error is.
@@ -96,6 +99,10 @@ impl ErrorKind {
             ErrorKind::UpgradeUnavailable => "upgrade_unavailable",
             ErrorKind::UpstreamBody => "upstream_body",
             ErrorKind::UpstreamBodyTimeout => "upstream_body_timeout",
+            ErrorKind::Grpc(code) => crate::config::grpc::LABELS
+                .get(code as usize)
+                .copied()
+                .unwrap_or("grpc_unknown"),
         }
     }
 
@@ -112,7 +119,8 @@ impl ErrorKind {
             | ErrorKind::Exchange
             | ErrorKind::ResponseTimeout
             | ErrorKind::UpstreamBody
-            | ErrorKind::UpstreamBodyTimeout => Side::Upstream,
+            | ErrorKind::UpstreamBodyTimeout
+            | ErrorKind::Grpc(_) => Side::Upstream,
             _ => Side::Gateway,
         }
     }
@@ -151,6 +159,13 @@ impl ErrorKind {
             ErrorKind::UpgradeUnavailable => (StatusCode::BAD_GATEWAY, "upgrade unavailable\n"),
             ErrorKind::UpstreamBody => (StatusCode::BAD_GATEWAY, "upstream error\n"),
             ErrorKind::UpstreamBodyTimeout => (StatusCode::GATEWAY_TIMEOUT, "upstream timed out\n"),
+            // Known only at the answer's end, after its head was sent: the
+            // status it is recorded as (`base::grpc::recorded_status`).
+            ErrorKind::Grpc(code) => (
+                StatusCode::from_u16(super::grpc::recorded_status(code))
+                    .unwrap_or(StatusCode::BAD_GATEWAY),
+                "upstream error\n",
+            ),
         }
     }
 }

@@ -11,6 +11,7 @@ pub mod deadline;
 pub mod decision;
 pub mod error;
 pub mod freelist;
+pub mod grpc;
 pub mod head;
 pub mod lists;
 pub mod ratelog;

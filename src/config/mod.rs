@@ -16,6 +16,7 @@ use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 pub mod docs;
+pub mod grpc;
 pub mod release;
 pub mod rules;
 
@@ -696,6 +697,9 @@ pub struct ServiceConfig {
     /// same-zone nodes are healthy; below, every zone of the lane. 0 turns
     /// zone preference off for the service.
     pub zone_min_healthy: u32,
+    /// The non-OK `grpc-status` values of the nodes' gRPC answers that
+    /// count as errors (`grpc::GrpcErrorCodes`; the rest pass as answers).
+    pub grpc_error_codes: grpc::GrpcErrorCodes,
 }
 
 impl Default for ServiceConfig {
@@ -712,6 +716,7 @@ impl Default for ServiceConfig {
             hash_key: None,
             slow_start_ms: 0,
             zone_min_healthy: 1,
+            grpc_error_codes: grpc::GrpcErrorCodes::default(),
         }
     }
 }

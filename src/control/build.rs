@@ -191,6 +191,7 @@ impl Generation {
                 service.strict = svc.strict;
                 service.retries = svc.retries;
                 service.read_timeout_ms = svc.read_timeout_ms;
+                service.grpc_error_codes = svc.grpc_error_codes;
                 service.transport = transport(&svc, &root, &path, &ntext, &name)?;
                 if let Some(a) = &svc.health.active {
                     if !a.path.starts_with('/') {

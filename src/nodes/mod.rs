@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use http::{HeaderMap, Uri};
 
+use crate::config::grpc::GrpcErrorCodes;
 use crate::config::{Balance, HealthConfig, NodeConfig, ServiceConfig, FORMAL};
 use crate::observe::node_stats::NodeCounters;
 use balance::{slow_start_factor, Members, Picker, Want};
@@ -344,6 +345,8 @@ pub struct Service {
     pub transport: Option<Arc<crate::upstream::tls::Transport>>,
     /// Balance policy, hash key, slow start and zone preference.
     pub select: Select,
+    /// The nodes' gRPC statuses that count as errors.
+    pub grpc_error_codes: GrpcErrorCodes,
 }
 
 impl Service {
@@ -371,6 +374,7 @@ impl Service {
             read_timeout_ms: None,
             transport: None,
             select,
+            grpc_error_codes: GrpcErrorCodes::default(),
         }
     }
 

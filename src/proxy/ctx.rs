@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use crate::base::decision::Decision;
 use crate::base::error::ErrorKind;
+use crate::config::grpc::GrpcErrorCodes;
 use crate::config::PassiveHealth;
 use crate::lane::RequestInfo;
 use crate::nodes::health::NodeHealth;
@@ -77,6 +78,9 @@ pub struct Verdict {
     pub failed_status: bool,
     /// The node's counters (a broken body is one more error).
     pub counters: Arc<NodeCounters>,
+    /// The service's gRPC statuses that count as errors (read at the end
+    /// of a gRPC answer, [`super::record`]).
+    pub grpc_error_codes: GrpcErrorCodes,
 }
 
 impl Verdict {
@@ -90,6 +94,18 @@ impl Verdict {
             self.health.success(&self.node);
         } else {
             self.health.failure(&self.node, &self.policy);
+        }
+    }
+
+    /// The node's gRPC answer ended with a counted error status: one more
+    /// node error, and a passive-health failure as a 5xx would be (with
+    /// `fail_on_5xx`).
+    pub fn give_grpc_error(self) {
+        self.counters.errors.fetch_add(1, Ordering::Relaxed);
+        if self.policy.fail_on_5xx {
+            self.health.failure(&self.node, &self.policy);
+        } else {
+            self.health.success(&self.node);
         }
     }
 }

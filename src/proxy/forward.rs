@@ -386,6 +386,7 @@ async fn attempt_all(
                     policy: policy.clone(),
                     failed_status: policy.fail_on_5xx && r.status().is_server_error(),
                     counters,
+                    grpc_error_codes: service.grpc_error_codes,
                 });
                 let mut r = r;
                 if let Some(slot) = raw.as_deref_mut() {

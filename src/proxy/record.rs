@@ -4,6 +4,13 @@
 //! passive-health verdict on the node, metrics, the access log — so a body
 //! the node cuts off, a stalled node, or a client that goes away shows with
 //! its real outcome, and only a node's own failure counts against it.
+//!
+//! A node's gRPC answer (HTTP 200, `application/grpc…`) is judged by its
+//! `grpc-status`, read from the head (trailers-only) or the trailers: a
+//! status the service counts (`grpc_error_codes`) is the node's error,
+//! recorded as its HTTP equivalent (`base::grpc::recorded_status`). One the
+//! node breaks off after its head ends with the gateway's status in
+//! trailers (UNAVAILABLE), never a bare stream reset.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -11,14 +18,16 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use bytes::Bytes;
-use http::header::HeaderValue;
+use http::header::{HeaderMap, HeaderValue};
 use http::{Response, StatusCode};
 use hyper::body::{Body as _, Frame, SizeHint};
 
 use super::ctx::RequestCtx;
 use super::DataPlane;
 use crate::base::body::{Body, BoxError};
-use crate::base::error::{Error, ErrorKind};
+use crate::base::error::{Error, ErrorKind, Side};
+use crate::base::grpc;
+use crate::config::grpc::{GrpcErrorCodes, UNKNOWN};
 use crate::generation::Generation;
 use crate::observe::access_log::Entry;
 use crate::observe::metrics::Observation;
@@ -31,6 +40,37 @@ pub struct Pending {
     gen: Arc<Generation>,
     ctx: RequestCtx,
     status: u16,
+    /// The node's answer is gRPC: its status decides the outcome.
+    grpc: Option<GrpcAnswer>,
+}
+
+/// A node's gRPC answer: the codes its service counts as errors, and the
+/// `grpc-status` seen so far (head or trailers).
+#[derive(Clone, Copy)]
+struct GrpcAnswer {
+    counted: GrpcErrorCodes,
+    status: Option<u8>,
+    /// gRPC-Web: only a trailers-only head's status is read (the others
+    /// are inside the body).
+    web: bool,
+}
+
+impl GrpcAnswer {
+    /// The answer ended as its node sent it: an error if its status is
+    /// counted. None at all reads as UNKNOWN, as gRPC clients read it —
+    /// but for gRPC-Web, whose status may be in the body.
+    fn outcome(self) -> Result<(), ErrorKind> {
+        let code = match (self.status, self.web) {
+            (Some(c), _) => c,
+            (None, false) => UNKNOWN,
+            (None, true) => return Ok(()),
+        };
+        if self.counted.counts(code) {
+            Err(ErrorKind::Grpc(code))
+        } else {
+            Ok(())
+        }
+    }
 }
 
 impl Pending {
@@ -49,6 +89,7 @@ impl Pending {
                 gen,
                 ctx: ctx(),
                 status: 0,
+                grpc: None,
             },
         )
     }
@@ -64,6 +105,9 @@ impl Pending {
 pub struct Recorded {
     inner: Body,
     pending: Option<Box<Pending>>,
+    /// The status trailers that replaced a broken gRPC answer's rest went
+    /// out: nothing more.
+    ended: bool,
 }
 
 /// The response head's last touches (the lane response header), and the
@@ -84,11 +128,24 @@ pub fn respond(mut pending: Box<Pending>, resp: Response<Body>) -> Response<Reco
         }
     }
     p.status = head.status.as_u16();
+    // Only a node's answer (the gateway's own errors are recorded by their
+    // HTTP status).
+    p.grpc = match &p.ctx.verdict {
+        Some(v) if head.status == StatusCode::OK && grpc::is_grpc(&head.headers) => {
+            Some(GrpcAnswer {
+                counted: v.grpc_error_codes,
+                status: grpc::status_of(&head.headers),
+                web: grpc::is_grpc_web(&head.headers),
+            })
+        }
+        _ => None,
+    };
     Response::from_parts(
         head,
         Recorded {
             inner,
             pending: Some(pending),
+            ended: false,
         },
     )
 }
@@ -118,6 +175,14 @@ impl Recorded {
             p.finish(outcome);
         }
     }
+
+    /// Trailers passing through: a gRPC answer's status.
+    fn trailers(&mut self, t: &HeaderMap) {
+        let answer = self.pending.as_mut().and_then(|p| p.grpc.as_mut());
+        if let (Some(a), Some(code)) = (answer, grpc::status_of(t)) {
+            a.status = Some(code);
+        }
+    }
 }
 
 impl hyper::body::Body for Recorded {
@@ -128,24 +193,49 @@ impl hyper::body::Body for Recorded {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let r = Pin::new(&mut self.inner).poll_frame(cx);
+        let this = &mut *self;
+        if this.ended {
+            return Poll::Ready(None);
+        }
+        let r = Pin::new(&mut this.inner).poll_frame(cx);
         match &r {
-            Poll::Ready(None) => self.record(Ok(())),
-            Poll::Ready(Some(Ok(_))) if self.inner.is_end_stream() => self.record(Ok(())),
+            Poll::Ready(None) => this.record(Ok(())),
+            Poll::Ready(Some(Ok(f))) => {
+                if let Some(t) = f.trailers_ref() {
+                    this.trailers(t);
+                }
+                if this.inner.is_end_stream() {
+                    this.record(Ok(()));
+                }
+            }
             Poll::Ready(Some(Err(e))) => {
                 let kind = e
                     .downcast_ref::<Error>()
                     .map_or(ErrorKind::UpstreamBody, Error::kind);
                 tracing::warn!(error = %e, "response body failed");
-                self.record(Err(kind));
+                let grpc = this
+                    .pending
+                    .as_ref()
+                    .and_then(|p| p.grpc)
+                    .is_some_and(|a| !a.web);
+                this.record(Err(kind));
+                if grpc {
+                    // The head went out as a gRPC answer: its client is
+                    // told why in the status trailers (UNAVAILABLE for a
+                    // node that went away or stalled) instead of a reset
+                    // stream it can only report as INTERNAL.
+                    this.ended = true;
+                    let fields = grpc::status_fields(Error::new(kind).status());
+                    return Poll::Ready(Some(Ok(Frame::trailers(fields))));
+                }
             }
-            _ => {}
+            Poll::Pending => {}
         }
         r
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.ended || self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -176,12 +266,24 @@ impl Pending {
     /// log (and a debug line).
     fn finish(&mut self, outcome: Result<(), ErrorKind>) {
         let ctx = &mut self.ctx;
+        // A gRPC answer that ended as its node sent it: its status says.
+        let outcome = match (outcome, self.grpc) {
+            (Ok(()), Some(answer)) => answer.outcome(),
+            (o, _) => o,
+        };
         // A failure while the client's own body was failing is the
         // client's, whatever broke first on the upstream side.
         let outcome = match (outcome, ctx.client_fault.as_ref().and_then(|f| f.kind())) {
             (Err(_), Some(client)) => Err(client),
             (o, _) => o,
         };
+        // A gRPC answer's failure is recorded as its HTTP equivalent (its
+        // head said 200): counted with the 5xx answers everywhere.
+        if let (Some(_), Err(kind)) = (self.grpc, outcome) {
+            if kind.side() == Side::Upstream {
+                self.status = Error::new(kind).status().as_u16();
+            }
+        }
         let error = match outcome {
             Ok(()) => ctx.error,
             Err(kind) => Some(ctx.error.unwrap_or(kind)),
@@ -191,7 +293,8 @@ impl Pending {
         if let Some(v) = ctx.verdict.take() {
             match outcome {
                 Ok(()) => v.give(true),
-                Err(kind) if kind.side() == crate::base::error::Side::Upstream => v.give(false),
+                Err(ErrorKind::Grpc(_)) => v.give_grpc_error(),
+                Err(kind) if kind.side() == Side::Upstream => v.give(false),
                 Err(_) => {}
             }
         }
@@ -241,5 +344,37 @@ impl Pending {
                 error: error.map(ErrorKind::as_str),
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_grpc_answer_s_outcome_is_its_counted_status() {
+        let answer = |status, web| GrpcAnswer {
+            counted: GrpcErrorCodes::default(),
+            status,
+            web,
+        };
+        assert_eq!(answer(Some(0), false).outcome(), Ok(()));
+        assert_eq!(answer(Some(5), false).outcome(), Ok(()), "NOT_FOUND");
+        assert_eq!(answer(Some(14), false).outcome(), Err(ErrorKind::Grpc(14)));
+        // No status at all: UNKNOWN; gRPC-Web keeps its own in the body.
+        assert_eq!(answer(None, false).outcome(), Err(ErrorKind::Grpc(2)));
+        assert_eq!(answer(None, true).outcome(), Ok(()));
+        assert_eq!(answer(Some(13), true).outcome(), Err(ErrorKind::Grpc(13)));
+        let picky = GrpcAnswer {
+            counted: GrpcErrorCodes::of(&[5]),
+            status: Some(14),
+            web: false,
+        };
+        assert_eq!(picky.outcome(), Ok(()));
+        assert_eq!(ErrorKind::Grpc(14).as_str(), "grpc_unavailable");
+        assert_eq!(
+            Error::new(ErrorKind::Grpc(4)).status(),
+            StatusCode::GATEWAY_TIMEOUT
+        );
     }
 }

@@ -543,25 +543,16 @@ impl Server {
 }
 
 fn is_grpc(h: &http::HeaderMap) -> bool {
-    h.get(http::header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+    crate::base::grpc::is_grpc(h)
 }
 
 /// The gateway's own error answer (no route, no node, 502/503/504…) to a
 /// gRPC request, as gRPC clients expect it: a trailers-only response,
 /// HTTP 200, `grpc-status` mapped from the HTTP status as gRPC's
-/// HTTP-to-gRPC mapping says, the reason in `grpc-message`.
+/// HTTP-to-gRPC mapping says, the reason in `grpc-message`
+/// (`base::grpc::status_fields`).
 fn grpc_error(resp: http::Response<Recorded>) -> http::Response<Recorded> {
     let status = resp.status();
-    let code: u32 = match status.as_u16() {
-        400 => 13,
-        401 => 16,
-        403 => 7,
-        404 => 12,
-        429 | 502..=504 => 14,
-        _ => 2,
-    };
-    let reason = status.canonical_reason().unwrap_or("error");
     let empty = http_body_util::Empty::<bytes::Bytes>::new()
         .map_err(|never| -> crate::base::body::BoxError { match never {} });
     let (head, mut body) = resp.into_parts();
@@ -573,10 +564,7 @@ fn grpc_error(resp: http::Response<Recorded>) -> http::Response<Recorded> {
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static("application/grpc"),
     );
-    h.insert("grpc-status", http::HeaderValue::from(code));
-    if let Ok(v) = http::HeaderValue::from_str(&format!("gateway: {} {reason}", status.as_u16())) {
-        h.insert("grpc-message", v);
-    }
+    h.extend(crate::base::grpc::status_fields(status));
     for (k, v) in &head.headers {
         // Keep the gateway's own annotations (e.g. the lane header).
         if k != http::header::CONTENT_TYPE && k != http::header::CONTENT_LENGTH {

@@ -6,20 +6,22 @@
 //! trailers passed through (after data and trailers-only), the lane tag sent
 //! to the node as metadata, lane routing by metadata and the fallback to
 //! formal for a lane without nodes; the client reaches the gateway both over
-//! h2c and over TLS.
+//! h2c and over TLS. The nodes' gRPC statuses count by the service's
+//! `grpc_error_codes` (metrics, node errors, passive health), and a node
+//! that dies mid-stream reaches the client as UNAVAILABLE.
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::uri::PathAndQuery;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
 use tonic::server::{StreamingService, UnaryService};
@@ -45,10 +47,19 @@ type BoxStream = Pin<Box<dyn Stream<Item = Result<Msg, Status>> + Send>>;
 type BoxFut<T> = Pin<Box<dyn Future<Output = Result<tonic::Response<T>, Status>> + Send>>;
 
 /// `Chat`: one reply per message; a message "fail" ends the stream with
-/// PERMISSION_DENIED (a status in trailers after data).
+/// PERMISSION_DENIED, "status:N" with status N (a status in trailers after
+/// data); "die" makes the node drop every connection it has (as a node
+/// process that is killed).
 #[derive(Clone)]
 struct Chat {
     node: String,
+    kill: Arc<watch::Sender<u64>>,
+}
+
+/// The status a message `status:N` asks for.
+fn asked_status(text: &str) -> Option<Status> {
+    let code: i32 = text.strip_prefix("status:")?.parse().ok()?;
+    Some(Status::new(Code::from(code), format!("asked for {code}")))
 }
 
 impl StreamingService<Msg> for Chat {
@@ -64,13 +75,23 @@ impl StreamingService<Msg> for Chat {
             .unwrap_or("")
             .to_string();
         let node = self.node.clone();
+        let kill = self.kill.clone();
         Box::pin(async move {
             let mut inbound = req.into_inner();
             let (tx, rx) = mpsc::channel(4);
             tokio::spawn(async move {
                 while let Ok(Some(m)) = inbound.message().await {
+                    if m.text == "die" {
+                        kill.send_modify(|n| *n += 1);
+                        // The reply stream stays open (its end would be
+                        // an OK status): only the connection's loss ends it.
+                        let _open = tx;
+                        match std::future::pending::<Infallible>().await {}
+                    }
                     let reply = if m.text == "fail" {
                         Err(Status::permission_denied("lane says no"))
+                    } else if let Some(s) = asked_status(&m.text) {
+                        Err(s)
                     } else {
                         Ok(Msg {
                             text: m.text,
@@ -104,10 +125,44 @@ impl UnaryService<Msg> for Deny {
     }
 }
 
+/// `Say`: a unary echo; the node's `fail_with` code (when not 0), or a
+/// message "status:N", is answered trailers-only with that status.
+#[derive(Clone)]
+struct Say {
+    node: String,
+    fail_with: Arc<AtomicI32>,
+}
+
+impl UnaryService<Msg> for Say {
+    type Response = Msg;
+    type Future = BoxFut<Msg>;
+
+    fn call(&mut self, req: tonic::Request<Msg>) -> Self::Future {
+        let code = self.fail_with.load(Ordering::SeqCst);
+        let node = self.node.clone();
+        Box::pin(async move {
+            let m = req.into_inner();
+            if code != 0 {
+                return Err(Status::new(Code::from(code), "the node says so"));
+            }
+            if let Some(s) = asked_status(&m.text) {
+                return Err(s);
+            }
+            Ok(tonic::Response::new(Msg {
+                text: m.text,
+                node,
+                tag: String::new(),
+            }))
+        })
+    }
+}
+
 /// A tonic node on 127.0.0.1 (h2c, or TLS with ALPN h2).
-struct GrpcNode {
-    addr: SocketAddr,
-    calls: Arc<AtomicUsize>,
+pub struct GrpcNode {
+    pub addr: SocketAddr,
+    pub calls: Arc<AtomicUsize>,
+    /// The status `Say` answers with (0: it echoes).
+    pub fail_with: Arc<AtomicI32>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -118,28 +173,40 @@ impl Drop for GrpcNode {
 }
 
 impl GrpcNode {
-    async fn start(name: &str, tls: Option<Arc<rustls::ServerConfig>>) -> GrpcNode {
+    pub async fn start(name: &str, tls: Option<Arc<rustls::ServerConfig>>) -> GrpcNode {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let calls = Arc::new(AtomicUsize::new(0));
-        let (name, c) = (name.to_string(), calls.clone());
+        let fail_with = Arc::new(AtomicI32::new(0));
+        let kill = Arc::new(watch::channel(0u64).0);
+        let (name, c, fail) = (name.to_string(), calls.clone(), fail_with.clone());
         let task = tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
                     continue;
                 };
-                let (name, c, tls) = (name.clone(), c.clone(), tls.clone());
+                let (name, c, tls, fail) = (name.clone(), c.clone(), tls.clone(), fail.clone());
+                let kill = kill.clone();
+                let mut killed = kill.subscribe();
                 tokio::spawn(async move {
                     let svc = hyper::service::service_fn(
                         move |req: http::Request<hyper::body::Incoming>| {
-                            let (name, c) = (name.clone(), c.clone());
+                            let (name, c, fail) = (name.clone(), c.clone(), fail.clone());
+                            let kill = kill.clone();
                             async move {
                                 c.fetch_add(1, Ordering::SeqCst);
+                                let codec = ProstCodec::<Msg, Msg>::default;
                                 let resp = match req.uri().path() {
                                     p if p.ends_with("/Chat") => {
-                                        tonic::server::Grpc::new(ProstCodec::<Msg, Msg>::default())
-                                            .streaming(Chat { node: name }, req)
-                                            .await
+                                        let chat = Chat { node: name, kill };
+                                        tonic::server::Grpc::new(codec()).streaming(chat, req).await
+                                    }
+                                    p if p.ends_with("/Say") => {
+                                        let say = Say {
+                                            node: name,
+                                            fail_with: fail,
+                                        };
+                                        tonic::server::Grpc::new(codec()).unary(say, req).await
                                     }
                                     _ => {
                                         tonic::server::Grpc::new(ProstCodec::<Msg, Msg>::default())
@@ -152,25 +219,39 @@ impl GrpcNode {
                         },
                     );
                     let b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+                    // A "die" drops the connection wherever it is: its
+                    // streams end without a status, as on a killed node.
+                    let died = killed.changed();
                     match tls {
                         None => {
-                            let _ = b.serve_connection(TokioIo::new(stream), svc).await;
+                            tokio::select! {
+                                _ = b.serve_connection(TokioIo::new(stream), svc) => {}
+                                _ = died => {}
+                            }
                         }
                         Some(cfg) => {
                             let Ok(s) = tokio_rustls::TlsAcceptor::from(cfg).accept(stream).await
                             else {
                                 return;
                             };
-                            let _ = b.serve_connection(TokioIo::new(s), svc).await;
+                            tokio::select! {
+                                _ = b.serve_connection(TokioIo::new(s), svc) => {}
+                                _ = died => {}
+                            }
                         }
                     }
                 });
             }
         });
-        GrpcNode { addr, calls, task }
+        GrpcNode {
+            addr,
+            calls,
+            fail_with,
+            task,
+        }
     }
 
-    fn node(&self, name: &str, lane: &str) -> Node {
+    pub fn node(&self, name: &str, lane: &str) -> Node {
         Node::new(name, self.addr).lane(lane)
     }
 }
@@ -186,7 +267,7 @@ fn node_tls(fx: &Fixture) -> Arc<rustls::ServerConfig> {
 
 /// A tonic channel to the gateway: h2c, or TLS (ALPN h2, the gateway's
 /// self-signed certificate accepted) through a custom connector.
-async fn channel(addr: SocketAddr, tls: bool) -> tonic::transport::Channel {
+pub async fn channel(addr: SocketAddr, tls: bool) -> tonic::transport::Channel {
     let ep = tonic::transport::Endpoint::from_shared(format!("http://localhost:{}", addr.port()))
         .unwrap()
         .connect_timeout(Duration::from_secs(10));
@@ -468,4 +549,196 @@ async fn an_http2_node_that_never_answers_times_out_at_the_response_timeout() {
     assert_eq!(r.text(), "upstream timed out\n");
     assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
     assert_eq!(accepted.load(Ordering::SeqCst), 1);
+}
+
+/// A unary `Say` call on `path` with `text`, the metadata `meta` sent with
+/// it: the node's reply, or the status the client got.
+pub async fn say(
+    ch: &tonic::transport::Channel,
+    path: &'static str,
+    text: &str,
+    meta: &[(&'static str, &str)],
+) -> Result<Msg, Status> {
+    let mut grpc = tonic::client::Grpc::new(ch.clone());
+    grpc.ready()
+        .await
+        .map_err(|e| Status::unknown(e.to_string()))?;
+    let mut req = tonic::Request::new(Msg {
+        text: text.to_string(),
+        ..Default::default()
+    });
+    for (k, v) in meta {
+        req.metadata_mut().insert(*k, v.parse().unwrap());
+    }
+    grpc.unary(
+        req,
+        PathAndQuery::from_static(path),
+        ProstCodec::<Msg, Msg>::default(),
+    )
+    .await
+    .map(tonic::Response::into_inner)
+}
+
+/// The node `name` in the admin `/nodes` document (any service).
+async fn node_doc(gw: &Gateway, name: &str) -> serde_json::Value {
+    let doc = gw.admin_get("/nodes").await.json();
+    doc["services"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["nodes"].as_array().unwrap().iter())
+        .find(|n| n["name"] == name)
+        .cloned()
+        .unwrap_or_else(|| panic!("no node {name}: {doc}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_statuses_count_as_errors_by_the_service_mapping() {
+    // `grpc` counts the default statuses; `picky` only NOT_FOUND. Each
+    // node is its service's only one, never retried.
+    let n1 = GrpcNode::start("n1", None).await;
+    let p1 = GrpcNode::start("p1", None).await;
+    let fx = Fixture::new();
+    let passive = "{ passive: { max_fails: 3, cooldown_ms: 600000 } }";
+    let svc = |name: &str| {
+        Service::new(name)
+            .set("protocol", "h2")
+            .set("retries", 0)
+            .set("health", passive)
+    };
+    Nodes::new()
+        .service(svc("grpc").node(n1.node("n1", "formal")))
+        .service(
+            svc("picky")
+                .set("grpc_error_codes", "[NOT_FOUND]")
+                .node(p1.node("p1", "formal")),
+        )
+        .write(&fx, "nodes.yaml");
+    let gw = Config::new()
+        .node_files(&["nodes.yaml"])
+        .routes(&[
+            Route::service("/demo.Echo/", "grpc"),
+            Route::service("/demo.Picky/", "picky"),
+        ])
+        .listeners(&[Listener::h2c()])
+        .start(&fx, "graygate.yaml");
+    let ch = channel(listeners(&gw)[0], false).await;
+    let code = |r: Result<Msg, Status>| r.map(|m| m.node).map_err(|s| s.code());
+
+    // OK and a status the service does not count: answers, no errors.
+    for _ in 0..3 {
+        assert_eq!(
+            code(say(&ch, "/demo.Echo/Say", "hi", &[]).await),
+            Ok("n1".into())
+        );
+        let r = say(&ch, "/demo.Echo/Say", "status:5", &[]).await;
+        assert_eq!(code(r), Err(Code::NotFound));
+    }
+    // UNAVAILABLE trailers-only, twice; INTERNAL in trailers after data.
+    for _ in 0..2 {
+        let r = say(&ch, "/demo.Echo/Say", "status:14", &[]).await;
+        let s = r.expect_err("UNAVAILABLE");
+        assert_eq!((s.code(), s.message()), (Code::Unavailable, "asked for 14"));
+    }
+    let (got, end) = chat(&ch, "/demo.Echo/Chat", false, &["a", "status:13"]).await;
+    assert_eq!(got.len(), 1);
+    assert_eq!(end.map_err(|s| s.code()), Err(Code::Internal));
+
+    let errors = r#"graygate_request_errors_total{kind="grpc_unavailable",side="upstream"}"#;
+    soon("the statuses recorded", || async {
+        gw.metric(errors).await == Some(2.0)
+    })
+    .await;
+    let m = gw.metrics().await;
+    let series = |status: &str| {
+        format!(
+            r#"graygate_requests_total{{lane="formal",node="n1",route="/demo.Echo/",status_class="{status}"}}"#
+        )
+    };
+    let value = |s: &str| {
+        m.lines()
+            .find_map(|l| l.strip_prefix(s)?.strip_prefix(' ')?.parse::<f64>().ok())
+    };
+    assert_eq!(
+        value(r#"graygate_request_errors_total{kind="grpc_internal",side="upstream"}"#),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(value(&series("5xx")), Some(3.0), "{m}");
+    assert_eq!(value(&series("2xx")), Some(6.0), "OK and NOT_FOUND: {m}");
+    assert!(!m.contains("grpc_not_found"), "{m}");
+    // The node's errors, and three failures in a row eject it.
+    let n = node_doc(&gw, "n1").await;
+    assert_eq!(
+        (n["requests"].as_u64(), n["errors"].as_u64()),
+        (Some(9), Some(3)),
+        "{n}"
+    );
+    assert_eq!(n["health"], "unhealthy", "{n}");
+
+    // `picky`: NOT_FOUND counts, UNAVAILABLE does not.
+    for _ in 0..2 {
+        let r = say(&ch, "/demo.Picky/Say", "status:14", &[]).await;
+        assert_eq!(code(r), Err(Code::Unavailable));
+    }
+    let r = say(&ch, "/demo.Picky/Say", "status:5", &[]).await;
+    assert_eq!(code(r), Err(Code::NotFound));
+    soon("NOT_FOUND counted for picky", || async {
+        node_doc(&gw, "p1").await["errors"] == 1
+    })
+    .await;
+    let p = node_doc(&gw, "p1").await;
+    assert_eq!(
+        (p["requests"].as_u64(), p["health"].as_str()),
+        (Some(3), Some("healthy")),
+        "{p}"
+    );
+    let m = gw.metrics().await;
+    assert!(
+        m.contains(r#"graygate_request_errors_total{kind="grpc_not_found",side="upstream"} 1"#),
+        "{m}"
+    );
+    assert!(
+        m.contains(r#"graygate_request_errors_total{kind="grpc_unavailable",side="upstream"} 2"#),
+        "picky's UNAVAILABLE are not counted: {m}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_killed_mid_stream_reaches_the_client_as_unavailable() {
+    let n1 = GrpcNode::start("n1", None).await;
+    let fx = Fixture::new();
+    let svc = Service::new("grpc")
+        .set("protocol", "h2")
+        .set("retries", 0)
+        .node(n1.node("n1", "formal"));
+    Nodes::new().service(svc).write(&fx, "nodes.yaml");
+    let gw = Config::new()
+        .node_files(&["nodes.yaml"])
+        .route_all("grpc")
+        .listeners(&[Listener::h2c()])
+        .start(&fx, "graygate.yaml");
+    let ch = channel(listeners(&gw)[0], false).await;
+    // A reply, then the node's connections drop with the stream open.
+    let (got, end) = chat(&ch, "/demo.Echo/Chat", false, &["a", "die"]).await;
+    assert_eq!(got.len(), 1);
+    let s = end.expect_err("the node died mid-stream");
+    assert_eq!(
+        (s.code(), s.message()),
+        (Code::Unavailable, "gateway: 502 Bad Gateway"),
+        "a gRPC status in trailers, not a reset stream: {s:?}"
+    );
+    // Recorded as the node's failure, and the gateway goes on serving.
+    soon("the broken stream recorded", || async {
+        node_doc(&gw, "n1").await["errors"] == 1
+    })
+    .await;
+    let m = gw.metrics().await;
+    assert!(
+        m.contains(r#"graygate_request_errors_total{kind="upstream_body",side="upstream"} 1"#),
+        "{m}"
+    );
+    assert!(m.contains(r#"status_class="5xx"} 1"#), "{m}");
+    let (got, end) = chat(&ch, "/demo.Echo/Chat", false, &["b"]).await;
+    assert_eq!((got.len(), end.map_err(|s| s.code())), (1, Ok(())));
 }

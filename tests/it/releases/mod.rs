@@ -4,9 +4,11 @@
 //! every step; too little traffic holds the release inconclusive; a webhook
 //! answering 500 holds it; a restarted gateway resumes at its step; a
 //! rising share or a promotion moves sticky formal users in while gray ones
-//! stay, and a rollback unpins them.
+//! stay, and a rollback unpins them; a gRPC gray answering UNAVAILABLE is
+//! rolled back (`grpc`).
 
 mod fleet;
+mod grpc;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
