@@ -282,16 +282,24 @@ async fn bodies_larger_than_the_windows_stream_both_ways_over_h2() {
 }
 
 /// A gateway serving `site/formal/` over h2c: `big.bin` (beyond the content
-/// cache: sent from disk, one descriptor per answer) and `small.txt`.
-fn static_site(extra: &str) -> (Fixture, Gateway, SocketAddr) {
+/// cache: sent from disk, one descriptor per answer) and `small.txt`; and
+/// `/api` from `api`, if given.
+fn static_site(extra: &str, api: Option<&Backend>) -> (Fixture, Gateway, SocketAddr) {
     let fx = Fixture::new();
     std::fs::create_dir_all(fx.path("site/formal")).unwrap();
     std::fs::write(fx.path("site/formal/big.bin"), pattern(4 << 20)).unwrap();
     fx.write("site/formal/small.txt", "small\n");
-    let gw = Config::new()
+    let mut routes = vec![Route::static_dir("/", "site")];
+    let mut config = Config::new();
+    if let Some(b) = api {
+        fx.api_nodes(&[b]);
+        routes.insert(0, Route::service("/api", "api"));
+        config = config.node_files(&["nodes.yaml"]);
+    }
+    let gw = config
         .set("workers", 1)
         .raw(extra)
-        .routes(&[Route::static_dir("/", "site")])
+        .routes(&routes)
         .listeners(&[Listener::h2c()])
         .start(&fx, "gg.yaml");
     let h2c = listeners(&gw)[0];
@@ -419,7 +427,7 @@ fn watch_frames(s: &TcpStream) -> std::sync::Arc<std::sync::Mutex<Seen>> {
 /// waits for the server to let go of it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_a_client_never_lets_send_are_reset_at_the_send_timeout() {
-    let (_fx, gw, h2c) = static_site("client: { send_timeout_ms: 1500 }\n");
+    let (_fx, gw, h2c) = static_site("client: { send_timeout_ms: 1500 }\n", None);
     let pid = gw.pid();
     let base = fd_baseline(&gw, h2c).await;
     let n = 64u32;
@@ -477,7 +485,7 @@ async fn streams_a_client_never_lets_send_are_reset_at_the_send_timeout() {
 /// `client.send_timeout_ms`: its socket and files are given back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_whose_client_stops_reading_is_closed_at_the_send_timeout() {
-    let (_fx, gw, h2c) = static_site("client: { send_timeout_ms: 1000 }\n");
+    let (_fx, gw, h2c) = static_site("client: { send_timeout_ms: 1000 }\n", None);
     let pid = gw.pid();
     let base = fd_baseline(&gw, h2c).await;
     let mut c = h2c_client(h2c, &[(0x4, 0x7fff_ffff)], Some(4096));
@@ -502,7 +510,7 @@ async fn a_connection_whose_client_stops_reading_is_closed_at_the_send_timeout()
 /// default) and the connection closes; the gateway serves on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ping_and_settings_floods_get_goaway_enhance_your_calm() {
-    let (_fx, gw, h2c) = static_site("");
+    let (_fx, gw, h2c) = static_site("", None);
     let sent = 100_000usize;
     for (name, f) in [
         ("PING", frame(0x6, 0, 0, &[7; 8])),
@@ -538,7 +546,7 @@ async fn ping_and_settings_floods_get_goaway_enhance_your_calm() {
 /// requests, all acknowledged, every answer whole, no GOAWAY.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_with_a_few_pings_is_unaffected() {
-    let (_fx, _gw, h2c) = static_site("");
+    let (_fx, _gw, h2c) = static_site("", None);
     let mut c = h2c_client(h2c, &[], None);
     let seen = watch_frames(&c);
     for round in 0..5u32 {
@@ -555,4 +563,43 @@ async fn a_client_with_a_few_pings_is_unaffected() {
     let s = seen.lock().unwrap();
     assert_eq!(s.data, 5 * "small\n".len());
     assert!(s.goaway.is_none() && !s.closed && s.reset.is_empty());
+}
+
+/// The send timeout is the client's, never the node's: a stream whose node
+/// pauses mid-body longer than `client.send_timeout_ms` is not cut (while a
+/// stream stalled by its client, started later, is).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_waiting_on_a_slow_node_is_not_cut() {
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    let slow = Backend::start_mode("slow", "formal", Mode::Gated(gate.clone())).await;
+    let (_fx, _gw, h2c) = static_site("client: { send_timeout_ms: 500 }\n", Some(&slow));
+    let mut c = h2c_client(h2c, &[], None);
+    let seen = watch_frames(&c);
+    gets(&mut c, "/api/slow", [1]);
+    soon("the node's first part", || {
+        let got = seen.lock().unwrap().data == "first;".len();
+        async move { got }
+    })
+    .await;
+    // A clock without a sleep: a stream stalled by its client, started now,
+    // is reset once the send timeout has passed.
+    let mut stalled = h2c_client(h2c, &[(0x4, 0)], None);
+    let stalled_seen = watch_frames(&stalled);
+    gets(&mut stalled, "/big.bin", [1]);
+    soon("the stalled stream reset", || {
+        let done = stalled_seen.lock().unwrap().reset.contains_key(&1);
+        async move { done }
+    })
+    .await;
+    assert!(seen.lock().unwrap().reset.is_empty(), "the slow node's stream lives");
+    gate.notify_one();
+    soon("the node's answer whole", || {
+        let s = seen.lock().unwrap();
+        let done = s.ended.contains(&1) && s.data == "first;rest".len();
+        async move { done }
+    })
+    .await;
+    assert!(seen.lock().unwrap().reset.is_empty());
+    c.shutdown(std::net::Shutdown::Both).unwrap();
+    stalled.shutdown(std::net::Shutdown::Both).unwrap();
 }
