@@ -136,7 +136,10 @@ struct FrameReader {
 
 impl FrameReader {
     fn new(s: TcpStream) -> FrameReader {
-        FrameReader { s, data: Vec::new() }
+        FrameReader {
+            s,
+            data: Vec::new(),
+        }
     }
 
     fn next(&mut self) -> Option<Frame> {
@@ -474,9 +477,10 @@ async fn streams_a_client_never_lets_send_are_reset_at_the_send_timeout() {
         // (The reader thread holds a handle too: shut it, not just dropped.)
         c.shutdown(std::net::Shutdown::Both).unwrap();
     }
-    soon("back to the baseline", || async move {
-        open_fds(pid).0 == base
-    })
+    soon(
+        "back to the baseline",
+        || async move { open_fds(pid).0 == base },
+    )
     .await;
 }
 
@@ -531,12 +535,19 @@ async fn ping_and_settings_floods_get_goaway_enhance_your_calm() {
         .await;
         let _ = writer.join();
         let s = seen.lock().unwrap();
-        assert_eq!(s.goaway, Some(0xb), "{name} flood: GOAWAY ENHANCE_YOUR_CALM");
+        assert_eq!(
+            s.goaway,
+            Some(0xb),
+            "{name} flood: GOAWAY ENHANCE_YOUR_CALM"
+        );
         eprintln!(
             "{name} flood: {sent} sent, {} PING and {} SETTINGS ACKs before the GOAWAY",
             s.ping_acks, s.settings_acks
         );
-        assert!(s.ping_acks.max(s.settings_acks) < sent, "{name} flood cut off");
+        assert!(
+            s.ping_acks.max(s.settings_acks) < sent,
+            "{name} flood cut off"
+        );
     }
     assert_eq!(gw.get("/small.txt").await.text(), "small\n");
     assert_eq!(curl_h2c(h2c, "/small.txt").body, "small\n");
@@ -555,7 +566,8 @@ async fn a_client_with_a_few_pings_is_unaffected() {
         gets(&mut c, "/small.txt", [1 + 2 * round]);
         soon("the answer and the PING ACKs", || {
             let s = seen.lock().unwrap();
-            let done = s.ended.contains(&(1 + 2 * round)) && s.ping_acks == 10 * (round as usize + 1);
+            let done =
+                s.ended.contains(&(1 + 2 * round)) && s.ping_acks == 10 * (round as usize + 1);
             async move { done }
         })
         .await;
@@ -591,7 +603,10 @@ async fn a_stream_waiting_on_a_slow_node_is_not_cut() {
         async move { done }
     })
     .await;
-    assert!(seen.lock().unwrap().reset.is_empty(), "the slow node's stream lives");
+    assert!(
+        seen.lock().unwrap().reset.is_empty(),
+        "the slow node's stream lives"
+    );
     gate.notify_one();
     soon("the node's answer whole", || {
         let s = seen.lock().unwrap();
