@@ -3,7 +3,12 @@
 //! immediately followed by RST_STREAM, thousands per connection) that the
 //! gateway answers with GOAWAY ENHANCE_YOUR_CALM, without passing the reset
 //! streams on to the nodes, with bounded memory and less CPU per reset stream
-//! than per real request — and it keeps serving.
+//! than per real request — and it keeps serving. Clients that stop taking
+//! what they asked for (a shut stream window, a socket never read) against
+//! the send timeout, per stream and per connection, with the gateway's
+//! descriptors counted in `/proc/<pid>/fd`; PING and SETTINGS floods against
+//! the control-frame bound, and a normal client's pings and a slow node's
+//! stream left alone.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
