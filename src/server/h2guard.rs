@@ -54,6 +54,7 @@ const PING: u8 = 0x6;
 const ACK: u8 = 0x1;
 const GOAWAY: u8 = 0x7;
 const ENHANCE_YOUR_CALM: u32 = 0xb;
+const DAY_MS: u64 = 86_400_000;
 
 // ---------------------------------------------------------------------------
 // Streams: the send timeout.
@@ -113,7 +114,7 @@ impl<F: Future<Output = ()>> Future for Watched<F> {
             if since == 0 {
                 return Poll::Pending;
             }
-            let due = since + *me.limit_ms;
+            let due = since.saturating_add(*me.limit_ms);
             let now = now_ms();
             if now >= due {
                 log_limited(&STALL_LOG, || {
@@ -124,7 +125,9 @@ impl<F: Future<Output = ()>> Future for Watched<F> {
                 });
                 return Poll::Ready(());
             }
-            let at = tokio::time::Instant::now() + Duration::from_millis(due - now);
+            // (Capped: a day is as good as an absurdly large limit, and an
+            // `Instant` that far ahead would overflow.)
+            let at = tokio::time::Instant::now() + Duration::from_millis((due - now).min(DAY_MS));
             let timer = me
                 .timer
                 .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
@@ -344,7 +347,7 @@ impl ConnWatch {
     /// A write has waited for the client longer than `send_ms`.
     pub fn send_stalled(&self, now: u64, send_ms: u64) -> bool {
         let b = self.write_blocked.load(Ordering::Relaxed);
-        b != 0 && now >= b + send_ms
+        b != 0 && now >= b.saturating_add(send_ms)
     }
 
     /// A flood was cut off and the GOAWAY has had its linger time.
