@@ -132,6 +132,26 @@ impl Frame {
     }
 }
 
+/// The first whole frame of `data`, taken off it.
+fn take_frame(data: &mut Vec<u8>) -> Option<Frame> {
+    if data.len() < 9 {
+        return None;
+    }
+    let d = &data[..];
+    let len = u32::from_be_bytes([0, d[0], d[1], d[2]]) as usize;
+    if d.len() < 9 + len {
+        return None;
+    }
+    let f = Frame {
+        kind: d[3],
+        flags: d[4],
+        stream: u32::from_be_bytes([d[5], d[6], d[7], d[8]]) & 0x7fff_ffff,
+        payload: d[9..9 + len].to_vec(),
+    };
+    data.drain(..9 + len);
+    Some(f)
+}
+
 /// Reads the frames the gateway sends on a connection, whole, until it
 /// ends (EOF, a reset or the read timeout).
 struct FrameReader {
@@ -150,19 +170,8 @@ impl FrameReader {
     fn next(&mut self) -> Option<Frame> {
         let mut chunk = [0u8; 16384];
         loop {
-            if self.data.len() >= 9 {
-                let d = &self.data;
-                let len = u32::from_be_bytes([0, d[0], d[1], d[2]]) as usize;
-                if d.len() >= 9 + len {
-                    let f = Frame {
-                        kind: d[3],
-                        flags: d[4],
-                        stream: u32::from_be_bytes([d[5], d[6], d[7], d[8]]) & 0x7fff_ffff,
-                        payload: d[9..9 + len].to_vec(),
-                    };
-                    self.data.drain(..9 + len);
-                    return Some(f);
-                }
+            if let Some(f) = take_frame(&mut self.data) {
+                return Some(f);
             }
             match self.s.read(&mut chunk) {
                 Ok(0) | Err(_) => return None,
@@ -622,4 +631,86 @@ async fn a_stream_waiting_on_a_slow_node_is_not_cut() {
     assert!(seen.lock().unwrap().reset.is_empty());
     c.shutdown(std::net::Shutdown::Both).unwrap();
     stalled.shutdown(std::net::Shutdown::Both).unwrap();
+}
+
+/// An HTTP/2 connection over TLS (ALPN `h2`, the fixture's `certs/site.crt`
+/// trusted for `localhost`).
+async fn tls_h2(
+    addr: SocketAddr,
+    fx: &Fixture,
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls::pki_types::CertificateDer::pem_file_iter(fx.path("certs/site.crt")).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let mut cfg = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    cfg.alpn_protocols = vec![b"h2".to_vec()];
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let s = tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg))
+        .connect(name, tcp)
+        .await
+        .unwrap();
+    assert_eq!(s.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    s
+}
+
+/// Issue 33, item 9, over TLS (the GOAWAY goes through the TLS layer, then
+/// its close_notify): a PING flood gets GOAWAY ENHANCE_YOUR_CALM and the
+/// connection ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ping_flood_over_tls_gets_goaway_enhance_your_calm() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (fx, gw, _formal, tls, _) = setup().await;
+    let (mut rd, mut wr) = tokio::io::split(tls_h2(tls, &fx).await);
+    let sent = 100_000;
+    let writer = tokio::spawn(async move {
+        let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        out.extend(frame(0x4, 0, 0, &[]));
+        out.extend(frame(0x6, 0, 0, &[7; 8]).repeat(sent));
+        // The gateway closes mid-write: that is the point.
+        let _ = wr.write_all(&out).await;
+        wr
+    });
+    let mut data = Vec::new();
+    let ended = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut chunk = vec![0u8; 16384];
+        loop {
+            match rd.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => data.extend_from_slice(&chunk[..n]),
+            }
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the connection ended");
+    let mut frames = Vec::new();
+    while let Some(f) = take_frame(&mut data) {
+        frames.push(f);
+    }
+    let acks = frames
+        .iter()
+        .filter(|f| f.kind == 0x6 && f.flags & 0x1 != 0)
+        .count();
+    let goaway = frames.iter().find_map(Frame::goaway_code);
+    assert_eq!(
+        goaway,
+        Some(0xb),
+        "GOAWAY ENHANCE_YOUR_CALM ({acks} PING ACKs)"
+    );
+    assert!(acks < sent, "cut off: {acks} PING ACKs");
+    drop(writer.await.unwrap());
+    let r = curl(
+        &["--http2"],
+        &format!("https://localhost:{}/api/after", tls.port()),
+    );
+    assert_eq!(r.version, "2");
+    assert_eq!(gw.get("/api/after").await.status, 200);
 }
