@@ -1,7 +1,8 @@
 //! Layer: base — the small shared vocabulary of both planes, above only
 //! `config`: clocks, coarse per-thread deadlines, the response body type, the fast read of HTTP/1.x heads, the per-request `Decision`, the
 //! typed request-path error, live counters, IP lists, rate-limited logging,
-//! bounded free lists and the allocator nudge that returns freed memory.
+//! bounded free lists, the per-stream "waiting for the client" mark
+//! of HTTP/2 responses and the allocator nudge that returns freed memory.
 //! Nothing here knows about generations, nodes or the gateway.
 
 pub mod body;
@@ -15,6 +16,7 @@ pub mod grpc;
 pub mod head;
 pub mod lists;
 pub mod ratelog;
+pub mod sendwait;
 pub mod stall;
 pub mod tidy;
 

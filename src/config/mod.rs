@@ -299,6 +299,10 @@ pub struct Http2Config {
     pub max_local_error_reset_streams: usize,
     /// PING an idle connection this often (0 = off).
     pub keepalive_interval_ms: u64,
+    /// PING and SETTINGS frames (acknowledgements aside) a client may send
+    /// per second on one connection; beyond, GOAWAY ENHANCE_YOUR_CALM and
+    /// close (0 = no limit).
+    pub max_control_frames_per_second: u32,
 }
 
 impl Default for Http2Config {
@@ -312,6 +316,7 @@ impl Default for Http2Config {
             max_pending_accept_reset_streams: 20,
             max_local_error_reset_streams: 1024,
             keepalive_interval_ms: 0,
+            max_control_frames_per_second: 1000,
         }
     }
 }

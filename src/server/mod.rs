@@ -11,6 +11,7 @@
 
 pub mod conn;
 mod h1;
+pub mod h2guard;
 pub mod handover;
 pub mod tls;
 
@@ -21,7 +22,7 @@ use std::time::Duration;
 
 use http_body_util::BodyExt;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
@@ -491,11 +492,15 @@ impl Server {
                 let (head, body) = resp.into_parts();
                 Ok::<_, std::convert::Infallible>(http::Response::from_parts(
                     head,
-                    Tracked::new(body, guard),
+                    h2guard::Watch::new(Tracked::new(body, guard)),
                 ))
             }
         });
-        let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+        // Each stream's task runs under the send timeout's watchdog.
+        let exec = h2guard::StreamExec {
+            limit_ms: limits.send_timeout_ms,
+        };
+        let mut builder = hyper::server::conn::http2::Builder::new(exec);
         builder
             .timer(TokioTimer::new())
             .max_concurrent_streams(h2.max_concurrent_streams)
@@ -510,12 +515,27 @@ impl Server {
                 .keep_alive_interval(Duration::from_millis(h2.keepalive_interval_ms))
                 .keep_alive_timeout(Duration::from_millis(h2.keepalive_interval_ms.max(1000)));
         }
-        let conn = builder.serve_connection(TokioIo::new(TimedIoV::new(stream, act.clone())), svc);
+        let watch = Arc::new(h2guard::ConnWatch::default());
+        let io = h2guard::H2Io::new(stream, watch.clone(), h2.max_control_frames_per_second);
+        let conn = builder.serve_connection(TokioIo::new(TimedIoV::new(io, act.clone())), svc);
         tokio::pin!(conn);
         let mut shutdown = self.shutdown.clone();
         let mut closing = false;
+        // A write waiting for the socket is checked at least this often.
+        let send_check = Duration::from_millis((limits.send_timeout_ms / 2).max(10));
         loop {
-            let wait = match conn::idle_verdict(&act, now_ms(), limits.idle_timeout_ms) {
+            let now = now_ms();
+            if watch.send_stalled(now, limits.send_timeout_ms) {
+                log_limited(
+                    &SEND_LOG,
+                    || tracing::warn!(%peer, send_timeout_ms = limits.send_timeout_ms, "HTTP/2 client stopped reading; closing"),
+                );
+                return;
+            }
+            if watch.flood_done(now) {
+                return;
+            }
+            let wait = match conn::idle_verdict(&act, now, limits.idle_timeout_ms) {
                 Verdict::Wait(d) => d,
                 _ => {
                     if !closing {
@@ -532,7 +552,7 @@ impl Server {
                     }
                     return;
                 }
-                _ = tokio::time::sleep(wait) => {}
+                _ = tokio::time::sleep(if watch.flooded() { wait.min(FLOOD_CHECK) } else { wait.min(send_check) }) => {}
                 _ = shutdown.wait_for(|s| *s), if !closing => {
                     conn.as_mut().graceful_shutdown();
                     closing = true;
@@ -597,3 +617,6 @@ async fn sniff_preface(stream: &TcpStream) -> std::io::Result<bool> {
 
 static CAP_LOG: AtomicU64 = AtomicU64::new(0);
 static SEND_LOG: AtomicU64 = AtomicU64::new(0);
+
+/// How often a connection cut off for a flood checks its linger time.
+const FLOOD_CHECK: Duration = Duration::from_millis(100);

@@ -117,6 +117,9 @@ impl FileBody {
         let mut g = self.gate.inner.lock().unwrap_or_else(|p| p.into_inner());
         if g.lent {
             g.waker = Some(cx.waker().clone());
+            // The server has not written the previous chunk: this wait is
+            // the client's (an HTTP/2 stream's send timeout counts it).
+            crate::base::sendwait::client_wait();
             return None;
         }
         g.lent = true;

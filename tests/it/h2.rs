@@ -3,7 +3,12 @@
 //! immediately followed by RST_STREAM, thousands per connection) that the
 //! gateway answers with GOAWAY ENHANCE_YOUR_CALM, without passing the reset
 //! streams on to the nodes, with bounded memory and less CPU per reset stream
-//! than per real request — and it keeps serving.
+//! than per real request — and it keeps serving. Clients that stop taking
+//! what they asked for (a shut stream window, a socket never read) against
+//! the send timeout, per stream and per connection, with the gateway's
+//! descriptors counted in `/proc/<pid>/fd`; PING and SETTINGS floods against
+//! the control-frame bound, and a normal client's pings and a slow node's
+//! stream left alone.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -93,27 +98,97 @@ fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
     f
 }
 
-/// HPACK for `GET http://localhost/api/reset` (static-table indices and
-/// literals without indexing).
-fn request_block() -> Vec<u8> {
+/// HPACK for `GET http://localhost<path>` (static-table indices and
+/// literals without indexing; `path` shorter than 127 bytes).
+fn request_block(path: &str) -> Vec<u8> {
     let mut b = vec![0x82, 0x86]; // :method GET, :scheme http
     b.push(0x04); // :path, literal without indexing
-    b.push(10);
-    b.extend_from_slice(b"/api/reset");
+    b.push(path.len() as u8);
+    b.extend_from_slice(path.as_bytes());
     b.push(0x01); // :authority
     b.push(9);
     b.extend_from_slice(b"localhost");
     b
 }
 
+/// A frame the gateway sent.
+struct Frame {
+    kind: u8,
+    flags: u8,
+    stream: u32,
+    payload: Vec<u8>,
+}
+
+impl Frame {
+    /// The error code of a GOAWAY or RST_STREAM frame.
+    fn code(&self, kind: u8) -> Option<u32> {
+        let at = if kind == 0x7 { 4 } else { 0 };
+        (self.kind == kind && self.payload.len() >= at + 4)
+            .then(|| u32::from_be_bytes(self.payload[at..at + 4].try_into().unwrap()))
+    }
+
+    fn goaway_code(&self) -> Option<u32> {
+        self.code(0x7)
+    }
+}
+
+/// The first whole frame of `data`, taken off it.
+fn take_frame(data: &mut Vec<u8>) -> Option<Frame> {
+    if data.len() < 9 {
+        return None;
+    }
+    let d = &data[..];
+    let len = u32::from_be_bytes([0, d[0], d[1], d[2]]) as usize;
+    if d.len() < 9 + len {
+        return None;
+    }
+    let f = Frame {
+        kind: d[3],
+        flags: d[4],
+        stream: u32::from_be_bytes([d[5], d[6], d[7], d[8]]) & 0x7fff_ffff,
+        payload: d[9..9 + len].to_vec(),
+    };
+    data.drain(..9 + len);
+    Some(f)
+}
+
+/// Reads the frames the gateway sends on a connection, whole, until it
+/// ends (EOF, a reset or the read timeout).
+struct FrameReader {
+    s: TcpStream,
+    data: Vec<u8>,
+}
+
+impl FrameReader {
+    fn new(s: TcpStream) -> FrameReader {
+        FrameReader {
+            s,
+            data: Vec::new(),
+        }
+    }
+
+    fn next(&mut self) -> Option<Frame> {
+        let mut chunk = [0u8; 16384];
+        loop {
+            if let Some(f) = take_frame(&mut self.data) {
+                return Some(f);
+            }
+            match self.s.read(&mut chunk) {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => self.data.extend_from_slice(&chunk[..n]),
+            }
+        }
+    }
+}
+
 /// One connection's flood: `pairs` × (HEADERS, RST_STREAM CANCEL). Returns
 /// the GOAWAY error code the gateway sent, if any.
 fn flood(addr: SocketAddr, pairs: u32) -> Option<u32> {
-    let mut s = TcpStream::connect(addr).unwrap();
+    let s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
     out.extend(frame(0x4, 0, 0, &[])); // SETTINGS
-    let block = request_block();
+    let block = request_block("/api/reset");
     let mut buf = Vec::new();
     for i in 0..pairs {
         let id = 1 + 2 * i;
@@ -129,30 +204,10 @@ fn flood(addr: SocketAddr, pairs: u32) -> Option<u32> {
         })
     };
     let mut goaway = None;
-    let mut data = Vec::new();
-    let mut chunk = [0u8; 16384];
-    loop {
-        match s.read(&mut chunk) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => data.extend_from_slice(&chunk[..n]),
-        }
-        // Parse whole frames.
-        let mut at = 0;
-        while data.len() >= at + 9 {
-            let len = ((data[at] as usize) << 16)
-                | ((data[at + 1] as usize) << 8)
-                | data[at + 2] as usize;
-            if data.len() < at + 9 + len {
-                break;
-            }
-            if data[at + 3] == 0x7 && len >= 8 {
-                let p = &data[at + 9..at + 17];
-                goaway = Some(u32::from_be_bytes([p[4], p[5], p[6], p[7]]));
-            }
-            at += 9 + len;
-        }
-        data.drain(..at);
-        if goaway.is_some() {
+    let mut frames = FrameReader::new(s.try_clone().unwrap());
+    while let Some(f) = frames.next() {
+        if let Some(code) = f.goaway_code() {
+            goaway = Some(code);
             break;
         }
     }
@@ -241,4 +296,421 @@ async fn bodies_larger_than_the_windows_stream_both_ways_over_h2() {
     assert!(out.status.success());
     assert_eq!(out.stdout.len(), body.len(), "the whole body came back");
     assert!(out.stdout == body, "byte for byte");
+}
+
+/// A gateway serving `site/formal/` over h2c: `big.bin` (beyond the content
+/// cache: sent from disk, one descriptor per answer) and `small.txt`; and
+/// `/api` from `api`, if given.
+fn static_site(extra: &str, api: Option<&Backend>) -> (Fixture, Gateway, SocketAddr) {
+    let fx = Fixture::new();
+    std::fs::create_dir_all(fx.path("site/formal")).unwrap();
+    std::fs::write(fx.path("site/formal/big.bin"), pattern(4 << 20)).unwrap();
+    fx.write("site/formal/small.txt", "small\n");
+    let mut routes = vec![Route::static_dir("/", "site")];
+    let mut config = Config::new();
+    if let Some(b) = api {
+        fx.api_nodes(&[b]);
+        routes.insert(0, Route::service("/api", "api"));
+        config = config.node_files(&["nodes.yaml"]);
+    }
+    let gw = config
+        .set("workers", 1)
+        .raw(extra)
+        .routes(&routes)
+        .listeners(&[Listener::h2c()])
+        .start(&fx, "gg.yaml");
+    let h2c = listeners(&gw)[0];
+    (fx, gw, h2c)
+}
+
+/// Descriptors process `pid` holds open, and how many of them are `big.bin`.
+fn open_fds(pid: u32) -> (usize, usize) {
+    let fds: Vec<_> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .collect();
+    let big = fds.iter().filter(|p| p.ends_with("big.bin")).count();
+    (fds.len(), big)
+}
+
+/// The gateway's descriptors once a warm-up request has opened what it
+/// keeps open (and closed what it does not).
+async fn fd_baseline(gw: &Gateway, h2c: SocketAddr) -> usize {
+    assert!(curl_h2c(h2c, "/small.txt").ok);
+    assert_eq!(gw.get("/small.txt").await.status, 200);
+    let mut last = usize::MAX;
+    eventually("descriptors settle", Duration::from_secs(10), || {
+        let now = open_fds(gw.pid()).0;
+        let same = now == last;
+        last = now;
+        async move { same }
+    })
+    .await;
+    last
+}
+
+fn curl_h2c(addr: SocketAddr, path: &str) -> Curl {
+    let r = curl(
+        &["--http2-prior-knowledge"],
+        &format!("http://127.0.0.1:{}{path}", addr.port()),
+    );
+    assert_eq!(r.version, "2", "h2c");
+    r
+}
+
+/// An h2c connection that has sent its preface and SETTINGS (`settings`:
+/// identifier, value), with a receive buffer of `rcvbuf` bytes if given.
+fn h2c_client(addr: SocketAddr, settings: &[(u16, u32)], rcvbuf: Option<usize>) -> TcpStream {
+    let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    if let Some(n) = rcvbuf {
+        sock.set_recv_buffer_size(n).unwrap();
+    }
+    sock.connect(&addr.into()).unwrap();
+    let mut s: TcpStream = sock.into();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    let mut p = Vec::new();
+    for (id, v) in settings {
+        p.extend_from_slice(&id.to_be_bytes());
+        p.extend_from_slice(&v.to_be_bytes());
+    }
+    out.extend(frame(0x4, 0, 0, &p));
+    s.write_all(&out).unwrap();
+    s
+}
+
+/// HEADERS (END_STREAM, END_HEADERS) for `GET <path>` on each of `streams`.
+fn gets(s: &mut TcpStream, path: &str, streams: impl IntoIterator<Item = u32>) {
+    let block = request_block(path);
+    let mut out = Vec::new();
+    for id in streams {
+        out.extend(frame(0x1, 0x5, id, &block));
+    }
+    s.write_all(&out).unwrap();
+}
+
+/// What a client read off one connection (by a reader thread).
+#[derive(Default)]
+struct Seen {
+    /// Streams answered with HEADERS.
+    answered: std::collections::BTreeSet<u32>,
+    /// Streams reset, and how.
+    reset: std::collections::BTreeMap<u32, u32>,
+    /// DATA bytes, and the streams that ended.
+    data: usize,
+    ended: std::collections::BTreeSet<u32>,
+    ping_acks: usize,
+    settings_acks: usize,
+    goaway: Option<u32>,
+    closed: bool,
+}
+
+fn watch_frames(s: &TcpStream) -> std::sync::Arc<std::sync::Mutex<Seen>> {
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Seen::default()));
+    let mut frames = FrameReader::new(s.try_clone().unwrap());
+    let out = seen.clone();
+    std::thread::spawn(move || {
+        while let Some(f) = frames.next() {
+            let mut s = out.lock().unwrap();
+            match f.kind {
+                0x0 => {
+                    s.data += f.payload.len();
+                    if f.flags & 0x1 != 0 {
+                        s.ended.insert(f.stream);
+                    }
+                }
+                0x1 => {
+                    s.answered.insert(f.stream);
+                }
+                0x3 => {
+                    s.reset.insert(f.stream, f.code(0x3).unwrap());
+                }
+                0x6 if f.flags & 0x1 != 0 => s.ping_acks += 1,
+                0x4 if f.flags & 0x1 != 0 => s.settings_acks += 1,
+                0x7 => s.goaway = f.goaway_code(),
+                _ => {}
+            }
+        }
+        out.lock().unwrap().closed = true;
+    });
+    seen
+}
+
+/// Issue 33, item 8: streams whose client never opens its window on a file
+/// sent from disk are reset (CANCEL) once they have waited
+/// `client.send_timeout_ms`, and their files closed; the connections stay,
+/// and other clients are served meanwhile. Two windows: 0 (the first chunk
+/// never leaves) and 1 byte (a chunk leaves a byte at a time and the body
+/// waits for the server to let go of it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_a_client_never_lets_send_are_reset_at_the_send_timeout() {
+    let (_fx, gw, h2c) = static_site("client: { send_timeout_ms: 1500 }\n", None);
+    let pid = gw.pid();
+    let base = fd_baseline(&gw, h2c).await;
+    let n = 64u32;
+    let mut conns = Vec::new();
+    for window in [0u32, 1] {
+        let mut c = h2c_client(h2c, &[(0x4, window)], None);
+        let seen = watch_frames(&c);
+        gets(&mut c, "/big.bin", (0..n).map(|i| 1 + 2 * i));
+        conns.push((window, c, seen));
+    }
+    for (_, _, seen) in &conns {
+        soon("every stream answered", || {
+            let all = seen.lock().unwrap().answered.len() == n as usize;
+            async move { all }
+        })
+        .await;
+    }
+    // One descriptor per stalled stream at most.
+    let (_, big) = open_fds(pid);
+    assert!(big <= 2 * n as usize, "{big} descriptors of big.bin");
+    // Other clients are served meanwhile, over HTTP/1.1 and h2c.
+    assert_eq!(gw.get("/small.txt").await.text(), "small\n");
+    assert_eq!(curl_h2c(h2c, "/small.txt").body, "small\n");
+    for (window, _, seen) in &conns {
+        eventually(
+            &format!("every stalled stream reset (window {window})"),
+            Duration::from_secs(30),
+            || {
+                let done = seen.lock().unwrap().reset.len() == n as usize;
+                async move { done }
+            },
+        )
+        .await;
+        let s = seen.lock().unwrap();
+        assert!(s.reset.values().all(|&c| c == 0x8), "RST_STREAM CANCEL");
+        assert_eq!(s.data, (window * n) as usize, "the window's worth passed");
+        assert!(s.goaway.is_none() && !s.closed, "the connection stays");
+    }
+    soon("the files closed", || async move {
+        open_fds(pid) == (base + 2, 0)
+    })
+    .await;
+    for (_, c, _) in conns {
+        // (The reader thread holds a handle too: shut it, not just dropped.)
+        c.shutdown(std::net::Shutdown::Both).unwrap();
+    }
+    soon(
+        "back to the baseline",
+        || async move { open_fds(pid).0 == base },
+    )
+    .await;
+}
+
+/// Issue 33, item 8: a client that stops reading the socket (its windows
+/// wide open) has its connection closed once a write has waited
+/// `client.send_timeout_ms`: its socket and files are given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_whose_client_stops_reading_is_closed_at_the_send_timeout() {
+    let (_fx, gw, h2c) = static_site("client: { send_timeout_ms: 1000 }\n", None);
+    let pid = gw.pid();
+    let base = fd_baseline(&gw, h2c).await;
+    let mut c = h2c_client(h2c, &[(0x4, 0x7fff_ffff)], Some(4096));
+    // The connection window wide open too.
+    c.write_all(&frame(0x8, 0, 0, &(0x7fff_ffffu32 - 65_535).to_be_bytes()))
+        .unwrap();
+    gets(&mut c, "/big.bin", (0..10).map(|i| 1 + 2 * i));
+    soon("the files opened", || async move { open_fds(pid).1 > 0 }).await;
+    // Never read: the gateway's writes wait, then it lets go.
+    eventually(
+        "the connection closed, its files with it",
+        Duration::from_secs(30),
+        || async move { open_fds(pid) == (base, 0) },
+    )
+    .await;
+    assert_eq!(curl_h2c(h2c, "/small.txt").body, "small\n");
+    drop(c);
+}
+
+/// Issue 33, item 9: a PING flood, and a SETTINGS flood, get GOAWAY
+/// ENHANCE_YOUR_CALM (beyond `http2.max_control_frames_per_second`, 1000 by
+/// default) and the connection closes; the gateway serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ping_and_settings_floods_get_goaway_enhance_your_calm() {
+    let (_fx, gw, h2c) = static_site("", None);
+    let sent = 100_000usize;
+    for (name, f) in [
+        ("PING", frame(0x6, 0, 0, &[7; 8])),
+        ("SETTINGS", frame(0x4, 0, 0, &[])),
+    ] {
+        let c = h2c_client(h2c, &[], None);
+        let seen = watch_frames(&c);
+        let mut w = c.try_clone().unwrap();
+        let flood = f.repeat(sent);
+        // The gateway closes mid-write: that is the point.
+        let writer = std::thread::spawn(move || {
+            let _ = w.write_all(&flood);
+        });
+        eventually("the connection closed", Duration::from_secs(30), || {
+            let closed = seen.lock().unwrap().closed;
+            async move { closed }
+        })
+        .await;
+        let _ = writer.join();
+        let s = seen.lock().unwrap();
+        assert_eq!(
+            s.goaway,
+            Some(0xb),
+            "{name} flood: GOAWAY ENHANCE_YOUR_CALM"
+        );
+        eprintln!(
+            "{name} flood: {sent} sent, {} PING and {} SETTINGS ACKs before the GOAWAY",
+            s.ping_acks, s.settings_acks
+        );
+        assert!(
+            s.ping_acks.max(s.settings_acks) < sent,
+            "{name} flood cut off"
+        );
+    }
+    assert_eq!(gw.get("/small.txt").await.text(), "small\n");
+    assert_eq!(curl_h2c(h2c, "/small.txt").body, "small\n");
+}
+
+/// The flood bound leaves a normal client alone: a few PINGs with its
+/// requests, all acknowledged, every answer whole, no GOAWAY.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_with_a_few_pings_is_unaffected() {
+    let (_fx, _gw, h2c) = static_site("", None);
+    let mut c = h2c_client(h2c, &[], None);
+    let seen = watch_frames(&c);
+    for round in 0..5u32 {
+        let pings: Vec<u8> = (0..10).flat_map(|_| frame(0x6, 0, 0, &[1; 8])).collect();
+        c.write_all(&pings).unwrap();
+        gets(&mut c, "/small.txt", [1 + 2 * round]);
+        soon("the answer and the PING ACKs", || {
+            let s = seen.lock().unwrap();
+            let done =
+                s.ended.contains(&(1 + 2 * round)) && s.ping_acks == 10 * (round as usize + 1);
+            async move { done }
+        })
+        .await;
+    }
+    let s = seen.lock().unwrap();
+    assert_eq!(s.data, 5 * "small\n".len());
+    assert!(s.goaway.is_none() && !s.closed && s.reset.is_empty());
+}
+
+/// The send timeout is the client's, never the node's: a stream whose node
+/// pauses mid-body longer than `client.send_timeout_ms` is not cut (while a
+/// stream stalled by its client, started later, is).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_waiting_on_a_slow_node_is_not_cut() {
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    let slow = Backend::start_mode("slow", "formal", Mode::Gated(gate.clone())).await;
+    let (_fx, _gw, h2c) = static_site("client: { send_timeout_ms: 500 }\n", Some(&slow));
+    let mut c = h2c_client(h2c, &[], None);
+    let seen = watch_frames(&c);
+    gets(&mut c, "/api/slow", [1]);
+    soon("the node's first part", || {
+        let got = seen.lock().unwrap().data == "first;".len();
+        async move { got }
+    })
+    .await;
+    // A clock without a sleep: a stream stalled by its client, started now,
+    // is reset once the send timeout has passed.
+    let mut stalled = h2c_client(h2c, &[(0x4, 0)], None);
+    let stalled_seen = watch_frames(&stalled);
+    gets(&mut stalled, "/big.bin", [1]);
+    soon("the stalled stream reset", || {
+        let done = stalled_seen.lock().unwrap().reset.contains_key(&1);
+        async move { done }
+    })
+    .await;
+    assert!(
+        seen.lock().unwrap().reset.is_empty(),
+        "the slow node's stream lives"
+    );
+    gate.notify_one();
+    soon("the node's answer whole", || {
+        let s = seen.lock().unwrap();
+        let done = s.ended.contains(&1) && s.data == "first;rest".len();
+        async move { done }
+    })
+    .await;
+    assert!(seen.lock().unwrap().reset.is_empty());
+    c.shutdown(std::net::Shutdown::Both).unwrap();
+    stalled.shutdown(std::net::Shutdown::Both).unwrap();
+}
+
+/// An HTTP/2 connection over TLS (ALPN `h2`, the fixture's `certs/site.crt`
+/// trusted for `localhost`).
+async fn tls_h2(
+    addr: SocketAddr,
+    fx: &Fixture,
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls::pki_types::CertificateDer::pem_file_iter(fx.path("certs/site.crt")).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let mut cfg = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    cfg.alpn_protocols = vec![b"h2".to_vec()];
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let s = tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg))
+        .connect(name, tcp)
+        .await
+        .unwrap();
+    assert_eq!(s.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    s
+}
+
+/// Issue 33, item 9, over TLS (the GOAWAY goes through the TLS layer, then
+/// its close_notify): a PING flood gets GOAWAY ENHANCE_YOUR_CALM and the
+/// connection ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ping_flood_over_tls_gets_goaway_enhance_your_calm() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (fx, gw, _formal, tls, _) = setup().await;
+    let (mut rd, mut wr) = tokio::io::split(tls_h2(tls, &fx).await);
+    let sent = 100_000;
+    let writer = tokio::spawn(async move {
+        let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        out.extend(frame(0x4, 0, 0, &[]));
+        out.extend(frame(0x6, 0, 0, &[7; 8]).repeat(sent));
+        // The gateway closes mid-write: that is the point.
+        let _ = wr.write_all(&out).await;
+        wr
+    });
+    let mut data = Vec::new();
+    let ended = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut chunk = vec![0u8; 16384];
+        loop {
+            match rd.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => data.extend_from_slice(&chunk[..n]),
+            }
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the connection ended");
+    let mut frames = Vec::new();
+    while let Some(f) = take_frame(&mut data) {
+        frames.push(f);
+    }
+    let acks = frames
+        .iter()
+        .filter(|f| f.kind == 0x6 && f.flags & 0x1 != 0)
+        .count();
+    let goaway = frames.iter().find_map(Frame::goaway_code);
+    assert_eq!(
+        goaway,
+        Some(0xb),
+        "GOAWAY ENHANCE_YOUR_CALM ({acks} PING ACKs)"
+    );
+    assert!(acks < sent, "cut off: {acks} PING ACKs");
+    drop(writer.await.unwrap());
+    let r = curl(
+        &["--http2"],
+        &format!("https://localhost:{}/api/after", tls.port()),
+    );
+    assert_eq!(r.version, "2");
+    assert_eq!(gw.get("/api/after").await.status, 200);
 }
