@@ -8,11 +8,14 @@
 //!
 //! The common request takes this path: a complete head (httparse, the parser
 //! hyper uses), no body or a `Content-Length` body that arrived with it.
-//! Anything else — a `Transfer-Encoding`, `Expect`, `Upgrade` or `CONNECT`
-//! request, a larger body, a head hyper would answer with an error (400, 414,
-//! 431) — hands the connection, its unread bytes put back in front, to
-//! hyper's server (`Server::serve_h1`) for the rest of its life: the
-//! framing rules of the hardening section stay hyper's, byte for byte.
+//! Anything else — a `Transfer-Encoding: chunked`, `Expect`, `Upgrade` or
+//! `CONNECT` request, a larger body, a head hyper would answer with an error
+//! (400, 414, 431) — hands the connection, its unread bytes put back in
+//! front, to hyper's server (`Server::serve_h1`) for the rest of its life:
+//! the framing rules of the hardening section stay hyper's. Two refusals are
+//! this path's own: any other `Transfer-Encoding` (501 through the proxy,
+//! then close) and a request line longer than the whole read buffer (414,
+//! where hyper would say 431).
 //!
 //! Between requests a connection is a small future awaiting readability: a
 //! read buffer is taken from a per-thread pool only while a head is being
