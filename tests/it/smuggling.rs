@@ -1,13 +1,16 @@
 //! Request smuggling and framing, on raw sockets: every classic desync
-//! attempt (CL.TE, TE.CL, obfuscated Transfer-Encoding, bad Content-Length,
-//! chunk tricks, bare LF, odd header names, HTTP/0.9, oversized heads,
-//! `Expect` with pipelined bytes, the h2c upgrade, Host rules) is sent to a
+//! attempt (CL.TE, TE.CL, obfuscated Transfer-Encoding lists → 501, bad
+//! Content-Length, chunk tricks, bare LF, odd header names and methods,
+//! HTTP/0.9, oversized heads and request lines, `Expect` with pipelined
+//! bytes, the h2c upgrade, Host rules, chunked bodies on GET/HEAD) is sent to a
 //! real gateway in front of a recording upstream. For each: the exact status,
 //! the exact requests and bytes the upstream received, and that a follow-up
 //! on the same connection (pipelined in the same write, so a desync would
 //! show) and on a fresh one gets its own answer. The upstream side too: two
 //! Content-Lengths, a broken chunk, TE + CL and a non-chunked coding from a
-//! node, and that such a connection is never reused.
+//! node, and that such a connection is never reused. And what reaches a
+//! node besides: `Connection` tokens, forwarding fields, the underscore
+//! filter on every path hyper parses (chunked, `Expect`, TLS, HTTP/2).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -1035,4 +1038,40 @@ async fn broken_upstream_framing_is_a_502_and_the_connection_is_not_reused() {
         up.got("/up/te-and-cl")[0].conn,
         "the TE+CL connection was reused"
     );
+}
+
+/// A chunked body on HEAD (and GET) reaches a real node whole (hyper's
+/// client would send those methods bodiless): the node reads `hello`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunked_bodies_on_head_and_get_reach_the_node() {
+    let fx = Fixture::new();
+    let node = Backend::full("n1", "formal").await;
+    fx.api_nodes(&[&node]);
+    let gw = Config::new()
+        .set("workers", 1)
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .start(&fx, "gg.yaml");
+    for method in ["HEAD", "GET"] {
+        let raw = format!(
+            "{method} /b HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+        );
+        let mut s = connect_with(gw.addr, raw.as_bytes()).await;
+        // The head is enough (a HEAD answer has a length but no body).
+        let mut buf = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while find(&buf, b"\r\n\r\n").is_none() {
+            let mut chunk = [0u8; 4096];
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, s.read(&mut chunk)).await {
+                Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                other => panic!("{method}: no answer: {other:?}"),
+            }
+        }
+        let head = String::from_utf8_lossy(&buf);
+        assert!(head.starts_with("HTTP/1.1 200"), "{method}: {head}");
+        let seen = node.last();
+        assert_eq!(seen.method, method);
+        assert_eq!(&seen.body[..], b"hello", "{method}: the body was dropped");
+    }
 }
