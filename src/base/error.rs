@@ -22,6 +22,10 @@ pub enum ErrorKind {
     UriTooLong,
     /// The request head is over `client.max_header_bytes`.
     HeadersTooLarge,
+    /// The request's `Transfer-Encoding` is anything but one `chunked`
+    /// field (`gzip, chunked`, `chunked, chunked`, two fields, …): 501, as
+    /// nginx answers; the connection closes.
+    TransferEncoding,
     /// The client's request body failed (bad framing, reset).
     ClientBody,
     /// The client stalled mid-body longer than `client.body_timeout_ms`
@@ -85,6 +89,7 @@ impl ErrorKind {
             ErrorKind::NoRoute => "no_route",
             ErrorKind::UriTooLong => "uri_too_long",
             ErrorKind::HeadersTooLarge => "headers_too_large",
+            ErrorKind::TransferEncoding => "transfer_encoding",
             ErrorKind::ClientBody => "client_body",
             ErrorKind::ClientBodyTimeout => "client_body_timeout",
             ErrorKind::ClientAbort => "client_abort",
@@ -112,6 +117,7 @@ impl ErrorKind {
             ErrorKind::BadRequest
             | ErrorKind::UriTooLong
             | ErrorKind::HeadersTooLarge
+            | ErrorKind::TransferEncoding
             | ErrorKind::ClientBody
             | ErrorKind::ClientBodyTimeout
             | ErrorKind::ClientAbort => Side::Client,
@@ -126,7 +132,7 @@ impl ErrorKind {
     }
 
     /// The client's status and short body for this kind.
-    fn answer(self) -> (StatusCode, &'static str) {
+    pub fn answer(self) -> (StatusCode, &'static str) {
         match self {
             ErrorKind::BadRequest => (StatusCode::BAD_REQUEST, "bad request\n"),
             ErrorKind::NoRoute => (StatusCode::NOT_FOUND, "no route\n"),
@@ -134,6 +140,10 @@ impl ErrorKind {
             ErrorKind::HeadersTooLarge => (
                 StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
                 "request headers too large\n",
+            ),
+            ErrorKind::TransferEncoding => (
+                StatusCode::NOT_IMPLEMENTED,
+                "unsupported transfer-encoding\n",
             ),
             ErrorKind::ClientBody => (StatusCode::BAD_REQUEST, "request body error\n"),
             ErrorKind::ClientBodyTimeout => {

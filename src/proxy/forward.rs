@@ -195,7 +195,7 @@ fn rewrite_request<'g>(
         .as_ref()
         .and_then(|_| parts.extensions.remove::<hyper::upgrade::OnUpgrade>());
     if hop_by_hop {
-        strip_hop_by_hop_found(&mut parts.headers);
+        strip_hop_by_hop_found(&mut parts.headers, &gen.lane.tag_header);
     }
     if let Some(u) = &upgrade {
         parts

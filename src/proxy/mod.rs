@@ -88,6 +88,11 @@ pub struct ServerHints {
     /// Some field name may have a `_` (false only when the client side saw
     /// every name without one: the underscore filter is skipped then).
     pub may_have_underscores: bool,
+    /// The request's `Transfer-Encoding` is anything but one `chunked`
+    /// field (the client side read the fields for its framing anyway,
+    /// [`resolve::transfer_encoding_refused`]): answered 501 with
+    /// `Connection: close`.
+    pub bad_transfer_encoding: bool,
 }
 
 impl Default for ServerHints {
@@ -96,6 +101,7 @@ impl Default for ServerHints {
         ServerHints {
             raw_ok: false,
             may_have_underscores: true,
+            bad_transfer_encoding: false,
         }
     }
 }
@@ -111,12 +117,16 @@ pub async fn handle_with(
 ) -> Result<Response<record::Recorded>, Infallible> {
     let start = Instant::now();
     let gen = plane.current();
-    let invalid = resolve::validate(
-        &mut req,
-        &gen.config.client,
-        &gen.lane.tag_header,
-        hints.may_have_underscores,
-    );
+    let invalid = if hints.bad_transfer_encoding {
+        Some(ErrorKind::TransferEncoding)
+    } else {
+        resolve::validate(
+            &mut req,
+            &gen.config.client,
+            &gen.lane.tag_header,
+            hints.may_have_underscores,
+        )
+    };
     let (parts, body) = req.into_parts();
     let info = resolve::resolve_request(parts, peer.ip(), &gen.trusted);
     let log = plane.access_log.enabled();
@@ -153,7 +163,13 @@ pub async fn handle_with(
     let mut resp = served.unwrap_or_else(|e| {
         ctx.error = Some(e.kind());
         ctx.raw_head = None;
-        e.response()
+        let mut resp = e.response();
+        if e.kind() == ErrorKind::TransferEncoding {
+            // The body's framing is unknown: the connection cannot go on.
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        resp
     });
     if let Some(c) = ctx.set_cookie.take() {
         ctx.unraw(resp.headers_mut());

@@ -1,5 +1,6 @@
 //! Layer: proxy — the first phase. Is the request acceptable (limits →
-//! 414/431; RFC 9112's one-`Host` rule → 400; header names with `_`
+//! 414/431; RFC 9112's one-`Host` rule and an empty `Host` → 400; a
+//! `Transfer-Encoding` other than one `chunked` → 501; header names with `_`
 //! dropped, as nginx does), who is asking and for what: the host
 //! (lower-case, no port; an absolute-form target's authority) and the
 //! client address (from X-Forwarded-For only behind a trusted proxy).
@@ -43,8 +44,24 @@ pub fn validate<B>(
     None
 }
 
-/// RFC 9112 §3.2: one `Host` on HTTP/1.1, a valid authority (no userinfo)
-/// when not empty; the target's own authority wins over it.
+/// Is the request's `Transfer-Encoding` anything but exactly one field
+/// `chunked` (any case)? Lists (`gzip, chunked`, `chunked, chunked`,
+/// `,chunked`), other codings and repeated fields are refused (501, as
+/// nginx answers): a proxy in front may read such framing otherwise. For
+/// heads hyper parsed (it accepts any list ending in `chunked`); one scan
+/// of a small map's names.
+pub fn transfer_encoding_refused(headers: &HeaderMap) -> bool {
+    match count_first(headers, &header::TRANSFER_ENCODING) {
+        (0, _) => false,
+        (1, Some(v)) => !v.as_bytes().eq_ignore_ascii_case(b"chunked"),
+        _ => true,
+    }
+}
+
+/// RFC 9112 §3.2: one `Host` on HTTP/1.1, a valid authority (no userinfo);
+/// the target's own authority wins over it. An empty `Host` is refused too
+/// (as nginx does): nothing routes on it, and a node would read its own
+/// default host into it.
 fn check_host<B>(req: &mut Request<B>) -> Option<ErrorKind> {
     let (hosts, first) = count_first(req.headers(), &header::HOST);
     if hosts > 1 {
@@ -52,7 +69,7 @@ fn check_host<B>(req: &mut Request<B>) -> Option<ErrorKind> {
     }
     match first {
         None if req.version() == Version::HTTP_11 => return Some(ErrorKind::BadRequest),
-        Some(h) if !h.is_empty() && !valid_authority(h.as_bytes()) => {
+        Some(h) if h.is_empty() || !valid_authority(h.as_bytes()) => {
             return Some(ErrorKind::BadRequest)
         }
         _ => {}
@@ -232,6 +249,54 @@ mod tests {
         }
         for bad in ["evil@a", "a b", "a/b", "a?b", "a#b", "a\tb"] {
             assert!(!valid_authority(bad.as_bytes()), "{bad}");
+        }
+    }
+
+    /// An empty `Host` is a 400 like a missing one (HTTP/1.0 too, and
+    /// beside an absolute-form target); an HTTP/1.0 request may omit it.
+    #[test]
+    fn empty_host_is_refused() {
+        let check = |uri: &str, version: Version, host: Option<&str>| {
+            let mut b = Request::builder().uri(uri).version(version);
+            if let Some(h) = host {
+                b = b.header(header::HOST, h);
+            }
+            check_host(&mut b.body(()).unwrap())
+        };
+        for v in [Version::HTTP_11, Version::HTTP_10] {
+            assert_eq!(check("/", v, Some("")), Some(ErrorKind::BadRequest));
+            assert_eq!(check("http://a/", v, Some("")), Some(ErrorKind::BadRequest));
+            assert_eq!(check("/", v, Some("a")), None);
+        }
+        assert_eq!(check("/", Version::HTTP_10, None), None);
+        assert_eq!(
+            check("/", Version::HTTP_11, None),
+            Some(ErrorKind::BadRequest)
+        );
+    }
+
+    #[test]
+    fn only_one_chunked_transfer_encoding_passes() {
+        let refused = |values: &[&str]| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append(header::TRANSFER_ENCODING, v.parse().unwrap());
+            }
+            transfer_encoding_refused(&h)
+        };
+        assert!(!refused(&[]));
+        assert!(!refused(&["chunked"]));
+        assert!(!refused(&["Chunked"]));
+        for bad in [
+            &["gzip, chunked"][..],
+            &["identity, chunked"],
+            &["chunked, chunked"],
+            &[",chunked"],
+            &["chunked", "chunked"],
+            &["gzip"],
+            &[""],
+        ] {
+            assert!(refused(bad), "{bad:?}");
         }
     }
 

@@ -8,11 +8,14 @@
 //!
 //! The common request takes this path: a complete head (httparse, the parser
 //! hyper uses), no body or a `Content-Length` body that arrived with it.
-//! Anything else — a `Transfer-Encoding`, `Expect`, `Upgrade` or `CONNECT`
-//! request, a larger body, a head hyper would answer with an error (400, 414,
-//! 431) — hands the connection, its unread bytes put back in front, to
-//! hyper's server (`Server::serve_h1`) for the rest of its life: the
-//! framing rules of the hardening section stay hyper's, byte for byte.
+//! Anything else — a `Transfer-Encoding: chunked`, `Expect`, `Upgrade` or
+//! `CONNECT` request, a larger body, a head hyper would answer with an error
+//! (400, 414, 431) — hands the connection, its unread bytes put back in
+//! front, to hyper's server (`Server::serve_h1`) for the rest of its life:
+//! the framing rules of the hardening section stay hyper's. Two refusals are
+//! this path's own: any other `Transfer-Encoding` (501 through the proxy,
+//! then close) and a request line longer than the whole read buffer (414,
+//! where hyper would say 431).
 //!
 //! Between requests a connection is a small future awaiting readability: a
 //! read buffer is taken from a per-thread pool only while a head is being
@@ -442,6 +445,35 @@ impl Conn {
         }
     }
 
+    /// Answers a request line longer than the read buffer: 414 with the
+    /// gateway's short body and `Connection: close` (the connection closes
+    /// after it; the line was never a request, so nothing is recorded, as
+    /// for hyper's own parse errors).
+    async fn refuse_uri_too_long(&mut self) {
+        let send_ms = self.server.plane.current().config.client.send_timeout_ms;
+        let (status, text) = crate::base::error::ErrorKind::UriTooLong.answer();
+        let mut w = WRITE_BUF.take();
+        w.clear();
+        w.extend_from_slice(b"HTTP/1.1 ");
+        w.extend_from_slice(status.as_str().as_bytes());
+        w.push(b' ');
+        w.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+        w.extend_from_slice(b"\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: ");
+        w.extend_from_slice(itoa::Buffer::new().format(text.len()).as_bytes());
+        w.extend_from_slice(b"\r\nconnection: close\r\ndate: ");
+        date(&mut w);
+        w.extend_from_slice(b"\r\n\r\n");
+        w.extend_from_slice(text.as_bytes());
+        let mut out = Out {
+            stream: &self.stream,
+            send: Duration::from_millis(send_ms),
+            peer: self.peer,
+            lowat: &mut self.lowat,
+        };
+        let _ = out.write(&[&w]).await;
+        WRITE_BUF.set(w);
+    }
+
     /// [`Self::exchange`] on the connection it owns meanwhile (handed back
     /// with the outcome).
     async fn exchange_owned(mut self: Box<Self>) -> (Box<Conn>, Next) {
@@ -470,6 +502,13 @@ impl Conn {
                     Parse::Done(p) => break p,
                 }
                 if buf.len() >= max_buf {
+                    // A request line that alone fills the buffer is a
+                    // target too long (414, as nginx answers), not a head
+                    // too large (hyper's 431).
+                    if !buf.contains(&b'\n') {
+                        self.refuse_uri_too_long().await;
+                        return Next::Close;
+                    }
                     return Next::Hyper(buf);
                 }
             }
@@ -513,6 +552,7 @@ impl Conn {
             keep_alive,
             body_len,
             has_underscores,
+            bad_te,
         } = parsed;
         // The body arrived with the head (else the request went to hyper).
         let body = if body_len == 0 {
@@ -542,6 +582,7 @@ impl Conn {
                 let hints = proxy::ServerHints {
                     raw_ok: true,
                     may_have_underscores: has_underscores,
+                    bad_transfer_encoding: bad_te,
                 };
                 proxy::handle_with(plane, self.peer, req.map(|()| body), hints)
             }),
@@ -583,6 +624,8 @@ struct ParsedHead {
     body_len: usize,
     /// Some field name has a `_` (every name was looked at).
     has_underscores: bool,
+    /// A `Transfer-Encoding` other than one `chunked` field: refused.
+    bad_te: bool,
 }
 
 // Returned once per request and matched at once: a box would cost an
@@ -655,13 +698,19 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
     let mut keep_alive = http11;
     let mut close = false;
     let mut body_len: Option<usize> = None;
+    let (mut te_fields, mut te_chunked) = (0u32, false);
     for &(ns, ne, vs, ve) in spans.iter() {
         let name = &buf[ns as usize..ne as usize];
         let value = &buf[vs as usize..ve as usize];
         // Matched by length first: one word compare per field.
         let is = |lower: &[u8]| name_eq(name, lower);
         match name.len() {
-            17 if is(b"transfer-encoding") => return Parse::Hyper,
+            // Only one field of exactly `chunked` goes to hyper; any
+            // other coding or list is refused below (501).
+            17 if is(b"transfer-encoding") => {
+                te_fields += 1;
+                te_chunked = name_eq(value, b"chunked");
+            }
             6 if is(b"expect") => return Parse::Hyper,
             7 if is(b"upgrade") => return Parse::Hyper,
             14 if is(b"content-length") => match (body_len, digits(value)) {
@@ -679,7 +728,16 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
             _ => {}
         }
     }
-    let body_len = body_len.unwrap_or(0);
+    // A refused coding: the head is answered (501) and the connection
+    // closes; nothing of what follows is read as a body.
+    let bad_te = te_fields > 1 || (te_fields == 1 && !te_chunked);
+    if te_fields > 0 && !bad_te {
+        return Parse::Hyper;
+    }
+    let body_len = if bad_te { 0 } else { body_len.unwrap_or(0) };
+    if bad_te {
+        keep_alive = false;
+    }
     if buf.len() - len < body_len {
         // The body is still on its way: hyper streams it.
         return Parse::Hyper;
@@ -736,6 +794,7 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
         keep_alive,
         body_len,
         has_underscores,
+        bad_te,
     })
 }
 
@@ -1511,6 +1570,37 @@ mod tests {
         }
     }
 
+    /// One `chunked` field goes to hyper; every other coding, list or
+    /// repetition is parsed here, flagged for the 501, with no body and no
+    /// keep-alive (whatever a Content-Length says).
+    #[test]
+    fn transfer_encodings_but_one_chunked_are_refused() {
+        for raw in [
+            &b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"[..],
+            b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: ChunKed \r\n\r\n",
+        ] {
+            assert!(matches!(parsed(raw), Parse::Hyper));
+        }
+        for te in [
+            "Transfer-Encoding: gzip, chunked",
+            "Transfer-Encoding: identity, chunked",
+            "Transfer-Encoding: chunked, chunked",
+            "Transfer-Encoding: ,chunked",
+            "Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked",
+            "Transfer-Encoding: gzip",
+            "Transfer-Encoding: chunked, identity",
+            "Transfer-Encoding: chunked;q=1",
+            "Transfer-Encoding:",
+            "Content-Length: 3\r\nTransfer-Encoding: gzip",
+        ] {
+            let raw = format!("POST / HTTP/1.1\r\nHost: x\r\n{te}\r\n\r\nabc");
+            let Parse::Done(p) = parsed(raw.as_bytes()) else {
+                panic!("{te}: not parsed here")
+            };
+            assert!(p.bad_te && !p.keep_alive && p.body_len == 0, "{te}");
+        }
+    }
+
     #[test]
     fn keep_alive_follows_version_and_connection_tokens() {
         let ka = |raw: &[u8]| match parsed(raw) {
@@ -1585,10 +1675,20 @@ mod tests {
             want_sorted.sort();
             assert_eq!(got_sorted, want_sorted, "{what:?}");
             for (k, _) in &want {
-                assert!(
-                    !matches!(k.as_str(), "transfer-encoding" | "expect" | "upgrade"),
-                    "{what:?}"
-                );
+                assert!(!matches!(k.as_str(), "expect" | "upgrade"), "{what:?}");
+            }
+            // A Transfer-Encoding is taken here only to be refused: any
+            // but one `chunked` field (which hyper serves).
+            let te: Vec<&[u8]> = want
+                .iter()
+                .filter(|(k, _)| k == "transfer-encoding")
+                .map(|(_, v)| &v[..])
+                .collect();
+            let one_chunked = te.len() == 1 && te[0].eq_ignore_ascii_case(b"chunked");
+            assert!(!one_chunked, "{what:?}");
+            assert_eq!(p.bad_te, !te.is_empty(), "{what:?}");
+            if p.bad_te {
+                assert!(!p.keep_alive && p.body_len == 0, "{what:?}");
             }
             // The body is what Content-Length says, and the rest is left.
             assert_eq!(b.len(), raw.len() - n, "{what:?}");

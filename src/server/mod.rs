@@ -359,8 +359,15 @@ impl Server {
             if secure {
                 req.extensions_mut().insert(Https);
             }
+            // hyper accepts any `Transfer-Encoding` list that ends in
+            // `chunked`; the proxy refuses all but one `chunked` field (the
+            // plain path tells it the same from its own parse).
+            let hints = proxy::ServerHints {
+                bad_transfer_encoding: proxy::resolve::transfer_encoding_refused(req.headers()),
+                ..proxy::ServerHints::default()
+            };
             async move {
-                let resp = proxy::handle(&plane, peer, req.map(Into::into)).await?;
+                let resp = proxy::handle_with(plane, peer, req.map(Into::into), hints).await?;
                 let (mut head, body) = resp.into_parts();
                 // Draining: this answer ends the keep-alive connection, so
                 // the client's next request opens a new one (to the

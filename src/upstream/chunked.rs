@@ -182,14 +182,16 @@ mod tests {
     #[test]
     fn strict_lines() {
         for bad in [
-            &b"5\nhello\r\n0\r\n\r\n"[..], // bare LF after the size
-            b"5\r\nhello\n0\r\n\r\n",      // bare LF after the data
-            b"5\r\nhello\r\n0\r\n\n",      // bare LF ending the trailers
-            b" 5\r\nhello\r\n0\r\n\r\n",   // leading space
-            b"+5\r\nhello\r\n0\r\n\r\n",   // sign
-            b"0x5\r\nhello\r\n0\r\n\r\n",  // prefix
-            b"5 6\r\nhello\r\n0\r\n\r\n",  // digits after white space
-            b"ffffffffffffffffff\r\n",     // 18 digits: overflow
+            &b"5\nhello\r\n0\r\n\r\n"[..],      // bare LF after the size
+            b"5\r\nhello\n0\r\n\r\n",           // bare LF after the data
+            b"5\r\nhello\r\n0\r\n\n",           // bare LF ending the trailers
+            b"5\r\nhello\r\n0\r\nX-T: a\n\r\n", // bare LF ending a trailer line
+            b"0\r\nX-T: a\r\nX-U: b\n\r\n",     // … the second one
+            b" 5\r\nhello\r\n0\r\n\r\n",        // leading space
+            b"+5\r\nhello\r\n0\r\n\r\n",        // sign
+            b"0x5\r\nhello\r\n0\r\n\r\n",       // prefix
+            b"5 6\r\nhello\r\n0\r\n\r\n",       // digits after white space
+            b"ffffffffffffffffff\r\n",          // 18 digits: overflow
         ] {
             assert!(
                 decode(bad, 64).is_err(),

@@ -1,7 +1,8 @@
 //! Layer: upstream. What goes on the wire to a node besides the client's own
-//! fields: the hop-by-hop fields that never pass a proxy, the fields the
-//! gateway adds (lane tag, generation, X-Forwarded-*), and which methods are
-//! safe to send twice.
+//! fields: the hop-by-hop fields that never pass a proxy (with `Expect`,
+//! which the gateway answers itself), the fields the gateway adds (lane tag,
+//! generation, X-Forwarded-*) and the forwarding fields an untrusted client
+//! may not send, and which methods are safe to send twice.
 
 use std::borrow::Cow;
 use std::net::IpAddr;
@@ -216,35 +217,56 @@ pub fn scan(headers: &HeaderMap) -> Scan<'_> {
 }
 
 /// Does [`strip_hop_by_hop`] remove fields named `n` (unless a
-/// `Connection` field names others)?
+/// `Connection` field names others)? `Expect` too: the gateway's client
+/// side answers `100 Continue` itself (hyper's server, once the body is
+/// read), so the node never sees the expectation.
 fn stripped(n: &HeaderName) -> bool {
     let b = n.as_str().as_bytes();
-    is_hop_by_hop(b) || (b.len() == 17 && *n == header::TRANSFER_ENCODING)
+    is_hop_by_hop(b)
+        || (b.len() == 17 && *n == header::TRANSFER_ENCODING)
+        || (b.len() == 6 && *n == header::EXPECT)
 }
 
-/// Removes hop-by-hop headers, including those named in `Connection`.
+/// Removes hop-by-hop headers, including those named in `Connection`
+/// (from a node's response: nothing is kept from its tokens).
 /// (`Transfer-Encoding` is framing that hyper owns on each side.)
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none: one pass comparing names (cheap for the
     // standard ones) instead of nine hashed removals.
     if headers.keys().any(stripped) {
-        strip_hop_by_hop_found(headers);
+        strip_found(headers, None);
     }
 }
 
-/// [`strip_hop_by_hop`] once a field to strip is known to be there
-/// ([`Scan::hop_by_hop`]).
-pub fn strip_hop_by_hop_found(headers: &mut HeaderMap) {
+/// Removes a client request's hop-by-hop headers once one is known to be
+/// there ([`Scan::hop_by_hop`]), including those its `Connection` names —
+/// except the fields the gateway routes on or sets itself ([`protected`],
+/// and `tag_header`): a `Connection: host` must not make the node see
+/// another host than the one the request was routed on.
+pub fn strip_hop_by_hop_found(headers: &mut HeaderMap, tag_header: &HeaderName) {
+    strip_found(headers, Some(tag_header));
+}
+
+fn strip_found(headers: &mut HeaderMap, tag_header: Option<&HeaderName>) {
     if headers.contains_key(header::CONNECTION) {
-        strip_connection_named(headers);
+        strip_connection_named(headers, tag_header);
     }
     for n in &HOP_BY_HOP {
         headers.remove(n);
     }
     headers.remove(header::TRANSFER_ENCODING);
+    headers.remove(header::EXPECT);
 }
 
-fn strip_connection_named(headers: &mut HeaderMap) {
+/// Fields a request's `Connection` tokens never remove: `Host` (what the
+/// request was routed on) and the fields the gateway sets or reads from a
+/// trusted proxy (the generation, `X-Forwarded-*`, `Forwarded`,
+/// `X-Real-IP`); with `tag_header`, the lane tag.
+fn protected(n: &HeaderName, tag_header: &HeaderName) -> bool {
+    *n == header::HOST || n == tag_header || *n == GENERATION_HEADER || forwarding(n)
+}
+
+fn strip_connection_named(headers: &mut HeaderMap, tag_header: Option<&HeaderName>) {
     // `keep-alive`, `close` and `upgrade` are the usual tokens; the first
     // and last are removed anyway, `close` names no header.
     let named: Vec<HeaderName> = headers
@@ -259,9 +281,25 @@ fn strip_connection_named(headers: &mut HeaderMap) {
                 .any(|k| t.eq_ignore_ascii_case(k))
         })
         .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
+        .filter(|n| tag_header.is_none_or(|tag| !protected(n, tag)))
         .collect();
     for n in named {
         headers.remove(n);
+    }
+}
+
+/// A forwarding field: `X-Forwarded-*` (any suffix), `Forwarded` or
+/// `X-Real-IP` — what a node may take for the gateway's word about the
+/// client. Names are lower-case; most are told apart by length or their
+/// first byte.
+pub fn forwarding(n: &HeaderName) -> bool {
+    let b = n.as_str().as_bytes();
+    match b.first() {
+        Some(b'x') => {
+            (b.len() >= 12 && b.starts_with(b"x-forwarded-")) || (b.len() == 9 && b == b"x-real-ip")
+        }
+        Some(b'f') => *n == header::FORWARDED,
+        _ => false,
     }
 }
 
@@ -305,8 +343,9 @@ static GENERATION_NAME: HeaderName = GENERATION_HEADER;
 
 /// The fields the gateway sets on an upstream request: the lane tag, the
 /// generation, and X-Forwarded-For/-Proto/-Host. From a trusted proxy the
-/// X-Forwarded-For chain is extended and its -Proto/-Host are kept; from
-/// anyone else client-supplied values are replaced. Names and values the
+/// X-Forwarded-For chain is extended and its -Proto/-Host (and other
+/// forwarding fields) are kept; from anyone else client-supplied values are
+/// replaced, and its other forwarding fields removed. Names and values the
 /// generation holds (the tag header, a served lane's tag, the generation
 /// id) are borrowed, not cloned per request.
 pub struct Added<'a> {
@@ -340,12 +379,16 @@ impl<'a> Added<'a> {
         };
         let keep_proto = peer_trusted && headers.contains_key(X_FORWARDED_PROTO);
         let keep_host = peer_trusted && headers.contains_key(X_FORWARDED_HOST);
+        // From anyone but a trusted proxy every forwarding field goes
+        // (`X-Forwarded-Port`, `-Prefix`, `Forwarded`, `X-Real-IP`, …): the
+        // node reads only what the gateway itself says about the client.
         let replaced = |n: &HeaderName| {
             n == tag.0
                 || *n == GENERATION_HEADER
                 || *n == X_FORWARDED_FOR
                 || (!keep_proto && *n == X_FORWARDED_PROTO)
                 || (!keep_host && *n == X_FORWARDED_HOST)
+                || (!peer_trusted && forwarding(n))
         };
         // Usually the client sent none of them: one pass over the names.
         if headers.keys().any(replaced) {
@@ -611,6 +654,104 @@ mod tests {
             h[X_FORWARDED_PROTO], "http",
             "the trusted proxy's own value is kept"
         );
+    }
+
+    /// A request's `Connection` tokens remove what they name, except Host,
+    /// the tag header and the fields the gateway sets or trusts; `Expect`
+    /// goes with the hop-by-hop fields. A response's tokens keep nothing.
+    #[test]
+    fn connection_tokens_never_remove_what_the_gateway_routes_on_or_sets() {
+        let tag = HeaderName::from_static("x-gray-tag");
+        let request = || {
+            let mut h = HeaderMap::new();
+            h.insert(
+                header::CONNECTION,
+                "host, X-Gray-Tag, x-graygate-generation, x-forwarded-for, x-forwarded-port, forwarded, x-real-ip, x-secret"
+                    .parse()
+                    .unwrap(),
+            );
+            for n in [
+                "host",
+                "x-gray-tag",
+                "x-graygate-generation",
+                "x-forwarded-for",
+                "x-forwarded-port",
+                "forwarded",
+                "x-real-ip",
+                "x-secret",
+                "expect",
+            ] {
+                h.insert(HeaderName::from_static(n), "1".parse().unwrap());
+            }
+            h
+        };
+        let mut h = request();
+        assert!(scan(&h).hop_by_hop);
+        strip_hop_by_hop_found(&mut h, &tag);
+        let mut left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                "forwarded",
+                "host",
+                "x-forwarded-for",
+                "x-forwarded-port",
+                "x-gray-tag",
+                "x-graygate-generation",
+                "x-real-ip"
+            ]
+        );
+        let mut h = request();
+        strip_hop_by_hop(&mut h);
+        assert!(h.is_empty(), "{h:?}");
+        let mut h = HeaderMap::new();
+        h.insert(header::EXPECT, "100-continue".parse().unwrap());
+        assert!(scan(&h).hop_by_hop);
+    }
+
+    /// From an untrusted peer every forwarding field is removed (or
+    /// replaced by the gateway's own); a trusted proxy's are kept.
+    #[test]
+    fn forwarding_fields_of_untrusted_peers_go() {
+        let name = HeaderName::from_static("x-gray-tag");
+        let generation = HeaderValue::from(1u64);
+        let peer: IpAddr = "10.0.0.1".parse().unwrap();
+        let fields = [
+            "x-real-ip",
+            "forwarded",
+            "x-forwarded-port",
+            "x-forwarded-prefix",
+            "x-forwarded-ssl",
+            "x-forwarded-for",
+            "x-forwarded-proto",
+            "x-forwarded-host",
+        ];
+        for trusted in [false, true] {
+            let mut h = HeaderMap::new();
+            for n in fields {
+                h.insert(HeaderName::from_static(n), "6.6.6.6".parse().unwrap());
+            }
+            h.insert("x-forwarded", "k".parse().unwrap());
+            h.insert("x-real-ipx", "k".parse().unwrap());
+            let tag = (&name, Cow::Owned(HeaderValue::from_static("formal")));
+            let added = Added::new(&mut h, tag, &generation, peer, trusted, None);
+            added.apply(&mut h);
+            for n in fields {
+                let spoofed = h.get_all(n).iter().any(|v| v == "6.6.6.6");
+                let want = trusted && n != "x-forwarded-for";
+                assert_eq!(spoofed, want, "{n}, trusted {trusted}: {h:?}");
+            }
+            assert_eq!(
+                h["x-forwarded-for"],
+                if trusted {
+                    "6.6.6.6, 10.0.0.1"
+                } else {
+                    "10.0.0.1"
+                }
+            );
+            assert!(h.contains_key("x-forwarded") && h.contains_key("x-real-ipx"));
+        }
     }
 
     #[test]

@@ -272,6 +272,7 @@ impl Upstream {
                 req.headers_mut().insert(http::header::HOST, v);
             }
         }
+        mark_chunked(&mut req);
         while let Some(mut sender) = self.checkout(key) {
             if sender.ready().await.is_err() {
                 continue;
@@ -487,5 +488,20 @@ impl Body for HyperBody {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+/// A body of unknown length (a client's chunked one) goes out chunked
+/// whatever the method: hyper's client sends a GET, HEAD or CONNECT with no
+/// length of its own as bodiless (`Content-Length: 0` framing), which would
+/// drop the client's body on the floor. A set `Transfer-Encoding` is what
+/// hyper frames by.
+fn mark_chunked(req: &mut Request<UpBody>) {
+    let unknown = !req.body().is_end_stream() && req.body().size_hint().exact().is_none();
+    if unknown {
+        req.headers_mut().insert(
+            http::header::TRANSFER_ENCODING,
+            http::HeaderValue::from_static("chunked"),
+        );
     }
 }

@@ -1,13 +1,16 @@
 //! Request smuggling and framing, on raw sockets: every classic desync
-//! attempt (CL.TE, TE.CL, obfuscated Transfer-Encoding, bad Content-Length,
-//! chunk tricks, bare LF, odd header names, HTTP/0.9, oversized heads,
-//! `Expect` with pipelined bytes, the h2c upgrade, Host rules) is sent to a
+//! attempt (CL.TE, TE.CL, obfuscated Transfer-Encoding lists → 501, bad
+//! Content-Length, chunk tricks, bare LF, odd header names and methods,
+//! HTTP/0.9, oversized heads and request lines, `Expect` with pipelined
+//! bytes, the h2c upgrade, Host rules, chunked bodies on GET/HEAD) is sent to a
 //! real gateway in front of a recording upstream. For each: the exact status,
 //! the exact requests and bytes the upstream received, and that a follow-up
 //! on the same connection (pipelined in the same write, so a desync would
 //! show) and on a fresh one gets its own answer. The upstream side too: two
 //! Content-Lengths, a broken chunk, TE + CL and a non-chunked coding from a
-//! node, and that such a connection is never reused.
+//! node, and that such a connection is never reused. And what reaches a
+//! node besides: `Connection` tokens, forwarding fields, the underscore
+//! filter on every path hyper parses (chunked, `Expect`, TLS, HTTP/2).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -380,10 +383,59 @@ const CASES: &[Case] = &[
         keeps_connection: true,
     },
     Case {
-        name: "duplicate Transfer-Encoding: chunked (last coding chunked)",
+        name: "two Transfer-Encoding: chunked fields: 501",
         raw: "POST {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        status: 501,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "Transfer-Encoding: gzip, chunked: 501",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        status: 501,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "Transfer-Encoding: identity, chunked: 501",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: identity, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        status: 501,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "Transfer-Encoding: chunked, chunked: 501",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        status: 501,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "Transfer-Encoding: ,chunked: 501",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: ,chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        status: 501,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "Transfer-Encoding: gzip, chunked with a Content-Length too: 501",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        status: 501,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "a chunked body on GET reaches the node",
+        raw: "GET {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
         status: 200,
-        upstream: &[("POST {P} HTTP/1.1", "transfer-encoding: chunked", b"3\r\nabc\r\n0\r\n\r\n")],
+        upstream: &[("GET {P} HTTP/1.1", "transfer-encoding: chunked", b"5\r\nhello\r\n0\r\n\r\n")],
+        keeps_connection: true,
+    },
+    Case {
+        name: "a chunked body on OPTIONS reaches the node",
+        raw: "OPTIONS {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        status: 200,
+        upstream: &[("OPTIONS {P} HTTP/1.1", "transfer-encoding: chunked", b"5\r\nhello\r\n0\r\n\r\n")],
         keeps_connection: true,
     },
     Case {
@@ -394,16 +446,16 @@ const CASES: &[Case] = &[
         keeps_connection: false,
     },
     Case {
-        name: "chunked, identity: final coding not chunked",
+        name: "chunked, identity: final coding not chunked: 501",
         raw: "POST {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked, identity\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
-        status: 400,
+        status: 501,
         upstream: &[],
         keeps_connection: false,
     },
     Case {
-        name: "Transfer-Encoding: gzip alone",
+        name: "Transfer-Encoding: gzip alone: 501",
         raw: "POST {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\nabc",
-        status: 400,
+        status: 501,
         upstream: &[],
         keeps_connection: false,
     },
@@ -457,6 +509,13 @@ const CASES: &[Case] = &[
         keeps_connection: false,
     },
     Case {
+        name: "bare LF ending a trailer line",
+        raw: "POST {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\nX-T: 1\nX-U: 2\r\n\r\n",
+        status: 400,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
         name: "a chunk shorter than its size",
         raw: "POST {P} HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab\r\n0\r\n\r\n",
         status: 400,
@@ -485,6 +544,20 @@ const CASES: &[Case] = &[
         keeps_connection: false,
     },
     Case {
+        name: "a method with a byte no token has",
+        raw: "G{T {P} HTTP/1.1\r\nHost: a\r\n\r\n",
+        status: 400,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
+        name: "a method with a control byte",
+        raw: "GE\x01T {P} HTTP/1.1\r\nHost: a\r\n\r\n",
+        status: 400,
+        upstream: &[],
+        keeps_connection: false,
+    },
+    Case {
         name: "HTTP/0.9 request line",
         raw: "GET {P}\r\n\r\n",
         status: 400,
@@ -497,6 +570,13 @@ const CASES: &[Case] = &[
         status: 414,
         upstream: &[],
         keeps_connection: true,
+    },
+    Case {
+        name: "request line longer than the read buffer: 414, not 431",
+        raw: "GET {P}/HUGEURI HTTP/1.1\r\nHost: a\r\n\r\n",
+        status: 414,
+        upstream: &[],
+        keeps_connection: false,
     },
     Case {
         name: "head over the parser's buffer",
@@ -520,6 +600,13 @@ const CASES: &[Case] = &[
         keeps_connection: true,
     },
     Case {
+        name: "empty Host",
+        raw: "GET {P} HTTP/1.1\r\nHost:\r\n\r\n",
+        status: 400,
+        upstream: &[],
+        keeps_connection: true,
+    },
+    Case {
         name: "Host with userinfo",
         raw: "GET {P} HTTP/1.1\r\nHost: evil@a\r\n\r\n",
         status: 400,
@@ -538,6 +625,7 @@ const CASES: &[Case] = &[
 fn expand(s: &str, path: &str) -> String {
     s.replace("{P}", path)
         .replace("/LONGURI", &format!("/{}", "u".repeat(9000)))
+        .replace("/HUGEURI", &format!("/{}", "u".repeat(70_000)))
         .replace("BIGHEADER", &"h".repeat(70_000))
 }
 
@@ -639,6 +727,189 @@ async fn expect_continue_with_pipelined_bytes_answers_each_request() {
     assert_eq!(got[0].body, b"abc");
     assert_eq!(got[0].framing, "content-length: 3");
     assert!(got[1].body.is_empty());
+    // The gateway answered the expectation itself: it is not the node's.
+    assert!(
+        !got[0].headers.iter().any(|l| l.starts_with("expect:")),
+        "{:?}",
+        got[0].headers
+    );
+}
+
+/// The requests that leave the hand-written parser for hyper's (a
+/// chunked body, `Expect`, the next request on such a connection, a
+/// refused coding on it) are held to the same rules: the underscore
+/// filter, 501 for a `Transfer-Encoding` but one `chunked`, 400 for a
+/// method that is no token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_parsed_by_hyper_get_the_same_checks() {
+    let (_fx, gw, up) = setup("").await;
+    let chunked = "POST /h/chunked HTTP/1.1\r\nHost: a\r\nX_Custom: 1\r\nX_Forwarded_For: 6.6.6.6\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n";
+    let expect = "POST /h/expect HTTP/1.1\r\nHost: a\r\nX_Custom: 1\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\nabc";
+    // On the connection hyper took over: a plain GET, then a refused
+    // coding (that hyper accepts: it ends in `chunked`).
+    let next = "GET /h/next HTTP/1.1\r\nHost: a\r\nX_Custom: 1\r\n\r\n";
+    let gzip = "POST /h/gzip HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n";
+    let conv = converse(
+        gw.addr,
+        format!("{chunked}{expect}{next}{gzip}").as_bytes(),
+        4,
+    )
+    .await;
+    let statuses: Vec<u16> = conv.answers.iter().map(|a| a.status).collect();
+    assert_eq!(statuses, [200, 200, 200, 501], "{:?}", conv.answers);
+    assert!(conv.closed, "the 501 closes the connection");
+    assert_eq!(conv.answers[3].header("connection"), Some("close"));
+    for path in ["/h/chunked", "/h/expect", "/h/next"] {
+        let got = up.got(path);
+        assert_eq!(got.len(), 1, "{path}: {got:?}");
+        assert!(
+            !got[0].headers.iter().any(|l| l.contains('_')),
+            "{path}: {:?}",
+            got[0].headers
+        );
+    }
+    assert!(up.got("/h/gzip").is_empty());
+    // Two Transfer-Encoding fields, and a method no token spells, on such
+    // a connection.
+    for (second, status) in [
+        ("POST /h/two HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 501),
+        ("G{T /h/method HTTP/1.1\r\nHost: a\r\n\r\n", 400),
+        ("GET /h/empty-host HTTP/1.1\r\nHost:\r\n\r\n", 400),
+    ] {
+        let conv = converse(gw.addr, format!("{chunked}{second}").as_bytes(), 2).await;
+        let statuses: Vec<u16> = conv.answers.iter().map(|a| a.status).collect();
+        assert_eq!(statuses, [200, status], "{second:?}: {:?}", conv.answers);
+    }
+    assert!(up.got("/h/two").is_empty() && up.got("/h/method").is_empty());
+    assert!(up.got("/h/empty-host").is_empty());
+}
+
+/// `Connection` may name fields as hop-by-hop, but never the host the
+/// request was routed on, the lane tag or the fields the gateway sets:
+/// the node sees the client's Host, not its own address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_tokens_never_remove_host_tag_or_forwarding_fields() {
+    let (_fx, gw, up) = setup("").await;
+    let raw = "GET /ct HTTP/1.1\r\nHost: a\r\nConnection: host, X-Gray-Tag, x-forwarded-for, x-forwarded-host, x-graygate-generation, x-other\r\nX-Other: 1\r\nX-Kept: 2\r\n\r\n";
+    // Also on hyper's path (after a chunked request).
+    let chunked = "POST /ct/c HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n";
+    let hyper_raw = raw.replace("/ct ", "/ct/h ");
+    for (bytes, path, want) in [
+        (raw.to_string(), "/ct", 1),
+        (format!("{chunked}{hyper_raw}"), "/ct/h", 2),
+    ] {
+        let conv = converse(gw.addr, bytes.as_bytes(), want).await;
+        assert!(
+            conv.answers.iter().all(|a| a.status == 200),
+            "{:?}",
+            conv.answers
+        );
+        let got = up.got(path);
+        let h = &got.last().unwrap().headers;
+        for line in [
+            "host: a",
+            "x-gray-tag: formal",
+            "x-forwarded-for: 127.0.0.1",
+            "x-forwarded-host: a",
+            "x-kept: 2",
+        ] {
+            assert!(h.iter().any(|l| l == line), "{path}: {line} missing: {h:?}");
+        }
+        assert!(
+            h.iter().any(|l| l.starts_with("x-graygate-generation:")),
+            "{h:?}"
+        );
+        assert!(
+            !h.iter()
+                .any(|l| l.starts_with("x-other") || l.starts_with("connection")),
+            "{path}: {h:?}"
+        );
+    }
+}
+
+/// From an untrusted peer no forwarding field of the client's reaches a
+/// node (`X-Real-IP`, `Forwarded`, `X-Forwarded-Port`, `-Prefix`, any
+/// other `X-Forwarded-*`), only the gateway's own; a trusted proxy's are
+/// kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarding_fields_pass_only_from_trusted_proxies() {
+    let spoofed = [
+        "x-real-ip: 6.6.6.6",
+        "forwarded: for=6.6.6.6",
+        "x-forwarded-port: 6666",
+        "x-forwarded-prefix: /evil",
+        "x-forwarded-ssl: on",
+        "x-forwarded-proto: https",
+        "x-forwarded-host: evil",
+    ];
+    let fields: String = spoofed.iter().map(|l| format!("{l}\r\n")).collect();
+    for (extra, trusted) in [("", false), ("trusted_proxies: [127.0.0.1/32]\n", true)] {
+        let (_fx, gw, up) = setup(extra).await;
+        let raw = format!("GET /fw HTTP/1.1\r\nHost: a\r\n{fields}\r\n");
+        let conv = converse(gw.addr, raw.as_bytes(), 1).await;
+        assert_eq!(conv.answers[0].status, 200);
+        let h = &up.got("/fw")[0].headers;
+        for line in spoofed {
+            assert_eq!(
+                h.iter().any(|l| l == line),
+                trusted,
+                "{line} (trusted peer: {trusted}): {h:?}"
+            );
+        }
+        if !trusted {
+            assert!(h.iter().any(|l| l == "x-forwarded-proto: http"), "{h:?}");
+            assert!(h.iter().any(|l| l == "x-forwarded-host: a"), "{h:?}");
+        }
+    }
+}
+
+/// The underscore filter on the requests hyper parses from the start:
+/// HTTP/1.1 over TLS and HTTP/2 (curl as the client).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn underscore_filter_holds_over_tls_and_http2() {
+    use crate::harness::tls::*;
+    let up = Recorder::start().await;
+    let fx = Fixture::new();
+    write_cert(&fx.path("certs"), "site", "localhost");
+    Nodes::api([Node::new("n1", up.addr)]).write(&fx, "nodes.yaml");
+    let gw = Config::new()
+        .set("workers", 1)
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .listeners(&[Listener::tls().cert("certs/site.crt", "certs/site.key")])
+        .start(&fx, "gg.yaml");
+    let tls = listeners(&gw)[0];
+    for (flag, path, version) in [("--http1.1", "/tls/h1", "1.1"), ("--http2", "/tls/h2", "2")] {
+        let url = format!("https://localhost:{}{path}", tls.port());
+        let out = tokio::task::spawn_blocking(move || {
+            curl(
+                &[
+                    flag,
+                    "-H",
+                    "X_Custom: 1",
+                    "-H",
+                    "X_Gray_Tag: gray",
+                    "-H",
+                    "X-Fine: 1",
+                ],
+                &url,
+            )
+        })
+        .await
+        .unwrap();
+        assert!(
+            out.ok && out.version == version,
+            "{flag}: {:?} {}",
+            out.body,
+            out.version
+        );
+        let got = up.got(path);
+        assert_eq!(got.len(), 1, "{path}");
+        let h = &got[0].headers;
+        assert!(!h.iter().any(|l| l.contains('_')), "{path}: {h:?}");
+        assert!(h.iter().any(|l| l == "x-fine: 1"), "{path}: {h:?}");
+        assert!(h.iter().any(|l| l == "x-gray-tag: formal"), "{path}: {h:?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -767,4 +1038,40 @@ async fn broken_upstream_framing_is_a_502_and_the_connection_is_not_reused() {
         up.got("/up/te-and-cl")[0].conn,
         "the TE+CL connection was reused"
     );
+}
+
+/// A chunked body on HEAD (and GET) reaches a real node whole (hyper's
+/// client would send those methods bodiless): the node reads `hello`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunked_bodies_on_head_and_get_reach_the_node() {
+    let fx = Fixture::new();
+    let node = Backend::full("n1", "formal").await;
+    fx.api_nodes(&[&node]);
+    let gw = Config::new()
+        .set("workers", 1)
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .start(&fx, "gg.yaml");
+    for method in ["HEAD", "GET"] {
+        let raw = format!(
+            "{method} /b HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+        );
+        let mut s = connect_with(gw.addr, raw.as_bytes()).await;
+        // The head is enough (a HEAD answer has a length but no body).
+        let mut buf = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while find(&buf, b"\r\n\r\n").is_none() {
+            let mut chunk = [0u8; 4096];
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, s.read(&mut chunk)).await {
+                Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                other => panic!("{method}: no answer: {other:?}"),
+            }
+        }
+        let head = String::from_utf8_lossy(&buf);
+        assert!(head.starts_with("HTTP/1.1 200"), "{method}: {head}");
+        let seen = node.last();
+        assert_eq!(seen.method, method);
+        assert_eq!(&seen.body[..], b"hello", "{method}: the body was dropped");
+    }
 }
