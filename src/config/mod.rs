@@ -735,7 +735,7 @@ pub enum Balance {
     RoundRobin,
     /// Power of two choices over in-flight requests, weight-aware.
     LeastRequest,
-    /// Consistent hashing (Maglev) on `hash_key`.
+    /// Consistent hashing (weighted rendezvous) on `hash_key`.
     Hash,
     /// Weighted random.
     Random,

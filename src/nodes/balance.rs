@@ -8,14 +8,15 @@
 //! - `least_request`: power of two choices — two weighted draws, the one
 //!   with fewer requests in flight per unit of weight wins, a tie goes to the
 //!   first draw (so an idle lane is weighted random).
-//! - `hash`: Maglev consistent hashing on a request key (`nodes::hash`);
-//!   a request without the key is picked by `round_robin`.
+//! - `hash`: weighted rendezvous hashing on a request key (`nodes::hash`;
+//!   a pass over the members); a request without the key is picked by
+//!   `round_robin`.
 //!
 //! Every policy skips nodes that are down (unless the choice is in panic
 //! mode) and nodes already tried by this request, spreading their share
 //! over the eligible nodes by weight, and applies slow start: a
-//! warming node's weight is scaled by [`slow_start_factor`]. Every pick is
-//! O(1) in the usual case however many nodes the lane has; only when most
+//! warming node's weight is scaled by [`slow_start_factor`]. Every pick but
+//! `hash`'s is O(1) in the usual case however many nodes the lane has; only when most
 //! draws (or, for `round_robin`, the schedule's entry) land on nodes that
 //! are down or tried does a pick fall back to one exact pass over the
 //! members.
@@ -23,7 +24,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use super::hash::{KeyHash, Maglev};
+use super::hash::{KeyHash, Rendezvous};
 use super::Node;
 use crate::config::Balance;
 
@@ -106,9 +107,12 @@ enum Policy {
     Random(Alias),
     /// `least_request`: two weighted draws (member positions) per pick.
     LeastRequest(Alias),
-    /// `hash`: the consistent-hash table; requests without the key go
-    /// round-robin.
-    Hash { table: Maglev, keyless: RoundRobin },
+    /// `hash`: the members' identities and weights; requests without the
+    /// key go round-robin.
+    Hash {
+        table: Rendezvous,
+        keyless: RoundRobin,
+    },
 }
 
 /// Smooth weighted round-robin state (`repr(u8)` as [`Policy`]).
@@ -162,7 +166,7 @@ impl Picker {
                     })
                     .collect();
                 Policy::Hash {
-                    table: Maglev::build(&entries),
+                    table: Rendezvous::build(&entries),
                     keyless: RoundRobin::new(&members, &weights),
                 }
             }
@@ -341,21 +345,32 @@ impl Picker {
         Some(if lb * eff(a) < la * eff(b) { b } else { a })
     }
 
-    /// Consistent hashing: the key's Maglev entry, walking on to the next
-    /// entries past nodes that are down or tried (so only the keys of a
-    /// missing node move, spread over the others). A warming node takes
-    /// the keys whose second hash falls under its factor — each key moves
-    /// to it once, as the factor rises.
-    fn hash(&self, table: &Maglev, set: &impl Members, w: &Want, key: KeyHash) -> Option<usize> {
-        let slow = set.slow_start();
-        let found = table.walk(key, self.members.len(), |i| {
-            set.eligible(i, w) && (!slow || key.admits(set.factor(i, w.now)))
-        });
+    /// Consistent hashing: the key's best-ranked node that is eligible (so
+    /// only the keys of a node that is down or tried move, spread over the
+    /// others by weight, and a retry goes to the key's next node). A
+    /// warming node takes the keys whose second hash falls under its
+    /// factor — each key moves to it once, as the factor rises.
+    fn hash(
+        &self,
+        table: &Rendezvous,
+        set: &impl Members,
+        w: &Want,
+        key: KeyHash,
+    ) -> Option<usize> {
+        let found = if set.slow_start() {
+            table
+                .walk(key, |i| {
+                    set.eligible(i, w) && key.admits(set.factor(i, w.now))
+                })
+                .or_else(|| table.walk(key, |i| set.eligible(i, w)))
+        } else {
+            table.walk(key, |i| set.eligible(i, w))
+        };
         if found.is_some() {
             return found;
         }
-        // Nearly everything down or tried: the first eligible member from
-        // the key's position, slow start ignored.
+        // Only nodes of weight 0 left: the first eligible member from the
+        // key's position.
         let n = self.members.len();
         let start = (key.get() % n as u64) as usize;
         (0..n)

@@ -1,16 +1,21 @@
 //! Layer: nodes. Consistent hashing for `balance: hash`: the request key
 //! (`hash_key`: a header, a cookie, a query argument or the client IP), its
 //! MurmurHash3 (x64 128, first 64 bits; stable across builds and gateways,
-//! so every replica pins a key to the same node), and a weighted Maglev
-//! table.
+//! so every replica pins a key to the same node), and weighted rendezvous
+//! (highest random weight) hashing over the lane's nodes.
 //!
-//! Why Maglev rather than a ketama ring: a lookup is one table index however
-//! many nodes the lane has (a ring is a binary search over nodes × points),
-//! the spread over nodes is even (the table keeps about 100 entries a
-//! node), and it is weighted the way Envoy's is. Adding or removing one of
-//! N nodes moves about 1/N of the keys (a little more than a ring's
-//! minimum; the tests below bound it). Nodes are identified by address, not by name: default
-//! names carry an index that shifts when a node is removed.
+//! Why rendezvous rather than Maglev or a ketama ring: removing, adding or
+//! skipping a node never moves a key between the other nodes (each node's
+//! score for a key depends on the key and that node alone; Maglev's
+//! rebuilt table hands a few survivors' keys to each other), the spread
+//! follows the weights with no table or points to size (a ring's spread
+//! depends on its points per node), and a node that is down or tried is
+//! simply left out, so its keys spread over the others by weight. The
+//! price is a pass over the lane's nodes per pick — one multiply-xor mix
+//! per node, plus a logarithm when weights differ — which the lanes this
+//! is for (a handful to a hundred nodes) pay in well under a microsecond.
+//! Nodes are identified by address, not by name: default names carry an
+//! index that shifts when a node is removed.
 
 use std::fmt;
 use std::net::IpAddr;
@@ -18,13 +23,6 @@ use std::num::NonZeroU64;
 use std::str::FromStr;
 
 use http::{HeaderMap, HeaderName, Uri};
-
-/// Entries of a Maglev table (a prime; Envoy's default). Lanes of more than
-/// [`SMALL_TABLE_NODES`] nodes use [`LARGE_TABLE`] so that every node keeps
-/// about 100 entries.
-pub const TABLE: usize = 65_537;
-pub const SMALL_TABLE_NODES: usize = 655;
-pub const LARGE_TABLE: usize = 655_373;
 
 /// Where the hash key of a request comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,8 +109,9 @@ impl HashKey {
 }
 
 /// A request key's hash: the first 64 bits of its MurmurHash3 x64 128
-/// (seed 0), never 0 (so `Option<KeyHash>` is one word). It picks the table
-/// entry; a remix of it decides slow-start admission.
+/// (seed 0), never 0 (so `Option<KeyHash>` is one word). Mixed with each
+/// node's identity it ranks the nodes; a remix of it decides slow-start
+/// admission.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeyHash(NonZeroU64);
 
@@ -132,7 +131,7 @@ impl KeyHash {
     pub fn admits(self, factor: f64) -> bool {
         // A second, independent-looking value from the same hash
         // (splitmix64's finaliser), so admission does not follow the
-        // table position.
+        // node ranking.
         let mut z = self.get().wrapping_add(0x9e37_79b9_7f4a_7c15);
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -141,115 +140,153 @@ impl KeyHash {
     }
 }
 
-/// A weighted Maglev lookup table of lane-node indices.
-#[derive(Debug)]
-pub struct Maglev {
-    table: Vec<u32>,
+/// One member of a [`Rendezvous`] set.
+#[derive(Debug, Clone, Copy)]
+struct Member {
+    /// Lane-node index.
+    lane: u32,
+    /// Hash of the node's identity (its address).
+    seed: u64,
+    /// 1 / weight.
+    inv_weight: f64,
 }
 
-impl Maglev {
-    /// Builds the table over `(lane index, identity, weight)` entries:
-    /// every node fills the table along its own permutation (offset and
-    /// skip from its identity's hash), heavier nodes more often (Envoy's
-    /// weighted construction).
-    pub fn build(nodes: &[(u32, String, u32)]) -> Maglev {
-        let size = if nodes.len() > SMALL_TABLE_NODES {
-            LARGE_TABLE
-        } else {
-            TABLE
-        };
-        if nodes.iter().all(|n| n.2 == 0) {
-            return Maglev { table: Vec::new() };
-        }
-        let mut table = vec![u32::MAX; size];
-        let perm: Vec<(u64, u64)> = nodes
+/// Weighted rendezvous (highest random weight) hashing over a lane's
+/// members: every node scores the key, `weight / -ln(u)` with `u` uniform
+/// from the key and the node's identity, and the best score wins.
+#[derive(Debug)]
+pub struct Rendezvous {
+    members: Vec<Member>,
+    /// Every weight equal: the raw mixed hashes rank the nodes as the
+    /// scores would, without a logarithm per node.
+    uniform: bool,
+}
+
+impl Rendezvous {
+    /// The set over `(lane index, identity, weight)` entries; nodes of
+    /// weight 0 take no keys.
+    pub fn build(nodes: &[(u32, String, u32)]) -> Rendezvous {
+        let members: Vec<Member> = nodes
             .iter()
-            .map(|(_, id, _)| {
-                let (a, b) = mur3::murmurhash3_x64_128(id.as_bytes(), 0x6d61_676c);
-                (a % size as u64, b % (size as u64 - 1) + 1)
+            .filter(|n| n.2 > 0)
+            .map(|(lane, id, w)| {
+                let (seed, _) = mur3::murmurhash3_x64_128(id.as_bytes(), 0x6872_7700);
+                Member {
+                    lane: *lane,
+                    seed,
+                    inv_weight: 1.0 / f64::from(*w),
+                }
             })
             .collect();
-        let max_w = nodes
-            .iter()
-            .map(|n| u64::from(n.2))
-            .max()
-            .unwrap_or(1)
-            .max(1);
-        let mut next = vec![0u64; nodes.len()];
-        let mut target = vec![0u64; nodes.len()];
-        let mut filled = 0usize;
-        let mut round = 1u64;
-        while filled < size {
-            for (n, (idx, _, w)) in nodes.iter().enumerate() {
-                if filled == size {
-                    break;
-                }
-                // A node of weight max_w fills one entry a round, one of
-                // weight max_w / 3 every third round.
-                if round * u64::from(*w) < target[n] || *w == 0 {
-                    continue;
-                }
-                target[n] += max_w;
-                let (offset, skip) = perm[n];
-                loop {
-                    let c = ((offset + skip * next[n]) % size as u64) as usize;
-                    next[n] += 1;
-                    if table[c] == u32::MAX {
-                        table[c] = *idx;
-                        filled += 1;
-                        break;
-                    }
-                }
-            }
-            round += 1;
-        }
-        Maglev { table }
+        let uniform = members
+            .windows(2)
+            .all(|p| p[0].inv_weight == p[1].inv_weight);
+        Rendezvous { members, uniform }
     }
 
     pub fn len(&self) -> usize {
-        self.table.len()
+        self.members.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.table.is_empty()
+        self.members.is_empty()
     }
 
-    /// The key's node: its entry, or the first entry after it that `ok`
-    /// accepts (looking at no more than a bounded number of entries;
-    /// `None` then, and the caller scans the members).
-    pub fn walk(
-        &self,
-        key: KeyHash,
-        members: usize,
-        mut ok: impl FnMut(usize) -> bool,
-    ) -> Option<usize> {
-        let len = self.table.len();
-        if len == 0 {
-            return None;
+    /// The best-scoring node for `key` that `ok` accepts (`None` when `ok`
+    /// accepts none). Leaving nodes out never reorders the others, so a
+    /// node that is down, tried or removed moves only its own keys, and a
+    /// retry's next node is the key's next in rank. `ok` is asked only
+    /// about nodes that beat the best accepted so far.
+    pub fn walk(&self, key: KeyHash, mut ok: impl FnMut(usize) -> bool) -> Option<usize> {
+        let k = key.get();
+        // Ties (equal scores) go to the larger identity hash, never to a
+        // position.
+        if self.uniform {
+            let mut best: Option<(u64, u64, u32)> = None;
+            for m in &self.members {
+                let h = mix(k ^ m.seed);
+                if best.is_none_or(|b| (h, m.seed) > (b.0, b.1)) && ok(m.lane as usize) {
+                    best = Some((h, m.seed, m.lane));
+                }
+            }
+            best.map(|b| b.2 as usize)
+        } else {
+            // The smallest -ln(u) / weight is the largest weight / -ln(u).
+            let (mut best_d, mut best_seed, mut best) = (f64::INFINITY, 0, None);
+            for m in &self.members {
+                let h = mix(k ^ m.seed);
+                let u = ((h >> 11) as f64 + 0.5) * (1.0 / (1u64 << 53) as f64);
+                // -ln(u) ≥ 1 - u: a node already beaten on that bound needs
+                // no logarithm (the margin is far above the rounding of
+                // either side, so the winner is the one the full
+                // computation finds).
+                if (1.0 - u) * m.inv_weight * (1.0 - 1e-9) > best_d {
+                    continue;
+                }
+                let d = neg_ln(u) * m.inv_weight;
+                if (d < best_d || (d == best_d && m.seed > best_seed)) && ok(m.lane as usize) {
+                    (best_d, best_seed, best) = (d, m.seed, Some(m.lane as usize));
+                }
+            }
+            best
         }
-        let start = (key.get() % len as u64) as usize;
-        let limit = len.min(64 + 4 * members);
-        (0..limit)
-            .map(|k| self.table[(start + k) % len] as usize)
-            .find(|&i| ok(i))
     }
 
     /// The key's node with every node acceptable.
     pub fn lookup(&self, key: KeyHash) -> Option<usize> {
-        self.walk(key, 0, |_| true)
+        self.walk(key, |_| true)
     }
+}
+
+/// MurmurHash3's 64-bit finaliser: a bijection whose every output bit
+/// depends on every input bit, so one key's values for two nodes look
+/// independent.
+fn mix(mut h: u64) -> u64 {
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^ (h >> 33)
+}
+
+/// `-ln(u)` for `u` in (0, 1), from IEEE-754 basic operations only (each
+/// correctly rounded), so every platform and libm computes the same bits
+/// and every replica ranks a key's nodes alike. `u = m · 2^e` with `m`
+/// in (√½, √2]; `ln m = 2 atanh(s)`, `s = (m - 1) / (m + 1)`, `|s| < 0.172`,
+/// whose series to `s^15` is within 1e-13 of it.
+fn neg_ln(u: f64) -> f64 {
+    let bits = u.to_bits();
+    let mut e = ((bits >> 52) & 0x7ff) as i64 - 1023;
+    let mut m = f64::from_bits((bits & 0x000f_ffff_ffff_ffff) | 0x3ff0_0000_0000_0000);
+    if m > std::f64::consts::SQRT_2 {
+        m *= 0.5;
+        e += 1;
+    }
+    let s = (m - 1.0) / (m + 1.0);
+    let s2 = s * s;
+    let p = s2
+        * (1.0 / 3.0
+            + s2 * (1.0 / 5.0
+                + s2 * (1.0 / 7.0
+                    + s2 * (1.0 / 9.0
+                        + s2 * (1.0 / 11.0 + s2 * (1.0 / 13.0 + s2 * (1.0 / 15.0)))))));
+    -(e as f64 * std::f64::consts::LN_2 + 2.0 * s * (1.0 + p))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn table(ids: &[u32]) -> Maglev {
+    fn table(ids: &[u32]) -> Rendezvous {
+        weighted(&ids.iter().map(|&i| (i, 1)).collect::<Vec<_>>())
+    }
+
+    fn weighted(ids: &[(u32, u32)]) -> Rendezvous {
         let entries: Vec<(u32, String, u32)> = ids
             .iter()
-            .map(|&i| (i, format!("10.0.0.{i}:80"), 1))
+            .map(|&(i, w)| (i, format!("10.0.0.{i}:80"), w))
             .collect();
-        Maglev::build(&entries)
+        Rendezvous::build(&entries)
     }
 
     fn keys() -> Vec<KeyHash> {
@@ -306,75 +343,113 @@ mod tests {
     }
 
     #[test]
-    fn maglev_spreads_keys_evenly() {
+    fn rendezvous_spreads_keys_evenly() {
         let t = table(&(0..10).collect::<Vec<_>>());
         let mut c = [0usize; 10];
         for k in keys() {
             c[t.lookup(k).unwrap()] += 1;
         }
         for n in c {
-            assert!((1_600..2_400).contains(&n), "{c:?}");
+            assert!((1_800..2_200).contains(&n), "{c:?}");
         }
     }
 
     #[test]
-    fn weighted_maglev_follows_weights() {
-        let entries: Vec<(u32, String, u32)> = (0..4)
-            .map(|i| (i, format!("10.0.0.{i}:80"), if i == 0 { 3 } else { 1 }))
-            .collect();
-        let t = Maglev::build(&entries);
-        let heavy = t.table.iter().filter(|&&i| i == 0).count();
-        // 3 / 6 of the table, within 1%.
-        assert!(
-            (heavy as f64 / t.len() as f64 - 0.5).abs() < 0.01,
-            "{heavy}"
-        );
-    }
-
-    #[test]
-    fn adding_or_removing_one_of_n_nodes_moves_about_one_nth_of_keys() {
+    fn weighted_rendezvous_follows_weights() {
+        // Weights 3, 1, 2, 1, 0: shares 3/7, 1/7, 2/7, 1/7, none.
+        let t = weighted(&[(0, 3), (1, 1), (2, 2), (3, 1), (4, 0)]);
+        assert_eq!(t.len(), 4, "weight 0 takes no keys");
         let keys = keys();
-        let ten = table(&(0..10).collect::<Vec<_>>());
-        let eleven = table(&(0..11).collect::<Vec<_>>());
-        let nine = table(&(1..10).collect::<Vec<_>>());
-        let before: Vec<usize> = keys.iter().map(|&k| ten.lookup(k).unwrap()).collect();
-        // Add node 10: about 1/11 of the keys move, nearly all of them to it.
-        let mut moved = 0;
-        let mut to_new = 0;
-        for (k, &b) in keys.iter().zip(&before) {
-            let a = eleven.lookup(*k).unwrap();
-            if a != b {
-                moved += 1;
-                to_new += usize::from(a == 10);
-            }
+        let mut c = [0usize; 5];
+        for &k in &keys {
+            c[t.lookup(k).unwrap()] += 1;
         }
-        let share = moved as f64 / keys.len() as f64;
-        assert!(
-            share > 1.0 / 11.0 * 0.8 && share < 1.0 / 11.0 * 1.3,
-            "{share}"
-        );
-        assert!(to_new as f64 > 0.9 * moved as f64, "{to_new} of {moved}");
-        // Remove node 0: its keys move (spread), few others do.
-        let mut others_moved = 0;
-        let mut own = 0;
-        for (k, &b) in keys.iter().zip(&before) {
-            let a = nine.lookup(*k).unwrap();
-            if b == 0 {
-                own += 1;
-                assert_ne!(a, 0);
-            } else if a != b {
-                others_moved += 1;
-            }
+        for (n, share) in c.iter().zip([3.0, 1.0, 2.0, 1.0, 0.0]) {
+            let got = *n as f64 / keys.len() as f64;
+            assert!((got - share / 7.0).abs() < 0.015, "{c:?}");
         }
-        let share = (own + others_moved) as f64 / keys.len() as f64;
-        assert!(
-            share > 1.0 / 10.0 * 0.8 && share < 1.0 / 10.0 * 1.3,
-            "{share}"
-        );
-        assert!(
-            (others_moved as f64) < 0.03 * keys.len() as f64,
-            "{others_moved}"
-        );
+    }
+
+    #[test]
+    fn adding_or_removing_a_node_moves_only_its_keys() {
+        for w in [[1, 1, 1], [3, 1, 2]] {
+            let ids: Vec<(u32, u32)> = (0..10).map(|i| (i, w[i as usize % 3])).collect();
+            let ten = weighted(&ids);
+            let eleven = weighted(&[&ids[..], &[(10, 2)]].concat());
+            let nine = weighted(&ids[1..]);
+            let keys = keys();
+            let (mut to_new, mut own) = (0, 0);
+            for &k in &keys {
+                let before = ten.lookup(k).unwrap();
+                // Added: a key moves only to the new node.
+                let a = eleven.lookup(k).unwrap();
+                if a != before {
+                    assert_eq!(a, 10);
+                    to_new += 1;
+                }
+                // Removed: only node 0's keys move.
+                let r = nine.lookup(k).unwrap();
+                if before == 0 {
+                    assert_ne!(r, 0);
+                    own += 1;
+                } else {
+                    assert_eq!(r, before, "{w:?}");
+                }
+            }
+            let total: u32 = ids.iter().map(|n| n.1).sum();
+            let share = |n: usize, of: f64| n as f64 / keys.len() as f64 / of;
+            let new = share(to_new, 2.0 / f64::from(total + 2));
+            let gone = share(own, f64::from(w[0]) / f64::from(total));
+            assert!((0.85..1.15).contains(&new), "{w:?}: {new}");
+            assert!((0.85..1.15).contains(&gone), "{w:?}: {gone}");
+        }
+    }
+
+    /// `user-1`'s nodes in rank order over `10.0.0.0:80` … `10.0.0.4:80`,
+    /// of equal weights and of weights 3, 1, 2, 1, 5.
+    const PLAIN_RANKING: [usize; 5] = [3, 1, 4, 2, 0];
+    const HEAVY_RANKING: [usize; 5] = [4, 3, 1, 0, 2];
+
+    #[test]
+    fn rankings_are_fixed_across_builds_and_platforms() {
+        // Replicas must rank a key's nodes alike: the identity hash, the
+        // mix and the logarithm are plain integer and IEEE-754 arithmetic.
+        // These rankings must never change between releases.
+        let ranking = |t: &Rendezvous, k: &[u8]| {
+            let key = KeyHash::of(k);
+            let mut out = Vec::new();
+            while let Some(i) = t.walk(key, |i| !out.contains(&i)) {
+                out.push(i);
+            }
+            out
+        };
+        let plain = table(&[0, 1, 2, 3, 4]);
+        let heavy = weighted(&[(0, 3), (1, 1), (2, 2), (3, 1), (4, 5)]);
+        assert_eq!(ranking(&plain, b"user-1"), PLAIN_RANKING);
+        assert_eq!(ranking(&heavy, b"user-1"), HEAVY_RANKING);
+        // Skipping the logarithm of nodes beaten on its bound changes no
+        // winner: the full computation over every node agrees.
+        let ids: Vec<(u32, u32)> = (0..20).map(|i| (i, 1 + i % 4)).collect();
+        let t = weighted(&ids);
+        for k in keys().into_iter().take(5_000) {
+            let full = t
+                .members
+                .iter()
+                .map(|m| {
+                    let h = mix(k.get() ^ m.seed);
+                    let u = ((h >> 11) as f64 + 0.5) * (1.0 / (1u64 << 53) as f64);
+                    (neg_ln(u) * m.inv_weight, m.lane as usize)
+                })
+                .min_by(|a, b| a.0.total_cmp(&b.0))
+                .unwrap();
+            assert_eq!(t.lookup(k), Some(full.1));
+        }
+        // The logarithm: within 1e-12 of libm's.
+        for i in 1..100_000u64 {
+            let u = ((mix(i) >> 11) as f64 + 0.5) * (1.0 / (1u64 << 53) as f64);
+            let (got, want) = (neg_ln(u), -u.ln());
+            assert!((got - want).abs() <= 1e-12 * want.max(1e-300), "{u}");
+        }
     }
 
     #[test]
@@ -432,11 +507,10 @@ mod tests {
                     moved += usize::from(after != before);
                 }
             }
-            // A rebuilt Maglev table hands a few of a survivor's entries to
-            // the other survivor (not a ring's exact minimum); a survivor
-            // identified by anything but its address loses most of them.
-            assert!(
-                moved * 100 <= survivors_keys,
+            // Not one: a survivor identified by anything but its address
+            // loses most of them.
+            assert_eq!(
+                moved, 0,
                 "removing {gone} moved {moved} of the survivors' {survivors_keys} keys"
             );
             // The removed node's keys spread over both survivors.
@@ -446,14 +520,14 @@ mod tests {
 
     #[test]
     fn a_missing_node_moves_only_its_own_keys() {
-        // Walking past a node that is down (no table rebuild): keys of the
-        // other nodes stay exactly where they were.
+        // Leaving out a node that is down (no rebuild): keys of the other
+        // nodes stay exactly where they were.
         let keys = keys();
         let t = table(&(0..10).collect::<Vec<_>>());
         let mut spread = [0usize; 10];
         for &k in &keys {
             let before = t.lookup(k).unwrap();
-            let after = t.walk(k, 10, |i| i != 3).unwrap();
+            let after = t.walk(k, |i| i != 3).unwrap();
             if before == 3 {
                 spread[after] += 1;
             } else {

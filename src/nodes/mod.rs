@@ -4,8 +4,8 @@
 //! selection rule: healthy nodes of the request's lane, else formal nodes
 //! (never another gray lane); within that set the gateway's zone first
 //! (`zone`), then the service's `balance` policy (`balance`: round-robin,
-//! least-request, Maglev hash, random, each policy's state in one
-//! `Policy` variant; `hash`: the request key and the table), with slow
+//! least-request, rendezvous hash, random, each policy's state in one
+//! `Policy` variant; `hash`: the request key and the ranking), with slow
 //! start for nodes that joined or were re-admitted.
 
 pub mod balance;
@@ -91,10 +91,10 @@ impl Default for Select {
 
 /// The nodes of one lane of a service with their selection state.
 ///
-/// The policy's state (round-robin schedule, alias table or Maglev table)
+/// The policy's state (round-robin schedule, alias table or rendezvous set)
 /// is computed once per generation, over all the lane's nodes and over
 /// those in the gateway's zone; a pick reads it lock-free, O(1) in the
-/// usual case however many nodes the lane has.
+/// usual case however many nodes the lane has (`hash`: one pass over them).
 #[derive(Debug)]
 pub struct LaneNodes {
     pub nodes: Vec<Node>,

@@ -282,3 +282,34 @@ fn vm_compare_quick_mode_runs_luajit() {
         assert!(stdout.contains(&format!("luajit {mode}: ")), "{stdout}");
     }
 }
+
+/// `bench/hash_choice spread --quick` (its own Cargo project, built into
+/// this suite's scratch folder): the comparison behind `balance: hash`
+/// runs, and the two exact algorithms move no survivor's key.
+#[test]
+fn hash_choice_quick_mode_runs() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let target = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("hash_choice");
+    let out = Command::new(&cargo)
+        .args([
+            "run",
+            "--quiet",
+            "--locked",
+            "--manifest-path",
+            "bench/hash_choice/Cargo.toml",
+            "--target-dir",
+        ])
+        .arg(&target)
+        .args(["--", "spread", "--quick"])
+        .output()
+        .expect("cargo runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "hash_choice:\n{stdout}\n{stderr}");
+    println!("{stdout}");
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 18, "{stdout}");
+    for line in lines.iter().filter(|l| !l.starts_with("maglev")) {
+        assert!(line.ends_with("moved 0 survivors' keys"), "{line}");
+    }
+}

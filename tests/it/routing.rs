@@ -436,10 +436,10 @@ async fn removing_a_hashed_node_keeps_the_survivors_keys() {
             }
         }
     }
-    // A rebuilt Maglev table moves a few survivors' keys (about 0.1 %);
-    // nodes identified by position or default name move about 3 in 4.
+    // Not one survivor's key moves; nodes identified by position or
+    // default name move about 3 in 4.
     assert!(
-        moved.len() * 20 <= survivors_keys,
+        moved.is_empty(),
         "{} of the survivors' {survivors_keys} keys moved: {moved:?}",
         moved.len()
     );
