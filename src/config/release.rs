@@ -85,6 +85,10 @@ pub struct AnalysisSpec {
     pub max_error_delta_pp: f64,
     /// Gray's p99 may be at most this multiple of formal's.
     pub max_p99_ratio: f64,
+    /// The latency quantile judged (0.99: the p99; `max_p99_ratio`,
+    /// `max_p99_ms` and `min_p99_delta_ms` apply to it). A lower one needs
+    /// fewer requests: ten above it in each lane.
+    pub quantile: f64,
     /// Optional absolute ceilings for gray.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_error_rate_pct: Option<f64>,
@@ -126,6 +130,7 @@ impl Default for AnalysisSpec {
             min_requests: 100,
             max_error_delta_pp: 0.5,
             max_p99_ratio: 1.2,
+            quantile: 0.99,
             max_error_rate_pct: None,
             max_p99_ms: None,
             min_p99_delta_ms: 0.5,

@@ -8,7 +8,7 @@
 //!
 //! - **Sample minimums.** A check needs ten requests of the kind it is
 //!   about in each lane: the p99 needs ten requests above it, so 1000
-//!   requests per lane ([`min_latency_sample`]); an error-rate margin of
+//!   requests per lane ([`min_latency_sample`]; `quantile: 0.9` needs 100); an error-rate margin of
 //!   `max_error_delta_pp` needs ten errors at that rate, so 2000 requests
 //!   per lane at 0.5 pp ([`min_error_sample`]). `min_requests` is a floor
 //!   under both. Below them a check can still fail on a clear margin
@@ -31,14 +31,13 @@ use crate::observe::lanes::{bucket_lower_us, bucket_upper_us, LaneSnapshot};
 
 /// One-sided 99.5 % normal quantile: each confidence bound.
 pub const Z: f64 = 2.576;
-/// The latency quantile judged.
-pub const QUANTILE: f64 = 0.99;
 /// Requests "of the kind a check is about" each lane needs.
 pub const EVENTS: f64 = 10.0;
 
-/// Requests per lane the p99 check needs: ten above the quantile.
-pub fn min_latency_sample() -> u64 {
-    (EVENTS / (1.0 - QUANTILE)).round() as u64
+/// Requests per lane the latency check needs: ten above its quantile
+/// (1000 for the p99).
+pub fn min_latency_sample(a: &AnalysisSpec) -> u64 {
+    (EVENTS / (1.0 - a.quantile.clamp(0.0, 0.9999))).round() as u64
 }
 
 /// Requests per lane the error check needs: ten errors at the margin.
@@ -189,9 +188,9 @@ fn at_rank(s: &LaneSnapshot, rank: f64, upper: bool) -> Option<f64> {
 /// statistics: ranks n·q ∓ z·√(n·q·(1−q)) (the normal approximation of
 /// the binomial count below the quantile). The upper is `None` when the
 /// sample has no rank that high.
-fn p99_bounds(s: &LaneSnapshot, n: u64) -> (f64, Option<f64>) {
+fn p99_bounds(s: &LaneSnapshot, n: u64, q: f64) -> (f64, Option<f64>) {
     let n = n as f64;
-    let (m, sd) = (n * QUANTILE, Z * (n * QUANTILE * (1.0 - QUANTILE)).sqrt());
+    let (m, sd) = (n * q, Z * (n * q * (1.0 - q)).sqrt());
     let low = at_rank(s, (m - sd).floor(), false).unwrap_or(0.0);
     let hi_rank = (m + sd).ceil() + 1.0;
     let high = (hi_rank <= n).then(|| at_rank(s, hi_rank, true)).flatten();
@@ -200,8 +199,9 @@ fn p99_bounds(s: &LaneSnapshot, n: u64) -> (f64, Option<f64>) {
 
 fn latency_check(a: &AnalysisSpec, g: &LaneSnapshot, f: &LaneSnapshot) -> (Check, String) {
     let (ng, nf) = (g.buckets.iter().sum::<u64>(), f.buckets.iter().sum::<u64>());
-    let need = min_latency_sample().max(a.min_requests);
-    let (Some(pg), Some(pf)) = (g.quantile_ms(QUANTILE), f.quantile_ms(QUANTILE)) else {
+    let need = min_latency_sample(a).max(a.min_requests);
+    let q = a.quantile;
+    let (Some(pg), Some(pf)) = (g.quantile_ms(q), f.quantile_ms(q)) else {
         return (Check::Undecided, "no latency data".into());
     };
     let shown = format!("{pg:.3} ms vs formal {pf:.3} ms");
@@ -209,12 +209,12 @@ fn latency_check(a: &AnalysisSpec, g: &LaneSnapshot, f: &LaneSnapshot) -> (Check
         return (
             Check::Undecided,
             format!(
-                "{shown}, too few requests: gray {ng} / formal {nf} (needs {need} each: 10 above the p99)"
+                "{shown}, too few requests: gray {ng} / formal {nf} (needs {need} each: 10 above the quantile)"
             ),
         );
     }
-    let (g_low, _) = p99_bounds(g, ng);
-    let (_, f_high) = p99_bounds(f, nf);
+    let (g_low, _) = p99_bounds(g, ng, q);
+    let (_, f_high) = p99_bounds(f, nf, q);
     let floor = a.min_p99_delta_ms;
     if let Some(fh) = f_high {
         if g_low > a.max_p99_ratio * fh && g_low - fh > floor {
@@ -278,13 +278,18 @@ mod tests {
     #[test]
     fn sample_minimums() {
         let a = AnalysisSpec::default();
-        assert_eq!(min_latency_sample(), 1000);
+        assert_eq!(min_latency_sample(&a), 1000);
+        let median = AnalysisSpec {
+            quantile: 0.5,
+            ..Default::default()
+        };
+        assert_eq!(min_latency_sample(&median), 20);
         assert_eq!(min_error_sample(&a), 2000);
         // Healthy and equal, but 999 requests: the p99 has too thin a tail.
         let (g, f) = (lane(999, 0, 1.0, 0, 1.0), lane(5000, 0, 1.0, 0, 1.0));
         let j = judge(&a, Some(&g), Some(&f));
         assert_eq!(j.outcome, "inconclusive", "{j:?}");
-        assert!(j.reason.contains("10 above the p99"), "{}", j.reason);
+        assert!(j.reason.contains("10 above the quantile"), "{}", j.reason);
         let g = lane(2000, 0, 1.0, 0, 1.0);
         assert_eq!(outcome(&a, &g, &f), "pass");
     }

@@ -1,10 +1,12 @@
 //! Layer: control plane. The release controller: every release interval it
 //! takes the per-lane counters (`observe::lanes`), judges gray against
-//! formal — pass, fail, inconclusive (too few requests in either lane) or
-//! error (no data) — records the decision with the values and thresholds
-//! behind it, and steps, holds, promotes or rolls back. Only `fail` counts
-//! toward the rollback threshold; `inconclusive` and `error` never move a
-//! release by themselves. Admin actions (create, promote, pause, resume,
+//! formal over the window (`super::analysis`) — pass, fail, inconclusive
+//! (too few requests, or undecided: the window stays open and the next
+//! interval adds to it) or error (no data, or a lane nothing serves) —
+//! records the decision with the values and thresholds behind it, and
+//! steps, holds, promotes or rolls back. Only `fail` counts toward the
+//! rollback threshold (in a row by default: a pass resets the count);
+//! `inconclusive` and `error` never move a release by themselves. Admin actions (create, promote, pause, resume,
 //! abort) go through the same state file, one change at a time. With the
 //! etcd source the state is the fleet's release keys instead: the elected
 //! gateway ticks and judges on every gateway's summed counters, any gateway

@@ -282,6 +282,18 @@ pub fn check_spec(spec: &ReleaseSpec) -> Result<(), String> {
             spec.name
         ));
     }
+    if !(0.5..=0.999).contains(&a.quantile) {
+        return Err(format!(
+            "release {:?}: analysis quantile must be in [0.5, 0.999]",
+            spec.name
+        ));
+    }
+    if !(a.min_p99_delta_ms >= 0.0) {
+        return Err(format!(
+            "release {:?}: analysis min_p99_delta_ms must not be negative",
+            spec.name
+        ));
+    }
     Ok(())
 }
 
