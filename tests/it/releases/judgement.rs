@@ -62,6 +62,31 @@ fn windows(doc: &serde_json::Value) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// Polls the release (a few times a second: its document grows with every
+/// interval) until `done` holds, failing after `limit` with its windows.
+async fn wait_for(
+    gw: &Gateway,
+    name: &str,
+    limit: Duration,
+    done: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        let doc = release(gw, name).await;
+        if done(&doc) {
+            return doc;
+        }
+        if std::time::Instant::now() > deadline {
+            let ws: Vec<String> = windows(&doc)
+                .iter()
+                .map(|a| format!("{} g{} f{} {}", a["outcome"], a["gray"]["requests"], a["formal"]["requests"], a["reason"]))
+                .collect();
+            panic!("release {name} timed out: state {}\n{}", doc["state"], ws.join("\n"));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 fn count(ws: &[serde_json::Value], outcome: &str) -> usize {
     ws.iter().filter(|a| a["outcome"] == outcome).count()
 }
@@ -79,17 +104,12 @@ async fn identical_healthy_nodes_never_fail_a_window_in_200_intervals() {
     let r = admin_post(&gw, "/releases", spec).await;
     assert_eq!(r.status, 201, "{}", r.text());
     let users = Users::start(&gw, 4);
-    eventually(
-        "200 intervals, one window passed",
-        Duration::from_secs(120),
-        || async {
-            let ws = windows(&release(&gw, "same").await);
-            ws.len() >= 200 && count(&ws, "pass") >= 1
-        },
-    )
+    let doc = wait_for(&gw, "same", Duration::from_secs(120), |doc| {
+        let ws = windows(doc);
+        ws.len() >= 200 && count(&ws, "pass") >= 1
+    })
     .await;
     users.stop().await;
-    let doc = release(&gw, "same").await;
     let ws = windows(&doc);
     let fails: Vec<_> = ws.iter().filter(|a| a["outcome"] == "fail").collect();
     assert!(fails.is_empty(), "{fails:#?}");
@@ -111,38 +131,46 @@ async fn identical_healthy_nodes_never_fail_a_window_in_200_intervals() {
 
 /// Runs `spec` on real traffic until the release is rolled back; returns
 /// its judged windows.
-async fn rolled_back(gw: &Gateway, name: &str, spec: &str) -> Vec<serde_json::Value> {
+/// (A few clients: a saturated gateway's queueing, not the nodes, would be
+/// the tail of both lanes.)
+async fn rolled_back(
+    gw: &Gateway,
+    name: &str,
+    spec: &str,
+    clients: usize,
+) -> Vec<serde_json::Value> {
     let r = admin_post(gw, "/releases", spec).await;
     assert_eq!(r.status, 201, "{}", r.text());
-    let users = Users::start(gw, 16);
-    eventually("rolled back", Duration::from_secs(60), || async {
-        release(gw, name).await["state"] == "rolled_back"
+    let users = Users::start(gw, clients);
+    let doc = wait_for(gw, name, Duration::from_secs(60), |d| {
+        d["state"] == "rolled_back"
     })
     .await;
     users.stop().await;
-    windows(&release(gw, name).await)
+    windows(&doc)
 }
 
 /// The first failed window came no later than the third interval — or,
-/// on a machine too slow to carry the sample minimum in three intervals,
-/// at the first window that carried it (`need` gray requests).
+/// on a machine too slow to carry the sample minimum (`need` gray
+/// requests) in one interval, within three intervals of the first window
+/// that carried it.
 fn failed_within_three_intervals(ws: &[serde_json::Value], need: u64) {
     let first = ws.iter().position(|a| a["outcome"] == "fail").unwrap();
-    let gray_in_three: u64 = ws
+    let sufficient = ws
         .iter()
-        .take(3)
-        .map(|a| a["gray"]["requests"].as_u64().unwrap())
-        .max()
-        .unwrap_or(0);
-    if gray_in_three >= need {
-        assert!(first < 3, "first failure at interval {}: {ws:#?}", first + 1);
-    } else {
-        let sufficient = ws
-            .iter()
-            .position(|a| a["gray"]["requests"].as_u64().unwrap() >= need)
-            .unwrap();
-        assert!(first <= sufficient, "{ws:#?}");
-    }
+        .position(|a| a["gray"]["requests"].as_u64().unwrap() >= need)
+        .unwrap();
+    assert!(
+        first <= sufficient + 2,
+        "first failure at interval {}, the minimum met at {}: {ws:#?}",
+        first + 1,
+        sufficient + 1
+    );
+    eprintln!(
+        "failed at interval {} (the sample minimum met at {})",
+        first + 1,
+        sufficient + 1
+    );
     assert_eq!(count(ws, "pass"), 0, "{ws:#?}");
 }
 
@@ -156,8 +184,8 @@ async fn an_eight_times_slower_gray_fails_within_three_intervals() {
     gray.set_delay(Duration::from_millis(16));
     let fx = Fixture::new();
     let gw = gateway(&fx, &formal, &gray, "");
-    let spec = "name: slow\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 50, min_duration_ms: 600000 }\nanalysis: { interval_ms: 2000 }\n";
-    let ws = rolled_back(&gw, "slow", spec).await;
+    let spec = "name: slow\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 50, min_duration_ms: 600000 }\nanalysis: { interval_ms: 4000 }\n";
+    let ws = rolled_back(&gw, "slow", spec, 6).await;
     failed_within_three_intervals(&ws, 1000);
     let fail = ws.iter().find(|a| a["outcome"] == "fail").unwrap();
     assert!(fail["reason"].as_str().unwrap().contains("p99 fail"), "{fail}");
@@ -176,7 +204,7 @@ async fn a_gray_with_one_point_more_errors_fails_within_three_intervals() {
     let fx = Fixture::new();
     let gw = gateway(&fx, &formal, &gray, "");
     let spec = "name: errs\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 50, min_duration_ms: 600000 }\nanalysis: { interval_ms: 2000 }\n";
-    let ws = rolled_back(&gw, "errs", spec).await;
+    let ws = rolled_back(&gw, "errs", spec, 16).await;
     failed_within_three_intervals(&ws, 3000);
     let fail = ws.iter().find(|a| a["outcome"] == "fail").unwrap();
     assert!(fail["reason"].as_str().unwrap().contains("errors fail"), "{fail}");
@@ -186,7 +214,7 @@ async fn a_gray_with_one_point_more_errors_fails_within_three_intervals() {
 
 /// Busy work in the lane script: every formal-bucket request on the
 /// release's routes runs it; a request in the release's share does not.
-const SLOW_SCRIPT: &str = "return function(req)\n  local s = 0\n  for i = 1, 400000 do s = s + i % 7 end\n  return nil\nend\n";
+const SLOW_SCRIPT: &str = "return function(req)\n  local s = 0\n  for i = 1, 150000 do s = s + i % 7 end\n  return nil\nend\n";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_script_on_formal_requests_does_not_hide_a_slow_gray() {
@@ -205,7 +233,7 @@ async fn a_slow_script_on_formal_requests_does_not_hide_a_slow_gray() {
     );
     // One step that would promote on a pass.
     let spec = "name: timed\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 50, min_duration_ms: 1 }\nanalysis: { interval_ms: 1000, quantile: 0.9, max_error_delta_pp: 5 }\n";
-    let ws = rolled_back(&gw, "timed", spec).await;
+    let ws = rolled_back(&gw, "timed", spec, 2).await;
     // Formal's requests spent the script's time before the lane was
     // decided; from the decision on, formal is the faster lane.
     let fail = ws.iter().find(|a| a["outcome"] == "fail").unwrap();
@@ -237,12 +265,8 @@ async fn a_last_step_of_weight_100_is_promotion() {
     let r = admin_post(&gw, "/releases", &spec).await;
     assert_eq!(r.status, 201, "{}", r.text());
     let users = Users::start(&gw, 2);
-    eventually("promoted", Duration::from_secs(30), || async {
-        release(&gw, "full").await["state"] == "promoted"
-    })
-    .await;
+    let doc = wait_for(&gw, "full", Duration::from_secs(30), |d| d["state"] == "promoted").await;
     users.stop().await;
-    let doc = release(&gw, "full").await;
     let last = doc["analyses"].as_array().unwrap().last().unwrap().clone();
     assert_eq!(last["outcome"], "promote", "{doc}");
     assert_eq!(doc["weight"], 100.0);
