@@ -137,7 +137,7 @@ fn error_check(a: &AnalysisSpec, g: &LaneSnapshot, f: &LaneSnapshot) -> (Check, 
     let excess_low = pg - pf - Z * (vg + vf).sqrt();
     let gray_low = pg - Z * vg.sqrt();
     let need = min_error_sample(a).max(a.min_requests);
-    let shown = format!("{:.2}% vs formal {:.2}%", 100.0 * rg, 100.0 * rf);
+    let shown = format!("error rate {:.2}% vs formal {:.2}%", 100.0 * rg, 100.0 * rf);
     if excess_low > margin {
         return (
             Check::Fail,
