@@ -115,7 +115,12 @@ pub fn judge(
     };
     Judgement {
         outcome,
-        reason: format!("errors {}: {why_e}; p99 {}: {why_l}", errors.as_str(), latency.as_str()),
+        reason: format!(
+            "errors {}: {why_e}; p{} {}: {why_l}",
+            errors.as_str(),
+            (a.quantile * 1000.0).round() / 10.0,
+            latency.as_str()
+        ),
         errors: Some(errors),
         latency: Some(latency),
     }
