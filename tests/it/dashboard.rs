@@ -340,7 +340,10 @@ async fn canary(admin: std::net::SocketAddr, lane: &str, at_least: u64) -> serde
         if let Some(c) = found.filter(|c| c["gray"]["requests"].as_u64() >= Some(at_least)) {
             return c;
         }
-        assert!(Instant::now() < deadline, "no canary entry for {lane}: {st}");
+        assert!(
+            Instant::now() < deadline,
+            "no canary entry for {lane}: {st}"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
@@ -373,10 +376,15 @@ async fn canary_panel_judges_like_a_release_on_the_fine_histogram() {
     let c = canary(admin, "gray", gray).await;
     assert_eq!(c["verdict"], "inconclusive", "{c}");
     assert_eq!(c["errors"], "inconclusive", "{c}");
-    assert!(c["reason"].as_str().unwrap().contains("too few requests"), "{c}");
+    assert!(
+        c["reason"].as_str().unwrap().contains("too few requests"),
+        "{c}"
+    );
     // Past the sample minimums (2000 per lane for errors), healthy: pass.
     let stop = Arc::new(AtomicBool::new(false));
-    let users: Vec<_> = (0..4).map(|_| user_traffic(gw.addr, stop.clone())).collect();
+    let users: Vec<_> = (0..4)
+        .map(|_| user_traffic(gw.addr, stop.clone()))
+        .collect();
     let st = Req::get("/stats").send(admin).await.json();
     assert_eq!(st["thresholds"]["min_requests_errors"], 2000, "{st}");
     assert_eq!(st["thresholds"]["min_requests_latency"], 1000, "{st}");
@@ -389,7 +397,11 @@ async fn canary_panel_judges_like_a_release_on_the_fine_histogram() {
         u.await.unwrap();
     }
     assert_eq!(c["verdict"], "pass", "{c}");
-    assert_eq!((&c["errors"], &c["latency"]), (&"pass".into(), &"pass".into()), "{c}");
+    assert_eq!(
+        (&c["errors"], &c["latency"]),
+        (&"pass".into(), &"pass".into()),
+        "{c}"
+    );
     // The p99 is a bound of the fine histogram (50 µs × 1.08^k), not an
     // interpolation inside Prometheus' coarse buckets.
     for lane in ["gray", "formal"] {

@@ -173,7 +173,10 @@ fn error_check(a: &AnalysisSpec, g: &LaneSnapshot, f: &LaneSnapshot) -> (Check, 
     }
     let within_ceiling = a.max_error_rate_pct.is_none_or(|c| 100.0 * rg <= c);
     if rg - rf <= margin + 1e-12 && within_ceiling {
-        (Check::Pass, format!("{shown}, within {} pp", a.max_error_delta_pp))
+        (
+            Check::Pass,
+            format!("{shown}, within {} pp", a.max_error_delta_pp),
+        )
     } else {
         (
             Check::Undecided,
@@ -186,7 +189,13 @@ fn error_check(a: &AnalysisSpec, g: &LaneSnapshot, f: &LaneSnapshot) -> (Check, 
 /// upper edge of its bucket; `None` past the last observation.
 fn at_rank(s: &LaneSnapshot, rank: f64, upper: bool) -> Option<f64> {
     let i = s.bucket_of_rank(rank.max(1.0) as u64)?;
-    Some(if upper { bucket_upper_us(i) } else { bucket_lower_us(i) } / 1000.0)
+    Some(
+        if upper {
+            bucket_upper_us(i)
+        } else {
+            bucket_lower_us(i)
+        } / 1000.0,
+    )
 }
 
 /// The 99.5 % lower and upper bounds (ms) of a lane's p99 from its order
@@ -349,6 +358,9 @@ mod tests {
             Some(&lane(4000, 4, 1.0, 0, 1.0)),
         );
         assert_eq!(j.outcome, "pass", "{j:?}");
-        assert_eq!(judge(&a, None, Some(&lane(10, 0, 1.0, 0, 1.0))).outcome, "error");
+        assert_eq!(
+            judge(&a, None, Some(&lane(10, 0, 1.0, 0, 1.0))).outcome,
+            "error"
+        );
     }
 }

@@ -109,10 +109,7 @@ pub fn full_share(spec: &ReleaseSpec, i: usize) -> bool {
 /// [`check_spec`]ed, so a release written by an older version still
 /// loads): a weight of 100 only as the last step and not the first, and a
 /// lane something serves (`served`: lanes with nodes or a static tree).
-pub fn check_new_spec(
-    spec: &ReleaseSpec,
-    served: &BTreeSet<String>,
-) -> Result<(), String> {
+pub fn check_new_spec(spec: &ReleaseSpec, served: &BTreeSet<String>) -> Result<(), String> {
     check_spec(spec)?;
     let full: Vec<usize> = (0..spec.steps.len())
         .filter(|i| full_share(spec, *i))
@@ -288,7 +285,7 @@ pub fn check_spec(spec: &ReleaseSpec) -> Result<(), String> {
             spec.name
         ));
     }
-    if !(a.min_p99_delta_ms >= 0.0) {
+    if a.min_p99_delta_ms.is_nan() || a.min_p99_delta_ms < 0.0 {
         return Err(format!(
             "release {:?}: analysis min_p99_delta_ms must not be negative",
             spec.name

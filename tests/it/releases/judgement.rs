@@ -23,7 +23,9 @@ struct Users {
 impl Users {
     fn start(gw: &Gateway, n: usize) -> Users {
         let stop = Arc::new(AtomicBool::new(false));
-        let tasks = (0..n).map(|_| user_traffic(gw.addr, stop.clone())).collect();
+        let tasks = (0..n)
+            .map(|_| user_traffic(gw.addr, stop.clone()))
+            .collect();
         Users { stop, tasks }
     }
 
@@ -79,9 +81,18 @@ async fn wait_for(
         if std::time::Instant::now() > deadline {
             let ws: Vec<String> = windows(&doc)
                 .iter()
-                .map(|a| format!("{} g{} f{} {}", a["outcome"], a["gray"]["requests"], a["formal"]["requests"], a["reason"]))
+                .map(|a| {
+                    format!(
+                        "{} g{} f{} {}",
+                        a["outcome"], a["gray"]["requests"], a["formal"]["requests"], a["reason"]
+                    )
+                })
                 .collect();
-            panic!("release {name} timed out: state {}\n{}", doc["state"], ws.join("\n"));
+            panic!(
+                "release {name} timed out: state {}\n{}",
+                doc["state"],
+                ws.join("\n")
+            );
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -188,9 +199,15 @@ async fn an_eight_times_slower_gray_fails_within_three_intervals() {
     let ws = rolled_back(&gw, "slow", spec, 6).await;
     failed_within_three_intervals(&ws, 1000);
     let fail = ws.iter().find(|a| a["outcome"] == "fail").unwrap();
-    assert!(fail["reason"].as_str().unwrap().contains("p99 fail"), "{fail}");
     assert!(
-        fail["reason"].as_str().unwrap().contains("failure 1 of 2 (consecutive)"),
+        fail["reason"].as_str().unwrap().contains("p99 fail"),
+        "{fail}"
+    );
+    assert!(
+        fail["reason"]
+            .as_str()
+            .unwrap()
+            .contains("failure 1 of 2 (consecutive)"),
         "{fail}"
     );
 }
@@ -207,7 +224,10 @@ async fn a_gray_with_one_point_more_errors_fails_within_three_intervals() {
     let ws = rolled_back(&gw, "errs", spec, 16).await;
     failed_within_three_intervals(&ws, 3000);
     let fail = ws.iter().find(|a| a["outcome"] == "fail").unwrap();
-    assert!(fail["reason"].as_str().unwrap().contains("errors fail"), "{fail}");
+    assert!(
+        fail["reason"].as_str().unwrap().contains("errors fail"),
+        "{fail}"
+    );
     let rate = fail["gray"]["error_rate_pct"].as_f64().unwrap();
     assert!((0.9..1.1).contains(&rate), "{fail}");
 }
@@ -255,7 +275,10 @@ async fn a_last_step_of_weight_100_is_promotion() {
     let fx = Fixture::new();
     let gw = gateway(&fx, &formal, &gray, "");
     // Weight 100 anywhere but last, or as the only step: refused.
-    for steps in ["[{ weight: 100 }]", "[{ weight: 50 }, { weight: 100 }, { weight: 100 }]"] {
+    for steps in [
+        "[{ weight: 100 }]",
+        "[{ weight: 50 }, { weight: 100 }, { weight: 100 }]",
+    ] {
         let spec = format!("name: bad\nlane: gray\nsteps: {steps}\n");
         let r = admin_post(&gw, "/releases", &spec).await;
         assert_eq!(r.status, 400, "{}", r.text());
@@ -267,7 +290,10 @@ async fn a_last_step_of_weight_100_is_promotion() {
     let r = admin_post(&gw, "/releases", &spec).await;
     assert_eq!(r.status, 201, "{}", r.text());
     let users = Users::start(&gw, 2);
-    let doc = wait_for(&gw, "full", Duration::from_secs(30), |d| d["state"] == "promoted").await;
+    let doc = wait_for(&gw, "full", Duration::from_secs(30), |d| {
+        d["state"] == "promoted"
+    })
+    .await;
     users.stop().await;
     let last = doc["analyses"].as_array().unwrap().last().unwrap().clone();
     assert_eq!(last["outcome"], "promote", "{doc}");
@@ -286,7 +312,11 @@ async fn a_release_on_a_lane_nothing_serves_is_refused_or_judged_error() {
     let spec = "name: nobody\nlane: blue\nsteps:\n  - { weight: 10 }\n";
     let r = admin_post(&gw, "/releases", spec).await;
     assert_eq!(r.status, 400, "{}", r.text());
-    assert!(r.text().contains("lane \"blue\" has no nodes"), "{}", r.text());
+    assert!(
+        r.text().contains("lane \"blue\" has no nodes"),
+        "{}",
+        r.text()
+    );
     // The command line says the same.
     let file = fx.write("nobody.yaml", spec);
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_graygate"))
@@ -295,14 +325,21 @@ async fn a_release_on_a_lane_nothing_serves_is_refused_or_judged_error() {
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("400") && err.contains("no nodes"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("400") && err.contains("no nodes"),
+        "{err}"
+    );
     // The state edited by hand (as an etcd edit would): judged `error`.
     let spec = "name: edited\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 50, min_duration_ms: 600000 }\nanalysis: { interval_ms: 200, min_requests: 1 }\n";
     assert_eq!(admin_post(&gw, "/releases", spec).await.status, 201);
     let state = fx.path("releases.json");
     let text = std::fs::read_to_string(&state).unwrap();
     assert!(text.contains("\"lane\": \"gray\""), "{text}");
-    std::fs::write(&state, text.replace("\"lane\": \"gray\"", "\"lane\": \"blue\"")).unwrap();
+    std::fs::write(
+        &state,
+        text.replace("\"lane\": \"gray\"", "\"lane\": \"blue\""),
+    )
+    .unwrap();
     let users = Users::start(&gw, 1);
     eventually("judged error", Duration::from_secs(30), || async {
         let doc = release(&gw, "edited").await;
