@@ -215,6 +215,7 @@ fn latency_check(a: &AnalysisSpec, g: &LaneSnapshot, f: &LaneSnapshot) -> (Check
     let (ng, nf) = (g.buckets.iter().sum::<u64>(), f.buckets.iter().sum::<u64>());
     let need = min_latency_sample(a).max(a.min_requests);
     let q = a.quantile;
+    let name = format!("p{}", (q * 1000.0).round() / 10.0);
     let (Some(pg), Some(pf)) = (g.quantile_ms(q), f.quantile_ms(q)) else {
         return (Check::Undecided, "no latency data".into());
     };
@@ -235,7 +236,7 @@ fn latency_check(a: &AnalysisSpec, g: &LaneSnapshot, f: &LaneSnapshot) -> (Check
             return (
                 Check::Fail,
                 format!(
-                    "{shown}: gray's p99 ≥ {g_low:.3} ms > {} × formal's ≤ {fh:.3} ms (99.5 % bounds), by more than {floor} ms",
+                    "{shown}: gray's {name} ≥ {g_low:.3} ms > {} × formal's ≤ {fh:.3} ms (99.5 % bounds), by more than {floor} ms",
                     a.max_p99_ratio
                 ),
             );
@@ -244,7 +245,7 @@ fn latency_check(a: &AnalysisSpec, g: &LaneSnapshot, f: &LaneSnapshot) -> (Check
     if let Some(c) = a.max_p99_ms.filter(|c| g_low > *c) {
         return (
             Check::Fail,
-            format!("{shown}: gray's p99 ≥ {g_low:.3} ms (99.5 % bound) > ceiling {c} ms"),
+            format!("{shown}: gray's {name} ≥ {g_low:.3} ms (99.5 % bound) > ceiling {c} ms"),
         );
     }
     let within = pg <= a.max_p99_ratio * pf + 1e-9 || pg - pf <= floor + 1e-9;

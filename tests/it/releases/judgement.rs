@@ -234,7 +234,7 @@ async fn a_gray_with_one_point_more_errors_fails_within_three_intervals() {
 
 /// Busy work in the lane script: every formal-bucket request on the
 /// release's routes runs it; a request in the release's share does not.
-const SLOW_SCRIPT: &str = "return function(req)\n  local s = 0\n  for i = 1, 150000 do s = s + i % 7 end\n  return nil\nend\n";
+const SLOW_SCRIPT: &str = "return function(req)\n  local s = 0\n  for i = 1, 300000 do s = s + i % 7 end\n  return nil\nend\n";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_script_on_formal_requests_does_not_hide_a_slow_gray() {
@@ -252,18 +252,16 @@ async fn a_slow_script_on_formal_requests_does_not_hide_a_slow_gray() {
         "script: lane.lua\nscript_limits: { instruction_budget: 100000000 }\n",
     );
     // One step that would promote on a pass.
-    let spec = "name: timed\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 50, min_duration_ms: 1 }\nanalysis: { interval_ms: 1000, quantile: 0.9, max_error_delta_pp: 5 }\n";
+    let spec = "name: timed\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 50, min_duration_ms: 1 }\nanalysis: { interval_ms: 1000, quantile: 0.5, max_error_delta_pp: 5 }\n";
     // One client: no request waits behind another's script run.
     let ws = rolled_back(&gw, "timed", spec, 1).await;
     // Formal's requests spent the script's time before the lane was
-    // decided; from the decision on, formal is the faster lane.
+    // decided; from the decision on, formal is the faster lane. (The
+    // median: the tails of a loaded machine are the scheduler's.)
     let fail = ws.iter().find(|a| a["outcome"] == "fail").unwrap();
-    let (g, f) = (
-        fail["gray"]["p99_ms"].as_f64().unwrap(),
-        fail["formal"]["p99_ms"].as_f64().unwrap(),
-    );
-    assert!(f < g, "{fail}");
-    eprintln!("slow script: p90 gray {g} ms, formal {f} ms");
+    let reason = fail["reason"].as_str().unwrap();
+    assert!(reason.contains("p50 fail"), "{fail}");
+    eprintln!("slow script: {reason}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
