@@ -234,7 +234,7 @@ async fn a_gray_with_one_point_more_errors_fails_within_three_intervals() {
 
 /// Busy work in the lane script: every formal-bucket request on the
 /// release's routes runs it; a request in the release's share does not.
-const SLOW_SCRIPT: &str = "return function(req)\n  local s = 0\n  for i = 1, 300000 do s = s + i % 7 end\n  return nil\nend\n";
+const SLOW_SCRIPT: &str = "return function(req)\n  local s = 0\n  for i = 1, 600000 do s = s + i % 7 end\n  return nil\nend\n";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_script_on_formal_requests_does_not_hide_a_slow_gray() {
@@ -242,7 +242,7 @@ async fn a_slow_script_on_formal_requests_does_not_hide_a_slow_gray() {
         Backend::text("formal", 0, StatusCode::OK).await,
         Backend::text("gray", 0, StatusCode::OK).await,
     );
-    gray.set_delay(Duration::from_millis(8));
+    gray.set_delay(Duration::from_millis(4));
     let fx = Fixture::new();
     fx.write("lane.lua", SLOW_SCRIPT);
     let gw = gateway(
