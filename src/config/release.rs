@@ -72,24 +72,55 @@ pub struct MatchSpec {
     pub ip: Option<IpConfig>,
 }
 
-/// How each interval is judged: gray against formal, both live at once.
+/// How each window is judged: gray against formal, both live at once
+/// (the rule and its sample minimums: `control::release::analysis`).
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct AnalysisSpec {
     pub interval_ms: u64,
-    /// Fewer requests than this in either lane: inconclusive.
+    /// Fewer requests than this in either lane: inconclusive (a floor under
+    /// the analysis' own sample minimums).
     pub min_requests: u64,
     /// Gray's error rate may exceed formal's by this many percentage points.
     pub max_error_delta_pp: f64,
     /// Gray's p99 may be at most this multiple of formal's.
     pub max_p99_ratio: f64,
+    /// The latency quantile judged (0.99: the p99; `max_p99_ratio`,
+    /// `max_p99_ms` and `min_p99_delta_ms` apply to it). A lower one needs
+    /// fewer requests: ten above it in each lane.
+    pub quantile: f64,
     /// Optional absolute ceilings for gray.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_error_rate_pct: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_p99_ms: Option<f64>,
-    /// Failed intervals (counted within the release) that roll it back.
+    /// A p99 difference (gray over formal) at most this many milliseconds
+    /// never fails, whatever the ratio.
+    pub min_p99_delta_ms: f64,
+    /// Failed windows that roll the release back.
     pub failure_threshold: u32,
+    /// How failures count toward the threshold.
+    pub failures: FailureCount,
+}
+
+/// How failed windows count toward `failure_threshold`.
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureCount {
+    /// In a row: a passing window starts the count again.
+    #[default]
+    Consecutive,
+    /// Over the whole release.
+    Total,
+}
+
+impl FailureCount {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureCount::Consecutive => "consecutive",
+            FailureCount::Total => "total",
+        }
+    }
 }
 
 impl Default for AnalysisSpec {
@@ -99,9 +130,12 @@ impl Default for AnalysisSpec {
             min_requests: 100,
             max_error_delta_pp: 0.5,
             max_p99_ratio: 1.2,
+            quantile: 0.99,
             max_error_rate_pct: None,
             max_p99_ms: None,
+            min_p99_delta_ms: 0.5,
             failure_threshold: 2,
+            failures: FailureCount::Consecutive,
         }
     }
 }
@@ -197,7 +231,8 @@ pub struct ReleaseState {
     pub step: usize,
     /// Unix milliseconds when the current step was applied.
     pub step_started: u64,
-    /// Failed intervals so far.
+    /// Failed windows counting toward the threshold (in a row, or in
+    /// all, as `analysis.failures` says).
     pub failures: u32,
     /// Passed intervals in the current step.
     #[serde(default)]

@@ -2,8 +2,9 @@
 //! dashboard: every [`INTERVAL`] the request counters and latency histograms
 //! are sampled per lane and per node into a ring of [`KEEP`] snapshots;
 //! `/stats` turns consecutive snapshots into requests/s, error rate (5xx share)
-//! and p99 series, and judges each gray lane against formal with the canary
-//! thresholds.
+//! and p99 series, and judges each gray lane against formal over the canary
+//! window with the releases' own analysis (`release::analysis`: the default
+//! thresholds, the same sample minimums, the fine per-lane histogram).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -11,7 +12,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use prometheus::core::Collector;
 
+use crate::config::release::AnalysisSpec;
+use crate::control::release::analysis;
 use crate::control::Gateway;
+use crate::observe::lanes::LaneSnapshot;
 use crate::observe::metrics::BUCKETS;
 
 /// Sampling period.
@@ -22,10 +26,6 @@ pub const KEEP: usize = 150;
 pub const NOW_WINDOW_SECS: f64 = 10.0;
 /// Window of the canary verdict.
 pub const CANARY_WINDOW_SECS: f64 = 60.0;
-/// Gray error rate may exceed formal's by this many percentage points.
-pub const MAX_ERROR_RATE_DELTA_PP: f64 = 0.5;
-/// Gray p99 may be at most this multiple of formal's.
-pub const MAX_P99_RATIO: f64 = 1.2;
 
 /// Cumulative figures of one lane or node.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -41,6 +41,8 @@ struct Snapshot {
     t: f64,
     lanes: BTreeMap<String, Cum>,
     nodes: BTreeMap<String, Cum>,
+    /// Per served lane, the releases' counters (fine histogram).
+    fine: BTreeMap<String, LaneSnapshot>,
 }
 
 /// The ring of snapshots.
@@ -129,38 +131,6 @@ pub fn quantile(q: f64, bounds: &[f64], cumulative: &[u64]) -> Option<f64> {
     Some(lower + (bounds[i] - lower) * (rank - below as f64) / in_bucket as f64)
 }
 
-/// The canary verdict of a gray lane against formal.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Verdict {
-    pub error_ok: Option<bool>,
-    pub latency_ok: Option<bool>,
-}
-
-impl Verdict {
-    pub fn judge(gray: &Window, formal: &Window) -> Verdict {
-        let error_ok = match (gray.error_rate(), formal.error_rate()) {
-            (Some(g), Some(f)) => Some(g <= f + MAX_ERROR_RATE_DELTA_PP / 100.0 + 1e-12),
-            _ => None,
-        };
-        let latency_ok = match (gray.p99, formal.p99) {
-            (Some(g), Some(f)) => Some(g <= f * MAX_P99_RATIO + 1e-12),
-            _ => None,
-        };
-        Verdict {
-            error_ok,
-            latency_ok,
-        }
-    }
-
-    pub fn label(&self) -> &'static str {
-        match (self.error_ok, self.latency_ok) {
-            (Some(true), Some(true)) => "pass",
-            (Some(false), _) | (_, Some(false)) => "fail",
-            _ => "no data",
-        }
-    }
-}
-
 fn lanes_of(s: &Snapshot) -> &BTreeMap<String, Cum> {
     &s.lanes
 }
@@ -228,11 +198,18 @@ impl History {
         }
         lanes.remove("-");
         nodes.remove("-");
+        let stats = &gw.plane.metrics.lanes;
+        let fine = stats
+            .lanes()
+            .into_iter()
+            .filter_map(|l| stats.snapshot(&l).map(|s| (l, s)))
+            .collect();
         let mut ring = self.0.lock().unwrap_or_else(|e| e.into_inner());
         ring.push_back(Snapshot {
             t: now_secs(),
             lanes,
             nodes,
+            fine,
         });
         while ring.len() > KEEP {
             ring.pop_front();
@@ -283,44 +260,81 @@ impl History {
                 })
                 .collect::<Vec<_>>()
         };
-        let formal = window(lanes_of, crate::config::FORMAL, CANARY_WINDOW_SECS);
-        let canary: Vec<serde_json::Value> = last
-            .lanes
-            .keys()
-            .filter(|k| k.as_str() != crate::config::FORMAL)
-            .map(|k| {
-                let gray = window(lanes_of, k, CANARY_WINDOW_SECS);
-                let verdict = match (&gray, &formal) {
-                    (Some(g), Some(f)) => Verdict::judge(g, f),
-                    _ => Verdict {
-                        error_ok: None,
-                        latency_ok: None,
-                    },
-                };
-                serde_json::json!({
-                    "lane": k,
-                    "gray": gray.map(|w| w.json()),
-                    "formal": formal.map(|w| w.json()),
-                    "error_ok": verdict.error_ok,
-                    "latency_ok": verdict.latency_ok,
-                    "verdict": verdict.label(),
-                })
-            })
-            .collect();
+        let canary = canary(&ring, last);
         serde_json::json!({
             "t": round(last.t, 3),
             "interval_secs": INTERVAL.as_secs_f64(),
             "now_window_secs": NOW_WINDOW_SECS,
             "canary_window_secs": CANARY_WINDOW_SECS,
-            "thresholds": {
-                "max_error_rate_delta_pp": MAX_ERROR_RATE_DELTA_PP,
-                "max_p99_ratio": MAX_P99_RATIO,
-            },
+            "thresholds": canary_thresholds(),
             "lanes": group(lanes_of),
             "nodes": group(nodes_of),
             "canary": canary,
         })
     }
+}
+
+/// The canary panel's thresholds: a release's defaults.
+fn canary_thresholds() -> serde_json::Value {
+    let a = AnalysisSpec::default();
+    serde_json::json!({
+        "max_error_rate_delta_pp": a.max_error_delta_pp,
+        "max_p99_ratio": a.max_p99_ratio,
+        "min_p99_delta_ms": a.min_p99_delta_ms,
+        "min_requests_latency": analysis::min_latency_sample(&a).max(a.min_requests),
+        "min_requests_errors": analysis::min_error_sample(&a).max(a.min_requests),
+    })
+}
+
+/// Each gray lane against formal over the canary window, judged as a
+/// release's window is (the fine per-lane counters, by served lane).
+fn canary(ring: &VecDeque<Snapshot>, last: &Snapshot) -> Vec<serde_json::Value> {
+    let base = ring
+        .iter()
+        .find(|s| last.t - s.t <= CANARY_WINDOW_SECS + 0.5)
+        .filter(|s| s.t < last.t);
+    let Some(base) = base else {
+        return Vec::new();
+    };
+    let secs = last.t - base.t;
+    let window = |lane: &str| {
+        let now = last.fine.get(lane)?;
+        Some(match base.fine.get(lane) {
+            Some(b) => now.since(b),
+            None => now.clone(),
+        })
+    };
+    let json = |w: &Option<LaneSnapshot>| {
+        w.as_ref().map(|w| {
+            serde_json::json!({
+                "requests": w.requests,
+                "rps": round(w.requests as f64 / secs.max(1e-9), 3),
+                "error_rate": (w.requests > 0)
+                    .then(|| round(w.errors as f64 / w.requests as f64, 6)),
+                "p99_ms": w.quantile_ms(AnalysisSpec::default().quantile).map(|p| round(p, 3)),
+            })
+        })
+    };
+    let formal = window(crate::config::FORMAL);
+    let a = AnalysisSpec::default();
+    last.fine
+        .keys()
+        .filter(|k| k.as_str() != crate::config::FORMAL)
+        .map(|k| {
+            let gray = window(k);
+            let j = analysis::judge(&a, gray.as_ref(), formal.as_ref());
+            let check = |c: Option<analysis::Check>| c.map(analysis::Check::as_str);
+            serde_json::json!({
+                "lane": k,
+                "gray": json(&gray),
+                "formal": json(&formal),
+                "errors": check(j.errors),
+                "latency": check(j.latency),
+                "verdict": j.outcome,
+                "reason": j.reason,
+            })
+        })
+        .collect()
 }
 
 /// Samples every [`INTERVAL`] forever.
@@ -348,34 +362,6 @@ mod tests {
         assert_eq!(quantile(0.99, &bounds, &[0, 0, 0, 0]), None);
         // Everything above the last bound: the last bound.
         assert_eq!(quantile(0.99, &bounds, &[0, 0, 0, 5]), Some(0.4));
-    }
-
-    fn w(requests: u64, errors: u64, p99: f64) -> Window {
-        Window {
-            secs: 60.0,
-            requests,
-            errors,
-            p99: Some(p99),
-        }
-    }
-
-    #[test]
-    fn canary_thresholds() {
-        // 1% formal errors: gray may have up to 1.5%.
-        let formal = w(1000, 10, 0.100);
-        assert_eq!(Verdict::judge(&w(1000, 15, 0.120), &formal).label(), "pass");
-        let v = Verdict::judge(&w(1000, 16, 0.100), &formal);
-        assert_eq!((v.error_ok, v.latency_ok), (Some(false), Some(true)));
-        let v = Verdict::judge(&w(1000, 0, 0.121), &formal);
-        assert_eq!((v.error_ok, v.latency_ok), (Some(true), Some(false)));
-        assert_eq!(v.label(), "fail");
-        let none = Window {
-            secs: 60.0,
-            requests: 0,
-            errors: 0,
-            p99: None,
-        };
-        assert_eq!(Verdict::judge(&none, &formal).label(), "no data");
     }
 
     #[test]

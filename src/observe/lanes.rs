@@ -24,6 +24,14 @@ pub fn bucket_upper_us(i: usize) -> f64 {
     BASE_US * GROWTH.powi(i as i32 + 1)
 }
 
+/// The lower bound (µs) of bucket `i` (the first starts at 0).
+pub fn bucket_lower_us(i: usize) -> f64 {
+    match i {
+        0 => 0.0,
+        _ => bucket_upper_us(i - 1),
+    }
+}
+
 fn bucket_of(d: Duration) -> usize {
     let us = d.as_secs_f64() * 1e6;
     if us <= BASE_US {
@@ -92,11 +100,18 @@ impl LaneSnapshot {
             return None;
         }
         let rank = (q * total as f64).ceil().max(1.0) as u64;
+        self.bucket_of_rank(rank)
+            .map(|i| bucket_upper_us(i) / 1000.0)
+    }
+
+    /// The bucket holding the `rank`-th smallest observation (from 1);
+    /// `None` past the last.
+    pub fn bucket_of_rank(&self, rank: u64) -> Option<usize> {
         let mut seen = 0;
         for (i, n) in self.buckets.iter().enumerate() {
             seen += n;
-            if seen >= rank {
-                return Some(bucket_upper_us(i) / 1000.0);
+            if seen >= rank.max(1) {
+                return Some(i);
             }
         }
         None

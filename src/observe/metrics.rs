@@ -451,7 +451,7 @@ impl Metrics {
             c.inc();
         }
         if let Some(c) = &h.lane_counters {
-            c.record(o.status, o.total);
+            c.record(o.status, o.served);
         }
     }
 
@@ -496,6 +496,11 @@ pub struct Observation<'a> {
     pub rule: Option<&'a str>,
     pub status: u16,
     pub total: Duration,
+    /// From the lane decision to the end of the body: what the per-lane
+    /// counters take, so every lane is timed from the same point whatever
+    /// decided it (a release's step decides before the script runs; formal
+    /// requests on its routes run it).
+    pub served: Duration,
     pub upstream: Option<Duration>,
     /// What failed, if anything.
     pub error: Option<ErrorKind>,
@@ -576,6 +581,7 @@ mod tests {
             rule: None,
             status: 503,
             total: Duration::from_millis(3),
+            served: Duration::from_millis(3),
             upstream: Some(Duration::from_millis(2)),
             error: None,
         };
@@ -634,6 +640,7 @@ mod tests {
             rule: None,
             status,
             total: Duration::from_millis(3),
+            served: Duration::from_millis(3),
             upstream,
             error: None,
         };
@@ -689,6 +696,7 @@ mod tests {
                 rule: d.decided_by.rule_name(),
                 status,
                 total: Duration::from_millis(3),
+                served: Duration::from_millis(3),
                 upstream: upstream.then(|| Duration::from_millis(1)),
                 error: None,
             })

@@ -298,7 +298,11 @@ impl Pending {
                 Err(_) => {}
             }
         }
-        let total = Instant::now().saturating_duration_since(ctx.start);
+        let now = Instant::now();
+        let total = now.saturating_duration_since(ctx.start);
+        let served = ctx
+            .serve_start
+            .map_or(total, |s| now.saturating_duration_since(s));
         let upstream = ctx.upstream_time();
         let status = self.status;
         let decision = ctx.decision.as_ref();
@@ -320,6 +324,7 @@ impl Pending {
             rule: decision.and_then(|d| d.decided_by.rule_name()),
             status,
             total,
+            served,
             upstream,
             error,
         });

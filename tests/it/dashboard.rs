@@ -1,6 +1,8 @@
 //! The admin dashboard end to end in headless Chromium (Debian's
 //! `chromium` + `chromium-driver`), driven over WebDriver by fantoccini.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::harness::browser::{wait_text, Driver};
@@ -81,26 +83,27 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
         |t| t == "60.00 %",
     )
     .await;
-    // Gray against the canary thresholds: its errors breach them.
+    // Gray against formal as a release would judge it: a handful of
+    // requests is too few to pass or fail.
     wait_text(
         &c,
         "#canary tr[data-lane=gray] .verdict",
         "gray verdict",
-        |t| t == "fail",
+        |t| t == "inconclusive",
     )
     .await;
     wait_text(
         &c,
         "#canary tr[data-lane=gray] .error-check",
         "gray error check",
-        |t| t == "breach",
+        |t| t == "inconclusive",
     )
     .await;
     wait_text(
         &c,
-        "#canary tr[data-lane=v2] .error-check",
-        "v2 error check",
-        |t| t == "ok",
+        "#canary tr[data-lane=v2] .latency-check",
+        "v2 latency check",
+        |t| t == "inconclusive",
     )
     .await;
     // Nodes with health and counters.
@@ -369,4 +372,87 @@ async fn dashboard_shows_a_release_held_by_its_webhook_and_why() {
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     t.await.unwrap();
     c.close().await.unwrap();
+}
+
+/// The canary entry of `lane` in `/stats`, once it counts `at_least`
+/// gray requests.
+async fn canary(admin: std::net::SocketAddr, lane: &str, at_least: u64) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let st = Req::get("/stats").send(admin).await.json();
+        let found = st["canary"]
+            .as_array()
+            .and_then(|a| a.iter().find(|c| c["lane"] == lane).cloned());
+        if let Some(c) = found.filter(|c| c["gray"]["requests"].as_u64() >= Some(at_least)) {
+            return c;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no canary entry for {lane}: {st}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn canary_panel_judges_like_a_release_on_the_fine_histogram() {
+    let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
+    let fx = Fixture::new();
+    fx.api_nodes(&[&f1, &g1]);
+    fx.write(
+        "rules.yaml",
+        "uid: { header: X-User }\nrules:\n  - { name: half, lane: gray, percentage: 50 }\n",
+    );
+    let gw = Config::new()
+        .node_files(&["nodes.yaml"])
+        .rules_file("rules.yaml")
+        .routes(&[Route::service("/api/", "api")])
+        .start(&fx, "gg.yaml");
+    let admin = gw.admin.unwrap();
+    // A few healthy gray requests: inconclusive, not a pass.
+    let mut gray = 0;
+    for i in 0..12 {
+        let r = Req::get("/api/x")
+            .header("X-User", &format!("c{i}"))
+            .send(gw.addr)
+            .await;
+        gray += u64::from(r.node() == "g1");
+    }
+    assert!(gray > 0);
+    let c = canary(admin, "gray", gray).await;
+    assert_eq!(c["verdict"], "inconclusive", "{c}");
+    assert_eq!(c["errors"], "inconclusive", "{c}");
+    assert!(
+        c["reason"].as_str().unwrap().contains("too few requests"),
+        "{c}"
+    );
+    // Past the sample minimums (2000 per lane for errors), healthy: pass.
+    let stop = Arc::new(AtomicBool::new(false));
+    let users: Vec<_> = (0..4)
+        .map(|_| user_traffic(gw.addr, stop.clone()))
+        .collect();
+    let st = Req::get("/stats").send(admin).await.json();
+    assert_eq!(st["thresholds"]["min_requests_errors"], 2000, "{st}");
+    assert_eq!(st["thresholds"]["min_requests_latency"], 1000, "{st}");
+    let mut c = canary(admin, "gray", 2000).await;
+    while c["formal"]["requests"].as_u64().unwrap() < 2000 {
+        c = canary(admin, "gray", c["gray"]["requests"].as_u64().unwrap() + 1).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for u in users {
+        u.await.unwrap();
+    }
+    assert_eq!(c["verdict"], "pass", "{c}");
+    assert_eq!(
+        (&c["errors"], &c["latency"]),
+        (&"pass".into(), &"pass".into()),
+        "{c}"
+    );
+    // The p99 is a bound of the fine histogram (50 µs × 1.08^k), not an
+    // interpolation inside Prometheus' coarse buckets.
+    for lane in ["gray", "formal"] {
+        let us = c[lane]["p99_ms"].as_f64().unwrap() * 1000.0;
+        let k = (us / 50.0).ln() / 1.08f64.ln();
+        assert!((k - k.round()).abs() < 0.05, "{lane} p99 {us} µs: {c}");
+    }
 }

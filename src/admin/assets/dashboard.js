@@ -52,13 +52,13 @@ function renderStats(st) {
   const canary = document.querySelector("#canary tbody");
   fill(canary, st.canary.map((c) => {
     const g = c.gray || {}, f = c.formal || {};
-    const okText = (ok) => (ok == null ? "no data" : ok ? "ok" : "breach");
+    const okText = (check) => ({ pass: "ok", fail: "breach", inconclusive: "inconclusive" })[check] || "no data";
     const cls = c.verdict === "pass" ? "pass" : c.verdict === "fail" ? "fail" : "nodata";
     return el("tr", { "data-lane": c.lane },
       el("td", {}, c.lane), el("td", {}, pct(g.error_rate)), el("td", {}, pct(f.error_rate)),
       el("td", {}, ms(g.p99_ms)), el("td", {}, ms(f.p99_ms)),
-      el("td", { class: "error-check" }, okText(c.error_ok)), el("td", { class: "latency-check" }, okText(c.latency_ok)),
-      el("td", { class: "verdict " + cls }, c.verdict));
+      el("td", { class: "error-check" }, okText(c.errors)), el("td", { class: "latency-check" }, okText(c.latency)),
+      el("td", { class: "verdict " + cls, title: c.reason || "" }, c.verdict));
   }));
   fill(document.querySelector("#lanes tbody"), st.lanes.map((l) => {
     const n = l.now || {};

@@ -1,10 +1,12 @@
 //! Layer: control plane. The release controller: every release interval it
 //! takes the per-lane counters (`observe::lanes`), judges gray against
-//! formal — pass, fail, inconclusive (too few requests in either lane) or
-//! error (no data) — records the decision with the values and thresholds
-//! behind it, and steps, holds, promotes or rolls back. Only `fail` counts
-//! toward the rollback threshold; `inconclusive` and `error` never move a
-//! release by themselves. Admin actions (create, promote, pause, resume,
+//! formal over the window (`super::analysis`) — pass, fail, inconclusive
+//! (too few requests, or undecided: the window stays open and the next
+//! interval adds to it) or error (no data, or a lane nothing serves) —
+//! records the decision with the values and thresholds behind it, and
+//! steps, holds, promotes or rolls back. Only `fail` counts toward the
+//! rollback threshold (in a row by default: a pass resets the count);
+//! `inconclusive` and `error` never move a release by themselves. Admin actions (create, promote, pause, resume,
 //! abort) go through the same state file, one change at a time. With the
 //! etcd source the state is the fleet's release keys instead: the elected
 //! gateway ticks and judges on every gateway's summed counters, any gateway
@@ -14,10 +16,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use super::analysis;
 use super::fleet::{self, Guard, Leadership, Sample};
 use super::{load, state_path, weight};
 use crate::config::release::{
-    Analysis, AnalysisSpec, LaneFigures, Phase, ReleaseRecord, ReleaseSpec, ReleaseState,
+    Analysis, FailureCount, LaneFigures, Phase, ReleaseRecord, ReleaseSpec, ReleaseState,
     ReleasesFile,
 };
 use crate::config::FORMAL;
@@ -40,11 +43,16 @@ fn unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// Where each release's current interval started.
+/// Where each release's current interval and window started: the window
+/// (`sample`, `at_unix`) stays open over intervals until it decides.
 struct Mark {
+    /// The current interval's start.
     at: Instant,
+    /// The window's start and the counters then.
     at_unix: u64,
     sample: Sample,
+    /// Intervals in the window so far.
+    intervals: u32,
     /// In a fleet: the release key's mod revision the interval belongs to
     /// (another writer's change starts a new interval).
     rev: i64,
@@ -106,63 +114,6 @@ fn figures(s: &Option<LaneSnapshot>) -> LaneFigures {
             100.0 * s.errors as f64 / s.requests as f64
         },
         p99_ms: s.quantile_ms(0.99),
-    }
-}
-
-/// Judges one interval: the outcome and why.
-pub fn judge(
-    a: &AnalysisSpec,
-    gray: &Option<LaneSnapshot>,
-    formal: &Option<LaneSnapshot>,
-) -> (&'static str, String) {
-    let (Some(_), Some(_)) = (gray, formal) else {
-        return ("error", "no data for a lane (not tracked)".into());
-    };
-    let (g, f) = (figures(gray), figures(formal));
-    if g.requests < a.min_requests || f.requests < a.min_requests {
-        return (
-            "inconclusive",
-            format!(
-                "too few requests: gray {} / formal {} (minimum {} each)",
-                g.requests, f.requests, a.min_requests
-            ),
-        );
-    }
-    let (Some(gp), Some(fp)) = (g.p99_ms, f.p99_ms) else {
-        return ("error", "no latency data".into());
-    };
-    let mut why = Vec::new();
-    if g.error_rate_pct > f.error_rate_pct + a.max_error_delta_pp {
-        why.push(format!(
-            "error rate {:.2}% > formal {:.2}% + {} pp",
-            g.error_rate_pct, f.error_rate_pct, a.max_error_delta_pp
-        ));
-    }
-    if gp > a.max_p99_ratio * fp {
-        why.push(format!(
-            "p99 {gp:.3} ms > {} × formal {fp:.3} ms",
-            a.max_p99_ratio
-        ));
-    }
-    if let Some(c) = a.max_error_rate_pct.filter(|c| g.error_rate_pct > *c) {
-        why.push(format!(
-            "error rate {:.2}% > ceiling {c}%",
-            g.error_rate_pct
-        ));
-    }
-    if let Some(c) = a.max_p99_ms.filter(|c| gp > *c) {
-        why.push(format!("p99 {gp:.3} ms > ceiling {c} ms"));
-    }
-    if why.is_empty() {
-        (
-            "pass",
-            format!(
-                "error rate {:.2}% vs {:.2}%, p99 {gp:.3} vs {fp:.3} ms",
-                g.error_rate_pct, f.error_rate_pct
-            ),
-        )
-    } else {
-        ("fail", why.join("; "))
     }
 }
 
@@ -245,7 +196,8 @@ async fn advance(r: &mut ReleaseRecord) {
         );
         return;
     }
-    let last = r.state.step + 1 >= r.spec.steps.len();
+    // A next step of weight 100 is the promotion itself.
+    let last = super::full_share(&r.spec, r.state.step + 1);
     let hook = if last {
         r.spec.webhooks.confirm.clone()
     } else {
@@ -363,6 +315,7 @@ async fn judge_due(
         at: now,
         at_unix: unix_ms(),
         sample: s.clone(),
+        intervals: 0,
         rev,
     };
     let mark = {
@@ -383,12 +336,32 @@ async fn judge_due(
         }
     };
     *next = (*next).min(now + interval);
+    if super::full_share(&r.spec, r.state.step) {
+        // Formal has none of the release's traffic left to judge against.
+        r.state.phase = Phase::Promoted;
+        r.state.awaiting_promote = false;
+        note(r, "promote", "a step of weight 100 is promotion");
+        return Some(());
+    }
     let fleet = gw.etcd.is_some();
-    let (outcome, reason, figs, counted) = match (sample, &mark) {
+    let (outcome, mut reason, figs, counted) = match (sample, &mark) {
         (Ok(s), Some(m)) => {
             let (dg, counted) = s.since(&m.sample, m.at_unix, &r.spec.lane);
             let (df, _) = s.since(&m.sample, m.at_unix, FORMAL);
-            let (o, why) = judge(&r.spec.analysis, &dg, &df);
+            let served = gw.current().lane.served_lanes.contains(&r.spec.lane);
+            let (o, mut why) = if served {
+                let j = analysis::judge(&r.spec.analysis, dg.as_ref(), df.as_ref());
+                (j.outcome, j.reason)
+            } else {
+                let why = format!(
+                    "lane {:?} has no nodes and no static tree: nothing serves it",
+                    r.spec.lane
+                );
+                ("error", why)
+            };
+            if m.intervals > 0 {
+                why = format!("window of {} intervals: {why}", m.intervals + 1);
+            }
             (o, why, (figures(&dg), figures(&df)), Some(counted))
         }
         (Err(e), _) => (
@@ -399,6 +372,33 @@ async fn judge_due(
         ),
         (Ok(_), None) => return None,
     };
+    // An undecided window stays open: the next interval adds to it.
+    if let (Some(m), "inconclusive") = (mark, outcome) {
+        marks(gw).insert(
+            r.spec.name.clone(),
+            Mark {
+                at: now,
+                intervals: m.intervals + 1,
+                ..m
+            },
+        );
+    }
+    let a = &r.spec.analysis;
+    let mode = a.failures.as_str();
+    match outcome {
+        "fail" => {
+            r.state.failures += 1;
+            reason = format!(
+                "{reason} — failure {} of {} ({mode})",
+                r.state.failures, a.failure_threshold
+            );
+        }
+        "pass" if a.failures == FailureCount::Consecutive && r.state.failures > 0 => {
+            r.state.failures = 0;
+            reason = format!("{reason} — failures reset (consecutive)");
+        }
+        _ => {}
+    }
     gw.plane
         .metrics
         .release_analyses
@@ -413,15 +413,12 @@ async fn judge_due(
                 advance(r).await;
             }
         }
-        "fail" => {
-            r.state.failures += 1;
-            if r.state.failures >= r.spec.analysis.failure_threshold {
-                let why = format!(
-                    "{} failed intervals (threshold {})",
-                    r.state.failures, r.spec.analysis.failure_threshold
-                );
-                roll_back(r, why).await;
-            }
+        "fail" if r.state.failures >= r.spec.analysis.failure_threshold => {
+            let why = format!(
+                "{} {mode} failed windows (threshold {})",
+                r.state.failures, r.spec.analysis.failure_threshold
+            );
+            roll_back(r, why).await;
         }
         _ => {}
     }
@@ -613,9 +610,9 @@ fn new_record(spec: ReleaseSpec) -> ReleaseRecord {
 pub async fn create(gw: &Arc<Gateway>, spec_text: &str) -> Result<ReleaseRecord, Refused> {
     let spec: ReleaseSpec = serde_yaml::from_str(spec_text)
         .map_err(|e| Refused::Invalid(format!("release spec: {e}")))?;
-    super::check_spec(&spec).map_err(Refused::Invalid)?;
     let _one = gw.releases.lock.lock().await;
     let gen = gw.current();
+    super::check_new_spec(&spec, &gen.lane.served_lanes).map_err(Refused::Invalid)?;
     let path = match &gw.etcd {
         Some(src) => fleet::key_path(src, &spec.name),
         None => state_path(&gw.config_path, &gen.config),
@@ -765,48 +762,4 @@ pub fn list(gw: &Gateway) -> Vec<ReleaseRecord> {
     load(&state_path(&gw.config_path, &gw.current().config))
         .map(|(f, _)| f.releases)
         .unwrap_or_default()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn snap(requests: u64, errors: u64, ms: f64) -> Option<LaneSnapshot> {
-        let mut buckets = vec![0; crate::observe::lanes::BUCKETS];
-        let i = (0..buckets.len())
-            .find(|i| crate::observe::lanes::bucket_upper_us(*i) >= ms * 1000.0)
-            .unwrap();
-        buckets[i] = requests;
-        Some(LaneSnapshot {
-            requests,
-            errors,
-            buckets,
-        })
-    }
-
-    #[test]
-    fn four_outcomes_with_their_reasons() {
-        let a = AnalysisSpec {
-            min_requests: 50,
-            ..Default::default()
-        };
-        assert_eq!(
-            judge(&a, &snap(10, 0, 1.0), &snap(500, 0, 1.0)).0,
-            "inconclusive"
-        );
-        assert_eq!(judge(&a, &None, &snap(500, 0, 1.0)).0, "error");
-        assert_eq!(judge(&a, &snap(100, 0, 1.0), &snap(500, 0, 1.0)).0, "pass");
-        // 5% errors against 0%: fail, and the reason says so.
-        let (o, why) = judge(&a, &snap(100, 5, 1.0), &snap(500, 0, 1.0));
-        assert_eq!(o, "fail");
-        assert!(why.contains("error rate 5.00%"), "{why}");
-        // 0.4 pp more errors is within 0.5 pp.
-        assert_eq!(
-            judge(&a, &snap(1000, 4, 1.0), &snap(1000, 0, 1.0)).0,
-            "pass"
-        );
-        // p99 1.3× formal's fails, 1.1× passes — below a millisecond too.
-        assert_eq!(judge(&a, &snap(100, 0, 0.65), &snap(100, 0, 0.5)).0, "fail");
-        assert_eq!(judge(&a, &snap(100, 0, 0.55), &snap(100, 0, 0.5)).0, "pass");
-    }
 }

@@ -10,6 +10,7 @@
 //! into a revoked set, so a step, a promotion or a rollback goes live in one
 //! generation swap — and survives a restart.
 
+pub mod analysis;
 pub mod controller;
 pub mod fleet;
 
@@ -93,6 +94,39 @@ pub fn weight(r: &ReleaseRecord) -> f64 {
             .and_then(|s| s.weight)
             .unwrap_or(0.0),
     }
+}
+
+/// Whether step `i` gives the lane all of the release's traffic — a weight
+/// of 100, or past the last step: that is promotion (formal would have no
+/// traffic left to judge against), never a step to hold and judge.
+pub fn full_share(spec: &ReleaseSpec, i: usize) -> bool {
+    spec.steps
+        .get(i)
+        .is_none_or(|s| s.weight.is_some_and(|w| w >= 100.0))
+}
+
+/// What a new release must also meet (a stored one is only
+/// [`check_spec`]ed, so a release written by an older version still
+/// loads): a weight of 100 only as the last step and not the first, and a
+/// lane something serves (`served`: lanes with nodes or a static tree).
+pub fn check_new_spec(spec: &ReleaseSpec, served: &BTreeSet<String>) -> Result<(), String> {
+    check_spec(spec)?;
+    let full: Vec<usize> = (0..spec.steps.len())
+        .filter(|i| full_share(spec, *i))
+        .collect();
+    if full.iter().any(|i| *i + 1 != spec.steps.len()) || full == [0] {
+        return Err(format!(
+            "release {:?}: a step of weight 100 is promotion, so it may only be the last step, after one that is judged",
+            spec.name
+        ));
+    }
+    if !served.contains(&spec.lane) {
+        return Err(format!(
+            "release {:?}: lane {:?} has no nodes and no static tree, so nothing would serve it (add its nodes first)",
+            spec.name, spec.lane
+        ));
+    }
+    Ok(())
 }
 
 /// The rule standing for a release's current step (none once rolled back).
@@ -241,6 +275,18 @@ pub fn check_spec(spec: &ReleaseSpec) -> Result<(), String> {
     if a.interval_ms == 0 || a.failure_threshold == 0 || a.max_p99_ratio <= 0.0 {
         return Err(format!(
             "release {:?}: analysis interval, failure threshold and p99 ratio must be positive",
+            spec.name
+        ));
+    }
+    if !(0.5..=0.999).contains(&a.quantile) {
+        return Err(format!(
+            "release {:?}: analysis quantile must be in [0.5, 0.999]",
+            spec.name
+        ));
+    }
+    if a.min_p99_delta_ms.is_nan() || a.min_p99_delta_ms < 0.0 {
+        return Err(format!(
+            "release {:?}: analysis min_p99_delta_ms must not be negative",
             spec.name
         ));
     }

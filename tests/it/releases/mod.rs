@@ -9,6 +9,7 @@
 
 mod fleet;
 mod grpc;
+mod judgement;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -70,6 +71,9 @@ async fn release(gw: &Gateway, name: &str) -> serde_json::Value {
 
 const ANALYSIS: &str =
     "analysis: { interval_ms: 250, min_requests: 20, failure_threshold: 2, max_p99_ratio: 50 }";
+/// Thresholds so lax that a healthy gray passes on little traffic: for the
+/// tests of the lifecycle, not of the judgement (`judgement.rs`).
+pub const LIFECYCLE: &str = "analysis: { interval_ms: 250, min_requests: 20, failure_threshold: 2, max_p99_ratio: 50, quantile: 0.5, max_error_delta_pp: 50 }";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gray_with_five_percent_errors_is_rolled_back_and_gets_nothing_after() {
@@ -135,7 +139,7 @@ async fn a_gray_with_five_percent_errors_is_rolled_back_and_gets_nothing_after()
 async fn a_healthy_gray_is_promoted_through_every_step() {
     let s = setup(0).await;
     let spec = format!(
-        "name: good\nlane: gray\nroutes: [/api/]\nkey: {{ header: X-User }}\nsteps:\n  - {{ weight: 10, min_duration_ms: 300 }}\n  - {{ weight: 50, min_duration_ms: 300 }}\n{ANALYSIS}\n"
+        "name: good\nlane: gray\nroutes: [/api/]\nkey: {{ header: X-User }}\nsteps:\n  - {{ weight: 10, min_duration_ms: 300 }}\n  - {{ weight: 50, min_duration_ms: 300 }}\n{LIFECYCLE}\n"
     );
     assert_eq!(admin_post(&s.gw, "/releases", &spec).await.status, 201);
     let stop = Arc::new(AtomicBool::new(false));
@@ -202,7 +206,7 @@ async fn a_webhook_answering_500_holds_the_release() {
     let s = setup(0).await;
     let hook = Backend::text("hook", 0, StatusCode::INTERNAL_SERVER_ERROR).await;
     let spec = format!(
-        "name: hooked\nlane: gray\nkey: {{ header: X-User }}\nsteps:\n  - {{ weight: 10, min_duration_ms: 1 }}\n  - {{ weight: 50 }}\nwebhooks: {{ before_step: \"http://{}/check\" }}\n{ANALYSIS}\n",
+        "name: hooked\nlane: gray\nkey: {{ header: X-User }}\nsteps:\n  - {{ weight: 10, min_duration_ms: 1 }}\n  - {{ weight: 50 }}\nwebhooks: {{ before_step: \"http://{}/check\" }}\n{LIFECYCLE}\n",
         hook.addr
     );
     assert_eq!(admin_post(&s.gw, "/releases", &spec).await.status, 201);
@@ -265,7 +269,7 @@ async fn a_webhook_answering_500_holds_the_release() {
 async fn a_restarted_gateway_resumes_the_release_at_its_step() {
     let mut s = setup(0).await;
     let spec = format!(
-        "name: durable\nlane: gray\nkey: {{ header: X-User }}\nsteps:\n  - {{ weight: 10, min_duration_ms: 1 }}\n  - {{ weight: 30, gate: manual, min_duration_ms: 1 }}\n  - {{ weight: 60, min_duration_ms: 1 }}\n{ANALYSIS}\n"
+        "name: durable\nlane: gray\nkey: {{ header: X-User }}\nsteps:\n  - {{ weight: 10, min_duration_ms: 1 }}\n  - {{ weight: 30, gate: manual, min_duration_ms: 1 }}\n  - {{ weight: 60, min_duration_ms: 1 }}\n{LIFECYCLE}\n"
     );
     assert_eq!(admin_post(&s.gw, "/releases", &spec).await.status, 201);
     let stop = Arc::new(AtomicBool::new(false));
