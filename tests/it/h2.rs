@@ -534,35 +534,36 @@ async fn a_connection_holds_no_more_files_open_than_its_bound() {
     )
     .await;
     assert!(most <= 4, "{most} descriptors of big.bin at once");
-    let s = seen.lock().unwrap();
-    assert!(s.reset.values().all(|&c| c == 0x8), "RST_STREAM CANCEL");
-    // `:status 200` is HPACK static index 8; the rest are 503s.
-    let served = s
-        .blocks
-        .values()
-        .filter(|b| b.first() == Some(&0x88))
-        .count();
-    let refused: Vec<_> = s
-        .blocks
-        .values()
-        .filter(|b| b.first() != Some(&0x88))
-        .collect();
-    assert!(served >= 4, "{served} streams got a slot");
-    assert!(
-        !refused.is_empty(),
-        "some streams waited past the send timeout"
-    );
-    // The first 503 carries its value (raw or Huffman-coded), the rest an
-    // index into the connection's HPACK table.
-    let huffman_503 = [0x83, 0x6c, 0x0c, 0xff];
-    assert!(
-        refused
-            .iter()
-            .any(|b| b.windows(4).any(|w| w == b"\x03503" || w == huffman_503)),
-        "the refused streams are 503s: {refused:x?}"
-    );
-    assert!(s.goaway.is_none() && !s.closed, "the connection stays");
-    drop(s);
+    {
+        let s = seen.lock().unwrap();
+        assert!(s.reset.values().all(|&c| c == 0x8), "RST_STREAM CANCEL");
+        // `:status 200` is HPACK static index 8; the rest are 503s.
+        let served = s
+            .blocks
+            .values()
+            .filter(|b| b.first() == Some(&0x88))
+            .count();
+        let refused: Vec<_> = s
+            .blocks
+            .values()
+            .filter(|b| b.first() != Some(&0x88))
+            .collect();
+        assert!(served >= 4, "{served} streams got a slot");
+        assert!(
+            !refused.is_empty(),
+            "some streams waited past the send timeout"
+        );
+        // The first 503 carries its value (raw or Huffman-coded), the rest an
+        // index into the connection's HPACK table.
+        let huffman_503 = [0x83, 0x6c, 0x0c, 0xff];
+        assert!(
+            refused
+                .iter()
+                .any(|b| b.windows(4).any(|w| w == b"\x03503" || w == huffman_503)),
+            "the refused streams are 503s: {refused:x?}"
+        );
+        assert!(s.goaway.is_none() && !s.closed, "the connection stays");
+    }
     soon("the files closed", || async move {
         open_fds(pid) == (base + 1, 0)
     })
