@@ -447,7 +447,12 @@ fn watch_frames(s: &TcpStream) -> std::sync::Arc<std::sync::Mutex<Seen>> {
 /// waits for the server to let go of it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_a_client_never_lets_send_are_reset_at_the_send_timeout() {
-    let (_fx, gw, h2c) = static_site("client: { send_timeout_ms: 1500 }\n", None);
+    // Every stream opens its file here (no per-connection bound: that is
+    // `a_connection_holds_no_more_files_open_than_its_bound`).
+    let (_fx, gw, h2c) = static_site(
+        "client: { send_timeout_ms: 1500 }\nhttp2: { max_open_files_per_connection: 0 }\n",
+        None,
+    );
     let pid = gw.pid();
     let base = fd_baseline(&gw, h2c).await;
     let n = 64u32;
