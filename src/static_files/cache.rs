@@ -688,6 +688,38 @@ mod tests {
         }
     }
 
+    /// Only a file's own state is a miss: out of descriptors (or any
+    /// other failure) is the gateway's, and never cached.
+    #[test]
+    fn open_errors_other_than_absence_are_not_misses() {
+        let dir = tree(&[("f.txt", 3)]);
+        let gone =
+            |r: Result<(File, std::fs::Metadata), OpenError>| matches!(r, Err(OpenError::Gone));
+        assert!(gone(open_regular(&dir.path().join("formal/none"))));
+        assert!(gone(open_regular(&dir.path().join("formal/f.txt/x"))));
+        assert!(gone(open_regular(&dir.path().join("formal"))));
+        assert!(open_regular(&dir.path().join("formal/f.txt")).is_ok());
+        for errno in [
+            rustix::io::Errno::MFILE,
+            rustix::io::Errno::NFILE,
+            rustix::io::Errno::IO,
+        ] {
+            let e = io::Error::from_raw_os_error(errno.raw_os_error());
+            assert!(
+                matches!(OpenError::from(e), OpenError::Failed(_)),
+                "{errno:?}"
+            );
+        }
+        for errno in [
+            rustix::io::Errno::NOENT,
+            rustix::io::Errno::ACCESS,
+            rustix::io::Errno::ISDIR,
+        ] {
+            let e = io::Error::from_raw_os_error(errno.raw_os_error());
+            assert!(matches!(OpenError::from(e), OpenError::Gone), "{errno:?}");
+        }
+    }
+
     /// Descriptors are kept only for held content large enough for
     /// `sendfile`, never beyond the tree's limit, and given back with their
     /// entries.
