@@ -58,6 +58,12 @@ pub enum ErrorKind {
     /// The node's gRPC answer ended with this non-OK `grpc-status`, one
     /// its service counts as an error (`grpc_error_codes`).
     Grpc(u8),
+    /// A static file could not be opened for a reason other than its
+    /// absence or its permissions (out of descriptors, an I/O error).
+    FileUnavailable,
+    /// No open-file slot of the connection came free within the wait
+    /// (`http2.max_open_files_per_connection`).
+    FileSlotTimeout,
 }
 
 /// Whose fault an error is.
@@ -108,6 +114,8 @@ impl ErrorKind {
                 .get(code as usize)
                 .copied()
                 .unwrap_or("grpc_unknown"),
+            ErrorKind::FileUnavailable => "file_unavailable",
+            ErrorKind::FileSlotTimeout => "file_slot_timeout",
         }
     }
 
@@ -175,6 +183,14 @@ impl ErrorKind {
                 StatusCode::from_u16(super::grpc::recorded_status(code))
                     .unwrap_or(StatusCode::BAD_GATEWAY),
                 "upstream error\n",
+            ),
+            ErrorKind::FileUnavailable => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "file temporarily unavailable\n",
+            ),
+            ErrorKind::FileSlotTimeout => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "too many files open on this connection\n",
             ),
         }
     }

@@ -1,7 +1,7 @@
 //! Layer: base — the small shared vocabulary of both planes, above only
 //! `config`: clocks, coarse per-thread deadlines, the response body type, the fast read of HTTP/1.x heads, the per-request `Decision`, the
 //! typed request-path error, live counters, IP lists, rate-limited logging,
-//! bounded free lists, the per-stream "waiting for the client" mark
+//! bounded free lists, a connection's open-file slots, the per-stream "waiting for the client" mark
 //! of HTTP/2 responses and the allocator nudge that returns freed memory.
 //! Nothing here knows about generations, nodes or the gateway.
 
@@ -11,6 +11,7 @@ pub mod counter;
 pub mod deadline;
 pub mod decision;
 pub mod error;
+pub mod fileslots;
 pub mod freelist;
 pub mod grpc;
 pub mod head;

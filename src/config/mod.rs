@@ -303,6 +303,11 @@ pub struct Http2Config {
     /// per second on one connection; beyond, GOAWAY ENHANCE_YOUR_CALM and
     /// close (0 = no limit).
     pub max_control_frames_per_second: u32,
+    /// Files the answers of one connection may hold open at once; a stream
+    /// needing one more waits (holding none) for one to be given back, at
+    /// most `client.send_timeout_ms`, else 503 (0 = only
+    /// `max_concurrent_streams` bounds them).
+    pub max_open_files_per_connection: u32,
 }
 
 impl Default for Http2Config {
@@ -317,6 +322,7 @@ impl Default for Http2Config {
             max_local_error_reset_streams: 1024,
             keepalive_interval_ms: 0,
             max_control_frames_per_second: 1000,
+            max_open_files_per_connection: 16,
         }
     }
 }

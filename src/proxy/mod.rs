@@ -155,7 +155,7 @@ pub async fn handle_with(
                     let decision = ctx.decision.as_mut().expect("decided above");
                     // Only the plain HTTP/1.1 server (`raw_ok`) can sendfile.
                     let sendfile_ok = ctx.raw_ok;
-                    Ok(crate::static_files::serve(tree, &info.parts, decision, sendfile_ok).await)
+                    crate::static_files::serve(tree, &info.parts, decision, sendfile_ok).await
                 }
             }
         }

@@ -29,6 +29,7 @@ use tokio::sync::watch;
 
 use crate::base::clock::now_ms;
 use crate::base::counter::{Counted, Counter};
+use crate::base::fileslots::FileSlots;
 use crate::base::ratelog::log_limited;
 use crate::base::Https;
 use crate::proxy::record::Recorded;
@@ -471,11 +472,24 @@ impl Server {
         let act = Activity::new();
         let plane = self.plane.clone();
         let svc_act = act.clone();
+        // The connection's bound on open files (below its stream limit: one
+        // per stream otherwise), waited for at most the send timeout.
+        let slots = (h2.max_open_files_per_connection < h2.max_concurrent_streams)
+            .then(|| {
+                FileSlots::new(
+                    h2.max_open_files_per_connection as usize,
+                    limits.send_timeout_ms,
+                )
+            })
+            .flatten();
         let svc = service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
             let plane = plane.clone();
             let guard = svc_act.request_started();
             if secure {
                 req.extensions_mut().insert(Https);
+            }
+            if let Some(s) = &slots {
+                req.extensions_mut().insert(s.clone());
             }
             // `:authority` stands for Host (as nginx's $host): routes, the
             // lane script and the node see it as a Host field.

@@ -17,6 +17,8 @@ use std::task::{Context, Poll, Waker};
 use bytes::Bytes;
 use hyper::body::{Frame, SizeHint};
 
+use crate::base::fileslots::FileSlot;
+
 /// Bytes read from disk per frame (and the most one connection buffers).
 pub const CHUNK: usize = 16 * 1024;
 
@@ -83,6 +85,9 @@ pub struct FileBody {
     segments: VecDeque<Segment>,
     remaining: u64,
     gate: Arc<Gate>,
+    /// The connection's open-file slot the file holds, if it is bounded:
+    /// given back with the file when the body ends (or is dropped).
+    slot: Option<FileSlot>,
 }
 
 impl FileBody {
@@ -108,7 +113,20 @@ impl FileBody {
             segments,
             remaining,
             gate: Arc::default(),
+            slot: None,
         }
+    }
+
+    /// The body holding `slot` until it ends.
+    pub fn with_slot(mut self, slot: Option<FileSlot>) -> FileBody {
+        self.slot = slot;
+        self
+    }
+
+    /// Its file and slot given back: nothing more is read.
+    fn close(&mut self) {
+        self.file = None;
+        self.slot = None;
     }
 
     /// The buffer to read the next chunk into, or `None` (and the waker
@@ -141,7 +159,10 @@ impl hyper::body::Body for FileBody {
     ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
         let this = &mut *self;
         let (offset, len) = match this.segments.front_mut() {
-            None => return Poll::Ready(None),
+            None => {
+                this.close();
+                return Poll::Ready(None);
+            }
             Some(Segment::Mem(b)) => {
                 // At most a chunk per frame (a slice, not a copy): a server
                 // that copies frames into its write buffer then holds a
@@ -184,6 +205,7 @@ impl hyper::body::Body for FileBody {
             drop(lent);
             this.segments.clear();
             this.remaining = 0;
+            this.close();
             return Poll::Ready(Some(Err(e)));
         }
         match this.segments.front_mut() {
@@ -196,6 +218,15 @@ impl hyper::body::Body for FileBody {
             }
         }
         this.remaining -= want as u64;
+        if !this
+            .segments
+            .iter()
+            .any(|s| matches!(s, Segment::File { .. }))
+        {
+            // The last read from the file: it (and its slot) need not wait
+            // for the client to take the rest.
+            this.close();
+        }
         Poll::Ready(Some(Ok(Frame::data(Bytes::from_owner(lent)))))
     }
 

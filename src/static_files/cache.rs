@@ -10,7 +10,7 @@
 
 use std::cell::RefCell;
 use std::fs::File;
-use std::io::Read;
+use std::io::{self, Read};
 use std::num::NonZeroUsize;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -136,6 +136,9 @@ pub enum Resolved {
     /// A directory requested without its trailing slash.
     Directory,
     NotFound,
+    /// The file is there but could not be opened (out of descriptors, an
+    /// I/O error): never cached, the next request tries again.
+    Unavailable(Arc<io::Error>),
 }
 
 #[derive(Debug)]
@@ -344,8 +347,21 @@ impl FileCache {
             Some(Found::Directory) => Resolved::Directory,
             Some(Found::File { path, own, .. }) => {
                 match self.load(path, if own { lane } else { FORMAL }) {
-                    Some(info) => Resolved::File(info),
-                    None => Resolved::NotFound,
+                    Ok(info) => Resolved::File(info),
+                    Err(OpenError::Gone) => Resolved::NotFound,
+                    Err(OpenError::Failed(e)) => {
+                        // Not remembered: the failure is the gateway's
+                        // state, not the file's (an entry kept as missing
+                        // would answer 404 after the gateway recovered).
+                        let old = shard.lock().unwrap_or_else(|p| p.into_inner()).pop(key);
+                        if let Some(old) = old {
+                            self.held.fetch_sub(old.charge(), Ordering::Relaxed);
+                        }
+                        return Arc::new(Entry {
+                            checked_ms: AtomicU64::new(now),
+                            resolved: Resolved::Unavailable(Arc::new(e)),
+                        });
+                    }
                 }
             }
         };
@@ -395,8 +411,9 @@ impl FileCache {
     }
 
     /// Opens the file and renders what its responses carry; its content is
-    /// read when it fits the limits. `None` when it vanished meanwhile.
-    fn load(&self, path: PathBuf, lane: &str) -> Option<FileInfo> {
+    /// read when it fits the limits. [`OpenError::Gone`] when it vanished
+    /// meanwhile.
+    fn load(&self, path: PathBuf, lane: &str) -> Result<FileInfo, OpenError> {
         let (mut file, meta) = open_regular(&path)?;
         let size = meta.len();
         let content = match usize::try_from(size) {
@@ -418,7 +435,7 @@ impl FileCache {
             Content::Mem(_) if size >= super::SENDFILE_MIN => self.hold(file),
             _ => None,
         };
-        Some(render(path, lane, &meta, content, open))
+        Ok(render(path, lane, &meta, content, open))
     }
 }
 
@@ -497,18 +514,43 @@ fn fill_key(key: &mut String, lane: &str, url_path: &str, variant: &str) {
     }
 }
 
+/// Why a file could not be opened.
+#[derive(Debug)]
+pub enum OpenError {
+    /// Missing, not readable by the gateway, or not a regular file: the
+    /// file's own state (404).
+    Gone,
+    /// Anything else — out of descriptors (`EMFILE`, `ENFILE`), an I/O
+    /// error: the gateway's state (503), tried again by the next request.
+    Failed(io::Error),
+}
+
+impl From<io::Error> for OpenError {
+    fn from(e: io::Error) -> OpenError {
+        use io::ErrorKind as K;
+        match e.kind() {
+            K::NotFound | K::PermissionDenied | K::IsADirectory | K::NotADirectory => {
+                OpenError::Gone
+            }
+            _ => OpenError::Failed(e),
+        }
+    }
+}
+
 /// Opens `path` if it is a regular file (with its metadata). `O_NONBLOCK`:
 /// a FIFO or device put where a file was is refused at once, never waited
 /// on by the worker thread (for a regular file the flag changes nothing).
-pub fn open_regular(path: &Path) -> Option<(File, std::fs::Metadata)> {
+pub fn open_regular(path: &Path) -> Result<(File, std::fs::Metadata), OpenError> {
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
-        .open(path)
-        .ok()?;
-    let meta = file.metadata().ok().filter(|m| m.is_file())?;
-    Some((file, meta))
+        .open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(OpenError::Gone);
+    }
+    Ok((file, meta))
 }
 
 /// Finds `rel` in the lane's tree, else formal's; symlinks leading out of
@@ -643,6 +685,38 @@ mod tests {
         match &e.resolved {
             Resolved::File(f) => f.open.as_ref().map(|h| &h.file),
             _ => panic!("not a file"),
+        }
+    }
+
+    /// Only a file's own state is a miss: out of descriptors (or any
+    /// other failure) is the gateway's, and never cached.
+    #[test]
+    fn open_errors_other_than_absence_are_not_misses() {
+        let dir = tree(&[("f.txt", 3)]);
+        let gone =
+            |r: Result<(File, std::fs::Metadata), OpenError>| matches!(r, Err(OpenError::Gone));
+        assert!(gone(open_regular(&dir.path().join("formal/none"))));
+        assert!(gone(open_regular(&dir.path().join("formal/f.txt/x"))));
+        assert!(gone(open_regular(&dir.path().join("formal"))));
+        assert!(open_regular(&dir.path().join("formal/f.txt")).is_ok());
+        for errno in [
+            rustix::io::Errno::MFILE,
+            rustix::io::Errno::NFILE,
+            rustix::io::Errno::IO,
+        ] {
+            let e = io::Error::from_raw_os_error(errno.raw_os_error());
+            assert!(
+                matches!(OpenError::from(e), OpenError::Failed(_)),
+                "{errno:?}"
+            );
+        }
+        for errno in [
+            rustix::io::Errno::NOENT,
+            rustix::io::Errno::ACCESS,
+            rustix::io::Errno::ISDIR,
+        ] {
+            let e = io::Error::from_raw_os_error(errno.raw_os_error());
+            assert!(matches!(OpenError::from(e), OpenError::Gone), "{errno:?}");
         }
     }
 

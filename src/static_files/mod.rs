@@ -12,6 +12,7 @@ pub mod cache;
 
 use std::collections::VecDeque;
 use std::path::{Component, PathBuf};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::UNIX_EPOCH;
 
@@ -23,6 +24,9 @@ use http_body_util::{Empty, Full};
 
 use crate::base::body::{boxed, plain, Body};
 use crate::base::decision::Decision;
+use crate::base::error::{Error, ErrorKind};
+use crate::base::fileslots::{FileSlot, FileSlots};
+use crate::base::ratelog::log_limited;
 use crate::config::{Precompressed, RouteConfig};
 use body::{FileBody, Segment};
 pub use cache::CacheSettings;
@@ -110,27 +114,105 @@ fn etag_matches(header_value: &HeaderValue, etag: &[u8]) -> bool {
 /// can send a whole file by `sendfile(2)` (the plain HTTP/1.1 one), so a
 /// file of [`SENDFILE_MIN`] or more held in memory is opened for it; other
 /// servers write the held bytes and open nothing.
+///
+/// A request carrying its connection's [`FileSlots`] (HTTP/2) takes a slot
+/// before it opens a file; while none is free it waits, holding no
+/// descriptor, at most the connection's wait (else
+/// [`ErrorKind::FileSlotTimeout`]). A file that cannot be opened for want of
+/// descriptors (or any error but its absence or permissions) is
+/// [`ErrorKind::FileUnavailable`] (503), not a 404.
 pub async fn serve(
     tree: &StaticTree,
     parts: &Parts,
     decision: &mut Decision,
     sendfile_ok: bool,
-) -> Response<Body> {
-    serve_now(tree, parts, decision, sendfile_ok)
+) -> Result<Response<Body>, Error> {
+    let slots = parts.extensions.get::<FileSlots>();
+    let mut files = Files { slots, slot: None };
+    loop {
+        match serve_now(tree, parts, decision, sendfile_ok, &mut files) {
+            Ok(r) => return Ok(r),
+            Err(Halt::NeedSlot) => {
+                let slots = files.slots.expect("a slot is needed only where slots are");
+                match slots.take().await {
+                    Some(slot) => files.slot = Some(slot),
+                    None => {
+                        log_limited(&SLOT_LOG, || {
+                            tracing::warn!(
+                                path = parts.uri.path(),
+                                "no open-file slot of the connection came free in time; answering 503"
+                            )
+                        });
+                        return Err(Error::new(ErrorKind::FileSlotTimeout));
+                    }
+                }
+            }
+            Err(Halt::Unavailable(e)) => {
+                log_limited(&OPEN_LOG, || {
+                    tracing::warn!(
+                        path = parts.uri.path(),
+                        error = %e,
+                        "static file could not be opened; answering 503"
+                    )
+                });
+                return Err(Error::new(ErrorKind::FileUnavailable));
+            }
+        }
+    }
 }
 
-/// [`serve`], which never waits: everything happens on the worker thread.
-pub fn serve_now(
+static SLOT_LOG: AtomicU64 = AtomicU64::new(0);
+static OPEN_LOG: AtomicU64 = AtomicU64::new(0);
+
+/// The connection's open-file slots, and the slot this request holds.
+struct Files<'a> {
+    slots: Option<&'a FileSlots>,
+    slot: Option<FileSlot>,
+}
+
+impl Files<'_> {
+    /// Whether a file may be opened now (a slot held, or taken now, or no
+    /// bound); else the request must wait for one.
+    fn ready(&mut self) -> Result<(), Halt> {
+        let Some(slots) = self.slots else {
+            return Ok(());
+        };
+        if self.slot.is_none() {
+            self.slot = Some(slots.try_take().ok_or(Halt::NeedSlot)?);
+        }
+        Ok(())
+    }
+}
+
+/// Why an answer could not be made on the worker thread now.
+enum Halt {
+    /// A file must be opened and the connection has no slot free.
+    NeedSlot,
+    /// A file could not be opened (not for its absence).
+    Unavailable(Arc<std::io::Error>),
+}
+
+/// Why [`respond`] made no answer.
+enum Miss {
+    /// The file on disk is not the cached version any more.
+    Stale,
+    Halt(Halt),
+}
+
+/// [`serve`]'s work, which never waits: everything happens on the worker
+/// thread.
+fn serve_now(
     tree: &StaticTree,
     parts: &Parts,
     decision: &mut Decision,
     sendfile_ok: bool,
-) -> Response<Body> {
+    files: &mut Files<'_>,
+) -> Result<Response<Body>, Halt> {
     if parts.method != Method::GET && parts.method != Method::HEAD {
         let mut r = plain(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n");
         r.headers_mut()
             .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
-        return r;
+        return Ok(r);
     }
     let url_path = parts.uri.path();
     let resolve = |p: &str| safe_relative(p, &tree.index);
@@ -140,8 +222,9 @@ pub fn serve_now(
     let mut retried = false;
     loop {
         let f = match &entry.resolved {
-            Resolved::NotFound => return plain(StatusCode::NOT_FOUND, "not found\n"),
-            Resolved::Directory => return redirect_to_slash(parts),
+            Resolved::NotFound => return Ok(plain(StatusCode::NOT_FOUND, "not found\n")),
+            Resolved::Directory => return Ok(redirect_to_slash(parts)),
+            Resolved::Unavailable(e) => return Err(Halt::Unavailable(e.clone())),
             Resolved::File(f) => f,
         };
         if *f.served_lane != *decision.lane {
@@ -149,20 +232,21 @@ pub fn serve_now(
         }
         decision.served_lane = Some(f.served_lane.clone());
         decision.node = Some(f.node.clone());
-        if let Some(r) = precompressed(tree, parts, &decision.lane, f, sendfile_ok) {
-            return r;
+        if let Some(r) = precompressed(tree, parts, &decision.lane, f, sendfile_ok, files)? {
+            return Ok(r);
         }
-        match respond(tree, parts, f, None, sendfile_ok) {
-            Some(r) => return r,
+        match respond(tree, parts, f, None, sendfile_ok, files) {
+            Ok(r) => return Ok(r),
+            Err(Miss::Halt(h)) => return Err(h),
             // The file on disk is not the one cached: forget it, look again.
-            None if !retried => {
+            Err(Miss::Stale) if !retried => {
                 retried = true;
                 tree.cache.forget(&decision.lane, url_path);
                 entry = tree
                     .cache
                     .get(&tree.root, &decision.lane, url_path, resolve);
             }
-            None => return plain(StatusCode::NOT_FOUND, "not found\n"),
+            Err(Miss::Stale) => return Ok(plain(StatusCode::NOT_FOUND, "not found\n")),
         }
     }
 }
@@ -177,10 +261,11 @@ fn precompressed(
     lane: &str,
     f: &FileInfo,
     sendfile_ok: bool,
-) -> Option<Response<Body>> {
+    files: &mut Files<'_>,
+) -> Result<Option<Response<Body>>, Halt> {
     // (Only GET and HEAD get here: `serve_now` answered the rest.)
     if tree.precompressed.is_empty() {
-        return None;
+        return Ok(None);
     }
     let accept = parts.headers.get_all(header::ACCEPT_ENCODING);
     let url_path = parts.uri.path();
@@ -198,18 +283,21 @@ fn precompressed(
         let entry = tree
             .cache
             .get_variant(&tree.root, lane, url_path, enc.suffix(), resolve);
-        let Resolved::File(sibling) = &entry.resolved else {
-            continue;
+        let sibling = match &entry.resolved {
+            Resolved::File(sibling) => sibling,
+            Resolved::Unavailable(e) => return Err(Halt::Unavailable(e.clone())),
+            _ => continue,
         };
         if sibling.served_lane != f.served_lane {
             continue;
         }
-        match respond(tree, parts, sibling, Some((enc, f)), sendfile_ok) {
-            Some(r) => return Some(r),
-            None => tree.cache.forget_variant(lane, url_path, enc.suffix()),
+        match respond(tree, parts, sibling, Some((enc, f)), sendfile_ok, files) {
+            Ok(r) => return Ok(Some(r)),
+            Err(Miss::Halt(h)) => return Err(h),
+            Err(Miss::Stale) => tree.cache.forget_variant(lane, url_path, enc.suffix()),
         }
     }
-    None
+    Ok(None)
 }
 
 /// Whether `Accept-Encoding` takes `token`: listed (or `*`, the token not
@@ -270,16 +358,18 @@ impl Source {
     }
 }
 
-/// The response for a resolved file; `None` when the file on disk is not
-/// the cached version any more. With `encoded`, `f` is the precompressed
-/// sibling of the file given beside it (whose type the response carries).
+/// The response for a resolved file; [`Miss::Stale`] when the file on disk
+/// is not the cached version any more. With `encoded`, `f` is the
+/// precompressed sibling of the file given beside it (whose type the
+/// response carries). A file opened takes one of `files`' slots first.
 fn respond(
     tree: &StaticTree,
     parts: &Parts,
     f: &FileInfo,
     encoded: Option<(Precompressed, &FileInfo)>,
     sendfile_ok: bool,
-) -> Option<Response<Body>> {
+    files: &mut Files<'_>,
+) -> Result<Response<Body>, Miss> {
     let h = &parts.headers;
     let mut head = HeaderMap::with_capacity(8);
     head.insert(header::ETAG, f.etag.clone());
@@ -314,7 +404,7 @@ fn respond(
             .is_some_and(|(since, m)| m <= since.as_secs()),
     };
     if not_modified {
-        return Some(finish(StatusCode::NOT_MODIFIED, head, boxed(Empty::new())));
+        return Ok(finish(StatusCode::NOT_MODIFIED, head, boxed(Empty::new())));
     }
     head.insert(header::ACCEPT_RANGES, HeaderValue::from_static("bytes"));
     if parts.method == Method::HEAD {
@@ -322,14 +412,14 @@ fn respond(
         if let Some(ct) = content_type {
             head.insert(header::CONTENT_TYPE, ct.clone());
         }
-        return Some(finish(StatusCode::OK, head, boxed(Empty::new())));
+        return Ok(finish(StatusCode::OK, head, boxed(Empty::new())));
     }
     let ranges = match ranges(h, f) {
         Ranges::Whole => None,
         Ranges::Unsatisfiable => {
             let cr = HeaderValue::from_str(&format!("bytes */{}", f.size)).expect("ASCII");
             head.insert(header::CONTENT_RANGE, cr);
-            return Some(finish(
+            return Ok(finish(
                 StatusCode::RANGE_NOT_SATISFIABLE,
                 head,
                 boxed(Empty::new()),
@@ -339,7 +429,14 @@ fn respond(
     };
     let source = match &f.content {
         Content::Mem(b) => Source::Mem(b.clone()),
-        Content::Disk => Source::Disk(open_same(f)?),
+        Content::Disk => {
+            files.ready().map_err(Miss::Halt)?;
+            match open_same(f) {
+                Ok(Some(file)) => Source::Disk(file),
+                Ok(None) => return Err(Miss::Stale),
+                Err(e) => return Err(Miss::Halt(Halt::Unavailable(Arc::new(e)))),
+            }
+        }
     };
     let Some(ranges) = ranges else {
         if let Some(ct) = content_type {
@@ -352,27 +449,31 @@ fn respond(
             Source::Mem(b) => boxed(FileBody::new(None, VecDeque::from([Segment::Mem(b)]))),
             Source::Disk(file) => {
                 sendfile = Some(file.clone());
-                boxed(FileBody::shared(
-                    file,
-                    VecDeque::from([Segment::File {
-                        offset: 0,
-                        len: f.size,
-                    }]),
-                ))
+                boxed(
+                    FileBody::shared(
+                        file,
+                        VecDeque::from([Segment::File {
+                            offset: 0,
+                            len: f.size,
+                        }]),
+                    )
+                    .with_slot(files.slot.take()),
+                )
             }
         };
         let mut r = finish(StatusCode::OK, head, body);
         if f.size >= SENDFILE_MIN && sendfile_ok {
             let file = match sendfile {
                 Some(file) => Some(file),
-                None => open_same(f),
+                // (A held descriptor, or none: sendfile is only an option.)
+                None => open_same(f).ok().flatten(),
             };
             if let Some(file) = file {
                 r.extensions_mut()
                     .insert(crate::base::body::SendFile { file, len: f.size });
             }
         }
-        return Some(r);
+        return Ok(r);
     };
     let mut segments = VecDeque::new();
     if let [r] = ranges[..] {
@@ -413,14 +514,14 @@ fn respond(
         segments.push_back(Segment::Mem(Bytes::from(format!("\r\n--{boundary}--\r\n"))));
     }
     let body = match source {
-        Source::Disk(file) => FileBody::shared(file, segments),
+        Source::Disk(file) => FileBody::shared(file, segments).with_slot(files.slot.take()),
         Source::Mem(_) => FileBody::new(None, segments),
     };
     head.insert(
         header::CONTENT_LENGTH,
         HeaderValue::from(hyper::body::Body::size_hint(&body).exact().unwrap_or(0)),
     );
-    Some(finish(StatusCode::PARTIAL_CONTENT, head, boxed(body)))
+    Ok(finish(StatusCode::PARTIAL_CONTENT, head, boxed(body)))
 }
 
 /// Whole files from this size on carry a [`crate::base::body::SendFile`]
@@ -431,14 +532,20 @@ pub const SENDFILE_MIN: u64 = 64 * 1024;
 /// The file at `f.path` if it is still the one `f` describes (inode, size,
 /// mtime), else `None` (the caller revalidates): the descriptor the entry
 /// holds, after an `fstat` (a file rewritten in place is not sent under the
-/// old validators), else the path opened now.
-fn open_same(f: &cache::FileInfo) -> Option<Arc<std::fs::File>> {
+/// old validators), else the path opened now. An error when it could not
+/// be opened for another reason than its absence ([`cache::OpenError`]).
+fn open_same(f: &cache::FileInfo) -> std::io::Result<Option<Arc<std::fs::File>>> {
     if let Some(held) = &f.open {
-        let meta = held.file.metadata().ok()?;
-        return (cache::FileId::of(&meta) == f.id).then(|| held.file.clone());
+        let Ok(meta) = held.file.metadata() else {
+            return Ok(None);
+        };
+        return Ok((cache::FileId::of(&meta) == f.id).then(|| held.file.clone()));
     }
-    let (file, meta) = cache::open_regular(&f.path)?;
-    (cache::FileId::of(&meta) == f.id).then(|| Arc::new(file))
+    match cache::open_regular(&f.path) {
+        Ok((file, meta)) => Ok((cache::FileId::of(&meta) == f.id).then(|| Arc::new(file))),
+        Err(cache::OpenError::Gone) => Ok(None),
+        Err(cache::OpenError::Failed(e)) => Err(e),
+    }
 }
 
 fn finish(status: StatusCode, headers: HeaderMap, body: Body) -> Response<Body> {

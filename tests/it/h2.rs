@@ -394,6 +394,8 @@ fn gets(s: &mut TcpStream, path: &str, streams: impl IntoIterator<Item = u32>) {
 struct Seen {
     /// Streams answered with HEADERS.
     answered: std::collections::BTreeSet<u32>,
+    /// The header block of each stream's answer.
+    blocks: std::collections::BTreeMap<u32, Vec<u8>>,
     /// Streams reset, and how.
     reset: std::collections::BTreeMap<u32, u32>,
     /// DATA bytes, and the streams that ended.
@@ -421,6 +423,7 @@ fn watch_frames(s: &TcpStream) -> std::sync::Arc<std::sync::Mutex<Seen>> {
                 }
                 0x1 => {
                     s.answered.insert(f.stream);
+                    s.blocks.entry(f.stream).or_insert(f.payload);
                 }
                 0x3 => {
                     s.reset.insert(f.stream, f.code(0x3).unwrap());
@@ -444,7 +447,12 @@ fn watch_frames(s: &TcpStream) -> std::sync::Arc<std::sync::Mutex<Seen>> {
 /// waits for the server to let go of it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_a_client_never_lets_send_are_reset_at_the_send_timeout() {
-    let (_fx, gw, h2c) = static_site("client: { send_timeout_ms: 1500 }\n", None);
+    // Every stream opens its file here (no per-connection bound: that is
+    // `a_connection_holds_no_more_files_open_than_its_bound`).
+    let (_fx, gw, h2c) = static_site(
+        "client: { send_timeout_ms: 1500 }\nhttp2: { max_open_files_per_connection: 0 }\n",
+        None,
+    );
     let pid = gw.pid();
     let base = fd_baseline(&gw, h2c).await;
     let n = 64u32;
@@ -496,6 +504,100 @@ async fn streams_a_client_never_lets_send_are_reset_at_the_send_timeout() {
         || async move { open_fds(pid).0 == base },
     )
     .await;
+}
+
+/// Issue 33, item 8: one connection's answers hold at most
+/// `http2.max_open_files_per_connection` files open, however many of its
+/// streams the client stalls. 100 streams on a file sent from disk with the
+/// client's stream window shut: 4 get a slot, open the file and are reset
+/// (CANCEL) at the send timeout; the others wait for a slot holding no
+/// descriptor — those whose slot does not come within the send timeout are
+/// answered 503, those that get one are served (and, stalled too, reset in
+/// turn). Never more than 4 descriptors of the file at once, none after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_holds_no_more_files_open_than_its_bound() {
+    let (_fx, gw, h2c) = static_site(
+        "client: { send_timeout_ms: 1500 }\nhttp2: { max_open_files_per_connection: 4 }\n",
+        None,
+    );
+    let pid = gw.pid();
+    let base = fd_baseline(&gw, h2c).await;
+    let n = 100u32;
+    let mut c = h2c_client(h2c, &[(0x4, 0)], None);
+    let seen = watch_frames(&c);
+    gets(&mut c, "/big.bin", (0..n).map(|i| 1 + 2 * i));
+    let mut most = 0;
+    eventually(
+        "every stream answered and reset",
+        Duration::from_secs(60),
+        || {
+            most = most.max(open_fds(pid).1);
+            let s = seen.lock().unwrap();
+            let done = s.answered.len() == n as usize && s.reset.len() == n as usize;
+            async move { done }
+        },
+    )
+    .await;
+    assert!(most <= 4, "{most} descriptors of big.bin at once");
+    {
+        let s = seen.lock().unwrap();
+        assert!(s.reset.values().all(|&c| c == 0x8), "RST_STREAM CANCEL");
+        // `:status 200` is HPACK static index 8; the rest are 503s.
+        let served = s
+            .blocks
+            .values()
+            .filter(|b| b.first() == Some(&0x88))
+            .count();
+        let refused: Vec<_> = s
+            .blocks
+            .values()
+            .filter(|b| b.first() != Some(&0x88))
+            .collect();
+        assert!(served >= 4, "{served} streams got a slot");
+        assert!(
+            !refused.is_empty(),
+            "some streams waited past the send timeout"
+        );
+        // The first 503 carries its value (raw or Huffman-coded), the rest an
+        // index into the connection's HPACK table.
+        let huffman_503 = [0x83, 0x6c, 0x0c, 0xff];
+        assert!(
+            refused
+                .iter()
+                .any(|b| b.windows(4).any(|w| w == b"\x03503" || w == huffman_503)),
+            "the refused streams are 503s: {refused:x?}"
+        );
+        assert!(s.goaway.is_none() && !s.closed, "the connection stays");
+    }
+    soon("the files closed", || async move {
+        open_fds(pid) == (base + 1, 0)
+    })
+    .await;
+    c.shutdown(std::net::Shutdown::Both).unwrap();
+}
+
+/// Issue 33, item 8: streams waiting for one of their connection's file
+/// slots are served as slots are given back: 24 concurrent streams of a
+/// 4 MiB file with 2 slots all complete (h2load, one connection), never more
+/// than 2 descriptors of the file open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_waiting_for_a_file_slot_are_served_as_slots_free() {
+    let (_fx, gw, h2c) = static_site(
+        "client: { send_timeout_ms: 20000 }\nhttp2: { max_open_files_per_connection: 2 }\n",
+        None,
+    );
+    let pid = gw.pid();
+    let url = format!("http://127.0.0.1:{}/big.bin", h2c.port());
+    let load = std::thread::spawn(move || h2load(&["-n", "24", "-c", "1", "-m", "24"], &url));
+    let mut most = 0;
+    while !load.is_finished() {
+        most = most.max(open_fds(pid).1);
+        // (A sampling interval, not a wait for anything.)
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let (ok, failed, errored, text) = load.join().unwrap();
+    assert_eq!((ok, failed, errored), (24, 0, 0), "{text}");
+    assert!(most <= 2, "{most} descriptors of big.bin at once");
 }
 
 /// Issue 33, item 8: a client that stops reading the socket (its windows
