@@ -579,19 +579,6 @@ pub async fn say(
     .map(tonic::Response::into_inner)
 }
 
-/// The node `name` in the admin `/nodes` document (any service).
-async fn node_doc(gw: &Gateway, name: &str) -> serde_json::Value {
-    let doc = gw.admin_get("/nodes").await.json();
-    doc["services"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|s| s["nodes"].as_array().unwrap().iter())
-        .find(|n| n["name"] == name)
-        .cloned()
-        .unwrap_or_else(|| panic!("no node {name}: {doc}"))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_statuses_count_as_errors_by_the_service_mapping() {
     // `grpc` counts the default statuses; `picky` only NOT_FOUND. Each
@@ -668,7 +655,7 @@ async fn grpc_statuses_count_as_errors_by_the_service_mapping() {
     assert_eq!(value(&series("2xx")), Some(6.0), "OK and NOT_FOUND: {m}");
     assert!(!m.contains("grpc_not_found"), "{m}");
     // The node's errors, and three failures in a row eject it.
-    let n = node_doc(&gw, "n1").await;
+    let n = gw.node_doc("n1").await;
     assert_eq!(
         (n["requests"].as_u64(), n["errors"].as_u64()),
         (Some(9), Some(3)),
@@ -684,10 +671,10 @@ async fn grpc_statuses_count_as_errors_by_the_service_mapping() {
     let r = say(&ch, "/demo.Picky/Say", "status:5", &[]).await;
     assert_eq!(code(r), Err(Code::NotFound));
     soon("NOT_FOUND counted for picky", || async {
-        node_doc(&gw, "p1").await["errors"] == 1
+        gw.node_doc("p1").await["errors"] == 1
     })
     .await;
-    let p = node_doc(&gw, "p1").await;
+    let p = gw.node_doc("p1").await;
     assert_eq!(
         (p["requests"].as_u64(), p["health"].as_str()),
         (Some(3), Some("healthy")),
@@ -730,7 +717,7 @@ async fn a_node_killed_mid_stream_reaches_the_client_as_unavailable() {
     );
     // Recorded as the node's failure, and the gateway goes on serving.
     soon("the broken stream recorded", || async {
-        node_doc(&gw, "n1").await["errors"] == 1
+        gw.node_doc("n1").await["errors"] == 1
     })
     .await;
     let m = gw.metrics().await;
