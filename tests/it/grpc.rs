@@ -495,6 +495,7 @@ async fn a_node_certificate_that_does_not_verify_is_unavailable_in_grpc_terms() 
     let gw = Config::new()
         .node_files(&["nodes.yaml"])
         .routes(&[Route::service("/", "grpc")])
+        .raw("access_log: { path: access.log, format: json }\n")
         .listeners(&[Listener::h2c()])
         .start(&fx, "graygate.yaml");
     let ch = channel(listeners(&gw)[0], false).await;
@@ -516,6 +517,14 @@ async fn a_node_certificate_that_does_not_verify_is_unavailable_in_grpc_terms() 
         "{}",
         gw.logs()
     );
+    // Logged as what it was, a 502, sent as gRPC's HTTP 200.
+    soon("the 502 logged", || async {
+        fx.json_lines("access.log").iter().any(|l| {
+            (&l["status"], &l["sent_status"], &l["error"])
+                == (&502.into(), &200.into(), &"connect".into())
+        })
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -607,6 +616,7 @@ async fn grpc_statuses_count_as_errors_by_the_service_mapping() {
             Route::service("/demo.Echo/", "grpc"),
             Route::service("/demo.Picky/", "picky"),
         ])
+        .raw("access_log: { path: access.log, format: json }\n")
         .listeners(&[Listener::h2c()])
         .start(&fx, "graygate.yaml");
     let ch = channel(listeners(&gw)[0], false).await;
@@ -662,6 +672,30 @@ async fn grpc_statuses_count_as_errors_by_the_service_mapping() {
         "{n}"
     );
     assert_eq!(n["health"], "unhealthy", "{n}");
+    // The access log: a counted status as its HTTP equivalent, the 200
+    // the client's head said as `sent_status`.
+    soon("nine n1 lines", || async {
+        let lines = fx.json_lines("access.log");
+        lines.iter().filter(|l| l["node"] == "n1").count() == 9
+    })
+    .await;
+    let lines = fx.json_lines("access.log");
+    let logged = |error: &str| -> Vec<(serde_json::Value, serde_json::Value)> {
+        lines
+            .iter()
+            .filter(|l| l["node"] == "n1" && l["error"] == error)
+            .map(|l| (l["status"].clone(), l["sent_status"].clone()))
+            .collect()
+    };
+    let unavailable = (503.into(), 200.into());
+    assert_eq!(logged("grpc_unavailable"), vec![unavailable.clone(); 2]);
+    assert_eq!(logged("grpc_internal"), vec![(500.into(), 200.into())]);
+    let answers = lines
+        .iter()
+        .filter(|l| l["node"] == "n1" && l["error"].is_null());
+    assert!(answers
+        .map(|l| (&l["status"], &l["sent_status"]))
+        .all(|s| s == (&200.into(), &serde_json::Value::Null)));
 
     // `picky`: NOT_FOUND counts, UNAVAILABLE does not.
     for _ in 0..2 {

@@ -160,12 +160,16 @@ async fn a_body_the_node_breaks_off_is_a_5xx_everywhere_and_a_client_abort_is_no
             .as_array()
             .and_then(|ns| ns.iter().find(|n| n["name"] == name).cloned())
     };
-    eventually("/stats has every request", Duration::from_secs(20), || async {
-        let doc = gw.admin_get("/stats").await.json();
-        node_stats(&doc, "big-1").is_some_and(|n| n["total_requests"] == 1)
-            && node_stats(&doc, "cut-1").is_some_and(|n| n["total_requests"] == 3)
-            && node_stats(&doc, "stall-1").is_some_and(|n| n["total_requests"] == 1)
-    })
+    eventually(
+        "/stats has every request",
+        Duration::from_secs(20),
+        || async {
+            let doc = gw.admin_get("/stats").await.json();
+            node_stats(&doc, "big-1").is_some_and(|n| n["total_requests"] == 1)
+                && node_stats(&doc, "cut-1").is_some_and(|n| n["total_requests"] == 3)
+                && node_stats(&doc, "stall-1").is_some_and(|n| n["total_requests"] == 1)
+        },
+    )
     .await;
     let doc = gw.admin_get("/stats").await.json();
     let errors = |name| node_stats(&doc, name).unwrap()["total_errors"].clone();
