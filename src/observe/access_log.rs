@@ -23,7 +23,13 @@ pub struct Entry {
     pub client_ip: IpAddr,
     pub method: String,
     pub path: String,
+    /// The status recorded — the one metrics and the release analysis
+    /// count: a node's answer that failed after its head (a body it broke
+    /// off, a counted gRPC status) shows as the gateway's status for it.
     pub status: u16,
+    /// The status the client's head said, when it differs from `status`
+    /// (the head had gone out before the failure).
+    pub sent_status: Option<u16>,
     pub lane: String,
     /// What decided the lane (`script`, `trusted_tag`, `rule`, …).
     pub decided_by: String,
@@ -58,7 +64,7 @@ impl Entry {
                     .upstream_ms
                     .map_or_else(|| "-".to_string(), |u| format!("{u:.3}"));
                 format!(
-                    "{} {} \"{} {}\" {} lane={} decided_by={} rule={} node={} upstream_ms={} total_ms={:.3} error={}",
+                    "{} {} \"{} {}\" {} lane={} decided_by={} rule={} node={} upstream_ms={} total_ms={:.3} error={} sent_status={}",
                     self.time,
                     self.client_ip,
                     self.method,
@@ -70,7 +76,9 @@ impl Entry {
                     self.node,
                     up,
                     self.total_ms,
-                    self.error.unwrap_or("-")
+                    self.error.unwrap_or("-"),
+                    self.sent_status
+                        .map_or_else(|| "-".to_string(), |s| s.to_string())
                 )
             }
         }
@@ -201,6 +209,7 @@ mod tests {
             method: "GET".into(),
             path: "/api/x".into(),
             status: 200,
+            sent_status: None,
             lane: "gray".into(),
             decided_by: "script".into(),
             rule: None,
@@ -215,7 +224,18 @@ mod tests {
     fn text_line() {
         assert_eq!(
             entry().format(AccessLogFormat::Text),
-            "2026-01-02T03:04:05.678Z 127.0.9.1 \"GET /api/x\" 200 lane=gray decided_by=script rule=- node=g1 upstream_ms=1.500 total_ms=2.250 error=-"
+            "2026-01-02T03:04:05.678Z 127.0.9.1 \"GET /api/x\" 200 lane=gray decided_by=script rule=- node=g1 upstream_ms=1.500 total_ms=2.250 error=- sent_status=-"
+        );
+        let broken = Entry {
+            status: 502,
+            sent_status: Some(200),
+            error: Some("upstream_body"),
+            ..entry()
+        };
+        assert!(
+            broken
+                .format(AccessLogFormat::Text)
+                .ends_with("\" 502 lane=gray decided_by=script rule=- node=g1 upstream_ms=1.500 total_ms=2.250 error=upstream_body sent_status=200"),
         );
     }
 
@@ -227,6 +247,7 @@ mod tests {
         assert_eq!(v["lane"], "gray");
         assert_eq!(v["upstream_ms"], 1.5);
         assert_eq!(v["total_ms"], 2.25);
+        assert_eq!(v["sent_status"], serde_json::Value::Null);
     }
 
     #[test]

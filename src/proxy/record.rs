@@ -11,6 +11,14 @@
 //! recorded as its HTTP equivalent (`base::grpc::recorded_status`). One the
 //! node breaks off after its head ends with the gateway's status in
 //! trailers (UNAVAILABLE), never a bare stream reset.
+//!
+//! Any answer whose body the node breaks off after its head (EOF, reset, a
+//! stalled read) is likewise recorded as the gateway's status for that
+//! failure (502 `upstream_body`, 504 `upstream_body_timeout`) in metrics,
+//! the lane counters and the access log, while the client keeps the head
+//! it already got: a node that truncates its answers is a failing node to
+//! everything that judges it. The access log adds the status the client
+//! was sent (`sent_status`) where it differs.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -39,7 +47,11 @@ pub struct Pending {
     plane: Arc<DataPlane>,
     gen: Arc<Generation>,
     ctx: RequestCtx,
+    /// The status recorded: the head's, unless the node's answer failed
+    /// after it ([`Pending::finish`]).
     status: u16,
+    /// The status the client's head said.
+    sent: u16,
     /// The node's answer is gRPC: its status decides the outcome.
     grpc: Option<GrpcAnswer>,
 }
@@ -89,6 +101,7 @@ impl Pending {
                 gen,
                 ctx: ctx(),
                 status: 0,
+                sent: 0,
                 grpc: None,
             },
         )
@@ -128,6 +141,7 @@ pub fn respond(mut pending: Box<Pending>, resp: Response<Body>) -> Response<Reco
         }
     }
     p.status = head.status.as_u16();
+    p.sent = p.status;
     // Only a node's answer (the gateway's own errors are recorded by their
     // HTTP status).
     p.grpc = match &p.ctx.verdict {
@@ -151,10 +165,14 @@ pub fn respond(mut pending: Box<Pending>, resp: Response<Body>) -> Response<Reco
 }
 
 impl Recorded {
-    /// Replaces what the client is sent (the record stays: e.g. a gateway
-    /// error reshaped for gRPC is still recorded with its own status).
-    pub fn set_inner(&mut self, inner: Body) {
+    /// Replaces what the client is sent, under a head saying `sent` (the
+    /// record stays: e.g. a gateway error reshaped for gRPC is still
+    /// recorded with its own status).
+    pub fn set_inner(&mut self, inner: Body, sent: StatusCode) {
         self.inner = inner;
+        if let Some(p) = &mut self.pending {
+            p.sent = sent.as_u16();
+        }
     }
 
     /// The node's response fields as it sent them, when they came so
@@ -277,10 +295,13 @@ impl Pending {
             (Err(_), Some(client)) => Err(client),
             (o, _) => o,
         };
-        // A gRPC answer's failure is recorded as its HTTP equivalent (its
-        // head said 200): counted with the 5xx answers everywhere.
-        if let (Some(_), Err(kind)) = (self.grpc, outcome) {
-            if kind.side() == Side::Upstream {
+        // The node's failure after its head (a body it broke off or
+        // stalled, a gRPC answer's counted status) is recorded as its HTTP
+        // equivalent whatever the head said: counted with the 5xx answers
+        // everywhere (metrics, lane counters, access log). A 5xx head
+        // already counts so and keeps the node's own status.
+        if let Err(kind) = outcome {
+            if kind.side() == Side::Upstream && self.status < 500 {
                 self.status = Error::new(kind).status().as_u16();
             }
         }
@@ -335,6 +356,7 @@ impl Pending {
                 method,
                 path,
                 status,
+                sent_status: (self.sent != status).then_some(self.sent),
                 lane: decision.map_or("-", |d| d.lane.as_str()).to_string(),
                 decided_by: decision.map_or("-", |d| d.decided_by.as_str()).to_string(),
                 rule: decision

@@ -598,7 +598,7 @@ fn grpc_error(resp: http::Response<Recorded>) -> http::Response<Recorded> {
         .map_err(|never| -> crate::base::body::BoxError { match never {} });
     let (head, mut body) = resp.into_parts();
     // The request is still recorded as what it was (its real status).
-    body.set_inner(crate::base::body::boxed(empty));
+    body.set_inner(crate::base::body::boxed(empty), http::StatusCode::OK);
     let mut out = http::Response::new(body);
     let h = out.headers_mut();
     h.insert(

@@ -495,6 +495,7 @@ async fn a_node_certificate_that_does_not_verify_is_unavailable_in_grpc_terms() 
     let gw = Config::new()
         .node_files(&["nodes.yaml"])
         .routes(&[Route::service("/", "grpc")])
+        .raw("access_log: { path: access.log, format: json }\n")
         .listeners(&[Listener::h2c()])
         .start(&fx, "graygate.yaml");
     let ch = channel(listeners(&gw)[0], false).await;
@@ -516,6 +517,14 @@ async fn a_node_certificate_that_does_not_verify_is_unavailable_in_grpc_terms() 
         "{}",
         gw.logs()
     );
+    // Logged as what it was, a 502, sent as gRPC's HTTP 200.
+    soon("the 502 logged", || async {
+        fx.json_lines("access.log").iter().any(|l| {
+            (&l["status"], &l["sent_status"], &l["error"])
+                == (&502.into(), &200.into(), &"connect".into())
+        })
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -579,19 +588,6 @@ pub async fn say(
     .map(tonic::Response::into_inner)
 }
 
-/// The node `name` in the admin `/nodes` document (any service).
-async fn node_doc(gw: &Gateway, name: &str) -> serde_json::Value {
-    let doc = gw.admin_get("/nodes").await.json();
-    doc["services"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|s| s["nodes"].as_array().unwrap().iter())
-        .find(|n| n["name"] == name)
-        .cloned()
-        .unwrap_or_else(|| panic!("no node {name}: {doc}"))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_statuses_count_as_errors_by_the_service_mapping() {
     // `grpc` counts the default statuses; `picky` only NOT_FOUND. Each
@@ -620,6 +616,7 @@ async fn grpc_statuses_count_as_errors_by_the_service_mapping() {
             Route::service("/demo.Echo/", "grpc"),
             Route::service("/demo.Picky/", "picky"),
         ])
+        .raw("access_log: { path: access.log, format: json }\n")
         .listeners(&[Listener::h2c()])
         .start(&fx, "graygate.yaml");
     let ch = channel(listeners(&gw)[0], false).await;
@@ -668,13 +665,37 @@ async fn grpc_statuses_count_as_errors_by_the_service_mapping() {
     assert_eq!(value(&series("2xx")), Some(6.0), "OK and NOT_FOUND: {m}");
     assert!(!m.contains("grpc_not_found"), "{m}");
     // The node's errors, and three failures in a row eject it.
-    let n = node_doc(&gw, "n1").await;
+    let n = gw.node_doc("n1").await;
     assert_eq!(
         (n["requests"].as_u64(), n["errors"].as_u64()),
         (Some(9), Some(3)),
         "{n}"
     );
     assert_eq!(n["health"], "unhealthy", "{n}");
+    // The access log: a counted status as its HTTP equivalent, the 200
+    // the client's head said as `sent_status`.
+    soon("nine n1 lines", || async {
+        let lines = fx.json_lines("access.log");
+        lines.iter().filter(|l| l["node"] == "n1").count() == 9
+    })
+    .await;
+    let lines = fx.json_lines("access.log");
+    let logged = |error: &str| -> Vec<(serde_json::Value, serde_json::Value)> {
+        lines
+            .iter()
+            .filter(|l| l["node"] == "n1" && l["error"] == error)
+            .map(|l| (l["status"].clone(), l["sent_status"].clone()))
+            .collect()
+    };
+    let unavailable = (503.into(), 200.into());
+    assert_eq!(logged("grpc_unavailable"), vec![unavailable.clone(); 2]);
+    assert_eq!(logged("grpc_internal"), vec![(500.into(), 200.into())]);
+    let answers = lines
+        .iter()
+        .filter(|l| l["node"] == "n1" && l["error"].is_null());
+    assert!(answers
+        .map(|l| (&l["status"], &l["sent_status"]))
+        .all(|s| s == (&200.into(), &serde_json::Value::Null)));
 
     // `picky`: NOT_FOUND counts, UNAVAILABLE does not.
     for _ in 0..2 {
@@ -684,10 +705,10 @@ async fn grpc_statuses_count_as_errors_by_the_service_mapping() {
     let r = say(&ch, "/demo.Picky/Say", "status:5", &[]).await;
     assert_eq!(code(r), Err(Code::NotFound));
     soon("NOT_FOUND counted for picky", || async {
-        node_doc(&gw, "p1").await["errors"] == 1
+        gw.node_doc("p1").await["errors"] == 1
     })
     .await;
-    let p = node_doc(&gw, "p1").await;
+    let p = gw.node_doc("p1").await;
     assert_eq!(
         (p["requests"].as_u64(), p["health"].as_str()),
         (Some(3), Some("healthy")),
@@ -730,7 +751,7 @@ async fn a_node_killed_mid_stream_reaches_the_client_as_unavailable() {
     );
     // Recorded as the node's failure, and the gateway goes on serving.
     soon("the broken stream recorded", || async {
-        node_doc(&gw, "n1").await["errors"] == 1
+        gw.node_doc("n1").await["errors"] == 1
     })
     .await;
     let m = gw.metrics().await;

@@ -50,65 +50,6 @@ async fn collecting_node() -> (SocketAddr, Arc<AtomicUsize>) {
     (addr, done)
 }
 
-/// How a raw node answers every request.
-#[derive(Clone, Copy)]
-enum Raw {
-    /// `Content-Length: 100`, 7 bytes, then the connection closes.
-    Cut,
-    /// `Content-Length: 100`, 7 bytes, then nothing.
-    Stall,
-    /// A 64 MiB body written as fast as the gateway takes it.
-    Big,
-}
-
-async fn raw_node(mode: Raw) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                    let mut chunk = [0u8; 4096];
-                    match s.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
-                }
-                match mode {
-                    Raw::Cut | Raw::Stall => {
-                        let _ = s
-                            .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nseven..")
-                            .await;
-                        if let Raw::Stall = mode {
-                            let mut sink = [0u8; 64];
-                            while let Ok(n) = s.read(&mut sink).await {
-                                if n == 0 {
-                                    break;
-                                }
-                            }
-                        }
-                    }
-                    Raw::Big => {
-                        let total = 64usize << 20;
-                        let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {total}\r\n\r\n");
-                        if s.write_all(head.as_bytes()).await.is_err() {
-                            return;
-                        }
-                        let block = vec![b'x'; 64 * 1024];
-                        for _ in 0..total / block.len() {
-                            if s.write_all(&block).await.is_err() {
-                                return;
-                            }
-                        }
-                    }
-                }
-            });
-        }
-    });
-    addr
-}
-
 struct Setup {
     fx: Fixture,
     gw: Gateway,
@@ -117,9 +58,9 @@ struct Setup {
 
 async fn setup() -> Setup {
     let (api, done) = collecting_node().await;
-    let cut = raw_node(Raw::Cut).await;
-    let stall = raw_node(Raw::Stall).await;
-    let big = raw_node(Raw::Big).await;
+    let cut = raw_node(RawMode::Cut).await;
+    let stall = raw_node(RawMode::Stall).await;
+    let big = raw_node(RawMode::Big).await;
     let fx = Fixture::new();
     let health = "{ passive: { max_fails: 3, cooldown_ms: 60000 } }";
     Nodes::new()
@@ -172,27 +113,6 @@ async fn send(addr: SocketAddr, raw: &[u8], close_after: bool) -> Option<u16> {
             Err(_) => panic!("no answer within 10 s"),
         }
     }
-}
-
-async fn node(gw: &Gateway, name: &str) -> serde_json::Value {
-    let admin = gw.admin.unwrap();
-    let r = Req::get("/nodes").send(admin).await;
-    let doc = r.json();
-    doc["services"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|s| s["nodes"].as_array().unwrap().clone())
-        .find(|n| n["name"] == name)
-        .unwrap_or_else(|| panic!("no node {name} in {doc}"))
-}
-
-fn log_lines(fx: &Fixture) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(fx.path("access.log"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
 }
 
 const BAD_CHUNK: &[u8] =
@@ -256,7 +176,7 @@ async fn a_flood_of_broken_client_bodies_leaves_every_node_healthy() {
             .await,
         0.0
     );
-    let n = node(&s.gw, "api-1").await;
+    let n = s.gw.node_doc("api-1").await;
     assert_eq!(n["health"], "healthy", "{n}");
     assert_eq!(n["errors"], 0, "{n}");
     assert_eq!(n["health_detail"]["ejections"], 0, "{n}");
@@ -271,7 +191,7 @@ async fn a_flood_of_broken_client_bodies_leaves_every_node_healthy() {
     assert!(s.api.load(Ordering::SeqCst) >= 1);
     // The access log names each outcome.
     soon("log lines", || async {
-        let lines = log_lines(&s.fx);
+        let lines = s.fx.json_lines("access.log");
         ["client_body", "client_abort", "client_body_timeout"]
             .iter()
             .all(|k| lines.iter().any(|l| l["error"] == *k))
@@ -298,14 +218,20 @@ async fn a_flood_of_broken_client_bodies_leaves_every_node_healthy() {
         );
     }
     soon("cut node ejected", || async {
-        let n = node(&s.gw, "cut-1").await;
+        let n = s.gw.node_doc("cut-1").await;
         n["health"] == "unhealthy" && n["errors"] == 3
     })
     .await;
     soon("cut bodies logged", || async {
-        log_lines(&s.fx)
+        s.fx.json_lines("access.log")
             .iter()
-            .filter(|l| l["node"] == "cut-1" && l["status"] == 200 && l["error"] == "upstream_body")
+            .filter(|l| {
+                // Recorded as the node's failure; the client had its 200.
+                l["node"] == "cut-1"
+                    && l["status"] == 502
+                    && l["sent_status"] == 200
+                    && l["error"] == "upstream_body"
+            })
             .count()
             == 3
     })
@@ -329,11 +255,11 @@ async fn a_stalled_node_body_ends_at_the_read_timeout_and_counts_against_the_nod
     );
     assert!(started.elapsed() < Duration::from_secs(20));
     soon("stall counted", || async {
-        node(&s.gw, "stall-1").await["errors"] == 1
+        s.gw.node_doc("stall-1").await["errors"] == 1
     })
     .await;
     soon("stall logged", || async {
-        log_lines(&s.fx)
+        s.fx.json_lines("access.log")
             .iter()
             .any(|l| l["node"] == "stall-1" && l["error"] == "upstream_body_timeout")
     })
@@ -361,12 +287,12 @@ async fn a_client_that_stops_reading_is_cut_off_and_the_node_is_not_blamed() {
     })
     .await;
     soon("recorded as the client's abort", || async {
-        log_lines(&s.fx)
+        s.fx.json_lines("access.log")
             .iter()
             .any(|l| l["node"] == "big-1" && l["error"] == "client_abort")
     })
     .await;
-    let n = node(&s.gw, "big-1").await;
+    let n = s.gw.node_doc("big-1").await;
     assert_eq!(n["errors"], 0, "{n}");
     assert_eq!(n["health"], "healthy", "{n}");
     drop(c);

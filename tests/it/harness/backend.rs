@@ -1,7 +1,8 @@
 //! The one test backend: a real hyper HTTP/1.1 server on 127.0.0.1 that
 //! records what it saw (requests, health probes, connections) and answers
 //! as its [`Mode`] says; mode, status, health status and delay can be
-//! switched while it runs.
+//! switched while it runs. And [`raw_node`]: a node that writes exact bytes
+//! (a response it breaks off, stalls, or a large one).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
@@ -14,6 +15,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 pub type BoxBody = http_body_util::combinators::BoxBody<Bytes, hyper::Error>;
@@ -399,4 +401,66 @@ pub async fn full_backends<const N: usize>(specs: [(&str, &str); N]) -> [Backend
         all.push(Backend::full(name, lane).await);
     }
     all.try_into().unwrap_or_else(|_| unreachable!())
+}
+
+/// How a [`raw_node`] answers every request.
+#[derive(Clone, Copy)]
+pub enum RawMode {
+    /// `Content-Length: 100`, 7 bytes, then the connection closes.
+    Cut,
+    /// `Content-Length: 100`, 7 bytes, then nothing.
+    Stall,
+    /// A 64 MiB body written as fast as the gateway takes it.
+    Big,
+}
+
+/// A node on raw TCP on 127.0.0.1 (no HTTP library: its bytes exactly as
+/// [`RawMode`] says) answering the first request of each connection;
+/// it runs as long as the test's runtime.
+pub async fn raw_node(mode: RawMode) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    let mut chunk = [0u8; 4096];
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                match mode {
+                    RawMode::Cut | RawMode::Stall => {
+                        let _ = s
+                            .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nseven..")
+                            .await;
+                        if let RawMode::Stall = mode {
+                            let mut sink = [0u8; 64];
+                            while let Ok(n) = s.read(&mut sink).await {
+                                if n == 0 {
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                    RawMode::Big => {
+                        let total = 64usize << 20;
+                        let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {total}\r\n\r\n");
+                        if s.write_all(head.as_bytes()).await.is_err() {
+                            return;
+                        }
+                        let block = vec![b'x'; 64 * 1024];
+                        for _ in 0..total / block.len() {
+                            if s.write_all(&block).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    });
+    addr
 }

@@ -35,6 +35,16 @@ impl Fixture {
         self.dir.path().join(rel)
     }
 
+    /// The JSON lines of the file `rel` (an access log with `format: json`)
+    /// written so far; none while it does not exist.
+    pub fn json_lines(&self, rel: &str) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self.path(rel))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
     /// Writes a file in place (truncate + write).
     pub fn write(&self, rel: &str, text: &str) -> PathBuf {
         let p = self.path(rel);
@@ -431,13 +441,15 @@ impl Gateway {
             .sum()
     }
 
-    /// The node `name` of the first service in the admin `/nodes` document.
+    /// The node `name` in the admin `/nodes` document (the first service
+    /// that has one of that name).
     pub async fn node_doc(&self, name: &str) -> serde_json::Value {
         let doc = self.admin_get("/nodes").await.json();
-        doc["services"][0]["nodes"]
+        doc["services"]
             .as_array()
             .unwrap()
             .iter()
+            .flat_map(|s| s["nodes"].as_array().unwrap().iter())
             .find(|n| n["name"] == name)
             .cloned()
             .unwrap_or_else(|| panic!("no node {name}: {doc}"))

@@ -1,7 +1,9 @@
 //! Metrics, the admin API (auth, status, nodes, explain, node management
 //! written back to files), the access log and the lane response header,
-//! through the real binary.
+//! through the real binary; what a node's broken-off body and a client's
+//! abort are recorded as (`broken_bodies`).
 
+mod broken_bodies;
 mod rules;
 
 use std::net::SocketAddr;

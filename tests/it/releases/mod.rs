@@ -5,11 +5,14 @@
 //! answering 500 holds it; a restarted gateway resumes at its step; a
 //! rising share or a promotion moves sticky formal users in while gray ones
 //! stay, and a rollback unpins them; a gRPC gray answering UNAVAILABLE is
-//! rolled back (`grpc`).
+//! rolled back (`grpc`), and so is a gray that cuts its bodies short
+//! (`truncated`).
 
 mod fleet;
 mod grpc;
 mod judgement;
+
+mod truncated;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
