@@ -11,7 +11,6 @@
 mod fleet;
 mod grpc;
 mod judgement;
-
 mod truncated;
 
 use std::sync::atomic::{AtomicBool, Ordering};
