@@ -937,6 +937,48 @@ mod tests {
         }
     }
 
+    /// A pooled connection holds no read buffer: its buffer waits on the
+    /// thread's free list, the next fill takes it back, and a trim frees
+    /// one that no exchange took over a whole period.
+    #[tokio::test]
+    async fn a_pooled_connection_keeps_no_buffer_and_the_kept_one_is_trimmed() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stream = TcpStream::connect(addr).await.unwrap();
+        let (mut peer, _) = listener.accept().await.unwrap();
+        let kept = || READ_BUFS.with(|b| b.borrow().len());
+        let mut conn = Box::new(Conn {
+            stream,
+            rbuf: BytesMut::new(),
+            read_size: READ_MIN,
+            spans: Vec::new(),
+            raw: None,
+        });
+        peer.write_all(b"x").await.unwrap();
+        let n = std::future::poll_fn(|cx| conn.poll_fill(cx)).await.unwrap();
+        assert_eq!(n, 1);
+        conn.rbuf.clear();
+        assert!(conn.rbuf.capacity() >= READ_MIN);
+
+        checkin(addr, conn, 8);
+        assert_eq!(kept(), 1, "the buffer went to the free list");
+        let mut conn = checkout(addr, Duration::from_secs(60)).expect("pooled");
+        assert_eq!(conn.rbuf.capacity(), 0, "a pooled connection holds a buffer");
+
+        // The next fill takes the kept buffer (no new one).
+        peer.write_all(b"y").await.unwrap();
+        std::future::poll_fn(|cx| conn.poll_fill(cx)).await.unwrap();
+        assert_eq!(kept(), 0, "the kept buffer was not taken");
+        conn.rbuf.clear();
+        checkin(addr, conn, 8);
+        assert_eq!(kept(), 1);
+
+        // Not taken over a whole period: freed by the second trim.
+        assert_eq!(trim_kept(), 0);
+        assert_eq!(trim_kept(), 1);
+        assert_eq!(kept(), 0);
+    }
+
     #[test]
     fn content_length_is_digits_only() {
         assert_eq!(content_length(b"0"), Some(0));
