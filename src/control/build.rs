@@ -13,11 +13,11 @@ use http::HeaderName;
 
 use crate::base::lists::IpList;
 use crate::config::docs::{Docs, FileDocs};
-use crate::config::{JitMode, NodeProtocol};
 use crate::config::{
     find_line, parse_yaml, resolve, valid_lane, Balance, ConfigError, MainConfig, NodeFile,
     ServiceConfig, FORMAL, ZONE_ENV,
 };
+use crate::config::{JitMode, NodeProtocol};
 use crate::generation::{Generation, Route, Target};
 use crate::lane::rules::Rules;
 use crate::lane::script::ScriptSource;

@@ -963,7 +963,11 @@ mod tests {
         checkin(addr, conn, 8);
         assert_eq!(kept(), 1, "the buffer went to the free list");
         let mut conn = checkout(addr, Duration::from_secs(60)).expect("pooled");
-        assert_eq!(conn.rbuf.capacity(), 0, "a pooled connection holds a buffer");
+        assert_eq!(
+            conn.rbuf.capacity(),
+            0,
+            "a pooled connection holds a buffer"
+        );
 
         // The next fill takes the kept buffer (no new one).
         peer.write_all(b"y").await.unwrap();

@@ -146,7 +146,10 @@ async fn jit_by_default_where_the_compiler_may_run_and_the_interpreter_elsewhere
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "--check refused auto under MDWE: {err}");
+    assert!(
+        out.status.success(),
+        "--check refused auto under MDWE: {err}"
+    );
 
     let gw = Gateway::start_cmd(under_mdwe(), &fx.path("main.yaml"), &[]);
     serves_lanes(&gw).await;
