@@ -11,14 +11,26 @@ RSS after the close as a multiple of the idle baseline. Not a test: a
 measurement for docs/src/benchmarks/idle-connections.md (RSS of a process cannot be asserted on a shared
 machine).
 
+Two ways of opening (`--opening`, both by default, each on a fresh process):
+  serial  one connection after the other, each request answered before the
+          next connection opens: at most one request in flight;
+  burst   every connection's connect sent at once, then the requests of half
+          of them written together and their answers read as they come: as
+          many requests in flight as the gateway lets in at once, so what a
+          burst leaves behind (buffers, upstream connections, allocator
+          pages) shows in the RSS that is left once they are idle.
+
 Usage:
   cargo build --release
-  python3 bench/idle_conns.py [--conns 10000] [--only graygate,nginx-lua]
+  python3 bench/idle_conns.py [--conns 10000] [--only graygate,nginx-lua] [--opening burst]
+  python3 bench/idle_conns.py --conns 9500 --opening burst   # issue 36's burst figure
   python3 bench/idle_conns.py --quick --graygate target/debug/graygate   # 200 connections (CI)
 """
 import argparse
+import json
 import os
 import resource
+import selectors
 import shutil
 import socket
 import sys
@@ -48,7 +60,7 @@ def settle(pids, secs=None, limit=60.0):
 
 def one_request(s):
     """One keep-alive request on `s`; reads the whole response."""
-    s.sendall(b"GET /api/x HTTP/1.1\r\nHost: bench\r\n\r\n")
+    s.sendall(REQUEST)
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = s.recv(4096)
@@ -70,7 +82,92 @@ def one_request(s):
         body += chunk
 
 
-def measure(target, n):
+# Handshakes in flight at once in a burst (below the default SYN backlog).
+WAVE = 512
+REQUEST = b"GET /api/x HTTP/1.1\r\nHost: bench\r\n\r\n"
+
+
+def open_serial(port, n):
+    socks = []
+    for i in range(n):
+        s = socket.create_connection(("127.0.0.1", port))
+        if i % 2 == 1:
+            one_request(s)
+        socks.append(s)
+    return socks
+
+
+def open_burst(port, n, limit=120.0):
+    """The connects in waves of at most WAVE handshakes in flight (more
+    would overflow the kernel's SYN and accept queues and lose connections
+    the client believes open), then the odd ones' requests written together;
+    returns once each is connected and every response was read in full."""
+    t0 = time.time()
+    sel = selectors.DefaultSelector()
+    socks = []
+    deadline = time.time() + limit
+    pending = 0
+    while len(socks) < n or pending:
+        while len(socks) < n and pending < WAVE:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setblocking(False)
+            err = s.connect_ex(("127.0.0.1", port))
+            if err not in (0, 115):  # EINPROGRESS
+                raise SystemExit(f"connect: {os.strerror(err)}")
+            socks.append(s)
+            sel.register(s, selectors.EVENT_WRITE)
+            pending += 1
+        if time.time() > deadline:
+            raise SystemExit(f"burst: {pending} connections not established")
+        for key, _ in sel.select(timeout=1.0):
+            s = key.fileobj
+            err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                raise SystemExit(f"burst connect: {os.strerror(err)}")
+            sel.unregister(s)
+            pending -= 1
+    t1 = time.time()
+    # The requests of half of them, written back to back.
+    got = {}
+    for i in range(1, n, 2):
+        socks[i].sendall(REQUEST)
+        got[i] = b""
+        sel.register(socks[i], selectors.EVENT_READ, i)
+    while got:
+        if time.time() > deadline:
+            raise SystemExit(f"burst: {len(got)} responses not complete")
+        for key, _ in sel.select(timeout=1.0):
+            i = key.data
+            chunk = key.fileobj.recv(65536)
+            if not chunk:
+                raise SystemExit("connection closed before its response")
+            got[i] += chunk
+            if response_done(got[i]):
+                sel.unregister(key.fileobj)
+                del got[i]
+    sel.close()
+    for s in socks:
+        s.setblocking(True)
+    print(f"burst: {n} connected in {t1 - t0:.1f} s, {n // 2} answered {time.time() - t1:.1f} s later",
+          file=sys.stderr, flush=True)
+    return socks
+
+
+def response_done(data):
+    """True once `data` holds a whole 200 response (head and Content-Length body)."""
+    if b"\r\n\r\n" not in data:
+        return False
+    head, body = data.split(b"\r\n\r\n", 1)
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise SystemExit(f"unexpected answer: {head[:80]!r}")
+    for line in head.split(b"\r\n")[1:]:
+        k, _, v = line.partition(b":")
+        if k.strip().lower() == b"content-length":
+            return len(body) >= int(v.strip())
+    raise SystemExit("response without Content-Length")
+
+
+def measure(target, n, opening):
     pids = target.pids()
     # The worker(s): nginx's master holds no client connection.
     workers = [p for p in pids if p != target.proc.pid] or pids
@@ -79,12 +176,7 @@ def measure(target, n):
         one_request(s)
         s.close()
     base = settle(workers)
-    socks = []
-    for i in range(n):
-        s = socket.create_connection(("127.0.0.1", target.port))
-        if i % 2 == 1:
-            one_request(s)
-        socks.append(s)
+    socks = (open_burst if opening == "burst" else open_serial)(target.port, n)
     held = settle(workers)
     # Every connection still open (none closed by an idle timeout meanwhile).
     alive = 0
@@ -106,13 +198,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conns", type=int, default=10000)
     ap.add_argument("--only", help="comma-separated: graygate,nginx-lua")
+    ap.add_argument("--opening", default="serial,burst",
+                    help="comma-separated: serial (one after the other), burst (all at once)")
+    ap.add_argument("--json", help="also write the rows here")
     lib.add_quick(ap)
     a = ap.parse_args()
     if a.quick:
         a.conns, SETTLE["secs"] = 200, 0.5
     lib.require(("nginx", "nginx-lua"), [a.graygate])
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = a.conns + 1024
+    # The targets inherit the limit: a client connection each, and in a
+    # burst as many upstream connections as requests in flight (half).
+    want = a.conns + a.conns // 2 + 1024
     if soft < want:
         if hard != resource.RLIM_INFINITY and hard < want:
             raise SystemExit(f"RLIMIT_NOFILE hard limit {hard} < {want}: raise it (ulimit -Hn)")
@@ -134,21 +231,27 @@ def main():
             sock = lib.listen_socket()
             path = lib.nginx_lua_conf(work, sock.getsockname()[1])
             with open(path) as f:
-                conf = f.read().replace("worker_connections 16384;", f"worker_connections {a.conns + 1000};")
+                conf = f.read().replace("worker_connections 16384;", f"worker_connections {a.conns + a.conns // 2 + 1000};")
                 conf = conf.replace("keepalive_timeout 120s;", "keepalive_timeout 600s;")
             with open(path, "w") as f:
                 f.write(conf)
+            # worker_connections counts upstream connections too (a burst
+            # has one per request in flight); fewer, and nginx closes idle
+            # client connections to make room.
             return lib.Target("nginx-lua", ["nginx", "-p", work, "-e", "stderr", "-c", path],
                                 os.path.join(work, "nginx-lua.log"), cpus=None, socks=[sock], nginx=True)
 
         targets = {"graygate": graygate, "nginx-lua": nginx}
-        for name in (a.only.split(",") if a.only else list(targets)):
-            t = targets[name]()
-            try:
-                rows[name] = measure(t, a.conns)
-            finally:
-                t.stop()
-            print(f"done: {name}", file=sys.stderr, flush=True)
+        for opening in a.opening.split(","):
+            if opening not in ("serial", "burst"):
+                raise SystemExit(f"--opening: serial or burst, not {opening!r}")
+            for name in (a.only.split(",") if a.only else list(targets)):
+                t = targets[name]()
+                try:
+                    rows[(name, opening)] = measure(t, a.conns, opening)
+                finally:
+                    t.stop()
+                print(f"done: {name} {opening}", file=sys.stderr, flush=True)
     finally:
         backends.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -156,13 +259,22 @@ def main():
         load = " ".join(f.read().split()[:3])
     print(f"Idle keep-alive connections: {a.conns} (half after one request), one worker each; "
           f"load average {load}\n")
-    print("| target | RSS idle MB | RSS with connections MB | KB per connection | RSS after close MB "
-          "| after close ÷ idle | connections alive |")
-    print("|---|---|---|---|---|---|---|")
-    for name, (base, held, after, alive) in rows.items():
+    print("| target | opening | RSS idle MB | RSS with connections MB | KB per connection "
+          "| RSS after close MB | after close ÷ idle | connections alive |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (name, opening), (base, held, after, alive) in rows.items():
         per = (held - base) / a.conns
-        print(f"| {name} | {base/1024:.1f} | {held/1024:.1f} | {per:.2f} | {after/1024:.1f} "
+        print(f"| {name} | {opening} | {base/1024:.1f} | {held/1024:.1f} | {per:.2f} | {after/1024:.1f} "
               f"| {after/base:.2f} | {alive} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"conns": a.conns, "load": load,
+                       "rows": [{"target": name, "opening": opening, "rss_idle_kb": base,
+                                 "rss_with_conns_kb": held, "kb_per_conn": round((held - base) / a.conns, 3),
+                                 "rss_after_close_kb": after, "after_close_ratio": round(after / base, 3),
+                                 "alive": alive}
+                                for (name, opening), (base, held, after, alive) in rows.items()]},
+                      f, indent=1)
     lib.fail_on_errors(sum(a.conns - alive for _, _, _, alive in rows.values()), "connections (closed while idle)")
 
 

@@ -19,7 +19,8 @@ Usage:
   python3 bench/instructions.py --graygate /tmp/gg-old --only graygate   # A/B a change
   python3 bench/instructions.py --script openresty_heavy   # an OpenResty module, unchanged
                                                            # in graygate and nginx+lua
-  python3 bench/instructions.py --jit                 # adds graygate-jit: script_limits.jit: true
+  python3 bench/instructions.py --interp              # adds graygate-interp: script_limits.jit: false
+                                                      # (graygate itself runs the default, jit: auto)
   python3 bench/instructions.py --quick --graygate target/debug/graygate   # 20 requests (CI)
 With --script NAME, graygate runs bench/NAME.lua as its script and nginx runs
 `access_by_lua_block { ngx.var.lane = require("NAME").lane() or "formal" }`
@@ -140,8 +141,9 @@ def main():
     ap.add_argument("--only", help="comma-separated: graygate,nginx-lua,haproxy-lua")
     ap.add_argument("--script", help="an OpenResty module in bench/ (e.g. openresty_heavy) "
                                      "run unchanged by graygate and nginx+lua")
-    ap.add_argument("--jit", action="store_true",
-                    help="also graygate-jit: the same build with script_limits.jit: true")
+    ap.add_argument("--interp", action="store_true",
+                    help="also graygate-interp: the same build with script_limits.jit: false "
+                         "(graygate runs the shipped default, jit: auto: the compiler where it can run)")
     lib.add_quick(ap)
     a = ap.parse_args()
     warmup = 200
@@ -161,12 +163,14 @@ def main():
         # With --script, nginx binds a loopback TCP port itself (found free
         # just before; no inherited socket): an OpenResty script reads
         # ngx.var.remote_addr, which must be an address as in graygate.
-        def graygate(jit=False):
+        def graygate(jit=None):
+            """`jit`: None leaves script_limits.jit at its default (auto)."""
             kw = {"script": os.path.join(lib.BENCH, f"{a.script}.lua")} if a.script else {}
-            gg = lib.write_graygate_config(work, "graygate-jit" if jit else "graygate", 1, **kw)
-            if jit:
+            name = {None: "graygate", False: "graygate-interp", True: "graygate-jit"}[jit]
+            gg = lib.write_graygate_config(work, name, 1, **kw)
+            if jit is not None:
                 with open(gg, "a") as f:
-                    f.write("script_limits:\n  jit: true\n")
+                    f.write(f"script_limits:\n  jit: {str(jit).lower()}\n")
             return [a.graygate, "--config", gg], None, None, None
 
         def nginx():
@@ -193,13 +197,14 @@ def main():
             sock = lib.listen_socket()
             return ["haproxy", "-db", "-f", lib.haproxy_conf(work, sock.fileno())], sock, None, None
 
-        targets = {"graygate": graygate, "graygate-jit": lambda: graygate(jit=True),
+        targets = {"graygate": graygate, "graygate-interp": lambda: graygate(jit=False),
+                   "graygate-jit": lambda: graygate(jit=True),
                    "nginx-lua": nginx, "haproxy-lua": haproxy}
         if a.script:
             del targets["haproxy-lua"]
-        names = a.only.split(",") if a.only else [t for t in targets if t != "graygate-jit"]
-        if a.jit and "graygate-jit" not in names:
-            names.insert(names.index("graygate") + 1 if "graygate" in names else 0, "graygate-jit")
+        names = a.only.split(",") if a.only else [t for t in targets if t not in ("graygate-interp", "graygate-jit")]
+        if a.interp and "graygate-interp" not in names:
+            names.insert(names.index("graygate") + 1 if "graygate" in names else 0, "graygate-interp")
         rows = {}
         for name in names:
             cmd, sock, unix, port = targets[name]()

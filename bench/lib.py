@@ -460,13 +460,13 @@ routes:
 GRAYGATE_LOG = "warn,graygate=info"
 
 
-def start_graygate(work, binary, name="graygate", workers=1, cpus=frozenset({1}), jit=False, **kw):
+def start_graygate(work, binary, name="graygate", workers=1, cpus=frozenset({1}), jit=None, **kw):
     """graygate with `write_graygate_config`'s config (`kw` goes there);
-    `jit`: with `script_limits.jit: true`."""
+    `jit`: `script_limits.jit` true or false (None: the default, auto)."""
     cfg = write_graygate_config(work, name, workers, **kw)
-    if jit:
+    if jit is not None:
         with open(cfg, "a") as f:
-            f.write("script_limits:\n  jit: true\n")
+            f.write(f"script_limits:\n  jit: {str(jit).lower()}\n")
     env = dict(os.environ, RUST_LOG=GRAYGATE_LOG)
     return Target(name, [binary, "--config", cfg], os.path.join(work, f"{name}.log"),
                   cpus=cpus, env=env)

@@ -20,8 +20,11 @@ Usage:
   python3 bench/openresty_bench.py --scripts heavy --duration 5
   python3 bench/openresty_bench.py --extra before=/tmp/graygate-old   # another build side by side
   python3 bench/openresty_bench.py --quick                  # seconds, unpinned (CI; fails on errors)
+  python3 bench/openresty_bench.py --interp                 # also each build with script_limits.jit: false
   python3 bench/openresty_bench.py --jit                    # also each build with script_limits.jit: true
   python3 bench/openresty_bench.py --jit-only               # each build with script_limits.jit: true only
+The rows named for a build alone run the configuration as shipped (no
+script_limits.jit key: auto, LuaJIT's compiler where it can run).
 """
 
 import argparse
@@ -79,6 +82,8 @@ def main():
     ap.add_argument("--conns", default="32,256")
     ap.add_argument("--mixes", default="untagged,user-id,x-gray")
     ap.add_argument("--no-pin", action="store_true")
+    ap.add_argument("--interp", action="store_true",
+                    help="also run each build with script_limits.jit: false (rows NAME-interp)")
     ap.add_argument("--jit", action="store_true",
                     help="also run each build with script_limits.jit: true (rows NAME-jit)")
     ap.add_argument("--jit-only", action="store_true",
@@ -103,8 +108,11 @@ def main():
             module = lib.OPENRESTY_SCRIPTS[script]
             targets = []
             for name, path in builds:
-                for jit in ([True] if a.jit_only else [False, True] if a.jit else [False]):
-                    targets.append(lib.start_graygate(work, path, name=f"{name}{'-jit' if jit else ''}-{script}",
+                modes = [True] if a.jit_only else [None] + [True] * a.jit
+                modes += [False] * a.interp
+                for jit in modes:
+                    suffix = {None: "", True: "-jit", False: "-interp"}[jit]
+                    targets.append(lib.start_graygate(work, path, name=f"{name}{suffix}-{script}",
                                                       script=os.path.join(lib.BENCH, f"{module}.lua"), jit=jit))
                     started.append(targets[-1])
             access = (f"access_by_lua_block {{ ngx.var.lane = require(\"{module}\").lane()"

@@ -5,8 +5,9 @@ rustc's own PGO, in three steps:
   1. an instrumented release build (`-Cprofile-generate`, its own target dir
      target/pgo-gen, so the plain release build's cache is not touched);
   2. a training load on it: the request path as operators run it — the
-     shipped native script (scripts/gray.lua), the two OpenResty scripts of
-     bench/ on LuaJIT's interpreter and with `script_limits.jit: true`, each
+     shipped native script (scripts/gray.lua, the default script_limits),
+     the two OpenResty scripts of bench/ on LuaJIT's interpreter
+     (`script_limits.jit: false`) and with its compiler (`true`), each
      under the three load mixes at 32 and 256 connections, and static files
      (2 KiB, 100 KiB; a lane's own file and the fallback to formal); graygate
      is stopped with SIGTERM, which writes its profile;
@@ -23,8 +24,12 @@ message names all that are missing.
 Usage:
   python3 bench/pgo.py                 # ~15 minutes on 2 cores; prints the binary's path
   python3 bench/pgo.py --train-seconds 1
+  python3 bench/pgo.py --dry-run       # the prerequisites and the commands, nothing built
   python3 bench/pgo.py --train-only target/debug/graygate --train-seconds 1   # the load alone
-  python3 bench/pgo.py --quick --graygate target/debug/graygate   # the same, CI's check
+  python3 bench/pgo.py --quick --graygate target/debug/graygate   # CI's check: --dry-run, then
+                                       # the training load on that build, one second a run
+A dry run names what is missing for the build (e.g. the llvm package) and
+exits 0: the plan is printed either way.
   packaging/build-deb.sh --binary "$(python3 bench/pgo.py)"
 The benchmarks take the result with --graygate target/pgo-use/release/graygate.
 """
@@ -58,12 +63,61 @@ def profdata_tool():
     return None, f"llvm-profdata for LLVM {major} not found: apt-get install llvm-{major}"
 
 
-def cargo_build(target_dir, rustflags):
+def cargo_command(target_dir, rustflags):
+    """(environment, argv) of one release build into `target_dir`."""
     env = dict(os.environ)
     env["RUSTFLAGS"] = (env.get("RUSTFLAGS", "") + " " + rustflags).strip()
-    subprocess.run(["cargo", "build", "--release", "--locked", "--target-dir", target_dir],
-                   cwd=lib.REPO, env=env, check=True, stdout=sys.stderr)
+    return env, ["cargo", "build", "--release", "--locked", "--target-dir", target_dir]
+
+
+def cargo_build(target_dir, rustflags):
+    env, argv = cargo_command(target_dir, rustflags)
+    subprocess.run(argv, cwd=lib.REPO, env=env, check=True, stdout=sys.stderr)
     return os.path.join(target_dir, "release", "graygate")
+
+
+class Plan:
+    """The build's paths and the commands of its steps."""
+
+    def __init__(self, data, tool):
+        target = os.path.join(lib.REPO, "target")
+        self.data = os.path.abspath(data or os.path.join(target, "pgo-data"))
+        self.gen_dir = os.path.join(target, "pgo-gen")
+        self.use_dir = os.path.join(target, "pgo-use")
+        self.merged = os.path.join(target, "pgo.profdata")
+        self.gen_flags = f"-Cprofile-generate={self.data}"
+        self.use_flags = f"-Cprofile-use={self.merged}"
+        self.tool = tool
+
+    def steps(self):
+        """The commands as one would type them (for --dry-run)."""
+        gen_env, gen = cargo_command(self.gen_dir, self.gen_flags)
+        use_env, use = cargo_command(self.use_dir, self.use_flags)
+        tool = self.tool or "llvm-profdata-<N>"
+        return [
+            f"RUSTFLAGS='{gen_env['RUSTFLAGS']}' {' '.join(gen)}",
+            f"training load on {os.path.join(self.gen_dir, 'release', 'graygate')} "
+            f"(profiles into {self.data})",
+            f"{tool} merge -o {self.merged} {self.data}/*.profraw",
+            f"RUSTFLAGS='{use_env['RUSTFLAGS']}' {' '.join(use)}",
+        ]
+
+
+def dry_run(a):
+    """Prints the prerequisites' state and the steps; builds nothing. Only
+    the training's tools are required (they are what --quick runs)."""
+    tool, missing = profdata_tool()
+    build_missing = lib.missing_tools(("cargo",)) + ([missing] if missing else [])
+    print("pgo.py dry run: nothing is built")
+    if build_missing:
+        print("missing for the build (it would stop before building):")
+        for m in build_missing:
+            print(f"  {m}")
+    else:
+        print(f"build prerequisites: all found (profile tool {tool})")
+    for i, step in enumerate(Plan(a.data, tool).steps(), 1):
+        print(f"step {i}: {step}")
+    sys.stdout.flush()
 
 
 def load(port, seconds, what, mix=None, conns=32, **wrk):
@@ -81,7 +135,7 @@ def train(binary, seconds):
     work = tempfile.mkdtemp(prefix="graygate-pgo-train-")
     started = [lib.start_backends(work)]
     try:
-        scripts = [("native", os.path.join(lib.REPO, "scripts", "gray.lua"), False)]
+        scripts = [("native", os.path.join(lib.REPO, "scripts", "gray.lua"), None)]
         for name, module in lib.OPENRESTY_SCRIPTS.items():
             for jit in (False, True):
                 scripts.append((f"{name}{'-jit' if jit else ''}",
@@ -117,30 +171,36 @@ def main():
     ap.add_argument("--data", help="where the instrumented build writes its profile "
                                    "(default target/pgo-data; part of its flags, so keep it "
                                    "the same to reuse that build)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="check the prerequisites and print the steps' commands; build nothing")
     lib.add_quick(ap)
     a = ap.parse_args()
-    if a.quick:  # the training load alone, on --graygate, one second a run
-        a.train_only, a.train_seconds = a.train_only or a.graygate, 1
     load_tools = ("nginx", "nginx-lua", "wrk")
+    if a.quick:  # the dry run, then the training load on --graygate, one second a run
+        a.train_only, a.train_seconds = a.train_only or a.graygate, 1
+        lib.require(load_tools, [a.train_only])
+        dry_run(a)
+    if a.dry_run and not a.quick:
+        lib.require(load_tools)
+        dry_run(a)
+        return
     if a.train_only:
         lib.require(load_tools, [a.train_only])
         train(a.train_only, a.train_seconds)
         return
     tool, missing = profdata_tool()
     lib.require(load_tools + ("cargo",), more=[missing] if missing else [])
-    target = os.path.join(lib.REPO, "target")
-    data = os.path.abspath(a.data or os.path.join(target, "pgo-data"))
-    shutil.rmtree(data, ignore_errors=True)
-    os.makedirs(data)
-    gen = cargo_build(os.path.join(target, "pgo-gen"), f"-Cprofile-generate={data}")
+    plan = Plan(a.data, tool)
+    shutil.rmtree(plan.data, ignore_errors=True)
+    os.makedirs(plan.data)
+    gen = cargo_build(plan.gen_dir, plan.gen_flags)
     train(gen, a.train_seconds)
-    raws = glob.glob(os.path.join(data, "*.profraw"))
+    raws = glob.glob(os.path.join(plan.data, "*.profraw"))
     if not raws:
         raise SystemExit("the training wrote no profile (graygate did not exit cleanly?)")
-    merged = os.path.join(target, "pgo.profdata")
-    subprocess.run([tool, "merge", "-o", merged] + raws, check=True)
-    print(f"profile: {len(raws)} raw file(s) merged into {merged}", file=sys.stderr)
-    print(cargo_build(os.path.join(target, "pgo-use"), f"-Cprofile-use={merged}"))
+    subprocess.run([tool, "merge", "-o", plan.merged] + raws, check=True)
+    print(f"profile: {len(raws)} raw file(s) merged into {plan.merged}", file=sys.stderr)
+    print(cargo_build(plan.use_dir, plan.use_flags))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ const LONG_VERSION: &str = concat!(
     env!("GRAYGATE_BUILD_PROFILE"),
     "\nfeatures: ",
     env!("GRAYGATE_BUILD_FEATURES"),
-    "\nlua:      LuaJIT 2.1 (vendored; JIT off unless script_limits.jit)",
+    "\nlua:      LuaJIT 2.1 (vendored; its compiler per script_limits.jit, auto by default)",
 );
 
 #[derive(Parser)]

@@ -85,6 +85,9 @@ pub fn status(gw: &Gateway) -> serde_json::Value {
         "reloads_rejected": st.rejected,
         "uptime_secs": gw.started.elapsed().as_secs(),
         "warnings": gen.warnings,
+        // The lane script's VM: LuaJIT's compiler on (`script_limits.jit`
+        // as it resolved here), null without a script.
+        "script_jit": gen.lane.script.as_ref().map(|s| s.jit),
         "source": src.source,
     });
     if gw.etcd.is_some() {

@@ -391,10 +391,42 @@ pub struct ScriptLimits {
     pub instruction_budget: u64,
     /// Memory one worker's Lua VM may hold.
     pub memory_limit: SizeValue,
-    /// LuaJIT's trace compiler on: faster scripts, but machine code is
-    /// written at run time (W+X mappings), so the systemd unit needs
-    /// `MemoryDenyWriteExecute=no`.
-    pub jit: bool,
+    /// LuaJIT's trace compiler: `auto` (on where the process may make
+    /// machine code executable, LuaJIT's interpreter elsewhere), `true`
+    /// (on; refused where it cannot run) or `false` (the interpreter).
+    pub jit: JitMode,
+}
+
+/// `script_limits.jit`: `auto`, `true` or `false`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum JitMode {
+    /// On where the compiler can run (`jit_probe`), the interpreter elsewhere.
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl<'de> Deserialize<'de> for JitMode {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = JitMode;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("true, false or auto")
+            }
+            fn visit_bool<E: serde::de::Error>(self, b: bool) -> Result<JitMode, E> {
+                Ok(if b { JitMode::On } else { JitMode::Off })
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<JitMode, E> {
+                match s {
+                    "auto" => Ok(JitMode::Auto),
+                    _ => Err(E::invalid_value(serde::de::Unexpected::Str(s), &self)),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 impl Default for ScriptLimits {
@@ -402,7 +434,7 @@ impl Default for ScriptLimits {
         ScriptLimits {
             instruction_budget: DEFAULT_INSTRUCTION_BUDGET,
             memory_limit: SizeValue::Bytes(DEFAULT_MEMORY_LIMIT as u64),
-            jit: false,
+            jit: JitMode::Auto,
         }
     }
 }

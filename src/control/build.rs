@@ -16,11 +16,11 @@ use http::HeaderName;
 
 use crate::base::lists::IpList;
 use crate::config::docs::{Docs, FileDocs};
-use crate::config::NodeProtocol;
 use crate::config::{
     find_line, parse_yaml, resolve, valid_lane, Balance, ConfigError, MainConfig, NodeFile,
     ServiceConfig, FORMAL, ZONE_ENV,
 };
+use crate::config::{JitMode, NodeProtocol};
 use crate::generation::{Generation, Route, Target};
 use crate::lane::rules::Rules;
 use crate::lane::script::ScriptSource;
@@ -389,20 +389,35 @@ impl Generation {
             .map(|(name, bytes)| (name.clone(), shared_dict::pending(name, *bytes)))
             .collect();
 
-        if config.script_limits.jit && config.script.is_some() {
-            // Where LuaJIT cannot make its code executable it would end the
-            // process at the first compiled trace.
-            crate::lane::jit_probe::available().map_err(|why| {
-                ConfigError::new(config_path, at("jit"), format!("script_limits.jit: {why}"))
-            })?;
-        }
+        // Where LuaJIT cannot make its code executable it would end the
+        // process at the first compiled trace: `true` is refused there,
+        // `auto` runs the interpreter.
+        let jit = match (config.script_limits.jit, config.script.is_some()) {
+            (JitMode::Off, _) | (_, false) => false,
+            (JitMode::On, true) => {
+                crate::lane::jit_probe::available().map_err(|why| {
+                    ConfigError::new(config_path, at("jit"), format!("script_limits.jit: {why}"))
+                })?;
+                true
+            }
+            (JitMode::Auto, true) => match crate::lane::jit_probe::available() {
+                Ok(()) => true,
+                Err(why) => {
+                    warnings.push(format!(
+                        "script_limits.jit: auto: scripts run on LuaJIT's interpreter: {why} \
+                         (script_limits.jit: false says so and skips this check)"
+                    ));
+                    false
+                }
+            },
+        };
         let script = match &config.script {
             Some(p) => {
                 let path = resolve(&root, p);
                 let mut src = ScriptSource::load_from(docs, &path)?;
                 src.instruction_budget = config.script_limits.instruction_budget;
                 src.memory_limit = memory_limit;
-                src.jit = config.script_limits.jit;
+                src.jit = jit;
                 src.dicts = dicts.clone();
                 src.validate(&lists)?;
                 files.extend(src.files());

@@ -144,13 +144,14 @@ impl Server {
                 _ = shutdown.wait_for(|s| *s) => break,
                 _ = tick.tick() => {
                     drain.notify_waiters();
-                    // The read buffers and request slots a burst left and
+                    // The read buffers (client and upstream side) and
+                    // request slots a burst left and
                     // the steady load did not use over the last second go
                     // back too (at most once a second however short the
                     // tick: a 10 ms window would free what the load takes
                     // again at once).
                     let now = now_ms();
-                    if tidy.trim_due(now) && h1::trim_kept() > 0 {
+                    if tidy.trim_due(now) && h1::trim_kept() + crate::upstream::trim_kept() > 0 {
                         tidy.freed(now);
                     }
                     if tidy.tick(self.connections.get(), now) {

@@ -1,18 +1,21 @@
 //! Layer: upstream. The fast path of the upstream client: one HTTP/1.1 exchange
 //! driven inline by the request's own task (like an nginx upstream), on a
-//! pooled connection that owns its read and write buffers. No connection task,
+//! pooled connection. No connection task,
 //! no channel between the request and its connection: the request head and a
 //! buffered body go out in one write, the response head is parsed with
 //! `httparse`, and the body is handed to the client side without copies
 //! (zero-copy slices of the read buffer), decoded from Content-Length, chunked
 //! or close-delimited framing. At its end the connection goes back to the
-//! thread's pool.
+//! thread's pool without a buffer: its read buffer goes to the thread's
+//! free list (trimmed on the accept loop's tick, [`trim_kept`]), and the
+//! request head is written from one per-thread buffer, so the connections a
+//! burst left idle hold only their sockets.
 //!
 //! Used for every request whose body is already in hand (empty or buffered) and
 //! that asks for no protocol upgrade; streamed bodies and upgrades take hyper's
 //! full-duplex client (`super`).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::io::{self, Write as _};
 use std::net::SocketAddr;
@@ -33,6 +36,7 @@ use super::pool::IdlePool;
 use super::BoxError;
 use crate::base::deadline::Deadline;
 use crate::base::error::{Error, ErrorKind};
+use crate::base::freelist::FreeList;
 use crate::base::head::{Span, StatusLine};
 use crate::base::stall::Stall;
 
@@ -47,11 +51,18 @@ const READ_MAX: usize = 64 * 1024;
 /// A buffered body up to this size goes out in the same write as the head.
 const COALESCE: usize = 16 * 1024;
 
-/// A pooled upstream connection and its buffers.
+/// Read buffers kept per thread for the next exchange (as many as requests
+/// in flight used; what the load does not take again is freed on the
+/// accept loop's tick, [`trim_kept`]).
+const READ_BUFS_MAX: usize = 1024;
+/// The request-head buffer's first capacity (the usual head fits).
+const WRITE_BUF: usize = 1024;
+
+/// An upstream connection; while pooled, its read buffer is empty
+/// (capacity 0: the buffer is on the thread's free list).
 pub struct Conn {
     stream: TcpStream,
     rbuf: BytesMut,
-    wbuf: Vec<u8>,
     /// Current read size (adaptive, see [`READ_MIN`]).
     read_size: usize,
     /// Field positions of the head being parsed (reused: no allocation).
@@ -64,6 +75,14 @@ pub struct Conn {
 
 thread_local! {
     static POOL: RefCell<IdlePool<Box<Conn>>> = RefCell::new(IdlePool::default());
+    static READ_BUFS: RefCell<FreeList<BytesMut>> = const { RefCell::new(FreeList::new(READ_BUFS_MAX)) };
+    static WRITE_BUF_KEPT: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
+}
+
+/// Frees the thread's kept read buffers that no exchange took since the
+/// last call (the accept loop calls this on its tick); how many.
+pub(crate) fn trim_kept() -> usize {
+    READ_BUFS.try_with(|b| b.borrow_mut().trim()).unwrap_or(0)
 }
 
 impl Conn {
@@ -84,6 +103,11 @@ impl Conn {
     /// which (like nginx) marks the socket drained after a short read, so
     /// no extra `EAGAIN` read is made per response.
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        if self.rbuf.capacity() == 0 {
+            if let Some(b) = READ_BUFS.with(|b| b.borrow_mut().take()) {
+                self.rbuf = b;
+            }
+        }
         self.rbuf.reserve(self.read_size);
         let room = self.rbuf.capacity() - self.rbuf.len();
         let read = self.stream.read_buf(&mut self.rbuf);
@@ -103,7 +127,12 @@ fn checkout(addr: SocketAddr, idle_timeout: Duration) -> Option<Box<Conn>> {
     })
 }
 
-fn checkin(addr: SocketAddr, conn: Box<Conn>, max_idle: usize) {
+/// Pools `conn` (its read buffer empty), its buffer kept apart.
+fn checkin(addr: SocketAddr, mut conn: Box<Conn>, max_idle: usize) {
+    let buf = std::mem::take(&mut conn.rbuf);
+    if buf.capacity() > 0 {
+        drop(READ_BUFS.with(|b| b.borrow_mut().give(buf)));
+    }
     POOL.with(|p| p.borrow_mut().checkin(addr, conn, max_idle))
 }
 
@@ -240,7 +269,6 @@ pub async fn request(
             .await
             .map_err(|_| Error::new(ErrorKind::ResponseTimeout))??,
         rbuf: BytesMut::new(),
-        wbuf: Vec::with_capacity(1024),
         read_size: READ_MIN,
         spans: Vec::new(),
         raw: None,
@@ -270,7 +298,12 @@ async fn exchange(
     req: &Outgoing<'_>,
     deadline: &mut Deadline,
 ) -> Result<Head, (Failed, bool)> {
-    let mut wbuf = std::mem::take(&mut conn.wbuf);
+    // The thread's head buffer (a fresh one while another exchange's write
+    // waits with it).
+    let mut wbuf = WRITE_BUF_KEPT.take();
+    if wbuf.capacity() == 0 {
+        wbuf.reserve(WRITE_BUF);
+    }
     req.encode(addr, &mut wbuf);
     // The usual head fits the socket's send buffer: one try first, no
     // write future (its readiness poll and budget check) unless it waits.
@@ -284,7 +317,7 @@ async fn exchange(
         Ok(n) => deadline.within(conn.stream.write_all(&wbuf[n..])).await,
         Err(e) => Ok(Err(e)),
     };
-    conn.wbuf = wbuf;
+    WRITE_BUF_KEPT.set(wbuf);
     written
         .map_err(|_| (Failed::timeout(), true))?
         .map_err(|e| (Failed::io(e, true), false))?;
@@ -880,7 +913,6 @@ mod tests {
             let conn = Conn {
                 stream,
                 rbuf: BytesMut::new(),
-                wbuf: Vec::new(),
                 read_size: READ_MIN,
                 spans: Vec::new(),
                 raw: None,
@@ -903,6 +935,52 @@ mod tests {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         }
+    }
+
+    /// A pooled connection holds no read buffer: its buffer waits on the
+    /// thread's free list, the next fill takes it back, and a trim frees
+    /// one that no exchange took over a whole period.
+    #[tokio::test]
+    async fn a_pooled_connection_keeps_no_buffer_and_the_kept_one_is_trimmed() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stream = TcpStream::connect(addr).await.unwrap();
+        let (mut peer, _) = listener.accept().await.unwrap();
+        let kept = || READ_BUFS.with(|b| b.borrow().len());
+        let mut conn = Box::new(Conn {
+            stream,
+            rbuf: BytesMut::new(),
+            read_size: READ_MIN,
+            spans: Vec::new(),
+            raw: None,
+        });
+        peer.write_all(b"x").await.unwrap();
+        let n = std::future::poll_fn(|cx| conn.poll_fill(cx)).await.unwrap();
+        assert_eq!(n, 1);
+        conn.rbuf.clear();
+        assert!(conn.rbuf.capacity() >= READ_MIN);
+
+        checkin(addr, conn, 8);
+        assert_eq!(kept(), 1, "the buffer went to the free list");
+        let mut conn = checkout(addr, Duration::from_secs(60)).expect("pooled");
+        assert_eq!(
+            conn.rbuf.capacity(),
+            0,
+            "a pooled connection holds a buffer"
+        );
+
+        // The next fill takes the kept buffer (no new one).
+        peer.write_all(b"y").await.unwrap();
+        std::future::poll_fn(|cx| conn.poll_fill(cx)).await.unwrap();
+        assert_eq!(kept(), 0, "the kept buffer was not taken");
+        conn.rbuf.clear();
+        checkin(addr, conn, 8);
+        assert_eq!(kept(), 1);
+
+        // Not taken over a whole period: freed by the second trim.
+        assert_eq!(trim_kept(), 0);
+        assert_eq!(trim_kept(), 1);
+        assert_eq!(kept(), 0);
     }
 
     #[test]

@@ -74,6 +74,12 @@ pub struct OutHead<'a> {
     pub start: Option<std::time::Instant>,
 }
 
+/// Frees the read buffers the thread's exchanges kept and did not take
+/// again since the last call (the accept loop's tick); how many.
+pub fn trim_kept() -> usize {
+    h1::trim_kept()
+}
+
 /// The client. Cheap to share; the pools live in thread-locals.
 #[derive(Debug, Clone)]
 pub struct Upstream {

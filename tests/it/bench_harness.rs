@@ -107,17 +107,39 @@ fn static_bench_quick_mode_runs_both_servers() {
     }
 }
 
-/// `bench/pgo.py --quick` (the training load alone, one second a run):
-/// the PGO build's training load (the native script, both OpenResty
-/// scripts on the interpreter and with the JIT, every load mix at 32 and
-/// 256 connections, static files from a lane's own tree and by fallback)
-/// runs on this build with every request answered — the script stops at
-/// the first run with an error, so a training load that taught the
-/// optimized build the error path fails here.
+/// `bench/pgo.py --quick`: its dry run (the build's prerequisites checked
+/// — a missing llvm package is named, not fatal — and the four steps'
+/// commands printed), then the PGO build's training load (the native
+/// script, both OpenResty scripts on the interpreter and with the JIT,
+/// every load mix at 32 and 256 connections, static files from a lane's
+/// own tree and by fallback) on this build, one second a run, with every
+/// request answered — the script stops at the first run with an error, so
+/// a training load that taught the optimized build the error path fails
+/// here.
 #[test]
-fn pgo_training_load_runs_without_errors() {
+fn pgo_quick_mode_plans_the_build_and_runs_the_training_load() {
     let out = run_quick("bench/pgo.py");
+    let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stdout.contains("pgo.py dry run"), "{stdout}");
+    assert!(
+        stdout.contains("build prerequisites: all found")
+            || stdout.contains("missing for the build"),
+        "{stdout}"
+    );
+    for (step, needle) in [
+        ("step 1:", "-Cprofile-generate="),
+        ("step 2:", "training load on"),
+        ("step 3:", " merge -o "),
+        ("step 4:", "-Cprofile-use="),
+    ] {
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l.starts_with(step) && l.contains(needle)),
+            "{step} {needle}:\n{stdout}"
+        );
+    }
     for part in [
         "native",
         "simple",
@@ -197,13 +219,16 @@ fn release_fleet_quick_mode_promotes() {
 }
 
 /// `bench/idle_conns.py --quick`: both servers hold every idle connection
-/// open (the script fails on one closed).
+/// open (the script fails on one closed), opened one after the other and
+/// in a burst (every connect at once, half their requests together).
 #[test]
 fn idle_conns_quick_mode_holds_connections() {
     let stdout = quick("bench/idle_conns.py");
     for target in ["graygate", "nginx-lua"] {
-        let cols = row(&stdout, &format!("| {target} |"));
-        assert_eq!(cols[7], "200", "connections alive: {cols:?}");
+        for opening in ["serial", "burst"] {
+            let cols = row(&stdout, &format!("| {target} | {opening} |"));
+            assert_eq!(cols[8], "200", "connections alive: {cols:?}");
+        }
     }
 }
 

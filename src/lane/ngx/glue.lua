@@ -13,12 +13,15 @@ local function reset()
   for i = 1, 4 do rawset(rcache, i, nil) end
   dirty = false
 end
+local new_tab = table.new
 -- The builders hand over one packed string (see `Packed` in ngx/req.rs):
 -- records `name \0 = value \0` or `name \0 !` (a bare flag); a repeated
--- name becomes an array in order. A table is already built.
-local function unpack_entries(s)
+-- name becomes an array in order. A table is already built. `hint`: how
+-- many names to make room for at once (the last such request's count),
+-- instead of the table growing by rehashes as names are added.
+local function unpack_entries(s, hint)
   if type(s) == "table" then return s end
-  local t, pos, n = {}, 1, #s
+  local t, pos, n = new_tab(0, hint or 0), 1, #s
   while pos <= n do
     local e = find(s, "\0", pos, true)
     local k, v = sub(s, pos, e - 1), true
@@ -48,7 +51,6 @@ end
 -- cleared while the copy is rebuilt, so a rebuild stopped half-way (a
 -- memory error) is never reused. The copy is a table of its own, as
 -- unpacking makes one.
-local new_tab = table.new
 local function copy_array(v)
   local a = new_tab(#v, 0)
   for j = 1, #v do a[j] = v[j] end
@@ -66,7 +68,7 @@ local function memo_entries()
       end
       return t
     end
-    local t = unpack_entries(p)
+    local t = unpack_entries(p, n)
     if type(p) == "string" then
       last = nil
       local m = 0

@@ -1,10 +1,12 @@
 //! `script_limits.jit` where executable code is denied
 //! (`MemoryDenyWriteExecute`, here `prctl(PR_SET_MDWE)` set before the exec,
 //! as systemd does when the kernel has it): LuaJIT would end the whole
-//! process at its first compiled trace, so graygate refuses the setting
+//! process at its first compiled trace, so graygate refuses `jit: true`
 //! there (at `--check`, at start and at reload, the old configuration
 //! serving on), while the interpreter serves a hot loop under the same
-//! restriction. Without the restriction, `jit: true` serves.
+//! restriction. Without the restriction, `jit: true` serves. The default,
+//! `auto`, is the compiler where it can run and the interpreter (with a
+//! warning) where it cannot.
 
 use std::process::Command;
 
@@ -30,7 +32,7 @@ fn under_mdwe() -> Command {
 
 /// A script whose lane function runs a loop the JIT compiles within a few
 /// requests; static trees that answer with their lane's name.
-fn fixture(jit: bool) -> Fixture {
+fn fixture(jit: Option<bool>) -> Fixture {
     let fx = Fixture::new();
     fx.write(
         "gray.lua",
@@ -47,12 +49,14 @@ fn fixture(jit: bool) -> Fixture {
     fx
 }
 
-fn write_main(fx: &Fixture, jit: bool) {
+/// `jit`: `script_limits.jit` (line 6); `None`: the key left out.
+fn write_main(fx: &Fixture, jit: Option<bool>) {
     let root = fx.path("static");
+    let limits = jit.map_or(String::new(), |j| format!("script_limits:\n  jit: {j}\n"));
     fx.write(
         "main.yaml",
         &main_config(&format!(
-            "script: gray.lua\nscript_limits:\n  jit: {jit}\nroutes:\n  - prefix: /\n    static: {}\n",
+            "script: gray.lua\n{limits}routes:\n  - prefix: /\n    static: {}\n",
             root.display()
         )),
     );
@@ -75,7 +79,7 @@ async fn serves_lanes(gw: &Gateway) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jit_is_refused_where_code_may_not_become_executable_and_the_interpreter_serves_there() {
     // --check refuses it with the key's line.
-    let fx = fixture(true);
+    let fx = fixture(Some(true));
     let out = under_mdwe()
         .arg("--check")
         .arg("--config")
@@ -90,12 +94,13 @@ async fn jit_is_refused_where_code_may_not_become_executable_and_the_interpreter
     );
 
     // The interpreter (jit: false) serves under the same restriction.
-    write_main(&fx, false);
+    write_main(&fx, Some(false));
     let gw = Gateway::start_cmd(under_mdwe(), &fx.path("main.yaml"), &[]);
     serves_lanes(&gw).await;
+    assert_eq!(gw.status().await["script_jit"], false);
 
     // A reload to jit: true is rejected; the process and its lanes go on.
-    write_main(&fx, true);
+    write_main(&fx, Some(true));
     soon("the jit reload rejected", || async {
         gw.status().await["last_reload_error"]
             .as_str()
@@ -109,10 +114,74 @@ async fn jit_is_refused_where_code_may_not_become_executable_and_the_interpreter
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jit_serves_where_the_compiler_may_run() {
-    let fx = fixture(true);
+    let fx = fixture(Some(true));
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_graygate"));
     cmd.env_remove("GRAYGATE_ADMIN_TOKEN");
     let gw = Gateway::start_cmd(cmd, &fx.path("main.yaml"), &[]);
     serves_lanes(&gw).await;
-    assert!(gw.status().await["last_reload_error"].is_null());
+    let st = gw.status().await;
+    assert!(st["last_reload_error"].is_null());
+    assert_eq!(st["script_jit"], true);
+}
+
+/// The default (`auto`): LuaJIT's compiler where it may run, without a
+/// warning; under the restriction, `--check` passes, the interpreter serves
+/// and a warning says why (at start and after a reload).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jit_by_default_where_the_compiler_may_run_and_the_interpreter_elsewhere() {
+    let fx = fixture(None);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_graygate"));
+    cmd.env_remove("GRAYGATE_ADMIN_TOKEN");
+    let gw = Gateway::start_cmd(cmd, &fx.path("main.yaml"), &[]);
+    serves_lanes(&gw).await;
+    let st = gw.status().await;
+    assert_eq!(st["script_jit"], true, "{st}");
+    assert_eq!(st["warnings"], serde_json::json!([]), "{st}");
+    drop(gw);
+
+    let out = under_mdwe()
+        .arg("--check")
+        .arg("--config")
+        .arg(fx.path("main.yaml"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "--check refused auto under MDWE: {err}"
+    );
+
+    let gw = Gateway::start_cmd(under_mdwe(), &fx.path("main.yaml"), &[]);
+    serves_lanes(&gw).await;
+    let st = gw.status().await;
+    assert_eq!(st["script_jit"], false, "{st}");
+    let warned = |st: &serde_json::Value| {
+        st["warnings"].as_array().is_some_and(|w| {
+            w.iter().any(|w| {
+                w.as_str().is_some_and(|w| {
+                    w.contains("script_limits.jit: auto") && w.contains("MemoryDenyWriteExecute")
+                })
+            })
+        })
+    };
+    assert!(warned(&st), "{st}");
+    // A reload (the script edited) keeps the interpreter, and the warning.
+    fx.write(
+        "gray.lua",
+        "return function(req)\n\
+         \x20 local s = 0\n\
+         \x20 for i = 1, 3000 do s = s + i % 5 end\n\
+         \x20 if s > 0 and req:header(\"x-gray\") == \"1\" then return \"gray\" end\n\
+         \x20 return \"formal\"\n\
+         end\n",
+    );
+    let first = st["generation"].as_u64().unwrap();
+    soon("the edited script applied", || async {
+        gw.status().await["generation"].as_u64().unwrap() > first
+    })
+    .await;
+    serves_lanes(&gw).await;
+    let st = gw.status().await;
+    assert_eq!(st["script_jit"], false, "{st}");
+    assert!(warned(&st), "{st}");
 }

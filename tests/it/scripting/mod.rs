@@ -27,12 +27,14 @@ fn start(fx: &Fixture, backends: &[Backend], script: &str, extra: &str) -> Gatew
     start_in(false, fx, backends, script, extra)
 }
 
-/// As [`start`], with `script_limits.jit: true` when `jit`.
+/// As [`start`], with `script_limits.jit: true` when `jit`, `false`
+/// otherwise (the default, `auto`, would turn the compiler on here).
 fn start_in(jit: bool, fx: &Fixture, backends: &[Backend], script: &str, extra: &str) -> Gateway {
-    let extra = match (jit, extra.contains("script_limits:\n")) {
-        (false, _) => extra.to_string(),
-        (true, true) => extra.replace("script_limits:\n", "script_limits:\n  jit: true\n"),
-        (true, false) => format!("{extra}script_limits:\n  jit: true\n"),
+    let line = format!("script_limits:\n  jit: {jit}\n");
+    let extra = if extra.contains("script_limits:\n") {
+        extra.replace("script_limits:\n", &line)
+    } else {
+        format!("{extra}{line}")
     };
     fx.write("scripts/main.lua", script);
     fx.write("nodes.yaml", &nodes_yaml(backends));
@@ -45,8 +47,9 @@ fn start_in(jit: bool, fx: &Fixture, backends: &[Backend], script: &str, extra: 
     Gateway::start(&cfg)
 }
 
-/// Runs each sandbox test twice: on LuaJIT's interpreter (the default) and
-/// with `script_limits.jit: true`; every guarantee must hold in both.
+/// Runs each sandbox test twice: on LuaJIT's interpreter
+/// (`script_limits.jit: false`) and with `script_limits.jit: true`; every
+/// guarantee must hold in both.
 macro_rules! in_both_vm_modes {
     ($($name:ident),* $(,)?) => {$(
         mod $name {
@@ -798,8 +801,8 @@ fn an_unknown_or_ill_typed_jit_setting_is_rejected_with_its_line() {
         assert_eq!(e.line, Some(6), "{limits}: {e}");
         assert!(e.message.contains(needle), "{limits}: {e}");
     }
-    // Both values load.
-    for jit in ["true", "false"] {
+    // The three values load.
+    for jit in ["true", "false", "auto"] {
         let cfg = Config::new()
             .script("scripts/main.lua")
             .raw(&format!("script_limits:\n  jit: {jit}\n"))
