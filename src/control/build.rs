@@ -503,6 +503,7 @@ impl Generation {
             warnings,
             lane_tags,
             id_tag: http::HeaderValue::from(id),
+            release_records: release_file.releases.clone(),
             tls,
         })
     }

@@ -72,6 +72,9 @@ pub struct Generation {
     /// TLS server configuration of each `config.listeners` entry (`None`
     /// for plain ones), read at each TLS handshake.
     pub tls: Vec<Option<Arc<rustls::ServerConfig>>>,
+    /// The release records this generation was built from: what the
+    /// admin API shows, so a state is reported only once it serves.
+    pub release_records: Vec<crate::config::release::ReleaseRecord>,
 }
 
 impl Generation {

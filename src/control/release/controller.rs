@@ -759,7 +759,8 @@ pub fn list(gw: &Gateway) -> Vec<ReleaseRecord> {
     if let Some(src) = &gw.etcd {
         return fleet::list(src);
     }
-    load(&state_path(&gw.config_path, &gw.current().config))
-        .map(|(f, _)| f.releases)
-        .unwrap_or_default()
+    // The serving generation's records, not the state file: a state
+    // written by `commit` is shown once its reload serves it (a rollback
+    // reads `rolled_back` only when no request can reach the lane).
+    gw.current().release_records.clone()
 }

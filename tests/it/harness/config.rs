@@ -75,8 +75,26 @@ impl Config {
     }
 
     /// `key: value` on one line.
+    /// Sets a top-level key, replacing the builder's own default for it
+    /// (e.g. `reload_debounce_ms`) rather than writing it twice.
     pub fn set(mut self, key: &str, value: impl std::fmt::Display) -> Config {
-        let _ = writeln!(self.out, "{key}: {value}");
+        let line = format!("{key}: {value}\n");
+        let prefix = format!("{key}: ");
+        match self.out.lines().position(|l| l.starts_with(&prefix)) {
+            Some(i) => {
+                let mut out = String::with_capacity(self.out.len() + line.len());
+                for (j, l) in self.out.lines().enumerate() {
+                    if j == i {
+                        out.push_str(&line);
+                    } else {
+                        out.push_str(l);
+                        out.push('\n');
+                    }
+                }
+                self.out = out;
+            }
+            None => self.out.push_str(&line),
+        }
         self
     }
 

@@ -501,3 +501,64 @@ async fn the_release_command_line_drives_the_admin_api() {
     let (ok, _, err) = run(&["show", "nope"]);
     assert!(!ok && err.contains("404"), "{err}");
 }
+
+/// The admin API shows the release state the gateway serves, not the state
+/// file ahead of its reload: a state written to disk (by the controller's
+/// commit or by hand) reads as such only once its generation is live, so
+/// `rolled_back` is never shown while a request can still reach the lane.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_shows_the_state_that_serves_not_the_file_ahead_of_its_reload() {
+    let formal = Backend::text("formal", 0, StatusCode::OK).await;
+    let gray = Backend::text("gray", 0, StatusCode::OK).await;
+    let fx = Fixture::new();
+    release_nodes(&formal, &gray).write(&fx, "nodes.yaml");
+    // A long debounce: a hand edit of the state file waits 3 s for its
+    // reload, the window in which the API must still show the old state.
+    Config::new()
+        .set("workers", 1)
+        .set("reload_debounce_ms", 3000)
+        .node_files(&["nodes.yaml"])
+        .routes(&[Route::service("/api/", "api")])
+        .write(&fx, "gg.yaml");
+    let gw = Gateway::start(&fx.path("gg.yaml"));
+    let spec = format!(
+        "name: held\nlane: gray\nroutes: [/api/]\nkey: {{ header: X-User }}\nsteps:\n  - {{ weight: 50, min_duration_ms: 600000 }}\n  - {{ weight: 80 }}\n{LIFECYCLE}\n"
+    );
+    let r = admin_post(&gw, "/releases", &spec).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    // Paused: the controller writes nothing more on its own.
+    let r = admin_post(&gw, "/releases/held/pause", "").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(release(&gw, "held").await["state"], "paused");
+    let generation = gw.generation().await;
+    let path = fx.path("releases.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+    doc["releases"][0]["state"]["phase"] = "rolled_back".into();
+    std::fs::write(&path, serde_json::to_string_pretty(&doc).unwrap()).unwrap();
+    // Within the debounce the generation is the old one, and so is the state.
+    let shown = release(&gw, "held").await;
+    assert_eq!(
+        gw.generation().await,
+        generation,
+        "reloaded within the debounce"
+    );
+    assert_eq!(shown["state"], "paused", "{shown}");
+    // Once the edit's generation serves, the API shows it, and gray is gone.
+    eventually(
+        "the rollback generation",
+        Duration::from_secs(30),
+        || async { release(&gw, "held").await["state"] == "rolled_back" },
+    )
+    .await;
+    assert!(gw.generation().await > generation);
+    let before = gray.answered();
+    for i in 0..50 {
+        let r = Req::get("/api/x")
+            .header("X-User", &format!("u{i}"))
+            .send(gw.addr)
+            .await;
+        assert_eq!(r.status, 200);
+    }
+    assert_eq!(gray.answered(), before);
+}
