@@ -66,18 +66,7 @@ async fn a_grpc_gray_answering_unavailable_is_rolled_back() {
         "the gray node answered UNAVAILABLE"
     );
     let doc = release(&gw, "grpc-bad").await;
-    let analyses = doc["analyses"].as_array().unwrap();
-    let fail = analyses
-        .iter()
-        .find(|a| a["outcome"] == "fail")
-        .unwrap_or_else(|| panic!("{doc}"));
-    assert!(fail["gray"]["errors"].as_u64().unwrap() >= 1, "{fail}");
-    assert_eq!(fail["formal"]["errors"], 0, "{fail}");
-    assert!(
-        fail["reason"].as_str().unwrap().contains("error rate"),
-        "{fail}"
-    );
-    assert_eq!(analyses.last().unwrap()["outcome"], "rollback");
+    super::assert_rolled_back_on_errors(&doc);
     // Rolled back: every user is formal's again.
     for i in 0..20 {
         let user = format!("r{i}");

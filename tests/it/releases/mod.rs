@@ -71,6 +71,23 @@ async fn release(gw: &Gateway, name: &str) -> serde_json::Value {
         .json()
 }
 
+/// A release document rolled back on gray's error rate alone: a failed
+/// analysis with gray errors and none of formal's, then the rollback.
+pub fn assert_rolled_back_on_errors(doc: &serde_json::Value) {
+    let analyses = doc["analyses"].as_array().unwrap();
+    let fail = analyses
+        .iter()
+        .find(|a| a["outcome"] == "fail")
+        .unwrap_or_else(|| panic!("{doc}"));
+    assert!(fail["gray"]["errors"].as_u64().unwrap() >= 1, "{fail}");
+    assert_eq!(fail["formal"]["errors"], 0, "{fail}");
+    assert!(
+        fail["reason"].as_str().unwrap().contains("error rate"),
+        "{fail}"
+    );
+    assert_eq!(analyses.last().unwrap()["outcome"], "rollback");
+}
+
 const ANALYSIS: &str =
     "analysis: { interval_ms: 250, min_requests: 20, failure_threshold: 2, max_p99_ratio: 50 }";
 /// Thresholds so lax that a healthy gray passes on little traffic: for the

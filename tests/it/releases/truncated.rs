@@ -59,18 +59,7 @@ async fn a_gray_that_cuts_its_bodies_short_is_rolled_back() {
     stop.store(true, Ordering::Relaxed);
     assert!(traffic.await.unwrap() > 0, "gray's bodies were cut short");
     let doc = release(&gw, "cut").await;
-    let analyses = doc["analyses"].as_array().unwrap();
-    let fail = analyses
-        .iter()
-        .find(|a| a["outcome"] == "fail")
-        .unwrap_or_else(|| panic!("{doc}"));
-    assert!(fail["gray"]["errors"].as_u64().unwrap() >= 1, "{fail}");
-    assert_eq!(fail["formal"]["errors"], 0, "{fail}");
-    assert!(
-        fail["reason"].as_str().unwrap().contains("error rate"),
-        "{fail}"
-    );
-    assert_eq!(analyses.last().unwrap()["outcome"], "rollback");
+    super::assert_rolled_back_on_errors(&doc);
     // Rolled back: every user is formal's again, answered whole, once the
     // rollback's generation is live (its state is written just before).
     let all_formal = |from: u32| {
