@@ -291,7 +291,7 @@ fn etcd_command(cmd: Command) -> ExitCode {
                 return ExitCode::FAILURE;
             }
             let reg = Registration {
-                endpoints: url.split(',').map(str::to_string).collect(),
+                endpoints: etcd::endpoint_list(&url).map(str::to_string).collect(),
                 prefix: etcd::norm_prefix(&prefix),
                 service,
                 id,

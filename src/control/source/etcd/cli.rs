@@ -20,7 +20,7 @@ pub async fn check(endpoints: &str, prefix: &str) -> Result<(i64, Vec<String>), 
     let prefix = norm_prefix(prefix);
     let mut last = String::from("no endpoint");
     let mut snap = None;
-    for ep in endpoints.split(',') {
+    for ep in super::endpoint_list(endpoints) {
         let res = async {
             let mut c = connect(ep, Duration::from_secs(3)).await?;
             read(&mut c, &prefix, None, Duration::from_secs(5)).await
@@ -43,11 +43,7 @@ pub async fn check(endpoints: &str, prefix: &str) -> Result<(i64, Vec<String>), 
 /// error names each member tried.
 async fn read_config(endpoints: &str, base: &str) -> Result<(Client, GetResponse), String> {
     let mut failed = Vec::new();
-    for ep in endpoints
-        .split(',')
-        .map(str::trim)
-        .filter(|e| !e.is_empty())
-    {
+    for ep in super::endpoint_list(endpoints) {
         let res = async {
             let mut c = connect(ep, Duration::from_secs(3)).await?;
             let r = tokio::time::timeout(

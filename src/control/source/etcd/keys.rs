@@ -14,6 +14,12 @@
 //! The status keys sort after the snapshot range, so a gateway publishing
 //! its state never triggers a build.
 
+/// The members of a comma-separated `--etcd` list, spaces around each
+/// trimmed and empty entries skipped (`a:2379, b:2379,` is two members).
+pub fn endpoint_list(list: &str) -> impl Iterator<Item = &str> {
+    list.split(',').map(str::trim).filter(|e| !e.is_empty())
+}
+
 /// `<prefix>` without a trailing slash.
 pub fn norm_prefix(p: &str) -> String {
     p.trim_end_matches('/').to_string()
@@ -46,5 +52,11 @@ mod tests {
         assert!(status_key("/g", "a:1") >= end);
         assert!("/g/services/api/nodes/a" < end.as_str());
         assert_eq!(norm_prefix("/g//"), "/g");
+    }
+
+    #[test]
+    fn endpoint_lists_trim_spaces_and_skip_empty_entries() {
+        let eps: Vec<_> = endpoint_list(" http://a:2379, http://b:2379 ,,").collect();
+        assert_eq!(eps, ["http://a:2379", "http://b:2379"]);
     }
 }
