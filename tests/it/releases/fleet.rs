@@ -192,12 +192,13 @@ async fn on_all(
         if done.iter().all(|d| *d) {
             return first.map_or(Duration::ZERO, |f| f.elapsed());
         }
-        // Once one gateway applied it, every other must within a second
-        // or so (the watch, the debounce, one build and swap).
+        // Once one gateway applied it, every other must follow from the
+        // same watch event (how fast is measured by bench/, not here: the
+        // bound only catches a gateway that never applies it).
         if let Some(f) = first {
             assert!(
-                f.elapsed() < Duration::from_millis(1500),
-                "{what}: applied by one gateway, not by all within 1.5 s: {done:?}"
+                f.elapsed() < Duration::from_secs(15),
+                "{what}: applied by one gateway, not by all within 15 s: {done:?}"
             );
         }
         assert!(
