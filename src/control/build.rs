@@ -2,7 +2,7 @@
 //! main config is read, parsed, validated and compiled (the Lua top level runs
 //! in a fresh sandbox) into one [`Generation`], or the first error is returned
 //! with its file:line. A build has no effect on live state, whether it is
-//! accepted or not: its shared dictionaries are private placeholders (the
+//! accepted or not: its shared dictionaries are build-private copies (the
 //! script's top level runs against them) and what a generation shares with
 //! the running gateway (dictionaries, health, counters) is attached by
 //! `Gateway::install` only once it is accepted.

@@ -255,7 +255,7 @@ fn attach_counters(stats: &NodeStats, gen: &mut Generation) {
 }
 
 /// Gives an accepted generation the live `ngx.shared` dictionaries in place
-/// of the placeholders it was built with (resizing them to its sizes), in
+/// of the build-private ones it was built with (resizing them to its sizes), in
 /// the generation and in its script: the commit of what a build declared.
 fn adopt_dicts(gen: &mut Generation) {
     crate::lane::shared_dict::adopt(&mut gen.dicts);

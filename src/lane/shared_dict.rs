@@ -3,7 +3,7 @@
 //! reloads (they live in a registry outside the `Generation`, keyed by name).
 //! Each dictionary is bounded in bytes; when full, `set` evicts the least
 //! recently used items, as OpenResty's `lua_shared_dict` does. A generation
-//! being built gets private placeholders ([`pending`]); only a committed
+//! being built gets build-private dictionaries ([`pending`]); only a committed
 //! one is given the live dictionaries ([`adopt`]).
 
 use std::collections::{BTreeMap, HashMap};
