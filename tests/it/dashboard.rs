@@ -283,11 +283,7 @@ async fn dashboard_shows_releases_and_their_decision_timeline() {
         .start(&fx, "gg.yaml");
     let admin = gw.admin.unwrap();
     let spec = "name: web-v2\nlane: gray\nkey: { header: X-User }\nsteps:\n  - { weight: 30, min_duration_ms: 600000 }\nanalysis: { interval_ms: 200, min_requests: 1000000 }\n";
-    let r = Req::get("/releases")
-        .method("POST")
-        .body(spec)
-        .send(admin)
-        .await;
+    let r = crate::releases::admin_post(&gw, "/releases", spec).await;
     assert_eq!(r.status, 201, "{}", r.text());
     for i in 0..20 {
         Req::get("/api/x")
@@ -343,11 +339,7 @@ async fn dashboard_shows_a_release_held_by_its_webhook_and_why() {
         "name: hooked\nlane: gray\nkey: {{ header: X-User }}\nsteps:\n  - {{ weight: 50, min_duration_ms: 1 }}\n  - {{ weight: 80 }}\nwebhooks: {{ before_step: \"http://{}/ok\" }}\nanalysis: {{ interval_ms: 200, min_requests: 5, max_p99_ratio: 50 }}\n",
         hook.addr
     );
-    let r = Req::get("/releases")
-        .method("POST")
-        .body(spec)
-        .send(admin)
-        .await;
+    let r = crate::releases::admin_post(&gw, "/releases", &spec).await;
     assert_eq!(r.status, 201, "{}", r.text());
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let t = user_traffic(gw.addr, stop.clone());

@@ -56,7 +56,8 @@ async fn setup(gray_fail_every: u64) -> Setup {
     }
 }
 
-async fn admin_post(gw: &Gateway, path: &str, body: &str) -> Resp {
+/// POSTs `body` to the admin API's `path` (a release spec, an action).
+pub async fn admin_post(gw: &Gateway, path: &str, body: &str) -> Resp {
     Req::get(path)
         .method("POST")
         .body(body.to_string())
