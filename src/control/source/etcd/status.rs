@@ -15,6 +15,10 @@ use crate::control::Gateway;
 
 impl EtcdSource {
     pub(super) fn set_applied(&self, gw: &Gateway, snap: Arc<Snapshot>, live: bool) {
+        // The cache first: a revision `/status` shows is already on disk.
+        if live {
+            snap.save(&self.cache_path());
+        }
         {
             let mut st = gw.source.lock().unwrap_or_else(|e| e.into_inner());
             st.source_state = Some(if live { "live" } else { "cached" });
@@ -24,9 +28,6 @@ impl EtcdSource {
             if live {
                 st.store_error = None;
             }
-        }
-        if live {
-            snap.save(&self.cache_path());
         }
         *self.applied.lock().unwrap_or_else(|e| e.into_inner()) = Some(snap);
         self.changed.notify_one();
