@@ -40,7 +40,12 @@ import time
 import lib
 
 # How long RSS must hold still to count as settled (--quick: shorter).
-SETTLE = {"secs": 2.0}
+# Longer than graygate takes to give a burst's memory back: its kept
+# buffers and request slots are freed on the first tick a second after the
+# burst, their pages purged a second later (mimalloc's purge delay), so RSS
+# holds at its burst peak for about 2 s before it falls (a 2 s window
+# sometimes read the peak: 2.5 KB per connection instead of 0.8).
+SETTLE = {"secs": 4.0}
 
 
 def settle(pids, secs=None, limit=60.0):
