@@ -1745,9 +1745,8 @@ mod task_size {
     /// An idle plain connection is its task (tokio's cell: 96 bytes of
     /// header, scheduler, id and trailer around the future, rounded up to
     /// 128 on x86-64), its boxed `Conn` and the socket's registration. A
-    /// future over 160 bytes takes the cell from 256 to 384 bytes per
-    /// connection (bench/idle_conns.py: 0.60 KB per idle connection, 0.86
-    /// with the 288-byte future this replaced).
+    /// future over 160 bytes takes the cell from 256 to 384 bytes per idle
+    /// connection.
     #[test]
     fn an_idle_connections_future_fits_a_256_byte_task_cell() {
         let run = future_size(super::run);
