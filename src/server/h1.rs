@@ -419,6 +419,13 @@ impl Conn {
             // Registered before the timeout is checked: a tick between the
             // check and the wait is not missed. (A no-op once registered.)
             tick.as_mut().enable();
+            // What the client sent is served even when the timeout passed
+            // since the last tick (the tick, not the exact time, closes an
+            // idle connection). The readiness waker sits in the socket's
+            // registration: no waiter node or future of its own while idle.
+            if let Poll::Ready(r) = self.stream.poll_read_ready(cx) {
+                return Poll::Ready(r.is_ok());
+            }
             let due = {
                 let gen = self.server.plane.current();
                 let limits = &gen.config.client;
@@ -436,11 +443,6 @@ impl Conn {
             };
             if now_ms() >= due {
                 return Poll::Ready(false);
-            }
-            // The readiness waker sits in the socket's registration: no
-            // waiter node or future of its own while idle.
-            if let Poll::Ready(r) = self.stream.poll_read_ready(cx) {
-                return Poll::Ready(r.is_ok());
             }
             match tick.as_mut().poll(cx) {
                 Poll::Ready(()) => tick.set(self.drain.clone().notified_owned()),
