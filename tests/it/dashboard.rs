@@ -336,8 +336,9 @@ async fn dashboard_shows_a_release_held_by_its_webhook_and_why() {
         .start(&fx, "gg.yaml");
     let admin = gw.admin.unwrap();
     let spec = format!(
-        "name: hooked\nlane: gray\nkey: {{ header: X-User }}\nsteps:\n  - {{ weight: 50, min_duration_ms: 1 }}\n  - {{ weight: 80 }}\nwebhooks: {{ before_step: \"http://{}/ok\" }}\nanalysis: {{ interval_ms: 200, min_requests: 5, max_p99_ratio: 50 }}\n",
-        hook.addr
+        "name: hooked\nlane: gray\nkey: {{ header: X-User }}\nsteps:\n  - {{ weight: 50, min_duration_ms: 1 }}\n  - {{ weight: 80 }}\nwebhooks: {{ before_step: \"http://{}/ok\" }}\n{}\n",
+        hook.addr,
+        crate::releases::LIFECYCLE
     );
     let r = crate::releases::admin_post(&gw, "/releases", &spec).await;
     assert_eq!(r.status, 201, "{}", r.text());

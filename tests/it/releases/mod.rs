@@ -354,8 +354,12 @@ async fn lanes_by_cookie(gw: &Gateway, users: &[(u32, String, String)]) -> Vec<S
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sticky_formal_users_join_as_the_share_rises_gray_users_stay_and_a_rollback_unpins() {
     let s = setup(0).await;
-    let spec = "name: sticky\nlane: gray\nkey: { header: X-User }\nsteps:\n  - { weight: 20, min_duration_ms: 1, gate: manual }\n  - { weight: 80, min_duration_ms: 600000 }\nanalysis: { interval_ms: 200, min_requests: 5, max_p99_ratio: 50 }\n";
-    assert_eq!(admin_post(&s.gw, "/releases", spec).await.status, 201);
+    // The lifecycle's small samples: this test is about cookies, not the
+    // judgement, and the default minimums want thousands of requests.
+    let spec = format!(
+        "name: sticky\nlane: gray\nkey: {{ header: X-User }}\nsteps:\n  - {{ weight: 20, min_duration_ms: 1, gate: manual }}\n  - {{ weight: 80, min_duration_ms: 600000 }}\n{LIFECYCLE}\n"
+    );
+    assert_eq!(admin_post(&s.gw, "/releases", &spec).await.status, 201);
     // The first step passes and waits at its gate (still at 20 %).
     let stop = Arc::new(AtomicBool::new(false));
     let t = user_traffic(s.gw.addr, stop.clone());
