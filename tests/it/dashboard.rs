@@ -164,9 +164,13 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
     )
     .await;
 
-    // The chart draws the formal lane's line over time.
+    // The chart draws the formal lane's line over time. Formal traffic
+    // keeps flowing meanwhile, so its line stands apart from the other
+    // lanes' (at zero, drawn over it) however the first requests fell
+    // into the sampler's intervals.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
+        assert_eq!(gw.get("/api/x").await.status, 200);
         let drawn = c
             .execute(
                 "const c = document.getElementById('chart');
