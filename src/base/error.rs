@@ -139,6 +139,11 @@ impl ErrorKind {
         }
     }
 
+    /// The status the client gets for this kind (what it is recorded as).
+    pub fn status(self) -> StatusCode {
+        self.answer().0
+    }
+
     /// The client's status and short body for this kind.
     pub fn answer(self) -> (StatusCode, &'static str) {
         match self {
@@ -259,7 +264,7 @@ impl Error {
 
     /// The status the client gets.
     pub fn status(&self) -> StatusCode {
-        self.kind.answer().0
+        self.kind.status()
     }
 
     /// The client's answer: the status and a short plain-text body.

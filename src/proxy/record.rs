@@ -243,7 +243,7 @@ impl hyper::body::Body for Recorded {
                     // node that went away or stalled) instead of a reset
                     // stream it can only report as INTERNAL.
                     this.ended = true;
-                    let fields = grpc::status_fields(kind.answer().0);
+                    let fields = grpc::status_fields(kind.status());
                     return Poll::Ready(Some(Ok(Frame::trailers(fields))));
                 }
             }
@@ -302,7 +302,7 @@ impl Pending {
         // already counts so and keeps the node's own status.
         if let Err(kind) = outcome {
             if kind.side() == Side::Upstream && self.status < 500 {
-                self.status = kind.answer().0.as_u16();
+                self.status = kind.status().as_u16();
             }
         }
         let error = match outcome {

@@ -209,7 +209,9 @@ struct Conn {
 }
 
 /// Serves a plain connection: the accept loop spawns this future as the
-/// connection's task (it holds the connection's state once: no wrapper).
+/// connection's task. The connection's state is boxed before the spawn, so
+/// the task holds a pointer to it (and the exchange takes the box and hands
+/// it back, a pointer's move).
 pub(super) fn serve(
     server: Arc<Server>,
     stream: TcpStream,
@@ -232,7 +234,6 @@ pub(super) fn serve(
 async fn run(conn: Box<Conn>) {
     // Served here until the connection closes or goes to hyper (the tick's
     // registration is dropped with `plain`'s state, before hyper's turn).
-    // Boxed: the exchange takes it and hands it back, a pointer's move.
     let Some((conn, bytes)) = plain(conn).await else {
         return;
     };
@@ -1737,6 +1738,7 @@ mod tests {
         ));
     }
 }
+
 #[cfg(test)]
 mod task_size {
     /// The size of the future `f` returns (without calling it).
