@@ -23,7 +23,18 @@ fn main() {
     let dir = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| ".".into());
     let dir = Path::new(&dir);
     println!("cargo:rerun-if-changed=build.rs");
+    // tools/rustc-pgo (the rustc wrapper of .cargo/config.toml) tells the
+    // release build which PGO profile it got; `--version` reports it.
+    println!(
+        "cargo::rustc-check-cfg=cfg(graygate_pgo, values(\"committed\", \"use\", \"generate\"))"
+    );
+    println!("cargo:rerun-if-env-changed=GRAYGATE_PGO");
     println!("cargo:rerun-if-env-changed=GRAYGATE_GIT_COMMIT");
+    // A new committed profile rebuilds this crate (a missing file would
+    // re-run this script every build).
+    if dir.join("pgo/graygate.profdata").exists() {
+        println!("cargo:rerun-if-changed=pgo/graygate.profdata");
+    }
     // Only a checkout of this very repository counts (not a parent
     // repository the tarball was unpacked into).
     let top = git(dir, &["rev-parse", "--show-toplevel"]);

@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
 """A profile-guided (PGO) release build of graygate.
 
-rustc's own PGO, in three steps:
-  1. an instrumented release build (`-Cprofile-generate`, its own target dir
-     target/pgo-gen, so the plain release build's cache is not touched);
+rustc's own PGO, in three steps, through tools/rustc-pgo (the rustc wrapper
+of .cargo/config.toml, which adds the profile flags to the optimized crates;
+cargo's own flags stay those of `cargo build --release`, so the symbols
+the profile names are the ones that build has):
+  1. an instrumented release build (`GRAYGATE_PGO=generate:DIR`: the wrapper
+     adds `-Cprofile-generate=DIR`; its own target dir target/pgo-gen, so
+     the release build's cache is not touched);
   2. a training load on it: the request path as operators run it — the
      shipped native script (scripts/gray.lua, the default script_limits),
      the two OpenResty scripts of bench/ on LuaJIT's interpreter
@@ -13,7 +17,10 @@ rustc's own PGO, in three steps:
      is stopped with SIGTERM, which writes its profile;
   3. `llvm-profdata merge` (the LLVM major version rustc reports: Debian's
      package `llvm-<major>`) and the optimized release build
-     (`-Cprofile-use`, target dir target/pgo-use).
+     (`GRAYGATE_PGO=use:FILE`: `-Cprofile-use=FILE`, target dir target/pgo-use).
+With --refresh the merged profile replaces the committed one,
+pgo/graygate.profdata (and pgo/source says what it was trained on): the
+profile every `cargo build --release` of this checkout then uses.
 The training's wrk runs are short and unpinned: only which code runs how
 often matters, not its speed.
 
@@ -23,6 +30,7 @@ message names all that are missing.
 
 Usage:
   python3 bench/pgo.py                 # ~15 minutes on 2 cores; prints the binary's path
+  python3 bench/pgo.py --refresh       # the same, and the result becomes the committed profile
   python3 bench/pgo.py --train-seconds 1
   python3 bench/pgo.py --dry-run       # the prerequisites and the commands, nothing built
   python3 bench/pgo.py --train-only target/debug/graygate --train-seconds 1   # the load alone
@@ -63,17 +71,39 @@ def profdata_tool():
     return None, f"llvm-profdata for LLVM {major} not found: apt-get install llvm-{major}"
 
 
-def cargo_command(target_dir, rustflags):
-    """(environment, argv) of one release build into `target_dir`."""
+COMMITTED = os.path.join(lib.REPO, "pgo", "graygate.profdata")
+SOURCE = os.path.join(lib.REPO, "pgo", "source")
+
+
+def cargo_command(target_dir, pgo):
+    """(environment, argv) of one release build into `target_dir`, with
+    tools/rustc-pgo's choice `pgo` (GRAYGATE_PGO: generate:DIR or use:FILE)."""
     env = dict(os.environ)
-    env["RUSTFLAGS"] = (env.get("RUSTFLAGS", "") + " " + rustflags).strip()
+    env["GRAYGATE_PGO"] = pgo
     return env, ["cargo", "build", "--release", "--locked", "--target-dir", target_dir]
 
 
-def cargo_build(target_dir, rustflags):
-    env, argv = cargo_command(target_dir, rustflags)
+def cargo_build(target_dir, pgo):
+    env, argv = cargo_command(target_dir, pgo)
     subprocess.run(argv, cwd=lib.REPO, env=env, check=True, stdout=sys.stderr)
     return os.path.join(target_dir, "release", "graygate")
+
+
+def write_source(path):
+    """pgo/source: the commit and toolchain the committed profile was trained on."""
+    def out(*argv):
+        return subprocess.run(argv, cwd=lib.REPO, capture_output=True, text=True).stdout.strip()
+    commit = out("git", "rev-parse", "--short=12", "HEAD") or "unknown"
+    if out("git", "status", "--porcelain", "--untracked-files=no"):
+        commit += " (with uncommitted changes)"
+    rustc = out("rustc", "-vV")
+    release = re.search(r"^release: (.*)$", rustc, re.M)
+    llvm = re.search(r"^LLVM version: (.*)$", rustc, re.M)
+    with open(path, "w") as f:
+        f.write("# What pgo/graygate.profdata was trained on (written by bench/pgo.py --refresh).\n")
+        f.write(f"commit: {commit}\n")
+        f.write(f"rustc: {release.group(1) if release else 'unknown'}\n")
+        f.write(f"llvm: {llvm.group(1) if llvm else 'unknown'}\n")
 
 
 class Plan:
@@ -85,8 +115,8 @@ class Plan:
         self.gen_dir = os.path.join(target, "pgo-gen")
         self.use_dir = os.path.join(target, "pgo-use")
         self.merged = os.path.join(target, "pgo.profdata")
-        self.gen_flags = f"-Cprofile-generate={self.data}"
-        self.use_flags = f"-Cprofile-use={self.merged}"
+        self.gen_flags = f"generate:{self.data}"
+        self.use_flags = f"use:{self.merged}"
         self.tool = tool
 
     def steps(self):
@@ -95,11 +125,13 @@ class Plan:
         use_env, use = cargo_command(self.use_dir, self.use_flags)
         tool = self.tool or "llvm-profdata-<N>"
         return [
-            f"RUSTFLAGS='{gen_env['RUSTFLAGS']}' {' '.join(gen)}",
+            f"GRAYGATE_PGO={gen_env['GRAYGATE_PGO']} {' '.join(gen)} "
+            f"(tools/rustc-pgo adds -Cprofile-generate={self.data})",
             f"training load on {os.path.join(self.gen_dir, 'release', 'graygate')} "
             f"(profiles into {self.data})",
             f"{tool} merge -o {self.merged} {self.data}/*.profraw",
-            f"RUSTFLAGS='{use_env['RUSTFLAGS']}' {' '.join(use)}",
+            f"GRAYGATE_PGO={use_env['GRAYGATE_PGO']} {' '.join(use)} "
+            f"(tools/rustc-pgo adds -Cprofile-use={self.merged})",
         ]
 
 
@@ -171,6 +203,9 @@ def main():
     ap.add_argument("--data", help="where the instrumented build writes its profile "
                                    "(default target/pgo-data; part of its flags, so keep it "
                                    "the same to reuse that build)")
+    ap.add_argument("--refresh", action="store_true",
+                    help="make the merged profile the committed one (pgo/graygate.profdata, "
+                         "pgo/source), which every `cargo build --release` then uses")
     ap.add_argument("--dry-run", action="store_true",
                     help="check the prerequisites and print the steps' commands; build nothing")
     lib.add_quick(ap)
@@ -200,6 +235,10 @@ def main():
         raise SystemExit("the training wrote no profile (graygate did not exit cleanly?)")
     subprocess.run([tool, "merge", "-o", plan.merged] + raws, check=True)
     print(f"profile: {len(raws)} raw file(s) merged into {plan.merged}", file=sys.stderr)
+    if a.refresh:
+        shutil.copyfile(plan.merged, COMMITTED)
+        write_source(SOURCE)
+        print(f"committed profile replaced: {COMMITTED} (see {SOURCE})", file=sys.stderr)
     print(cargo_build(plan.use_dir, plan.use_flags))
 
 

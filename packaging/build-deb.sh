@@ -2,13 +2,16 @@
 # Builds the graygate Debian package with plain dpkg-deb (part of dpkg, on
 # every Debian system: no cargo-deb, no debhelper needed).
 #
-#   packaging/build-deb.sh                      # the release build: bench/pgo.py's
-#                                               # profile-guided build, then the .deb
-#                                               # (needs nginx, wrk and Debian's llvm-<N>
-#                                               # matching rustc's LLVM; ~15 minutes)
-#   packaging/build-deb.sh --no-pgo             # plain cargo build --release (~6 minutes)
+#   packaging/build-deb.sh                      # cargo build --release, as the README
+#                                               # builds: profile-guided by the committed
+#                                               # profile (pgo/graygate.profdata, through
+#                                               # tools/rustc-pgo; ~8 minutes)
+#   packaging/build-deb.sh --pgo                # a fresh profile first: bench/pgo.py's
+#                                               # training (needs nginx, wrk and Debian's
+#                                               # llvm-<N> matching rustc's LLVM; ~20 minutes)
+#   packaging/build-deb.sh --no-pgo             # no profile (GRAYGATE_PGO=off, target dir
+#                                               # target/nopgo)
 #   packaging/build-deb.sh --binary PATH        # package an already built binary
-#   (--pgo is accepted: it names the default)
 #   options: --out DIR (default target/debian), --compress xz|gzip|none,
 #            --no-strip (keep the symbol table and debug symbols; by default
 #            the binary is stripped with `strip --strip-unneeded`, as
@@ -25,12 +28,12 @@ binary=""
 out="$repo/target/debian"
 compress="xz"
 strip=1
-pgo=1
+pgo=committed
 while [ $# -gt 0 ]; do
 	case "$1" in
 	--binary) binary="$2"; shift 2 ;;
-	--pgo) pgo=1; shift ;;
-	--no-pgo) pgo=0; shift ;;
+	--pgo) pgo=fresh; shift ;;
+	--no-pgo) pgo=off; shift ;;
 	--out) out="$2"; shift 2 ;;
 	--compress) compress="$2"; shift 2 ;;
 	--no-strip) strip=0; shift ;;
@@ -38,12 +41,25 @@ while [ $# -gt 0 ]; do
 	esac
 done
 if [ -z "$binary" ]; then
-	if [ "$pgo" = 1 ]; then
-		binary="$(cd "$repo" && python3 bench/pgo.py)"
-	else
-		(cd "$repo" && cargo build --release --locked >&2)
-		binary="${CARGO_TARGET_DIR:-$repo/target}/release/graygate"
-	fi
+	target="${CARGO_TARGET_DIR:-$repo/target}"
+	case "$pgo" in
+	fresh) binary="$(cd "$repo" && python3 bench/pgo.py)" ;;
+	*)
+		if ! command -v cargo >/dev/null; then
+			echo "cargo not found: the Rust toolchain (rustup)" >&2
+			exit 1
+		fi
+		if [ "$pgo" = off ]; then
+			# Its own target dir: cargo does not see GRAYGATE_PGO, so a shared
+			# one would keep crates built with the profile.
+			target="$target/nopgo"
+			(cd "$repo" && GRAYGATE_PGO=off cargo build --release --locked --target-dir "$target" >&2)
+		else
+			(cd "$repo" && cargo build --release --locked --target-dir "$target" >&2)
+		fi
+		binary="$target/release/graygate"
+		;;
+	esac
 fi
 version="$(sed -n 's/^version = "\(.*\)"$/\1/p' "$repo/Cargo.toml" | head -n1)"
 arch="$(dpkg --print-architecture)"

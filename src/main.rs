@@ -28,6 +28,36 @@ use tokio::signal::unix::{signal, SignalKind};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// `--version`'s PGO line: the profile tools/rustc-pgo gave this build.
+#[cfg(graygate_pgo = "committed")]
+macro_rules! pgo_line {
+    () => {
+        "profile-guided, the committed profile (pgo/graygate.profdata)"
+    };
+}
+#[cfg(graygate_pgo = "use")]
+macro_rules! pgo_line {
+    () => {
+        "profile-guided, a profile of its own (GRAYGATE_PGO=use:FILE)"
+    };
+}
+#[cfg(graygate_pgo = "generate")]
+macro_rules! pgo_line {
+    () => {
+        "instrumented (GRAYGATE_PGO=generate:DIR), writes a profile at exit"
+    };
+}
+#[cfg(not(any(
+    graygate_pgo = "committed",
+    graygate_pgo = "use",
+    graygate_pgo = "generate"
+)))]
+macro_rules! pgo_line {
+    () => {
+        "none"
+    };
+}
+
 /// `--version`: version and how this binary was built (see build.rs).
 const LONG_VERSION: &str = concat!(
     env!("CARGO_PKG_VERSION"),
@@ -39,6 +69,8 @@ const LONG_VERSION: &str = concat!(
     env!("GRAYGATE_BUILD_TARGET"),
     "\nprofile:  ",
     env!("GRAYGATE_BUILD_PROFILE"),
+    "\npgo:      ",
+    pgo_line!(),
     "\nfeatures: ",
     env!("GRAYGATE_BUILD_FEATURES"),
     "\nlua:      LuaJIT 2.1 (vendored; its compiler per script_limits.jit, auto by default)",

@@ -128,9 +128,11 @@ fn pgo_quick_mode_plans_the_build_and_runs_the_training_load() {
         "{stdout}"
     );
     for (step, needle) in [
+        ("step 1:", "GRAYGATE_PGO=generate:"),
         ("step 1:", "-Cprofile-generate="),
         ("step 2:", "training load on"),
         ("step 3:", " merge -o "),
+        ("step 4:", "GRAYGATE_PGO=use:"),
         ("step 4:", "-Cprofile-use="),
     ] {
         assert!(
@@ -153,6 +155,112 @@ fn pgo_quick_mode_plans_the_build_and_runs_the_training_load() {
             "{part} not trained:\n{stderr}"
         );
     }
+}
+
+/// The argv tools/rustc-pgo runs for `args` under `GRAYGATE_PGO=pgo`
+/// (`None`: unset), with `echo` as the compiler; (exit code, argv, stderr).
+fn rustc_pgo(pgo: Option<&str>, args: &[&str]) -> (Option<i32>, Vec<String>, String) {
+    let mut cmd = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/tools/rustc-pgo"));
+    cmd.arg("echo").args(args).env_remove("GRAYGATE_PGO");
+    if let Some(p) = pgo {
+        cmd.env("GRAYGATE_PGO", p);
+    }
+    let out = cmd.output().unwrap();
+    let argv = String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .map(String::from)
+        .collect();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out.status.code(), argv, err)
+}
+
+/// The rustc wrapper of .cargo/config.toml: an optimized crate (`-C
+/// opt-level=3`, the release build) gets the committed profile and the cfg
+/// `--version` reports; GRAYGATE_PGO=off gives none, `use:FILE` and
+/// `generate:DIR` their flags; debug crates, cargo's probes and commands that
+/// carry their own profile flag pass unchanged; a bad value is refused.
+#[test]
+fn rustc_pgo_gives_the_committed_profile_to_release_crates_only() {
+    let release = ["--crate-name", "x", "-C", "opt-level=3", "src/lib.rs"];
+    let profile = concat!(env!("CARGO_MANIFEST_DIR"), "/pgo/graygate.profdata");
+    let committed = std::path::Path::new(profile).is_file();
+    let (code, argv, err) = rustc_pgo(None, &release);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(&argv[..5], &release[..]);
+    if committed {
+        assert_eq!(
+            &argv[5..],
+            [
+                format!("-Cprofile-use={profile}"),
+                "--cfg".into(),
+                "graygate_pgo=\"committed\"".into()
+            ]
+        );
+    } else {
+        assert_eq!(argv.len(), 5, "{argv:?}");
+    }
+    let (_, argv, _) = rustc_pgo(Some("use"), &release);
+    assert_eq!(argv.len(), if committed { 8 } else { 5 }, "{argv:?}");
+    let (_, argv, _) = rustc_pgo(Some("off"), &release);
+    assert_eq!(argv, release);
+    let (_, argv, _) = rustc_pgo(Some("use:/p/x.profdata"), &release);
+    assert_eq!(
+        &argv[5..],
+        [
+            "-Cprofile-use=/p/x.profdata",
+            "--cfg",
+            "graygate_pgo=\"use\""
+        ]
+    );
+    let (_, argv, _) = rustc_pgo(Some("generate:/p/raw"), &release);
+    assert_eq!(
+        &argv[5..],
+        [
+            "-Cprofile-generate=/p/raw",
+            "--cfg",
+            "graygate_pgo=\"generate\""
+        ]
+    );
+    for unchanged in [
+        &["--crate-name", "x", "-C", "opt-level=0", "src/lib.rs"][..],
+        &["--crate-name", "build_script_build", "build.rs"][..],
+        &["-vV"][..],
+        &[
+            "-C",
+            "opt-level=3",
+            "-Cprofile-use=/mine.profdata",
+            "src/lib.rs",
+        ][..],
+    ] {
+        let (code, argv, _) = rustc_pgo(Some("generate:/p/raw"), unchanged);
+        assert_eq!(code, Some(0), "{unchanged:?}");
+        assert_eq!(argv, unchanged, "{unchanged:?}");
+    }
+    let (code, _, err) = rustc_pgo(Some("sometimes"), &release);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("GRAYGATE_PGO=sometimes"), "{err}");
+}
+
+/// The committed profile was trained with the pinned toolchain: a profile
+/// names functions by their symbols, which another rustc spells otherwise,
+/// so a toolchain change must come with `bench/pgo.py --refresh`.
+#[test]
+fn the_committed_profile_matches_the_pinned_toolchain() {
+    let dir = env!("CARGO_MANIFEST_DIR");
+    let toolchain = std::fs::read_to_string(format!("{dir}/rust-toolchain.toml")).unwrap();
+    let pinned = toolchain
+        .lines()
+        .find_map(|l| l.strip_prefix("channel = "))
+        .unwrap()
+        .trim_matches('"');
+    let source = std::fs::read_to_string(format!("{dir}/pgo/source")).unwrap();
+    let rustc = source
+        .lines()
+        .find_map(|l| l.strip_prefix("rustc: "))
+        .unwrap();
+    assert_eq!(rustc, pinned, "pgo/source:\n{source}");
+    let profile = std::fs::metadata(format!("{dir}/pgo/graygate.profdata")).unwrap();
+    assert!(profile.len() > 0);
 }
 
 /// `bench/pgo.py` checks every prerequisite before it builds or runs

@@ -42,6 +42,13 @@ fn version_prints_the_version_and_how_the_binary_was_built() {
     );
     assert!(line(&out, "target:").contains("linux"), "{out}");
     assert!(!line(&out, "features:").is_empty());
+    // tools/rustc-pgo flags only optimized crates: this debug build has no
+    // profile.
+    if line(&out, "profile:") == "debug" {
+        assert_eq!(line(&out, "pgo:"), "none", "{out}");
+    } else {
+        assert!(!line(&out, "pgo:").is_empty(), "{out}");
+    }
     // The VM the binary links (mlua's own report of it).
     let vm: String = mlua::Lua::new()
         .load("return jit and jit.version or _VERSION")

@@ -254,12 +254,14 @@ async fn debian_package_holds_a_gateway_that_starts_on_its_config() {
     );
 }
 
-/// The script's options: the default build is bench/pgo.py's (seen by
-/// its first check failing on a PATH without nginx, before any build),
-/// `--no-pgo` with `--binary` packages the given binary, and an unknown
-/// option is refused.
+/// The script's options: the default build is `cargo build --release`
+/// (profile-guided by the committed profile; seen by its check for cargo
+/// failing on a PATH without it), `--pgo` trains a fresh profile with
+/// bench/pgo.py first (seen by that script's first check failing on a PATH
+/// without nginx, before any build), `--no-pgo` with `--binary` packages the
+/// given binary, and an unknown option is refused.
 #[test]
-fn build_deb_defaults_to_the_pgo_build_and_takes_no_pgo() {
+fn build_deb_builds_with_the_committed_profile_or_a_fresh_one() {
     let script = script();
     let bare = tempfile::tempdir().unwrap();
     // The interpreter itself (not a version manager's shim, which needs more
@@ -268,13 +270,20 @@ fn build_deb_defaults_to_the_pgo_build_and_takes_no_pgo() {
     std::os::unix::fs::symlink(python.trim(), bare.path().join("python3")).unwrap();
     let dirname = run(Command::new("bash").args(["-c", "command -v dirname"]));
     std::os::unix::fs::symlink(dirname.trim(), bare.path().join("dirname")).unwrap();
-    let out = Command::new("/bin/bash")
-        .arg(&script)
-        .env("PATH", bare.path())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{err}");
+    let bare_run = |args: &[&str]| {
+        let out = Command::new("/bin/bash")
+            .arg(&script)
+            .args(args)
+            .env("PATH", bare.path())
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = bare_run(&[]);
+    assert!(err.contains("cargo not found"), "{err}");
+    assert!(!err.contains("nginx not found"), "{err}");
+    let err = bare_run(&["--pgo"]);
     assert!(err.contains("nginx not found"), "{err}");
 
     let work = tempfile::tempdir().unwrap();
