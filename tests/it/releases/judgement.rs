@@ -162,15 +162,16 @@ async fn rolled_back(
 }
 
 /// The first failed window came no later than the third interval — or,
-/// on a machine too slow to carry the sample minimum (`need` gray
+/// on a machine too slow to carry the sample that decides (`need` gray
 /// requests) in one interval, within three intervals of the first window
-/// that carried it.
+/// that carried it. A failure on a window smaller than `need` came
+/// sooner than that, and passes.
 fn failed_within_three_intervals(ws: &[serde_json::Value], need: u64) {
     let first = ws.iter().position(|a| a["outcome"] == "fail").unwrap();
     let sufficient = ws
         .iter()
         .position(|a| a["gray"]["requests"].as_u64().unwrap() >= need)
-        .unwrap();
+        .unwrap_or(first);
     assert!(
         first <= sufficient + 2,
         "first failure at interval {}, the minimum met at {}: {ws:#?}",
