@@ -54,17 +54,26 @@ import tempfile
 import lib
 
 
-def profdata_tool():
-    """(llvm-profdata of rustc's LLVM major version, None) -- a profile is read
-    only by its own -- or (None, what is missing)."""
+def rustc_field(name):
+    """A field of `rustc -vV` ("release", "LLVM version"): None without rustc,
+    "" when rustc does not name it."""
     try:
         out = subprocess.run(["rustc", "-vV"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
+        return None
+    m = re.search(rf"^{name}: (.*)$", out, re.M)
+    return m.group(1).strip() if m else ""
+
+
+def profdata_tool():
+    """(llvm-profdata of rustc's LLVM major version, None) -- a profile is read
+    only by its own -- or (None, what is missing)."""
+    llvm = rustc_field("LLVM version")
+    if llvm is None:
         return None, "rustc not found: the Rust toolchain (rustup)"
-    m = re.search(r"LLVM version: (\d+)", out)
-    if not m:
+    if not llvm:
         return None, "rustc -vV names no LLVM version"
-    major = m.group(1)
+    major = llvm.split(".")[0]
     for name in (f"llvm-profdata-{major}", f"/usr/lib/llvm-{major}/bin/llvm-profdata"):
         if shutil.which(name):
             return name, None
@@ -96,14 +105,11 @@ def write_source(path):
     commit = out("git", "rev-parse", "--short=12", "HEAD") or "unknown"
     if out("git", "status", "--porcelain", "--untracked-files=no"):
         commit += " (with uncommitted changes)"
-    rustc = out("rustc", "-vV")
-    release = re.search(r"^release: (.*)$", rustc, re.M)
-    llvm = re.search(r"^LLVM version: (.*)$", rustc, re.M)
     with open(path, "w") as f:
         f.write("# What pgo/graygate.profdata was trained on (written by bench/pgo.py --refresh).\n")
         f.write(f"commit: {commit}\n")
-        f.write(f"rustc: {release.group(1) if release else 'unknown'}\n")
-        f.write(f"llvm: {llvm.group(1) if llvm else 'unknown'}\n")
+        f.write(f"rustc: {rustc_field('release') or 'unknown'}\n")
+        f.write(f"llvm: {rustc_field('LLVM version') or 'unknown'}\n")
 
 
 class Plan:
@@ -115,14 +121,14 @@ class Plan:
         self.gen_dir = os.path.join(target, "pgo-gen")
         self.use_dir = os.path.join(target, "pgo-use")
         self.merged = os.path.join(target, "pgo.profdata")
-        self.gen_flags = f"generate:{self.data}"
-        self.use_flags = f"use:{self.merged}"
+        self.gen_pgo = f"generate:{self.data}"
+        self.use_pgo = f"use:{self.merged}"
         self.tool = tool
 
     def steps(self):
         """The commands as one would type them (for --dry-run)."""
-        gen_env, gen = cargo_command(self.gen_dir, self.gen_flags)
-        use_env, use = cargo_command(self.use_dir, self.use_flags)
+        gen_env, gen = cargo_command(self.gen_dir, self.gen_pgo)
+        use_env, use = cargo_command(self.use_dir, self.use_pgo)
         tool = self.tool or "llvm-profdata-<N>"
         return [
             f"GRAYGATE_PGO={gen_env['GRAYGATE_PGO']} {' '.join(gen)} "
@@ -228,7 +234,7 @@ def main():
     plan = Plan(a.data, tool)
     shutil.rmtree(plan.data, ignore_errors=True)
     os.makedirs(plan.data)
-    gen = cargo_build(plan.gen_dir, plan.gen_flags)
+    gen = cargo_build(plan.gen_dir, plan.gen_pgo)
     train(gen, a.train_seconds)
     raws = glob.glob(os.path.join(plan.data, "*.profraw"))
     if not raws:
@@ -239,7 +245,7 @@ def main():
         shutil.copyfile(plan.merged, COMMITTED)
         write_source(SOURCE)
         print(f"committed profile replaced: {COMMITTED} (see {SOURCE})", file=sys.stderr)
-    print(cargo_build(plan.use_dir, plan.use_flags))
+    print(cargo_build(plan.use_dir, plan.use_pgo))
 
 
 if __name__ == "__main__":

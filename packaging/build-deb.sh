@@ -49,14 +49,14 @@ if [ -z "$binary" ]; then
 			echo "cargo not found: the Rust toolchain (rustup)" >&2
 			exit 1
 		fi
+		choice=""
 		if [ "$pgo" = off ]; then
 			# Its own target dir: cargo does not see GRAYGATE_PGO, so a shared
 			# one would keep crates built with the profile.
 			target="$target/nopgo"
-			(cd "$repo" && GRAYGATE_PGO=off cargo build --release --locked --target-dir "$target" >&2)
-		else
-			(cd "$repo" && cargo build --release --locked --target-dir "$target" >&2)
+			choice="GRAYGATE_PGO=off"
 		fi
+		(cd "$repo" && env $choice cargo build --release --locked --target-dir "$target" >&2)
 		binary="$target/release/graygate"
 		;;
 	esac
