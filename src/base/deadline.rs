@@ -100,6 +100,34 @@ impl Table {
     }
 }
 
+/// Gives back the slots a burst of waiting requests left on this thread's
+/// table (the accept loop's coarse tick calls this): the free slots past
+/// the last one in use go, and the table's capacity shrinks to fit; how
+/// many slots went.
+pub fn trim() -> usize {
+    TABLE
+        .try_with(|t| {
+            let mut t = t.borrow_mut();
+            let before = t.slots.len();
+            while matches!(t.slots.last(), Some(None)) {
+                t.slots.pop();
+            }
+            let len = t.slots.len();
+            if len < before {
+                t.free.retain(|&i| i < len);
+            }
+            if t.slots.capacity() > 2 * len + 16 {
+                t.slots.shrink_to(len);
+            }
+            let free = t.free.len();
+            if t.free.capacity() > 2 * free + 16 {
+                t.free.shrink_to(free);
+            }
+            before - len
+        })
+        .unwrap_or(0)
+}
+
 /// The coarse clock's reading (`now_ms`); tests can make it lag further.
 fn coarse_now() -> u64 {
     #[cfg(test)]
@@ -440,6 +468,56 @@ mod tests {
         let polled = tokio::time::timeout(Duration::from_millis(20), f).await;
         assert!(polled.is_err());
         assert_eq!(waiting(), 0);
+    }
+
+    /// What a burst of waiters left goes back at a trim: the free slots
+    /// past the last one in use, and the table's room; a waiter still in
+    /// the table keeps its slot and still fires, and new waiters find
+    /// their slots after the trim.
+    #[tokio::test]
+    async fn a_trim_gives_back_what_a_burst_of_waiters_left() {
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut burst: Vec<_> = (0..1000)
+            .map(|i| {
+                let limit = Duration::from_millis(if i == 0 { 30 } else { 30_000 });
+                Box::pin(timeout(limit, std::future::pending::<()>()))
+            })
+            .collect();
+        for w in &mut burst {
+            assert!(w.as_mut().poll(&mut cx).is_pending());
+        }
+        assert_eq!(waiting(), 1000);
+        let last = burst.pop().unwrap();
+        let first = burst.remove(0);
+        drop(burst);
+        assert_eq!(trim(), 0, "the last slot is in use");
+        drop(last);
+        assert_eq!(trim(), 999, "every slot after the first one's");
+        let (len, room) = TABLE.with(|t| (t.borrow().slots.len(), t.borrow().slots.capacity()));
+        assert_eq!(len, 1);
+        assert!(room <= 16, "the table kept room for {room}");
+        // Waiters after the trim: slots of their own (the first's is taken).
+        let mut after: Vec<_> = (0..3)
+            .map(|_| {
+                Box::pin(timeout(
+                    Duration::from_secs(30),
+                    std::future::pending::<()>(),
+                ))
+            })
+            .collect();
+        for w in &mut after {
+            assert!(w.as_mut().poll(&mut cx).is_pending());
+        }
+        assert_eq!(waiting(), 4);
+        assert_eq!(
+            bounded(first).await,
+            Err(Elapsed),
+            "the one in use still fires"
+        );
+        drop(after);
+        assert_eq!(waiting(), 0);
+        assert_eq!(trim(), 4);
+        assert_eq!(TABLE.with(|t| t.borrow().free.len()), 0);
     }
 
     /// A short limit registered while the ticker sleeps for a long one

@@ -51,6 +51,9 @@ impl<T> FreeList<T> {
         let unused = self.low.min(self.items.len());
         self.items.truncate(self.items.len() - unused);
         self.low = self.items.len();
+        if self.items.capacity() > 2 * self.items.len() + 8 {
+            self.items.shrink_to(self.items.len());
+        }
         unused
     }
 
@@ -93,8 +96,13 @@ mod tests {
         assert_eq!(l.len(), 50);
         assert_eq!(l.trim(), 47, "the unused ones were not freed");
         assert_eq!(l.len(), 3, "the steady load's were freed");
+        assert!(
+            l.items.capacity() < 50,
+            "the list's own room was not given back"
+        );
         assert_eq!(l.trim(), 3, "nothing taken since: all go");
         assert!(l.is_empty());
+        assert!(l.items.capacity() <= 8);
         assert_eq!(l.trim(), 0);
         assert_eq!(l.take(), None);
     }

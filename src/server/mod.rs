@@ -144,18 +144,31 @@ impl Server {
                 _ = shutdown.wait_for(|s| *s) => break,
                 _ = tick.tick() => {
                     drain.notify_waiters();
-                    // The read buffers (client and upstream side) and
-                    // request slots a burst left and
+                    // The read buffers (client and upstream side),
+                    // request slots and deadline slots a burst left and
                     // the steady load did not use over the last second go
                     // back too (at most once a second however short the
                     // tick: a 10 ms window would free what the load takes
-                    // again at once).
+                    // again at once), and so do the idle upstream
+                    // connections it left (`upstream::pool`).
                     let now = now_ms();
-                    if tidy.trim_due(now) && h1::trim_kept() + crate::upstream::trim_kept() > 0 {
-                        tidy.freed(now);
+                    if tidy.trim_due(now) {
+                        let idle = Duration::from_millis(self.plane.current().config.upstream.idle_timeout_ms);
+                        let freed = h1::trim_kept()
+                            + crate::upstream::trim_kept(now, idle)
+                            + crate::base::deadline::trim();
+                        if freed > 0 {
+                            tidy.freed(now);
+                        }
                     }
-                    if tidy.tick(self.connections.get(), now) {
-                        crate::base::tidy::nudge();
+                    use crate::base::tidy::{self, Give};
+                    match tidy.tick(self.connections.get(), now) {
+                        Give::None => {}
+                        Give::Nudge => tidy::nudge(),
+                        Give::Collect => {
+                            tidy::collect();
+                            tidy::nudge();
+                        }
                     }
                     continue;
                 }

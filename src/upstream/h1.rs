@@ -85,6 +85,13 @@ pub(crate) fn trim_kept() -> usize {
     READ_BUFS.try_with(|b| b.borrow_mut().trim()).unwrap_or(0)
 }
 
+/// Closes the thread's pooled connections past `idle_timeout`, stale, or
+/// left over from a burst ([`IdlePool::trim`]); how many.
+pub(crate) fn trim_pool(now: u64, idle_timeout: Duration) -> usize {
+    POOL.try_with(|p| p.borrow_mut().trim(now, idle_timeout, |c| !c.is_stale()))
+        .unwrap_or(0)
+}
+
 impl Conn {
     /// True when the peer has sent something (EOF, a reset, stray bytes) on
     /// an idle connection: it cannot carry a new request. Reads tokio's

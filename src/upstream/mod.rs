@@ -75,9 +75,14 @@ pub struct OutHead<'a> {
 }
 
 /// Frees the read buffers the thread's exchanges kept and did not take
-/// again since the last call (the accept loop's tick); how many.
-pub fn trim_kept() -> usize {
-    h1::trim_kept()
+/// again since the last call (the accept loop's tick, `now` its `now_ms`),
+/// and closes the idle connections past `idle_timeout`, closed by the
+/// node, or left over from a burst (`pool::IdlePool::trim`); how many.
+pub fn trim_kept(now: u64, idle_timeout: Duration) -> usize {
+    let hyper = POOL
+        .try_with(|p| p.borrow_mut().trim(now, idle_timeout, |s| !s.is_closed()))
+        .unwrap_or(0);
+    h1::trim_kept() + h1::trim_pool(now, idle_timeout) + hyper
 }
 
 /// The client. Cheap to share; the pools live in thread-locals.

@@ -743,3 +743,64 @@ async fn idle_pooled_upstream_connections_are_closed() {
     })
     .await;
 }
+
+/// A gateway with one worker and `f1` as its only API node.
+fn one_node_gateway(fx: &Fixture, f1: &Backend, extra: &str) -> Gateway {
+    fx.api_nodes(&[f1]);
+    Config::new()
+        .set("workers", 1)
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .raw(extra)
+        .start(fx, "gg.yaml")
+}
+
+/// Past its idle timeout a pooled connection is closed even when no
+/// request comes to find it so (nginx's keepalive_timeout): a quiet
+/// gateway holds no upstream connections (and their memory) for good.
+#[tokio::test]
+async fn pooled_upstream_connections_past_their_idle_timeout_close_with_no_request() {
+    let f1 = Backend::start("f1", "formal").await;
+    let fx = Fixture::new();
+    let gw = one_node_gateway(&fx, &f1, "upstream:\n  idle_timeout_ms: 300\n");
+    use std::sync::atomic::Ordering;
+    assert_eq!(gw.get("/x").await.status, 200);
+    assert_eq!(f1.connections.load(Ordering::SeqCst), 1);
+    soon("the idle connection closed", || async {
+        f1.closed.load(Ordering::SeqCst) == 1
+    })
+    .await;
+}
+
+/// The upstream connections a burst opened are closed once no request
+/// has taken them for a purge period (5 s), all but the newest, which the
+/// next request still reuses; the default idle timeout (60 s) would keep
+/// them all.
+#[tokio::test]
+async fn the_upstream_connections_a_burst_left_are_closed_but_one() {
+    let f1 = Backend::start("f1", "formal").await;
+    let fx = Fixture::new();
+    let gw = one_node_gateway(&fx, &f1, "");
+    use std::sync::atomic::Ordering;
+    let conns = || f1.connections.load(Ordering::SeqCst);
+    let closed = || f1.closed.load(Ordering::SeqCst);
+    // Twenty at once, each answered after the last arrived: twenty
+    // upstream connections.
+    f1.set_delay(Duration::from_millis(500));
+    let burst: Vec<_> = (0..20).map(|_| gw.get("/x")).collect();
+    for r in futures_util::future::join_all(burst).await {
+        assert_eq!(r.status, 200);
+    }
+    assert_eq!(conns(), 20, "one upstream connection per request in flight");
+    assert_eq!(closed(), 0);
+    f1.set_delay(Duration::ZERO);
+    eventually(
+        "the burst's connections closed",
+        Duration::from_secs(20),
+        || async { closed() == 19 },
+    )
+    .await;
+    assert_eq!(gw.get("/x").await.status, 200);
+    assert_eq!(conns(), 20, "the newest was kept and reused");
+    assert_eq!(closed(), 19);
+}

@@ -21,6 +21,8 @@ type Answer = fn(&str) -> (Vec<u8>, bool);
 struct Wire {
     addr: SocketAddr,
     connections: Arc<AtomicUsize>,
+    /// Connections the gateway has closed (read to its end).
+    ended: Arc<AtomicUsize>,
     heads: Arc<Mutex<Vec<String>>>,
 }
 
@@ -29,22 +31,26 @@ impl Wire {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let connections = Arc::new(AtomicUsize::new(0));
+        let ended = Arc::new(AtomicUsize::new(0));
         let heads = Arc::new(Mutex::new(Vec::new()));
-        let (c, h) = (connections.clone(), heads.clone());
+        let (c, h, e) = (connections.clone(), heads.clone(), ended.clone());
         tokio::spawn(async move {
             loop {
                 let Ok((mut sock, _)) = listener.accept().await else {
                     return;
                 };
                 c.fetch_add(1, Ordering::SeqCst);
-                let h = h.clone();
+                let (h, e) = (h.clone(), e.clone());
                 tokio::spawn(async move {
                     let mut buf = Vec::new();
                     loop {
                         let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
                             let mut chunk = [0u8; 4096];
                             match sock.read(&mut chunk).await {
-                                Ok(0) | Err(_) => return,
+                                Ok(0) | Err(_) => {
+                                    e.fetch_add(1, Ordering::SeqCst);
+                                    return;
+                                }
                                 Ok(n) => buf.extend_from_slice(&chunk[..n]),
                             }
                             continue;
@@ -68,7 +74,12 @@ impl Wire {
                             return;
                         }
                         if close {
+                            // Our side closed; the gateway's ends when it
+                            // closes the connection (read to its end).
                             let _ = sock.shutdown().await;
+                            let mut rest = [0u8; 4096];
+                            while matches!(sock.read(&mut rest).await, Ok(n) if n > 0) {}
+                            e.fetch_add(1, Ordering::SeqCst);
                             return;
                         }
                     }
@@ -78,6 +89,7 @@ impl Wire {
         Wire {
             addr,
             connections,
+            ended,
             heads,
         }
     }
@@ -197,6 +209,27 @@ async fn idle_connections_the_upstream_closed_are_replaced() {
         assert_eq!(r.text(), "body");
     }
     assert_eq!(wire.connections(), 20);
+}
+
+/// A pooled connection the node closed is closed by the gateway on its
+/// next coarse tick, not held (in CLOSE_WAIT) until a request comes for it.
+#[tokio::test]
+async fn an_idle_connection_the_upstream_closed_is_closed_with_no_request() {
+    let wire = Wire::start(|_| {
+        (
+            b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nbody".to_vec(),
+            true,
+        )
+    })
+    .await;
+    let s = setup(&wire);
+    let r = s.gw.get("/x").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    soon("the gateway closed its side", || async {
+        wire.ended.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    assert_eq!(wire.connections(), 1);
 }
 
 #[tokio::test]
