@@ -804,3 +804,41 @@ async fn the_upstream_connections_a_burst_left_are_closed_but_one() {
     assert_eq!(conns(), 20, "the newest was kept and reused");
     assert_eq!(closed(), 19);
 }
+
+/// The environment of process `pid`: `NAME=value` entries.
+fn environ(pid: u32) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/environ"))
+        .unwrap()
+        .split(|b| *b == 0)
+        .map(|e| String::from_utf8_lossy(e).into_owned())
+        .collect()
+}
+
+/// graygate runs itself again, in the same process (the pid its parent
+/// started), with the allocator option that keeps a worker's full pages
+/// with it (`MIMALLOC_PAGE_FULL_RETAIN=-1`: tests/allocator.rs shows what
+/// it changes); an operator's own value of it is kept.
+#[tokio::test]
+async fn the_gateway_runs_with_its_allocator_option_unless_the_environment_names_it() {
+    let f1 = Backend::start("f1", "formal").await;
+    let fx = Fixture::new();
+    fx.api_nodes(&[&f1]);
+    let cfg = Config::new()
+        .set("workers", 1)
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .write(&fx, "gg.yaml");
+    let option = |gw: &Gateway| {
+        environ(gw.pid())
+            .into_iter()
+            .filter(|e| e.starts_with("MIMALLOC_PAGE_FULL_RETAIN="))
+            .collect::<Vec<_>>()
+    };
+    let gw = Gateway::start(&cfg);
+    assert_eq!(gw.get("/x").await.status, 200);
+    assert_eq!(option(&gw), ["MIMALLOC_PAGE_FULL_RETAIN=-1"]);
+    drop(gw);
+    let gw = Gateway::start_env(&cfg, &[("MIMALLOC_PAGE_FULL_RETAIN", "2")]);
+    assert_eq!(gw.get("/x").await.status, 200);
+    assert_eq!(option(&gw), ["MIMALLOC_PAGE_FULL_RETAIN=2"]);
+}
