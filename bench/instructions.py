@@ -78,10 +78,7 @@ def count(cmd, sock, unix, mixes, n, out, port=None, warmup=200):
     for f in glob.glob(out + "*"):
         os.remove(f)
     vg = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
-    # graygate runs itself again with its allocator option unless the
-    # environment names it (src/main.rs, allocator_options); valgrind
-    # would not follow that exec, so the option is set here.
-    env = dict(os.environ, RUST_LOG=lib.GRAYGATE_LOG, MIMALLOC_PAGE_FULL_RETAIN="-1")
+    env = dict(os.environ, RUST_LOG=lib.GRAYGATE_LOG)
     fds = (sock.fileno(),) if sock else ()
     log = out + ".log"
     with open(log, "w") as logf:

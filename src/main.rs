@@ -28,43 +28,6 @@ use tokio::signal::unix::{signal, SignalKind};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// The mimalloc option graygate runs with, and its value: full pages stay
-/// with their thread instead of being abandoned to the shared arena.
-/// mimalloc's default (2: abandon a size class's full pages past two)
-/// suits threads that share memory; a worker frees what it allocated, and
-/// a page it abandoned in a burst is not allocated from again until the
-/// worker reclaims it, so the burst's scattered survivors keep whole pages
-/// resident after the connections close.
-const ALLOC_OPTION: (&str, &str) = ("MIMALLOC_PAGE_FULL_RETAIN", "-1");
-
-/// mimalloc reads its options from the environment once, as the process
-/// loads (before `main`), and the crate forbids the `unsafe` its setter
-/// needs: so the process runs itself again with the option set, once (the
-/// same pid, arguments and descriptors; `exec` returns only on failure,
-/// and then graygate runs on mimalloc's defaults). An option the
-/// environment already names, whatever its value, is left as it is.
-fn allocator_options() {
-    use std::os::unix::process::CommandExt;
-    let (key, value) = ALLOC_OPTION;
-    if std::env::var_os(key).is_some() {
-        return;
-    }
-    let Ok(exe) = std::env::current_exe() else {
-        return;
-    };
-    let mut args = std::env::args_os();
-    let arg0 = args.next().unwrap_or_else(|| exe.clone().into_os_string());
-    let err = std::process::Command::new(&exe)
-        .arg0(arg0)
-        .args(args)
-        .env(key, value)
-        .exec();
-    eprintln!(
-        "graygate: cannot run {} again with {key}={value} ({err}); mimalloc's default",
-        exe.display()
-    );
-}
-
 /// `--version`'s PGO line: the profile tools/rustc-pgo gave this build.
 #[cfg(graygate_pgo = "committed")]
 macro_rules! pgo_line {
@@ -452,7 +415,6 @@ impl tracing_subscriber::fmt::time::FormatTime for TimeAndPid {
 }
 
 fn main() -> ExitCode {
-    allocator_options();
     let cli = Cli::parse();
     let _ = LISTEN_OVERRIDES.set((cli.listen, cli.admin_listen));
     // `script_limits.jit` is accepted only where LuaJIT's compiler can run:

@@ -16,13 +16,10 @@
 //! cheapest allocation that takes the slow path, to free the retired
 //! pages. After connections closed or kept buffers, request slots or
 //! pooled connections were freed, the accept loop collects once (at most
-//! every few seconds: a free held back is collected later, never
-//! skipped) and nudges once a second until past the purge delay of the
-//! last collect (nothing is done on a steady worker that frees nothing).
-//!
-//! A third place, mimalloc's shared arena of abandoned full pages, is
-//! kept empty by the option the binary runs with (`src/main.rs`,
-//! `ALLOC_OPTION`).
+//! every two seconds: a free held back is collected later, never
+//! skipped) and nudges twice more, two seconds apart, so the last purge
+//! comes after everything freed (nothing is done on a steady worker that
+//! frees nothing).
 
 /// Above mimalloc's largest size class (512 KiB): a page of its own, whose
 /// free runs the arena purge.
@@ -68,15 +65,19 @@ pub enum Give {
 /// buffers or pooled connections trimmed) makes a collect due; it runs at
 /// the first tick allowed (at most every [`Tidy::COLLECT_MS`]), so pages
 /// freed while collects are held back are collected later, never left
-/// behind. Nudges go on once a second for [`Tidy::SPAN_MS`] after the
-/// last free and for [`Tidy::PURGE_MS`] after the last collect: past
-/// mimalloc's purge delay counted from the end of the collect, so the
-/// pages the collect freed are purged by a nudge that comes after them.
+/// behind. Nudges come every [`Tidy::NUDGE_MS`], [`Tidy::NUDGES`] of them
+/// after the last free or collect. Their spacing is mimalloc's: a nudge
+/// purges what was scheduled a purge delay (1 s) before it, and its own
+/// freed block schedules the next purge then; nudges one second apart
+/// purge only every other time, and the last could leave what came since
+/// the one before it resident for good. Two seconds apart, each nudge
+/// purges everything freed since the one before, and the second after a
+/// free comes surely past its delay.
 #[derive(Debug, Default)]
 pub struct Tidy {
     last: usize,
-    /// Nudge until then (`now_ms`).
-    until: u64,
+    /// Nudges still to give.
+    nudges: u8,
     /// The last nudge or collect (`now_ms`; 0: none yet).
     nudged: u64,
     /// The last collect (`now_ms`; 0: none yet).
@@ -88,16 +89,14 @@ pub struct Tidy {
 }
 
 impl Tidy {
-    /// How long to nudge after memory was freed: past the purge delay,
-    /// and a little more for pages retired late.
-    const SPAN_MS: u64 = 4000;
-    /// How long to nudge after a collect: two nudges, the second surely
-    /// past the purge delay of what the collect freed (the first comes a
-    /// tick period after the collect began, which can be a hair short of
-    /// the delay counted from its end).
-    const PURGE_MS: u64 = 2500;
+    /// Nudges after the last free or collect.
+    const NUDGES: u8 = 2;
+    /// The time between two nudges (a collect nudges too): twice
+    /// mimalloc's purge delay, less room for a tick that comes a little
+    /// early.
+    pub const NUDGE_MS: u64 = 1900;
     /// The shortest time between two collects.
-    pub const COLLECT_MS: u64 = 5000;
+    pub const COLLECT_MS: u64 = 1900;
     /// "Once a second", with room for a tick that comes a little early.
     const SECOND_MS: u64 = 900;
 
@@ -111,32 +110,33 @@ impl Tidy {
         }
     }
 
-    /// Memory was freed at `now` (not by closed connections): collect and
-    /// nudge as after closes.
-    pub fn freed(&mut self, now: u64) {
+    /// Memory was freed (not by closed connections): collect and nudge as
+    /// after closes.
+    pub fn freed(&mut self) {
         self.due = true;
-        self.until = self.until.max(now + Self::SPAN_MS);
+        self.nudges = Self::NUDGES;
     }
 
     /// A tick at `now` (`now_ms`) with `open` connections: what to do.
     pub fn tick(&mut self, open: usize, now: u64) -> Give {
         if open < self.last {
-            self.freed(now);
+            self.freed();
         }
         self.last = open;
-        if self.nudged != 0 && now < self.nudged + Self::SECOND_MS {
+        if self.nudged != 0 && now < self.nudged + Self::NUDGE_MS {
             return Give::None;
         }
         if self.due && (self.collected == 0 || now >= self.collected + Self::COLLECT_MS) {
             self.due = false;
             self.collected = now;
             self.nudged = now;
-            self.until = self.until.max(now + Self::PURGE_MS);
+            self.nudges = Self::NUDGES;
             return Give::Collect;
         }
-        if now >= self.until {
+        if self.nudges == 0 {
             return Give::None;
         }
+        self.nudges -= 1;
         self.nudged = now;
         Give::Nudge
     }
@@ -145,6 +145,7 @@ impl Tidy {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use Give::{Collect, Nudge};
 
     /// The ticks of one second each from `from` (ms), `n` of them, with
     /// `open` connections: what each says.
@@ -153,7 +154,7 @@ mod tests {
     }
 
     #[test]
-    fn collects_after_closes_then_nudges_past_the_purge_delay() {
+    fn collects_after_closes_then_nudges_every_other_second() {
         let mut t = Tidy::default();
         let t0 = 10_000;
         assert_eq!(t.tick(0, t0), Give::None, "nothing freed yet");
@@ -162,80 +163,95 @@ mod tests {
             Give::None,
             "connections opening: nothing to give back"
         );
-        assert_eq!(t.tick(3, t0 + 200), Give::Collect, "the first after closes");
-        assert_eq!(t.tick(3, t0 + 300), Give::None, "at most once a second");
-        use Give::*;
+        assert_eq!(t.tick(3, t0 + 200), Collect, "the first after closes");
+        assert_eq!(t.tick(3, t0 + 300), Give::None);
         assert_eq!(
-            ticks(&mut t, 3, t0 + 1200, 4),
-            [Nudge, Nudge, Nudge, None],
-            "nudged for the span after the closes, then quiet"
+            ticks(&mut t, 3, t0 + 1200, 6),
+            [Give::None, Nudge, Give::None, Nudge, Give::None, Give::None],
+            "two nudges two seconds apart after the collect, then quiet"
         );
     }
 
     #[test]
     fn a_free_held_back_by_the_collect_interval_is_collected_later() {
-        use Give::*;
         let mut t = Tidy::default();
         let c = 20_000;
-        t.freed(c);
+        t.freed();
         assert_eq!(t.tick(5, c), Collect);
         // Freed a second after the collect (a burst's second trim): the
-        // collect waits for the interval, and comes even though the
-        // span of nudges ended before it.
-        t.freed(c + 1000);
+        // collect waits for the interval, then comes, and two nudges
+        // after it.
+        t.freed();
         assert_eq!(
-            ticks(&mut t, 5, c + 1000, 8),
-            [Nudge, Nudge, Nudge, Nudge, Collect, Nudge, Nudge, None],
-            "the held-back free's collect, then two nudges past the delay"
+            ticks(&mut t, 5, c + 1000, 7),
+            [
+                Give::None,
+                Collect,
+                Give::None,
+                Nudge,
+                Give::None,
+                Nudge,
+                Give::None
+            ]
         );
     }
 
-    #[test]
-    fn a_collect_is_followed_by_a_nudge_past_the_purge_delay() {
-        use Give::*;
-        let mut t = Tidy::default();
-        let c = 30_000;
-        t.freed(c - 5000);
-        assert_eq!(t.tick(5, c - 5000), Collect);
-        assert_eq!(ticks(&mut t, 5, c - 4000, 4), [Nudge, Nudge, Nudge, None]);
-        // Freed at the span's very end: collected at once (5 s since the
-        // last), and nudged after it though the free's own span is short.
-        t.freed(c);
-        assert_eq!(t.tick(5, c), Collect);
-        let after: Vec<u64> = (1..=5u64)
-            .filter(|i| t.tick(5, c + i * 1000) != None)
-            .map(|i| i * 1000)
-            .collect();
-        assert!(
-            after.iter().any(|ms| *ms >= PURGE_DELAY_MS + 1000),
-            "no nudge a whole tick past the purge delay after the collect: {after:?}"
-        );
-    }
-
-    /// mimalloc's default purge delay.
+    /// mimalloc's purge delay.
     const PURGE_DELAY_MS: u64 = 1000;
+
+    /// Every nudge comes at least twice the purge delay (less a tick's
+    /// earliness) after the one before, and the second after a free comes
+    /// past the delay from the free, however the free falls between
+    /// ticks.
+    #[test]
+    fn nudges_are_spaced_past_the_purge_delay() {
+        for free_at in [0u64, 300, 999, 1000, 1500] {
+            let mut t = Tidy::default();
+            let t0 = 30_000;
+            t.freed();
+            assert_eq!(t.tick(1, t0), Collect);
+            let mut at = vec![t0];
+            for i in 1..12u64 {
+                let now = t0 + i * 1000;
+                if now == t0 + 2000 + free_at / 1000 * 1000 {
+                    t.freed();
+                }
+                if t.tick(1, now) != Give::None {
+                    at.push(now);
+                }
+            }
+            for w in at.windows(2) {
+                assert!(w[1] - w[0] >= 2 * PURGE_DELAY_MS - 100, "{at:?}");
+            }
+            let last_free = t0 + 2000 + free_at / 1000 * 1000;
+            let after: Vec<&u64> = at.iter().filter(|n| **n >= last_free).collect();
+            assert!(
+                after.len() >= 2 && *after[1] >= last_free + PURGE_DELAY_MS,
+                "no second nudge past the delay after the free at {last_free}: {at:?}"
+            );
+        }
+    }
 
     #[test]
     fn a_tick_a_little_early_still_nudges() {
         let mut t = Tidy::default();
-        t.freed(40_000);
-        assert_eq!(t.tick(1, 40_000), Give::Collect);
-        assert_eq!(t.tick(1, 40_995), Give::Nudge, "a tick 5 ms early");
+        t.freed();
+        assert_eq!(t.tick(1, 40_000), Collect);
+        assert_eq!(t.tick(1, 41_995), Nudge, "a tick 5 ms early");
         assert!(t.trim_due(40_000));
         assert!(!t.trim_due(40_010), "trimmed twice within a second");
         assert!(t.trim_due(40_995), "a tick 5 ms early");
     }
 
     #[test]
-    fn closing_all_the_time_collects_every_five_seconds() {
+    fn closing_all_the_time_collects_every_other_second() {
         let mut t = Tidy::default();
         let t0 = 50_000;
         let gives: Vec<Give> = (0..10u64)
             .map(|i| t.tick(2 - (i % 2) as usize, t0 + i * 1000))
             .collect();
-        let collects = gives.iter().filter(|g| **g == Give::Collect).count();
-        assert_eq!(collects, 2, "{gives:?}");
-        assert!(gives[1..].iter().all(|g| *g != Give::None), "{gives:?}");
+        let at: Vec<usize> = (0..10).filter(|i| gives[*i] == Collect).collect();
+        assert_eq!(at, [1, 3, 5, 7, 9], "{gives:?}");
         nudge();
         collect();
     }

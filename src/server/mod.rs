@@ -158,7 +158,7 @@ impl Server {
                             + crate::upstream::trim_kept(now, idle)
                             + crate::base::deadline::trim();
                         if freed > 0 {
-                            tidy.freed(now);
+                            tidy.freed();
                         }
                     }
                     use crate::base::tidy::{self, Give};
