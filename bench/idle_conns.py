@@ -24,6 +24,7 @@ Usage:
   cargo build --release
   python3 bench/idle_conns.py [--conns 10000] [--only graygate,nginx-lua] [--opening burst]
   python3 bench/idle_conns.py --conns 9500 --opening burst   # issue 36's burst figure
+  python3 bench/idle_conns.py --conns 9500 --opening burst --pause 1.2   # a connect phase over 1 s
   python3 bench/idle_conns.py --quick --graygate target/debug/graygate   # 200 connections (CI)
 """
 import argparse
@@ -102,11 +103,13 @@ def open_serial(port, n):
     return socks
 
 
-def open_burst(port, n, limit=120.0):
+def open_burst(port, n, limit=120.0, pause=0.0):
     """The connects in waves of at most WAVE handshakes in flight (more
     would overflow the kernel's SYN and accept queues and lose connections
     the client believes open), then the odd ones' requests written together;
-    returns once each is connected and every response was read in full."""
+    returns once each is connected and every response was read in full.
+    `pause` (s): a stop after the first 4000 connects (as when the accept
+    queue overflows and the dropped SYNs come back a second later)."""
     t0 = time.time()
     sel = selectors.DefaultSelector()
     socks = []
@@ -114,6 +117,9 @@ def open_burst(port, n, limit=120.0):
     pending = 0
     while len(socks) < n or pending:
         while len(socks) < n and pending < WAVE:
+            if pause and len(socks) == min(4000, n // 2):
+                time.sleep(pause)
+                pause = 0.0
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.setblocking(False)
             err = s.connect_ex(("127.0.0.1", port))
@@ -172,7 +178,7 @@ def response_done(data):
     raise SystemExit("response without Content-Length")
 
 
-def measure(target, n, opening):
+def measure(target, n, opening, pause=0.0):
     pids = target.pids()
     # The worker(s): nginx's master holds no client connection.
     workers = [p for p in pids if p != target.proc.pid] or pids
@@ -181,7 +187,10 @@ def measure(target, n, opening):
         one_request(s)
         s.close()
     base = settle(workers)
-    socks = (open_burst if opening == "burst" else open_serial)(target.port, n)
+    if opening == "burst":
+        socks = open_burst(target.port, n, pause=pause)
+    else:
+        socks = open_serial(target.port, n)
     held = settle(workers)
     # Every connection still open (none closed by an idle timeout meanwhile).
     alive = 0
@@ -205,6 +214,8 @@ def main():
     ap.add_argument("--only", help="comma-separated: graygate,nginx-lua")
     ap.add_argument("--opening", default="serial,burst",
                     help="comma-separated: serial (one after the other), burst (all at once)")
+    ap.add_argument("--pause", type=float, default=0.0, metavar="SECONDS",
+                    help="burst: stop this long after the first 4000 connects")
     ap.add_argument("--json", help="also write the rows here")
     lib.add_quick(ap)
     a = ap.parse_args()
@@ -253,7 +264,7 @@ def main():
             for name in (a.only.split(",") if a.only else list(targets)):
                 t = targets[name]()
                 try:
-                    rows[(name, opening)] = measure(t, a.conns, opening)
+                    rows[(name, opening)] = measure(t, a.conns, opening, a.pause)
                 finally:
                     t.stop()
                 print(f"done: {name} {opening}", file=sys.stderr, flush=True)
