@@ -108,8 +108,9 @@ def open_burst(port, n, limit=120.0, pause=0.0):
     would overflow the kernel's SYN and accept queues and lose connections
     the client believes open), then the odd ones' requests written together;
     returns once each is connected and every response was read in full.
-    `pause` (s): a stop after the first 4000 connects (as when the accept
-    queue overflows and the dropped SYNs come back a second later)."""
+    `pause` (s): a stop after the first 4000 connects, or half of them if
+    fewer (as when the accept queue overflows and the dropped SYNs come
+    back a second later)."""
     t0 = time.time()
     sel = selectors.DefaultSelector()
     socks = []
@@ -215,7 +216,7 @@ def main():
     ap.add_argument("--opening", default="serial,burst",
                     help="comma-separated: serial (one after the other), burst (all at once)")
     ap.add_argument("--pause", type=float, default=0.0, metavar="SECONDS",
-                    help="burst: stop this long after the first 4000 connects")
+                    help="burst: stop this long after the first 4000 connects (half, if fewer)")
     ap.add_argument("--json", help="also write the rows here")
     lib.add_quick(ap)
     a = ap.parse_args()

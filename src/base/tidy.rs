@@ -63,10 +63,10 @@ pub enum Give {
 
 /// When to give memory back. Memory freed (connections closed, kept
 /// buffers or pooled connections trimmed) makes a collect due; it runs at
-/// the first tick allowed (at most every [`Tidy::COLLECT_MS`]), so pages
-/// freed while collects are held back are collected later, never left
-/// behind. Nudges come every [`Tidy::NUDGE_MS`], [`Tidy::NUDGES`] of them
-/// after the last free or collect. Their spacing is mimalloc's: a nudge
+/// the first tick allowed, so pages freed while collects are held back
+/// are collected later, never left behind. A collect is a nudge too, and
+/// nudges come at most every [`Tidy::NUDGE_MS`] (so collects do as
+/// well), [`Tidy::NUDGES`] of them after the last free or collect. Their spacing is mimalloc's: a nudge
 /// purges what was scheduled a purge delay (1 s) before it, and its own
 /// freed block schedules the next purge then; nudges one second apart
 /// purge only every other time, and the last could leave what came since
@@ -80,8 +80,6 @@ pub struct Tidy {
     nudges: u8,
     /// The last nudge or collect (`now_ms`; 0: none yet).
     nudged: u64,
-    /// The last collect (`now_ms`; 0: none yet).
-    collected: u64,
     /// Memory was freed since the last collect.
     due: bool,
     /// The last [`trim_due`](Self::trim_due) that said yes (`now_ms`).
@@ -91,12 +89,10 @@ pub struct Tidy {
 impl Tidy {
     /// Nudges after the last free or collect.
     const NUDGES: u8 = 2;
-    /// The time between two nudges (a collect nudges too): twice
-    /// mimalloc's purge delay, less room for a tick that comes a little
-    /// early.
+    /// The time between two nudges (a collect nudges too, so it is also
+    /// the shortest time between two collects): twice mimalloc's purge
+    /// delay, less room for a tick that comes a little early.
     pub const NUDGE_MS: u64 = 1900;
-    /// The shortest time between two collects.
-    pub const COLLECT_MS: u64 = 1900;
     /// "Once a second", with room for a tick that comes a little early.
     const SECOND_MS: u64 = 900;
 
@@ -126,9 +122,8 @@ impl Tidy {
         if self.nudged != 0 && now < self.nudged + Self::NUDGE_MS {
             return Give::None;
         }
-        if self.due && (self.collected == 0 || now >= self.collected + Self::COLLECT_MS) {
+        if self.due {
             self.due = false;
-            self.collected = now;
             self.nudged = now;
             self.nudges = Self::NUDGES;
             return Give::Collect;
@@ -205,15 +200,17 @@ mod tests {
     /// ticks.
     #[test]
     fn nudges_are_spaced_past_the_purge_delay() {
-        for free_at in [0u64, 300, 999, 1000, 1500] {
+        // The free on the tick of a nudge, or on the tick between two.
+        for free_tick in [2u64, 3] {
             let mut t = Tidy::default();
             let t0 = 30_000;
+            let last_free = t0 + free_tick * 1000;
             t.freed();
             assert_eq!(t.tick(1, t0), Collect);
             let mut at = vec![t0];
             for i in 1..12u64 {
                 let now = t0 + i * 1000;
-                if now == t0 + 2000 + free_at / 1000 * 1000 {
+                if now == last_free {
                     t.freed();
                 }
                 if t.tick(1, now) != Give::None {
@@ -223,7 +220,6 @@ mod tests {
             for w in at.windows(2) {
                 assert!(w[1] - w[0] >= 2 * PURGE_DELAY_MS - 100, "{at:?}");
             }
-            let last_free = t0 + 2000 + free_at / 1000 * 1000;
             let after: Vec<&u64> = at.iter().filter(|n| **n >= last_free).collect();
             assert!(
                 after.len() >= 2 && *after[1] >= last_free + PURGE_DELAY_MS,
