@@ -103,7 +103,9 @@ def write_source(path):
     def out(*argv):
         return subprocess.run(argv, cwd=lib.REPO, capture_output=True, text=True).stdout.strip()
     commit = out("git", "rev-parse", "--short=12", "HEAD") or "unknown"
-    if out("git", "status", "--porcelain", "--untracked-files=no"):
+    # pgo/ itself is what --refresh has just replaced: not a change of the
+    # tree the profile was trained on.
+    if out("git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!pgo"):
         commit += " (with uncommitted changes)"
     with open(path, "w") as f:
         f.write("# What pgo/graygate.profdata was trained on (written by bench/pgo.py --refresh).\n")
