@@ -25,10 +25,16 @@
 /// free runs the arena purge.
 const HUGE: usize = 1 << 20;
 
-/// A large block (above mimalloc's medium size classes, below its huge
-/// ones): freed, it waits on its page's local free list, so the next one
-/// leaves the fast path to take it back; no other page is touched.
-const LARGE: usize = 256 << 10;
+/// The block [`collect`] cycles: above mimalloc's small fast path (1 KiB;
+/// a larger block always takes the slow path, which counts the
+/// housekeeping rounds), in its small pages (up to 10 KiB; this one's
+/// class holds 8 to 10 KiB, which a doubling buffer never asks for).
+/// The collect keeps the last page of its own class (its own cycling
+/// retires it again and again): a small page pins at most 64 KiB of the
+/// memory a burst freed and the arena hands back before purging it. A
+/// large block (256 KiB) kept a 4 MiB page, which a burst's freed pages
+/// could fill: 4 MB resident after every connection had closed.
+const CYCLED: usize = 9 << 10;
 
 /// Slow-path allocations for every retired page to expire: 16 rounds of
 /// 1000, and one round more.
@@ -40,12 +46,12 @@ pub fn nudge() {
     drop(std::hint::black_box(v));
 }
 
-/// Frees this thread's retired pages: [`ROUNDS`] large blocks allocated and
-/// freed (never touched; well under a millisecond). Their pages go back to
+/// Frees this thread's retired pages: [`ROUNDS`] blocks of [`CYCLED`]
+/// bytes allocated and freed (never touched; well under a millisecond). Their pages go back to
 /// the OS at a [`nudge`] past the purge delay.
 pub fn collect() {
     for _ in 0..ROUNDS {
-        let v: Vec<u8> = Vec::with_capacity(LARGE);
+        let v: Vec<u8> = Vec::with_capacity(CYCLED);
         drop(std::hint::black_box(v));
     }
 }
