@@ -43,9 +43,9 @@ use http::{Method, Request, StatusCode, Uri, Version};
 use hyper::body::Body as _;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
-use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::wheel::Wheel;
 use super::Server;
 use crate::base::body::{RequestBody, SendFile};
 use crate::base::clock::now_ms;
@@ -199,9 +199,9 @@ struct Conn {
     pending: Option<Box<BytesMut>>,
     /// Last read or write (`now_ms`).
     last: u64,
-    /// Woken by the accept loop on its coarse tick and when the drain
-    /// begins.
-    drain: Arc<Notify>,
+    /// The accept loop's idle wake-up wheel: the connection waits on the
+    /// slot of its idle deadline (all are woken when the drain begins).
+    wheel: Arc<Wheel>,
     /// Counts the connection (for the cap and the drain) until it ends.
     _open: Option<Counted>,
     /// `TCP_NOTSENT_LOWAT` was set (at the first sendfile'd answer).
@@ -216,7 +216,7 @@ pub(super) fn serve(
     server: Arc<Server>,
     stream: TcpStream,
     peer: SocketAddr,
-    drain: Arc<Notify>,
+    wheel: Arc<Wheel>,
     open: Option<Counted>,
 ) -> impl Future<Output = ()> + Send {
     run(Box::new(Conn {
@@ -225,7 +225,7 @@ pub(super) fn serve(
         peer,
         pending: None,
         last: now_ms(),
-        drain,
+        wheel,
         _open: open,
         lowat: false,
     }))
@@ -257,8 +257,9 @@ async fn run(conn: Box<Conn>) {
 async fn plain(mut conn: Box<Conn>) -> Option<(Box<Conn>, BytesMut)> {
     // The tick's wake-up, kept registered across requests (renewed only
     // once it has fired): no waiter put into and taken out of the accept
-    // loop's list per request.
-    let mut tick = std::pin::pin!(conn.drain.clone().notified_owned());
+    // loop's list per request. A request moves the deadline later, so the
+    // slot it waits on comes no later than the deadline's.
+    let mut tick = std::pin::pin!(conn.wheel.slot(conn.idle_due()).clone().notified_owned());
     loop {
         if conn.pending.is_none() && !poll_fn(|cx| conn.poll_idle(tick.as_mut(), cx)).await {
             return None;
@@ -403,11 +404,13 @@ impl<F: Future + 'static> Drop for InBox<F> {
 impl Conn {
     /// Ready (holding no buffer, no timer) once the client sends; false
     /// when the connection is to close: idle timeout (shortened while
-    /// draining) or an error. The idle timeout is checked on the accept
-    /// loop's coarse tick (`drain` is notified on every tick and when the
-    /// drain begins): no timer per connection or request.
-    /// `tick`: the drain's wake-up, registered here (it stays registered
-    /// while the connection serves; once it has fired it is renewed).
+    /// draining) or an error. The idle timeout is checked when the accept
+    /// loop's coarse tick reaches the wheel slot the connection waits on
+    /// (every slot is woken when the drain begins): no timer per
+    /// connection or request.
+    /// `tick`: the wheel's wake-up, registered here (it stays registered
+    /// while the connection serves; once it has fired it is renewed, on
+    /// the slot of the deadline then).
     /// A poll function, not an `async fn`: its state would be part of the
     /// idle connection's task (its 64 bytes take the task past a 256-byte
     /// cell).
@@ -427,29 +430,34 @@ impl Conn {
             if let Poll::Ready(r) = self.stream.poll_read_ready(cx) {
                 return Poll::Ready(r.is_ok());
             }
-            let due = {
-                let gen = self.server.plane.current();
-                let limits = &gen.config.client;
-                let since = if self.server.draining.load(Ordering::Relaxed) {
-                    self.server.drain_since_or_now()
-                } else {
-                    0
-                };
-                super::conn::idle_due(
-                    self.last,
-                    limits.idle_timeout_ms,
-                    since,
-                    limits.drain_idle_ms,
-                )
-            };
+            let due = self.idle_due();
             if now_ms() >= due {
                 return Poll::Ready(false);
             }
             match tick.as_mut().poll(cx) {
-                Poll::Ready(()) => tick.set(self.drain.clone().notified_owned()),
+                Poll::Ready(()) => tick.set(self.wheel.slot(due).clone().notified_owned()),
                 Poll::Pending => return Poll::Pending,
             }
         }
+    }
+
+    /// When the connection, idle since its last read or write, is closed
+    /// (`now_ms`): the current configuration's idle timeout, shortened
+    /// while draining.
+    fn idle_due(&self) -> u64 {
+        let gen = self.server.plane.current();
+        let limits = &gen.config.client;
+        let since = if self.server.draining.load(Ordering::Relaxed) {
+            self.server.drain_since_or_now()
+        } else {
+            0
+        };
+        super::conn::idle_due(
+            self.last,
+            limits.idle_timeout_ms,
+            since,
+            limits.drain_idle_ms,
+        )
     }
 
     /// Answers a request line longer than the read buffer: 414 with the

@@ -14,6 +14,7 @@ mod h1;
 pub mod h2guard;
 pub mod handover;
 pub mod tls;
+mod wheel;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -125,16 +126,20 @@ impl Server {
     /// [`serve`](Self::serve) for a listener of any [`Kind`].
     pub async fn serve_kind(self: Arc<Self>, listener: TcpListener, kind: Kind) {
         let mut shutdown = self.shutdown.clone();
-        // Wakes this loop's idle HTTP/1.1 connections when the drain begins.
-        let drain = Arc::new(tokio::sync::Notify::new());
         // The coarse clock of this loop's idle HTTP/1.1 connections (their
-        // idle timeout is checked on each tick, `h1`), and of giving closed
-        // connections' memory back (`base::tidy`).
-        let period = {
+        // idle timeout is checked when a tick reaches the slot of its
+        // deadline, `h1`), and of giving closed connections' memory back
+        // (`base::tidy`).
+        let (period, mut gen_seen) = {
             let gen = self.plane.current();
             let c = &gen.config.client;
-            (c.idle_timeout_ms.min(c.drain_idle_ms) / 4).clamp(10, 1000)
+            let period = (c.idle_timeout_ms.min(c.drain_idle_ms) / 4).clamp(10, 1000);
+            (period, gen.id)
         };
+        // Wakes this loop's idle HTTP/1.1 connections: those due on a tick,
+        // and all of them when the drain begins.
+        let wheel = Arc::new(wheel::Wheel::new(period));
+        let mut ticked = now_ms();
         let mut tick = tokio::time::interval(Duration::from_millis(period));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         let mut tidy = crate::base::tidy::Tidy::default();
@@ -143,7 +148,18 @@ impl Server {
                 a = listener.accept() => a,
                 _ = shutdown.wait_for(|s| *s) => break,
                 _ = tick.tick() => {
-                    drain.notify_waiters();
+                    let now = now_ms();
+                    // A drain (it shortens every idle deadline) or a new
+                    // configuration (its idle timeout may be shorter) wakes
+                    // every idle connection to look again.
+                    let gen = self.plane.current().id;
+                    if self.draining.load(Ordering::Relaxed) || gen != gen_seen {
+                        gen_seen = gen;
+                        wheel.wake_all();
+                    } else {
+                        wheel.advance(ticked, now);
+                    }
+                    ticked = now;
                     // The read buffers (client and upstream side),
                     // request slots and deadline slots a burst left and
                     // the steady load did not use over the last second go
@@ -151,7 +167,6 @@ impl Server {
                     // tick: a 10 ms window would free what the load takes
                     // again at once), and so do the idle upstream
                     // connections it left (`upstream::pool`).
-                    let now = now_ms();
                     if tidy.trim_due(now) {
                         let idle = Duration::from_millis(self.plane.current().config.upstream.idle_timeout_ms);
                         let freed = h1::trim_kept()
@@ -206,13 +221,13 @@ impl Server {
             // Plain connections: the HTTP/1.1 loop is the task itself (no
             // wrapping future holding a second copy of its state).
             if kind == Kind::Plain {
-                tokio::spawn(h1::serve(server, stream, peer, drain.clone(), Some(guard)));
+                tokio::spawn(h1::serve(server, stream, peer, wheel.clone(), Some(guard)));
                 continue;
             }
-            let drain = drain.clone();
+            let wheel = wheel.clone();
             tokio::spawn(async move {
                 match kind {
-                    Kind::Plain | Kind::H2c => server.serve_h2c(stream, peer, drain).await,
+                    Kind::Plain | Kind::H2c => server.serve_h2c(stream, peer, wheel).await,
                     Kind::Tls(i) => tls::serve(server, stream, peer, i).await,
                 }
                 drop(guard);
@@ -224,7 +239,7 @@ impl Server {
         // Draining: idle connections close on the shorter drain idle
         // timeout, checked on this loop's ticks until every one has gone.
         loop {
-            drain.notify_waiters();
+            wheel.wake_all();
             tokio::select! {
                 _ = self.connections.zero() => break,
                 _ = tick.tick() => {}
@@ -346,13 +361,13 @@ impl Server {
         self: Arc<Self>,
         stream: TcpStream,
         peer: SocketAddr,
-        drain: Arc<tokio::sync::Notify>,
+        wheel: Arc<wheel::Wheel>,
     ) {
         let header_ms = self.plane.current().config.client.header_timeout_ms;
         let sniff = tokio::time::timeout(Duration::from_millis(header_ms), sniff_preface(&stream));
         match sniff.await {
             Ok(Ok(true)) => self.serve_h2(stream, peer, false).await,
-            Ok(Ok(false)) => h1::serve(self, stream, peer, drain, None).await,
+            Ok(Ok(false)) => h1::serve(self, stream, peer, wheel, None).await,
             Ok(Err(_)) | Err(_) => {}
         }
     }

@@ -54,6 +54,28 @@ async fn idle_keepalive_connections_are_closed() {
     assert_eq!(text.matches("HTTP/1.1").count(), 1);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_shortens_the_idle_timeout_closes_idle_connections() {
+    // An idle connection waits on the accept loop's tick that reaches its
+    // deadline (`server::wheel`); a new configuration moves deadlines, so
+    // every idle connection looks again. Ticks here are a second apart and
+    // the wheel's lap a minute: without that look, the connection below
+    // would stay open for its old minute.
+    let before = "client:\n  idle_timeout_ms: 60000\n  drain_idle_ms: 600000\n";
+    let (_f1, fx, gw) = one_node(before).await;
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    assert!(one_answer(&mut s).await.starts_with("HTTP/1.1 200"));
+    let gen0 = gw.generation().await;
+    let cfg = std::fs::read_to_string(fx.path("gg.yaml")).unwrap();
+    fx.write(
+        "gg.yaml",
+        &cfg.replace("idle_timeout_ms: 60000", "idle_timeout_ms: 300"),
+    );
+    gw.wait_generation(gen0).await;
+    let closed = tokio::time::timeout(Duration::from_secs(10), read_to_close(&mut s)).await;
+    assert_eq!(closed.expect("still open 10 s after the reload"), "");
+}
+
 /// Sends one GET on `s` and reads its answer (one read, bounded).
 async fn one_answer(s: &mut TcpStream) -> String {
     s.write_all(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
