@@ -130,15 +130,16 @@ impl Server {
         // idle timeout is checked when a tick reaches the slot of its
         // deadline, `h1`), and of giving closed connections' memory back
         // (`base::tidy`).
-        let (period, mut gen_seen) = {
+        let (period, longest, mut gen_seen) = {
             let gen = self.plane.current();
             let c = &gen.config.client;
             let period = (c.idle_timeout_ms.min(c.drain_idle_ms) / 4).clamp(10, 1000);
-            (period, gen.id)
+            let longest = c.idle_timeout_ms.max(c.drain_idle_ms);
+            (period, longest, gen.id)
         };
         // Wakes this loop's idle HTTP/1.1 connections: those due on a tick,
         // and all of them when the drain begins.
-        let wheel = Arc::new(wheel::Wheel::new(period));
+        let wheel = Arc::new(wheel::Wheel::new(period, longest));
         let mut ticked = now_ms();
         let mut tick = tokio::time::interval(Duration::from_millis(period));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
