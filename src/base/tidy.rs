@@ -47,8 +47,8 @@ pub fn nudge() {
 }
 
 /// Frees this thread's retired pages: [`ROUNDS`] blocks of [`CYCLED`]
-/// bytes allocated and freed (never touched; well under a millisecond). Their pages go back to
-/// the OS at a [`nudge`] past the purge delay.
+/// bytes allocated and freed (never touched; well under a millisecond).
+/// Their pages go back to the OS at a [`nudge`] past the purge delay.
 pub fn collect() {
     for _ in 0..ROUNDS {
         let v: Vec<u8> = Vec::with_capacity(CYCLED);
@@ -72,13 +72,13 @@ pub enum Give {
 /// the first tick allowed, so pages freed while collects are held back
 /// are collected later, never left behind. A collect is a nudge too, and
 /// nudges come at most every [`Tidy::NUDGE_MS`] (so collects do as
-/// well), [`Tidy::NUDGES`] of them after the last free or collect. Their spacing is mimalloc's: a nudge
-/// purges what was scheduled a purge delay (1 s) before it, and its own
-/// freed block schedules the next purge then; nudges one second apart
-/// purge only every other time, and the last could leave what came since
-/// the one before it resident for good. Two seconds apart, each nudge
-/// purges everything freed since the one before, and the second after a
-/// free comes surely past its delay.
+/// well), [`Tidy::NUDGES`] of them after the last free or collect. Their
+/// spacing is mimalloc's: a nudge purges what was scheduled a purge delay
+/// (1 s) before it, and its own freed block schedules the next purge then;
+/// nudges one second apart purge only every other time, and the last
+/// could leave what came since the one before it resident for good. Two
+/// seconds apart, each nudge purges everything freed since the one
+/// before, and the second after a free comes surely past its delay.
 #[derive(Debug, Default)]
 pub struct Tidy {
     last: usize,
