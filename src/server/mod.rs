@@ -144,7 +144,13 @@ impl Server {
         let mut tick = tokio::time::interval(Duration::from_millis(period));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         let mut tidy = crate::base::tidy::Tidy::default();
+        // Connections accepted since this loop last let the queued tasks run.
+        let mut in_row = 0;
         loop {
+            if in_row == ACCEPTS_PER_TURN {
+                in_row = 0;
+                tokio::task::yield_now().await;
+            }
             let accepted = tokio::select! {
                 a = listener.accept() => a,
                 _ = shutdown.wait_for(|s| *s) => break,
@@ -190,7 +196,10 @@ impl Server {
                 }
             };
             let (mut stream, peer) = match accepted {
-                Ok(c) => c,
+                Ok(c) => {
+                    in_row += 1;
+                    c
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "accept failed");
                     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -675,6 +684,16 @@ async fn sniff_preface(stream: &TcpStream) -> std::io::Result<bool> {
 /// after 9,500 closes, whose block took a fresh 512 KiB allocator page).
 /// 64 a poll keeps the queue about as long as what runs between polls.
 const IO_EVENTS_PER_TICK: usize = 64;
+
+/// Connections an accept loop takes in a row before it lets the tasks
+/// already queued run (tokio's budget alone allows 128). A worker's
+/// runtime polls the kernel every 61 tasks, and a loop that yields runs
+/// again after that poll: at 128 a turn, a connect storm queued 128 new
+/// connections for every 61 tasks run, and the run queue grew to thousands
+/// (a 64 KiB buffer after 9,500 connects at once, which the runtime keeps
+/// for good, on a page of its own). 32 a turn is fewer than run between
+/// polls, so the queue stays short.
+const ACCEPTS_PER_TURN: usize = 32;
 
 static CAP_LOG: AtomicU64 = AtomicU64::new(0);
 static SEND_LOG: AtomicU64 = AtomicU64::new(0);

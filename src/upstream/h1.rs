@@ -32,7 +32,7 @@ use tokio::net::TcpStream;
 
 use super::chunked::{Chunked, Step};
 use super::fields::{is_hop_by_hop, name_eq, Added};
-use super::pool::IdlePool;
+use super::pool::{IdlePool, Opened};
 use super::BoxError;
 use crate::base::deadline::Deadline;
 use crate::base::error::{Error, ErrorKind};
@@ -71,6 +71,15 @@ pub struct Conn {
     /// caller takes them: kept here, on the boxed connection, so the
     /// response that moves through the layers stays small.
     raw: Option<RawHead>,
+    /// Its place in the opening order ([`super::pool::opening`]): a purge
+    /// keeps the oldest.
+    opened: u64,
+}
+
+impl Opened for Box<Conn> {
+    fn opened(&self) -> u64 {
+        self.opened
+    }
 }
 
 thread_local! {
@@ -279,6 +288,7 @@ pub async fn request(
         read_size: READ_MIN,
         spans: Vec::new(),
         raw: None,
+        opened: super::pool::opening(),
     });
     match exchange(&mut conn, addr, &req, deadline).await {
         Ok(head) => finish(head, conn, addr, head_request, s),
@@ -923,6 +933,7 @@ mod tests {
                 read_size: READ_MIN,
                 spans: Vec::new(),
                 raw: None,
+                opened: 0,
             };
             // A round trip on the connection: the driver has polled it.
             peer.write_all(b"").await.unwrap();
@@ -960,6 +971,7 @@ mod tests {
             read_size: READ_MIN,
             spans: Vec::new(),
             raw: None,
+            opened: 0,
         });
         peer.write_all(b"x").await.unwrap();
         let n = std::future::poll_fn(|cx| conn.poll_fill(cx)).await.unwrap();

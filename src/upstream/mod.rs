@@ -42,7 +42,17 @@ use crate::observe::metrics::NodeTracker;
 use body::UpBody;
 use fields::Added;
 
-type Sender = SendRequest<UpBody>;
+/// A hyper connection's sending half, with its place in the opening order.
+struct Sender {
+    tx: SendRequest<UpBody>,
+    opened: u64,
+}
+
+impl pool::Opened for Sender {
+    fn opened(&self) -> u64 {
+        self.opened
+    }
+}
 
 thread_local! {
     /// hyper's HTTP/1.1 connections by (node, TLS settings id; 0 = plain):
@@ -80,7 +90,10 @@ pub struct OutHead<'a> {
 /// node, or left over from a burst (`pool::IdlePool::trim`); how many.
 pub fn trim_kept(now: u64, idle_timeout: Duration) -> usize {
     let hyper = POOL
-        .try_with(|p| p.borrow_mut().trim(now, idle_timeout, |s| !s.is_closed()))
+        .try_with(|p| {
+            p.borrow_mut()
+                .trim(now, idle_timeout, |s| !s.tx.is_closed())
+        })
         .unwrap_or(0);
     h1::trim_kept() + h1::trim_pool(now, idle_timeout) + hyper
 }
@@ -285,10 +298,10 @@ impl Upstream {
         }
         mark_chunked(&mut req);
         while let Some(mut sender) = self.checkout(key) {
-            if sender.ready().await.is_err() {
+            if sender.tx.ready().await.is_err() {
                 continue;
             }
-            match sender.try_send_request(req).await {
+            match sender.tx.try_send_request(req).await {
                 Ok(resp) => return Ok(self.wrap(resp, sender, key, read_timeout)),
                 Err(mut e) => match e.take_message() {
                     // Never sent: safe to try another connection.
@@ -299,6 +312,7 @@ impl Upstream {
         }
         let mut sender = self.connect(addr, tls).await?;
         let resp = sender
+            .tx
             .send_request(req)
             .await
             .map_err(|e| Error::new(ErrorKind::Exchange).with_source(e))?;
@@ -312,7 +326,7 @@ impl Upstream {
     ) -> Result<Sender, Error> {
         let stream = h1::connect(addr, self.connect_timeout).await?;
         let connect_err = |e: hyper::Error| Error::new(ErrorKind::Connect).with_source(e);
-        let sender = match tls {
+        let tx = match tls {
             None => {
                 let (sender, conn) = http1::Builder::new()
                     .handshake(TokioIo::new(stream))
@@ -339,13 +353,16 @@ impl Upstream {
                 sender
             }
         };
-        Ok(sender)
+        Ok(Sender {
+            tx,
+            opened: pool::opening(),
+        })
     }
 
     fn checkout(&self, addr: (SocketAddr, u64)) -> Option<Sender> {
         POOL.with(|p| {
             p.borrow_mut()
-                .checkout(addr, self.idle_timeout, |s| !s.is_closed())
+                .checkout(addr, self.idle_timeout, |s| !s.tx.is_closed())
         })
     }
 
@@ -457,7 +474,7 @@ pub struct HyperBody {
 impl HyperBody {
     fn release(&mut self) {
         if let Some(slot) = self.slot.take() {
-            if slot.sender.is_closed() {
+            if slot.sender.tx.is_closed() {
                 return;
             }
             POOL.with(|p| {

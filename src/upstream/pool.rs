@@ -4,9 +4,13 @@
 //! left beyond what the load uses is closed sooner ([`IdlePool::trim`],
 //! on the accept loop's coarse tick): every [`PURGE_MS`], the connections
 //! to a node that no request took during the whole period, all but the
-//! newest (HAProxy's `pool-purge-delay`, 5 s by default, in its spirit).
+//! one (HAProxy's `pool-purge-delay`, 5 s by default, in its spirit). The
+//! one kept is the oldest opened: its memory sits among what was there
+//! before the burst, so closing the burst's own lets their allocator pages
+//! go back whole.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use rustc_hash::FxHashMap;
@@ -31,6 +35,19 @@ struct Idle<T> {
     /// The fewest idle since the last purge: the oldest that many were not
     /// taken meanwhile.
     low: usize,
+}
+
+/// What [`IdlePool::trim`] needs to know of a pooled connection.
+pub trait Opened {
+    /// Its place in the order connections were opened ([`opening`]).
+    fn opened(&self) -> u64;
+}
+
+/// The next place in the order upstream connections are opened (a
+/// counter, not a clock: two opened in the same millisecond still differ).
+pub fn opening() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 impl<T, K> Default for IdlePool<T, K> {
@@ -75,10 +92,14 @@ impl<T, K: std::hash::Hash + Eq> IdlePool<T, K> {
             list.conns.push((conn, now_ms()));
         }
     }
+}
 
+impl<T: Opened, K: std::hash::Hash + Eq> IdlePool<T, K> {
     /// Closes (drops) the idle connections past `idle_timeout` or no
     /// longer `usable`, and every [`PURGE_MS`] those no request took during
-    /// the period but the newest of each node; how many.
+    /// the period; of a node none of whose was taken, all but the oldest
+    /// opened (the burst's connections go, and their memory with them,
+    /// while the one kept holds memory from before); how many.
     pub fn trim(&mut self, now: u64, idle_timeout: Duration, usable: impl Fn(&T) -> bool) -> usize {
         let purge = now >= self.purged + PURGE_MS;
         if purge {
@@ -88,6 +109,12 @@ impl<T, K: std::hash::Hash + Eq> IdlePool<T, K> {
         self.by_addr.retain(|_, list| {
             let before = list.conns.len();
             if purge {
+                if list.low >= before && before > 1 {
+                    let oldest = (0..before)
+                        .min_by_key(|&i| list.conns[i].0.opened())
+                        .unwrap_or(0);
+                    list.conns.swap(oldest, before - 1);
+                }
                 let unused = list.low.min(before.saturating_sub(1));
                 list.conns.drain(..unused);
             }
@@ -116,6 +143,13 @@ fn fresh(now: u64, since: u64, idle_timeout: Duration) -> bool {
 mod tests {
     use super::*;
 
+    /// Test connections are numbers, opened in their order.
+    impl Opened for i32 {
+        fn opened(&self) -> u64 {
+            *self as u64
+        }
+    }
+
     #[test]
     fn newest_first_capped_and_unusable_ones_dropped() {
         let a: SocketAddr = "127.0.0.1:1".parse().unwrap();
@@ -140,9 +174,10 @@ mod tests {
         );
     }
 
-    /// A purge closes what no request took during the period (but each
-    /// node's newest), keeps what the load took; a trim between purges
-    /// closes only the expired and the unusable.
+    /// A purge closes what no request took during the period (of a node
+    /// none of whose was taken, all but the oldest opened), keeps what the
+    /// load took; a trim between purges closes only the expired and the
+    /// unusable.
     #[test]
     fn trim_closes_what_a_burst_left_and_keeps_what_the_load_takes() {
         let a: SocketAddr = "127.0.0.1:1".parse().unwrap();
@@ -181,8 +216,9 @@ mod tests {
         left.sort();
         assert_eq!(left, vec![96, 97, 98], "the load's three were kept");
         assert_eq!(p.checkout(b, long, |_| true), Some(1000));
-        // Untaken for a period: all but the newest go.
-        for c in 0..5 {
+        // Untaken for a period: all but the oldest opened go (checked in
+        // second from the bottom: the pool's order is not the opening's).
+        for c in [1, 0, 2, 3, 4] {
             p.checkin(a, c, 256);
         }
         assert_eq!(
@@ -191,7 +227,22 @@ mod tests {
             "checked in after the purge"
         );
         assert_eq!(p.trim(t0 + 4 * PURGE_MS, long, |_| true), 4);
-        assert_eq!(p.checkout(a, long, |_| true), Some(4), "the newest stays");
+        assert_eq!(p.checkout(a, long, |_| true), Some(0), "the oldest stays");
+        assert_eq!(p.checkout(a, long, |_| true), None);
+        // The newest was taken during the period (and put back): it is the
+        // load's, so it stays, however young.
+        for c in [9, 5, 8] {
+            p.checkin(a, c, 256);
+        }
+        assert_eq!(p.trim(t0 + 5 * PURGE_MS, long, |_| true), 0);
+        let top = p.checkout(a, long, |_| true).unwrap();
+        p.checkin(a, top, 256);
+        assert_eq!(p.trim(t0 + 6 * PURGE_MS, long, |_| true), 2);
+        assert_eq!(
+            p.checkout(a, long, |_| true),
+            Some(8),
+            "the one taken stays"
+        );
         // The idle timeout holds between purges too.
         p.checkin(a, 7, 256);
         let short = Duration::from_millis(10);

@@ -39,6 +39,8 @@ pub struct Seen {
     pub body: Bytes,
     /// When the request arrived.
     pub at: Instant,
+    /// The connection it came on, by order of acceptance (0: the first).
+    pub conn: usize,
 }
 
 impl Seen {
@@ -169,12 +171,12 @@ impl Backend {
                 let Ok((stream, _)) = listener.accept().await else {
                     continue;
                 };
-                c.fetch_add(1, Ordering::SeqCst);
+                let conn = c.fetch_add(1, Ordering::SeqCst);
                 let (st, cl) = (st.clone(), cl.clone());
                 tokio::spawn(async move {
                     let svc = service_fn(move |req| {
                         let st = st.clone();
-                        async move { st.answer(req).await }
+                        async move { st.answer(req, conn).await }
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), svc)
@@ -295,7 +297,11 @@ impl State {
         StatusCode::from_u16(self.status.load(Ordering::SeqCst)).unwrap()
     }
 
-    async fn answer(&self, req: Request<Incoming>) -> Result<Response<BoxBody>, std::io::Error> {
+    async fn answer(
+        &self,
+        req: Request<Incoming>,
+        conn: usize,
+    ) -> Result<Response<BoxBody>, std::io::Error> {
         let header = |n: &str| {
             req.headers()
                 .get(n)
@@ -322,6 +328,7 @@ impl State {
             tag: tag.clone(),
             body: Bytes::new(),
             at: Instant::now(),
+            conn,
         };
         self.arrived.fetch_add(1, Ordering::SeqCst);
         let mode = self.mode.lock().unwrap().clone();

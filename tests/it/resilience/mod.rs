@@ -773,9 +773,9 @@ async fn pooled_upstream_connections_past_their_idle_timeout_close_with_no_reque
 }
 
 /// The upstream connections a burst opened are closed once no request
-/// has taken them for a purge period (5 s), all but the newest, which the
-/// next request still reuses; the default idle timeout (60 s) would keep
-/// them all.
+/// has taken them for a purge period (5 s), all but one, which the next
+/// request still reuses: the oldest opened (it was there before the burst,
+/// its memory too); the default idle timeout (60 s) would keep them all.
 #[tokio::test]
 async fn the_upstream_connections_a_burst_left_are_closed_but_one() {
     let f1 = Backend::start("f1", "formal").await;
@@ -784,8 +784,11 @@ async fn the_upstream_connections_a_burst_left_are_closed_but_one() {
     use std::sync::atomic::Ordering;
     let conns = || f1.connections.load(Ordering::SeqCst);
     let closed = || f1.closed.load(Ordering::SeqCst);
+    // The steady load's connection, opened first.
+    assert_eq!(gw.get("/x").await.status, 200);
+    assert_eq!(f1.last().conn, 0);
     // Twenty at once, each answered after the last arrived: twenty
-    // upstream connections.
+    // upstream connections, the first and nineteen new.
     f1.set_delay(Duration::from_millis(500));
     let burst: Vec<_> = (0..20).map(|_| gw.get("/x")).collect();
     for r in futures_util::future::join_all(burst).await {
@@ -801,6 +804,7 @@ async fn the_upstream_connections_a_burst_left_are_closed_but_one() {
     )
     .await;
     assert_eq!(gw.get("/x").await.status, 200);
-    assert_eq!(conns(), 20, "the newest was kept and reused");
+    assert_eq!(conns(), 20, "one was kept and reused");
+    assert_eq!(f1.last().conn, 0, "the one kept is the oldest");
     assert_eq!(closed(), 19);
 }
