@@ -3,11 +3,11 @@
 //! timeout (on the coarse millisecond clock) and a per-node cap. What a burst
 //! left beyond what the load uses is closed sooner ([`IdlePool::trim`],
 //! on the accept loop's coarse tick): every [`PURGE_MS`], the connections
-//! to a node that no request took during the whole period, all but the
-//! one (HAProxy's `pool-purge-delay`, 5 s by default, in its spirit). The
-//! one kept is the oldest opened: its memory sits among what was there
-//! before the burst, so closing the burst's own lets their allocator pages
-//! go back whole.
+//! to a node that no request took during the whole period, all but one
+//! (HAProxy's `pool-purge-delay`, 5 s by default, in its spirit). The one
+//! kept is the oldest opened: its memory sits among what was there before
+//! the burst, so closing the burst's own lets their allocator pages go
+//! back whole.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
