@@ -42,33 +42,6 @@ fn build_package(out: &Path, extra: &[&str]) -> PathBuf {
     PathBuf::from(deb.trim())
 }
 
-/// `n` distinct free ports below the kernel's ephemeral range (where
-/// every `:0` bind of the suite lands), so nothing else takes them before
-/// the gateway binds them.
-fn free_ports(n: usize) -> Vec<u16> {
-    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|s| {
-            s.split_whitespace()
-                .next()
-                .and_then(|p| p.parse::<u16>().ok())
-        })
-        .unwrap_or(32768);
-    let mut held = Vec::new();
-    let base: u16 = if range > 26000 { 20000 } else { 1024 };
-    let mut port = base + (std::process::id() % 5000) as u16;
-    while held.len() < n {
-        assert!(port < range, "no free port below {range}");
-        if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
-            held.push(l);
-        }
-        port += 1;
-    }
-    held.iter()
-        .map(|l| l.local_addr().unwrap().port())
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn debian_package_holds_a_gateway_that_starts_on_its_config() {
     let work = tempfile::tempdir().unwrap();
@@ -209,7 +182,10 @@ async fn debian_package_holds_a_gateway_that_starts_on_its_config() {
     let mut cfg = text
         .replace("listen: 127.0.0.1:8080", "listen: 127.0.0.1:0")
         .replace("admin_listen: 127.0.0.1:9080", "admin_listen: 127.0.0.1:0");
-    for (port, free) in ["18081", "18082", "18091"].into_iter().zip(free_ports(3)) {
+    for (port, free) in ["18081", "18082", "18091"]
+        .into_iter()
+        .zip(std::iter::repeat_with(free_port))
+    {
         let free = free.to_string();
         cfg = cfg.replace(port, &free);
         nodes = nodes.replace(port, &free);

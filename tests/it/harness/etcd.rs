@@ -2,11 +2,11 @@
 //! loopback ports, a files configuration pushed with `graygate push`, and
 //! gateways started from a bootstrap.
 //!
-//! Ports, race-free: a member's ports are picked below the kernel's
-//! ephemeral range (where no outgoing connection's local port and no
-//! listener bound to `:0` comes from) by binding one and letting go, so
-//! another cluster (or process) may still take one before etcd binds
-//! it. etcd then exits at start with `bind: address already in use` in
+//! Ports, race-free: a member's ports come from [`free_port`] (below the
+//! kernel's ephemeral range, where no outgoing connection's local port
+//! and no listener bound to `:0` comes from; bound and let go), so
+//! another process may still take one before etcd binds it. etcd then
+//! exits at start with `bind: address already in use` in
 //! its log; [`Etcd::start`] sees that (a member that exited, that text in
 //! its log) while it waits for the cluster to be healthy, kills the whole
 //! attempt and starts a new cluster on new ports in a new data directory,
@@ -23,31 +23,6 @@ use super::*;
 
 /// New clusters tried before a port clash fails the test.
 pub const START_ATTEMPTS: usize = 5;
-
-/// A port that was free a moment ago (see the module note: its user must
-/// cope with losing it), below the kernel's ephemeral range
-/// (`ip_local_port_range`). A member killed for a restart leaves its ports
-/// unbound: in that range, any test's outgoing connection could take one
-/// as its local port and hold it past the restart's retries.
-pub fn free_port() -> u16 {
-    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(32768);
-    let below = ephemeral.saturating_sub(10_000).max(1024)..ephemeral;
-    // (A machine whose ephemeral range starts near 1024: a port of it.)
-    let tries = if below.len() >= 1000 { 1000 } else { 0 };
-    (0..tries)
-        .map(|_| fastrand::u16(below.clone()))
-        .find(|&p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok())
-        .unwrap_or_else(|| {
-            std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port()
-        })
-}
 
 pub struct Member {
     pub name: String,

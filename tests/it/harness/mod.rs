@@ -33,6 +33,33 @@ pub fn closed_port() -> SocketAddr {
     addr
 }
 
+/// A port on 127.0.0.1 that was free a moment ago, below the kernel's
+/// ephemeral range (`ip_local_port_range`), where every `:0` bind of the
+/// suite and every outgoing connection's local port land: nothing in the
+/// suite takes it before its user binds it, nor while that user is down
+/// (an etcd member killed for a restart). Another process still may, so
+/// its user must cope with losing it. Successive calls hand out different
+/// ports (a cursor from a per-process start).
+pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU16, Ordering};
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let base: u16 = if ephemeral > 26000 { 20000 } else { 1024 };
+    let span = ephemeral.saturating_sub(base).max(1);
+    let start = (std::process::id() % 5000) as u16;
+    for _ in 0..span {
+        let next = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = base + start.wrapping_add(next) % span;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port below {ephemeral}");
+}
+
 /// Polls `check` until it returns true, failing after `limit`.
 pub async fn eventually<F, Fut>(what: &str, limit: Duration, mut check: F)
 where
