@@ -1,5 +1,6 @@
 //! Layer: admin. `/nodes`: every service's nodes with lane, weight, drain,
-//! health and live counters; and node management — `POST /nodes/{service}`
+//! health and live counters (and, for addresses resolved from a host
+//! name, the name and how its lookups stand); and node management — `POST /nodes/{service}`
 //! adds, `PATCH /nodes/{service}/{node}` changes lane/weight/drain, `POST
 //! /nodes/{service}/{node}/drain|undrain`, `DELETE …/{node}` removes. Changes
 //! are written back to the node file (see [`crate::control::node_edit`]) and
@@ -7,15 +8,18 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde::Deserialize;
 
 use crate::base::body::Body;
-use crate::config::{valid_lane, NodeConfig, FORMAL};
+use crate::config::{valid_lane, NodeAddr, NodeConfig, FORMAL};
+use crate::control::names::NAMES;
 use crate::control::node_edit::{self, EditError, NodeChange};
 use crate::control::Gateway;
+use crate::generation::Generation;
 
 use super::{json, read_json, text};
 
@@ -76,6 +80,7 @@ pub fn list(gw: &Gateway) -> serde_json::Value {
                         "in_flight": in_flight,
                         "requests": requests,
                         "errors": errors,
+                        "host": host_of(&gen, &s.name, n.addr),
                     })
                 })
                 .collect();
@@ -86,7 +91,52 @@ pub fn list(gw: &Gateway) -> serde_json::Value {
             })
         })
         .collect();
-    serde_json::json!({"generation": gen.id, "services": services})
+    serde_json::json!({
+        "generation": gen.id,
+        "services": services,
+        "names": names(&gen),
+    })
+}
+
+/// The `host:port` entry a node came from, when its address was resolved
+/// from a host name (`null` for an address written as one).
+fn host_of(gen: &Generation, service: &str, addr: SocketAddr) -> Option<String> {
+    gen.node_names
+        .iter()
+        .find(|n| n.service == service && n.addrs.contains(&addr))
+        .map(|n| format!("{}:{}", n.host, n.port))
+}
+
+/// Every node host name of the serving generation: what its nodes are,
+/// what the name resolves to now, and whether its lookups fail (the nodes
+/// then stay on the last good addresses).
+fn names(gen: &Generation) -> Vec<serde_json::Value> {
+    let ms = |t: SystemTime| {
+        t.duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64)
+    };
+    gen.node_names
+        .iter()
+        .map(|n| {
+            let e = NAMES.entry(gen.config.resolver.as_ref(), &n.host);
+            let state = match &e {
+                Some(e) if e.error.is_some() => "failing",
+                Some(_) => "ok",
+                None => "unknown",
+            };
+            serde_json::json!({
+                "service": n.service,
+                "host": n.host,
+                "port": n.port,
+                "nodes": n.addrs.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                "state": state,
+                "resolved": e.as_ref().map(|e| e.addrs.iter().map(ToString::to_string).collect::<Vec<_>>()),
+                "error": e.as_ref().and_then(|e| e.error.clone()),
+                "last_resolved_unix_ms": e.as_ref().map(|e| ms(e.resolved_at)),
+                "failing_since_unix_ms": e.as_ref().and_then(|e| e.failing_since.map(ms)),
+            })
+        })
+        .collect()
 }
 
 /// Sets the node gauges (health, in-flight, weight) before a scrape.
@@ -156,14 +206,9 @@ pub async fn manage(gw: &Arc<Gateway>, req: Request<Incoming>, rest: &[&str]) ->
                 Ok(a) => a,
                 Err(r) => return r.response(),
             };
-            let addr: SocketAddr = match add.addr.parse() {
+            let addr: NodeAddr = match add.addr.parse() {
                 Ok(a) => a,
-                Err(_) => {
-                    return text(
-                        StatusCode::BAD_REQUEST,
-                        format!("invalid addr {:?} (ip:port)", add.addr),
-                    )
-                }
+                Err(e) => return text(StatusCode::BAD_REQUEST, e),
             };
             let lane = add.lane.unwrap_or_else(|| FORMAL.to_string());
             (

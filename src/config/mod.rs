@@ -15,6 +15,9 @@ use std::path::{Path, PathBuf};
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
+pub use addr::{NodeAddr, Resolvers};
+
+pub mod addr;
 pub mod docs;
 pub mod grpc;
 pub mod release;
@@ -98,6 +101,15 @@ pub struct MainConfig {
     /// YAML files describing services and their nodes.
     #[serde(default)]
     pub node_files: Vec<PathBuf>,
+    /// DNS servers asked for node host names (`ip` or `ip:port`, one or a
+    /// list), as nginx's `resolver`. Absent: the system's resolver
+    /// (`/etc/hosts`, `/etc/resolv.conf`).
+    #[serde(default)]
+    pub resolver: Option<Resolvers>,
+    /// How often node host names are resolved again (sooner when an
+    /// answer's TTL runs out first, at most once a second for that).
+    #[serde(default = "default_resolve_interval_ms")]
+    pub resolve_interval_ms: u64,
     /// Routes, matched by host and longest path prefix.
     #[serde(default)]
     pub routes: Vec<RouteConfig>,
@@ -177,6 +189,11 @@ fn default_tag_header() -> String {
 /// Quiet time before a reload, after a file change or a watch event.
 fn default_debounce_ms() -> u64 {
     150
+}
+
+/// Envoy's `dns_refresh_rate` default.
+fn default_resolve_interval_ms() -> u64 {
+    5_000
 }
 
 /// The open-file and content cache of each static tree.
@@ -819,7 +836,8 @@ pub struct NodeTlsConfig {
 pub struct NodeConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
-    pub addr: SocketAddr,
+    /// `ip:port`, or `host:port`: one node per address the name resolves to.
+    pub addr: NodeAddr,
     #[serde(default = "default_lane")]
     pub lane: String,
     #[serde(default = "default_weight")]

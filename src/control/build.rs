@@ -8,6 +8,7 @@
 //! `Gateway::install` only once it is accepted.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -17,11 +18,11 @@ use http::HeaderName;
 use crate::base::lists::IpList;
 use crate::config::docs::{Docs, FileDocs};
 use crate::config::{
-    find_line, parse_yaml, resolve, valid_lane, Balance, ConfigError, MainConfig, NodeFile,
-    ServiceConfig, FORMAL, ZONE_ENV,
+    find_line, parse_yaml, resolve, valid_lane, Balance, ConfigError, MainConfig, NodeAddr,
+    NodeFile, ServiceConfig, FORMAL, ZONE_ENV,
 };
 use crate::config::{JitMode, NodeProtocol};
-use crate::generation::{Generation, Route, Target};
+use crate::generation::{Generation, NodeName, Route, Target};
 use crate::lane::rules::Rules;
 use crate::lane::script::ScriptSource;
 use crate::lane::shared_dict::{self, SharedDict};
@@ -98,6 +99,15 @@ impl Generation {
             z => z.map(Into::into),
         };
 
+        if config.resolve_interval_ms < 100 {
+            return Err(ConfigError::new(
+                config_path,
+                at("resolve_interval_ms"),
+                "resolve_interval_ms must be at least 100",
+            ));
+        }
+        let resolve_interval = std::time::Duration::from_millis(config.resolve_interval_ms);
+        let mut node_names = Vec::new();
         let mut services: BTreeMap<String, Service> = BTreeMap::new();
         let mut service_file: BTreeMap<String, PathBuf> = BTreeMap::new();
         // (document, its text, service name, settings), node files first.
@@ -147,7 +157,40 @@ impl Generation {
                             format!("invalid zone name {z:?} (letters, digits, - _ . only)"),
                         ));
                     }
-                    nodes.push(Node::from_config(&name, i, n));
+                    match &n.addr {
+                        NodeAddr::Ip(a) => nodes.push(Node::from_config(&name, i, n, *a)),
+                        NodeAddr::Name { host, port } => {
+                            let ips = super::names::NAMES
+                                .addresses(config.resolver.as_ref(), host, resolve_interval)
+                                .map_err(|e| {
+                                    ConfigError::new(
+                                        &path,
+                                        find_line(&ntext, Some(&format!("{name}:")), host),
+                                        format!("service {name:?}: node address {}: {e}", n.addr),
+                                    )
+                                })?;
+                            let mut addrs = Vec::new();
+                            for ip in ips {
+                                let a = SocketAddr::new(ip, *port);
+                                addrs.push(a);
+                                if nodes.iter().any(|m: &Node| m.addr == a) {
+                                    warnings.push(format!(
+                                        "{}: service {name:?}: {} resolves to {a}, already a node of the service: listed once",
+                                        path.display(),
+                                        n.addr
+                                    ));
+                                    continue;
+                                }
+                                nodes.push(Node::from_config(&name, i, n, a));
+                            }
+                            node_names.push(NodeName {
+                                service: name.clone(),
+                                host: host.clone(),
+                                port: *port,
+                                addrs,
+                            });
+                        }
+                    }
                 }
                 let service_line =
                     |needle: &str| find_line(&ntext, Some(&format!("{name}:")), needle);
@@ -495,6 +538,7 @@ impl Generation {
                 revoked,
             },
             services,
+            node_names,
             routes,
             dicts,
             files,

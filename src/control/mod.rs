@@ -1,7 +1,8 @@
 //! Layer: control plane — the only writer. Config sources (`source`: the
 //! files, or etcd) → generation build and validation (`build`) → swap
 //! (`gateway`); the file watcher and SIGHUP (`reload`); the etcd service
-//! registry and its sidecar (`registry`); admin edits written back to node
+//! registry and its sidecar (`registry`); node host names resolved and
+//! kept current (`names`); admin edits written back to node
 //! and rule documents (`node_edit`, `rule_edit`); traffic history for the
 //! dashboard (`stats`); progressive releases (`release`); binary upgrade,
 //! pid file and systemd notification (`upgrade`). It may use every
@@ -9,6 +10,7 @@
 
 pub mod build;
 pub mod gateway;
+pub mod names;
 pub mod node_edit;
 pub mod registry;
 pub mod release;

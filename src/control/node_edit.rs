@@ -5,12 +5,13 @@
 //! so the files stay the single source of truth.
 
 use std::io::Write;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use serde_yaml::{Mapping, Value};
 
-use crate::config::{parse_yaml, read_file, resolve, valid_lane, MainConfig, NodeConfig, NodeFile};
+use crate::config::{
+    parse_yaml, read_file, resolve, valid_lane, MainConfig, NodeAddr, NodeConfig, NodeFile,
+};
 
 /// A requested change to one service's nodes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -220,7 +221,7 @@ pub fn edit(
 /// The node-file rules of a load, plus unique names and addresses.
 fn validate(nodes: &[NodeConfig], service: &str) -> Result<(), EditError> {
     let mut names = std::collections::HashSet::new();
-    let mut addrs: std::collections::HashSet<SocketAddr> = std::collections::HashSet::new();
+    let mut addrs: std::collections::HashSet<&NodeAddr> = std::collections::HashSet::new();
     for (i, n) in nodes.iter().enumerate() {
         if !valid_lane(&n.lane) {
             return Err(EditError::Invalid(format!(
@@ -239,7 +240,7 @@ fn validate(nodes: &[NodeConfig], service: &str) -> Result<(), EditError> {
                 "node name {name:?} is used twice in {service:?}"
             )));
         }
-        if !addrs.insert(n.addr) {
+        if !addrs.insert(&n.addr) {
             return Err(EditError::Invalid(format!(
                 "address {} is used twice in {service:?}",
                 n.addr

@@ -306,7 +306,7 @@ pub fn services<'a>(
             }
             nodes.push(NodeConfig {
                 name: Some(id.clone()),
-                addr: inst.addr,
+                addr: inst.addr.into(),
                 lane,
                 weight: inst.weight,
                 drain: inst.drain,

@@ -75,6 +75,19 @@ pub struct Generation {
     /// The release records this generation was built from: what the
     /// admin API shows, so a state is reported only once it serves.
     pub release_records: Vec<crate::config::release::ReleaseRecord>,
+    /// Node addresses written as host names, and what each stood for when
+    /// this generation was built (the control plane resolves them again).
+    pub node_names: Vec<NodeName>,
+}
+
+/// A node-file entry whose address is a host name: its service, the name,
+/// the port, and the nodes (addresses) it became in this generation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeName {
+    pub service: String,
+    pub host: String,
+    pub port: u16,
+    pub addrs: Vec<std::net::SocketAddr>,
 }
 
 impl Generation {

@@ -468,13 +468,13 @@ mod tests {
                 .map(|(i, &addr)| {
                     let c = NodeConfig {
                         name: None,
-                        addr,
+                        addr: addr.into(),
                         lane: FORMAL.into(),
                         weight: 1,
                         drain: false,
                         zone: None,
                     };
-                    Node::from_config("api", i, &c)
+                    Node::from_config("api", i, &c, addr)
                 })
                 .collect();
             let select = Select {

@@ -45,14 +45,21 @@ pub struct Node {
 }
 
 impl Node {
-    pub fn from_config(service: &str, idx: usize, c: &NodeConfig) -> Node {
+    /// The node of entry `c` (the `idx`-th of `service`) at `addr`: the
+    /// entry's own address, or one its host name resolved to (the node is
+    /// then named `<name>@<ip>`).
+    pub fn from_config(service: &str, idx: usize, c: &NodeConfig, addr: SocketAddr) -> Node {
+        let name = c
+            .name
+            .clone()
+            .unwrap_or_else(|| format!("{service}-{}-{idx}", c.lane));
+        let name = match c.addr.ip() {
+            Some(_) => name,
+            None => format!("{name}@{}", addr.ip()),
+        };
         Node {
-            name: c
-                .name
-                .clone()
-                .unwrap_or_else(|| format!("{service}-{}-{idx}", c.lane))
-                .into(),
-            addr: c.addr,
+            name: name.into(),
+            addr,
             lane: c.lane.as_str().into(),
             weight: c.weight,
             drain: c.drain,

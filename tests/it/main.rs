@@ -28,6 +28,7 @@ mod h1_server;
 mod h2;
 mod hardening;
 mod layering;
+mod node_names;
 mod observability;
 mod packaging;
 mod releases;

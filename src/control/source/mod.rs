@@ -137,8 +137,10 @@ impl ConfigSource {
 
 /// Starts what keeps `gw` on its source's newest state, on the current
 /// runtime: files — the file watcher and SIGHUP; etcd — the watch, SIGHUP
-/// and this gateway's status key. Returns at once.
+/// and this gateway's status key; either — node host names resolved again
+/// (`control::names`). Returns at once.
 pub fn watch(gw: &Arc<Gateway>) {
+    tokio::spawn(crate::control::names::run(gw.clone()));
     match gw.etcd.clone() {
         Some(src) => {
             tokio::spawn(etcd::run(gw.clone(), src));

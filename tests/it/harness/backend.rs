@@ -148,6 +148,17 @@ impl Backend {
 
     pub async fn start_mode(name: &str, lane: &str, mode: Mode) -> Backend {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Backend::on_listener(name, lane, mode, listener)
+    }
+
+    /// A backend answering [`Mode::Json`] on `addr` (another loopback
+    /// address, a given port), or `None` when it cannot be bound.
+    pub async fn start_at(name: &str, lane: &str, addr: SocketAddr) -> Option<Backend> {
+        let listener = TcpListener::bind(addr).await.ok()?;
+        Some(Backend::on_listener(name, lane, Mode::Json, listener))
+    }
+
+    fn on_listener(name: &str, lane: &str, mode: Mode, listener: TcpListener) -> Backend {
         let addr = listener.local_addr().unwrap();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let connections = Arc::new(AtomicUsize::new(0));

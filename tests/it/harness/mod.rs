@@ -2,13 +2,14 @@
 //! binary on free ports), [`Backend`] (a real hyper backend on loopback
 //! recording what it saw), the clients ([`Req`], [`try_get`], raw
 //! sockets), the typed config builder ([`Config`], [`Nodes`]), bounded
-//! polling ([`eventually`]); etcd clusters, TLS tools and a browser in
-//! their own modules.
+//! polling ([`eventually`]); etcd clusters, a DNS server (dnsmasq), TLS
+//! tools and a browser in their own modules.
 
 pub mod backend;
 pub mod browser;
 pub mod client;
 pub mod config;
+pub mod dnsmasq;
 pub mod etcd;
 pub mod gateway;
 pub mod tls;
