@@ -99,7 +99,7 @@ impl<'de> Deserialize<'de> for NodeAddr {
 /// `resolver:` — the DNS servers asked for node host names, as nginx's
 /// `resolver` directive: one address or a list, each `ip` or `ip:port`
 /// (port 53 by default).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct Resolvers(pub Vec<SocketAddr>);
 
 fn dns_server(s: &str) -> Result<SocketAddr, String> {

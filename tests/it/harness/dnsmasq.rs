@@ -16,7 +16,6 @@ pub struct Dnsmasq {
     /// Where it answers (UDP and TCP).
     pub addr: SocketAddr,
     hosts: PathBuf,
-    log: PathBuf,
     child: Child,
     _dir: tempfile::TempDir,
 }
@@ -84,7 +83,6 @@ impl Dnsmasq {
                     return Dnsmasq {
                         addr,
                         hosts,
-                        log,
                         child,
                         _dir: dir,
                     };
@@ -131,11 +129,6 @@ impl Dnsmasq {
             }
         })
         .await;
-    }
-
-    /// dnsmasq's log (every query it answered).
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     /// The A records of `name` (empty for NXDOMAIN or no record), `None`
