@@ -197,20 +197,25 @@ async fn two_a_records_are_two_nodes_of_the_lane_with_health_of_their_own() {
     }
     assert!(a.count() > 0 && b.count() > 0, "{} {}", a.count(), b.count());
 
-    // Health is per address: b goes away, only its node is ejected.
-    drop(b);
-    for _ in 0..6 {
-        assert_eq!(gw.get("/x").await.node(), "a");
-    }
+    // Health is per address: b fails (503), only its node is ejected.
+    b.set_status(503);
     let health = |nodes: &[serde_json::Value], ip: &str| {
         nodes
             .iter()
             .find(|n| n["addr"] == format!("{ip}:{port}"))
             .map(|n| n["health"].as_str().unwrap().to_string())
     };
+    soon("b's address is ejected", || async {
+        let _ = gw.get("/x").await;
+        health(&api_nodes(&gw).await, "127.0.0.3").as_deref() == Some("unhealthy")
+    })
+    .await;
     let nodes = api_nodes(&gw).await;
-    assert_eq!(health(&nodes, "127.0.0.3").as_deref(), Some("unhealthy"));
     assert_eq!(health(&nodes, "127.0.0.2").as_deref(), Some("healthy"));
+    for _ in 0..4 {
+        let r = gw.get("/x").await;
+        assert_eq!((r.status, r.node()), (200, "a".to_string()));
+    }
 }
 
 #[tokio::test]
@@ -230,7 +235,7 @@ async fn a_name_that_does_not_resolve_at_start_or_in_a_reload_is_refused() {
 
     // Started on an address, a reload naming the unknown name is rejected
     // and the old nodes keep serving.
-    let b = Backend::start("b", "").await;
+    let b = Backend::start("b", "formal").await;
     fx.api_nodes(&[&b]);
     let gw = Gateway::start(&cfg);
     let g = gw.generation().await;
