@@ -14,7 +14,10 @@ use serde::{Deserialize, Serialize};
 pub enum NodeAddr {
     Ip(SocketAddr),
     /// `host` is lower-case, without a trailing dot.
-    Name { host: String, port: u16 },
+    Name {
+        host: String,
+        port: u16,
+    },
 }
 
 impl NodeAddr {
@@ -121,7 +124,9 @@ impl<'de> Deserialize<'de> for Resolvers {
             Many(Vec<String>),
         }
         let list = match OneOrMany::deserialize(d).map_err(|_| {
-            serde::de::Error::custom("expected a DNS server address (ip or ip:port) or a list of them")
+            serde::de::Error::custom(
+                "expected a DNS server address (ip or ip:port) or a list of them",
+            )
         })? {
             OneOrMany::One(s) => vec![s],
             OneOrMany::Many(v) => v,

@@ -90,7 +90,11 @@ impl Names {
             return Err(format!("the name does not resolve: {e}"));
         }
         self.record(&key, answer, interval);
-        Ok(self.lock().get(&key).map(|e| e.addrs.clone()).unwrap_or_default())
+        Ok(self
+            .lock()
+            .get(&key)
+            .map(|e| e.addrs.clone())
+            .unwrap_or_default())
     }
 
     /// What is known of `host` asked of `resolver`.
@@ -172,7 +176,11 @@ impl Names {
 
     /// The names of `keys` due for a lookup at `now`, and the next moment
     /// one is due.
-    fn due(&self, keys: &BTreeSet<(Option<Resolvers>, String)>, now: Instant) -> (Vec<Key>, Option<Instant>) {
+    fn due(
+        &self,
+        keys: &BTreeSet<(Option<Resolvers>, String)>,
+        now: Instant,
+    ) -> (Vec<Key>, Option<Instant>) {
         let entries = self.lock();
         let mut due = Vec::new();
         let mut next: Option<Instant> = None;
@@ -291,10 +299,7 @@ pub async fn lookup(resolver: Option<&Resolvers>, host: &str) -> Answer {
     match tokio::time::timeout(LOOKUP_TIMEOUT, work).await {
         Ok(Ok((addrs, _))) if addrs.is_empty() => Err("no addresses".to_string()),
         Ok(answer) => answer,
-        Err(_) => Err(format!(
-            "no answer within {} s",
-            LOOKUP_TIMEOUT.as_secs()
-        )),
+        Err(_) => Err(format!("no answer within {} s", LOOKUP_TIMEOUT.as_secs())),
     }
 }
 
@@ -330,7 +335,10 @@ async fn dns_lookup(servers: &Resolvers, host: &str) -> Answer {
     opts.ndots = 0;
     let resolver = builder.build();
     let name = format!("{host}.");
-    let answer = resolver.lookup_ip(name.as_str()).await.map_err(|e| describe(&e))?;
+    let answer = resolver
+        .lookup_ip(name.as_str())
+        .await
+        .map_err(|e| describe(&e))?;
     let ttl = answer
         .valid_until()
         .checked_duration_since(Instant::now())
@@ -397,11 +405,19 @@ mod tests {
         let ip = vec!["10.0.0.1".parse().unwrap()];
         let keys = BTreeSet::from([(None, "a.test".to_string())]);
         let at = Instant::now();
-        names.record(&k, Ok((ip.clone(), Some(Duration::ZERO))), Duration::from_secs(30));
+        names.record(
+            &k,
+            Ok((ip.clone(), Some(Duration::ZERO))),
+            Duration::from_secs(30),
+        );
         let (due, next) = names.due(&keys, at);
         assert!(due.is_empty());
         let next = next.unwrap();
-        assert!(next >= at + MIN_TTL && next < at + Duration::from_secs(5), "{:?}", next - at);
+        assert!(
+            next >= at + MIN_TTL && next < at + Duration::from_secs(5),
+            "{:?}",
+            next - at
+        );
         assert_eq!(names.due(&keys, next).0, [k.clone()]);
         names.record(&k, Ok((ip, None)), Duration::from_millis(200));
         let next = names.due(&keys, Instant::now()).1.unwrap();

@@ -136,7 +136,8 @@ async fn traffic_moves_to_the_new_address_without_a_reload() {
     for _ in 0..5 {
         assert_eq!(gw.get("/x").await.node(), "b");
     }
-    gw.wait_log("node host name resolves to new addresses").await;
+    gw.wait_log("node host name resolves to new addresses")
+        .await;
 }
 
 #[tokio::test]
@@ -153,12 +154,12 @@ async fn a_name_that_stops_resolving_keeps_its_last_good_addresses() {
     })
     .await;
     let doc = name_doc(&gw).await;
-    assert!(
-        doc["error"].as_str().unwrap().contains("NXDOMAIN"),
-        "{doc}"
-    );
+    assert!(doc["error"].as_str().unwrap().contains("NXDOMAIN"), "{doc}");
     assert!(doc["failing_since_unix_ms"].as_u64().is_some(), "{doc}");
-    assert_eq!(doc["nodes"], serde_json::json!([format!("127.0.0.2:{port}")]));
+    assert_eq!(
+        doc["nodes"],
+        serde_json::json!([format!("127.0.0.2:{port}")])
+    );
     assert_eq!(addrs(&api_nodes(&gw).await), [format!("127.0.0.2:{port}")]);
     let r = gw.get("/x").await;
     assert_eq!((r.status, r.node()), (200, "a".to_string()));
@@ -186,7 +187,11 @@ async fn two_a_records_are_two_nodes_of_the_lane_with_health_of_their_own() {
         [format!("127.0.0.2:{port}"), format!("127.0.0.3:{port}")]
     );
     for n in &nodes {
-        assert_eq!((n["lane"].as_str(), n["weight"].as_u64()), (Some("formal"), Some(3)), "{n}");
+        assert_eq!(
+            (n["lane"].as_str(), n["weight"].as_u64()),
+            (Some("formal"), Some(3)),
+            "{n}"
+        );
         assert_eq!(n["host"], format!("{NAME}:{port}"));
     }
     let mut names: Vec<&str> = nodes.iter().map(|n| n["name"].as_str().unwrap()).collect();
@@ -195,7 +200,12 @@ async fn two_a_records_are_two_nodes_of_the_lane_with_health_of_their_own() {
     for _ in 0..6 {
         assert_eq!(gw.get("/x").await.status, 200);
     }
-    assert!(a.count() > 0 && b.count() > 0, "{} {}", a.count(), b.count());
+    assert!(
+        a.count() > 0 && b.count() > 0,
+        "{} {}",
+        a.count(),
+        b.count()
+    );
 
     // Health is per address: b fails (503), only its node is ejected.
     b.set_status(503);

@@ -76,7 +76,10 @@ impl Dnsmasq {
                 if let Ok(Some(_)) = child.try_wait() {
                     let err =
                         std::fs::read_to_string(dir.path().join("stderr")).unwrap_or_default();
-                    assert!(err.contains("in use") && attempt < 5, "dnsmasq exited: {err}");
+                    assert!(
+                        err.contains("in use") && attempt < 5,
+                        "dnsmasq exited: {err}"
+                    );
                     break;
                 }
                 if query(addr, records[0].0).is_some() {
