@@ -418,7 +418,7 @@ mod tests {
             "{:?}",
             next - at
         );
-        assert_eq!(names.due(&keys, next).0, [k.clone()]);
+        assert_eq!(names.due(&keys, next).0, std::slice::from_ref(&k));
         names.record(&k, Ok((ip, None)), Duration::from_millis(200));
         let next = names.due(&keys, Instant::now()).1.unwrap();
         assert!(next < Instant::now() + Duration::from_millis(250));
