@@ -101,7 +101,7 @@ fn errors_name_no_rust_types_and_suggest_the_close_key() {
         // The three.
         (
             "rules:\n  - lane: gray\n",
-            "g.yaml:4: rules: invalid type: a list, expected a mapping of keys",
+            "rules: invalid type: a list, expected a mapping of keys",
         ),
         (
             "upstream: { retries: -1 }\n",
