@@ -496,6 +496,17 @@ fn start(cli: &Cli, source: &ConfigSource) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // What the command line sets is what runs: a reload may change the
+    // file's value of those start-only keys.
+    let pinned = [
+        ("listen", cli.listen.is_some()),
+        ("admin_listen", cli.admin_listen.is_some()),
+        ("pid_file", cli.pid_file.is_some()),
+        ("upgrade_socket", cli.upgrade_socket.is_some()),
+    ];
+    let _ = gw
+        .pinned
+        .set(pinned.iter().filter(|p| p.1).map(|p| p.0).collect());
     let paths = Paths::new(
         &gw.config_path,
         &gw.current().config,
@@ -689,7 +700,7 @@ async fn bind(
     let listen = listen_overrides().0.unwrap_or(gen.config.listen);
     let taken = inherited.take("client", listen);
     let listeners = handover::client_listeners(listen, workers, taken)
-        .map_err(|e| format!("cannot listen on {listen}: {e}"))?;
+        .map_err(|e| listen_error("listen", listen, &e))?;
     for l in &listeners {
         if let Ok(a) = l.local_addr() {
             up.register("client", a, l);
@@ -709,7 +720,7 @@ async fn bind(
         // Inherited at an upgrade like the main listener (by address).
         let taken = inherited.take("client", l.listen);
         let ls = handover::client_listeners(l.listen, workers, taken)
-            .map_err(|e| format!("cannot listen on {}: {e}", l.listen))?;
+            .map_err(|e| listen_error(&format!("listeners[{i}].listen"), l.listen, &e))?;
         for s in &ls {
             if let Ok(a) = s.local_addr() {
                 up.register("client", a, s);
@@ -736,7 +747,7 @@ async fn bind(
             Some(l) => tokio::net::TcpListener::from_std(l),
             None => tokio::net::TcpListener::bind(admin_addr).await,
         };
-        let l = bound.map_err(|e| format!("cannot listen on {admin_addr}: {e}"))?;
+        let l = bound.map_err(|e| listen_error("admin_listen", admin_addr, &e))?;
         let a = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
         if let Ok(sa) = l.local_addr() {
             up.register("admin", sa, &l);
@@ -752,6 +763,21 @@ async fn bind(
         addr,
         admin,
     })
+}
+
+/// The line printed when `key`'s address `addr` cannot be bound. An address
+/// another process listens on is named so (graygate never shares a port
+/// with a process that did not hand it over), with the way to replace a
+/// running graygate.
+fn listen_error(key: &str, addr: SocketAddr, e: &std::io::Error) -> String {
+    if e.kind() == std::io::ErrorKind::AddrInUse {
+        format!(
+            "{key}: cannot listen on {addr}: address already in use by another process \
+             (stop it, or replace a running graygate with `graygate --upgrade`)"
+        )
+    } else {
+        format!("{key}: cannot listen on {addr}: {e}")
+    }
 }
 
 /// Starts serving on what [`bind`] opened: admin, the release controller,
@@ -868,7 +894,8 @@ async fn wait_for_stop(
                 }
             }
             status = async { serving.successor.as_mut().expect("guarded").wait().await }, if serving.successor.is_some() => {
-                tracing::error!(status = ?status.ok(), "the new binary exited before taking over; this process keeps serving");
+                let status = status.map_or_else(|e| e.to_string(), |s| s.to_string());
+                tracing::error!(%status, "the new binary exited before taking over; this process keeps serving");
                 serving.successor = None;
             }
         }

@@ -70,6 +70,10 @@ fn dechunk(mut s: &str) -> String {
 /// Runs the command and prints the answer; Err carries what to print on
 /// failure.
 pub fn release(admin: &str, token: Option<&str>, cmd: ReleaseCommand) -> Result<String, String> {
+    let spec_file = match &cmd {
+        ReleaseCommand::Create(file) => Some(file.clone()),
+        _ => None,
+    };
     let (method, path, body) = match cmd {
         ReleaseCommand::List => ("GET", "/releases".to_string(), String::new()),
         ReleaseCommand::Show(n) => ("GET", format!("/releases/{n}"), String::new()),
@@ -84,6 +88,11 @@ pub fn release(admin: &str, token: Option<&str>, cmd: ReleaseCommand) -> Result<
     if (200..300).contains(&status) {
         Ok(text)
     } else {
-        Err(format!("{status}: {}", text.trim_end()))
+        let text = text.trim_end();
+        // A refused spec names the file it came from.
+        match (spec_file, text.strip_prefix("release spec")) {
+            (Some(file), Some(rest)) => Err(format!("{}{rest}", file.display())),
+            _ => Err(format!("{status}: {text}")),
+        }
     }
 }

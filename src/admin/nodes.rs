@@ -325,7 +325,7 @@ async fn edit(
     let _one_at_a_time = gw.edit_lock.lock().await;
     let gw2 = gw.clone();
     let service = service.to_string();
-    let summary = format!("{change:?}");
+    let summary = change.to_string();
     tokio::task::spawn_blocking(move || -> Result<serde_json::Value, EditError> {
         let gen = gw2.current();
         let (path, text, _) =

@@ -124,7 +124,7 @@ async fn edit(gw: &Arc<Gateway>, change: RuleChange) -> Result<serde_json::Value
         let new_text = rule_edit::apply(&path, &text, &change)?;
         rule_edit::validate(&path, &new_text, &gen.lane.lists)?;
         let generation = node_edit::commit(&gw2, &path, &new_text)?;
-        tracing::info!(file = %path.display(), change = ?change, "rule file changed through the admin API");
+        tracing::info!(file = %path.display(), change = %change, "rule file changed through the admin API");
         Ok(serde_json::json!({
             "file": path,
             "generation": generation,

@@ -42,6 +42,40 @@ pub fn parse_size(s: &str) -> Option<usize> {
     num.trim().parse::<usize>().ok()?.checked_mul(mult)
 }
 
+/// Deserializes a size — a byte count, or a number with `k`, `m` or `g`
+/// (`64m`, as [`parse_size`] reads it) — into the integer type of the key
+/// (`#[serde(deserialize_with = "size")]`): every size key reads through
+/// here, so each accepts what the reference documents.
+pub fn size<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: TryFrom<u64>,
+{
+    use serde::de::Error;
+    let n = d.deserialize_any(SizeVisitor)?;
+    T::try_from(n).map_err(|_| D::Error::custom(format!("size {n} is too large for this key")))
+}
+
+struct SizeVisitor;
+
+impl serde::de::Visitor<'_> for SizeVisitor {
+    type Value = u64;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a size: bytes, or a number with k, m or g (64m)")
+    }
+    fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<u64, E> {
+        Ok(n)
+    }
+    fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<u64, E> {
+        u64::try_from(n).map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(n), &self))
+    }
+    fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<u64, E> {
+        parse_size(s)
+            .and_then(|n| u64::try_from(n).ok())
+            .ok_or_else(|| E::invalid_value(serde::de::Unexpected::Str(s), &self))
+    }
+}
+
 /// The lane every request falls back to.
 pub const FORMAL: &str = "formal";
 
@@ -301,12 +335,16 @@ pub struct Http2Config {
     /// SETTINGS_MAX_CONCURRENT_STREAMS per connection.
     pub max_concurrent_streams: u32,
     /// SETTINGS_MAX_HEADER_LIST_SIZE (decoded header bytes of one request).
+    #[serde(deserialize_with = "size")]
     pub max_header_list_size: u32,
     /// Flow-control window of one stream (request body bytes in flight).
+    #[serde(deserialize_with = "size")]
     pub initial_stream_window_bytes: u32,
     /// Flow-control window of the whole connection.
+    #[serde(deserialize_with = "size")]
     pub initial_connection_window_bytes: u32,
     /// Largest frame payload the gateway accepts.
+    #[serde(deserialize_with = "size")]
     pub max_frame_size: u32,
     /// Streams the client may reset before the gateway accepted them
     /// (rapid reset, CVE-2023-44487); beyond, GOAWAY and close.
@@ -383,12 +421,27 @@ pub enum AccessLogFormat {
     Json,
 }
 
-/// A size in bytes, written as a number or with a `k`/`m`/`g` suffix.
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
-#[serde(untagged)]
+/// A size in bytes, written as a number or with a `k`/`m`/`g` suffix (read
+/// by [`size`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SizeValue {
     Bytes(u64),
     Text(String),
+}
+
+impl<'de> Deserialize<'de> for SizeValue {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        size(d).map(SizeValue::Bytes)
+    }
+}
+
+impl fmt::Display for SizeValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SizeValue::Bytes(b) => write!(f, "{b}"),
+            SizeValue::Text(t) => f.write_str(t),
+        }
+    }
 }
 
 impl SizeValue {
@@ -545,6 +598,7 @@ pub struct UpstreamConfig {
     pub total_timeout_ms: u64,
     /// Idempotent request bodies up to this size are buffered so they can be
     /// replayed on a retry.
+    #[serde(deserialize_with = "size")]
     pub retry_buffer_bytes: usize,
     /// Longest wait between two reads of an upstream response body (nginx's
     /// `proxy_read_timeout`); the exchange then ends and counts against the
@@ -578,8 +632,10 @@ pub struct ClientConfig {
     /// Concurrent client connections; more are answered 503 and closed.
     pub max_connections: usize,
     /// Longest request target (path + query) → 414.
+    #[serde(deserialize_with = "size")]
     pub max_uri_bytes: usize,
     /// Largest request head (all header names and values) → 431.
+    #[serde(deserialize_with = "size")]
     pub max_header_bytes: usize,
     /// On SIGTERM/SIGINT, in-flight requests get this long to finish.
     pub drain_timeout_ms: u64,
@@ -952,7 +1008,7 @@ pub fn parse_yaml<T: serde::de::DeserializeOwned>(
             (Some(key), Some(at)) => duplicate_line(text, at.line(), at.column(), key).or(line),
             _ => line,
         };
-        ConfigError::new(path, line, msg)
+        ConfigError::new(path, line, operator_words(&msg))
     })
 }
 
@@ -1014,6 +1070,139 @@ fn duplicate_line(text: &str, line: usize, column: usize, key: &str) -> Option<u
     None
 }
 
+/// A serde_yaml error as `(line, message)`: the message without its
+/// trailing position and in operators' words ([`operator_words`]).
+pub fn yaml_error(e: &serde_yaml::Error) -> (Option<usize>, String) {
+    let mut msg = e.to_string();
+    if let Some(idx) = msg.find(" at line ") {
+        msg.truncate(idx);
+    }
+    (e.location().map(|l| l.line()), operator_words(&msg))
+}
+
+/// Rewrites a serde message for the operator reading it: no Rust types
+/// (`expected struct RulesConfig` → `expected a mapping of keys`, `expected
+/// u32` → `expected a whole number`, an untagged enum → what is accepted),
+/// YAML's names for YAML's things (a list, a mapping), and a misspelled key
+/// or value answered with the close one (`did you mean `node_files`?`)
+/// instead of the whole list.
+pub fn operator_words(msg: &str) -> String {
+    // An unknown key or value: the closest of the expected ones, if close.
+    for (head, says) in [
+        ("unknown field `", "unknown field"),
+        ("unknown variant `", "unknown value"),
+    ] {
+        if let Some(at) = msg.find(head) {
+            let rest = &msg[at + head.len()..];
+            let Some(end) = rest.find('`') else { break };
+            let got = &rest[..end];
+            let tail = &rest[end + 1..];
+            let expected: Vec<&str> = tail.split('`').skip(1).step_by(2).collect();
+            let prefix = &msg[..at];
+            if let Some(close) = closest(got, &expected) {
+                return format!("{prefix}{says} `{got}` (did you mean `{close}`?)");
+            }
+            let tail = tail
+                .replace(", there are no fields", ": no keys are accepted here")
+                .replace(", there are no variants", ": no value is accepted here");
+            return format!("{prefix}{says} `{got}`{tail}");
+        }
+    }
+    let mut out = msg.to_string();
+    if let Some(at) = out.find("data did not match any variant of untagged enum") {
+        out.truncate(at);
+        out.push_str("not one of the forms accepted here (see the configuration reference)");
+    }
+    out = out.replace("missing field `", "missing key `");
+    out = out.replace("duplicate field `", "duplicate key `");
+    for (rust, words) in [
+        ("unit value", "an empty value"),
+        ("invalid type: sequence", "invalid type: a list"),
+        ("invalid type: map", "invalid type: a mapping"),
+        ("expected a sequence", "expected a list"),
+        ("expected a map", "expected a mapping"),
+        ("expected option", "expected a value"),
+    ] {
+        out = out.replace(rust, words);
+    }
+    // `expected struct X` / `expected enum X` / `expected u32` …
+    let mut result = String::with_capacity(out.len());
+    let mut rest = out.as_str();
+    while let Some(at) = rest.find("expected ") {
+        result.push_str(&rest[..at + "expected ".len()]);
+        rest = &rest[at + "expected ".len()..];
+        let word_end = |s: &str| {
+            s.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(s.len())
+        };
+        let first = &rest[..word_end(rest)];
+        let (replacement, used) = match first {
+            "struct" | "enum" | "tuple" => {
+                let after = rest[first.len()..].trim_start_matches(' ');
+                let name_len = word_end(after);
+                let used = rest.len() - after.len() + name_len;
+                let what = match first {
+                    "struct" => "a mapping of keys",
+                    "enum" => "one of the values accepted here",
+                    _ => "a list",
+                };
+                (what, used)
+            }
+            "u8" | "u16" | "u32" | "u64" | "u128" | "usize" => {
+                ("a whole number, 0 or more", first.len())
+            }
+            "i8" | "i16" | "i32" | "i64" | "i128" | "isize" => ("a whole number", first.len()),
+            "f32" | "f64" => ("a number", first.len()),
+            "char" => ("a single character", first.len()),
+            _ => ("", 0),
+        };
+        result.push_str(replacement);
+        rest = &rest[used..];
+    }
+    result.push_str(rest);
+    result
+}
+
+/// The one of `candidates` closest to `got` by edit distance, if close
+/// enough to be a slip (at most a third of its length, at least 1; a
+/// candidate that contains it or is contained counts too).
+fn closest<'a>(got: &str, candidates: &[&'a str]) -> Option<&'a str> {
+    let limit = (got.chars().count() / 3).max(1);
+    candidates
+        .iter()
+        .map(|c| (edit_distance(got, c), *c))
+        .filter(|(d, c)| *d <= limit || (got.len() >= 3 && (c.contains(got) || got.contains(c))))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, c)| c)
+}
+
+/// Edit distance (characters): insertions, deletions, substitutions and
+/// swaps of two neighbours (`jsno` → `json` is one slip).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let a: Vec<char> = a.chars().collect();
+    let b: Vec<char> = b.chars().collect();
+    let mut d = vec![vec![0usize; b.len() + 1]; a.len() + 1];
+    for (i, row) in d.iter_mut().enumerate() {
+        row[0] = i;
+    }
+    for (j, cell) in d[0].iter_mut().enumerate() {
+        *cell = j;
+    }
+    for i in 1..=a.len() {
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            let mut best = (d[i - 1][j] + 1)
+                .min(d[i][j - 1] + 1)
+                .min(d[i - 1][j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                best = best.min(d[i - 2][j - 2] + 1);
+            }
+            d[i][j] = best;
+        }
+    }
+    d[a.len()][b.len()]
+}
+
 /// Finds the first line (1-based) containing `needle` after a line containing
 /// `anchor` (when given). Used to locate semantic errors that serde cannot.
 pub fn find_line(text: &str, anchor: Option<&str>, needle: &str) -> Option<usize> {
@@ -1035,13 +1224,16 @@ pub fn find_line(text: &str, anchor: Option<&str>, needle: &str) -> Option<usize
     None
 }
 
-/// Resolves `p` against `base` unless it is absolute.
+/// Resolves `p` against `base` unless it is absolute, written plainly
+/// (`a/./b` and `a//b` as `a/b`; `..` is kept, as a symlink on the way
+/// could make it mean another directory): what logs and errors show.
 pub fn resolve(base: &Path, p: &Path) -> PathBuf {
-    if p.is_absolute() {
+    let joined = if p.is_absolute() {
         p.to_path_buf()
     } else {
         base.join(p)
-    }
+    };
+    joined.components().collect()
 }
 
 #[cfg(test)]
@@ -1135,6 +1327,107 @@ mod tests {
         let text = "a:\n  - b: 1\n    c:\n      b: 1\n    b: 2\n";
         let err = parse_yaml::<serde_yaml::Value>(Path::new("g.yaml"), text).unwrap_err();
         assert_eq!(err.line, Some(5), "{err}");
+    }
+
+    #[test]
+    fn every_size_key_reads_suffixes() {
+        let c: MainConfig = parse_yaml(
+            Path::new("g.yaml"),
+            "listen: 127.0.0.1:0\nclient: { max_header_bytes: 1k, max_uri_bytes: 2048 }\n\
+             upstream: { retry_buffer_bytes: 1M }\n\
+             http2: { max_header_list_size: 16k, initial_stream_window_bytes: 1m, \
+             initial_connection_window_bytes: 2m, max_frame_size: 32k }\n\
+             shared_dicts: { a: 10m, b: 4096 }\nscript_limits: { memory_limit: 1g }\n\
+             static_cache: { max_size: 0, max_file_size: 64k }\n",
+        )
+        .unwrap();
+        assert_eq!(c.client.max_header_bytes, 1024);
+        assert_eq!(c.client.max_uri_bytes, 2048);
+        assert_eq!(c.upstream.retry_buffer_bytes, 1 << 20);
+        assert_eq!(c.http2.max_header_list_size, 16 << 10);
+        assert_eq!(c.http2.initial_stream_window_bytes, 1 << 20);
+        assert_eq!(c.http2.initial_connection_window_bytes, 2 << 20);
+        assert_eq!(c.http2.max_frame_size, 32 << 10);
+        assert_eq!(c.shared_dicts["a"].bytes(), Some(10 << 20));
+        assert_eq!(c.shared_dicts["b"].bytes(), Some(4096));
+        assert_eq!(c.script_limits.memory_limit.bytes(), Some(1 << 30));
+        assert_eq!(c.static_cache.max_size.bytes(), Some(0));
+        assert_eq!(c.static_cache.max_file_size.bytes(), Some(64 << 10));
+        let err = |yaml: &str| {
+            parse_yaml::<MainConfig>(Path::new("g.yaml"), &format!("listen: 127.0.0.1:0\n{yaml}"))
+                .unwrap_err()
+                .to_string()
+        };
+        assert_eq!(
+            err("client: { max_uri_bytes: 1q }"),
+            "g.yaml:2: client.max_uri_bytes: invalid value: string \"1q\", \
+             expected a size: bytes, or a number with k, m or g (64m)"
+        );
+        assert!(err("client: { max_uri_bytes: -1 }").contains("integer `-1`, expected a size"));
+        assert!(err("http2: { max_frame_size: 4g }").contains("size 4294967296 is too large"));
+        assert!(err("shared_dicts: { a: 1x }").contains("expected a size"));
+    }
+
+    #[test]
+    fn serde_messages_are_put_in_operators_words() {
+        let cases = [
+            (
+                "rules: invalid type: sequence, expected struct RulesConfig",
+                "rules: invalid type: a list, expected a mapping of keys",
+            ),
+            (
+                "client.max_header_bytes: invalid type: string \"1k\", expected usize",
+                "client.max_header_bytes: invalid type: string \"1k\", expected a whole number, 0 or more",
+            ),
+            (
+                "upstream.retries: invalid value: integer `-1`, expected u32",
+                "upstream.retries: invalid value: integer `-1`, expected a whole number, 0 or more",
+            ),
+            (
+                "unknown field `node_file`, expected one of `listen`, `node_files`, `routes`",
+                "unknown field `node_file` (did you mean `node_files`?)",
+            ),
+            (
+                "unknown field `bogus`, expected one of `lane_key`, `health`",
+                "unknown field `bogus`, expected one of `lane_key`, `health`",
+            ),
+            (
+                "format: unknown variant `jsno`, expected `text` or `json`",
+                "format: unknown value `jsno` (did you mean `json`?)",
+            ),
+            (
+                "x: data did not match any variant of untagged enum Matcher",
+                "x: not one of the forms accepted here (see the configuration reference)",
+            ),
+            ("missing field `listen`", "missing key `listen`"),
+            (
+                "a: invalid type: unit value, expected f64",
+                "a: invalid type: an empty value, expected a number",
+            ),
+            (
+                "a: invalid type: map, expected a sequence",
+                "a: invalid type: a mapping, expected a list",
+            ),
+            ("b: invalid type: integer `1`, expected enum Kind", "b: invalid type: integer `1`, expected one of the values accepted here"),
+        ];
+        for (serde, words) in cases {
+            assert_eq!(operator_words(serde), words);
+        }
+        assert_eq!(edit_distance("jsno", "json"), 1);
+        assert_eq!(edit_distance("node_file", "node_files"), 1);
+        assert_eq!(closest("zzz", &["listen"]), None);
+    }
+
+    #[test]
+    fn resolved_paths_are_written_plainly() {
+        assert_eq!(
+            resolve(Path::new("/etc/gg/."), Path::new("./nodes//a.yaml")),
+            PathBuf::from("/etc/gg/nodes/a.yaml")
+        );
+        assert_eq!(
+            resolve(Path::new("/etc/gg"), Path::new("../x.yaml")),
+            PathBuf::from("/etc/gg/../x.yaml")
+        );
     }
 
     #[test]

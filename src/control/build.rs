@@ -403,7 +403,7 @@ impl Generation {
                 ConfigError::new(
                     config_path,
                     find_line(&text, Some("shared_dicts:"), name),
-                    format!("shared dict {name:?}: bad size {size:?} (e.g. 10m, 512k)"),
+                    format!("shared dict {name:?}: bad size {size} (e.g. 10m, 512k)"),
                 )
             })?;
             dict_sizes.push((name.clone(), bytes));
@@ -647,7 +647,7 @@ fn static_cache_settings(
         err(
             "max_size",
             format!(
-                "static_cache.max_size: bad size {:?} (e.g. 64m, 512k, 0 = hold no content)",
+                "static_cache.max_size: bad size {} (e.g. 64m, 512k, 0 = hold no content)",
                 c.max_size
             ),
         )
@@ -656,7 +656,7 @@ fn static_cache_settings(
         err(
             "max_file_size",
             format!(
-                "static_cache.max_file_size: bad size {:?} (e.g. 1m)",
+                "static_cache.max_file_size: bad size {} (e.g. 1m)",
                 c.max_file_size
             ),
         )

@@ -57,6 +57,10 @@ pub struct Gateway {
     pub source: Mutex<SourceStatus>,
     /// The etcd source, when the gateway was started from a bootstrap.
     pub etcd: Option<Arc<EtcdSource>>,
+    /// Start-only keys the command line set (`--listen`, `--pid-file`, …):
+    /// the file's value of those is not what runs, so a reload may change
+    /// it.
+    pub pinned: std::sync::OnceLock<Vec<&'static str>>,
 }
 
 impl Gateway {
@@ -128,6 +132,7 @@ impl Gateway {
                 ..Default::default()
             }),
             etcd,
+            pinned: std::sync::OnceLock::new(),
         });
         gw.sync_health(&gw.current());
         gw
@@ -192,8 +197,25 @@ impl Gateway {
                         None,
                         "listeners:",
                     ),
-                    "listeners: adding, removing or changing a listener's address, tls or h2c needs a restart",
+                    "listeners: adding, removing or changing a listener's address, tls or h2c needs a restart, or `graygate --upgrade` (no connection is lost)",
                 ))
+            }
+        });
+        // Keys read only at start (sockets bound, threads started, files
+        // the process owns): a reload that changes one is refused as a
+        // whole, so what runs is always one file's configuration.
+        let result = result.and_then(|gen| {
+            let pinned = self.pinned.get().map_or(&[][..], Vec::as_slice);
+            match start_only_changes(&self.current().config, &gen.config, pinned) {
+                None => Ok(gen),
+                Some((key, message)) => {
+                    let text = std::fs::read_to_string(&self.config_path).unwrap_or_default();
+                    Err(ConfigError::new(
+                        &self.config_path,
+                        top_level_line(&text, key),
+                        message,
+                    ))
+                }
             }
         });
         match result {
@@ -207,6 +229,7 @@ impl Gateway {
                 attach_counters(&self.plane.node_stats, &mut gen);
                 adopt_dicts(&mut gen);
                 let gen = Arc::new(gen);
+                self.plane.client.configure(&gen.config.upstream);
                 self.plane.generation.publish(gen.clone());
                 self.sync_health(&gen);
                 status.last_reload_error = None;
@@ -244,6 +267,98 @@ impl Gateway {
     pub async fn drained(&self) {
         self.server.drained().await
     }
+}
+
+/// The keys read only when the process starts, each with its value in
+/// operators' words: the client and admin listeners (bound once; the
+/// `listeners` layout is checked apart), the worker threads, the files the
+/// process owns (pid file, upgrade socket, access log) and the demo nodes.
+/// Everything else takes effect at the reload.
+pub const START_ONLY: &[&str] = &[
+    "listen",
+    "admin_listen",
+    "workers",
+    "pid_file",
+    "upgrade_socket",
+    "access_log",
+    "demo_nodes",
+];
+
+fn start_only_value(c: &crate::config::MainConfig, key: &str) -> String {
+    let or = |v: Option<String>, none: &str| v.unwrap_or_else(|| none.to_string());
+    let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
+    match key {
+        "listen" => c.listen.to_string(),
+        "admin_listen" => or(c.admin_listen.map(|a| a.to_string()), "none"),
+        "workers" => or(c.workers.map(|w| w.to_string()), "one per CPU"),
+        "pid_file" => or(path(&c.pid_file), "none"),
+        "upgrade_socket" => or(path(&c.upgrade_socket), "none"),
+        "access_log" => or(
+            c.access_log.as_ref().map(|a| {
+                let format = match a.format {
+                    crate::config::AccessLogFormat::Text => "text",
+                    crate::config::AccessLogFormat::Json => "json",
+                };
+                format!("{} ({format}, buffer {})", a.path.display(), a.buffer)
+            }),
+            "off",
+        ),
+        "demo_nodes" => {
+            let nodes: Vec<String> = c
+                .demo_nodes
+                .iter()
+                .map(|n| format!("{} {} ({})", n.name, n.addr, n.lane))
+                .collect();
+            if nodes.is_empty() {
+                "none".to_string()
+            } else {
+                nodes.join(", ")
+            }
+        }
+        _ => String::new(),
+    }
+}
+
+/// The first start-only key `next` changes (the command line's `pinned`
+/// ones aside) and the message refusing the reload, naming every changed
+/// key with its running and its new value.
+pub fn start_only_changes(
+    running: &crate::config::MainConfig,
+    next: &crate::config::MainConfig,
+    pinned: &[&str],
+) -> Option<(&'static str, String)> {
+    let changed: Vec<(&'static str, String, String)> = START_ONLY
+        .iter()
+        .filter(|k| !pinned.contains(*k))
+        .map(|&k| (k, start_only_value(running, k), start_only_value(next, k)))
+        .filter(|(_, a, b)| a != b)
+        .collect();
+    let first = changed.first()?.0;
+    let list: Vec<String> = changed
+        .iter()
+        .map(|(k, a, b)| format!("{k} (running: {a}; file: {b})"))
+        .collect();
+    let (what, it) = if changed.len() == 1 {
+        ("a key read only at start changed", "it")
+    } else {
+        ("keys read only at start changed", "them")
+    };
+    Some((
+        first,
+        format!(
+            "{what}: {}; restart graygate, or run `graygate --upgrade` (no connection is lost), \
+             to apply {it}",
+            list.join(", ")
+        ),
+    ))
+}
+
+/// Line of the top-level `key:` in a YAML text.
+fn top_level_line(text: &str, key: &str) -> Option<usize> {
+    let want = format!("{key}:");
+    text.lines()
+        .position(|l| l.starts_with(&want))
+        .map(|i| i + 1)
 }
 
 /// Points every node of `gen` at its live counters (what least_request

@@ -28,6 +28,50 @@ pub enum NodeChange {
     },
 }
 
+/// How the log names a change, in the node file's words: `add api-2
+/// 127.0.0.1:7102 lane gray weight 1`, `remove f1`, `update f1: weight 5,
+/// drain true`.
+impl std::fmt::Display for NodeChange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NodeChange::Add(n) => {
+                f.write_str("add ")?;
+                if let Some(name) = &n.name {
+                    write!(f, "{name} ")?;
+                }
+                write!(f, "{} lane {} weight {}", n.addr, n.lane, n.weight)?;
+                if n.drain {
+                    f.write_str(" drain true")?;
+                }
+                Ok(())
+            }
+            NodeChange::Remove(node) => write!(f, "remove {node}"),
+            NodeChange::Update {
+                node,
+                lane,
+                weight,
+                drain,
+            } => {
+                let mut parts = Vec::new();
+                if let Some(l) = lane {
+                    parts.push(format!("lane {l}"));
+                }
+                if let Some(w) = weight {
+                    parts.push(format!("weight {w}"));
+                }
+                if let Some(d) = drain {
+                    parts.push(format!("drain {d}"));
+                }
+                if parts.is_empty() {
+                    write!(f, "update {node}: nothing")
+                } else {
+                    write!(f, "update {node}: {}", parts.join(", "))
+                }
+            }
+        }
+    }
+}
+
 /// Why a change was refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EditError {

@@ -539,7 +539,7 @@ mod tests {
         let e = cfg("nodes: []\n");
         assert!(e.contains("unknown field `nodes`"), "{e}");
         let e = cfg("lane_key: a\nlane_key: b\n");
-        assert!(e.contains("duplicate field `lane_key`"), "{e}");
+        assert!(e.contains("duplicate key `lane_key`"), "{e}");
         let e = cfg("health:\n  bogus: 1\n");
         assert!(
             e.starts_with("/g/services/api/config:2: health: unknown field `bogus`"),

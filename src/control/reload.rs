@@ -87,7 +87,6 @@ pub async fn run(gw: Arc<Gateway>) -> notify::Result<()> {
 
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
         .map_err(notify::Error::io)?;
-    let debounce = Duration::from_millis(gw.current().config.reload_debounce_ms);
     let mut watched_dirs: HashSet<PathBuf> = HashSet::new();
     let mut wanted = HashSet::new();
     refresh(&gw, &mut watcher, &mut watched_dirs, &mut wanted);
@@ -98,7 +97,9 @@ pub async fn run(gw: Arc<Gateway>) -> notify::Result<()> {
                 if !key_of(&p).is_some_and(|k| wanted.contains(&k)) {
                     continue;
                 }
-                // Debounce: wait for quiet, swallowing further events.
+                // Debounce: wait for quiet, swallowing further events
+                // (the quiet time as the serving generation says).
+                let debounce = Duration::from_millis(gw.current().config.reload_debounce_ms);
                 while let Ok(Some(_)) = tokio::time::timeout(debounce, rx.recv()).await {}
                 tracing::info!(file = %p.display(), "change detected; reloading");
             }

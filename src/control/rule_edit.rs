@@ -20,6 +20,18 @@ pub enum RuleChange {
     Percentage { rule: String, percentage: f64 },
 }
 
+/// How the log names a change: `enabled: false`, `rule "beta" percentage: 25`.
+impl std::fmt::Display for RuleChange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RuleChange::Enabled(on) => write!(f, "enabled: {on}"),
+            RuleChange::Percentage { rule, percentage } => {
+                write!(f, "rule {rule:?} percentage: {percentage}")
+            }
+        }
+    }
+}
+
 /// The rule file of `config`. Inline rules live in the main config, whose
 /// comments and layout an automatic rewrite would destroy: refused.
 pub fn rules_file(config_path: &Path, config: &MainConfig) -> Result<PathBuf, EditError> {

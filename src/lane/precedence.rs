@@ -233,7 +233,13 @@ fn script_decision(
                     } else {
                         &BUDGET_LOG
                     },
-                    || tracing::error!(error = %e.message, limit = ?limit, "lane script stopped by a sandbox limit; request goes formal"),
+                    || {
+                        tracing::error!(
+                            error = %e.message,
+                            limit = if limit == script::Limit::Memory { "script_limits.memory_limit" } else { "script_limits.instruction_budget" },
+                            "lane script stopped by a sandbox limit; request goes formal"
+                        )
+                    },
                 ),
                 None => log_limited(
                     &SCRIPT_ERR_LOG,

@@ -196,7 +196,7 @@ pub fn client_listeners(
     inherited: Vec<std::net::TcpListener>,
 ) -> io::Result<Vec<std::net::TcpListener>> {
     if inherited.is_empty() {
-        return super::Server::bind_listeners(addr, workers);
+        return super::Server::bind_exclusive(addr, workers);
     }
     let mut out = inherited;
     if out.len() < workers {

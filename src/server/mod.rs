@@ -283,6 +283,52 @@ impl Server {
         Ok(out)
     }
 
+    /// Binds `n` SO_REUSEPORT listeners on `addr` for this process alone:
+    /// a listener of another process on that address (another graygate,
+    /// whose SO_REUSEPORT would otherwise let both share the port) is an
+    /// [`io::ErrorKind::AddrInUse`](std::io::ErrorKind::AddrInUse) error, as
+    /// nginx and Envoy refuse. Two checks:
+    ///
+    /// 1. before binding, a probe socket *without* SO_REUSEPORT (with
+    ///    SO_REUSEADDR, so connections in TIME_WAIT do not count) is bound
+    ///    to `addr`: the kernel refuses it while any socket listens there or
+    ///    on an overlapping wildcard, whoever owns it;
+    /// 2. after binding, every listening socket on that address in
+    ///    `/proc/net/tcp` (or `tcp6`) must be one of ours (by inode): this
+    ///    closes the window between the probe and the bind, where two
+    ///    processes starting at once would both pass the probe (both then
+    ///    refuse, never both serve).
+    ///
+    /// A binary upgrade does not come here: the successor serves the
+    /// sockets it inherited (the same kernel sockets), topped up with
+    /// [`bind_listeners`](Self::bind_listeners).
+    pub fn bind_exclusive(
+        addr: SocketAddr,
+        n: usize,
+    ) -> std::io::Result<Vec<std::net::TcpListener>> {
+        if addr.port() != 0 {
+            let probe = socket2::Socket::new(
+                socket2::Domain::for_address(addr),
+                socket2::Type::STREAM,
+                Some(socket2::Protocol::TCP),
+            )?;
+            probe.set_reuse_address(true)?;
+            if let Err(e) = probe.bind(&addr.into()) {
+                return Err(match e.kind() {
+                    std::io::ErrorKind::AddrInUse => in_use(),
+                    _ => e,
+                });
+            }
+        }
+        let out = Server::bind_listeners(addr, n)?;
+        let ours: Vec<u64> = out.iter().filter_map(socket_inode).collect();
+        let bound = out[0].local_addr()?;
+        if foreign_listeners(bound, &ours) > 0 {
+            return Err(in_use());
+        }
+        Ok(out)
+    }
+
     /// Starts `workers` worker threads, each with its own single-threaded
     /// runtime serving its share of the listeners (normally one each; an
     /// upgrade from a process with more workers leaves some with more).
@@ -700,3 +746,113 @@ static SEND_LOG: AtomicU64 = AtomicU64::new(0);
 
 /// How often a connection cut off for a flood checks its linger time.
 const FLOOD_CHECK: Duration = Duration::from_millis(100);
+
+/// The error of a listening address held by another process.
+fn in_use() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::AddrInUse,
+        "address already in use by another process",
+    )
+}
+
+/// The inode of a socket (`socket:[N]` in `/proc/self/fd`).
+fn socket_inode(l: &std::net::TcpListener) -> Option<u64> {
+    use std::os::fd::AsRawFd;
+    let link = std::fs::read_link(format!("/proc/self/fd/{}", l.as_raw_fd())).ok()?;
+    let link = link.to_str()?;
+    link.strip_prefix("socket:[")?
+        .strip_suffix(']')?
+        .parse()
+        .ok()
+}
+
+/// Listening sockets on `addr` (or a wildcard address of its family on its
+/// port, or on `addr`'s port when `addr` is the wildcard) whose inode is not
+/// in `ours`. Without a readable `/proc/net/tcp` (no procfs), 0: the probe
+/// bind alone then guards.
+fn foreign_listeners(addr: SocketAddr, ours: &[u64]) -> usize {
+    let table = if addr.is_ipv4() {
+        "/proc/net/tcp"
+    } else {
+        "/proc/net/tcp6"
+    };
+    let Ok(text) = std::fs::read_to_string(table) else {
+        return 0;
+    };
+    listeners_in(&text)
+        .filter(|(a, inode)| {
+            a.port() == addr.port()
+                && (a.ip() == addr.ip() || a.ip().is_unspecified() || addr.ip().is_unspecified())
+                && !ours.contains(inode)
+        })
+        .count()
+}
+
+/// (local address, inode) of every listening socket in a `/proc/net/tcp`
+/// or `tcp6` table. Addresses are printed as host-order 32-bit words.
+fn listeners_in(table: &str) -> impl Iterator<Item = (SocketAddr, u64)> + '_ {
+    table.lines().skip(1).filter_map(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 10 || f[3] != "0A" {
+            return None;
+        }
+        let (ip, port) = f[1].split_once(':')?;
+        let port = u16::from_str_radix(port, 16).ok()?;
+        let mut bytes = Vec::with_capacity(16);
+        for i in (0..ip.len()).step_by(8) {
+            let word = u32::from_str_radix(ip.get(i..i + 8)?, 16).ok()?;
+            bytes.extend_from_slice(&word.to_ne_bytes());
+        }
+        let ip: std::net::IpAddr = match bytes.len() {
+            4 => <[u8; 4]>::try_from(bytes).ok()?.into(),
+            16 => <[u8; 16]>::try_from(bytes).ok()?.into(),
+            _ => return None,
+        };
+        Some((SocketAddr::new(ip, port), f[9].parse().ok()?))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_listener_of_another_owner_refuses_an_exclusive_bind() {
+        // SO_REUSEPORT listeners as another graygate's: a plain
+        // SO_REUSEPORT bind joins them, an exclusive one is refused.
+        let other = Server::bind_listeners("127.0.0.1:0".parse().unwrap(), 2).unwrap();
+        let addr = other[0].local_addr().unwrap();
+        assert!(Server::bind_listeners(addr, 1).is_ok());
+        let e = Server::bind_exclusive(addr, 2).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse);
+        assert_eq!(e.to_string(), "address already in use by another process");
+        // The check after the bind sees them too (the race the probe
+        // cannot close), and not our own.
+        let ours: Vec<u64> = other.iter().filter_map(socket_inode).collect();
+        assert_eq!(ours.len(), 2);
+        assert_eq!(foreign_listeners(addr, &ours), 0);
+        assert_eq!(foreign_listeners(addr, &ours[..1]), 1);
+        let wildcard = SocketAddr::new("0.0.0.0".parse().unwrap(), addr.port());
+        assert_eq!(foreign_listeners(wildcard, &[]), 2);
+        // Closed: free again, for this process alone.
+        drop(other);
+        let mine = Server::bind_exclusive(addr, 2).unwrap();
+        assert_eq!(mine.len(), 2);
+    }
+
+    #[test]
+    fn proc_net_tcp_lines_are_read() {
+        let table = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
+             0: 0100007F:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 4242 1 0000000000000000 100 0 0 10 0\n\
+             1: 0100007F:1F40 0100007F:9C40 01 00000000:00000000 00:00000000 00000000  1000        0 4343 1 0000000000000000 100 0 0 10 0\n";
+        let got: Vec<_> = listeners_in(table).collect();
+        if cfg!(target_endian = "little") {
+            assert_eq!(got, [("127.0.0.1:8000".parse().unwrap(), 4242)]);
+        }
+        let v6 = "  sl  local_address\n   0: 00000000000000000000000001000000:1F90 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 77 1\n";
+        let got: Vec<_> = listeners_in(v6).collect();
+        if cfg!(target_endian = "little") {
+            assert_eq!(got, [("[::1]:8080".parse().unwrap(), 77)]);
+        }
+    }
+}

@@ -24,6 +24,7 @@ pub mod tls;
 use std::cell::RefCell;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -98,28 +99,61 @@ pub fn trim_kept(now: u64, idle_timeout: Duration) -> usize {
     h1::trim_kept() + h1::trim_pool(now, idle_timeout) + hyper
 }
 
-/// The client. Cheap to share; the pools live in thread-locals.
-#[derive(Debug, Clone)]
+/// The client. Cheap to share; the pools live in thread-locals. Its
+/// connect and idle timeouts and pool size follow reloads ([`configure`]).
+///
+/// [`configure`]: Upstream::configure
+#[derive(Debug, Clone, Default)]
 pub struct Upstream {
-    connect_timeout: Duration,
-    idle_timeout: Duration,
-    max_idle: usize,
+    /// Shared by every clone (health probes hold one), so a reload reaches
+    /// them all.
+    live: std::sync::Arc<Live>,
+}
+
+/// The settings a reload changes in place.
+#[derive(Debug, Default)]
+struct Live {
+    connect_timeout_ms: AtomicU64,
+    idle_timeout_ms: AtomicU64,
+    max_idle: AtomicUsize,
 }
 
 impl Upstream {
     pub fn new(cfg: &UpstreamConfig) -> Upstream {
-        Upstream {
-            connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),
-            idle_timeout: Duration::from_millis(cfg.idle_timeout_ms),
-            max_idle: cfg.pool_max_idle_per_host,
-        }
+        let u = Upstream::default();
+        u.configure(cfg);
+        u
+    }
+
+    /// Takes a (reloaded) configuration's connect and idle timeouts and
+    /// pool size, for connections opened and pooled from now on.
+    pub fn configure(&self, cfg: &UpstreamConfig) {
+        let l = &self.live;
+        l.connect_timeout_ms
+            .store(cfg.connect_timeout_ms, Ordering::Relaxed);
+        l.idle_timeout_ms
+            .store(cfg.idle_timeout_ms, Ordering::Relaxed);
+        l.max_idle
+            .store(cfg.pool_max_idle_per_host, Ordering::Relaxed);
+    }
+
+    fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.live.connect_timeout_ms.load(Ordering::Relaxed))
+    }
+
+    fn idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.live.idle_timeout_ms.load(Ordering::Relaxed))
+    }
+
+    fn max_idle(&self) -> usize {
+        self.live.max_idle.load(Ordering::Relaxed)
     }
 
     fn settings(&self, read_timeout: Duration) -> h1::Settings {
         h1::Settings {
-            connect_timeout: self.connect_timeout,
-            idle_timeout: self.idle_timeout,
-            max_idle: self.max_idle,
+            connect_timeout: self.connect_timeout(),
+            idle_timeout: self.idle_timeout(),
+            max_idle: self.max_idle(),
             read_timeout,
         }
     }
@@ -247,7 +281,7 @@ impl Upstream {
         (read_timeout, limit): (Duration, Duration),
     ) -> Result<Response<PooledBody>, Error> {
         if t.h2 {
-            let call = h2::request(addr, t, req, added, self.connect_timeout);
+            let call = h2::request(addr, t, req, added, self.connect_timeout());
             let resp = within(limit, call).await?;
             let (head, body) = resp.into_parts();
             let body = HyperBody {
@@ -324,7 +358,7 @@ impl Upstream {
         addr: SocketAddr,
         tls: Option<&tls::TlsConnect>,
     ) -> Result<Sender, Error> {
-        let stream = h1::connect(addr, self.connect_timeout).await?;
+        let stream = h1::connect(addr, self.connect_timeout()).await?;
         let connect_err = |e: hyper::Error| Error::new(ErrorKind::Connect).with_source(e);
         let tx = match tls {
             None => {
@@ -338,7 +372,7 @@ impl Upstream {
                 sender
             }
             Some(t) => {
-                let stream = tokio::time::timeout(self.connect_timeout, t.connect(stream, addr))
+                let stream = tokio::time::timeout(self.connect_timeout(), t.connect(stream, addr))
                     .await
                     .map_err(|_| {
                         Error::new(ErrorKind::Connect).with_source("TLS handshake timed out")
@@ -362,7 +396,7 @@ impl Upstream {
     fn checkout(&self, addr: (SocketAddr, u64)) -> Option<Sender> {
         POOL.with(|p| {
             p.borrow_mut()
-                .checkout(addr, self.idle_timeout, |s| !s.tx.is_closed())
+                .checkout(addr, self.idle_timeout(), |s| !s.tx.is_closed())
         })
     }
 
@@ -381,7 +415,7 @@ impl Upstream {
             slot: reusable.then_some(Slot {
                 sender,
                 addr,
-                max_idle: self.max_idle,
+                max_idle: self.max_idle(),
             }),
         };
         if pooled.inner.is_end_stream() {

@@ -608,8 +608,15 @@ fn new_record(spec: ReleaseSpec) -> ReleaseRecord {
 /// fleet: written to its key if no release changed meanwhile, answered
 /// once this gateway serves it.
 pub async fn create(gw: &Arc<Gateway>, spec_text: &str) -> Result<ReleaseRecord, Refused> {
-    let spec: ReleaseSpec = serde_yaml::from_str(spec_text)
-        .map_err(|e| Refused::Invalid(format!("release spec: {e}")))?;
+    // Named `release spec` with its line, as a file would be: the command
+    // line's `release create` puts the spec file's name in its place.
+    let spec: ReleaseSpec = serde_yaml::from_str(spec_text).map_err(|e| {
+        let (line, msg) = crate::config::yaml_error(&e);
+        Refused::Invalid(match line {
+            Some(l) => format!("release spec:{l}: {msg}"),
+            None => format!("release spec: {msg}"),
+        })
+    })?;
     let _one = gw.releases.lock.lock().await;
     let gen = gw.current();
     super::check_new_spec(&spec, &gen.lane.served_lanes).map_err(Refused::Invalid)?;

@@ -276,7 +276,7 @@ fn bad_selection_config_is_rejected_with_file_and_line() {
         (
             "    balance: fastest\n",
             "nodes.yaml:3",
-            "unknown variant `fastest`",
+            "unknown value `fastest`",
         ),
         ("    balance: hash\n", "nodes.yaml:3", "needs a hash_key"),
         (
