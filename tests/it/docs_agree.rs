@@ -92,9 +92,15 @@ fn every_decided_by_value_is_in_every_list_of_them() {
             let words = code_words(para);
             if own.iter().filter(|v| words.contains(*v)).count() >= 3 {
                 lists.push(format!("{page}:{line}"));
-                let missing: Vec<&str> = values.iter().copied().filter(|v| !words.contains(v)).collect();
+                let missing: Vec<&str> = values
+                    .iter()
+                    .copied()
+                    .filter(|v| !words.contains(v))
+                    .collect();
                 if !missing.is_empty() {
-                    failures.push(format!("{page}:{line}: lists decided_by values without {missing:?}"));
+                    failures.push(format!(
+                        "{page}:{line}: lists decided_by values without {missing:?}"
+                    ));
                 }
             }
             line += para.matches('\n').count() + 2;
@@ -102,8 +108,15 @@ fn every_decided_by_value_is_in_every_list_of_them() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     // The guide's table, the rules reference and the metrics reference at least.
-    for page in ["guides/lanes-and-scripts.md", "reference/rules.md", "reference/metrics.md"] {
-        assert!(lists.iter().any(|l| l.contains(page)), "no decided_by list in {page}: {lists:?}");
+    for page in [
+        "guides/lanes-and-scripts.md",
+        "reference/rules.md",
+        "reference/metrics.md",
+    ] {
+        assert!(
+            lists.iter().any(|l| l.contains(page)),
+            "no decided_by list in {page}: {lists:?}"
+        );
     }
 }
 
@@ -120,9 +133,20 @@ fn the_lua_api_page_states_the_jit_default() {
         .and_then(|r| r.split('`').next())
         .unwrap_or_else(|| panic!("lua-api.md does not say the trace compiler's default"));
     let main = |extra: &str| {
-        let c: MainConfig = parse_yaml(Path::new("g.yaml"), &format!("listen: 127.0.0.1:8080\n{extra}")).unwrap();
+        let c: MainConfig = parse_yaml(
+            Path::new("g.yaml"),
+            &format!("listen: 127.0.0.1:8080\n{extra}"),
+        )
+        .unwrap();
         format!("{:?}", c.script_limits.jit)
     };
-    assert_eq!(main(&format!("script_limits: {{ jit: {said} }}\n")), main(""), "the page says {said}");
-    assert!(!text.contains("(its interpreter)"), "the page still says scripts run on the interpreter");
+    assert_eq!(
+        main(&format!("script_limits: {{ jit: {said} }}\n")),
+        main(""),
+        "the page says {said}"
+    );
+    assert!(
+        !text.contains("(its interpreter)"),
+        "the page still says scripts run on the interpreter"
+    );
 }

@@ -241,7 +241,11 @@ fn every_yaml_snippet_of_the_docs_loads_where_its_page_puts_it() {
     assert!(all.len() >= 9, "only {} YAML snippets found", all.len());
     let failures: Vec<String> = all
         .iter()
-        .filter_map(|s| check(s).err().map(|e| format!("{} ({}): {e}", s.at, s.kind)))
+        .filter_map(|s| {
+            check(s)
+                .err()
+                .map(|e| format!("{} ({}): {e}", s.at, s.kind))
+        })
         .collect();
     assert!(
         failures.is_empty(),
@@ -260,7 +264,10 @@ fn a_rules_list_in_the_main_file_is_the_rules_of_the_mapping() {
     let dir = dir.path();
     let rules = "  - { name: testers, lane: gray, ip: [127.0.9.0/24] }\n  - { name: beta, lane: gray, header: { name: X-Gray, values: [\"1\"] } }\n";
     let list = format!("listen: 127.0.0.1:8080\nrules:\n{rules}");
-    let mapping = format!("listen: 127.0.0.1:8080\nrules:\n  rules:\n{}", rules.replace("  - ", "    - "));
+    let mapping = format!(
+        "listen: 127.0.0.1:8080\nrules:\n  rules:\n{}",
+        rules.replace("  - ", "    - ")
+    );
     let parsed = |t: &str| {
         parse_yaml::<graygate::config::MainConfig>(Path::new("g.yaml"), t)
             .map(|c| format!("{:?}", c.rules))
