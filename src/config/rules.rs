@@ -1,11 +1,22 @@
 //! Layer: config (bottom). The YAML form of the declarative gray rules (inline
 //! `rules:` or a `rules_file`); `lane::rules` compiles it.
+//!
+//! Two forms are read: the mapping (`uid`, `deny`, `rules`, `fallback`,
+//! `enabled`) and, as a shorthand, a bare list of rules — what an operator
+//! writes under the main file's `rules:` key, the way nginx and APISIX list
+//! their rules. The list is the mapping's `rules` with everything else at its
+//! default (no uid source, no deny rules, fallback formal).
 
-use serde::{Deserialize, Serialize};
+use std::fmt;
 
-/// A rule file (or the inline `rules:` block of the main config).
+use serde::de::value::{MapAccessDeserializer, SeqAccessDeserializer};
+use serde::de::{MapAccess, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// A rule file (or the inline `rules:` block of the main config): the
+/// mapping, or a bare list of rules (see the module note).
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
+#[serde(remote = "Self", default, deny_unknown_fields)]
 pub struct RulesConfig {
     /// Master switch: `false` skips deny, rules and fallback alike.
     pub enabled: bool,
@@ -17,6 +28,35 @@ pub struct RulesConfig {
     pub rules: Vec<RuleConfig>,
     /// Lane when no rule matches (default formal).
     pub fallback: Option<String>,
+}
+
+impl<'de> Deserialize<'de> for RulesConfig {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Form;
+        impl<'de> Visitor<'de> for Form {
+            type Value = RulesConfig;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a list of rules, or a mapping of `rules`, `uid`, `deny`, `fallback` and `enabled`")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<RulesConfig, A::Error> {
+                let rules = Vec::<RuleConfig>::deserialize(SeqAccessDeserializer::new(seq))?;
+                Ok(RulesConfig {
+                    rules,
+                    ..RulesConfig::default()
+                })
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<RulesConfig, A::Error> {
+                RulesConfig::deserialize(MapAccessDeserializer::new(map))
+            }
+        }
+        d.deserialize_any(Form)
+    }
+}
+
+impl Serialize for RulesConfig {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        RulesConfig::serialize(self, s)
+    }
 }
 
 impl Default for RulesConfig {

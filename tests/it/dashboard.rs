@@ -306,12 +306,24 @@ async fn dashboard_shows_releases_and_their_decision_timeline() {
     )
     .await;
     assert!(row.contains("gray"), "{row}");
+    // The step as the API counts it (the index in the spec's `steps`, from 0).
+    let api = Req::get("/releases").send(admin).await.json();
+    let api_step = api["releases"][0]["step"].as_u64().unwrap();
+    assert_eq!(api_step, 0, "{api}");
+    let cell = wait_text(
+        &c,
+        "#releases tr[data-release='web-v2'] .step",
+        "the step cell",
+        |t| !t.is_empty(),
+    )
+    .await;
+    assert_eq!(cell, format!("{api_step} (of 1, from 0)"));
     // The timeline shows judged intervals with their values and reasons.
     let tl = wait_text(&c, "#release-timeline", "inconclusive decisions", |t| {
         t.contains("inconclusive") && t.contains("too few requests")
     })
     .await;
-    assert!(tl.contains("step 1 (30.0 %)"), "{tl}");
+    assert!(tl.contains(&format!("step {api_step} (30.0 %)")), "{tl}");
     // An abort shows as rolled back.
     let r = Req::get("/releases/web-v2/abort")
         .method("POST")

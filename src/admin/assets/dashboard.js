@@ -174,7 +174,8 @@ async function renderReleases(list) {
     const last = r.last || {};
     return el("tr", { "data-release": r.name, class: r.state },
       el("td", {}, r.name), el("td", {}, r.lane), el("td", { class: "state", title: r.held || "" }, r.state),
-      el("td", {}, (r.step + 1) + " / " + r.steps), el("td", {}, num(r.weight, 1) + " %"),
+      // The API's `step`: the index in the spec's `steps`, from 0.
+      el("td", { class: "step" }, r.step + " (of " + r.steps + ", from 0)"), el("td", {}, num(r.weight, 1) + " %"),
       el("td", {}, r.failures), el("td", { class: "last" }, r.held ? "held: " + r.held
         : (last.outcome || "–") + (last.reason ? ": " + last.reason : "")));
   }));
@@ -183,7 +184,7 @@ async function renderReleases(list) {
   const newest = list.releases[list.releases.length - 1];
   const full = await getJSON("releases/" + encodeURIComponent(newest.name));
   tl.replaceChildren(...full.analyses.slice(-20).reverse().map((a) => el("li", { class: a.outcome },
-    new Date(a.at).toLocaleTimeString() + " step " + (a.step + 1) + " (" + num(a.weight, 1) + " %) " + a.outcome +
+    new Date(a.at).toLocaleTimeString() + " step " + a.step + " (" + num(a.weight, 1) + " %) " + a.outcome +
     (a.gray.requests ? " — gray " + a.gray.requests + " req, " + num(a.gray.error_rate_pct, 2) + " % err, p99 " + ms(a.gray.p99_ms) +
       "; formal " + a.formal.requests + " req, " + num(a.formal.error_rate_pct, 2) + " % err, p99 " + ms(a.formal.p99_ms) : "") +
     (a.reason ? " — " + a.reason : ""))));

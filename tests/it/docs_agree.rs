@@ -1,0 +1,152 @@
+//! The docs say what the code does, where a page lists the code's values or states its defaults
+//! outside the configuration reference's tables (those are `docs_reference`'s):
+//!
+//! - every `decided_by` value the code records is in every list of them on any page (a list is a
+//!   paragraph or table naming three or more of the values only `decided_by` has);
+//! - the Lua API page states the trace compiler's default as the code's default.
+//!
+//! The dashboard's release step, counted as the API counts it, is `dashboard`'s (a real browser).
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use graygate::config::{parse_yaml, MainConfig};
+use graygate::lane::DecidedBy;
+
+/// Every `DecidedBy` the code has.
+fn all_decided_by() -> Vec<DecidedBy> {
+    let n: Arc<str> = "n".into();
+    let all = vec![
+        DecidedBy::Default,
+        DecidedBy::Script,
+        DecidedBy::TrustedTag,
+        DecidedBy::ScriptError(String::new()),
+        DecidedBy::InvalidLane(String::new()),
+        DecidedBy::Deny(n.clone()),
+        DecidedBy::Rule(n.clone()),
+        DecidedBy::RuleFallback,
+        DecidedBy::StickyCookie,
+        DecidedBy::Release(n.clone()),
+        DecidedBy::RolledBack(n),
+    ];
+    for d in &all {
+        // No wildcard: a new variant does not compile until it is listed above.
+        match d {
+            DecidedBy::Default
+            | DecidedBy::Script
+            | DecidedBy::TrustedTag
+            | DecidedBy::ScriptError(_)
+            | DecidedBy::InvalidLane(_)
+            | DecidedBy::Deny(_)
+            | DecidedBy::Rule(_)
+            | DecidedBy::RuleFallback
+            | DecidedBy::StickyCookie
+            | DecidedBy::Release(_)
+            | DecidedBy::RolledBack(_) => {}
+        }
+    }
+    all
+}
+
+fn pages(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            pages(&p, out);
+        } else if p.extension().is_some_and(|x| x == "md") {
+            out.push(p);
+        }
+    }
+}
+
+fn docs() -> Vec<(String, String)> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    pages(&root.join("docs/src"), &mut files);
+    files.sort();
+    files
+        .into_iter()
+        .map(|f| {
+            let text = std::fs::read_to_string(&f).unwrap();
+            (f.strip_prefix(root).unwrap().display().to_string(), text)
+        })
+        .collect()
+}
+
+/// The words in backticks of `text`.
+fn code_words(text: &str) -> BTreeSet<&str> {
+    text.split('`').skip(1).step_by(2).collect()
+}
+
+#[test]
+fn every_decided_by_value_is_in_every_list_of_them() {
+    let values: Vec<&str> = all_decided_by().iter().map(DecidedBy::as_str).collect();
+    // Values no other list of the docs names (`rule`, `script`, `default`, … are common words).
+    let own: Vec<&str> = values.iter().copied().filter(|v| v.contains('_')).collect();
+    let mut lists = Vec::new();
+    let mut failures = Vec::new();
+    for (page, text) in docs() {
+        let mut line = 1;
+        for para in text.split("\n\n") {
+            let words = code_words(para);
+            if own.iter().filter(|v| words.contains(*v)).count() >= 3 {
+                lists.push(format!("{page}:{line}"));
+                let missing: Vec<&str> = values
+                    .iter()
+                    .copied()
+                    .filter(|v| !words.contains(v))
+                    .collect();
+                if !missing.is_empty() {
+                    failures.push(format!(
+                        "{page}:{line}: lists decided_by values without {missing:?}"
+                    ));
+                }
+            }
+            line += para.matches('\n').count() + 2;
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    // The guide's table, the rules reference and the metrics reference at least.
+    for page in [
+        "guides/lanes-and-scripts.md",
+        "reference/rules.md",
+        "reference/metrics.md",
+    ] {
+        assert!(
+            lists.iter().any(|l| l.contains(page)),
+            "no decided_by list in {page}: {lists:?}"
+        );
+    }
+}
+
+#[test]
+fn the_lua_api_page_states_the_jit_default() {
+    let (_, text) = docs()
+        .into_iter()
+        .find(|(p, _)| p.ends_with("reference/lua-api.md"))
+        .unwrap();
+    let text = text.replace('\n', " ");
+    let said = text
+        .split("on by default (`script_limits.jit: ")
+        .nth(1)
+        .and_then(|r| r.split('`').next())
+        .unwrap_or_else(|| panic!("lua-api.md does not say the trace compiler's default"));
+    let main = |extra: &str| {
+        let c: MainConfig = parse_yaml(
+            Path::new("g.yaml"),
+            &format!("listen: 127.0.0.1:8080\n{extra}"),
+        )
+        .unwrap();
+        format!("{:?}", c.script_limits.jit)
+    };
+    assert_eq!(
+        main(&format!("script_limits: {{ jit: {said} }}\n")),
+        main(""),
+        "the page says {said}"
+    );
+    assert!(
+        !text.contains("(its interpreter)"),
+        "the page still says scripts run on the interpreter"
+    );
+}
