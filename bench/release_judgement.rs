@@ -187,6 +187,10 @@ fn main() {
             }
         }
         at.sort_unstable();
+        if at.is_empty() {
+            println!("{name}: no trial failed within 100000 requests");
+            continue;
+        }
         println!(
             "{name}: gray requests to the first failed look (50 % step, a look every {look}): median {}, p95 {}, max {} over {} trials ({missed} not failed within 100000 requests) [{:.0} s]",
             percentile(&at, 0.5),
