@@ -78,16 +78,17 @@ pub struct MatchSpec {
 #[serde(default, deny_unknown_fields)]
 pub struct AnalysisSpec {
     pub interval_ms: u64,
-    /// Fewer requests than this in either lane: inconclusive (a floor under
-    /// the analysis' own sample minimums).
+    /// Fewer requests than this in either lane (over the step so far): not
+    /// judged yet, `inconclusive`. Only a floor on looking: the sequential
+    /// test is valid from the first request.
     pub min_requests: u64,
     /// Gray's error rate may exceed formal's by this many percentage points.
     pub max_error_delta_pp: f64,
     /// Gray's p99 may be at most this multiple of formal's.
     pub max_p99_ratio: f64,
     /// The latency quantile judged (0.99: the p99; `max_p99_ratio`,
-    /// `max_p99_ms` and `min_p99_delta_ms` apply to it). A lower one needs
-    /// fewer requests: ten above it in each lane.
+    /// `max_p99_ms` and `min_p99_delta_ms` apply to it, and to 0.9 and the
+    /// median below it).
     pub quantile: f64,
     /// Optional absolute ceilings for gray.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -127,7 +128,7 @@ impl Default for AnalysisSpec {
     fn default() -> Self {
         AnalysisSpec {
             interval_ms: 10_000,
-            min_requests: 100,
+            min_requests: 20,
             max_error_delta_pp: 0.5,
             max_p99_ratio: 1.2,
             quantile: 0.99,
@@ -221,6 +222,15 @@ pub struct Analysis {
     /// In a fleet: how many gateways' counters were summed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gateways: Option<usize>,
+    /// The smallest rise of gray's error rate over formal's (percentage
+    /// points) the step's sample could have failed; absent: none yet (or
+    /// not a judged decision).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detectable_error_rise_pp: Option<f64>,
+    /// The smallest slowdown (gray = this × formal's latencies) the step's
+    /// sample could have failed; absent: none yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detectable_latency_ratio: Option<f64>,
 }
 
 /// The durable state of one release.

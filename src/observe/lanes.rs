@@ -32,7 +32,8 @@ pub fn bucket_lower_us(i: usize) -> f64 {
     }
 }
 
-fn bucket_of(d: Duration) -> usize {
+/// The bucket a duration falls in.
+pub fn bucket_of(d: Duration) -> usize {
     let us = d.as_secs_f64() * 1e6;
     if us <= BASE_US {
         return 0;

@@ -1,8 +1,9 @@
 //! Layer: control plane. The release controller: every release interval it
 //! takes the per-lane counters (`observe::lanes`), judges gray against
-//! formal over the window (`super::analysis`) — pass, fail, inconclusive
-//! (too few requests, or undecided: the window stays open and the next
-//! interval adds to it) or error (no data, or a lane nothing serves) —
+//! formal on everything both served since the step began (`super::analysis`,
+//! a sequential test valid at every look) — pass, fail, inconclusive (too
+//! few requests, or undecided) or error (no data, formal without traffic,
+//! or a lane nothing serves) —
 //! records the decision with the values and thresholds behind it, and
 //! steps, holds, promotes or rolls back. Only `fail` counts toward the
 //! rollback threshold (in a row by default: a pass resets the count);
@@ -134,6 +135,8 @@ fn record(
         thresholds: r.spec.analysis.clone(),
         reason,
         gateways,
+        detectable_error_rise_pp: None,
+        detectable_latency_ratio: None,
     };
     tracing::info!(
         release = %r.spec.name,
@@ -344,13 +347,16 @@ async fn judge_due(
         return Some(());
     }
     let fleet = gw.etcd.is_some();
+    let mut detectable = (None, None);
     let (outcome, mut reason, figs, counted) = match (sample, &mark) {
         (Ok(s), Some(m)) => {
             let (dg, counted) = s.since(&m.sample, m.at_unix, &r.spec.lane);
             let (df, _) = s.since(&m.sample, m.at_unix, FORMAL);
             let served = gw.current().lane.served_lanes.contains(&r.spec.lane);
             let (o, mut why) = if served {
-                let j = analysis::judge(&r.spec.analysis, dg.as_ref(), df.as_ref());
+                let alpha = analysis::step_alpha(judged_steps(&r.spec));
+                let j = analysis::judge_step(&r.spec.analysis, dg.as_ref(), df.as_ref(), alpha);
+                detectable = (j.detectable_error_rise_pp, j.detectable_latency_ratio);
                 (j.outcome, j.reason)
             } else {
                 let why = format!(
@@ -360,7 +366,7 @@ async fn judge_due(
                 ("error", why)
             };
             if m.intervals > 0 {
-                why = format!("window of {} intervals: {why}", m.intervals + 1);
+                why = format!("the step over {} intervals: {why}", m.intervals + 1);
             }
             (o, why, (figures(&dg), figures(&df)), Some(counted))
         }
@@ -372,17 +378,15 @@ async fn judge_due(
         ),
         (Ok(_), None) => return None,
     };
-    // An undecided window stays open: the next interval adds to it.
-    if let (Some(m), "inconclusive") = (mark, outcome) {
-        marks(gw).insert(
-            r.spec.name.clone(),
-            Mark {
-                at: now,
-                intervals: m.intervals + 1,
-                ..m
-            },
-        );
-    }
+    // The step's sample stays open whatever the outcome (the sequential
+    // test is valid at every look): the next interval adds to it, until
+    // the step changes.
+    let (step, phase) = (r.state.step, r.state.phase);
+    let reopen = mark.map(|m| Mark {
+        at: now,
+        intervals: m.intervals + 1,
+        ..m
+    });
     let a = &r.spec.analysis;
     let mode = a.failures.as_str();
     match outcome {
@@ -405,6 +409,10 @@ async fn judge_due(
         .with_label_values(&[r.spec.name.as_str(), outcome])
         .inc();
     record(r, outcome, reason, figs, counted.filter(|_| fleet));
+    if let Some(last) = r.state.history.last_mut() {
+        last.detectable_error_rise_pp = detectable.0;
+        last.detectable_latency_ratio = detectable.1;
+    }
     match outcome {
         "pass" => {
             r.state.step_passes += 1;
@@ -422,7 +430,21 @@ async fn judge_due(
         }
         _ => {}
     }
+    // Moved on (or done): the next step's sample starts now (the fresh
+    // mark); else the step's sample goes on.
+    if let Some(m) = reopen.filter(|_| r.state.step == step && r.state.phase == phase) {
+        marks(gw).insert(r.spec.name.clone(), m);
+    }
     Some(())
+}
+
+/// The steps of a release that are judged (a last step of weight 100 is
+/// the promotion itself): the release's false-failure budget is split
+/// over them.
+fn judged_steps(spec: &ReleaseSpec) -> usize {
+    (0..spec.steps.len())
+        .filter(|i| !super::full_share(spec, *i))
+        .count()
 }
 
 /// The leader's write of a judged release, fenced by its term; the

@@ -226,7 +226,7 @@ async fn one_leader_both_gateways_apply_every_step_judged_on_both_gateways_count
     let l = leader_of(&all).await;
     let (lead, other) = (&f.gws[l], &f.gws[1 - l]);
     // Created through the gateway that does not lead.
-    let spec = "name: r1\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 10, min_duration_ms: 1000 }\n  - { weight: 30, min_duration_ms: 1000 }\n  - { weight: 60, min_duration_ms: 1000 }\nanalysis: { interval_ms: 400, min_requests: 10, failure_threshold: 2, max_p99_ratio: 50, quantile: 0.5, max_error_delta_pp: 50 }\n";
+    let spec = "name: r1\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 10, min_duration_ms: 1000 }\n  - { weight: 30, min_duration_ms: 1000 }\n  - { weight: 60, min_duration_ms: 1000 }\nanalysis: { interval_ms: 400, min_requests: 10, failure_threshold: 2, max_error_delta_pp: 5 }\n";
     let r = post(other, "/releases", spec).await;
     assert_eq!(r.status, 201, "{}", r.text());
     // The state lives in etcd, under the fleet's prefix.
@@ -292,7 +292,7 @@ async fn the_leader_killed_the_other_takes_over_and_the_release_goes_on_to_promo
         let all: Vec<&Gateway> = f.gws.iter().collect();
         leader_of(&all).await
     };
-    let spec = "name: r2\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 20, min_duration_ms: 300 }\n  - { weight: 50, min_duration_ms: 300 }\n  - { weight: 80, min_duration_ms: 4000 }\nanalysis: { interval_ms: 300, min_requests: 10, failure_threshold: 2, max_p99_ratio: 50, quantile: 0.5, max_error_delta_pp: 50 }\n";
+    let spec = "name: r2\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 20, min_duration_ms: 300 }\n  - { weight: 50, min_duration_ms: 300 }\n  - { weight: 80, min_duration_ms: 4000 }\nanalysis: { interval_ms: 300, min_requests: 10, failure_threshold: 2, max_error_delta_pp: 5 }\n";
     let r = post(&f.gws[l], "/releases", spec).await;
     assert_eq!(r.status, 201, "{}", r.text());
     let traffic = Traffic::start(&[f.gws[0].addr, f.gws[1].addr]);
@@ -335,7 +335,7 @@ async fn a_failing_gray_is_rolled_back_on_both_gateways_and_gets_no_request_afte
     let f = fleet("/rf3", 10).await;
     let all: Vec<&Gateway> = f.gws.iter().collect();
     let l = leader_of(&all).await;
-    let spec = "name: bad\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 50, min_duration_ms: 600000 }\nanalysis: { interval_ms: 400, min_requests: 10, failure_threshold: 2, max_p99_ratio: 50 }\n";
+    let spec = "name: bad\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 50, min_duration_ms: 600000 }\nanalysis: { interval_ms: 400, min_requests: 10, failure_threshold: 2 }\n";
     let r = post(&f.gws[1 - l], "/releases", spec).await;
     assert_eq!(r.status, 201, "{}", r.text());
     let traffic = Traffic::start(&[f.gws[0].addr, f.gws[1].addr]);
@@ -363,7 +363,7 @@ async fn etcd_down_both_keep_serving_the_step_and_the_release_waits_for_etcd() {
     let mut f = fleet("/rf4", 0).await;
     let all: Vec<&Gateway> = f.gws.iter().collect();
     let l = leader_of(&all).await;
-    let spec = "name: r4\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 30, min_duration_ms: 300 }\n  - { weight: 60, min_duration_ms: 300 }\nanalysis: { interval_ms: 300, min_requests: 10, failure_threshold: 1, max_p99_ratio: 50, quantile: 0.5, max_error_delta_pp: 50 }\n";
+    let spec = "name: r4\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 30, min_duration_ms: 300 }\n  - { weight: 60, min_duration_ms: 300 }\nanalysis: { interval_ms: 300, min_requests: 10, failure_threshold: 1, max_error_delta_pp: 5 }\n";
     let r = post(&f.gws[l], "/releases", spec).await;
     assert_eq!(r.status, 201, "{}", r.text());
     on_all(&all, "r4", "created", |d| d["state"] == "progressing").await;
@@ -423,7 +423,7 @@ async fn a_restarted_gateway_resumes_at_the_step_and_an_abort_through_it_applies
         let all: Vec<&Gateway> = f.gws.iter().collect();
         leader_of(&all).await
     };
-    let spec = "name: r5\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 20, min_duration_ms: 300 }\n  - { weight: 50, min_duration_ms: 600000 }\nanalysis: { interval_ms: 300, min_requests: 10, failure_threshold: 2, max_p99_ratio: 50, quantile: 0.5, max_error_delta_pp: 50 }\n";
+    let spec = "name: r5\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 20, min_duration_ms: 300 }\n  - { weight: 50, min_duration_ms: 600000 }\nanalysis: { interval_ms: 300, min_requests: 10, failure_threshold: 2, max_error_delta_pp: 5 }\n";
     let r = post(&f.gws[1 - l], "/releases", spec).await;
     assert_eq!(r.status, 201, "{}", r.text());
     let traffic = Traffic::start(&[f.gws[0].addr, f.gws[1].addr]);
