@@ -3,7 +3,10 @@
 //!
 //! - every `decided_by` value the code records is in every list of them on any page (a list is a
 //!   paragraph or table naming three or more of the values only `decided_by` has);
-//! - the Lua API page states the trace compiler's default as the code's default.
+//! - the Lua API page states the trace compiler's default as the code's default;
+//! - the README's test command is `tools/test`, CI's `.ci/run` runs that same command, and
+//!   `tools/test` installs every Debian package whose program a test starts; the README stays
+//!   within 200 lines.
 //!
 //! The dashboard's release step, counted as the API counts it, is `dashboard`'s (a real browser).
 
@@ -149,4 +152,69 @@ fn the_lua_api_page_states_the_jit_default() {
         !text.contains("(its interpreter)"),
         "the page still says scripts run on the interpreter"
     );
+}
+
+/// The Debian package of each program the tests start, by the program's name in the tests.
+const TEST_PROGRAMS: &[(&str, &str)] = &[
+    ("\"nginx\"", "nginx-core"),
+    ("\"haproxy\"", "haproxy"),
+    ("\"wrk\"", "wrk"),
+    ("\"h2load\"", "nghttp2-client"),
+    ("\"etcd\"", "etcd-server"),
+    ("\"etcdctl\"", "etcd-client"),
+    ("\"chromedriver\"", "chromium-driver"),
+    ("\"valgrind\"", "valgrind"),
+    ("\"dnsmasq\"", "dnsmasq"),
+];
+
+fn sources_under(dir: &Path, out: &mut String) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            sources_under(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs" || x == "py")
+            && !p.ends_with("docs_agree.rs")
+        {
+            out.push_str(&std::fs::read_to_string(&p).unwrap());
+        }
+    }
+}
+
+#[test]
+fn the_readme_test_command_is_ci_s_and_installs_what_the_tests_start() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    assert!(
+        readme.lines().count() <= 200,
+        "README.md: {} lines",
+        readme.lines().count()
+    );
+    assert!(
+        readme.contains("```sh\ntools/test\n```"),
+        "README: the test command"
+    );
+    let ci = std::fs::read_to_string(root.join(".ci/run")).unwrap();
+    assert!(
+        ci.lines().any(|l| l.trim() == "tools/test"),
+        ".ci/run runs tools/test"
+    );
+    let script = std::fs::read_to_string(root.join("tools/test")).unwrap();
+    let packages: String = script
+        .split("APT_PACKAGES=(")
+        .nth(1)
+        .and_then(|r| r.split(')').next())
+        .unwrap()
+        .to_string();
+    let packages: BTreeSet<&str> = packages.split_whitespace().collect();
+    let mut tests = String::new();
+    sources_under(&root.join("tests"), &mut tests);
+    sources_under(&root.join("bench"), &mut tests);
+    for (program, package) in TEST_PROGRAMS {
+        if tests.contains(program) {
+            assert!(
+                packages.contains(package),
+                "tests start {program}: tools/test must install {package}"
+            );
+        }
+    }
 }

@@ -1,7 +1,7 @@
 //! Cross-check against real OpenResty semantics: the same module scripts
 //! run in nginx + lua-nginx-module (LuaJIT) and in graygate, and the same
 //! requests must give the same lane and the same value for every probed
-//! `ngx.*` / `bit` expression. (nginx comes from `.ci/run`'s packages.)
+//! `ngx.*` / `bit` expression. (nginx comes from `tools/test`'s packages.)
 
 use std::net::TcpStream;
 use std::os::unix::process::CommandExt;
@@ -111,7 +111,7 @@ http {{
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .expect("nginx runs (apt-get install nginx-core libnginx-mod-http-lua, see .ci/run)");
+        .expect("nginx runs (apt-get install nginx-core libnginx-mod-http-lua, see tools/test)");
     // nginx has its own copy now.
     drop(listener);
     // The socket accepts connections before nginx runs: ready once nginx
