@@ -11,11 +11,13 @@
 //! The dashboard's release step, counted as the API counts it, is `dashboard`'s (a real browser).
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use graygate::config::{parse_yaml, MainConfig};
 use graygate::lane::DecidedBy;
+
+use crate::harness::files_under;
 
 /// Every `DecidedBy` the code has.
 fn all_decided_by() -> Vec<DecidedBy> {
@@ -52,23 +54,9 @@ fn all_decided_by() -> Vec<DecidedBy> {
     all
 }
 
-fn pages(dir: &Path, out: &mut Vec<PathBuf>) {
-    for e in std::fs::read_dir(dir).unwrap() {
-        let p = e.unwrap().path();
-        if p.is_dir() {
-            pages(&p, out);
-        } else if p.extension().is_some_and(|x| x == "md") {
-            out.push(p);
-        }
-    }
-}
-
 fn docs() -> Vec<(String, String)> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut files = Vec::new();
-    pages(&root.join("docs/src"), &mut files);
-    files.sort();
-    files
+    files_under(&root.join("docs/src"), &["md"])
         .into_iter()
         .map(|f| {
             let text = std::fs::read_to_string(&f).unwrap();
@@ -167,19 +155,6 @@ const TEST_PROGRAMS: &[(&str, &str)] = &[
     ("\"dnsmasq\"", "dnsmasq"),
 ];
 
-fn sources_under(dir: &Path, out: &mut String) {
-    for e in std::fs::read_dir(dir).unwrap() {
-        let p = e.unwrap().path();
-        if p.is_dir() {
-            sources_under(&p, out);
-        } else if p.extension().is_some_and(|x| x == "rs" || x == "py")
-            && !p.ends_with("docs_agree.rs")
-        {
-            out.push_str(&std::fs::read_to_string(&p).unwrap());
-        }
-    }
-}
-
 #[test]
 fn the_readme_test_command_is_ci_s_and_installs_what_the_tests_start() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -206,9 +181,12 @@ fn the_readme_test_command_is_ci_s_and_installs_what_the_tests_start() {
         .unwrap()
         .to_string();
     let packages: BTreeSet<&str> = packages.split_whitespace().collect();
-    let mut tests = String::new();
-    sources_under(&root.join("tests"), &mut tests);
-    sources_under(&root.join("bench"), &mut tests);
+    let tests: String = [root.join("tests"), root.join("bench")]
+        .iter()
+        .flat_map(|d| files_under(d, &["rs", "py"]))
+        .filter(|p| !p.ends_with("docs_agree.rs"))
+        .map(|p| std::fs::read_to_string(p).unwrap())
+        .collect();
     for (program, package) in TEST_PROGRAMS {
         if tests.contains(program) {
             assert!(

@@ -28,7 +28,7 @@ use std::path::Path;
 use graygate::config::release::ReleaseSpec;
 use graygate::config::{parse_yaml, Bootstrap};
 
-use crate::harness::{load_config, tls::write_cert};
+use crate::harness::{files_under, load_config, tls::write_cert};
 
 /// One ```` ```yaml ```` block of a page.
 struct Snippet {
@@ -40,23 +40,10 @@ struct Snippet {
     text: String,
 }
 
-fn pages(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
-    for e in std::fs::read_dir(dir).unwrap() {
-        let p = e.unwrap().path();
-        if p.is_dir() {
-            pages(&p, out);
-        } else if p.extension().is_some_and(|x| x == "md") {
-            out.push(p);
-        }
-    }
-}
-
 /// Every YAML snippet of the docs; panics on a fence without a marker.
 fn snippets() -> Vec<Snippet> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut files = Vec::new();
-    pages(&root.join("docs/src"), &mut files);
-    files.sort();
+    let files = files_under(&root.join("docs/src"), &["md"]);
     let mut out = Vec::new();
     for f in files {
         let text = std::fs::read_to_string(&f).unwrap();

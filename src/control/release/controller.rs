@@ -124,6 +124,7 @@ fn record(
     reason: String,
     (g, f): (LaneFigures, LaneFigures),
     gateways: Option<usize>,
+    (rise_pp, ratio): (Option<f64>, Option<f64>),
 ) {
     let entry = Analysis {
         at: unix_ms(),
@@ -135,8 +136,8 @@ fn record(
         thresholds: r.spec.analysis.clone(),
         reason,
         gateways,
-        detectable_error_rise_pp: None,
-        detectable_latency_ratio: None,
+        detectable_error_rise_pp: rise_pp,
+        detectable_latency_ratio: ratio,
     };
     tracing::info!(
         release = %r.spec.name,
@@ -159,7 +160,14 @@ fn record(
 }
 
 fn note(r: &mut ReleaseRecord, outcome: &str, reason: impl Into<String>) {
-    record(r, outcome, reason.into(), Default::default(), None);
+    record(
+        r,
+        outcome,
+        reason.into(),
+        Default::default(),
+        None,
+        (None, None),
+    );
 }
 
 /// Calls a webhook with the release's situation: `Ok` on a 2xx in time.
@@ -408,11 +416,14 @@ async fn judge_due(
         .release_analyses
         .with_label_values(&[r.spec.name.as_str(), outcome])
         .inc();
-    record(r, outcome, reason, figs, counted.filter(|_| fleet));
-    if let Some(last) = r.state.history.last_mut() {
-        last.detectable_error_rise_pp = detectable.0;
-        last.detectable_latency_ratio = detectable.1;
-    }
+    record(
+        r,
+        outcome,
+        reason,
+        figs,
+        counted.filter(|_| fleet),
+        detectable,
+    );
     match outcome {
         "pass" => {
             r.state.step_passes += 1;

@@ -15,6 +15,7 @@ pub mod gateway;
 pub mod tls;
 
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 pub use backend::*;
@@ -129,4 +130,22 @@ pub fn cpu_secs(pid: u32) -> f64 {
     let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
     // In clock ticks of USER_HZ, 100 per second in Linux's /proc ABI.
     ticks / 100.0
+}
+
+/// The files under `dir` (recursively) whose extension is one of `exts`, sorted.
+pub fn files_under(dir: &Path, exts: &[&str]) -> Vec<PathBuf> {
+    fn walk(dir: &Path, exts: &[&str], out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(&p, exts, out);
+            } else if p.extension().is_some_and(|x| exts.iter().any(|e| x == *e)) {
+                out.push(p);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(dir, exts, &mut out);
+    out.sort();
+    out
 }
