@@ -98,11 +98,13 @@ async fn a_size_with_a_suffix_is_what_the_gateway_enforces() {
 fn errors_name_no_rust_types_and_suggest_the_close_key() {
     let fx = Fixture::new();
     let cases: &[(&str, &str)] = &[
-        // The three.
+        // The three (a list of rules is valid since the guide's
+        // snippet may be pasted into the main file; a scalar is not).
         (
-            "rules:\n  - lane: gray\n",
-            "rules: invalid type: a list, expected a mapping of keys",
+            "rules: 5\n",
+            "g.yaml:4: rules: invalid type: integer `5`, expected a list of rules, or a mapping of",
         ),
+        ("rules:\n  - lane: gray\n", "g.yaml:5: rules[0]: missing key `name`"),
         (
             "upstream: { retries: -1 }\n",
             "g.yaml:4: upstream.retries: invalid type: integer `-1`, expected a whole number, 0 or more",

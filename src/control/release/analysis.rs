@@ -441,6 +441,10 @@ fn latency_check(
         .filter_map(|l| quantile_upper(f, nf, *l, each).map(|fq| (*l, threshold(fq))))
         .collect();
     let fails_at = |l: f64, x: u64| certainly_above(x, ng, 1.0 - l, each);
+    // The gray the sample must be able to catch: DETECT_FACTOR times the
+    // threshold's own ratio, which the absolute floor raises for a fast
+    // formal (0.1 ms and +0.5 ms: a gray 6× slower is still within).
+    let target = DETECT_FACTOR * (threshold(pf) / pf.max(1e-9)).max(a.max_p99_ratio);
     // The smallest k for which gray = k × formal would fail now: formal's
     // share above t / k stands for gray's share above t.
     let ratio = detect
@@ -451,7 +455,9 @@ fn latency_check(
                     fails_at(*l, (share * ng as f64).floor() as u64)
                 })
             };
-            let (mut lo, mut hi) = (1.0f64, 1000.0f64);
+            // Searched up to well past the target, so a coarse
+            // `max_p99_ratio` (1000 to judge on errors alone) can pass.
+            let (mut lo, mut hi) = (1.0f64, (4.0 * target).max(1000.0));
             if !fails(hi) {
                 return None;
             }
@@ -497,10 +503,6 @@ fn latency_check(
     }
     let within = pg <= a.max_p99_ratio * pf + 1e-9 || pg - pf <= floor + 1e-9;
     let within_ceiling = a.max_p99_ms.is_none_or(|c| pg <= c);
-    // The gray the sample must be able to catch: DETECT_FACTOR times the
-    // threshold's own ratio, which the absolute floor raises for a fast
-    // formal (0.1 ms and +0.5 ms: a gray 6× slower is still within).
-    let target = DETECT_FACTOR * (threshold(pf) / pf.max(1e-9)).max(a.max_p99_ratio);
     let enough = ratio.is_some_and(|r| r <= target);
     if within && within_ceiling && enough {
         (
@@ -643,6 +645,26 @@ mod tests {
         let j = judge_step(&a, Some(&g), Some(&f), step_alpha(5));
         assert_eq!(j.latency, Some(Check::Undecided), "{j:?}");
         assert!(j.detectable_latency_ratio.is_some(), "{j:?}");
+    }
+
+    #[test]
+    fn a_coarse_latency_ratio_passes_on_an_ordinary_sample() {
+        // `max_p99_ratio: 1000` judges on errors alone: identical lanes
+        // pass latency instead of waiting for a sample that could catch a
+        // gray 2000× slower beyond the searched range.
+        let a = AnalysisSpec {
+            max_p99_ratio: 1000.0,
+            ..Default::default()
+        };
+        let mut rng = Rng(11);
+        let f = sampled(&mut rng, 2000, 0.0, 5.0);
+        let g = sampled(&mut rng, 2000, 0.0, 5.0);
+        let j = judge_step(&a, Some(&g), Some(&f), step_alpha(5));
+        assert_eq!(j.latency, Some(Check::Pass), "{j:?}");
+        assert!(
+            j.detectable_latency_ratio.is_some_and(|r| r > 1000.0),
+            "{j:?}"
+        );
     }
 
     #[test]
