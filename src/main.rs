@@ -131,7 +131,10 @@ The token: --token, else GRAYGATE_ADMIN_TOKEN, else that file's admin_token."
     Release {
         /// The gateway's configuration file (main file or etcd bootstrap):
         /// talk to its `admin_listen`, with its `admin_token`.
-        #[arg(long, short, value_name = "FILE", global = true)]
+        // An id of its own: a global argument shares its values with any
+        // argument of the same id up the tree (the gateway's `--config`
+        // and its default).
+        #[arg(id = "release_config", long = "config", short = 'c', value_name = "FILE", global = true)]
         config: Option<PathBuf>,
         /// The admin listener (wins over --config) [default: 127.0.0.1:9080].
         #[arg(long, value_name = "ADDR", global = true)]

@@ -307,7 +307,7 @@ mod tests {
         assert!(lines[1].contains("1 (of 3, from 0)"), "{out}");
         assert!(lines[1].contains("12.5%"), "{out}");
         assert!(lines[1].ends_with('…'), "{out}");
-        let last = lines[1].split("  ").last().unwrap();
+        let last = lines[1].split("  ").last().unwrap().trim();
         assert_eq!(last.chars().count(), LAST_WIDTH, "{out}");
         assert!(lines.iter().all(|l| !l.ends_with(' ')), "{out}");
     }
