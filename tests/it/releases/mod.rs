@@ -272,7 +272,12 @@ async fn a_webhook_answering_500_holds_the_release() {
         .output()
         .unwrap();
     let out = String::from_utf8_lossy(&out.stdout);
-    assert!(out.contains("\"state\":\"held\""), "{out}");
+    assert!(out.lines().any(|l| l == "state:    held"), "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("held:     ") && l.contains("500")),
+        "{out}"
+    );
     // The webhook agrees at the next passing interval: on to the next step,
     // no longer held.
     hook.set_status(200);
