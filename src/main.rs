@@ -134,14 +134,25 @@ The token: --token, else GRAYGATE_ADMIN_TOKEN, else that file's admin_token."
         // An id of its own: a global argument shares its values with any
         // argument of the same id up the tree (the gateway's `--config`
         // and its default).
-        #[arg(id = "release_config", long = "config", short = 'c', value_name = "FILE", global = true)]
+        #[arg(
+            id = "release_config",
+            long = "config",
+            short = 'c',
+            value_name = "FILE",
+            global = true
+        )]
         config: Option<PathBuf>,
         /// The admin listener (wins over --config) [default: 127.0.0.1:9080].
         #[arg(long, value_name = "ADDR", global = true)]
         admin: Option<String>,
         /// Admin bearer token (else `GRAYGATE_ADMIN_TOKEN`, else the
         /// configuration's `admin_token`).
-        #[arg(long, env = "GRAYGATE_ADMIN_TOKEN", hide_env_values = true, global = true)]
+        #[arg(
+            long,
+            env = "GRAYGATE_ADMIN_TOKEN",
+            hide_env_values = true,
+            global = true
+        )]
         token: Option<String>,
         /// Output: `table` (for people) or `json` (the API's JSON as it
         /// came, for scripts).
@@ -499,8 +510,9 @@ fn main() -> ExitCode {
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     // `-c` given before a command (the default names no gateway).
-    let top_config = (matches.value_source("config") == Some(clap::parser::ValueSource::CommandLine))
-        .then(|| cli.config.clone());
+    let top_config = (matches.value_source("config")
+        == Some(clap::parser::ValueSource::CommandLine))
+    .then(|| cli.config.clone());
     let _ = LISTEN_OVERRIDES.set((cli.listen, cli.admin_listen));
     // `script_limits.jit` is accepted only where LuaJIT's compiler can run:
     // this binary asks a child of itself once (see lane::jit_probe).

@@ -30,7 +30,10 @@ pub enum ReleaseCommand {
     Act(String, String),
     /// End a promoted release (`POST /releases/NAME/finish`); with
     /// `relabel_nodes`, the node files are rewritten too.
-    Finish { name: String, relabel_nodes: bool },
+    Finish {
+        name: String,
+        relabel_nodes: bool,
+    },
 }
 
 /// How answers are printed.
@@ -187,14 +190,10 @@ impl Failure {
 }
 
 /// Sends one request to the admin API; returns the status and body.
-fn call(
-    target: &Target,
-    method: &str,
-    path: &str,
-    body: &str,
-) -> Result<(u16, String), String> {
+fn call(target: &Target, method: &str, path: &str, body: &str) -> Result<(u16, String), String> {
     let admin = &target.addr;
-    let unreachable = |e: std::io::Error| format!("cannot reach graygate at {}: {e}", target.describe());
+    let unreachable =
+        |e: std::io::Error| format!("cannot reach graygate at {}: {e}", target.describe());
     let mut s = TcpStream::connect(admin.as_str()).map_err(unreachable)?;
     let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
     let auth = target
@@ -262,7 +261,12 @@ pub fn release(target: &Target, cmd: ReleaseCommand, output: Output) -> Result<S
     };
     let (method, path, body, verb) = match &cmd {
         ReleaseCommand::List => ("GET", "/releases".to_string(), String::new(), ""),
-        ReleaseCommand::Show(n) => ("GET", format!("/releases/{}", segment(n)), String::new(), ""),
+        ReleaseCommand::Show(n) => (
+            "GET",
+            format!("/releases/{}", segment(n)),
+            String::new(),
+            "",
+        ),
         ReleaseCommand::Create(file) => {
             let spec = std::fs::read_to_string(file).map_err(|e| {
                 Failure::before_answer(format!("{}: cannot read: {e}", file.display()))
@@ -277,7 +281,12 @@ pub fn release(target: &Target, cmd: ReleaseCommand, output: Output) -> Result<S
                 "abort" => "aborted",
                 _ => "done",
             };
-            ("POST", format!("/releases/{}/{a}", segment(n)), String::new(), verb)
+            (
+                "POST",
+                format!("/releases/{}/{a}", segment(n)),
+                String::new(),
+                verb,
+            )
         }
         ReleaseCommand::Finish {
             name,

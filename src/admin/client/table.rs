@@ -40,7 +40,9 @@ pub fn list(doc: &Value) -> Option<String> {
             })
             .collect();
         out.push_str(&table(
-            &["NAME", "LANE", "STATE", "STEP", "WEIGHT", "FAILURES", "LAST"],
+            &[
+                "NAME", "LANE", "STATE", "STEP", "WEIGHT", "FAILURES", "LAST",
+            ],
             rows,
         ));
     }
@@ -170,7 +172,11 @@ fn detectable(a: &Value) -> String {
     let ratio = a["detectable_latency_ratio"]
         .as_f64()
         .map(|v| format!("{}×", number(v, 2)));
-    [rise, ratio].into_iter().flatten().collect::<Vec<_>>().join(" ")
+    [rise, ratio]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// `headers` and `rows` in columns two spaces apart, the last column
@@ -344,9 +350,20 @@ mod tests {
         assert!(out.contains("held:     webhook http://h/"), "{out}");
         let rows: Vec<&str> = out.lines().skip_while(|l| !l.starts_with("TIME")).collect();
         assert_eq!(rows.len(), 3, "{out}");
-        assert!(rows[1].starts_with("2026-01-01T00:00:00Z  0     12.5%   step"), "{out}");
+        assert!(
+            rows[1].starts_with("2026-01-01T00:00:00Z  0     12.5%   step"),
+            "{out}"
+        );
         assert!(rows[1].ends_with("created: first step applied"), "{out}");
-        for cell in ["400", "20 (5.00%)", "3.25ms", "3600", "0 (0.00%)", "12ms", "+1.23pp 1.5×"] {
+        for cell in [
+            "400",
+            "20 (5.00%)",
+            "3.25ms",
+            "3600",
+            "0 (0.00%)",
+            "12ms",
+            "+1.23pp 1.5×",
+        ] {
             assert!(rows[2].contains(cell), "{cell}: {out}");
         }
     }

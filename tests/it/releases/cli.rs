@@ -208,8 +208,8 @@ async fn the_release_command_line_drives_the_admin_api() {
 
     // A reader gone before the answer (`| head -1`): quiet, exit 0.
     for args in [&["list"][..], &["show", "cli"], &["list", "-o", "json"]] {
-        let r = to_a_closed_pipe(&release(args).iter().map(String::as_str).collect::<Vec<_>>())
-            .await;
+        let r =
+            to_a_closed_pipe(&release(args).iter().map(String::as_str).collect::<Vec<_>>()).await;
         assert!(r.ok(), "{args:?}: {:?} {}", r.code, r.err);
     }
 }
@@ -253,7 +253,11 @@ async fn dash_c_talks_to_the_admin_listener_of_that_gateway_with_its_token() {
     let r = graygate(&["release", "-c", config, "create", path(&spec)]).await;
     assert!(r.ok(), "{}{}", r.out, r.err);
     assert_eq!(r.err, answered);
-    assert!(r.out.starts_with("release web created: progressing"), "{}", r.out);
+    assert!(
+        r.out.starts_with("release web created: progressing"),
+        "{}",
+        r.out
+    );
     // --config after the action, and before the command as `nginx -c`.
     for args in [
         &["release", "list", "--config", config][..],
@@ -280,8 +284,9 @@ async fn dash_c_talks_to_the_admin_listener_of_that_gateway_with_its_token() {
     let r = graygate(&["release", "-c", config, "--admin", &closed, "list"]).await;
     assert_eq!(r.code, Some(1));
     assert!(
-        r.err
-            .starts_with(&format!("graygate release: cannot reach graygate at {closed} (--admin): ")),
+        r.err.starts_with(&format!(
+            "graygate release: cannot reach graygate at {closed} (--admin): "
+        )),
         "{}",
         r.err
     );
@@ -293,7 +298,16 @@ async fn dash_c_talks_to_the_admin_listener_of_that_gateway_with_its_token() {
         "boot.yaml",
         &format!("listen: 127.0.0.1:0\nadmin_listen: 0.0.0.0:{port}\netcd:\n  endpoints: [http://127.0.0.1:2379]\n  prefix: /graygate\n  cache_dir: cache\n"),
     );
-    let r = graygate(&["release", "-c", path(&boot), "--token", "s3cret", "show", "web"]).await;
+    let r = graygate(&[
+        "release",
+        "-c",
+        path(&boot),
+        "--token",
+        "s3cret",
+        "show",
+        "web",
+    ])
+    .await;
     assert!(r.ok(), "{}", r.err);
     assert_eq!(
         r.err,
@@ -361,7 +375,15 @@ async fn finish_posts_to_the_release_and_a_refusal_fails_with_its_answer() {
     let r = graygate(&["release", "finish", "web", "--admin", &admin]).await;
     assert!(r.ok(), "{}", r.err);
     assert_eq!(r.out, "release web: finished\n");
-    let r = graygate(&["release", "--admin", &admin, "finish", "web", "--relabel-nodes"]).await;
+    let r = graygate(&[
+        "release",
+        "--admin",
+        &admin,
+        "finish",
+        "web",
+        "--relabel-nodes",
+    ])
+    .await;
     assert!(r.ok(), "{}", r.err);
     let seen: Vec<(String, String, Option<String>)> = node
         .seen
