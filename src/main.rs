@@ -237,12 +237,12 @@ enum ReleaseAction {
     Resume { name: String },
     /// Rolls a release back now.
     Abort { name: String },
-    /// Finishes a promoted release: it lets go of its routes
-    /// (`DELETE /releases/NAME` is the same).
+    /// Finishes a promoted or rolled-back release: it lets go of its
+    /// routes, lane and name (`DELETE /releases/NAME` is the same).
     Finish {
         name: String,
-        /// Also relabel the promoted lane's nodes as formal in the node
-        /// files (and drain the old formal nodes).
+        /// In the same change, the promoted lane's nodes become formal in
+        /// the node files and the old formal nodes drain.
         #[arg(long)]
         relabel_nodes: bool,
     },

@@ -28,8 +28,9 @@ pub enum ReleaseCommand {
     Create(PathBuf),
     /// `promote`, `pause`, `resume` or `abort`.
     Act(String, String),
-    /// End a promoted release (`POST /releases/NAME/finish`); with
-    /// `relabel_nodes`, the node files are rewritten too.
+    /// Finish a promoted or rolled-back release (`POST
+    /// /releases/NAME/finish`); with `relabel_nodes`, the node files'
+    /// promoted nodes become formal too.
     Finish {
         name: String,
         relabel_nodes: bool,

@@ -1,6 +1,7 @@
 //! Layer: admin. `/releases`: create a progressive release (`POST`, YAML or
 //! JSON spec), list them, show one with every decision and the values behind
-//! it, and act on one (`POST /releases/NAME/promote|pause|resume|abort`).
+//! it, and act on one (`POST /releases/NAME/promote|pause|resume|abort|finish`;
+//! `DELETE /releases/NAME` finishes, `?relabel_nodes=true` with either).
 //! The work is the release controller's (`control::release`).
 
 use std::sync::Arc;
@@ -67,6 +68,23 @@ async fn read_text(body: Incoming) -> Result<String, Response<Body>> {
 /// Routes `/releases` requests (`rest` is the path after `releases`).
 pub async fn handle(gw: &Arc<Gateway>, req: Request<Incoming>, rest: &[&str]) -> Response<Body> {
     let method = req.method().clone();
+    let relabel_nodes = req.uri().query().is_some_and(|q| {
+        q.split('&').any(|kv| {
+            matches!(
+                kv,
+                "relabel_nodes=true" | "relabel_nodes=1" | "relabel_nodes"
+            )
+        })
+    });
+    let act = |name: &str, a: Action| {
+        let (gw, name) = (gw.clone(), name.to_string());
+        async move {
+            match controller::act(&gw, &name, a).await {
+                Ok(r) => json(view(&r, true)),
+                Err(e) => refused(e),
+            }
+        }
+    };
     match (&method, rest) {
         (&Method::GET, []) => {
             let all: Vec<_> = controller::list(gw)
@@ -96,14 +114,13 @@ pub async fn handle(gw: &Arc<Gateway>, req: Request<Incoming>, rest: &[&str]) ->
                 None => text(StatusCode::NOT_FOUND, format!("no release {name:?}")),
             }
         }
+        (&Method::DELETE, [name]) => act(name, Action::Finish { relabel_nodes }).await,
         (&Method::POST, [name, action]) => match Action::parse(action) {
-            Some(a) => match controller::act(gw, name, a).await {
-                Ok(r) => json(view(&r, true)),
-                Err(e) => refused(e),
-            },
+            Some(Action::Finish { .. }) => act(name, Action::Finish { relabel_nodes }).await,
+            Some(a) => act(name, a).await,
             None => text(
                 StatusCode::NOT_FOUND,
-                "actions: promote, pause, resume, abort",
+                "actions: promote, pause, resume, abort, finish",
             ),
         },
         (_, [] | [_] | [_, _]) => text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed"),

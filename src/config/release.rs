@@ -177,12 +177,21 @@ pub enum Phase {
     Paused,
     Promoted,
     RolledBack,
+    /// Ended by the operator (`finish`): no rule, no revocation, kept for
+    /// the record; its routes and lane are free for a new release.
+    Finished,
 }
 
 impl Phase {
-    /// Promoted and rolled-back releases never move again.
+    /// Promoted, rolled-back and finished releases never step again.
     pub fn is_final(self) -> bool {
-        matches!(self, Phase::Promoted | Phase::RolledBack)
+        matches!(self, Phase::Promoted | Phase::RolledBack | Phase::Finished)
+    }
+
+    /// Whether the release still holds its routes (a running or promoted
+    /// one: another release on them would fight it).
+    pub fn holds_routes(self) -> bool {
+        matches!(self, Phase::Progressing | Phase::Paused | Phase::Promoted)
     }
 
     pub fn as_str(self) -> &'static str {
@@ -191,6 +200,7 @@ impl Phase {
             Phase::Paused => "paused",
             Phase::Promoted => "promoted",
             Phase::RolledBack => "rolled_back",
+            Phase::Finished => "finished",
         }
     }
 }

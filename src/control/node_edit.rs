@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use serde_yaml::{Mapping, Value};
 
 use crate::config::{
-    parse_yaml, read_file, resolve, valid_lane, MainConfig, NodeAddr, NodeConfig, NodeFile,
+    parse_yaml, read_file, resolve, valid_lane, MainConfig, NodeAddr, NodeConfig, NodeFile, FORMAL,
 };
 
 /// A requested change to one service's nodes.
@@ -124,6 +124,58 @@ pub fn find_service_file(
     Err(EditError::NotFound(format!(
         "no service {service:?} in any node file"
     )))
+}
+
+/// A finished release's relabelling: in the node files, every service of
+/// `services` with nodes of `lane` gets those nodes as formal and its old
+/// formal nodes draining (the operator removes them once drained).
+/// Returns each changed file's path and new text, and how many nodes
+/// became formal and how many drain; nothing is written.
+pub fn relabel_lane(
+    config_path: &Path,
+    config: &MainConfig,
+    services: &std::collections::BTreeSet<String>,
+    lane: &str,
+) -> Result<(Vec<(PathBuf, String)>, usize, usize), EditError> {
+    let root = root_dir(config_path, config);
+    let (mut files, mut promoted, mut drained) = (Vec::new(), 0, 0);
+    for p in &config.node_files {
+        let path = resolve(&root, p);
+        let mut text = read_file(&path).map_err(|e| EditError::Conflict(e.to_string()))?;
+        let nf: NodeFile =
+            parse_yaml(&path, &text).map_err(|e| EditError::Conflict(e.to_string()))?;
+        let mut changed = false;
+        for (service, svc) in &nf.services {
+            if !services.contains(service) || !svc.nodes.iter().any(|n| n.lane == lane) {
+                continue;
+            }
+            for i in 0..svc.nodes.len() {
+                // Read again: an edit may have pinned the node's name.
+                let now: NodeFile =
+                    parse_yaml(&path, &text).map_err(|e| EditError::Conflict(e.to_string()))?;
+                let n = &now.services[service].nodes[i];
+                let (lane_to, drain) = match n.lane.as_str() {
+                    l if l == lane => (Some(FORMAL.to_string()), None),
+                    FORMAL if !n.drain => (None, Some(true)),
+                    _ => continue,
+                };
+                promoted += usize::from(lane_to.is_some());
+                drained += usize::from(drain.is_some());
+                let change = NodeChange::Update {
+                    node: effective_name(service, i, n),
+                    lane: lane_to,
+                    weight: None,
+                    drain,
+                };
+                text = edit(&path, &text, service, change)?;
+                changed = true;
+            }
+        }
+        if changed {
+            files.push((path, text));
+        }
+    }
+    Ok((files, promoted, drained))
 }
 
 /// The effective name of the `idx`-th node of `service` (as a load names it).

@@ -71,6 +71,15 @@ fn key_of(path: &Path) -> Option<(PathBuf, OsString)> {
     Some((dir, path.file_name()?.to_os_string()))
 }
 
+/// The release state file, when it holds what the release controller last
+/// wrote.
+fn own_release_write(gw: &Gateway) -> Option<(PathBuf, OsString)> {
+    let (path, text) = gw.releases.quiet_file()?;
+    (std::fs::read_to_string(&path).ok()? == text)
+        .then(|| key_of(&path))
+        .flatten()
+}
+
 /// Starts the watcher and the SIGHUP handler; runs until the process ends.
 pub async fn run(gw: Arc<Gateway>) -> notify::Result<()> {
     let (tx, mut rx) = mpsc::unbounded_channel::<PathBuf>();
@@ -97,10 +106,24 @@ pub async fn run(gw: Arc<Gateway>) -> notify::Result<()> {
                 if !key_of(&p).is_some_and(|k| wanted.contains(&k)) {
                     continue;
                 }
-                // Debounce: wait for quiet, swallowing further events
+                // Debounce: wait for quiet, gathering further events
                 // (the quiet time as the serving generation says).
                 let debounce = Duration::from_millis(gw.current().config.reload_debounce_ms);
-                while let Ok(Some(_)) = tokio::time::timeout(debounce, rx.recv()).await {}
+                let mut paths = vec![p.clone()];
+                while let Ok(Some(q)) = tokio::time::timeout(debounce, rx.recv()).await {
+                    paths.push(q);
+                }
+                // The release controller's own write: it reloaded itself
+                // if what routes changed.
+                let own = own_release_write(&gw);
+                if paths
+                    .iter()
+                    .filter_map(|q| key_of(q))
+                    .filter(|k| wanted.contains(k))
+                    .all(|k| own.as_ref() == Some(&k))
+                {
+                    continue;
+                }
                 tracing::info!(file = %p.display(), "change detected; reloading");
             }
             _ = hup.recv() => {

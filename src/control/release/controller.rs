@@ -25,7 +25,7 @@ use crate::config::release::{
     ReleasesFile,
 };
 use crate::config::FORMAL;
-use crate::control::node_edit::write_atomic;
+use crate::control::node_edit::{self, write_atomic};
 use crate::control::source::etcd::EtcdSource;
 use crate::control::Gateway;
 use crate::observe::lanes::LaneSnapshot;
@@ -69,6 +69,35 @@ pub struct Runtime {
     pub lock: tokio::sync::Mutex<()>,
     /// In a fleet: the election as this gateway sees it.
     pub fleet: Mutex<Leadership>,
+    /// The last state written (files).
+    quiet: Mutex<Option<Quiet>>,
+}
+
+/// The release state the controller wrote last: the text the file watcher
+/// recognises as the controller's own write (never a reason to reload:
+/// the controller reloads itself when what routes changed), and, written
+/// without a reload, what `list` shows while the generation it was
+/// written under serves.
+struct Quiet {
+    generation: u64,
+    path: std::path::PathBuf,
+    text: String,
+    records: Vec<ReleaseRecord>,
+}
+
+impl Runtime {
+    /// The state file and the text the controller last wrote.
+    pub fn quiet_file(&self) -> Option<(std::path::PathBuf, String)> {
+        let q = self.quiet.lock().unwrap_or_else(|e| e.into_inner());
+        q.as_ref().map(|q| (q.path.clone(), q.text.clone()))
+    }
+
+    fn quiet_records(&self, generation: u64) -> Option<Vec<ReleaseRecord>> {
+        let q = self.quiet.lock().unwrap_or_else(|e| e.into_inner());
+        q.as_ref()
+            .filter(|q| q.generation == generation)
+            .map(|q| q.records.clone())
+    }
 }
 
 /// What an action or the controller asks of a release.
@@ -78,6 +107,12 @@ pub enum Action {
     Pause,
     Resume,
     Abort,
+    /// Ends a promoted or rolled-back release; with `relabel_nodes` (node
+    /// files only) a promoted lane's nodes become formal and the old
+    /// formal nodes of its services drain, in the same swap.
+    Finish {
+        relabel_nodes: bool,
+    },
 }
 
 impl Action {
@@ -87,6 +122,9 @@ impl Action {
             "pause" => Action::Pause,
             "resume" => Action::Resume,
             "abort" | "rollback" => Action::Abort,
+            "finish" => Action::Finish {
+                relabel_nodes: false,
+            },
             _ => return None,
         })
     }
@@ -246,12 +284,27 @@ async fn roll_back(r: &mut ReleaseRecord, reason: String) {
     }
 }
 
-/// Writes the state and reloads, so the change is live in one swap.
+/// Writes the state and reloads, so the change is live in one swap — or,
+/// when nothing that routes changed (a decision, a count), writes it
+/// without a reload: the generation stays, `list` shows the new state.
 async fn commit(gw: &Arc<Gateway>, file: &ReleasesFile) -> Result<(), String> {
     let gen = gw.current();
     let path = state_path(&gw.config_path, &gen.config);
     let text = serde_json::to_string_pretty(file).map_err(|e| e.to_string())?;
+    let quiet =
+        super::routing_signature(&file.releases) == super::routing_signature(&gen.release_records);
+    // Before the write: the watcher must know it as ours (this commit
+    // reloads itself when it must, once).
+    *gw.releases.quiet.lock().unwrap_or_else(|e| e.into_inner()) = Some(Quiet {
+        generation: if quiet { gen.id } else { u64::MAX },
+        path: path.clone(),
+        text: text.clone(),
+        records: file.releases.clone(),
+    });
     write_atomic(&path, &text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    if quiet {
+        return Ok(());
+    }
     let g = gw.clone();
     match tokio::task::spawn_blocking(move || g.reload()).await {
         Ok(Ok(_)) => Ok(()),
@@ -597,19 +650,45 @@ pub async fn run(gw: Arc<Gateway>) {
     }
 }
 
-/// Refuses a new release whose name or lane is taken.
+/// Whether two route lists share requests (one prefix starts the other).
+fn overlap<'a>(a: &'a [String], b: &'a [String]) -> Option<(&'a str, &'a str)> {
+    a.iter()
+        .flat_map(|x| b.iter().map(move |y| (x.as_str(), y.as_str())))
+        .find(|(x, y)| x.starts_with(y) || y.starts_with(x))
+}
+
+/// Refuses a new release whose name is taken (a finished one's name may
+/// be used again: the new release replaces its record), whose lane a
+/// running or promoted release holds, or whose routes overlap one's.
 fn check_new<'a>(
     mut existing: impl Iterator<Item = &'a ReleaseRecord>,
     spec: &ReleaseSpec,
 ) -> Result<(), Refused> {
     existing.try_for_each(|r| {
-        if r.spec.name == spec.name {
-            return Err(Refused::Conflict(format!("release {:?} exists", spec.name)));
-        }
-        if r.spec.lane == spec.lane && !r.state.phase.is_final() {
+        let phase = r.state.phase;
+        if r.spec.name == spec.name && phase != Phase::Finished {
             return Err(Refused::Conflict(format!(
-                "lane {:?} is already being released by {:?}",
-                spec.lane, r.spec.name
+                "release {:?} exists ({}); finish it first to use its name again",
+                spec.name,
+                phase.as_str()
+            )));
+        }
+        if !phase.holds_routes() {
+            return Ok(());
+        }
+        if r.spec.lane == spec.lane {
+            return Err(Refused::Conflict(format!(
+                "lane {:?} is held by release {:?} ({}); finish it first",
+                spec.lane,
+                r.spec.name,
+                phase.as_str()
+            )));
+        }
+        if let Some((mine, theirs)) = overlap(&spec.routes, &r.spec.routes) {
+            return Err(Refused::Conflict(format!(
+                "route {mine:?} overlaps route {theirs:?} of release {:?} ({}); finish it first",
+                r.spec.name,
+                phase.as_str()
             )));
         }
         Ok(())
@@ -664,6 +743,7 @@ pub async fn create(gw: &Arc<Gateway>, spec_text: &str) -> Result<ReleaseRecord,
     let Some(src) = gw.etcd.clone() else {
         let (mut file, _) = load(&path).map_err(|e| Refused::Conflict(e.to_string()))?;
         check_new(file.releases.iter(), &spec)?;
+        file.releases.retain(|r| r.spec.name != spec.name);
         let rec = new_record(spec);
         file.releases.push(rec.clone());
         compiles(file.releases.clone())?;
@@ -675,13 +755,22 @@ pub async fn create(gw: &Arc<Gateway>, spec_text: &str) -> Result<ReleaseRecord,
     for _ in 0..CAS_TRIES {
         let (all, at) = fleet::load(&src).await.map_err(Refused::Unavailable)?;
         check_new(all.iter().map(|(r, _)| r), &spec)?;
+        // A finished release of the same name: its key is overwritten.
+        let replaced = all
+            .iter()
+            .find(|(r, _)| r.spec.name == spec.name)
+            .map_or(0, |(_, rev)| *rev);
         let rec = new_record(spec.clone());
-        let mut releases: Vec<_> = all.into_iter().map(|(r, _)| r).collect();
+        let mut releases: Vec<_> = all
+            .into_iter()
+            .map(|(r, _)| r)
+            .filter(|r| r.spec.name != spec.name)
+            .collect();
         releases.push(rec.clone());
         compiles(releases)?;
         let guard = Guard {
             fence: None,
-            mod_revision: 0,
+            mod_revision: replaced,
             range_read_at: Some(at),
         };
         if let Some(rev) = fleet::write(&src, &rec, &guard)
@@ -713,6 +802,9 @@ async fn applied(
 
 /// Applies an operator's action to the release record.
 async fn apply_action(r: &mut ReleaseRecord, action: Action) -> Result<(), Refused> {
+    if let Action::Finish { relabel_nodes } = action {
+        return finish(r, relabel_nodes);
+    }
     if r.state.phase.is_final() {
         return Err(Refused::Conflict(format!(
             "release {:?} is {} and never moves again",
@@ -743,14 +835,59 @@ async fn apply_action(r: &mut ReleaseRecord, action: Action) -> Result<(), Refus
             }
         }
         Action::Abort => roll_back(r, "aborted by the operator".into()).await,
+        Action::Finish { .. } => unreachable!("handled above"),
     }
     Ok(())
+}
+
+/// Ends a promoted or rolled-back release (the nodes, if relabelled, are
+/// the caller's part).
+fn finish(r: &mut ReleaseRecord, relabel_nodes: bool) -> Result<(), Refused> {
+    let name = &r.spec.name;
+    match r.state.phase {
+        Phase::Progressing | Phase::Paused => Err(Refused::Conflict(format!(
+            "release {name:?} is {}: promote or abort it first, then finish",
+            r.state.phase.as_str()
+        ))),
+        Phase::Finished => Err(Refused::Conflict(format!(
+            "release {name:?} is already finished"
+        ))),
+        Phase::RolledBack if relabel_nodes => Err(Refused::Invalid(format!(
+            "release {name:?} was rolled back: relabel_nodes applies to a promoted release"
+        ))),
+        Phase::Promoted | Phase::RolledBack => {
+            let was = r.state.phase;
+            r.state.phase = Phase::Finished;
+            r.state.awaiting_promote = false;
+            r.state.held = None;
+            let why = match (was, relabel_nodes) {
+                (Phase::Promoted, true) => {
+                    "finished by the operator: the lane's nodes are formal now, the old formal nodes drain"
+                }
+                (Phase::Promoted, false) => {
+                    "finished by the operator: the routes follow the rules again (the new version must be formal by now)"
+                }
+                _ => "finished by the operator: the lane is no longer revoked",
+            };
+            note(r, "finish", why);
+            Ok(())
+        }
+    }
 }
 
 /// Applies an operator's action (in a fleet: compare-and-swap on the
 /// release's key, whichever gateway leads; the leader's interval starts
 /// again).
 pub async fn act(gw: &Arc<Gateway>, name: &str, action: Action) -> Result<ReleaseRecord, Refused> {
+    let relabel = action
+        == Action::Finish {
+            relabel_nodes: true,
+        };
+    if relabel && gw.etcd.is_some() {
+        return Err(Refused::Invalid(
+            "relabel_nodes works on node files; with etcd the nodes are registered: redeploy the new version as formal, then finish".into(),
+        ));
+    }
     let _one = gw.releases.lock.lock().await;
     let not_found = || Refused::NotFound(format!("no release {name:?}"));
     let Some(src) = gw.etcd.clone() else {
@@ -763,6 +900,13 @@ pub async fn act(gw: &Arc<Gateway>, name: &str, action: Action) -> Result<Releas
             .ok_or_else(not_found)?;
         apply_action(r, action).await?;
         let out = r.clone();
+        if relabel {
+            // The node files first: until the state swaps, the promoted
+            // rule sends the lane's requests to formal, which is the new
+            // version already.
+            let _edits = gw.edit_lock.lock().await;
+            relabel_nodes(gw, &out)?;
+        }
         marks(gw).remove(name);
         commit(gw, &file).await.map_err(Refused::Conflict)?;
         publish(gw, &file.releases);
@@ -794,6 +938,48 @@ pub async fn act(gw: &Arc<Gateway>, name: &str, action: Action) -> Result<Releas
     )))
 }
 
+/// The services behind a release's routes (a route whose prefix and one of
+/// the release's overlap).
+fn routed_services(gw: &Gateway, routes: &[String]) -> std::collections::BTreeSet<String> {
+    gw.current()
+        .routes
+        .iter()
+        .filter(|rt| {
+            routes
+                .iter()
+                .any(|p| p.starts_with(&*rt.prefix) || rt.prefix.starts_with(p.as_str()))
+        })
+        .filter_map(|rt| match &rt.target {
+            crate::generation::Target::Service(s) => Some(s.to_string()),
+            crate::generation::Target::Static(_) => None,
+        })
+        .collect()
+}
+
+/// Writes the relabelled node files of a finished release (the state's
+/// commit reloads them with it).
+fn relabel_nodes(gw: &Gateway, r: &ReleaseRecord) -> Result<(), Refused> {
+    let gen = gw.current();
+    let services = routed_services(gw, &r.spec.routes);
+    let (files, promoted, drained) =
+        node_edit::relabel_lane(&gw.config_path, &gen.config, &services, &r.spec.lane)
+            .map_err(|e| Refused::Conflict(e.to_string()))?;
+    if promoted == 0 {
+        return Err(Refused::Conflict(format!(
+            "no node of lane {:?} in the node files of the release's services ({}): nothing to relabel; finish without relabel_nodes",
+            r.spec.lane,
+            services.into_iter().collect::<Vec<_>>().join(", ")
+        )));
+    }
+    for (path, text) in &files {
+        write_atomic(path, text)
+            .map_err(|e| Refused::Conflict(format!("cannot write {}: {e}", path.display())))?;
+        tracing::info!(release = %r.spec.name, file = %path.display(), "node file relabelled: the promoted lane's nodes are formal, the old formal nodes drain");
+    }
+    tracing::info!(release = %r.spec.name, lane = %r.spec.lane, formal = promoted, draining = drained, "release finished with its nodes relabelled");
+    Ok(())
+}
+
 /// Every release (spec and state) this gateway serves.
 pub fn list(gw: &Gateway) -> Vec<ReleaseRecord> {
     if let Some(src) = &gw.etcd {
@@ -801,6 +987,10 @@ pub fn list(gw: &Gateway) -> Vec<ReleaseRecord> {
     }
     // The serving generation's records, not the state file: a state
     // written by `commit` is shown once its reload serves it (a rollback
-    // reads `rolled_back` only when no request can reach the lane).
-    gw.current().release_records.clone()
+    // reads `rolled_back` only when no request can reach the lane) — or,
+    // written without a reload, at once.
+    let gen = gw.current();
+    gw.releases
+        .quiet_records(gen.id)
+        .unwrap_or_else(|| gen.release_records.clone())
 }

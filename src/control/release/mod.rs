@@ -4,7 +4,9 @@
 //!
 //! The release state file (`release_state_file`, JSON) is the single source
 //! of truth, like node and rule files: the controller ([`controller`])
-//! writes a changed state atomically and reloads; the generation build
+//! writes a changed state atomically and reloads when what routes changed
+//! (a step, a promotion, a rollback: [`routing_signature`]) — a decision
+//! alone is written without a reload; the generation build
 //! ([`compile`]) turns every release's current step into `release:<name>`
 //! rules (scoped by path prefix to its routes) and the rolled-back lanes
 //! into a revoked set, so a step, a promotion or a rollback goes live in one
@@ -86,7 +88,7 @@ pub fn from_store(
 pub fn weight(r: &ReleaseRecord) -> f64 {
     match r.state.phase {
         Phase::Promoted => 100.0,
-        Phase::RolledBack => 0.0,
+        Phase::RolledBack | Phase::Finished => 0.0,
         _ => r
             .spec
             .steps
@@ -94,6 +96,21 @@ pub fn weight(r: &ReleaseRecord) -> f64 {
             .and_then(|s| s.weight)
             .unwrap_or(0.0),
     }
+}
+
+/// What the generation routes by in a release state: each release's spec,
+/// phase and step — not its decisions, counts, failures or holds. A state
+/// change that keeps it is written without a reload
+/// ([`controller`]: the generation number then still says only that the
+/// configuration changed).
+pub fn routing_signature(releases: &[ReleaseRecord]) -> Vec<(String, Phase, usize)> {
+    releases
+        .iter()
+        .map(|r| {
+            let spec = serde_json::to_string(&r.spec).unwrap_or_default();
+            (spec, r.state.phase, r.state.step)
+        })
+        .collect()
 }
 
 /// Whether step `i` gives the lane all of the release's traffic — a weight
@@ -153,7 +170,7 @@ fn step_rule(r: &ReleaseRecord) -> Option<RuleConfig> {
         })
     };
     match r.state.phase {
-        Phase::RolledBack => return None,
+        Phase::RolledBack | Phase::Finished => return None,
         // Every request on the routes, with the key or without it (and so
         // past any sticky cookie naming another lane).
         Phase::Promoted => {}
@@ -194,9 +211,10 @@ pub fn compile(
         }
         rules.extend(step_rule(r));
     }
-    // A lane promoted or in progress in another release is not revoked.
+    // A lane promoted or in progress in another release is not revoked (a
+    // finished release neither revokes nor clears a revocation).
     for r in &file.releases {
-        if !matches!(r.state.phase, Phase::RolledBack) {
+        if r.state.phase.holds_routes() {
             revoked.remove(&r.spec.lane);
         }
     }

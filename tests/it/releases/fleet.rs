@@ -283,6 +283,24 @@ async fn one_leader_both_gateways_apply_every_step_judged_on_both_gateways_count
     let judged = |l: &str| l.contains("release decision") && l.contains("outcome=pass");
     lead.wait_log_line("a pass", judged).await;
     assert!(!other.logs().lines().any(judged));
+    // Each judged interval rewrote the release's key, but only the steps
+    // and the operator's actions (what routes) rebuilt a generation.
+    let entries = doc["analyses"].as_array().unwrap();
+    let windows = entries
+        .iter()
+        .filter(|a| {
+            ["pass", "fail", "inconclusive", "error"].contains(&a["outcome"].as_str().unwrap())
+        })
+        .count();
+    let moves = entries.len() - windows;
+    for gw in [lead, other] {
+        let st = gw.admin_get("/status").await.json();
+        let applied = st["reloads_applied"].as_u64().unwrap() as usize;
+        assert!(
+            applied <= moves + 1 && applied < windows,
+            "{applied} reloads for {moves} moves and {windows} judged intervals: {st}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

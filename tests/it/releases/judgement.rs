@@ -148,7 +148,9 @@ async fn identical_healthy_nodes_never_fail_a_window_in_200_intervals() {
 }
 
 /// Runs `spec` on real traffic until the release is rolled back; returns
-/// its judged windows.
+/// its judged windows. The release must be rolled back before gray has
+/// served `max_gray` requests: the test bounds the sample, not the time a
+/// loaded machine takes to send it (the wall-clock limit is only a guard).
 /// (A few clients: a saturated gateway's queueing, not the nodes, would be
 /// the tail of both lanes.)
 async fn rolled_back(
@@ -156,16 +158,28 @@ async fn rolled_back(
     name: &str,
     spec: &str,
     clients: usize,
+    max_gray: u64,
 ) -> Vec<serde_json::Value> {
     let r = admin_post(gw, "/releases", spec).await;
     assert_eq!(r.status, 201, "{}", r.text());
     let users = Users::start(gw, clients);
-    let doc = wait_for(gw, name, Duration::from_secs(60), |d| {
-        d["state"] == "rolled_back"
+    let gray = |d: &serde_json::Value| {
+        windows(d)
+            .last()
+            .and_then(|a| a["gray"]["requests"].as_u64())
+            .unwrap_or(0)
+    };
+    let doc = wait_for(gw, name, Duration::from_secs(600), |d| {
+        d["state"] == "rolled_back" || gray(d) > max_gray
     })
     .await;
     users.stop().await;
-    windows(&doc)
+    let ws = windows(&doc);
+    assert_eq!(
+        doc["state"], "rolled_back",
+        "not rolled back within {max_gray} gray requests: {ws:#?}"
+    );
+    ws
 }
 
 /// The first failed window came no later than the third interval — or,
@@ -206,7 +220,7 @@ async fn an_eight_times_slower_gray_fails_within_three_intervals() {
     let fx = Fixture::new();
     let gw = gateway(&fx, &formal, &gray, "");
     let spec = "name: slow\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 50, min_duration_ms: 600000 }\nanalysis: { interval_ms: 4000 }\n";
-    let ws = rolled_back(&gw, "slow", spec, 8).await;
+    let ws = rolled_back(&gw, "slow", spec, 8, 2_000).await;
     failed_within_three_intervals(&ws, 100);
     let fail = ws.iter().find(|a| a["outcome"] == "fail").unwrap();
     assert!(
@@ -231,7 +245,7 @@ async fn a_gray_with_one_point_more_errors_fails_once_its_sample_can_tell() {
     let fx = Fixture::new();
     let gw = gateway(&fx, &formal, &gray, "");
     let spec = "name: errs\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 50, min_duration_ms: 600000 }\nanalysis: { interval_ms: 2000 }\n";
-    let ws = rolled_back(&gw, "errs", spec, 16).await;
+    let ws = rolled_back(&gw, "errs", spec, 16, 40_000).await;
     // The sequential test fails a +1 pp gray once its sample could detect
     // a 1 pp rise (each look states it): about 11,000 gray requests with
     // formal at 0 errors and the default 0.5 pp margin.
@@ -255,7 +269,7 @@ async fn a_gray_with_one_point_more_errors_fails_once_its_sample_can_tell() {
 
 /// Busy work in the lane script: every formal-bucket request on the
 /// release's routes runs it; a request in the release's share does not.
-const SLOW_SCRIPT: &str = "return function(req)\n  local s = 0\n  for i = 1, 600000 do s = s + i % 7 end\n  return nil\nend\n";
+const SLOW_SCRIPT: &str = "return function(req)\n  local s = 0\n  for i = 1, 6000000 do s = s + i % 7 end\n  return nil\nend\n";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_script_on_formal_requests_does_not_hide_a_slow_gray() {
@@ -263,19 +277,41 @@ async fn a_slow_script_on_formal_requests_does_not_hide_a_slow_gray() {
         Backend::text("formal", 0, StatusCode::OK).await,
         Backend::text("gray", 0, StatusCode::OK).await,
     );
-    gray.set_delay(Duration::from_millis(4));
     let fx = Fixture::new();
     fx.write("lane.lua", SLOW_SCRIPT);
     let gw = gateway(
         &fx,
         &formal,
         &gray,
-        "script: lane.lua\nscript_limits: { instruction_budget: 100000000 }\n",
+        "script: lane.lua\nscript_limits: { instruction_budget: 500000000 }\n",
+    );
+    // Calibration, not a speed check: the script's time on this machine
+    // (the median of formal requests before the release). Gray is slower
+    // by half of it from the lane decision on, and faster from the
+    // connection's start (gray's requests skip the script) — so only a
+    // lane timed from the decision fails it, above a loaded machine's
+    // scheduling noise.
+    let mut took = Vec::new();
+    for i in 0..15 {
+        let at = std::time::Instant::now();
+        let r = Req::get("/api/x")
+            .header("X-User", &format!("c{i}"))
+            .send(gw.addr)
+            .await;
+        assert_eq!(r.status, 200);
+        took.push(at.elapsed());
+    }
+    took.sort();
+    let script = took[took.len() / 2];
+    gray.set_delay(script / 2);
+    eprintln!(
+        "slow script: {script:?} per formal request; gray delayed {:?}",
+        script / 2
     );
     // One step that would promote on a pass.
     let spec = "name: timed\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 50, min_duration_ms: 1 }\nanalysis: { interval_ms: 1000, quantile: 0.5, max_error_delta_pp: 5 }\n";
     // One client: no request waits behind another's script run.
-    let ws = rolled_back(&gw, "timed", spec, 1).await;
+    let ws = rolled_back(&gw, "timed", spec, 1, 2_000).await;
     // Formal's requests spent the script's time before the lane was
     // decided; from the decision on, formal is the faster lane. (The
     // median: the tails of a loaded machine are the scheduler's.)

@@ -12,6 +12,7 @@ mod cli;
 mod fleet;
 mod grpc;
 mod judgement;
+mod lifecycle;
 mod low_traffic;
 mod truncated;
 
@@ -302,14 +303,20 @@ async fn a_restarted_gateway_resumes_the_release_at_its_step() {
     );
     assert_eq!(admin_post(&s.gw, "/releases", &spec).await.status, 201);
     let stop = Arc::new(AtomicBool::new(false));
-    let t = user_traffic(s.gw.addr, stop.clone());
-    eventually("at the manual gate", Duration::from_secs(30), || async {
+    let users: Vec<_> = (0..4)
+        .map(|_| user_traffic(s.gw.addr, stop.clone()))
+        .collect();
+    // The first step passes on evidence (a sample that would have caught
+    // a gray 2.4× slower): the bound is generous for a loaded machine.
+    eventually("at the manual gate", Duration::from_secs(120), || async {
         let doc = release(&s.gw, "durable").await;
         doc["awaiting_promote"] == true && doc["step"] == 1
     })
     .await;
     stop.store(true, Ordering::Relaxed);
-    t.await.unwrap();
+    for t in users {
+        t.await.unwrap();
+    }
     // Restart on the same files.
     drop(std::mem::replace(
         &mut s.gw,

@@ -42,6 +42,31 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
+    /// Whether `next` differs from this snapshot only in release records
+    /// whose routing is the same (a leader's decision, a count): applied
+    /// without a rebuild, so the generation still means a changed
+    /// configuration.
+    pub fn only_release_decisions(&self, next: &Snapshot) -> bool {
+        use crate::control::release::{fleet::releases_range, routing_signature};
+        let (start, end) = releases_range(&next.prefix);
+        let release = |k: &str| k >= start.as_str() && k < end.as_str();
+        let rest = |s: &Snapshot| {
+            s.kvs
+                .iter()
+                .filter(|(k, _)| !release(k))
+                .map(|(k, kv)| (k.clone(), kv.value.clone()))
+                .collect::<Vec<_>>()
+        };
+        let records = |s: &Snapshot| {
+            s.kvs
+                .range(start.clone()..end.clone())
+                .map(|(_, kv)| serde_json::from_slice(&kv.value).ok())
+                .collect::<Option<Vec<_>>>()
+        };
+        rest(self) == rest(next)
+            && matches!((records(self), records(next)), (Some(a), Some(b)) if routing_signature(&a) == routing_signature(&b))
+    }
+
     /// SHA-256 over the keys and values.
     pub fn hash(&self) -> String {
         let mut h = Sha256::new();
