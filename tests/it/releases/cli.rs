@@ -1,6 +1,6 @@
-//! `graygate release …`, the binary against real gateways (and, for
-//! `finish`, whose server side is not there yet, against a recording
-//! backend): tables by default and the API's JSON with `-o json`; the
+//! `graygate release …`, the binary against real gateways (and, for the
+//! exact requests of `finish`, against a recording backend): tables by
+//! default and the API's JSON with `-o json`; the
 //! gateway of `-c FILE` (its `admin_listen` and `admin_token`, a main file
 //! or an etcd bootstrap), `--admin` winning, the default 127.0.0.1:9080,
 //! stderr naming the gateway that answered; a file that names no usable
@@ -187,6 +187,10 @@ async fn the_release_command_line_drives_the_admin_api() {
     assert!(r.ok(), "{}", r.err);
     let doc: serde_json::Value = serde_json::from_str(&r.out).unwrap();
     assert_eq!(doc["state"], "progressing", "{}", r.out);
+    // A running release is not finished: the gateway's 409, exit 1.
+    let r = run(&["finish", "cli"]).await;
+    assert_eq!(r.code, Some(1), "{}", r.out);
+    assert!(r.err.contains("graygate release: 409: "), "{}", r.err);
     let r = run(&["abort", "cli"]).await;
     assert!(r.ok(), "{}", r.err);
     assert!(
@@ -205,6 +209,42 @@ async fn the_release_command_line_drives_the_admin_api() {
     let r = run(&["show", "nope"]).await;
     assert_eq!(r.code, Some(1));
     assert!(r.err.contains("404"), "{}", r.err);
+
+    // finish: a rolled-back release lets go of its lane and name.
+    let r = run(&["finish", "cli"]).await;
+    assert!(r.ok(), "{}", r.err);
+    assert_eq!(
+        r.out,
+        "release cli finished: finished at step 0 (of 2, from 0), weight 0%\n"
+    );
+    let r = run(&["list"]).await;
+    assert_eq!(row(&r.out, "cli")[2], "finished", "{}", r.out);
+    // --relabel-nodes reaches the gateway: a promoted release's nodes
+    // become formal in the node file, the old formal ones drain.
+    let spec = s.fx.write(
+        "rel2.yaml",
+        "name: cli2\nlane: gray\nsteps:\n  - { weight: 5 }\nanalysis: { interval_ms: 100000 }\n",
+    );
+    assert!(run(&["create", path(&spec)]).await.ok());
+    let r = run(&["promote", "cli2"]).await;
+    assert!(r.ok(), "{}", r.err);
+    assert!(
+        r.out.starts_with("release cli2 promoted: promoted at step"),
+        "{}",
+        r.out
+    );
+    let r = run(&["finish", "cli2", "--relabel-nodes"]).await;
+    assert!(r.ok(), "{}", r.err);
+    assert!(
+        r.out.starts_with("release cli2 finished: finished"),
+        "{}",
+        r.out
+    );
+    let nodes = std::fs::read_to_string(s.fx.path("nodes.yaml")).unwrap();
+    assert!(
+        !nodes.contains("lane: gray") && nodes.contains("drain: true"),
+        "{nodes}"
+    );
 
     // A reader gone before the answer (`| head -1`): quiet, exit 0.
     for args in [&["list"][..], &["show", "cli"], &["list", "-o", "json"]] {
