@@ -126,6 +126,10 @@ pub fn find_service_file(
     )))
 }
 
+/// What [`relabel_lane`] would write: each changed node file's path and
+/// new text, how many nodes became formal, how many drain.
+pub type Relabelling = (Vec<(PathBuf, String)>, usize, usize);
+
 /// A finished release's relabelling: in the node files, every service of
 /// `services` with nodes of `lane` gets those nodes as formal and its old
 /// formal nodes draining (the operator removes them once drained).
@@ -136,7 +140,7 @@ pub fn relabel_lane(
     config: &MainConfig,
     services: &std::collections::BTreeSet<String>,
     lane: &str,
-) -> Result<(Vec<(PathBuf, String)>, usize, usize), EditError> {
+) -> Result<Relabelling, EditError> {
     let root = root_dir(config_path, config);
     let (mut files, mut promoted, mut drained) = (Vec::new(), 0, 0);
     for p in &config.node_files {
