@@ -597,10 +597,20 @@ async fn dashboard_drives_a_release_with_its_buttons_behind_the_admin_token() {
         .await
         .unwrap();
     assert_eq!(c.title().await.unwrap(), "graygate dashboard");
-    reached(&c, admin, "web-v2", "progressing", &["pause", "promote", "abort"]).await;
-    wait_text(&c, "#lanes tr[data-lane=gray] .release", "gray's release", |t| {
-        t == "web-v2: progressing 30.0 %"
-    })
+    reached(
+        &c,
+        admin,
+        "web-v2",
+        "progressing",
+        &["pause", "promote", "abort"],
+    )
+    .await;
+    wait_text(
+        &c,
+        "#lanes tr[data-lane=gray] .release",
+        "gray's release",
+        |t| t == "web-v2: progressing 30.0 %",
+    )
     .await;
     // The canary panel judges the lane by the release, with its thresholds.
     let judged = wait_text(
@@ -614,7 +624,14 @@ async fn dashboard_drives_a_release_with_its_buttons_behind_the_admin_token() {
 
     // Pause, resume: each reached on the page and in the API.
     click_action(&c, "web-v2", "pause", false).await;
-    reached(&c, admin, "web-v2", "paused", &["resume", "promote", "abort"]).await;
+    reached(
+        &c,
+        admin,
+        "web-v2",
+        "paused",
+        &["resume", "promote", "abort"],
+    )
+    .await;
     wait_text(
         &c,
         "#releases tr[data-release='web-v2'] .action-msg",
@@ -623,7 +640,14 @@ async fn dashboard_drives_a_release_with_its_buttons_behind_the_admin_token() {
     )
     .await;
     click_action(&c, "web-v2", "resume", false).await;
-    reached(&c, admin, "web-v2", "progressing", &["pause", "promote", "abort"]).await;
+    reached(
+        &c,
+        admin,
+        "web-v2",
+        "progressing",
+        &["pause", "promote", "abort"],
+    )
+    .await;
     click_action(&c, "web-v2", "promote", false).await;
     reached(&c, admin, "web-v2", "promoted", &["finish"]).await;
     // A refused action (as from a page that had not refreshed yet after
@@ -650,12 +674,22 @@ async fn dashboard_drives_a_release_with_its_buttons_behind_the_admin_token() {
     // the defaults.
     let r = admin_call(admin, "POST", "/releases", &spec("web-v3")).await;
     assert_eq!(r.status, 201, "{}", r.text());
-    reached(&c, admin, "web-v3", "progressing", &["pause", "promote", "abort"]).await;
+    reached(
+        &c,
+        admin,
+        "web-v3",
+        "progressing",
+        &["pause", "promote", "abort"],
+    )
+    .await;
     click_action(&c, "web-v3", "abort", true).await;
     reached(&c, admin, "web-v3", "rolled_back", &["finish"]).await;
-    wait_text(&c, "#lanes tr[data-lane=gray] .release", "gray revoked", |t| {
-        t == "revoked (release web-v3 rolled back)"
-    })
+    wait_text(
+        &c,
+        "#lanes tr[data-lane=gray] .release",
+        "gray revoked",
+        |t| t == "revoked (release web-v3 rolled back)",
+    )
     .await;
     let revoked = c
         .execute(
