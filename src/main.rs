@@ -12,7 +12,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::{CommandFactory, Parser};
+use clap::{CommandFactory, FromArgMatches, Parser};
 use graygate::control::registry::{self, Instance, Registration};
 use graygate::control::source::{self, etcd, ConfigSource};
 use graygate::control::upgrade::{self, Paths, Predecessor, Upgrade};
@@ -123,13 +123,41 @@ struct Cli {
 #[derive(clap::Subcommand)]
 enum Command {
     /// Progressive releases, through a running gateway's admin API.
+    #[command(
+        after_help = "Which gateway: --admin ADDR, else the admin_listen of the file -c names \
+(a main file or an etcd bootstrap), else 127.0.0.1:9080; stderr names the one that answered. \
+The token: --token, else GRAYGATE_ADMIN_TOKEN, else that file's admin_token."
+    )]
     Release {
-        /// The admin listener.
-        #[arg(long, default_value = "127.0.0.1:9080", global = true)]
-        admin: String,
-        /// Admin bearer token (else `GRAYGATE_ADMIN_TOKEN`).
-        #[arg(long, env = "GRAYGATE_ADMIN_TOKEN", global = true)]
+        /// The gateway's configuration file (main file or etcd bootstrap):
+        /// talk to its `admin_listen`, with its `admin_token`.
+        // An id of its own: a global argument shares its values with any
+        // argument of the same id up the tree (the gateway's `--config`
+        // and its default).
+        #[arg(
+            id = "release_config",
+            long = "config",
+            short = 'c',
+            value_name = "FILE",
+            global = true
+        )]
+        config: Option<PathBuf>,
+        /// The admin listener (wins over --config) [default: 127.0.0.1:9080].
+        #[arg(long, value_name = "ADDR", global = true)]
+        admin: Option<String>,
+        /// Admin bearer token (else `GRAYGATE_ADMIN_TOKEN`, else the
+        /// configuration's `admin_token`).
+        #[arg(
+            long,
+            env = "GRAYGATE_ADMIN_TOKEN",
+            hide_env_values = true,
+            global = true
+        )]
         token: Option<String>,
+        /// Output: `table` (for people) or `json` (the API's JSON as it
+        /// came, for scripts).
+        #[arg(long, short, value_enum, value_name = "FORMAT", default_value_t = OutputFormat::Table, global = true)]
+        output: OutputFormat,
         #[command(subcommand)]
         action: ReleaseAction,
     },
@@ -195,7 +223,7 @@ enum Command {
 
 #[derive(clap::Subcommand)]
 enum ReleaseAction {
-    /// Every release, with its state, step and weight.
+    /// Every release: name, lane, state, step, weight, failures, last decision.
     List,
     /// One release with every decision and the values behind it.
     Show { name: String },
@@ -209,10 +237,34 @@ enum ReleaseAction {
     Resume { name: String },
     /// Rolls a release back now.
     Abort { name: String },
+    /// Finishes a promoted or rolled-back release: it lets go of its
+    /// routes, lane and name (`DELETE /releases/NAME` is the same).
+    Finish {
+        name: String,
+        /// In the same change, the promoted lane's nodes become formal in
+        /// the node files and the old formal nodes drain.
+        #[arg(long)]
+        relabel_nodes: bool,
+    },
 }
 
-fn release_command(admin: &str, token: Option<&str>, action: ReleaseAction) -> ExitCode {
-    use graygate::admin::client::{release, ReleaseCommand as C};
+/// `graygate release -o`.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum OutputFormat {
+    Table,
+    Json,
+}
+
+/// Where `graygate release` sends its requests and how it prints.
+struct ReleaseArgs {
+    config: Option<PathBuf>,
+    admin: Option<String>,
+    token: Option<String>,
+    output: OutputFormat,
+}
+
+fn release_command(args: ReleaseArgs, action: ReleaseAction) -> ExitCode {
+    use graygate::admin::client::{release, Output, ReleaseCommand as C, Target};
     let cmd = match action {
         ReleaseAction::List => C::List,
         ReleaseAction::Show { name } => C::Show(name),
@@ -221,14 +273,54 @@ fn release_command(admin: &str, token: Option<&str>, action: ReleaseAction) -> E
         ReleaseAction::Pause { name } => C::Act(name, "pause".into()),
         ReleaseAction::Resume { name } => C::Act(name, "resume".into()),
         ReleaseAction::Abort { name } => C::Act(name, "abort".into()),
+        ReleaseAction::Finish {
+            name,
+            relabel_nodes,
+        } => C::Finish {
+            name,
+            relabel_nodes,
+        },
     };
-    match release(admin, token, cmd) {
-        Ok(text) => {
-            println!("{text}");
-            ExitCode::SUCCESS
-        }
+    let output = match args.output {
+        OutputFormat::Table => Output::Table,
+        OutputFormat::Json => Output::Json,
+    };
+    let target = match Target::resolve(args.admin, args.config.as_deref(), args.token) {
+        Ok(t) => t,
         Err(e) => {
-            eprintln!("graygate release: {e}");
+            say(&format!("graygate release: {e}"));
+            return ExitCode::FAILURE;
+        }
+    };
+    let answer = release(&target, cmd, output);
+    if answer.as_ref().map_or_else(|f| f.answered, |_| true) {
+        say(&format!("graygate at {}", target.describe()));
+    }
+    match answer {
+        Ok(text) => print_out(text.as_bytes()),
+        Err(f) => {
+            say(&format!("graygate release: {}", f.message));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// A line on stderr (never a panic, whoever closed it).
+fn say(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "{line}");
+}
+
+/// Writes `bytes` to stdout. A reader that went away (`| head -1`) is not
+/// an error: what it did not read, it did not want.
+fn print_out(bytes: &[u8]) -> ExitCode {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(bytes).and_then(|()| out.flush()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            say(&format!("cannot write to stdout: {e}"));
             ExitCode::FAILURE
         }
     }
@@ -415,7 +507,12 @@ impl tracing_subscriber::fmt::time::FormatTime for TimeAndPid {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    // `-c` given before a command (the default names no gateway).
+    let top_config = (matches.value_source("config")
+        == Some(clap::parser::ValueSource::CommandLine))
+    .then(|| cli.config.clone());
     let _ = LISTEN_OVERRIDES.set((cli.listen, cli.admin_listen));
     // `script_limits.jit` is accepted only where LuaJIT's compiler can run:
     // this binary asks a child of itself once (see lane::jit_probe).
@@ -423,18 +520,15 @@ fn main() -> ExitCode {
     match &cli.command {
         Some(Command::JitProbe) => return graygate::lane::jit_probe::probe_main(),
         Some(Command::Completions { shell }) => {
-            clap_complete::generate(
-                *shell,
-                &mut Cli::command(),
-                "graygate",
-                &mut std::io::stdout(),
-            );
-            return ExitCode::SUCCESS;
+            let mut script = Vec::new();
+            clap_complete::generate(*shell, &mut Cli::command(), "graygate", &mut script);
+            return print_out(&script);
         }
         Some(Command::Manpage) => {
             let man = clap_mangen::Man::new(Cli::command());
-            return match man.render(&mut std::io::stdout()) {
-                Ok(()) => ExitCode::SUCCESS,
+            let mut page = Vec::new();
+            return match man.render(&mut page) {
+                Ok(()) => print_out(&page),
                 Err(e) => {
                     eprintln!("cannot write the man page: {e}");
                     ExitCode::FAILURE
@@ -454,10 +548,23 @@ fn main() -> ExitCode {
         .init();
     match cli.command {
         Some(Command::Release {
+            config,
             admin,
             token,
+            output,
             action,
-        }) => return release_command(&admin, token.as_deref(), action),
+        }) => {
+            // `graygate -c FILE release …` as `nginx -c FILE -s reload`:
+            // the gateway's file, given before the command.
+            let config = config.or(top_config);
+            let args = ReleaseArgs {
+                config,
+                admin,
+                token,
+                output,
+            };
+            return release_command(args, action);
+        }
         Some(cmd) => return etcd_command(cmd),
         None => {}
     }

@@ -126,17 +126,24 @@ pub fn find_service_file(
     )))
 }
 
+/// What a relabelling would write: each changed file's path and new text,
+/// how many nodes became formal, how many drain.
+pub struct Relabel {
+    pub files: Vec<(PathBuf, String)>,
+    pub promoted: usize,
+    pub drained: usize,
+}
+
 /// A finished release's relabelling: in the node files, every service of
 /// `services` with nodes of `lane` gets those nodes as formal and its old
 /// formal nodes draining (the operator removes them once drained).
-/// Returns each changed file's path and new text, and how many nodes
-/// became formal and how many drain; nothing is written.
+/// Nothing is written.
 pub fn relabel_lane(
     config_path: &Path,
     config: &MainConfig,
     services: &std::collections::BTreeSet<String>,
     lane: &str,
-) -> Result<(Vec<(PathBuf, String)>, usize, usize), EditError> {
+) -> Result<Relabel, EditError> {
     let root = root_dir(config_path, config);
     let (mut files, mut promoted, mut drained) = (Vec::new(), 0, 0);
     for p in &config.node_files {
@@ -175,7 +182,11 @@ pub fn relabel_lane(
             files.push((path, text));
         }
     }
-    Ok((files, promoted, drained))
+    Ok(Relabel {
+        files,
+        promoted,
+        drained,
+    })
 }
 
 /// The effective name of the `idx`-th node of `service` (as a load names it).

@@ -1,6 +1,6 @@
 //! The command line: `--version` with build information (also from a
 //! tarball without .git), and the shell completions and man page generated
-//! from the clap definitions.
+//! from the clap definitions (quiet when their reader goes away).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -181,4 +181,22 @@ fn completions_and_man_page_come_from_the_clap_definitions() {
         man.contains("USR2 binary upgrade"),
         "the signals are documented: {man}"
     );
+}
+
+/// `graygate completions bash | head -1`, `graygate manpage | head`: a
+/// reader gone before they write ends them quietly (exit 0, no panic).
+#[test]
+fn completions_and_man_page_end_quietly_on_a_closed_pipe() {
+    for args in [&["completions", "bash"][..], &["manpage"]] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = Command::new(env!("CARGO_BIN_EXE_graygate"))
+            .args(args)
+            .stdout(writer)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {:?} {err}", out.status);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
 }

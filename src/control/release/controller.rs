@@ -961,9 +961,12 @@ fn routed_services(gw: &Gateway, routes: &[String]) -> std::collections::BTreeSe
 fn relabel_nodes(gw: &Gateway, r: &ReleaseRecord) -> Result<(), Refused> {
     let gen = gw.current();
     let services = routed_services(gw, &r.spec.routes);
-    let (files, promoted, drained) =
-        node_edit::relabel_lane(&gw.config_path, &gen.config, &services, &r.spec.lane)
-            .map_err(|e| Refused::Conflict(e.to_string()))?;
+    let node_edit::Relabel {
+        files,
+        promoted,
+        drained,
+    } = node_edit::relabel_lane(&gw.config_path, &gen.config, &services, &r.spec.lane)
+        .map_err(|e| Refused::Conflict(e.to_string()))?;
     if promoted == 0 {
         return Err(Refused::Conflict(format!(
             "no node of lane {:?} in the node files of the release's services ({}): nothing to relabel; finish without relabel_nodes",
