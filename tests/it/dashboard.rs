@@ -714,6 +714,9 @@ async fn dashboard_drives_a_release_with_its_buttons_behind_the_admin_token() {
     )
     .await;
     assert!(judged.contains("aborted by the operator"), "{judged}");
+    let png = c.screenshot().await.unwrap();
+    let shot = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard-release.png");
+    std::fs::write(&shot, png).unwrap();
     // Finishing the rolled-back release frees the lane.
     click_action(&c, "web-v3", "finish", true).await;
     reached(&c, admin, "web-v3", "finished", &[]).await;
