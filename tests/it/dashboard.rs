@@ -467,3 +467,297 @@ async fn canary_panel_judges_like_a_release_on_the_fine_histogram() {
         assert!((k - k.round()).abs() < 0.05, "{lane} p99 {us} µs: {c}");
     }
 }
+
+/// An admin request with the token as a Bearer credential.
+async fn admin_call(admin: std::net::SocketAddr, method: &str, path: &str, body: &str) -> Resp {
+    Req::get(path)
+        .method(method)
+        .header("Authorization", "Bearer tok3n")
+        .body(body.to_string())
+        .send(admin)
+        .await
+}
+
+/// The `state` of release `name` as `GET /releases/NAME` says it.
+async fn api_state(admin: std::net::SocketAddr, name: &str) -> String {
+    let r = admin_call(admin, "GET", &format!("/releases/{name}"), "").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()["state"].as_str().unwrap_or_default().to_string()
+}
+
+/// The actions of the buttons in release `name`'s row, in page order.
+async fn buttons(c: &fantoccini::Client, name: &str) -> Vec<String> {
+    let v = c
+        .execute(
+            "return [...document.querySelectorAll(`#releases tr[data-release='${arguments[0]}'] button`)].map((b) => b.dataset.action);",
+            vec![name.into()],
+        )
+        .await
+        .unwrap();
+    serde_json::from_value(v).unwrap()
+}
+
+/// Clicks release `name`'s `action` button (found afresh on each try: the
+/// page redraws its rows every 2 s) and, with `confirm`, accepts the
+/// confirmation it asks for.
+async fn click_action(c: &fantoccini::Client, name: &str, action: &str, confirm: bool) {
+    let css = format!("#releases tr[data-release='{name}'] button[data-action={action}]");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(b) = c.find(Locator::Css(&css)).await {
+            if b.click().await.is_ok() {
+                break;
+            }
+        }
+        assert!(Instant::now() < deadline, "no {action} button for {name}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if !confirm {
+        return;
+    }
+    loop {
+        if let Ok(text) = c.get_alert_text().await {
+            assert!(text.contains(name), "{text}");
+            c.accept_alert().await.unwrap();
+            return;
+        }
+        assert!(Instant::now() < deadline, "no confirmation for {action}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits, with a deadline, until the page shows release `name` in `state`
+/// with exactly the buttons `expected`, and the API agrees on the state.
+async fn reached(
+    c: &fantoccini::Client,
+    admin: std::net::SocketAddr,
+    name: &str,
+    state: &str,
+    expected: &[&str],
+) {
+    wait_text(
+        c,
+        &format!("#releases tr[data-release='{name}'] .state"),
+        state,
+        |t| t == state,
+    )
+    .await;
+    assert_eq!(api_state(admin, name).await, state);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let got = buttons(c, name).await;
+        if got == expected {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{name} {state}: buttons {got:?}, expected {expected:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_drives_a_release_with_its_buttons_behind_the_admin_token() {
+    let [f1, g1] = backends([("f1", "formal"), ("g1", "gray")]).await;
+    let fx = Fixture::new();
+    fx.write("lane.lua", SCRIPT);
+    fx.api_nodes(&[&f1, &g1]);
+    let gw = Config::new()
+        .set("admin_token", "tok3n")
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .routes(&[Route::service("/api/", "api")])
+        .start(&fx, "gg.yaml");
+    let admin = gw.admin.unwrap();
+    // A long interval and an unreachable sample: the release moves only
+    // when the operator moves it. Its own threshold (5 pp) is not the
+    // default (0.5 pp).
+    let spec = |name: &str| {
+        format!(
+            "name: {name}\nlane: gray\nkey: {{ header: X-User }}\nsteps:\n  - {{ weight: 30, min_duration_ms: 600000 }}\n  - {{ weight: 60 }}\nanalysis: {{ interval_ms: 600000, min_requests: 1000000, max_error_delta_pp: 5 }}\n"
+        )
+    };
+    let r = admin_call(admin, "POST", "/releases", &spec("web-v2")).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let mut gray = 0;
+    for i in 0..20 {
+        let r = Req::get("/api/x")
+            .header("X-User", &format!("d{i}"))
+            .send(gw.addr)
+            .await;
+        assert_eq!(r.status, 200);
+        gray += u32::from(r.node() == "g1");
+    }
+    assert!(gray > 0, "the 30 % step sent none of 20 users to gray");
+
+    let driver = Driver::start().await;
+    let c = driver.browser().await;
+    c.goto(&format!("http://operator:tok3n@{admin}/"))
+        .await
+        .unwrap();
+    assert_eq!(c.title().await.unwrap(), "graygate dashboard");
+    reached(
+        &c,
+        admin,
+        "web-v2",
+        "progressing",
+        &["pause", "promote", "abort"],
+    )
+    .await;
+    wait_text(
+        &c,
+        "#lanes tr[data-lane=gray] .release",
+        "gray's release",
+        |t| t == "web-v2: progressing 30.0 %",
+    )
+    .await;
+    // The canary panel judges the lane by the release, with its thresholds.
+    let judged = wait_text(
+        &c,
+        "#canary tr[data-lane=gray] .judged-by",
+        "the canary judged by the release",
+        |t| t.starts_with("release web-v2 (progressing)"),
+    )
+    .await;
+    assert!(judged.contains("±5 pp"), "{judged}");
+
+    // Pause, resume: each reached on the page and in the API.
+    click_action(&c, "web-v2", "pause", false).await;
+    reached(
+        &c,
+        admin,
+        "web-v2",
+        "paused",
+        &["resume", "promote", "abort"],
+    )
+    .await;
+    wait_text(
+        &c,
+        "#releases tr[data-release='web-v2'] .action-msg",
+        "pause done",
+        |t| t == "pause: done",
+    )
+    .await;
+    click_action(&c, "web-v2", "resume", false).await;
+    reached(
+        &c,
+        admin,
+        "web-v2",
+        "progressing",
+        &["pause", "promote", "abort"],
+    )
+    .await;
+    click_action(&c, "web-v2", "promote", false).await;
+    reached(&c, admin, "web-v2", "promoted", &["finish"]).await;
+    // A refused action (as from a page that had not refreshed yet after
+    // another operator promoted): the server's 409 and its words stay in
+    // the row, and the release is unchanged.
+    c.execute("window.releaseAction('web-v2', 'pause'); return 0;", vec![])
+        .await
+        .unwrap();
+    let msg = wait_text(
+        &c,
+        "#releases tr[data-release='web-v2'] .action-msg",
+        "the refusal",
+        |t| t.starts_with("pause refused (409)"),
+    )
+    .await;
+    assert!(msg.contains("never moves again"), "{msg}");
+    assert_eq!(api_state(admin, "web-v2").await, "promoted");
+    // Finish (after its confirmation): no buttons left.
+    click_action(&c, "web-v2", "finish", true).await;
+    reached(&c, admin, "web-v2", "finished", &[]).await;
+
+    // A second release on the freed lane, aborted: the lane shows revoked,
+    // and the canary panel the release's rollback instead of a verdict at
+    // the defaults.
+    let r = admin_call(admin, "POST", "/releases", &spec("web-v3")).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    reached(
+        &c,
+        admin,
+        "web-v3",
+        "progressing",
+        &["pause", "promote", "abort"],
+    )
+    .await;
+    click_action(&c, "web-v3", "abort", true).await;
+    reached(&c, admin, "web-v3", "rolled_back", &["finish"]).await;
+    wait_text(
+        &c,
+        "#lanes tr[data-lane=gray] .release",
+        "gray revoked",
+        |t| t == "revoked (release web-v3 rolled back)",
+    )
+    .await;
+    let revoked = c
+        .execute(
+            "return document.querySelector('#lanes tr[data-lane=gray]').classList.contains('revoked');",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(revoked, serde_json::Value::Bool(true));
+    wait_text(
+        &c,
+        "#canary tr[data-lane=gray] .verdict",
+        "the release's rollback",
+        |t| t == "rollback",
+    )
+    .await;
+    let judged = wait_text(
+        &c,
+        "#canary tr[data-lane=gray] .judged-by",
+        "judged by web-v3",
+        |t| t.starts_with("release web-v3 (rolled_back)"),
+    )
+    .await;
+    assert!(judged.contains("aborted by the operator"), "{judged}");
+    let png = c.screenshot().await.unwrap();
+    let shot = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard-release.png");
+    std::fs::write(&shot, png).unwrap();
+    // Finishing the rolled-back release frees the lane.
+    click_action(&c, "web-v3", "finish", true).await;
+    reached(&c, admin, "web-v3", "finished", &[]).await;
+    wait_text(&c, "#lanes tr[data-lane=gray] .release", "gray free", |t| {
+        t.is_empty()
+    })
+    .await;
+    wait_text(
+        &c,
+        "#canary tr[data-lane=gray] .judged-by",
+        "judged at the defaults",
+        |t| t.starts_with("defaults"),
+    )
+    .await;
+
+    // A lane without nodes shows while it has traffic, and goes once it is
+    // stale (no node, no request in the last 10 s).
+    for _ in 0..3 {
+        let r = Req::get("/api/x")
+            .header("X-Lane", "ghost")
+            .send(gw.addr)
+            .await;
+        assert_eq!(r.status, 200);
+    }
+    wait_text(&c, "#lanes tr[data-lane=ghost] .total", "ghost lane", |t| {
+        t == "3"
+    })
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while c
+        .find(Locator::Css("#lanes tr[data-lane=ghost]"))
+        .await
+        .is_ok()
+    {
+        assert!(Instant::now() < deadline, "the stale ghost lane stayed");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Lanes with nodes stay, traffic or not.
+    assert!(c
+        .find(Locator::Css("#lanes tr[data-lane=gray]"))
+        .await
+        .is_ok());
+    c.close().await.unwrap();
+}

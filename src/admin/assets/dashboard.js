@@ -48,26 +48,81 @@ function renderStatus(s) {
   err.textContent = s.last_reload_error || "";
 }
 
-function renderStats(st) {
+// Which release covers each lane: a running, held, paused or promoted one
+// first (it holds the lane), else a rolled-back one — whose lane is revoked,
+// as the gateway computes it (a lane another release holds is not revoked).
+const HOLDS = new Set(["progressing", "held", "paused", "promoted"]);
+function coverage(list) {
+  const active = {}, rolled = {};
+  for (const r of (list && list.releases) || []) {
+    if (HOLDS.has(r.state)) active[r.lane] = r;
+    else if (r.state === "rolled_back") rolled[r.lane] = r;
+  }
+  const cover = Object.assign({}, rolled, active);
+  const revoked = new Set(Object.keys(rolled).filter((l) => !(l in active)));
+  return { cover, revoked };
+}
+
+// A lane with no node left and no request in the "now" window is stale:
+// not shown (its counters stay in /stats and /metrics).
+function lanesWithNodes(doc) {
+  const s = new Set();
+  for (const svc of (doc && doc.services) || []) for (const n of svc.nodes) s.add(n.lane);
+  return s;
+}
+
+const OUTCOME_CLASS = { pass: "pass", step: "pass", promote: "pass", fail: "fail", rollback: "fail", error: "fail" };
+
+function renderStats(st, nodesDoc, releases) {
+  const withNodes = lanesWithNodes(nodesDoc);
+  const { cover, revoked } = coverage(releases);
   const canary = document.querySelector("#canary tbody");
-  fill(canary, st.canary.map((c) => {
+  const canaryLive = st.canary.filter((c) => withNodes.has(c.lane) || ((c.gray || {}).requests > 0));
+  fill(canary, canaryLive.map((c) => {
     const g = c.gray || {}, f = c.formal || {};
     const okText = (check) => ({ pass: "ok", fail: "breach", inconclusive: "inconclusive" })[check] || "no data";
+    const rel = cover[c.lane];
+    const attrs = { "data-lane": c.lane };
+    if (revoked.has(c.lane)) attrs.class = "revoked";
+    if (rel) {
+      // A lane under a release: the release's own latest decision (made
+      // with its own thresholds) replaces the default-threshold judgement.
+      const last = rel.last || {};
+      const t = last.thresholds || {};
+      const outcome = last.outcome || "no decision yet";
+      const judged = "release " + rel.name + " (" + rel.state + ")" +
+        (last.thresholds ? ": ±" + t.max_error_delta_pp + " pp, ×" + t.max_p99_ratio + " p99" : "") +
+        (last.reason ? " — " + last.reason : "");
+      attrs["data-release"] = rel.name;
+      return el("tr", attrs,
+        el("td", {}, c.lane), el("td", {}, pct(g.error_rate)), el("td", {}, pct(f.error_rate)),
+        el("td", {}, ms(g.p99_ms)), el("td", {}, ms(f.p99_ms)),
+        el("td", { class: "error-check" }, "–"), el("td", { class: "latency-check" }, "–"),
+        el("td", { class: "verdict " + (OUTCOME_CLASS[outcome] || "nodata"), title: last.reason || "" }, outcome),
+        el("td", { class: "judged-by" }, judged));
+    }
     const cls = c.verdict === "pass" ? "pass" : c.verdict === "fail" ? "fail" : "nodata";
-    return el("tr", { "data-lane": c.lane },
+    return el("tr", attrs,
       el("td", {}, c.lane), el("td", {}, pct(g.error_rate)), el("td", {}, pct(f.error_rate)),
       el("td", {}, ms(g.p99_ms)), el("td", {}, ms(f.p99_ms)),
       el("td", { class: "error-check" }, okText(c.errors)), el("td", { class: "latency-check" }, okText(c.latency)),
-      el("td", { class: "verdict " + cls, title: c.reason || "" }, c.verdict));
+      el("td", { class: "verdict " + cls, title: c.reason || "" }, c.verdict),
+      el("td", { class: "judged-by muted" }, "defaults, last 60 s"));
   }));
-  fill(document.querySelector("#lanes tbody"), st.lanes.map((l) => {
+  const lanes = st.lanes.filter((l) => withNodes.has(l.name) || ((l.now || {}).requests > 0));
+  fill(document.querySelector("#lanes tbody"), lanes.map((l) => {
     const n = l.now || {};
-    return el("tr", { "data-lane": l.name },
+    const rel = cover[l.name];
+    const isRevoked = revoked.has(l.name);
+    const relText = !rel ? "" : isRevoked ? "revoked (release " + rel.name + " rolled back)"
+      : rel.name + ": " + rel.state + (rel.state === "promoted" ? "" : " " + num(rel.weight, 1) + " %");
+    return el("tr", isRevoked ? { "data-lane": l.name, class: "revoked" } : { "data-lane": l.name },
       el("td", {}, el("i", { style: "display:inline-block;width:10px;height:10px;margin-right:6px;background:" + colorOf(l.name) }), l.name),
       el("td", { class: "rps" }, num(n.rps, 2)), el("td", { class: "error-rate" }, pct(n.error_rate)),
-      el("td", { class: "p99" }, ms(n.p99_ms)), el("td", { class: "total" }, l.total_requests));
+      el("td", { class: "p99" }, ms(n.p99_ms)), el("td", { class: "total" }, l.total_requests),
+      el("td", { class: "release" + (isRevoked ? " fail" : "") }, relText));
   }));
-  drawChart(st.lanes);
+  drawChart(lanes);
   window.__nodeStats = Object.fromEntries(st.nodes.map((n) => [n.name, n.now || {}]));
 }
 
@@ -167,18 +222,42 @@ function renderFleet(f) {
     el("td", { class: g.last_error || g.store_error ? "fail" : "" }, g.last_error || g.store_error || "none"))));
 }
 
-// Releases: a row each, and the newest release's decisions as a timeline
-// (each with the values behind it).
+// Releases: a row each with the operator's actions valid in its state, and
+// the newest release's decisions as a timeline (each with the values behind
+// it).
+const ACTIONS = {
+  progressing: ["pause", "promote", "abort"],
+  held: ["pause", "promote", "abort"],
+  paused: ["resume", "promote", "abort"],
+  promoted: ["finish"],
+  rolled_back: ["finish"],
+};
+const CONFIRM = {
+  abort: (n) => "Abort release " + n + "? Its lane is rolled back: every request goes formal.",
+  finish: (n) => "Finish release " + n + "? It stops holding its routes and lane.",
+};
+// The outcome of the last action per release, kept across refreshes.
+const actionMsgs = {};
+const busy = new Set();
+
+function renderReleaseRow(r) {
+  const last = r.last || {};
+  const msg = actionMsgs[r.name] || {};
+  const buttons = (ACTIONS[r.state] || []).map((a) =>
+    el("button", busy.has(r.name) ? { type: "button", "data-action": a, class: "act " + a, disabled: "" }
+      : { type: "button", "data-action": a, class: "act " + a }, a));
+  return el("tr", { "data-release": r.name, "data-state": r.state, class: r.state },
+    el("td", {}, r.name), el("td", {}, r.lane), el("td", { class: "state", title: r.held || "" }, r.state),
+    // The API's `step`: the index in the spec's `steps`, from 0.
+    el("td", { class: "step" }, r.step + " (of " + r.steps + ", from 0)"), el("td", {}, num(r.weight, 1) + " %"),
+    el("td", {}, r.failures), el("td", { class: "last" }, r.held ? "held: " + r.held
+      : (last.outcome || "–") + (last.reason ? ": " + last.reason : "")),
+    el("td", { class: "actions" }, ...buttons,
+      el("span", { class: "action-msg " + (msg.cls || ""), role: "status" }, msg.text || "")));
+}
+
 async function renderReleases(list) {
-  fill(document.querySelector("#releases tbody"), list.releases.map((r) => {
-    const last = r.last || {};
-    return el("tr", { "data-release": r.name, class: r.state },
-      el("td", {}, r.name), el("td", {}, r.lane), el("td", { class: "state", title: r.held || "" }, r.state),
-      // The API's `step`: the index in the spec's `steps`, from 0.
-      el("td", { class: "step" }, r.step + " (of " + r.steps + ", from 0)"), el("td", {}, num(r.weight, 1) + " %"),
-      el("td", {}, r.failures), el("td", { class: "last" }, r.held ? "held: " + r.held
-        : (last.outcome || "–") + (last.reason ? ": " + last.reason : "")));
-  }));
+  fill(document.querySelector("#releases tbody"), list.releases.map(renderReleaseRow));
   const tl = document.getElementById("release-timeline");
   if (!list.releases.length) { tl.replaceChildren(); return; }
   const newest = list.releases[list.releases.length - 1];
@@ -190,13 +269,42 @@ async function renderReleases(list) {
     (a.reason ? " — " + a.reason : ""))));
 }
 
+// POST /releases/NAME/ACTION with the page's admin credentials (the same
+// origin as the GETs: a Basic password the browser holds for the origin).
+// A refusal (409, 400, …) is shown in the release's row with the server's
+// words, and stays there until the next action on that release.
+async function releaseAction(name, action) {
+  if (CONFIRM[action] && !window.confirm(CONFIRM[action](name))) return;
+  busy.add(name);
+  actionMsgs[name] = { text: action + "…", cls: "muted" };
+  try {
+    const r = await fetch(location.origin + "/releases/" + encodeURIComponent(name) + "/" + action,
+      { method: "POST", cache: "no-store", credentials: "same-origin" });
+    const text = (await r.text()).trim();
+    actionMsgs[name] = r.ok ? { text: action + ": done", cls: "pass" }
+      : { text: action + " refused (" + r.status + "): " + text, cls: "fail" };
+  } catch (e) {
+    actionMsgs[name] = { text: action + " failed: " + e.message, cls: "fail" };
+  } finally {
+    busy.delete(name);
+  }
+  await refresh();
+}
+window.releaseAction = releaseAction;
+
+document.querySelector("#releases tbody").addEventListener("click", (ev) => {
+  const b = ev.target.closest("button[data-action]");
+  const row = b && b.closest("tr[data-release]");
+  if (row && !b.disabled) releaseAction(row.dataset.release, b.dataset.action);
+});
+
 async function refresh() {
   try {
     const [status, stats, nodes, cfg, releases] = await Promise.all([
       getJSON("status"), getJSON("stats"), getJSON("nodes"), getJSON("config"), getJSON("releases")]);
     await renderReleases(releases);
     renderStatus(status);
-    renderStats(stats);
+    renderStats(stats, nodes, releases);
     renderNodes(nodes);
     renderConfig(cfg);
     if (status.source === "etcd") {
