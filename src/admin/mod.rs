@@ -64,6 +64,26 @@ pub fn text(status: StatusCode, msg: impl Into<String>) -> Response<Body> {
     r
 }
 
+/// The analysis each lane's release judges it with, for the canary panel:
+/// a running or promoted release's, else the latest rolled-back one's.
+fn release_analyses(
+    gw: &Gateway,
+) -> std::collections::BTreeMap<String, (String, crate::config::release::AnalysisSpec)> {
+    let mut out = std::collections::BTreeMap::new();
+    let all = crate::control::release::controller::list(gw);
+    let rolled_back = all
+        .iter()
+        .filter(|r| r.state.phase == crate::config::release::Phase::RolledBack);
+    let holding = all.iter().filter(|r| r.state.phase.holds_routes());
+    for r in rolled_back.chain(holding) {
+        out.insert(
+            r.spec.lane.clone(),
+            (r.spec.name.clone(), r.spec.analysis.clone()),
+        );
+    }
+    out
+}
+
 /// The `/status` document.
 pub fn status(gw: &Gateway) -> serde_json::Value {
     let gen = gw.current();
@@ -156,7 +176,7 @@ async fn route(gw: &Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
             );
             r
         }
-        (&Method::GET, ["stats"]) => json(gw.history.report()),
+        (&Method::GET, ["stats"]) => json(gw.history.report(&release_analyses(gw))),
         (&Method::GET, ["fleet"]) => fleet(gw).await,
         (&Method::GET, ["config"]) => json(dashboard::config_doc(gw)),
         (&Method::GET, ["nodes"]) => json(nodes::list(gw)),

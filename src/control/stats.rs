@@ -217,7 +217,10 @@ impl History {
     }
 
     /// The `/stats` document.
-    pub fn report(&self) -> serde_json::Value {
+    /// `releases`: the analysis a release judges each lane with (by lane:
+    /// the release's name and its thresholds); other lanes are judged at
+    /// a release's defaults.
+    pub fn report(&self, releases: &BTreeMap<String, (String, AnalysisSpec)>) -> serde_json::Value {
         let ring = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let Some(last) = ring.back() else {
             return serde_json::json!({"lanes": [], "nodes": [], "canary": []});
@@ -260,7 +263,7 @@ impl History {
                 })
                 .collect::<Vec<_>>()
         };
-        let canary = canary(&ring, last);
+        let canary = canary(&ring, last, releases);
         serde_json::json!({
             "t": round(last.t, 3),
             "interval_secs": INTERVAL.as_secs_f64(),
@@ -288,7 +291,11 @@ fn canary_thresholds() -> serde_json::Value {
 
 /// Each gray lane against formal over the canary window, judged as a
 /// release's window is (the fine per-lane counters, by served lane).
-fn canary(ring: &VecDeque<Snapshot>, last: &Snapshot) -> Vec<serde_json::Value> {
+fn canary(
+    ring: &VecDeque<Snapshot>,
+    last: &Snapshot,
+    releases: &BTreeMap<String, (String, AnalysisSpec)>,
+) -> Vec<serde_json::Value> {
     let base = ring
         .iter()
         .find(|s| last.t - s.t <= CANARY_WINDOW_SECS + 0.5)
@@ -316,13 +323,17 @@ fn canary(ring: &VecDeque<Snapshot>, last: &Snapshot) -> Vec<serde_json::Value> 
         })
     };
     let formal = window(crate::config::FORMAL);
-    let a = AnalysisSpec::default();
+    let defaults = AnalysisSpec::default();
     last.fine
         .keys()
         .filter(|k| k.as_str() != crate::config::FORMAL)
         .map(|k| {
             let gray = window(k);
-            let j = analysis::judge(&a, gray.as_ref(), formal.as_ref());
+            let (release, a) = match releases.get(k) {
+                Some((name, a)) => (Some(name.as_str()), a),
+                None => (None, &defaults),
+            };
+            let j = analysis::judge(a, gray.as_ref(), formal.as_ref());
             let check = |c: Option<analysis::Check>| c.map(analysis::Check::as_str);
             serde_json::json!({
                 "lane": k,
@@ -332,6 +343,9 @@ fn canary(ring: &VecDeque<Snapshot>, last: &Snapshot) -> Vec<serde_json::Value> 
                 "latency": check(j.latency),
                 "verdict": j.outcome,
                 "reason": j.reason,
+                "release": release,
+                "max_error_delta_pp": a.max_error_delta_pp,
+                "max_p99_ratio": a.max_p99_ratio,
             })
         })
         .collect()

@@ -621,6 +621,17 @@ async fn dashboard_drives_a_release_with_its_buttons_behind_the_admin_token() {
     )
     .await;
     assert!(judged.contains("±5 pp"), "{judged}");
+    // The server judges the lane's last 60 s with the release's analysis.
+    let st = admin_call(admin, "GET", "/stats", "").await.json();
+    let row = st["canary"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["lane"] == "gray")
+        .cloned()
+        .unwrap_or_else(|| panic!("{st}"));
+    assert_eq!(row["release"], "web-v2", "{row}");
+    assert_eq!(row["max_error_delta_pp"], 5.0, "{row}");
 
     // Pause, resume: each reached on the page and in the API.
     click_action(&c, "web-v2", "pause", false).await;

@@ -85,19 +85,19 @@ function renderStats(st, nodesDoc, releases) {
     const attrs = { "data-lane": c.lane };
     if (revoked.has(c.lane)) attrs.class = "revoked";
     if (rel) {
-      // A lane under a release: the release's own latest decision (made
-      // with its own thresholds) replaces the default-threshold judgement.
+      // A lane under a release: the checks of the last 60 s are judged
+      // with the release's own thresholds (the server's), and the verdict
+      // is the release's own latest decision.
       const last = rel.last || {};
-      const t = last.thresholds || {};
       const outcome = last.outcome || "no decision yet";
       const judged = "release " + rel.name + " (" + rel.state + ")" +
-        (last.thresholds ? ": ±" + t.max_error_delta_pp + " pp, ×" + t.max_p99_ratio + " p99" : "") +
+        (c.release ? ": ±" + c.max_error_delta_pp + " pp, ×" + c.max_p99_ratio + " p99" : "") +
         (last.reason ? " — " + last.reason : "");
       attrs["data-release"] = rel.name;
       return el("tr", attrs,
         el("td", {}, c.lane), el("td", {}, pct(g.error_rate)), el("td", {}, pct(f.error_rate)),
         el("td", {}, ms(g.p99_ms)), el("td", {}, ms(f.p99_ms)),
-        el("td", { class: "error-check" }, "–"), el("td", { class: "latency-check" }, "–"),
+        el("td", { class: "error-check" }, okText(c.errors)), el("td", { class: "latency-check" }, okText(c.latency)),
         el("td", { class: "verdict " + (OUTCOME_CLASS[outcome] || "nodata"), title: last.reason || "" }, outcome),
         el("td", { class: "judged-by" }, judged));
     }
