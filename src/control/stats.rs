@@ -32,6 +32,8 @@ pub const CANARY_WINDOW_SECS: f64 = 60.0;
 pub struct Cum {
     pub requests: u64,
     pub errors: u64,
+    /// Answers that were not 1xx–3xx, by status class (`4xx`, `5xx`).
+    pub by_class: BTreeMap<String, u64>,
     /// Cumulative counts per [`BUCKETS`] bound, then +Inf.
     pub buckets: Vec<u64>,
 }
@@ -160,7 +162,8 @@ impl History {
         for fam in gw.plane.metrics.requests.collect() {
             for m in fam.get_metric() {
                 let v = m.get_counter().get_value() as u64;
-                let err = label(m, "status_class") == "5xx";
+                let class = label(m, "status_class");
+                let err = class == "5xx";
                 for (map, key) in [
                     (&mut lanes, label(m, "lane")),
                     (&mut nodes, label(m, "node")),
@@ -169,6 +172,9 @@ impl History {
                     c.requests += v;
                     if err {
                         c.errors += v;
+                    }
+                    if matches!(class.as_str(), "4xx" | "5xx") && v > 0 {
+                        *c.by_class.entry(class.clone()).or_default() += v;
                     }
                 }
             }
@@ -257,6 +263,7 @@ impl History {
                         "name": k,
                         "total_requests": total.requests,
                         "total_errors": total.errors,
+                        "total_by_class": total.by_class,
                         "now": now,
                         "series": series(pick, k),
                     })
@@ -384,6 +391,7 @@ mod tests {
             requests: 10,
             errors: 1,
             buckets: vec![10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10],
+            by_class: BTreeMap::new(),
         };
         let mut b = a.clone();
         b.requests = 30;

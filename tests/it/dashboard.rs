@@ -115,6 +115,15 @@ async fn dashboard_shows_live_split_canary_nodes_rules_reloads_and_explains() {
         t == "unhealthy"
     })
     .await;
+    // Its failed answers by status class (from `/stats`, sampled every 2 s).
+    let by_class = wait_text(
+        &c,
+        "#nodes tr[data-node=g1] .by-class",
+        "g1 answers by class",
+        |t| t != "–",
+    )
+    .await;
+    assert!(by_class.contains("5xx"), "{by_class}");
     wait_text(
         &c,
         "#nodes tr[data-node=f1] .requests",

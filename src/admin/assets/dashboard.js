@@ -124,6 +124,7 @@ function renderStats(st, nodesDoc, releases) {
   }));
   drawChart(lanes);
   window.__nodeStats = Object.fromEntries(st.nodes.map((n) => [n.name, n.now || {}]));
+  window.__nodeClasses = Object.fromEntries(st.nodes.map((n) => [n.name, n.total_by_class || {}]));
 }
 
 function drawChart(lanes) {
@@ -160,16 +161,19 @@ function drawChart(lanes) {
 
 function renderNodes(doc) {
   const stats = window.__nodeStats || {};
+  const classes = window.__nodeClasses || {};
   const rows = [];
   for (const s of doc.services) {
     for (const n of s.nodes) {
       const st = stats[n.name] || {};
+      const byClass = Object.entries(classes[n.name] || {}).map(([k, v]) => k + " " + v).join(", ");
       rows.push(el("tr", { "data-node": n.name, "data-service": s.name },
         el("td", {}, s.name), el("td", {}, n.name), el("td", {}, n.addr), el("td", {}, n.lane),
         el("td", {}, n.drain ? n.weight + " (draining)" : n.weight),
         el("td", { class: "health " + n.health }, n.health),
         el("td", { class: "in-flight" }, n.in_flight), el("td", { class: "requests" }, n.requests),
-        el("td", { class: "errors" }, n.errors), el("td", {}, num(st.rps, 2)),
+        el("td", { class: "errors" }, n.errors), el("td", { class: "by-class" }, byClass || "–"),
+        el("td", {}, num(st.rps, 2)),
         el("td", {}, pct(st.error_rate)), el("td", {}, ms(st.p99_ms))));
     }
   }
