@@ -670,6 +670,22 @@ async fn dashboard_drives_a_release_with_its_buttons_behind_the_admin_token() {
     .await;
     click_action(&c, "web-v2", "promote", false).await;
     reached(&c, admin, "web-v2", "promoted", &["finish"]).await;
+    // The moves and the last reload are marked on the request chart.
+    let events = wait_text(&c, "#chart-events", "the chart's events", |t| {
+        t.contains("web-v2 promote") && t.contains("reload (generation")
+    })
+    .await;
+    for kind in ["pause", "resume"] {
+        assert!(events.contains(&format!("web-v2 {kind}")), "{events}");
+    }
+    let promote = wait_text(
+        &c,
+        "#chart-events li[data-kind=promote]",
+        "the promotion on the chart",
+        |t| t.ends_with("web-v2 promote"),
+    )
+    .await;
+    assert!(!promote.is_empty());
     // A refused action (as from a page that had not refreshed yet after
     // another operator promoted): the server's 409 and its words stay in
     // the row, and the release is unchanged.

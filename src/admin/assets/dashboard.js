@@ -156,6 +156,19 @@ function drawChart(lanes) {
     ctx.stroke();
     legend.append(el("span", {}, el("i", { style: "background:" + colorOf(l.name) }), l.name));
   }
+  // Events of the last 5 minutes: a release's steps, pauses, promotion,
+  // rollback, finish, and the last reload, as dashed lines and a list.
+  const events = (window.__releaseEvents || []).concat(window.__reloadEvents || [])
+    .filter((e) => now - e.t <= span && now - e.t >= -5).sort((a, b) => a.t - b.t);
+  ctx.lineWidth = 1; ctx.setLineDash([4, 3]);
+  for (const e of events) {
+    const x = pad + (W - pad - 5) * (1 - Math.max(0, now - e.t) / span);
+    ctx.strokeStyle = e.kind === "rollback" ? "#c0392b" : e.kind === "reload" ? "#8a90a0" : "#2c7be5";
+    ctx.beginPath(); ctx.moveTo(x, pad); ctx.lineTo(x, H - pad); ctx.stroke();
+  }
+  ctx.setLineDash([]);
+  document.getElementById("chart-events").replaceChildren(...events.map((e) =>
+    el("li", { "data-kind": e.kind }, new Date(e.t * 1000).toLocaleTimeString() + " " + e.label)));
   ctx.lineWidth = 1;
 }
 
@@ -260,12 +273,20 @@ function renderReleaseRow(r) {
       el("span", { class: "action-msg " + (msg.cls || ""), role: "status" }, msg.text || "")));
 }
 
+// Decisions that move a release (not the judged windows): chart events.
+const EVENT_OUTCOMES = new Set(["step", "promote", "rollback", "pause", "resume", "finish"]);
+
 async function renderReleases(list) {
   fill(document.querySelector("#releases tbody"), list.releases.map(renderReleaseRow));
   const tl = document.getElementById("release-timeline");
-  if (!list.releases.length) { tl.replaceChildren(); return; }
+  if (!list.releases.length) { tl.replaceChildren(); window.__releaseEvents = []; return; }
   const newest = list.releases[list.releases.length - 1];
   const full = await getJSON("releases/" + encodeURIComponent(newest.name));
+  // The newest release's moves, marked on the request chart.
+  window.__releaseEvents = full.analyses.filter((a) => EVENT_OUTCOMES.has(a.outcome)).map((a) => ({
+    t: a.at / 1000, kind: a.outcome,
+    label: newest.name + " " + a.outcome + (a.outcome === "step" ? " " + a.step + " (" + num(a.weight, 1) + " %)" : ""),
+  }));
   tl.replaceChildren(...full.analyses.slice(-20).reverse().map((a) => el("li", { class: a.outcome },
     new Date(a.at).toLocaleTimeString() + " step " + a.step + " (" + num(a.weight, 1) + " %) " + a.outcome +
     (a.gray.requests ? " — gray " + a.gray.requests + " req, " + num(a.gray.error_rate_pct, 2) + " % err, p99 " + ms(a.gray.p99_ms) +
@@ -307,6 +328,8 @@ async function refresh() {
     const [status, stats, nodes, cfg, releases] = await Promise.all([
       getJSON("status"), getJSON("stats"), getJSON("nodes"), getJSON("config"), getJSON("releases")]);
     await renderReleases(releases);
+    window.__reloadEvents = status.last_reload_result === "applied" && status.last_reload_at
+      ? [{ t: status.last_reload_at, kind: "reload", label: "reload (generation " + status.generation + ")" }] : [];
     renderStatus(status);
     renderStats(stats, nodes, releases);
     renderNodes(nodes);
