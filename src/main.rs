@@ -1064,4 +1064,8 @@ async fn drain(
             tracing::info!(signal = name, "fast shutdown during the drain: closing every connection now");
         }
     }
+    // The spans of the last requests go out (a collector that does not
+    // answer holds the exit at most 2 s).
+    let plane = gw.plane.clone();
+    let _ = tokio::task::spawn_blocking(move || plane.spans.shutdown(Duration::from_secs(2))).await;
 }

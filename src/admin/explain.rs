@@ -46,7 +46,7 @@ pub struct Query {
     pub cookies: BTreeMap<String, String>,
 }
 
-/// `GET /explain?method=&host=&path=&query=&ip=&header=Name:%20v&cookie=n=v`.
+/// `GET /explain?method=&host=&path=&query=&ip=&header=Name:%20v&cookie=n=v&traceparent=`.
 pub fn get(gw: &Gateway, raw: &str) -> Response<Body> {
     let mut q = Query::default();
     for (k, v) in form_urlencoded::parse(raw.as_bytes()) {
@@ -66,6 +66,9 @@ pub fn get(gw: &Gateway, raw: &str) -> Response<Body> {
                 }
                 None => return text(StatusCode::BAD_REQUEST, "header must be Name: value"),
             },
+            "traceparent" => {
+                q.headers.insert("traceparent".into(), v.trim().to_string());
+            }
             "cookie" => match v.split_once('=') {
                 Some((n, val)) => {
                     q.cookies
@@ -115,6 +118,61 @@ fn build(q: &Query) -> Result<http::request::Parts, String> {
         .map_err(|e| format!("invalid request: {e}"))
 }
 
+/// The trace context the request would get: continued (the caller's
+/// trace id and span as the parent) or new; the gateway's span id is
+/// drawn per request, so none is shown.
+fn trace(o: &crate::config::otel::OtelConfig, headers: &http::HeaderMap) -> serde_json::Value {
+    use crate::base::trace::{hex, parse_traceparent, ratio_sampled};
+    let given = headers.get("traceparent");
+    let parsed = given.and_then(|v| parse_traceparent(v.as_bytes()));
+    let (ratio, parent_based) = o
+        .traces
+        .as_ref()
+        .map_or((1.0, true), |t| (t.sample_ratio, t.parent_based));
+    match parsed {
+        Some((trace_id, parent, flags)) => serde_json::json!({
+            "continued": true,
+            "trace_id": hex(&trace_id),
+            "parent_span_id": hex(&parent),
+            "sampled": if parent_based { flags & 1 == 1 } else { ratio_sampled(&trace_id, ratio) },
+            "exported": o.traces.is_some(),
+        }),
+        None => serde_json::json!({
+            "continued": false,
+            "invalid_traceparent": given.map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()),
+            "note": "a new trace is started (its id is drawn per request)",
+            "sample_ratio": ratio,
+            "exported": o.traces.is_some(),
+        }),
+    }
+}
+
+/// What the request's baggage says of the lane, and whether it is believed.
+fn baggage(
+    o: &crate::config::otel::OtelConfig,
+    headers: &http::HeaderMap,
+    peer_trusted: bool,
+) -> serde_json::Value {
+    use crate::base::baggage::{parse, LaneMember};
+    let fields = headers.get_all("baggage");
+    let b = parse(fields.iter(), &o.baggage_key);
+    let member = match b.lane_member() {
+        LaneMember::Value(v) => Some(v),
+        LaneMember::Absent => None,
+    };
+    serde_json::json!({
+        "key": o.baggage_key,
+        "lane_member": b.lane,
+        "problem": b.problem.map(|p| p.as_str()),
+        "believed": peer_trusted && member.is_some(),
+        "note": if !peer_trusted && b.lane.is_some() {
+            Some("the peer is not a trusted proxy: its lane member is replaced, not believed")
+        } else {
+            None
+        },
+    })
+}
+
 /// Runs the dry run.
 pub fn run(gw: &Gateway, q: Query) -> Response<Body> {
     let parts = match build(&q) {
@@ -138,6 +196,16 @@ pub fn run(gw: &Gateway, q: Query) -> Response<Body> {
             "peer_trusted": peer_trusted,
         },
     });
+    if let Some(o) = &gen.config.otel {
+        out["trace"] = trace(o, &info.parts.headers);
+        if o.baggage {
+            out["baggage"] = baggage(o, &info.parts.headers, peer_trusted);
+        }
+    } else if info.parts.headers.contains_key("traceparent") {
+        out["trace"] = serde_json::json!({
+            "note": "no otel: section: the gateway does not read or forward trace context",
+        });
+    }
     let Some(route) = gen.route(&info.host, path) else {
         out["route"] = serde_json::Value::Null;
         out["error"] = "no route".into();

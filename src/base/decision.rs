@@ -11,6 +11,9 @@ use std::sync::Arc;
 ///
 /// 1. [`TrustedTag`](Self::TrustedTag) — a trusted proxy's tag header
 ///    ([`InvalidLane`](Self::InvalidLane) when the tag is not a lane name);
+///    then, with `otel:` baggage on, a trusted proxy's lane member of
+///    W3C `baggage` ([`TrustedBaggage`](Self::TrustedBaggage); a header
+///    with any problem is ignored);
 /// 2. [`Deny`](Self::Deny) — a deny rule: formal, whatever else would match;
 /// 3. [`StickyCookie`](Self::StickyCookie) — on sticky routes, a valid
 ///    cookie naming a lane still served and not rolled back, unless a
@@ -36,6 +39,8 @@ pub enum DecidedBy {
     Script,
     /// A trusted proxy sent the tag header.
     TrustedTag,
+    /// A trusted proxy sent the lane as a W3C baggage member.
+    TrustedBaggage,
     /// The script failed; the request went formal.
     ScriptError(String),
     /// The script (or tag) produced an unusable lane name; formal.
@@ -60,6 +65,7 @@ impl DecidedBy {
             DecidedBy::Default => "default",
             DecidedBy::Script => "script",
             DecidedBy::TrustedTag => "trusted_tag",
+            DecidedBy::TrustedBaggage => "trusted_baggage",
             DecidedBy::ScriptError(_) => "script_error",
             DecidedBy::InvalidLane(_) => "invalid_lane",
             DecidedBy::StickyCookie => "sticky_cookie",
@@ -221,6 +227,8 @@ pub struct Decision {
     pub node: Option<Arc<str>>,
     /// Why the request did not go to its own lane.
     pub fallback: Option<&'static str>,
+    /// Nodes tried (1 + retries; 0 before any attempt).
+    pub attempts: u32,
 }
 
 impl Decision {
@@ -234,6 +242,7 @@ impl Decision {
             candidates: 0,
             node: None,
             fallback: None,
+            attempts: 0,
         }
     }
 }

@@ -5,6 +5,7 @@
 //! of HTTP/2 responses and the allocator nudge that returns freed memory.
 //! Nothing here knows about generations, nodes or the gateway.
 
+pub mod baggage;
 pub mod body;
 pub mod clock;
 pub mod counter;
@@ -20,6 +21,7 @@ pub mod ratelog;
 pub mod sendwait;
 pub mod stall;
 pub mod tidy;
+pub mod trace;
 
 /// Request extension: the request arrived over TLS (the server layer sets
 /// it; `X-Forwarded-Proto`, `ngx.var.scheme` and `req.scheme` read it).

@@ -20,6 +20,7 @@ pub use addr::{NodeAddr, Resolvers};
 pub mod addr;
 pub mod docs;
 pub mod grpc;
+pub mod otel;
 pub mod release;
 pub mod rules;
 
@@ -214,6 +215,10 @@ pub struct MainConfig {
     /// `open_file_cache`).
     #[serde(default)]
     pub static_cache: StaticCacheConfig,
+    /// OpenTelemetry: the lane in W3C baggage, trace context, spans over
+    /// OTLP (off when absent).
+    #[serde(default)]
+    pub otel: Option<otel::OtelConfig>,
 }
 
 fn default_tag_header() -> String {

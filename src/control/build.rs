@@ -469,6 +469,11 @@ impl Generation {
             None => None,
         };
 
+        if let Some(o) = &config.otel {
+            o.check().map_err(|(key, m)| {
+                ConfigError::new(config_path, find_line(&text, Some("otel:"), key), m)
+            })?;
+        }
         let sticky = match &config.sticky {
             Some(c) => Some(
                 Sticky::from_config(c)
@@ -516,6 +521,11 @@ impl Generation {
             }
         }
         let trusted = IpList::from_nets(config.trusted_proxies.iter().copied());
+        let baggage_key = config
+            .otel
+            .as_ref()
+            .filter(|o| o.baggage)
+            .map(|o| o.baggage_key.as_str().into());
         let lane_tags = served_lanes
             .iter()
             .map(String::as_str)
@@ -529,6 +539,7 @@ impl Generation {
             trusted,
             lane: LanePolicy {
                 tag_header,
+                baggage_key,
                 lists,
                 rules,
                 script,

@@ -102,8 +102,11 @@ impl Gateway {
         let node_stats = NodeStats::default();
         attach_counters(&node_stats, &mut gen);
         adopt_dicts(&mut gen);
+        let spans = crate::observe::otel::Spans::new(metrics.otel_spans.clone());
+        spans.configure(gen.config.otel.as_ref());
         let plane = Arc::new(DataPlane {
             generation: Live::new(gen),
+            spans,
             client,
             health,
             metrics,
@@ -230,6 +233,7 @@ impl Gateway {
                 adopt_dicts(&mut gen);
                 let gen = Arc::new(gen);
                 self.plane.client.configure(&gen.config.upstream);
+                self.plane.spans.configure(gen.config.otel.as_ref());
                 self.plane.generation.publish(gen.clone());
                 self.sync_health(&gen);
                 status.last_reload_error = None;

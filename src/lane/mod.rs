@@ -145,6 +145,9 @@ pub use precedence::{decide, decide_on_route, Decided};
 pub struct LanePolicy {
     /// Header carrying the lane upstream (and, from trusted proxies, in).
     pub tag_header: HeaderName,
+    /// The W3C baggage member carrying the lane (`otel.baggage_key`), when
+    /// baggage is on: believed from trusted proxies, after the tag header.
+    pub baggage_key: Option<Arc<str>>,
     /// Named IP lists (`graygate.in_list`, rule conditions).
     pub lists: Arc<BTreeMap<String, IpList>>,
     /// Declarative gray rules (inline or from `rules_file`).

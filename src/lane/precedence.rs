@@ -134,6 +134,14 @@ fn first_decided(
         if let Some(v) = req.parts.headers.get(&gen.tag_header) {
             return (trusted_tag(v), None);
         }
+        // … or its lane member of W3C baggage.
+        if let Some(d) = gen
+            .baggage_key
+            .as_deref()
+            .and_then(|k| trusted_baggage(req, k))
+        {
+            return (d, None);
+        }
     }
     // 2. Deny rules: formal, and no sticky cookie keeps a lane.
     let rules = gen.rules.as_ref();
@@ -194,6 +202,31 @@ fn trusted_tag(v: &HeaderValue) -> Decision {
         || tracing::warn!(tag = %String::from_utf8_lossy(v.as_bytes()), "invalid lane in trusted tag header; using formal"),
     );
     Decision::new(FORMAL, DecidedBy::InvalidLane(lossy(v.as_bytes()).into()))
+}
+
+/// The decision a trusted proxy's baggage lane member stands for (none
+/// without one, or when the header has a problem: malformed baggage is
+/// ignored, never a failure).
+fn trusted_baggage(req: &RequestInfo, key: &str) -> Option<Decision> {
+    let fields = req
+        .parts
+        .headers
+        .get_all(http::header::HeaderName::from_static("baggage"));
+    let mut fields = fields.iter().peekable();
+    fields.peek()?;
+    match crate::base::baggage::parse(fields, key).lane_member() {
+        crate::base::baggage::LaneMember::Absent => None,
+        crate::base::baggage::LaneMember::Value(v) if valid_lane(&v) => {
+            Some(Decision::new(v, DecidedBy::TrustedBaggage))
+        }
+        crate::base::baggage::LaneMember::Value(v) => {
+            log_limited(
+                &INVALID_LOG,
+                || tracing::warn!(lane = %v.escape_debug(), "invalid lane in a trusted baggage member; using formal"),
+            );
+            Some(Decision::new(FORMAL, DecidedBy::InvalidLane(v)))
+        }
+    }
 }
 
 /// The decision a rule verdict stands for (none when rules are off).

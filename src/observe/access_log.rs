@@ -43,6 +43,11 @@ pub struct Entry {
     /// What failed (`client_abort`, `client_body`, `upstream_body`,
     /// `connect`, …), when the request did not end as the node answered.
     pub error: Option<&'static str>,
+    /// W3C trace id and the gateway's span id (`otel:` configured).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub span_id: Option<String>,
 }
 
 impl Entry {
@@ -63,7 +68,7 @@ impl Entry {
                 let up = self
                     .upstream_ms
                     .map_or_else(|| "-".to_string(), |u| format!("{u:.3}"));
-                format!(
+                let mut line = format!(
                     "{} {} \"{} {}\" {} lane={} decided_by={} rule={} node={} upstream_ms={} total_ms={:.3} error={} sent_status={}",
                     self.time,
                     self.client_ip,
@@ -79,7 +84,14 @@ impl Entry {
                     self.error.unwrap_or("-"),
                     self.sent_status
                         .map_or_else(|| "-".to_string(), |s| s.to_string())
-                )
+                );
+                if let (Some(t), Some(s)) = (&self.trace_id, &self.span_id) {
+                    line.push_str(" trace_id=");
+                    line.push_str(t);
+                    line.push_str(" span_id=");
+                    line.push_str(s);
+                }
+                line
             }
         }
     }
@@ -217,6 +229,8 @@ mod tests {
             upstream_ms: Some(1.5),
             total_ms: 2.25,
             error: None,
+            trace_id: None,
+            span_id: None,
         }
     }
 
@@ -248,6 +262,19 @@ mod tests {
         assert_eq!(v["upstream_ms"], 1.5);
         assert_eq!(v["total_ms"], 2.25);
         assert_eq!(v["sent_status"], serde_json::Value::Null);
+        assert!(v.get("trace_id").is_none(), "no trace fields without otel");
+        let traced = Entry {
+            trace_id: Some("4bf92f3577b34da6a3ce929d0e0e4736".into()),
+            span_id: Some("00f067aa0ba902b7".into()),
+            ..entry()
+        };
+        let v: serde_json::Value =
+            serde_json::from_str(&traced.format(AccessLogFormat::Json)).unwrap();
+        assert_eq!(v["trace_id"], "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert_eq!(v["span_id"], "00f067aa0ba902b7");
+        assert!(traced.format(AccessLogFormat::Text).ends_with(
+            " sent_status=- trace_id=4bf92f3577b34da6a3ce929d0e0e4736 span_id=00f067aa0ba902b7"
+        ));
     }
 
     #[test]

@@ -42,6 +42,10 @@ pub struct Metrics {
     pub node_in_flight: IntGaugeVec,
     pub node_weight: IntGaugeVec,
     pub access_log_dropped: IntCounter,
+    /// Spans by outcome: exported, dropped (queue full), failed (export).
+    pub otel_spans: IntCounterVec,
+    /// Inbound `baggage` headers with a problem, by problem.
+    pub baggage_problems: IntCounterVec,
     pub errors: IntCounterVec,
     /// Per-lane counts and fine latency (release analysis).
     pub lanes: super::lanes::LaneStats,
@@ -282,8 +286,22 @@ impl Metrics {
         .expect("valid metric");
         r.register(Box::new(access_log_dropped.clone()))
             .expect("unique metric");
+        let otel_spans = counter_vec(
+            &r,
+            "graygate_otel_spans_total",
+            "Gateway spans by outcome: exported, dropped (the export queue was full), failed (the collector did not take them).",
+            &["outcome"],
+        );
+        let baggage_problems = counter_vec(
+            &r,
+            "graygate_baggage_problems_total",
+            "Requests whose baggage header had a problem (malformed, encoding, too_many_members, too_long): ignored for the lane, bad members not forwarded.",
+            &["problem"],
+        );
         Metrics {
             registry: r,
+            otel_spans,
+            baggage_problems,
             requests,
             duration,
             upstream_duration,

@@ -6,3 +6,4 @@ pub mod access_log;
 pub mod lanes;
 pub mod metrics;
 pub mod node_stats;
+pub mod otel;

@@ -67,6 +67,20 @@ pub struct RequestCtx {
     /// The node's response fields as it sent them (the response's map is
     /// empty then), for the HTTP/1.1 server to write.
     pub raw_head: Option<RawHead>,
+    /// The request's trace context (`otel:` configured).
+    pub trace: Option<Box<Traced>>,
+}
+
+/// A traced request: its W3C trace context, and what its span needs.
+pub struct Traced {
+    pub ctx: crate::base::trace::TraceCtx,
+    /// The span is exported (sampled, and an exporter runs).
+    pub export: bool,
+    pub method: http::Method,
+    /// The path, kept for an exported span.
+    pub path: Option<String>,
+    /// The wall-clock start (spans carry wall-clock times).
+    pub start: std::time::SystemTime,
 }
 
 /// The node that answered a request, judged at the end of its body.
@@ -142,6 +156,7 @@ impl RequestCtx {
             client_fault: None,
             raw_ok: false,
             raw_head: None,
+            trace: None,
         }
     }
 

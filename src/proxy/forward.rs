@@ -17,6 +17,7 @@ use hyper_util::rt::TokioIo;
 
 use super::ctx::{Client, RequestCtx, Verdict};
 use super::{lane_tag, DataPlane};
+use crate::base::baggage;
 use crate::base::body::{boxed, Body, RequestBody};
 use crate::base::clock::now_ms;
 use crate::base::counter::Counted;
@@ -77,6 +78,10 @@ pub async fn forward(
     // The serve phase's start (one clock read fewer per request).
     let t0 = ctx.serve_start.unwrap_or_else(Instant::now);
     let mut out = rewrite_request(gen, (client, t0), decision, parts, upstream, upgrades);
+    if let Some(o) = &gen.config.otel {
+        let trace = ctx.trace.as_deref().map(|t| &t.ctx);
+        otel_fields(plane, o, &decision.lane, trace, &mut out.headers);
+    }
     // No body (the common GET): nothing to wait for, no timer.
     let replay = if hyper::body::Body::is_end_stream(&body) {
         Replay::Empty
@@ -245,6 +250,49 @@ fn rewrite_request<'g>(
     }
 }
 
+/// The OpenTelemetry fields going upstream (`otel:`): the lane as the first
+/// member of `baggage` (the client's other well-formed members kept, its
+/// own lane member never), and `traceparent` naming the gateway's span,
+/// with the caller's `tracestate`. A baggage header with a problem is
+/// counted.
+fn otel_fields(
+    plane: &DataPlane,
+    o: &crate::config::otel::OtelConfig,
+    lane: &str,
+    trace: Option<&crate::base::trace::TraceCtx>,
+    headers: &mut HeaderMap,
+) {
+    if o.baggage {
+        let (value, problem) = {
+            let parsed = baggage::parse(headers.get_all(BAGGAGE).iter(), &o.baggage_key);
+            (parsed.outbound(&o.baggage_key, lane).0, parsed.problem)
+        };
+        if let Some(p) = problem {
+            plane
+                .metrics
+                .baggage_problems
+                .with_label_values(&[p.as_str()])
+                .inc();
+        }
+        headers.insert(BAGGAGE, value);
+    }
+    if let Some(t) = trace {
+        headers.insert(TRACEPARENT, t.traceparent());
+        match &t.tracestate {
+            Some(ts) => {
+                headers.insert(TRACESTATE, ts.clone());
+            }
+            None => {
+                headers.remove(TRACESTATE);
+            }
+        }
+    }
+}
+
+const BAGGAGE: header::HeaderName = header::HeaderName::from_static("baggage");
+const TRACEPARENT: header::HeaderName = header::HeaderName::from_static("traceparent");
+const TRACESTATE: header::HeaderName = header::HeaderName::from_static("tracestate");
+
 /// The body phase (for a request with a body): an idempotent body up to
 /// `retry_buffer_bytes` is buffered for replay, a larger one streams. A
 /// failing client body is the client's error (400, 408, or 499 when the
@@ -314,6 +362,7 @@ async fn attempt_all(
         let tracker = NodeTracker::begin(counters.clone());
         decision.served_lane = Some(node.lane.clone());
         decision.node = Some(node.name.clone());
+        decision.attempts = tried.len() as u32;
         // One clock read fewer for the usual single attempt.
         let now = if tried.len() == 1 {
             out.t0

@@ -30,6 +30,7 @@ use crate::base::body::RequestBody;
 use crate::base::counter::Counter;
 use crate::base::decision::Decision;
 use crate::base::error::{Error, ErrorKind};
+use crate::base::trace::{Sampler, TraceCtx};
 use crate::generation::{Generation, Live, Route, Target};
 use crate::lane::{self, RequestInfo};
 use crate::nodes::health::HealthRegistry;
@@ -54,6 +55,8 @@ pub struct DataPlane {
     /// Per-node counters, surviving reloads.
     pub node_stats: NodeStats,
     pub access_log: AccessLog,
+    /// The gateway's spans to the OTLP exporter (`otel.traces`).
+    pub spans: crate::observe::otel::Spans,
     /// Rate limit of the lane-fallback WARN.
     pub fallback_log: FallbackLog,
     /// Open upgraded (WebSocket) tunnels.
@@ -134,6 +137,9 @@ pub async fn handle_with(
         record::Pending::new(plane, gen, || RequestCtx::begin(&info, peer, start, log));
     let (plane, gen, ctx) = pending.parts_mut();
     ctx.raw_ok = hints.raw_ok;
+    if let Some(o) = &gen.config.otel {
+        ctx.trace = Some(Box::new(traced(plane, o, &info.parts)));
+    }
     // The request's fields stay in `info` (moved only where the lane phase
     // takes them): each move of it copies the whole value.
     let routed = match invalid {
@@ -177,6 +183,35 @@ pub async fn handle_with(
     }
     ctx.end = Instant::now();
     Ok(record::respond(pending, resp))
+}
+
+/// The trace phase (`otel:`): the caller's trace continued or a new one
+/// started, sampled as `otel.traces` says (every new trace without it: the
+/// ids reach the logs and the nodes, no span is exported).
+fn traced(
+    plane: &DataPlane,
+    o: &crate::config::otel::OtelConfig,
+    parts: &http::request::Parts,
+) -> ctx::Traced {
+    let sampler = match &o.traces {
+        Some(t) => Sampler {
+            ratio: t.sample_ratio,
+            parent_based: t.parent_based,
+        },
+        None => Sampler {
+            ratio: 1.0,
+            parent_based: true,
+        },
+    };
+    let trace = TraceCtx::begin(&parts.headers, sampler);
+    let export = trace.sampled && plane.spans.enabled();
+    ctx::Traced {
+        export,
+        method: parts.method.clone(),
+        path: export.then(|| parts.uri.path().to_string()),
+        start: std::time::SystemTime::now(),
+        ctx: trace,
+    }
 }
 
 /// The route phase: the route for host and path (404 without one).

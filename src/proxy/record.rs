@@ -369,8 +369,79 @@ impl Pending {
                 upstream_ms: upstream.map(Entry::ms),
                 total_ms: Entry::ms(total),
                 error: error.map(ErrorKind::as_str),
+                trace_id: ctx.trace.as_ref().map(|t| t.ctx.trace_id_hex()),
+                span_id: ctx.trace.as_ref().map(|t| t.ctx.span_id_hex()),
             });
         }
+        if let Some(t) = ctx.trace.take().filter(|t| t.export) {
+            plane.spans.send(span(*t, decision, status, error, total));
+        }
+    }
+}
+
+/// The request's span: named `METHOD route` (OpenTelemetry's HTTP server
+/// span name), with the lane, what decided it, the rule, route, service,
+/// node, status and retries as attributes.
+fn span(
+    t: super::ctx::Traced,
+    decision: Option<&crate::base::decision::Decision>,
+    status: u16,
+    error: Option<ErrorKind>,
+    total: std::time::Duration,
+) -> crate::observe::otel::FinishedSpan {
+    use opentelemetry::KeyValue;
+    let route = decision.and_then(|d| d.route.as_deref());
+    let mut a = vec![
+        KeyValue::new("http.request.method", t.method.to_string()),
+        KeyValue::new("http.response.status_code", i64::from(status)),
+    ];
+    if let Some(p) = t.path {
+        a.push(KeyValue::new("url.path", p));
+    }
+    if let Some(r) = route {
+        a.push(KeyValue::new("http.route", r.to_string()));
+    }
+    if let Some(d) = decision {
+        a.push(KeyValue::new("graygate.lane", d.lane.to_string()));
+        a.push(KeyValue::new("graygate.decided_by", d.decided_by.as_str()));
+        if let Some(r) = d.decided_by.rule_name() {
+            a.push(KeyValue::new("graygate.rule", r.to_string()));
+        }
+        if let Some(s) = &d.service {
+            a.push(KeyValue::new("graygate.service", s.to_string()));
+        }
+        if let Some(n) = &d.node {
+            a.push(KeyValue::new("graygate.node", n.to_string()));
+        }
+        if let Some(l) = &d.served_lane {
+            a.push(KeyValue::new("graygate.served_lane", l.to_string()));
+        }
+        if let Some(f) = d.fallback {
+            a.push(KeyValue::new("graygate.fallback", f));
+        }
+        if d.attempts > 0 {
+            a.push(KeyValue::new("graygate.retries", i64::from(d.attempts - 1)));
+            if error.is_none() {
+                a.push(KeyValue::new("graygate.upstream_status", i64::from(status)));
+            }
+        }
+    }
+    if let Some(e) = error {
+        a.push(KeyValue::new("graygate.error", e.as_str()));
+    }
+    let name = match route {
+        Some(r) => format!("{} {r}", t.method),
+        None => t.method.to_string(),
+    };
+    crate::observe::otel::FinishedSpan {
+        trace_id: t.ctx.trace_id,
+        span_id: t.ctx.span_id,
+        parent: t.ctx.parent_span_id,
+        name,
+        start: t.start,
+        end: t.start + total,
+        attributes: a,
+        error: status >= 500 || error.is_some_and(|e| e.side() != Side::Client),
     }
 }
 
