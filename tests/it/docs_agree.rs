@@ -26,6 +26,7 @@ fn all_decided_by() -> Vec<DecidedBy> {
         DecidedBy::Default,
         DecidedBy::Script,
         DecidedBy::TrustedTag,
+        DecidedBy::TrustedBaggage,
         DecidedBy::ScriptError(String::new()),
         DecidedBy::InvalidLane(String::new()),
         DecidedBy::Deny(n.clone()),
@@ -41,6 +42,7 @@ fn all_decided_by() -> Vec<DecidedBy> {
             DecidedBy::Default
             | DecidedBy::Script
             | DecidedBy::TrustedTag
+            | DecidedBy::TrustedBaggage
             | DecidedBy::ScriptError(_)
             | DecidedBy::InvalidLane(_)
             | DecidedBy::Deny(_)

@@ -34,6 +34,7 @@ mod layering;
 mod listen;
 mod node_names;
 mod observability;
+mod otel;
 mod packaging;
 mod releases;
 mod reload;
