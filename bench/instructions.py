@@ -21,6 +21,9 @@ Usage:
                                                            # in graygate and nginx+lua
   python3 bench/instructions.py --interp              # adds graygate-interp: script_limits.jit: false
                                                       # (graygate itself runs the default, jit: auto)
+  python3 bench/instructions.py --otel --only graygate   # adds graygate-otel (otel: baggage and
+                                                      # trace context, no span export) and
+                                                      # graygate-otel-export (spans to a local OTLP sink)
   python3 bench/instructions.py --quick --graygate target/debug/graygate   # 20 requests (CI)
 With --script NAME, graygate runs bench/NAME.lua as its script and nginx runs
 `access_by_lua_block { ngx.var.lane = require("NAME").lane() or "formal" }`
@@ -135,6 +138,28 @@ def count(cmd, sock, unix, mixes, n, out, port=None, warmup=200):
         proc.wait()
 
 
+def otlp_sink():
+    """An OTLP/HTTP endpoint in this process that takes every export (an
+    empty ExportTraceServiceResponse, 200); returns its port."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    import threading
+
+    class Sink(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv.server_address[1]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=1000)
@@ -144,6 +169,9 @@ def main():
     ap.add_argument("--interp", action="store_true",
                     help="also graygate-interp: the same build with script_limits.jit: false "
                          "(graygate runs the shipped default, jit: auto: the compiler where it can run)")
+    ap.add_argument("--otel", action="store_true",
+                    help="also graygate-otel (otel: on, no export) and graygate-otel-export "
+                         "(every span exported over OTLP/HTTP to a sink in this process)")
     lib.add_quick(ap)
     a = ap.parse_args()
     warmup = 200
@@ -163,14 +191,23 @@ def main():
         # With --script, nginx binds a loopback TCP port itself (found free
         # just before; no inherited socket): an OpenResty script reads
         # ngx.var.remote_addr, which must be an address as in graygate.
-        def graygate(jit=None):
-            """`jit`: None leaves script_limits.jit at its default (auto)."""
+        def graygate(jit=None, otel=None):
+            """`jit`: None leaves script_limits.jit at its default (auto).
+            `otel`: "on" (baggage, trace context, no export) or "export"."""
             kw = {"script": os.path.join(lib.BENCH, f"{a.script}.lua")} if a.script else {}
             name = {None: "graygate", False: "graygate-interp", True: "graygate-jit"}[jit]
+            if otel:
+                name = {"on": "graygate-otel", "export": "graygate-otel-export"}[otel]
             gg = lib.write_graygate_config(work, name, 1, **kw)
             if jit is not None:
                 with open(gg, "a") as f:
                     f.write(f"script_limits:\n  jit: {str(jit).lower()}\n")
+            if otel:
+                with open(gg, "a") as f:
+                    f.write("otel:\n  service_name: graygate-bench\n")
+                    if otel == "export":
+                        f.write(f"  traces:\n    endpoint: http://127.0.0.1:{otlp_sink()}/v1/traces\n"
+                                "    flush_interval_ms: 200\n")
             return [a.graygate, "--config", gg], None, None, None
 
         def nginx():
@@ -198,11 +235,17 @@ def main():
             return ["haproxy", "-db", "-f", lib.haproxy_conf(work, sock.fileno())], sock, None, None
 
         targets = {"graygate": graygate, "graygate-interp": lambda: graygate(jit=False),
+                   "graygate-otel": lambda: graygate(otel="on"),
+                   "graygate-otel-export": lambda: graygate(otel="export"),
                    "graygate-jit": lambda: graygate(jit=True),
                    "nginx-lua": nginx, "haproxy-lua": haproxy}
         if a.script:
             del targets["haproxy-lua"]
-        names = a.only.split(",") if a.only else [t for t in targets if t not in ("graygate-interp", "graygate-jit")]
+        extra = ("graygate-interp", "graygate-jit", "graygate-otel", "graygate-otel-export")
+        names = a.only.split(",") if a.only else [t for t in targets if t not in extra]
+        if a.otel:
+            at = names.index("graygate") + 1 if "graygate" in names else 0
+            names[at:at] = [n for n in ("graygate-otel", "graygate-otel-export") if n not in names]
         if a.interp and "graygate-interp" not in names:
             names.insert(names.index("graygate") + 1 if "graygate" in names else 0, "graygate-interp")
         rows = {}

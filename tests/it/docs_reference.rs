@@ -96,6 +96,18 @@ const KINDS: &[Kind] = &[
         object: &["access_log"],
     },
     Kind {
+        name: "otel",
+        parse: main_file,
+        base: "listen: 127.0.0.1:8080\notel: {}\n",
+        object: &["otel"],
+    },
+    Kind {
+        name: "otel_traces",
+        parse: main_file,
+        base: "listen: 127.0.0.1:8080\notel:\n  traces: { endpoint: \"http://127.0.0.1:4318/v1/traces\" }\n",
+        object: &["otel", "traces"],
+    },
+    Kind {
         name: "demo_node",
         parse: main_file,
         base: "listen: 127.0.0.1:8080\ndemo_nodes:\n  - { name: demo, addr: \"127.0.0.1:18081\" }\n",

@@ -100,7 +100,9 @@ impl Py {
 
 /// `n` random bytes in lower-case hex (a trace or span id).
 pub fn hex_id(n: usize) -> String {
-    (0..n).map(|_| format!("{:02x}", fastrand::u8(1..))).collect()
+    (0..n)
+        .map(|_| format!("{:02x}", fastrand::u8(1..)))
+        .collect()
 }
 
 /// A real OTLP/HTTP receiver (`otlp_receiver.py`).
