@@ -120,6 +120,20 @@ fn errors_name_no_rust_types_and_suggest_the_close_key() {
         ),
         // A key with nothing after it.
         ("client:\n  idle_timeout_ms:\n", "invalid type: an empty value"),
+        // `otel:` values, named with their line.
+        (
+            "otel:\n  traces:\n    endpoint: https://collector:4318/v1/traces\n",
+            "g.yaml:6: otel.traces.endpoint \"https://collector:4318/v1/traces\": give an http:// URL",
+        ),
+        (
+            "otel:\n  baggage_key: \"graygate lane\"\n",
+            "g.yaml:5: otel.baggage_key \"graygate lane\" is not a baggage key",
+        ),
+        (
+            "otel:\n  traces: { endpoint: \"http://c:4318/v1/traces\", sample_ratio: 2 }\n",
+            "otel.traces.sample_ratio 2 must be between 0.0 and 1.0",
+        ),
+        ("otel: { trace: {} }\n", "unknown field `trace` (did you mean `traces`?)"),
     ];
     for (yaml, want) in cases {
         let cfg = Config::new().raw(yaml).write(&fx, "g.yaml");
