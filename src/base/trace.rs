@@ -78,15 +78,20 @@ fn nonzero<const N: usize>() -> [u8; N] {
     }
 }
 
+/// Lower-case hex of `b` into `out` (twice as long).
+fn hex_into(b: &[u8], out: &mut [u8]) {
+    const D: &[u8; 16] = b"0123456789abcdef";
+    for (x, o) in b.iter().zip(out.chunks_exact_mut(2)) {
+        o[0] = D[(x >> 4) as usize];
+        o[1] = D[(x & 15) as usize];
+    }
+}
+
 /// Lower-case hex.
 pub fn hex(b: &[u8]) -> String {
-    const D: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(b.len() * 2);
-    for x in b {
-        s.push(D[(x >> 4) as usize] as char);
-        s.push(D[(x & 15) as usize] as char);
-    }
-    s
+    let mut out = vec![0u8; b.len() * 2];
+    hex_into(b, &mut out);
+    String::from_utf8(out).expect("hex digits are text")
 }
 
 /// Sampled by trace id, as OpenTelemetry's `TraceIdRatioBased`: the trace
@@ -136,13 +141,13 @@ impl TraceCtx {
 
     /// The `traceparent` sent upstream: this trace, the gateway's span.
     pub fn traceparent(&self) -> HeaderValue {
-        let s = format!(
-            "00-{}-{}-{}",
-            hex(&self.trace_id),
-            hex(&self.span_id),
-            if self.sampled { "01" } else { "00" }
-        );
-        HeaderValue::from_str(&s).expect("hex is a header value")
+        let mut b = [0u8; 55];
+        b[..3].copy_from_slice(b"00-");
+        hex_into(&self.trace_id, &mut b[3..35]);
+        b[35] = b'-';
+        hex_into(&self.span_id, &mut b[36..52]);
+        b[52..].copy_from_slice(if self.sampled { b"-01" } else { b"-00" });
+        HeaderValue::from_bytes(&b).expect("hex is a header value")
     }
 
     pub fn trace_id_hex(&self) -> String {

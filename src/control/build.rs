@@ -526,14 +526,25 @@ impl Generation {
             .as_ref()
             .filter(|o| o.baggage)
             .map(|o| o.baggage_key.as_str().into());
-        let lane_tags = served_lanes
+        let lane_tags: BTreeMap<String, http::HeaderValue> = served_lanes
             .iter()
             .map(String::as_str)
             .chain([FORMAL])
             .filter_map(|l| Some((l.to_string(), http::HeaderValue::from_str(l).ok()?)))
             .collect();
+        let lane_baggage = match config.otel.as_ref().filter(|o| o.baggage) {
+            Some(o) => lane_tags
+                .keys()
+                .filter_map(|l: &String| {
+                    let v = http::HeaderValue::from_str(&format!("{}={l}", o.baggage_key)).ok()?;
+                    Some((l.clone(), v))
+                })
+                .collect(),
+            None => Default::default(),
+        };
         Ok(Generation {
             id,
+            lane_baggage,
             config_path: config_path.to_path_buf(),
             config,
             trusted,

@@ -67,6 +67,10 @@ pub struct Generation {
     /// Ready-made upstream tag values for the served lanes and formal (no
     /// per-request allocation for them).
     pub lane_tags: BTreeMap<String, http::HeaderValue>,
+    /// With `otel:` baggage on: the upstream `baggage` value of a request
+    /// that came without one (`graygate.lane=<lane>`), ready-made for the
+    /// served lanes and formal.
+    pub lane_baggage: BTreeMap<String, http::HeaderValue>,
     /// This generation's id as a header value.
     pub id_tag: http::HeaderValue,
     /// TLS server configuration of each `config.listeners` entry (`None`

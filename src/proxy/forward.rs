@@ -78,9 +78,9 @@ pub async fn forward(
     // The serve phase's start (one clock read fewer per request).
     let t0 = ctx.serve_start.unwrap_or_else(Instant::now);
     let mut out = rewrite_request(gen, (client, t0), decision, parts, upstream, upgrades);
-    if let Some(o) = &gen.config.otel {
+    if gen.config.otel.is_some() {
         let trace = ctx.trace.as_deref().map(|t| &t.ctx);
-        otel_fields(plane, o, &decision.lane, trace, &mut out.headers);
+        otel_fields(plane, gen, &decision.lane, trace, &mut out.headers);
     }
     // No body (the common GET): nothing to wait for, no timer.
     let replay = if hyper::body::Body::is_end_stream(&body) {
@@ -257,23 +257,37 @@ fn rewrite_request<'g>(
 /// counted.
 fn otel_fields(
     plane: &DataPlane,
-    o: &crate::config::otel::OtelConfig,
+    gen: &Generation,
     lane: &str,
     trace: Option<&crate::base::trace::TraceCtx>,
     headers: &mut HeaderMap,
 ) {
+    let Some(o) = &gen.config.otel else {
+        return;
+    };
     if o.baggage {
-        let (value, problem) = {
-            let parsed = baggage::parse(headers.get_all(BAGGAGE).iter(), &o.baggage_key);
-            (parsed.outbound(&o.baggage_key, lane).0, parsed.problem)
+        let ready = gen
+            .lane_baggage
+            .get(lane)
+            .filter(|_| !headers.contains_key(BAGGAGE));
+        let value = match ready {
+            // No baggage from the client: the lane's ready-made value.
+            Some(v) => v.clone(),
+            None => {
+                let (value, problem) = {
+                    let parsed = baggage::parse(headers.get_all(BAGGAGE).iter(), &o.baggage_key);
+                    (parsed.outbound(&o.baggage_key, lane).0, parsed.problem)
+                };
+                if let Some(p) = problem {
+                    plane
+                        .metrics
+                        .baggage_problems
+                        .with_label_values(&[p.as_str()])
+                        .inc();
+                }
+                value
+            }
         };
-        if let Some(p) = problem {
-            plane
-                .metrics
-                .baggage_problems
-                .with_label_values(&[p.as_str()])
-                .inc();
-        }
         headers.insert(BAGGAGE, value);
     }
     if let Some(t) = trace {
