@@ -298,6 +298,10 @@ async fn gateway_spans_reach_an_otlp_receiver_with_their_attributes_and_parents(
         // span says so.
         let edge_span = e["span_id"].as_str().unwrap();
         assert_eq!(seen["traceparent"], format!("00-{trace}-{edge_span}-01"));
+        assert_eq!(
+            seen["tracestate"], "vendor=opaque",
+            "the caller's tracestate goes on"
+        );
         let a = of(&spans, trace, "svc-a");
         assert!(a.iter().any(|s| s["parent_span_id"] == edge_span), "{a:?}");
         // The internal gateway's span hangs under one of A's spans (its

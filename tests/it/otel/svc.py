@@ -5,7 +5,7 @@ calls) and threading (context carried into a thread pool). Several
 instances run in one process, one per `--serve NAME:PORT` (port 0: a
 free one; the ports are printed on the `ready` line).
 
-GET / answers {"svc": NAME, "baggage": ..., "traceparent": ...}: what the
+GET / answers {"svc": NAME, "baggage": ..., "traceparent": ..., "tracestate": ...}: what the
 instance received. With --next URL it first calls URL from a worker thread
 of a pool and nests that answer under "next".
 
@@ -60,6 +60,7 @@ def main():
                 "svc": name,
                 "baggage": request.headers.get("baggage"),
                 "traceparent": request.headers.get("traceparent"),
+                "tracestate": request.headers.get("tracestate"),
             }
             if a.next:
                 # The call runs on a pool thread: only the threading
