@@ -122,26 +122,23 @@ fn build(q: &Query) -> Result<http::request::Parts, String> {
 /// trace id and span as the parent) or new; the gateway's span id is
 /// drawn per request, so none is shown.
 fn trace(o: &crate::config::otel::OtelConfig, headers: &http::HeaderMap) -> serde_json::Value {
-    use crate::base::trace::{hex, parse_traceparent, ratio_sampled};
-    let given = headers.get("traceparent");
+    use crate::base::trace::{hex, parse_traceparent, Sampler, TRACEPARENT};
+    let given = headers.get(TRACEPARENT);
     let parsed = given.and_then(|v| parse_traceparent(v.as_bytes()));
-    let (ratio, parent_based) = o
-        .traces
-        .as_ref()
-        .map_or((1.0, true), |t| (t.sample_ratio, t.parent_based));
+    let sampler = Sampler::of(o);
     match parsed {
         Some((trace_id, parent, flags)) => serde_json::json!({
             "continued": true,
             "trace_id": hex(&trace_id),
             "parent_span_id": hex(&parent),
-            "sampled": if parent_based { flags & 1 == 1 } else { ratio_sampled(&trace_id, ratio) },
+            "sampled": sampler.sampled(&trace_id, Some(flags)),
             "exported": o.traces.is_some(),
         }),
         None => serde_json::json!({
             "continued": false,
             "invalid_traceparent": given.map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()),
             "note": "a new trace is started (its id is drawn per request)",
-            "sample_ratio": ratio,
+            "sample_ratio": sampler.ratio,
             "exported": o.traces.is_some(),
         }),
     }
@@ -153,18 +150,14 @@ fn baggage(
     headers: &http::HeaderMap,
     peer_trusted: bool,
 ) -> serde_json::Value {
-    use crate::base::baggage::{parse, LaneMember};
-    let fields = headers.get_all("baggage");
-    let b = parse(fields.iter(), &o.baggage_key);
-    let member = match b.lane_member() {
-        LaneMember::Value(v) => Some(v),
-        LaneMember::Absent => None,
-    };
+    use crate::base::baggage::{parse, LaneMember, BAGGAGE};
+    let b = parse(headers.get_all(BAGGAGE).iter(), &o.baggage_key);
+    let believable = matches!(b.lane_member(), LaneMember::Value(_));
     serde_json::json!({
         "key": o.baggage_key,
         "lane_member": b.lane,
         "problem": b.problem.map(|p| p.as_str()),
-        "believed": peer_trusted && member.is_some(),
+        "believed": peer_trusted && believable,
         "note": if !peer_trusted && b.lane.is_some() {
             Some("the peer is not a trusted proxy: its lane member is replaced, not believed")
         } else {
@@ -201,7 +194,11 @@ pub fn run(gw: &Gateway, q: Query) -> Response<Body> {
         if o.baggage {
             out["baggage"] = baggage(o, &info.parts.headers, peer_trusted);
         }
-    } else if info.parts.headers.contains_key("traceparent") {
+    } else if info
+        .parts
+        .headers
+        .contains_key(crate::base::trace::TRACEPARENT)
+    {
         out["trace"] = serde_json::json!({
             "note": "no otel: section: the gateway does not read or forward trace context",
         });

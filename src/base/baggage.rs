@@ -6,7 +6,11 @@
 //! members from the end. Any problem makes the header unusable for the lane
 //! decision (it never breaks the request) and is reported for counting.
 
-use http::HeaderValue;
+use http::{HeaderName, HeaderValue};
+
+use crate::config::otel::valid_baggage_key as is_token;
+
+pub const BAGGAGE: HeaderName = HeaderName::from_static("baggage");
 
 /// The most members a baggage header carries (W3C Baggage, "Limits").
 pub const MAX_MEMBERS: usize = 64;
@@ -64,10 +68,6 @@ fn ows(b: u8) -> bool {
 
 fn trim(s: &str) -> &str {
     s.trim_matches(|c: char| c == ' ' || c == '\t')
-}
-
-fn is_token(s: &str) -> bool {
-    crate::config::otel::valid_baggage_key(s)
 }
 
 /// `baggage-octet`: US-ASCII but controls, space, `"`, `,`, `;`, `\`.

@@ -5,7 +5,12 @@
 //! `TraceIdRatioBased`), and the `traceparent` forwarded upstream with the
 //! gateway's span as the parent.
 
-use http::{HeaderMap, HeaderValue};
+use http::{HeaderMap, HeaderName, HeaderValue};
+
+use crate::config::otel::OtelConfig;
+
+pub const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+pub const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
 
 /// How new traces are sampled.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -14,6 +19,32 @@ pub struct Sampler {
     pub ratio: f64,
     /// An inbound parent's sampled flag decides.
     pub parent_based: bool,
+}
+
+impl Sampler {
+    /// The sampler `otel:` configures: `traces:`'s, else every new trace
+    /// (no span leaves the gateway then; the ids reach logs and nodes).
+    pub fn of(o: &OtelConfig) -> Sampler {
+        match &o.traces {
+            Some(t) => Sampler {
+                ratio: t.sample_ratio,
+                parent_based: t.parent_based,
+            },
+            None => Sampler {
+                ratio: 1.0,
+                parent_based: true,
+            },
+        }
+    }
+
+    /// Whether a trace is sampled: the caller's flags (`parent_flags`, a
+    /// continued trace) decide when parent-based, else the trace id.
+    pub fn sampled(self, trace_id: &[u8; 16], parent_flags: Option<u8>) -> bool {
+        match parent_flags {
+            Some(flags) if self.parent_based => flags & 1 == 1,
+            _ => ratio_sampled(trace_id, self.ratio),
+        }
+    }
 }
 
 /// One request's trace context.
@@ -106,30 +137,23 @@ impl TraceCtx {
     /// Continues the request's trace (one valid `traceparent`) or starts
     /// one.
     pub fn begin(headers: &HeaderMap, sampler: Sampler) -> TraceCtx {
-        let mut fields = headers.get_all("traceparent").iter();
+        let mut fields = headers.get_all(TRACEPARENT).iter();
         let parent = match (fields.next(), fields.next()) {
             (Some(v), None) => parse_traceparent(v.as_bytes()),
             _ => None,
         };
         match parent {
-            Some((trace_id, parent, flags)) => {
-                let sampled = if sampler.parent_based {
-                    flags & 1 == 1
-                } else {
-                    ratio_sampled(&trace_id, sampler.ratio)
-                };
-                TraceCtx {
-                    trace_id,
-                    span_id: nonzero(),
-                    parent_span_id: Some(parent),
-                    sampled,
-                    tracestate: tracestate(headers),
-                }
-            }
+            Some((trace_id, parent, flags)) => TraceCtx {
+                sampled: sampler.sampled(&trace_id, Some(flags)),
+                trace_id,
+                span_id: nonzero(),
+                parent_span_id: Some(parent),
+                tracestate: tracestate(headers),
+            },
             None => {
                 let trace_id = nonzero();
                 TraceCtx {
-                    sampled: ratio_sampled(&trace_id, sampler.ratio),
+                    sampled: sampler.sampled(&trace_id, None),
                     trace_id,
                     span_id: nonzero(),
                     parent_span_id: None,
@@ -161,7 +185,7 @@ impl TraceCtx {
 
 /// The caller's `tracestate` fields as one value (dropped when over 8 KiB).
 fn tracestate(headers: &HeaderMap) -> Option<HeaderValue> {
-    let mut fields = headers.get_all("tracestate").iter();
+    let mut fields = headers.get_all(TRACESTATE).iter();
     let first = fields.next()?;
     let rest: Vec<&HeaderValue> = fields.collect();
     if rest.is_empty() {

@@ -521,18 +521,15 @@ impl Generation {
             }
         }
         let trusted = IpList::from_nets(config.trusted_proxies.iter().copied());
-        let baggage_key = config
-            .otel
-            .as_ref()
-            .filter(|o| o.baggage)
-            .map(|o| o.baggage_key.as_str().into());
+        let baggage_on = config.otel.as_ref().filter(|o| o.baggage);
+        let baggage_key = baggage_on.map(|o| o.baggage_key.as_str().into());
         let lane_tags: BTreeMap<String, http::HeaderValue> = served_lanes
             .iter()
             .map(String::as_str)
             .chain([FORMAL])
             .filter_map(|l| Some((l.to_string(), http::HeaderValue::from_str(l).ok()?)))
             .collect();
-        let lane_baggage = match config.otel.as_ref().filter(|o| o.baggage) {
+        let lane_baggage = match baggage_on {
             Some(o) => lane_tags
                 .keys()
                 .filter_map(|l: &String| {

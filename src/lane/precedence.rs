@@ -11,6 +11,7 @@ use http::HeaderValue;
 
 use super::sticky::{unix_now, Pin};
 use super::{rules, script, DecidedBy, Decision, LanePolicy, RequestInfo};
+use crate::base::baggage::BAGGAGE;
 use crate::base::ratelog::log_limited;
 use crate::config::{valid_lane, FORMAL};
 
@@ -208,13 +209,11 @@ fn trusted_tag(v: &HeaderValue) -> Decision {
 /// without one, or when the header has a problem: malformed baggage is
 /// ignored, never a failure).
 fn trusted_baggage(req: &RequestInfo, key: &str) -> Option<Decision> {
-    let fields = req
-        .parts
-        .headers
-        .get_all(http::header::HeaderName::from_static("baggage"));
-    let mut fields = fields.iter().peekable();
-    fields.peek()?;
-    match crate::base::baggage::parse(fields, key).lane_member() {
+    let headers = &req.parts.headers;
+    if !headers.contains_key(BAGGAGE) {
+        return None;
+    }
+    match crate::base::baggage::parse(headers.get_all(BAGGAGE).iter(), key).lane_member() {
         crate::base::baggage::LaneMember::Absent => None,
         crate::base::baggage::LaneMember::Value(v) if valid_lane(&v) => {
             Some(Decision::new(v, DecidedBy::TrustedBaggage))

@@ -17,12 +17,13 @@ use hyper_util::rt::TokioIo;
 
 use super::ctx::{Client, RequestCtx, Verdict};
 use super::{lane_tag, DataPlane};
-use crate::base::baggage;
+use crate::base::baggage::{self, BAGGAGE};
 use crate::base::body::{boxed, Body, RequestBody};
 use crate::base::clock::now_ms;
 use crate::base::counter::Counted;
 use crate::base::decision::Decision;
 use crate::base::error::{Error, ErrorKind};
+use crate::base::trace::{TRACEPARENT, TRACESTATE};
 use crate::config::{UpstreamConfig, FORMAL};
 use crate::generation::Generation;
 use crate::nodes::{Choice, Fallback, NoCandidates, Service};
@@ -78,9 +79,9 @@ pub async fn forward(
     // The serve phase's start (one clock read fewer per request).
     let t0 = ctx.serve_start.unwrap_or_else(Instant::now);
     let mut out = rewrite_request(gen, (client, t0), decision, parts, upstream, upgrades);
-    if gen.config.otel.is_some() {
+    if let Some(o) = &gen.config.otel {
         let trace = ctx.trace.as_deref().map(|t| &t.ctx);
-        otel_fields(plane, gen, &decision.lane, trace, &mut out.headers);
+        otel_fields(plane, gen, o, (&decision.lane, trace), &mut out.headers);
     }
     // No body (the common GET): nothing to wait for, no timer.
     let replay = if hyper::body::Body::is_end_stream(&body) {
@@ -258,13 +259,10 @@ fn rewrite_request<'g>(
 fn otel_fields(
     plane: &DataPlane,
     gen: &Generation,
-    lane: &str,
-    trace: Option<&crate::base::trace::TraceCtx>,
+    o: &crate::config::otel::OtelConfig,
+    (lane, trace): (&str, Option<&crate::base::trace::TraceCtx>),
     headers: &mut HeaderMap,
 ) {
-    let Some(o) = &gen.config.otel else {
-        return;
-    };
     if o.baggage {
         let ready = gen
             .lane_baggage
@@ -302,10 +300,6 @@ fn otel_fields(
         }
     }
 }
-
-const BAGGAGE: header::HeaderName = header::HeaderName::from_static("baggage");
-const TRACEPARENT: header::HeaderName = header::HeaderName::from_static("traceparent");
-const TRACESTATE: header::HeaderName = header::HeaderName::from_static("tracestate");
 
 /// The body phase (for a request with a body): an idempotent body up to
 /// `retry_buffer_bytes` is buffered for replay, a larger one streams. A

@@ -193,17 +193,7 @@ fn traced(
     o: &crate::config::otel::OtelConfig,
     parts: &http::request::Parts,
 ) -> ctx::Traced {
-    let sampler = match &o.traces {
-        Some(t) => Sampler {
-            ratio: t.sample_ratio,
-            parent_based: t.parent_based,
-        },
-        None => Sampler {
-            ratio: 1.0,
-            parent_based: true,
-        },
-    };
-    let trace = TraceCtx::begin(&parts.headers, sampler);
+    let trace = TraceCtx::begin(&parts.headers, Sampler::of(o));
     let export = trace.sampled && plane.spans.enabled();
     ctx::Traced {
         export,
