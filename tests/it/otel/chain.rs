@@ -380,6 +380,7 @@ async fn a_collector_that_never_answers_costs_requests_nothing_and_spans_are_cou
     // getting trace context, and baggage passes as the client sent it.
     let before = gw.generation().await;
     config
+        .clone()
         .raw("otel: { baggage: false }\n")
         .write_rename(&fx, "gg.yaml");
     gw.wait_generation(before).await;
@@ -404,4 +405,34 @@ async fn a_collector_that_never_answers_costs_requests_nothing_and_spans_are_cou
     assert_eq!(e["trace"]["parent_span_id"], "00f067aa0ba902b7", "{e}");
     assert_eq!(e["trace"]["exported"], false, "{e}");
     assert!(e.get("baggage").is_none(), "{e}");
+    // The baggage key and the sampling are the configuration's: a key of
+    // the operator's own, and ratio 0 for new traces while a caller's
+    // sampled flag still decides (parent-based).
+    let before = gw.generation().await;
+    config
+        .raw(&format!(
+            "otel:\n  baggage_key: lane\n  traces:\n    endpoint: http://{stuck_addr}/v1/traces\n    sample_ratio: 0.0\n"
+        ))
+        .write_rename(&fx, "gg.yaml");
+    gw.wait_generation(before).await;
+    assert_eq!(gw.get("/").await.status, 200);
+    assert_eq!(f1.last().header("baggage").as_deref(), Some("lane=formal"));
+    let tp = f1.last().header("traceparent").unwrap();
+    assert!(
+        tp.ends_with("-00"),
+        "a new trace at ratio 0 is not sampled: {tp}"
+    );
+    let r = Req::get("/")
+        .header(
+            "traceparent",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        )
+        .send(gw.addr)
+        .await;
+    assert_eq!(r.status, 200);
+    let tp = f1.last().header("traceparent").unwrap();
+    assert!(
+        tp.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-") && tp.ends_with("-01"),
+        "the caller's sampled flag decides: {tp}"
+    );
 }
