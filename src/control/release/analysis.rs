@@ -6,33 +6,53 @@
 //!
 //! The rule, in plain words (the guide states it for operators):
 //!
-//! - **Anytime-valid bounds.** Every rate (gray's and formal's error rate,
-//!   the share of formal below a latency, the share of gray above one) is
-//!   bounded by a confidence sequence: the Beta(½, ½) mixture of Bernoulli
-//!   likelihood ratios ([`upper`], [`lower`]). The mixture is a
-//!   nonnegative martingale under the true rate, so by Ville's inequality
-//!   the bound holds at every look at once with probability 1 − α: looking
-//!   every interval costs nothing.
-//! - **Fail only on evidence.** Errors fail when gray's lower bound minus
-//!   formal's upper bound exceeds `max_error_delta_pp`. Latency fails when,
-//!   at the judged quantile q or a lower level (0.9, 0.5), more than the
-//!   share 1 − level of gray's requests is certainly above
-//!   max(`max_p99_ratio` × formal's level, formal's level +
-//!   `min_p99_delta_ms`), formal's level taken at its upper bound: an 8×
-//!   slower gray fails on the median after a few dozen requests, long
-//!   before formal's p99 can be bounded.
+//! - **Errors: one sequential test of the difference.** Errors fail when
+//!   the evidence rejects "gray's error rate is at most formal's +
+//!   `max_error_delta_pp`" (`rejects`). For every rate r formal might
+//!   have, gray's e-process against "gray ≤ r + margin" times formal's
+//!   against "formal ≥ r"; the test takes the smallest product over all
+//!   r (certified, not sampled: each factor is monotone in r) and fails
+//!   at 1/α. Each lane's e-process is an equal-weight mixture of Bernoulli
+//!   likelihood ratios over steps of the log odds (`tilts`: from 4 ×
+//!   the margin, the smallest step the margin can need, up to 16), a
+//!   nonnegative supermartingale under any rate on its null side; at the
+//!   true rates the product is one (each request moves one lane's
+//!   factor), and the smallest product is at most it, so by Ville's
+//!   inequality a healthy gray fails at some look with probability at
+//!   most α: looking every interval costs nothing. The likelihoods are
+//!   exact: a formal without errors has evidence only as strong as its
+//!   requests make it (kayenta#799), no normal approximation.
+//! - **Assumption.** There is one rate r with formal's chance of an
+//!   error at least r and gray's at most r + margin at every request,
+//!   given everything before it (independent requests at a rate constant
+//!   over the step are the ordinary case), and which lane serves a
+//!   request does not depend on whether it will fail.
+//! - **Latency: anytime-valid bounds.** The share of formal below a
+//!   latency and the share of gray above one are bounded by a confidence
+//!   sequence: the Beta(½, ½) mixture of Bernoulli likelihood ratios
+//!   ([`upper`], [`lower`]), a nonnegative martingale under the true rate
+//!   (Ville's inequality again).
+//! - **Latency fails** when, at the judged quantile q or a lower level
+//!   (0.9, 0.5), more than the share 1 − level of gray's requests is
+//!   certainly above max(`max_p99_ratio` × formal's level, formal's
+//!   level + `min_p99_delta_ms`), formal's level taken at its upper
+//!   bound: an 8× slower gray fails on the median after a few dozen
+//!   requests, long before formal's p99 can be bounded.
 //! - **The budget.** [`ALPHA`] (1 %) over the whole release: split evenly
-//!   over its judged steps, then between the two checks, then over each
-//!   check's bounds (union bound). So a healthy gray is rolled back with
-//!   probability at most 1 % however long the release runs and however
-//!   often it is looked at (each start of a step's sequence — a restart, a
-//!   new fleet leader, an operator's action — spends the step's share
-//!   again).
-//! - **Pass on enough evidence.** Errors pass when gray's upper bound minus
-//!   formal's lower bound is within `max_error_delta_pp`, at
-//!   [`PASS_LEVEL`] (90 %); latency passes when the estimate is within the
-//!   threshold and the sample could have caught a gray [`DETECT_FACTOR`]
-//!   times the threshold's ratio slower (`max_p99_ratio`, or more where
+//!   over its judged steps, then between the two checks ([`ERROR_SHARE`],
+//!   ¾, to errors: latency's large effects need little), then over
+//!   latency's bounds (union bound; errors spend theirs on the one test,
+//!   or ¾ of it when `max_error_rate_pct` adds a ceiling test). So a
+//!   healthy gray is rolled back with probability at most 1 % however
+//!   long the release runs and however often it is looked at (each start
+//!   of a step's sequence — a restart, a new fleet leader, an operator's
+//!   action — spends the step's share again).
+//! - **Pass on enough evidence.** Errors pass when the mirror test
+//!   rejects "gray's rate is at least formal's + `max_error_delta_pp`" at
+//!   [`PASS_LEVEL`] (90 %): gray's excess is within the margin. Latency
+//!   passes when the estimate is within the threshold and the sample
+//!   could have caught a gray [`DETECT_FACTOR`] times the threshold's
+//!   ratio slower (`max_p99_ratio`, or more where
 //!   `min_p99_delta_ms` dominates a fast formal). Every judgement states
 //!   the smallest error-rate rise and latency ratio its sample could have
 //!   detected.
@@ -44,12 +64,14 @@ use crate::observe::lanes::{bucket_lower_us, bucket_upper_us, LaneSnapshot};
 /// The chance of rolling back a healthy gray, over a whole release.
 pub const ALPHA: f64 = 0.01;
 /// The chance of a pass on the error rate of a gray whose rise is beyond
-/// `max_error_delta_pp`: the pass bounds are at 90 %.
+/// `max_error_delta_pp`: the pass test is at 90 %.
 pub const PASS_LEVEL: f64 = 0.1;
 /// A latency pass needs a sample that would have caught a gray this many
 /// times `max_p99_ratio` slower.
 pub const DETECT_FACTOR: f64 = 2.0;
-/// The mixture's prior: Beta(½, ½).
+/// The error check's share of a step's α; latency has the rest.
+pub const ERROR_SHARE: f64 = 0.75;
+/// The latency bounds' mixture prior: Beta(½, ½).
 const PRIOR: f64 = 0.5;
 
 /// ln Γ(x), x > 0 (Lanczos, g = 7).
@@ -137,13 +159,25 @@ pub fn step_alpha(judged_steps: usize) -> f64 {
 }
 
 /// Kept for the dashboard: the requests per lane a healthy gray without
-/// errors needs for the error check to pass.
+/// errors needs, against a formal without errors, for the error check to
+/// pass.
 pub fn min_error_sample(a: &AnalysisSpec) -> u64 {
     let margin = (a.max_error_delta_pp / 100.0).max(1e-6);
+    let t = tilts(margin);
+    let passes = |n: u64| {
+        rejects(
+            &t,
+            (0.0, n as f64),
+            (0.0, n as f64),
+            margin,
+            false,
+            PASS_LEVEL,
+        )
+    };
     let (mut lo, mut hi) = (1u64, 1u64 << 40);
     while lo < hi {
         let mid = (lo + hi) / 2;
-        if upper(0, mid, PASS_LEVEL / 2.0) <= margin {
+        if passes(mid) {
             hi = mid;
         } else {
             lo = mid + 1;
@@ -262,8 +296,8 @@ pub fn decide(
             )
         };
     }
-    let (errors, why_e, rise) = error_check(a, g, f, alpha / 2.0, detect);
-    let (latency, why_l, ratio) = latency_check(a, g, f, alpha / 2.0, detect);
+    let (errors, why_e, rise) = error_check(a, g, f, alpha * ERROR_SHARE, detect);
+    let (latency, why_l, ratio) = latency_check(a, g, f, alpha * (1.0 - ERROR_SHARE), detect);
     let outcome = match (errors, latency) {
         (Check::Fail, _) | (_, Check::Fail) => "fail",
         (Check::Pass, Check::Pass) => "pass",
@@ -297,6 +331,181 @@ pub fn decide(
     }
 }
 
+/// The error test's mixture: steps λ of the natural parameter (the log
+/// odds, logit(p′) − logit(p)), from the smallest a margin `d` can need
+/// (4·d: a rise of the whole margin at a rate of 50 %, where the log
+/// odds move slowest) up by [`TILT_RATIO`] to [`TILT_MAX`] (a rate of
+/// 0.5 % tilted to 99.99 %), each of the same weight.
+fn tilts(d: f64) -> Vec<f64> {
+    let min = (4.0 * d).clamp(1e-4, 1.0);
+    std::iter::successors(Some(min), |t| Some(t * TILT_RATIO))
+        .take_while(|t| *t <= TILT_MAX)
+        .collect()
+}
+
+const TILT_MAX: f64 = 16.0;
+const TILT_RATIO: f64 = 1.1;
+
+/// ln of the one-sided mixture e-process of a lane with `x` errors in
+/// `n` against its rate being at most `p` (`up`: alternatives above `p`)
+/// or at least `p` (`!up`: alternatives below). Each term is the
+/// likelihood ratio of Bernoulli(p′) to Bernoulli(p), p′ = p tilted by a
+/// step λ of the log odds: exp(±λx − n ln(1 − p + p e^{±λ})). Under any
+/// rate on the null side each term's expected factor per request is at
+/// most 1, so the equal-weight mixture is a nonnegative supermartingale.
+/// Decreasing in `p` when `up`, increasing when not.
+fn ln_tilted(tilts: &[f64], x: f64, n: f64, p: f64, up: bool) -> f64 {
+    let p = p.clamp(0.0, 1.0);
+    let s = if up { 1.0 } else { -1.0 };
+    let terms = tilts
+        .iter()
+        .map(|t| s * t * x - n * (p * (s * t).exp_m1()).ln_1p());
+    let mut top = f64::NEG_INFINITY;
+    let mut sum = 0.0;
+    for v in terms {
+        if v > top {
+            sum = sum * (top - v).exp() + 1.0;
+            top = v;
+        } else {
+            sum += (v - top).exp();
+        }
+    }
+    top + (sum / tilts.len() as f64).ln()
+}
+
+/// Whether `dec(r) + inc(r) ≥ need` for every `r` in `[r0, r1]`, `dec`
+/// non-increasing and `inc` non-decreasing: on an interval the sum is at
+/// least `dec(hi) + inc(lo)`, refined where that is not enough. `probe`
+/// is tried first (where the sum is likely smallest: most answers are a
+/// quick no). `false` when it cannot tell within its budget of
+/// evaluations (the safe side).
+fn everywhere_above(
+    dec: impl Fn(f64) -> f64,
+    inc: impl Fn(f64) -> f64,
+    [r0, r1, probe]: [f64; 3],
+    need: f64,
+) -> bool {
+    // A point: r and (dec(r), inc(r)).
+    type Point = (f64, (f64, f64));
+    if r1 < r0 {
+        return false;
+    }
+    let eval = |r: f64| (dec(r), inc(r));
+    let p = eval(probe.clamp(r0, r1));
+    if p.0 + p.1 < need {
+        return false;
+    }
+    // Seeds: r0, and r0 + (r1 − r0) / 4^k, finest first.
+    let mut pts: Vec<Point> = Vec::with_capacity(16);
+    for k in (0..=13).rev() {
+        let r = if k == 13 {
+            r0
+        } else {
+            r0 + (r1 - r0) / (1u64 << (2 * k)) as f64
+        };
+        let v = eval(r);
+        if v.0 + v.1 < need {
+            return false;
+        }
+        pts.push((r, v));
+    }
+    let mut todo: Vec<(Point, Point)> = pts
+        .windows(2)
+        .map(|w| (w[0], w[1]))
+        .filter(|(lo, hi)| hi.1 .0 + lo.1 .1 < need)
+        .collect();
+    let mut budget = 400;
+    while let Some((lo, hi)) = todo.pop() {
+        budget -= 1;
+        // Halved in ratio where the interval spans scales, else in width.
+        let m = if lo.0 > r0 && hi.0 > 2.0 * lo.0 {
+            (lo.0 * hi.0).sqrt()
+        } else {
+            0.5 * (lo.0 + hi.0)
+        };
+        if budget == 0 || !(lo.0 < m && m < hi.0) {
+            return false;
+        }
+        let v = eval(m);
+        if v.0 + v.1 < need {
+            return false;
+        }
+        let mid = (m, v);
+        for (a, b) in [(lo, mid), (mid, hi)] {
+            if b.1 .0 + a.1 .1 < need {
+                todo.push((a, b));
+            }
+        }
+    }
+    true
+}
+
+/// Errors of a lane: (errors, requests).
+type Count = (f64, f64);
+
+/// Whether the evidence rejects "gray's error rate − formal's ≤ `d`"
+/// (`above`) or "≥ `d`" (`!above`) at `alpha`, at every look at once.
+///
+/// The test: for each rate r formal might have, gray's e-process against
+/// r + `d` (gray at most that when `above`) times formal's against r
+/// (formal at least r); the null is rejected when the smallest product
+/// over all r reaches 1/`alpha`. Under the null, the product at the true
+/// rates is a nonnegative supermartingale (each request moves one lane's
+/// factor), and the smallest product is at most it: by Ville's
+/// inequality it ever reaches 1/`alpha` with probability at most `alpha`.
+fn rejects(t: &[f64], g: Count, f: Count, d: f64, above: bool, alpha: f64) -> bool {
+    let (rg, rf) = (g.0 / g.1.max(1.0), f.0 / f.1.max(1.0));
+    // At formal's own estimate both factors are at most 1.
+    if (above && rg - rf <= d) || (!above && rg - rf >= d) {
+        return false;
+    }
+    let need = (1.0 / alpha).ln();
+    let (r0, r1) = ((-d).max(0.0), (1.0 - d).min(1.0));
+    if above {
+        everywhere_above(
+            |r| ln_tilted(t, g.0, g.1, r + d, true),
+            |r| ln_tilted(t, f.0, f.1, r, false),
+            [r0, r1, rf],
+            need,
+        )
+    } else {
+        everywhere_above(
+            |r| ln_tilted(t, f.0, f.1, r, true),
+            |r| ln_tilted(t, g.0, g.1, r + d, false),
+            [r0, r1, rf],
+            need,
+        )
+    }
+}
+
+/// The bound of gray's excess over formal (rate difference) at `alpha`:
+/// the largest `d` rejected from above (`lower`), or the smallest from
+/// below.
+fn excess_bound(t: &[f64], g: Count, f: Count, alpha: f64, lower: bool) -> f64 {
+    let est = g.0 / g.1.max(1.0) - f.0 / f.1.max(1.0);
+    // lower: rejected below the bound b, not from b; upper: not up to b,
+    // then rejected.
+    // To within 0.01 pp: 2^-14 of the widest bracket.
+    let (mut lo, mut hi) = if lower {
+        (est - 1.0, est)
+    } else {
+        (est, est + 1.0)
+    };
+    for _ in 0..14 {
+        let mid = 0.5 * (lo + hi);
+        if rejects(t, g, f, mid, lower, alpha) == lower {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    if lower {
+        lo
+    } else {
+        hi
+    }
+}
+
 /// The error check with its share `alpha`: the verdict, why, and the
 /// smallest rise (pp) that would have failed.
 fn error_check(
@@ -306,14 +515,17 @@ fn error_check(
     alpha: f64,
     detect: bool,
 ) -> (Check, String, Option<f64>) {
-    let rate = |s: &LaneSnapshot| s.errors as f64 / s.requests.max(1) as f64;
-    let (rg, rf) = (rate(g), rate(f));
+    let count = |s: &LaneSnapshot| (s.errors as f64, s.requests as f64);
+    let (cg, cf) = (count(g), count(f));
+    let (rg, rf) = (cg.0 / cg.1.max(1.0), cf.0 / cf.1.max(1.0));
     let margin = a.max_error_delta_pp / 100.0;
-    // Gray's lower and formal's upper bound, each with half the share.
-    let each = alpha / 2.0;
-    let f_high = upper(f.errors, f.requests, each);
-    let g_low = lower(g.errors, g.requests, each);
-    let fails = |x: u64| certainly_above(x, g.requests, f_high + margin, each);
+    // A ceiling is one more test: it takes a quarter of the share.
+    let (each, ceiling_alpha) = match a.max_error_rate_pct {
+        Some(_) => (alpha * 0.75, alpha * 0.25),
+        None => (alpha, 0.0),
+    };
+    let t = tilts(margin);
+    let fails = |x: u64| rejects(&t, (x as f64, cg.1), cf, margin, true, each);
     let rise = detect
         .then(|| {
             // The fewest gray errors that fail, as a rise over formal's rate.
@@ -333,53 +545,49 @@ fn error_check(
         })
         .flatten();
     let shown = format!("error rate {:.2}% vs formal {:.2}%", 100.0 * rg, 100.0 * rf);
+    let pct = |v: f64| format!("{:.2}", 100.0 * v);
     if fails(g.errors) {
-        return (
-            Check::Fail,
+        let why = if detect {
             format!(
-                "{shown}: gray's excess is at least {:.2} pp (gray ≥ {:.2}%, formal ≤ {:.2}%) > {} pp",
-                100.0 * (g_low - f_high),
-                100.0 * g_low,
-                100.0 * f_high,
+                "gray's excess is at least {} pp > {} pp",
+                pct(excess_bound(&t, cg, cf, each, true)),
                 a.max_error_delta_pp
-            ),
-            rise,
-        );
-    }
-    if let Some(c) = a.max_error_rate_pct.filter(|c| 100.0 * g_low > *c) {
-        return (
-            Check::Fail,
+            )
+        } else {
             format!(
-                "{shown}: gray's rate is at least {:.2}% > ceiling {c}%",
-                100.0 * g_low
-            ),
-            rise,
-        );
+                "gray's excess is certainly above {} pp",
+                a.max_error_delta_pp
+            )
+        };
+        return (Check::Fail, format!("{shown}: {why}"), rise);
     }
-    let excess_high = upper(g.errors, g.requests, PASS_LEVEL / 2.0)
-        - lower(f.errors, f.requests, PASS_LEVEL / 2.0);
+    if let Some(c) = a.max_error_rate_pct {
+        let need = (1.0 / ceiling_alpha).ln();
+        if rg > c / 100.0 && ln_tilted(&t, cg.0, cg.1, c / 100.0, true) >= need {
+            return (
+                Check::Fail,
+                format!("{shown}: gray's rate is certainly above the ceiling {c}%"),
+                rise,
+            );
+        }
+    }
     let within_ceiling = a.max_error_rate_pct.is_none_or(|c| 100.0 * rg <= c);
-    if excess_high <= margin + 1e-12 && within_ceiling {
-        (
-            Check::Pass,
-            format!(
-                "{shown}: gray's excess is at most {:.2} pp (90 %), within {} pp",
-                100.0 * excess_high.max(0.0),
-                a.max_error_delta_pp
-            ),
-            rise,
-        )
+    let passes = rejects(&t, cg, cf, margin, false, PASS_LEVEL) && within_ceiling;
+    // The bound shown is the mirror test's: the smallest excess it rejects.
+    let high = detect.then(|| pct(excess_bound(&t, cg, cf, PASS_LEVEL, false)));
+    let m = a.max_error_delta_pp;
+    let why = match (passes, high) {
+        (true, Some(h)) => format!("gray's excess is at most {h} pp (90 %), within {m} pp"),
+        (true, None) => format!("gray's excess is within {m} pp (90 %)"),
+        (false, Some(h)) => format!("gray's excess could still be up to {h} pp (90 %) > {m} pp"),
+        (false, None) => format!("gray's excess could still be above {m} pp (90 %)"),
+    };
+    let check = if passes {
+        Check::Pass
     } else {
-        (
-            Check::Undecided,
-            format!(
-                "{shown}: gray's excess could still be up to {:.2} pp (90 %) > {} pp",
-                100.0 * excess_high,
-                a.max_error_delta_pp
-            ),
-            rise,
-        )
-    }
+        Check::Undecided
+    };
+    (check, format!("{shown}: {why}"), rise)
 }
 
 /// The levels latency is judged at: the configured quantile, and 0.9 and
@@ -677,6 +885,7 @@ mod tests {
             Some(&lane(2000, 0, 1.0, 0, 1.0)),
         );
         assert_eq!((j.outcome, j.errors), ("fail", Some(Check::Fail)), "{j:?}");
+        assert!(j.reason.contains("excess is at least"), "{}", j.reason);
         // +1 pp over 1000: not yet, and not a pass either.
         let j = judge(
             &a,
@@ -684,12 +893,12 @@ mod tests {
             Some(&lane(1000, 0, 1.0, 0, 1.0)),
         );
         assert_eq!(j.errors, Some(Check::Undecided), "{j:?}");
-        // +1 pp over 20000 each: failed (a fixed-sample test would have
+        // +1 pp over 8000 each: failed (a fixed-sample test would have
         // at 3000: the price of looking at will).
         let j = judge(
             &a,
-            Some(&lane(20000, 200, 1.0, 0, 1.0)),
-            Some(&lane(20000, 0, 1.0, 0, 1.0)),
+            Some(&lane(8000, 88, 1.0, 0, 1.0)),
+            Some(&lane(8000, 8, 1.0, 0, 1.0)),
         );
         assert_eq!(j.errors, Some(Check::Fail), "{j:?}");
         // +0.1 pp over 10000: the pass bound is within 0.5 pp.
@@ -699,6 +908,7 @@ mod tests {
             Some(&lane(10000, 2, 1.0, 0, 1.0)),
         );
         assert_eq!(j.errors, Some(Check::Pass), "{j:?}");
+        assert!(j.reason.contains("(90 %), within 0.5 pp"), "{}", j.reason);
         // A coarse margin passes on a small sample.
         let coarse = AnalysisSpec {
             max_error_delta_pp: 5.0,
@@ -712,6 +922,123 @@ mod tests {
         assert_eq!(j.errors, Some(Check::Pass), "{j:?}");
         let rise = j.detectable_error_rise_pp.unwrap();
         assert!(rise > 5.0 && rise < 20.0, "{j:?}");
+        // A ceiling fails a gray certainly above it.
+        let capped = AnalysisSpec {
+            max_error_delta_pp: 50.0,
+            max_error_rate_pct: Some(1.0),
+            ..Default::default()
+        };
+        let j = judge(
+            &capped,
+            Some(&lane(2000, 60, 1.0, 0, 1.0)),
+            Some(&lane(2000, 50, 1.0, 0, 1.0)),
+        );
+        assert_eq!(j.errors, Some(Check::Fail), "{j:?}");
+        assert!(j.reason.contains("above the ceiling 1%"), "{}", j.reason);
+    }
+
+    #[test]
+    fn a_formal_without_errors_is_not_over_trusted() {
+        // Kayenta#799: formal at 0 errors. A few gray errors on a tiny
+        // sample are not evidence of a 0.5 pp rise...
+        let a = AnalysisSpec::default();
+        for (gx, n) in [(1, 20), (2, 30), (3, 50), (2, 100)] {
+            let j = judge_step(
+                &a,
+                Some(&lane(n, gx, 1.0, 0, 1.0)),
+                Some(&lane(n, 0, 1.0, 0, 1.0)),
+                step_alpha(5),
+            );
+            assert_ne!(j.errors, Some(Check::Fail), "{gx} of {n}: {j:?}");
+        }
+        // ...but a gray at 10 % against that formal fails on evidence, on
+        // a couple of hundred requests, and the detectable rise says so.
+        let first = (10..=1000u64)
+            .step_by(10)
+            .find(|n| {
+                let j = judge_step(
+                    &a,
+                    Some(&lane(*n, n / 10, 1.0, 0, 1.0)),
+                    Some(&lane(*n, 0, 1.0, 0, 1.0)),
+                    step_alpha(5),
+                );
+                j.errors == Some(Check::Fail)
+            })
+            .expect("fails");
+        assert!((60..=300).contains(&first), "{first}");
+        let j = judge_step(
+            &a,
+            Some(&lane(first, first / 10, 1.0, 0, 1.0)),
+            Some(&lane(first, 0, 1.0, 0, 1.0)),
+            step_alpha(5),
+        );
+        assert!(
+            j.detectable_error_rise_pp.is_some_and(|r| r <= 10.0),
+            "{j:?}"
+        );
+    }
+
+    #[test]
+    fn the_error_test_holds_at_every_look_at_the_edge_of_its_null() {
+        // Gray exactly `d` above formal — the hardest healthy gray — at a
+        // few formal rates, 0 included; looked at every 10 requests of
+        // each lane up to 1500: the fail test at α = 5 % and the pass
+        // test (its mirror) at 10 % each cross in at most their α of the
+        // streams (Ville's inequality; usually far fewer).
+        let d = 0.005;
+        let t = tilts(d);
+        let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+        for pf in [0.0, 0.001, 0.02] {
+            let (mut failed, mut passed) = (0, 0);
+            let streams = 200;
+            for _ in 0..streams {
+                let (mut g, mut f) = ((0.0, 0.0), (0.0, 0.0));
+                let (mut fail_seen, mut pass_seen) = (false, false);
+                for i in 1..=1500 {
+                    g.1 += 1.0;
+                    g.0 += f64::from(u8::from(rng.unit() < pf + d));
+                    f.1 += 1.0;
+                    f.0 += f64::from(u8::from(rng.unit() < pf));
+                    if i % 10 == 0 {
+                        fail_seen |= rejects(&t, g, f, d, true, 0.05);
+                        pass_seen |= rejects(&t, g, f, d, false, 0.1);
+                    }
+                }
+                failed += usize::from(fail_seen);
+                passed += usize::from(pass_seen);
+            }
+            assert!(failed <= streams / 20, "formal {pf}: {failed} of {streams}");
+            assert!(passed <= streams / 10, "formal {pf}: {passed} of {streams}");
+        }
+    }
+
+    #[test]
+    fn the_error_test_is_monotone_and_its_bounds_bracket_the_estimate() {
+        let t = tilts(0.005);
+        // The lane factors move the way the certification relies on.
+        for up in [true, false] {
+            let v: Vec<f64> = [0.0, 0.001, 0.01, 0.1, 0.5, 0.99]
+                .iter()
+                .map(|p| ln_tilted(&t, 7.0, 900.0, *p, up))
+                .collect();
+            assert!(
+                v.windows(2)
+                    .all(|w| if up { w[1] <= w[0] } else { w[1] >= w[0] }),
+                "{up} {v:?}"
+            );
+        }
+        let (g, f) = ((40.0, 2000.0), (10.0, 3000.0));
+        let est = 0.02 - 1.0 / 300.0;
+        let (lo, hi) = (
+            excess_bound(&t, g, f, 0.01, true),
+            excess_bound(&t, g, f, 0.01, false),
+        );
+        assert!(lo < est && est < hi, "{lo} {est} {hi}");
+        assert!(rejects(&t, g, f, lo - 1e-4, true, 0.01));
+        assert!(!rejects(&t, g, f, lo + 1e-4, true, 0.01));
+        // The dashboard's pass sample at the default margin.
+        let n = min_error_sample(&AnalysisSpec::default());
+        assert!((600..=900).contains(&n), "{n}");
     }
 
     #[test]
