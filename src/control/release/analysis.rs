@@ -352,9 +352,9 @@ const TILT_RATIO: f64 = 1.1;
 /// likelihood ratio of Bernoulli(p′) to Bernoulli(p), p′ = p tilted by a
 /// step λ of the log odds: exp(±λx − n ln(1 − p + p e^{±λ})). Under any
 /// rate on the null side each term's expected factor per request is at
-/// most 1, so the mixture (half on λ = 0, the rest in equal parts) is a
-/// nonnegative supermartingale, never below ½. Decreasing in `p` when
-/// `up`, increasing when not.
+/// most 1, so the mixture ([`AT_REST`] on λ = 0, the rest in equal
+/// parts) is a nonnegative supermartingale, never below [`AT_REST`].
+/// Decreasing in `p` when `up`, increasing when not.
 fn ln_tilted(tilts: &[f64], x: f64, n: f64, p: f64, up: bool) -> f64 {
     let p = p.clamp(0.0, 1.0);
     let s = if up { 1.0 } else { -1.0 };
@@ -371,11 +371,15 @@ fn ln_tilted(tilts: &[f64], x: f64, n: f64, p: f64, up: bool) -> f64 {
             sum += (v - top).exp();
         }
     }
-    // Half the weight on λ = 0 (the factor 1): a lane whose own data
-    // says nothing about `p` costs the other lane ln 2, never more.
-    let mixed = top + (sum / tilts.len() as f64).ln();
-    mixed.max(0.0) + (-mixed.abs()).exp().ln_1p() - std::f64::consts::LN_2
+    // [`AT_REST`] of the weight on λ = 0 (the factor 1): a lane whose own
+    // data says nothing about `p` costs the other lane ln 8, never more.
+    let w = (1.0 - AT_REST) / tilts.len() as f64;
+    let (a, b) = (top + (sum * w).ln(), AT_REST.ln());
+    a.max(b) + (-(a - b).abs()).exp().ln_1p()
 }
+
+/// The share of each lane's error mixture on no tilt at all.
+const AT_REST: f64 = 0.125;
 
 /// Whether `dec(r) + inc(r) ≥ need` for every `r` in `[r0, r1]`, `dec`
 /// non-increasing and `inc` non-decreasing: on an interval the sum is at
