@@ -747,10 +747,10 @@ fn finish(
     let bad =
         |e: &str| Error::new(ErrorKind::Exchange).with_source(format!("invalid response: {e}"));
     let framing = head.meta.framing(head.status, head_request).map_err(bad)?;
-    // A broken first chunk that came with the head is refused before the
-    // head goes out (a 502, not a truncated 200).
+    // A broken chunked body, as far as it came with the head, is refused
+    // before the head goes out (a 502, not a truncated 200).
     if matches!(framing, Framing::Chunked(_)) {
-        super::chunked::parse_size(&conn.rbuf).map_err(bad)?;
+        super::chunked::check_in_hand(&conn.rbuf).map_err(bad)?;
     }
     // An upstream that sent both Transfer-Encoding and Content-Length may
     // disagree with us about where its message ends: never reuse it.
