@@ -937,7 +937,10 @@ mod tests {
             let from = tokio::time::Instant::now();
             Watched::new(stalled, limit, uptime_ms).await;
             let took = from.elapsed().as_millis() as u64;
-            assert!((limit..=limit + 1).contains(&took), "limit {limit}: {took} ms");
+            assert!(
+                (limit..=limit + 1).contains(&took),
+                "limit {limit}: {took} ms"
+            );
         }
     }
 
