@@ -33,10 +33,7 @@ use crate::nodes::{Node, Select, Service};
 use crate::static_files::{CacheSettings, StaticTree};
 use crate::upstream::tls::{TlsConnect, Transport};
 
-/// Services from a registry (e.g. etcd's `services/<svc>/nodes/<id>`):
-/// the document each came from (for errors), its name and settings. A
-/// registered service that a node file also defines gets its nodes appended.
-pub type RegisteredServices = Vec<(PathBuf, String, ServiceConfig)>;
+pub use super::registry::RegisteredServices;
 
 impl Generation {
     /// Loads, validates and compiles everything reachable from `config_path`.
