@@ -10,7 +10,10 @@
 //! Content-Lengths, a broken chunk, TE + CL and a non-chunked coding from a
 //! node, and that such a connection is never reused. And what reaches a
 //! node besides: `Connection` tokens, forwarding fields, the underscore
-//! filter on every path hyper parses (chunked, `Expect`, TLS, HTTP/2).
+//! filter on every path hyper parses (chunked, `Expect`, TLS, HTTP/2). And
+//! a differential check: every raw request through nginx in front of the
+//! same node gives the same outcome, except where graygate differs on
+//! purpose (listed, with the reason).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -1125,4 +1128,146 @@ async fn chunked_bodies_on_head_and_get_reach_the_node() {
         assert_eq!(seen.method, method);
         assert_eq!(&seen.body[..], b"hello", "{method}: the body was dropped");
     }
+}
+
+/// A chunked body without its framing (sizes, extensions, trailers).
+fn dechunk(body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut p = 0;
+    while let Some(l) = find(&body[p..], b"\r\n") {
+        let line = String::from_utf8_lossy(&body[p..p + l]);
+        let Ok(size) = usize::from_str_radix(line.split(';').next().unwrap_or("").trim(), 16)
+        else {
+            break;
+        };
+        if size == 0 || body.len() < p + l + 2 + size {
+            break;
+        }
+        out.extend_from_slice(&body[p + l + 2..p + l + 2 + size]);
+        p += l + 2 + size + 2;
+    }
+    out
+}
+
+/// What one front end made of a raw request and its pipelined follow-up:
+/// whether the first answer was a success, what the node received for
+/// it (request line with the case's path cut, body without its framing),
+/// and whether the follow-up reached the node.
+#[derive(Debug, PartialEq)]
+struct Outcome {
+    accepted: bool,
+    node_got: Vec<(String, Vec<u8>)>,
+    follow_reached: bool,
+}
+
+async fn outcome(front: SocketAddr, up: &Recorder, raw: &str, path: &str) -> Outcome {
+    let follow = format!("GET {path}/follow HTTP/1.1\r\nHost: a\r\n\r\n");
+    let conv = converse(
+        front,
+        format!("{}{follow}", expand(raw, path)).as_bytes(),
+        2,
+    )
+    .await;
+    let accepted = conv
+        .answers
+        .first()
+        .is_some_and(|a| (200..300).contains(&a.status));
+    // (What reaches the node is settled once the front end answered.)
+    let node_got = up
+        .got(path)
+        .into_iter()
+        .filter(|g| !g.line.contains("/follow "))
+        .map(|g| {
+            let body = if g.framing.starts_with("transfer-encoding") {
+                dechunk(&g.body)
+            } else {
+                g.body
+            };
+            (g.line.replacen(path, "{P}", 1), body)
+        })
+        .collect();
+    let follow_reached = !up.got(&format!("{path}/follow")).is_empty();
+    Outcome {
+        accepted,
+        node_got,
+        follow_reached,
+    }
+}
+
+/// Where graygate answers a raw request otherwise than nginx in front of
+/// the same node, on purpose, and why. Every other case must agree.
+const NGINX_DIFFERS: &[(&str, &str)] = &[
+    (
+        "CL.TE: Transfer-Encoding wins, Content-Length dropped, connection closed",
+        "RFC 9112 §6.3: Transfer-Encoding wins and the connection closes after; nginx refuses both fields (400). Neither lets the follow-up through",
+    ),
+    (
+        "TE.CL: the chunked body is the body, nothing is smuggled",
+        "as CL.TE",
+    ),
+    (
+        "tab as white space is allowed",
+        "RFC 9110 §5.6.3: white space around a field value is spaces and tabs; nginx takes `\tchunked` for an unknown coding",
+    ),
+    (
+        "duplicate equal Content-Length",
+        "RFC 9112 §6.3 allows one value repeated; nginx refuses any duplicate",
+    ),
+    (
+        "bare LF in a chunk line",
+        "RFC 9112 §7.1: chunk lines end in CRLF; nginx takes a bare LF",
+    ),
+    ("bare LF ending a trailer line", "as the chunk line"),
+    (
+        "HTTP/0.9 request line",
+        "graygate refuses HTTP/0.9 (400); nginx serves it, an answer without a status line",
+    ),
+    (
+        "request target over max_uri_bytes",
+        "a refusal of a request read whole keeps the connection (its follow-up is served, as the exact-answers test says); nginx closes",
+    ),
+    ("two Host fields", "as max_uri_bytes: refused, connection kept"),
+    ("no Host on HTTP/1.1", "as max_uri_bytes: refused, connection kept"),
+    ("empty Host", "as max_uri_bytes: refused, connection kept"),
+    (
+        "Host with userinfo",
+        "RFC 9110 §4.2.4: userinfo is not part of a Host; nginx passes it on",
+    ),
+];
+
+/// Issue 50's differential check: every raw request of [`CASES`], with a
+/// follow-up pipelined in the same write, sent to graygate and to nginx
+/// (`proxy_pass`, HTTP/1.1 upstream) in front of the same recording node.
+/// Each front end's outcome — success or refusal, what the node received
+/// (request line and body bytes, whatever the framing), whether the
+/// follow-up reached the node — must be the same, except where
+/// [`NGINX_DIFFERS`] says why not (and those must still differ).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_requests_get_the_outcomes_nginx_gives() {
+    let (fx, gw, up) = setup("").await;
+    let dir = fx.path("nginx");
+    std::fs::create_dir_all(&dir).unwrap();
+    let http = format!(
+        "    server {{\n        listen 127.0.0.1:{{port}};\n        location / {{\n            proxy_pass http://{};\n            proxy_http_version 1.1;\n            proxy_set_header Connection \"\";\n        }}\n    }}\n",
+        up.addr
+    );
+    let nginx = crate::harness::nginx::Nginx::start(&dir, "", &http);
+    let mut report = Vec::new();
+    for (i, case) in CASES.iter().enumerate() {
+        let ours = outcome(gw.addr, &up, case.raw, &format!("/g{i}")).await;
+        let theirs = outcome(nginx.addr(), &up, case.raw, &format!("/n{i}")).await;
+        let listed = NGINX_DIFFERS.iter().any(|(name, _)| *name == case.name);
+        match (ours == theirs, listed) {
+            (true, false) | (false, true) => {}
+            (false, false) => report.push(format!(
+                "{}: graygate {ours:?}, nginx {theirs:?}",
+                case.name
+            )),
+            (true, true) => report.push(format!(
+                "{}: listed as differing from nginx but agrees: {ours:?}",
+                case.name
+            )),
+        }
+    }
+    assert!(report.is_empty(), "{}", report.join("\n"));
 }

@@ -12,6 +12,7 @@ pub mod config;
 pub mod dnsmasq;
 pub mod etcd;
 pub mod gateway;
+pub mod nginx;
 pub mod tls;
 
 use std::net::SocketAddr;

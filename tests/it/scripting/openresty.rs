@@ -3,87 +3,20 @@
 //! requests must give the same lane and the same value for every probed
 //! `ngx.*` / `bit` expression. (nginx comes from `tools/test`'s packages.)
 
-use std::net::TcpStream;
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
 
+use crate::harness::nginx::Nginx;
 use crate::harness::*;
 
-struct Nginx {
-    child: Child,
-    port: u16,
-    dir: PathBuf,
-}
-
-impl Drop for Nginx {
-    fn drop(&mut self) {
-        // nginx runs as a master and one worker in their own process group:
-        // stop both.
-        let group = format!("-{}", self.child.id());
-        for sig in ["-TERM", "-KILL"] {
-            let _ = Command::new("kill").args([sig, "--", &group]).status();
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = self.child.try_wait() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
-        let _ = self.child.wait();
-    }
-}
-
-/// Does something answer an HTTP request on the port within a second?
-fn answers(port: u16) -> bool {
-    use std::io::{Read, Write};
-    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
-    if s.write_all(b"GET / HTTP/1.0\r\nHost: ready\r\n\r\n")
-        .is_err()
-    {
-        return false;
-    }
-    let mut buf = [0u8; 16];
-    matches!(s.read(&mut buf), Ok(n) if n > 0)
-}
-
 fn start_nginx(dir: &Path, lua_dir: &Path) -> Nginx {
-    // The listening socket is bound here once and inherited by nginx
-    // (named in $NGINX, as on nginx's own binary upgrade), so no other
-    // process can take the port between choosing and binding it.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    socket2::SockRef::from(&listener)
-        .set_cloexec(false)
-        .unwrap();
-    let fd = std::os::fd::AsRawFd::as_raw_fd(&listener);
-    let tmp = dir.join("tmp");
-    std::fs::create_dir_all(&tmp).unwrap();
-    let conf = format!(
+    let main = "load_module /usr/lib/nginx/modules/ndk_http_module.so;\n\
+                load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;";
+    let http = format!(
         r#"
-load_module /usr/lib/nginx/modules/ndk_http_module.so;
-load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;
-worker_processes 1;
-daemon off;
-# A master and one worker: nginx 1.22 crashes on inherited sockets without
-# a master.
-master_process on;
-pid {dir}/nginx.pid;
-error_log {dir}/error.log info;
-events {{ worker_connections 64; }}
-http {{
-    access_log off;
-    client_body_temp_path {tmp}; proxy_temp_path {tmp}; fastcgi_temp_path {tmp};
-    uwsgi_temp_path {tmp}; scgi_temp_path {tmp};
     lua_package_path "{lua}/?.lua;;";
     lua_shared_dict probe 1m;
     server {{
-        listen 127.0.0.1:{port};
+        listen 127.0.0.1:{{port}};
         location / {{
             content_by_lua_block {{
                 local probe = require("probe").probe()
@@ -93,42 +26,10 @@ http {{
             }}
         }}
     }}
-}}
 "#,
-        dir = dir.display(),
-        tmp = tmp.display(),
         lua = lua_dir.display(),
     );
-    let path = dir.join("nginx.conf");
-    std::fs::write(&path, conf).unwrap();
-    let mut child = Command::new("nginx")
-        .arg("-p")
-        .arg(dir)
-        .args(["-e", "stderr", "-c"])
-        .arg(&path)
-        .env("NGINX", format!("{fd};"))
-        .process_group(0)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("nginx runs (apt-get install nginx-core libnginx-mod-http-lua, see tools/test)");
-    // nginx has its own copy now.
-    drop(listener);
-    // The socket accepts connections before nginx runs: ready once nginx
-    // answers a request.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !answers(port) {
-        if let Ok(Some(st)) = child.try_wait() {
-            let log = std::fs::read_to_string(dir.join("error.log")).unwrap_or_default();
-            panic!("nginx exited with {st}:\n{log}");
-        }
-        assert!(Instant::now() < deadline, "nginx did not start");
-    }
-    Nginx {
-        child,
-        port,
-        dir: dir.to_path_buf(),
-    }
+    Nginx::start(dir, main, &http)
 }
 
 fn requests() -> Vec<Req> {
@@ -218,7 +119,7 @@ async fn same_lanes_and_values_as_nginx_lua(jit: bool) {
         .start(&fx, "gg.yaml");
     std::fs::create_dir_all(fx.path("nginx")).unwrap();
     let nginx = start_nginx(&fx.path("nginx"), &fx.path("lua"));
-    let nginx_addr = std::net::SocketAddr::from(([127, 0, 0, 1], nginx.port));
+    let nginx_addr = nginx.addr();
 
     let mut lanes = std::collections::BTreeSet::new();
     let mut mismatches = Vec::new();
