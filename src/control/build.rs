@@ -136,6 +136,26 @@ impl Generation {
                 None => defs.push((key, Default::default(), name, svc)),
             }
         }
+        // Services a route names and nothing above defines: from Nacos
+        // naming, when `nacos.discovery` is set (an unknown service is an
+        // empty node set, kept current by the subscription).
+        let mut discovered = Vec::new();
+        if let Some((nacos, disc)) = config
+            .nacos
+            .as_ref()
+            .and_then(|n| n.discovery.as_ref().map(|d| (n, d)))
+        {
+            for r in &config.routes {
+                let Some(name) = &r.service else { continue };
+                if defs.iter().any(|d| &d.2 == name) {
+                    continue;
+                }
+                let (svc, mut w) = super::source::nacos::service(nacos, disc, name);
+                warnings.append(&mut w);
+                discovered.push(name.clone());
+                defs.push((config_path.to_path_buf(), Default::default(), name.clone(), svc));
+            }
+        }
         for (path, ntext, name, svc) in defs {
             {
                 let mut nodes = Vec::new();
@@ -568,6 +588,7 @@ impl Generation {
             id_tag: http::HeaderValue::from(id),
             release_records: release_file.releases.clone(),
             tls,
+            discovered,
         })
     }
 
