@@ -153,7 +153,12 @@ impl Generation {
                 let (svc, mut w) = super::source::nacos::service(nacos, disc, name);
                 warnings.append(&mut w);
                 discovered.push(name.clone());
-                defs.push((config_path.to_path_buf(), Default::default(), name.clone(), svc));
+                defs.push((
+                    config_path.to_path_buf(),
+                    Default::default(),
+                    name.clone(),
+                    svc,
+                ));
             }
         }
         for (path, ntext, name, svc) in defs {

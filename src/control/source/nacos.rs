@@ -599,7 +599,10 @@ pub fn status(gw: &Gateway) -> Option<serde_json::Value> {
     let nacos = gen.config.nacos.as_ref()?;
     let disc = nacos.discovery.as_ref()?;
     let conn = DIRECTORY.conn().clone();
-    let ms = |t: SystemTime| t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    let ms = |t: SystemTime| {
+        t.duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64)
+    };
     let entries = DIRECTORY.entries();
     let services: Vec<serde_json::Value> = gen
         .discovered
@@ -610,10 +613,12 @@ pub fn status(gw: &Gateway) -> Option<serde_json::Value> {
             let lanes: BTreeMap<String, usize> = gen
                 .services
                 .get(name)
-                .map(|s| s.all.iter().fold(BTreeMap::new(), |mut m, n| {
-                    *m.entry(n.lane.to_string()).or_default() += 1;
-                    m
-                }))
+                .map(|s| {
+                    s.all.iter().fold(BTreeMap::new(), |mut m, n| {
+                        *m.entry(n.lane.to_string()).or_default() += 1;
+                        m
+                    })
+                })
                 .unwrap_or_default();
             serde_json::json!({
                 "name": name,

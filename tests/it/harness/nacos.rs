@@ -294,7 +294,12 @@ impl Nacos {
             if self.log().contains("panicked") {
                 return Err("panicked (log)".into());
             }
-            if self.instances(&probe.service, "DEFAULT_GROUP", "public").await.len() == 1 {
+            if self
+                .instances(&probe.service, "DEFAULT_GROUP", "public")
+                .await
+                .len()
+                == 1
+            {
                 break;
             }
             if Instant::now() > read {

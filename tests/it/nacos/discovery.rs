@@ -65,7 +65,9 @@ async fn metadata_lanes_weights_and_disabled_instances() {
     let svc = "orders";
     let off = Inst::new(svc, d.addr).meta("version", "v1").enabled(false);
     for i in [
-        Inst::new(svc, f1.addr).meta("version", "v1").meta("zone", "hz"),
+        Inst::new(svc, f1.addr)
+            .meta("version", "v1")
+            .meta("zone", "hz"),
         // No `version`: formal.
         Inst::new(svc, f2.addr),
         Inst::new(svc, g1.addr).meta("version", "gray-1.0"),
@@ -197,7 +199,11 @@ async fn instance_changes_reach_requests_within_a_second() {
         }
     }
     samples.sort();
-    let (p50, p99, max) = (pct(&samples, 50.0), pct(&samples, 99.0), samples[samples.len() - 1]);
+    let (p50, p99, max) = (
+        pct(&samples, 50.0),
+        pct(&samples, 99.0),
+        samples[samples.len() - 1],
+    );
     println!(
         "nacos change → first request that sees it, {} changes: p50 {:.3} s, p99 {:.3} s, max {:.3} s",
         samples.len(),
@@ -229,16 +235,17 @@ async fn a_killed_client_takes_its_ephemeral_instances_along() {
     .await;
     let (_fx, gw) = start(&config(&nacos, svc, "", ""));
     soon("both instances served", || async {
-        hit(&gw, Some("gray-1.0")).await == Ok("g".into())
-            && hit(&gw, None).await == Ok("f".into())
+        hit(&gw, Some("gray-1.0")).await == Ok("g".into()) && hit(&gw, None).await == Ok("f".into())
     })
     .await;
     // SIGKILL: no deregistration; the server drops the instances of the
     // connection that went.
     py.kill();
-    eventually("the instances are gone", Duration::from_secs(30), || async {
-        nodes(&gw, svc).await.is_empty()
-    })
+    eventually(
+        "the instances are gone",
+        Duration::from_secs(30),
+        || async { nodes(&gw, svc).await.is_empty() },
+    )
     .await;
     let (status, body) = hit(&gw, None).await.unwrap_err();
     assert_eq!(status, 503);
@@ -248,10 +255,17 @@ async fn a_killed_client_takes_its_ephemeral_instances_along() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn groups_and_namespaces_are_isolated() {
     let nacos = Nacos::start().await;
-    let [a, b, c] = backends([("in-group", "formal"), ("in-dev", "formal"), ("default", "formal")]).await;
+    let [a, b, c] = backends([
+        ("in-group", "formal"),
+        ("in-dev", "formal"),
+        ("default", "formal"),
+    ])
+    .await;
     let svc = "iso";
     nacos.register(&Inst::new(svc, a.addr).group("G1")).await;
-    nacos.register(&Inst::new(svc, b.addr).namespace("dev")).await;
+    nacos
+        .register(&Inst::new(svc, b.addr).namespace("dev"))
+        .await;
     nacos.register(&Inst::new(svc, c.addr)).await;
     let (_f1, g1) = start(&config(&nacos, svc, "", "    group: G1\n"));
     let (_f2, dev) = start(&config(&nacos, svc, "  namespace: dev\n", ""));
@@ -278,7 +292,11 @@ async fn an_unknown_service_is_empty_until_registered() {
     assert_eq!(body, "no upstream node for this lane\n");
     let st = gw.status().await;
     let s = &st["nacos"]["services"][0];
-    assert_eq!((s["name"].clone(), s["instances"].clone()), ("ghost".into(), 0.into()), "{st}");
+    assert_eq!(
+        (s["name"].clone(), s["instances"].clone()),
+        ("ghost".into(), 0.into()),
+        "{st}"
+    );
     let doc = gw.admin_get("/nodes").await.json();
     let ghost = doc["services"]
         .as_array()
@@ -304,10 +322,13 @@ async fn nacos_down_keeps_the_last_instances() {
     let [f, g] = backends([("f", "formal"), ("g", "gray")]).await;
     let svc = "steady";
     nacos.register(&Inst::new(svc, f.addr)).await;
-    nacos.register(&Inst::new(svc, g.addr).meta("version", "gray")).await;
+    nacos
+        .register(&Inst::new(svc, g.addr).meta("version", "gray"))
+        .await;
     let (_fx, gw) = start(&config(&nacos, svc, "  timeout_ms: 500\n", ""));
     soon("served", || async {
-        hit(&gw, Some("gray")).await == Ok("g".into()) && gw.status().await["nacos"]["connected"] == true
+        hit(&gw, Some("gray")).await == Ok("g".into())
+            && gw.status().await["nacos"]["connected"] == true
     })
     .await;
     nacos.kill();
