@@ -30,8 +30,9 @@ pub struct NacosConfig {
     #[serde(default)]
     pub password: Option<String>,
     /// Directory of the client's on-disk copy of the instances it was
-    /// pushed (relative to the main file): a gateway started while Nacos is
-    /// down serves them. None: no copy on disk.
+    /// pushed (relative to the main file), read at start: a gateway started
+    /// while Nacos is down serves them. None: the client's default
+    /// (`~/nacos`), not read at start.
     #[serde(default)]
     pub cache_dir: Option<PathBuf>,
     /// Timeout of one request to a server (connecting, the first answer of

@@ -521,13 +521,31 @@ async fn query(client: &Client, key: &Key, timeout: Duration) -> bool {
         Vec::new(),
         false,
     );
-    match tokio::time::timeout(timeout, ask).await {
-        Ok(Ok(list)) => DIRECTORY.record(key, list.iter().map(Instance::from).collect(), false),
-        Ok(Err(e)) => {
-            tracing::warn!(service = %key.service, error = %e, "Nacos query failed");
-            false
+    let why = match tokio::time::timeout(timeout, ask).await {
+        Ok(Ok(list)) => {
+            return DIRECTORY.record(key, list.iter().map(Instance::from).collect(), false)
         }
-        Err(_) => false,
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => "no answer".to_string(),
+    };
+    tracing::warn!(service = %key.service, error = %why, "Nacos query failed");
+    if client.settings.cache_dir.is_none() || DIRECTORY.entries().contains_key(key) {
+        return false;
+    }
+    // Not reached, never answered: the client's copy on disk (`cache_dir`,
+    // loaded at start), if it has one.
+    let cached = client.naming.get_all_instances(
+        key.service.clone(),
+        Some(key.group.clone()),
+        Vec::new(),
+        true,
+    );
+    match tokio::time::timeout(timeout, cached).await {
+        Ok(Ok(list)) if !list.is_empty() => {
+            tracing::info!(service = %key.service, "serving the instances cached on disk");
+            DIRECTORY.record(key, list.iter().map(Instance::from).collect(), false)
+        }
+        _ => false,
     }
 }
 
