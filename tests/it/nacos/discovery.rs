@@ -140,7 +140,7 @@ async fn metadata_lanes_weights_and_disabled_instances() {
     })
     .await;
     // Re-weighted to 0: never chosen again.
-    nacos.update(&off.clone().weight(0.0)).await;
+    nacos.update(&off.clone().enabled(true).weight(0.0)).await;
     soon("weight 0 pushed", || async {
         nodes(&gw, svc)
             .await
