@@ -44,6 +44,50 @@ pub struct NacosConfig {
     pub discovery: Option<NacosDiscovery>,
 }
 
+impl NacosConfig {
+    /// Checks what serde cannot: the key at fault and the message.
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
+        let addrs: Vec<&str> = self.server_addr.split(',').map(str::trim).collect();
+        if let Some(a) = addrs.iter().find(|a| {
+            a.rsplit_once(':')
+                .is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err())
+        }) {
+            return Err((
+                "server_addr",
+                format!(
+                    "nacos.server_addr: {a:?} is not host:port (e.g. 10.0.0.1:8848, comma-separated for a cluster)"
+                ),
+            ));
+        }
+        if self.username.is_some() != self.password.is_some() {
+            return Err((
+                if self.username.is_some() {
+                    "username"
+                } else {
+                    "password"
+                },
+                "nacos: give both username and password, or neither".into(),
+            ));
+        }
+        if self.timeout_ms < 100 {
+            return Err(("timeout_ms", "nacos.timeout_ms must be at least 100".into()));
+        }
+        if let Some(d) = &self.discovery {
+            if d.group.trim().is_empty() {
+                return Err(("group", "nacos.discovery.group must not be empty".into()));
+            }
+            let keys = std::iter::once(&d.lane_key)
+                .chain(d.services.values().filter_map(|s| s.lane_key.as_ref()));
+            for k in keys {
+                if k.trim().is_empty() {
+                    return Err(("lane_key", "nacos: lane_key must not be empty".into()));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 fn default_namespace() -> String {
     "public".into()
 }

@@ -494,6 +494,11 @@ impl Generation {
             None => None,
         };
 
+        if let Some(n) = &config.nacos {
+            n.check().map_err(|(key, m)| {
+                ConfigError::new(config_path, find_line(&text, Some("nacos:"), key), m)
+            })?;
+        }
         if let Some(o) = &config.otel {
             o.check().map_err(|(key, m)| {
                 ConfigError::new(config_path, find_line(&text, Some("otel:"), key), m)

@@ -345,3 +345,39 @@ async fn nacos_down_keeps_the_last_instances() {
         assert_eq!(hit(&gw, Some("gray")).await.unwrap(), "g");
     }
 }
+
+#[test]
+fn bad_nacos_settings_are_refused_with_their_line() {
+    let fx = Fixture::new();
+    let load = |extra: &str| {
+        let text = format!(
+            "listen: 127.0.0.1:0\nroutes:\n  - {{ prefix: /, service: api }}\nnacos:\n  server_addr: 127.0.0.1:8848\n{extra}"
+        );
+        let path = fx.write("graygate.yaml", &text);
+        load_config(&path).map(drop).map_err(|e| e.to_string())
+    };
+    // Without nacos.discovery a route may not name an unknown service.
+    let e = load("").unwrap_err();
+    assert!(e.contains("unknown service \"api\""), "{e}");
+    // With it, the service is Nacos's (no instance known yet: empty).
+    load("  discovery: {}\n").unwrap();
+    let e = load("  discovery:\n    lane_kye: version\n").unwrap_err();
+    assert!(
+        e.contains("graygate.yaml:7") && e.contains("unknown field `lane_kye`"),
+        "{e}"
+    );
+    let e = load("  username: nacos\n  discovery: {}\n").unwrap_err();
+    assert!(
+        e.contains("graygate.yaml:6") && e.contains("both username and password"),
+        "{e}"
+    );
+    let e = load("  discovery:\n    services:\n      api: { retries: many }\n").unwrap_err();
+    assert!(e.contains("graygate.yaml:8"), "{e}");
+    let text = "listen: 127.0.0.1:0\nnacos:\n  server_addr: nacos-without-port\n";
+    let path = fx.write("graygate.yaml", text);
+    let e = load_config(&path).map(drop).unwrap_err().to_string();
+    assert!(
+        e.contains("graygate.yaml:3") && e.contains("not host:port"),
+        "{e}"
+    );
+}
