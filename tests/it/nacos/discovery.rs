@@ -38,6 +38,14 @@ async fn hit(gw: &Gateway, lane: Option<&str>) -> Result<String, (u16, String)> 
     }
 }
 
+/// Is there a file anywhere under `dir`?
+fn any_file(dir: &std::path::Path) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|rd| {
+        rd.flatten()
+            .any(|e| e.path().is_file() || any_file(&e.path()))
+    })
+}
+
 /// The nodes of `service` in `/nodes`, by address.
 async fn nodes(gw: &Gateway, service: &str) -> Vec<serde_json::Value> {
     let doc = gw.admin_get("/nodes").await.json();
@@ -380,4 +388,39 @@ fn bad_nacos_settings_are_refused_with_their_line() {
         e.contains("graygate.yaml:3") && e.contains("not host:port"),
         "{e}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_while_nacos_is_down_serves_the_cached_instances() {
+    let mut nacos = Nacos::start().await;
+    let [f, g] = backends([("f", "formal"), ("g", "gray")]).await;
+    let svc = "cached";
+    nacos.register(&Inst::new(svc, f.addr)).await;
+    nacos
+        .register(&Inst::new(svc, g.addr).meta("version", "gray"))
+        .await;
+    let cfg = config(
+        &nacos,
+        svc,
+        "  cache_dir: nacos-cache\n  timeout_ms: 500\n",
+        "",
+    );
+    let (fx, mut gw) = start(&cfg);
+    soon("served", || async {
+        hit(&gw, Some("gray")).await == Ok("g".into()) && hit(&gw, None).await == Ok("f".into())
+    })
+    .await;
+    soon("the client's copy is on disk", || async {
+        any_file(&fx.path("nacos-cache"))
+    })
+    .await;
+    nacos.kill();
+    gw.restart();
+    soon("the cached instances serve", || async {
+        hit(&gw, Some("gray")).await == Ok("g".into()) && hit(&gw, None).await == Ok("f".into())
+    })
+    .await;
+    let st = gw.status().await;
+    assert_eq!(st["nacos"]["connected"], false, "{st}");
+    assert_eq!(st["nacos"]["services"][0]["nodes"], 2, "{st}");
 }
