@@ -11,7 +11,10 @@
 //! trusted to the server); the value of the metadata key `lane_key` is the
 //! lane (missing, or one of `formal_values`: formal); `weight` 0 is never
 //! chosen; the `zone` metadata is the node's zone. While Nacos cannot be
-//! reached the last instances keep serving and `/status` says so.
+//! reached the last instances keep serving and `/status` says so. (The
+//! client also re-reads each subscribed service every few seconds, as
+//! Nacos's Java client does, in case a push was lost; a change reaches
+//! the gateway by the push, within the server's push delay.)
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
@@ -139,7 +142,10 @@ impl Directory {
     }
 
     /// Takes in `instances` of `key` (a push, or the first query's answer);
-    /// returns whether they differ from what was known.
+    /// returns whether the instances that can be nodes (enabled, healthy)
+    /// differ from what was known. (The server's pushes may leave out
+    /// unhealthy instances that the client's own refresh lists: that is no
+    /// change to route by.)
     fn record(&self, key: &Key, mut instances: Vec<Instance>, pushed: bool) -> bool {
         instances.sort_by(|a, b| (&a.ip, a.port).cmp(&(&b.ip, b.port)));
         let mut entries = self.entries();
@@ -149,11 +155,15 @@ impl Directory {
             }
             e.pushed |= pushed;
             e.updated = SystemTime::now();
-            if e.instances == instances {
-                return false;
-            }
+            let up = |l: &[Instance]| -> Vec<Instance> {
+                l.iter()
+                    .filter(|i| i.enabled && i.healthy)
+                    .cloned()
+                    .collect()
+            };
+            let changed = up(&e.instances) != up(&instances);
             e.instances = instances;
-            return true;
+            return changed;
         }
         entries.insert(
             key.clone(),
