@@ -141,7 +141,8 @@ impl Directory {
             .unwrap_or_default()
     }
 
-    /// Takes in `instances` of `key` (a push, or the first query's answer);
+    /// Takes in `instances` of `key` (`pushed`: a push or a read newer than
+    /// every push; else a first answer, ignored once a push came);
     /// returns whether the instances that can be nodes (enabled, healthy)
     /// differ from what was known. (The server's pushes may leave out
     /// unhealthy instances that the client's own refresh lists: that is no
@@ -412,6 +413,7 @@ impl Runner {
         {
             tracing::info!("nacos settings changed; reconnecting");
             self.client = None;
+            DIRECTORY.entries().retain(|k, _| keys.contains(k));
         }
         if self.client.is_none() {
             if self.retry_at.is_some_and(|t| Instant::now() < t) {
@@ -466,7 +468,7 @@ impl Runner {
                     DIRECTORY.set_conn(true, None);
                     if !was {
                         for key in client.subs.keys().cloned().collect::<Vec<_>>() {
-                            changed |= query(client, &key, timeout).await;
+                            changed |= query(client, &key, timeout, true).await;
                         }
                     }
                 }
@@ -492,7 +494,7 @@ impl Runner {
                     tracing::info!(service = %key.service, group = %key.group, "subscribed in Nacos");
                     client.subs.insert(key.clone(), listener);
                     // The state now (pushes come on change only).
-                    changed |= query(client, key, timeout).await;
+                    changed |= query(client, key, timeout, false).await;
                 }
                 Ok(Err(e)) => {
                     DIRECTORY.set_conn(false, Some(e.to_string()));
@@ -523,8 +525,10 @@ impl Runner {
 }
 
 /// Asks Nacos for every instance of `key` (healthy or not: the filter is
-/// the gateway's); returns whether the directory changed.
-async fn query(client: &Client, key: &Key, timeout: Duration) -> bool {
+/// the gateway's); returns whether the directory changed. A first answer
+/// (`newest` false) yields to a push that came meanwhile; a read after a
+/// lost connection (`newest`) is newer than every push before it.
+async fn query(client: &Client, key: &Key, timeout: Duration, newest: bool) -> bool {
     let ask = client.naming.get_all_instances(
         key.service.clone(),
         Some(key.group.clone()),
@@ -533,7 +537,7 @@ async fn query(client: &Client, key: &Key, timeout: Duration) -> bool {
     );
     let why = match tokio::time::timeout(timeout, ask).await {
         Ok(Ok(list)) => {
-            return DIRECTORY.record(key, list.iter().map(Instance::from).collect(), false)
+            return DIRECTORY.record(key, list.iter().map(Instance::from).collect(), newest)
         }
         Ok(Err(e)) => e.to_string(),
         Err(_) => "no answer".to_string(),
