@@ -270,7 +270,9 @@ impl Generation {
                         ));
                     }
                 }
-                if service.count(FORMAL) == 0 {
+                // (A Nacos service's instances come and go: `/status`
+                // shows them under `nacos`.)
+                if service.count(FORMAL) == 0 && !discovered.contains(&name) {
                     warnings.push(format!(
                         "{}: service {name:?} has no formal node: untagged requests get 503",
                         path.display()
