@@ -137,7 +137,10 @@ async fn metadata_lanes_weights_and_disabled_instances() {
     let n = &st["nacos"];
     assert_eq!(n["connected"], true, "{st}");
     assert_eq!(n["services"][0]["name"], svc);
-    assert_eq!(n["services"][0]["instances"], 6, "{st}");
+    // What the server lists (rnacos leaves the disabled one out; Nacos
+    // lists it, and graygate leaves it out).
+    let listed = n["services"][0]["instances"].as_u64().unwrap();
+    assert!(listed == 5 || listed == 6, "{st}");
     assert_eq!(n["services"][0]["nodes"], 5, "{st}");
     assert_eq!(n["services"][0]["lanes"]["gray-1.0"], 1, "{st}");
 
