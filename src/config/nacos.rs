@@ -35,8 +35,9 @@ pub struct NacosConfig {
     /// (`~/nacos`), not read at start.
     #[serde(default)]
     pub cache_dir: Option<PathBuf>,
-    /// Timeout of one request to a server (connecting, the first answer of
-    /// a subscription, the connection check).
+    /// Timeout of one request to a server (the first answer of a
+    /// subscription, the connection check; the first connection is given
+    /// at least 5 s).
     #[serde(default = "default_timeout_ms")]
     pub timeout_ms: u64,
     /// Services resolved in Nacos naming (absent: none).

@@ -384,7 +384,9 @@ async fn connect(s: &NacosConfig, dir: &std::path::Path) -> Result<NamingService
     if s.username.is_some() {
         builder = builder.enable_auth_plugin_http();
     }
-    let timeout = Duration::from_millis(s.timeout_ms.max(100));
+    // The client's first connection makes one attempt of its own (with
+    // `cache_dir`, it then starts on its disk copy): bounded by 5 s at least.
+    let timeout = Duration::from_millis(s.timeout_ms.max(5_000));
     match tokio::time::timeout(timeout, builder.build()).await {
         Ok(Ok(n)) => Ok(n),
         Ok(Err(e)) => Err(e.to_string()),
