@@ -26,7 +26,7 @@ use hyper_util::rt::TokioIo;
 use super::*;
 
 /// Fresh servers tried before a broken start fails the test.
-pub const START_ATTEMPTS: usize = 5;
+pub const START_ATTEMPTS: usize = 8;
 
 /// The rnacos binary: `$RNACOS`, else `rnacos` on PATH, else cargo's bin
 /// directory.
