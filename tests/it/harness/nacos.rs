@@ -61,6 +61,7 @@ pub struct Nacos {
     pub grpc: u16,
     dir: tempfile::TempDir,
     child: Option<Child>,
+    env: Vec<(String, String)>,
 }
 
 impl Drop for Nacos {
@@ -123,6 +124,9 @@ pub struct Inst {
     pub enabled: bool,
     pub cluster: String,
     pub metadata: Vec<(String, String)>,
+    /// Ephemeral: kept healthy by heartbeats (this harness sends none, so
+    /// the server marks it unhealthy after its health timeout).
+    pub ephemeral: bool,
 }
 
 impl Inst {
@@ -138,6 +142,7 @@ impl Inst {
             enabled: true,
             cluster: "DEFAULT".into(),
             metadata: Vec::new(),
+            ephemeral: false,
         }
     }
 
@@ -161,6 +166,11 @@ impl Inst {
         self
     }
 
+    pub fn ephemeral(mut self) -> Inst {
+        self.ephemeral = true;
+        self
+    }
+
     pub fn enabled(mut self, e: bool) -> Inst {
         self.enabled = e;
         self
@@ -173,7 +183,7 @@ impl Inst {
             .map(|(k, v)| (k.clone(), serde_json::Value::from(v.as_str())))
             .collect();
         format!(
-            "serviceName={}&groupName={}&namespaceId={}&ip={}&port={}&weight={}&enabled={}&ephemeral=false&clusterName={}&metadata={}",
+            "serviceName={}&groupName={}&namespaceId={}&ip={}&port={}&weight={}&enabled={}&ephemeral={}&clusterName={}&metadata={}",
             enc(&self.service),
             enc(&self.group),
             enc(&self.namespace),
@@ -181,6 +191,7 @@ impl Inst {
             self.addr.port(),
             self.weight,
             self.enabled,
+            self.ephemeral,
             enc(&self.cluster),
             enc(&serde_json::Value::Object(meta).to_string()),
         )
@@ -190,9 +201,15 @@ impl Inst {
 impl Nacos {
     /// A healthy rnacos on free ports (see the module's note on restarts).
     pub async fn start() -> Nacos {
+        Nacos::start_env(&[]).await
+    }
+
+    /// Like [`Nacos::start`], with extra environment variables (e.g.
+    /// `RNACOS_NAMING_HEALTH_TIMEOUT_SECOND`).
+    pub async fn start_env(env: &[(&str, &str)]) -> Nacos {
         let mut last = String::new();
         for attempt in 1..=START_ATTEMPTS {
-            let mut n = Nacos::spawn();
+            let mut n = Nacos::spawn(env);
             match n.wait_up().await {
                 Ok(()) => return n,
                 Err(why) => {
@@ -205,7 +222,7 @@ impl Nacos {
         panic!("rnacos did not start in {START_ATTEMPTS} attempts; last:\n{last}");
     }
 
-    fn spawn() -> Nacos {
+    fn spawn(env: &[(&str, &str)]) -> Nacos {
         let dir = tempfile::tempdir().unwrap();
         let http = loop {
             let p = free_port();
@@ -219,6 +236,10 @@ impl Nacos {
             grpc: http + 1000,
             dir,
             child: None,
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
         };
         n.launch();
         n
@@ -241,6 +262,7 @@ impl Nacos {
             .env("RNACOS_SDK_HOST", "127.0.0.1")
             .env("RNACOS_DATA_DIR", self.dir.path().join("data"))
             .env("RUST_LOG", "warn")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)

@@ -427,3 +427,39 @@ async fn a_restart_while_nacos_is_down_serves_the_cached_instances() {
     assert_eq!(st["nacos"]["connected"], false, "{st}");
     assert_eq!(st["nacos"]["services"][0]["nodes"], 2, "{st}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unhealthy_instance_is_no_node() {
+    // Instances without a heartbeat for 1 s (+ the server's 3 s grace)
+    // turn unhealthy.
+    let nacos = Nacos::start_env(&[("RNACOS_NAMING_HEALTH_TIMEOUT_SECOND", "1")]).await;
+    let [f, g] = backends([("f", "formal"), ("g", "gray")]).await;
+    let svc = "beats";
+    nacos.register(&Inst::new(svc, f.addr)).await;
+    // Ephemeral over HTTP: healthy while its heartbeats come; none come.
+    nacos
+        .register(&Inst::new(svc, g.addr).meta("version", "gray").ephemeral())
+        .await;
+    let (_fx, gw) = start(&config(&nacos, svc, "", ""));
+    soon("the gray instance serves while healthy", || async {
+        hit(&gw, Some("gray")).await == Ok("g".into())
+    })
+    .await;
+    eventually(
+        "the unhealthy instance is no node",
+        Duration::from_secs(20),
+        || async { hit(&gw, Some("gray")).await == Ok("f".into()) },
+    )
+    .await;
+    let listed = nacos.instances(svc, "DEFAULT_GROUP", "public").await;
+    assert!(
+        listed
+            .iter()
+            .any(|i| i["port"] == g.addr.port() && i["healthy"] == false),
+        "Nacos still lists it, unhealthy: {listed:?}"
+    );
+    for _ in 0..10 {
+        assert_eq!(hit(&gw, Some("gray")).await.unwrap(), "f");
+    }
+    assert_eq!(nodes(&gw, svc).await.len(), 1);
+}
