@@ -463,3 +463,64 @@ async fn an_unhealthy_instance_is_no_node() {
     }
     assert_eq!(nodes(&gw, svc).await.len(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rules_send_users_and_ips_to_a_lane_registered_by_a_nacos_client() {
+    let nacos = Nacos::start().await;
+    let [f, g] = backends([("v1", "formal"), ("gray-1.0", "gray-1.0")]).await;
+    let svc = "orders";
+    // The services register themselves, as Spring Cloud's do, with their
+    // version in the metadata.
+    let _py = PyClient::start(
+        &nacos,
+        "public",
+        &[
+            Inst::new(svc, f.addr).meta("version", "v1"),
+            Inst::new(svc, g.addr).meta("version", "gray-1.0"),
+        ],
+    )
+    .await;
+    let fx = Fixture::new();
+    let rules = |uids: &str| {
+        format!(
+            "uid: {{ header: X-User-Id }}\nrules:\n  - {{ name: testers, lane: gray-1.0, ip: [127.0.9.0/24] }}\n  - {{ name: beta-users, lane: gray-1.0, uid: {{ in: [{uids}] }} }}\n"
+        )
+    };
+    fx.write("rules.yaml", &rules("1001, 1002, 1003"));
+    let main = main_config(&format!(
+        "rules_file: rules.yaml\nroutes:\n  - {{ prefix: /, service: {svc} }}\nnacos:\n  server_addr: {}\n  discovery:\n    formal_values: [v1]\n",
+        nacos.server_addr()
+    ));
+    let gw = Gateway::start(&fx.write("graygate.yaml", &main));
+    let user = |uid: &'static str| {
+        let addr = gw.addr;
+        async move {
+            Req::get("/orders/1")
+                .header("X-User-Id", uid)
+                .send(addr)
+                .await
+                .node()
+        }
+    };
+    soon("both instances known", || async {
+        nodes(&gw, svc).await.len() == 2
+    })
+    .await;
+    assert_eq!(user("1002").await, "gray-1.0");
+    assert_eq!(user("2000").await, "v1");
+    let from_tester = Req::get("/orders/1")
+        .from_ip("127.0.9.5")
+        .send(gw.addr)
+        .await;
+    assert_eq!(from_tester.node(), "gray-1.0");
+    assert_eq!(gw.get("/orders/1").await.node(), "v1");
+    // The operator adds a user: once the edit is applied, the user's
+    // requests follow the rule.
+    let gen = gw.generation().await;
+    fx.write("rules.yaml", &rules("1001, 1002, 1003, 2000"));
+    gw.wait_generation(gen).await;
+    soon("the edited rule applies", || async {
+        user("2000").await == "gray-1.0"
+    })
+    .await;
+}
