@@ -524,3 +524,115 @@ async fn rules_send_users_and_ips_to_a_lane_registered_by_a_nacos_client() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn no_request_lost_or_mislaned_through_changes_and_an_outage() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    let mut nacos = Nacos::start().await;
+    let [f1, f2, g1, g2] = backends([
+        ("f1", "formal"),
+        ("f2", "formal"),
+        ("g1", "gray"),
+        ("g2", "gray"),
+    ])
+    .await;
+    let svc = "steady";
+    let fi = |b: &Backend| Inst::new(svc, b.addr).meta("version", "v1");
+    let gi = |b: &Backend| Inst::new(svc, b.addr).meta("version", "gray");
+    nacos.register(&fi(&f1)).await;
+    nacos.register(&fi(&f2)).await;
+    nacos.register(&gi(&g1)).await;
+    let (_fx, gw) = start(&config(&nacos, svc, "  timeout_ms: 500\n", ""));
+    soon("three nodes", || async { nodes(&gw, svc).await.len() == 3 }).await;
+
+    // Steady load, gray-tagged and untagged: (lane asked, answer).
+    let stop = Arc::new(AtomicBool::new(false));
+    let seen: Arc<Mutex<Vec<(&'static str, Result<String, String>)>>> = Default::default();
+    let tasks: Vec<_> = [Some("gray"), None]
+        .into_iter()
+        .map(|lane| {
+            let (stop, seen, addr) = (stop.clone(), seen.clone(), gw.addr);
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let r = match try_get(addr, "/x", lane.map(|l| ("X-Gray-Tag", l))).await {
+                        Ok(r) if r.status == 200 => Ok(r.node()),
+                        Ok(r) => Err(format!("{} {}", r.status, r.text())),
+                        Err(e) => Err(e),
+                    };
+                    seen.lock().unwrap().push((lane.unwrap_or("formal"), r));
+                }
+            })
+        })
+        .collect();
+    let count = |b: &Backend| b.count();
+    let served = |n: usize| {
+        let seen = seen.clone();
+        async move {
+            let start = seen.lock().unwrap().len();
+            eventually("load goes on", Duration::from_secs(10), || async {
+                seen.lock().unwrap().len() >= start + n
+            })
+            .await;
+        }
+    };
+    served(50).await;
+
+    // A gray instance replaced: the new one registers, the old one
+    // deregisters and stops only once the gateway has let it go.
+    nacos.register(&gi(&g2)).await;
+    soon("g2 takes gray traffic", || async { count(&g2) > 0 }).await;
+    nacos.deregister(&gi(&g1)).await;
+    soon("g1 is no node", || async {
+        nodes(&gw, svc)
+            .await
+            .iter()
+            .all(|n| n["addr"] != g1.addr.to_string())
+    })
+    .await;
+    drop(g1);
+    // A formal instance leaves the same way.
+    nacos.deregister(&fi(&f2)).await;
+    soon("f2 is no node", || async {
+        nodes(&gw, svc)
+            .await
+            .iter()
+            .all(|n| n["addr"] != f2.addr.to_string())
+    })
+    .await;
+    drop(f2);
+    served(50).await;
+
+    // Nacos goes away: the last instances serve on.
+    nacos.kill();
+    soon("Nacos seen down", || async {
+        gw.status().await["nacos"]["connected"] == false
+    })
+    .await;
+    served(100).await;
+
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let seen = seen.lock().unwrap();
+    let lane_of = |node: &str| {
+        if node.starts_with('g') {
+            "gray"
+        } else {
+            "formal"
+        }
+    };
+    let bad: Vec<_> = seen
+        .iter()
+        .filter(|(lane, r)| !matches!(r, Ok(node) if lane_of(node) == *lane))
+        .collect();
+    println!("{} requests through the changes and the outage", seen.len());
+    assert!(
+        bad.is_empty(),
+        "{} of {} requests lost or mis-laned: {:?}",
+        bad.len(),
+        seen.len(),
+        &bad[..bad.len().min(5)]
+    );
+}
