@@ -7,6 +7,8 @@
 //! (`tools/test` installs it there). It runs from an empty working
 //! directory (it reads `.env`) on a fresh data directory, its HTTP port
 //! from [`free_port`] and its gRPC port 1000 above (the clients' rule).
+//! Started with `RNACOS_ENABLE_OPEN_API_AUTH=true`, the harness logs in as
+//! the initial admin and its own API calls carry the token.
 //!
 //! A known hazard of rnacos: about one cold start in four panics in its
 //! raft apply and then answers writes without storing them. [`Nacos::start`]
@@ -62,6 +64,9 @@ pub struct Nacos {
     dir: tempfile::TempDir,
     child: Option<Child>,
     env: Vec<(String, String)>,
+    /// With `RNACOS_ENABLE_OPEN_API_AUTH=true`: the token the harness's
+    /// own API calls carry (logged in as the initial admin).
+    token: Option<String>,
 }
 
 impl Drop for Nacos {
@@ -240,6 +245,7 @@ impl Nacos {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
+            token: None,
         };
         n.launch();
         n
@@ -294,6 +300,10 @@ impl Nacos {
     async fn wait_up(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(30);
         let probe = Inst::new("graygate-start-probe", "127.0.0.1:9".parse().unwrap());
+        let env = |k: &str| self.env.iter().find(|e| e.0 == k).map(|e| e.1.clone());
+        let auth = env("RNACOS_ENABLE_OPEN_API_AUTH").is_some_and(|v| v == "true");
+        let user = env("RNACOS_INIT_ADMIN_USERNAME").unwrap_or_else(|| "admin".into());
+        let pass = env("RNACOS_INIT_ADMIN_PASSWORD").unwrap_or_else(|| "admin".into());
         loop {
             if self.log().contains("panicked") {
                 return Err("panicked (log)".into());
@@ -304,7 +314,10 @@ impl Nacos {
             if Instant::now() > deadline {
                 return Err("not up within 30 s".into());
             }
-            if self.try_register(&probe).await.is_ok() {
+            if auth && self.token.is_none() {
+                self.token = self.login(&user, &pass).await;
+            }
+            if (!auth || self.token.is_some()) && self.try_register(&probe).await.is_ok() {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -333,11 +346,31 @@ impl Nacos {
         Ok(())
     }
 
+    /// Logs in; the access token, if the server gave one.
+    pub async fn login(&self, user: &str, pass: &str) -> Option<String> {
+        let path = format!(
+            "/nacos/v1/auth/login?username={}&password={}",
+            enc(user),
+            enc(pass)
+        );
+        let r = http(self.http_addr(), "POST", &path).await.ok()?;
+        let v: serde_json::Value = serde_json::from_slice(&r.body).ok()?;
+        v["accessToken"].as_str().map(String::from)
+    }
+
+    /// `path` with the harness's access token, when auth is on.
+    fn authed(&self, path: String) -> String {
+        match &self.token {
+            Some(t) => format!("{path}&accessToken={}", enc(t)),
+            None => path,
+        }
+    }
+
     async fn try_register(&self, i: &Inst) -> Result<(), String> {
         let r = http(
             self.http_addr(),
             "POST",
-            &format!("/nacos/v1/ns/instance?{}", i.query()),
+            &self.authed(format!("/nacos/v1/ns/instance?{}", i.query())),
         )
         .await?;
         if r.status == 200 {
@@ -360,7 +393,7 @@ impl Nacos {
         let r = http(
             self.http_addr(),
             "PUT",
-            &format!("/nacos/v1/ns/instance?{}", i.query()),
+            &self.authed(format!("/nacos/v1/ns/instance?{}", i.query())),
         )
         .await
         .unwrap();
@@ -371,7 +404,7 @@ impl Nacos {
         let r = http(
             self.http_addr(),
             "DELETE",
-            &format!("/nacos/v1/ns/instance?{}", i.query()),
+            &self.authed(format!("/nacos/v1/ns/instance?{}", i.query())),
         )
         .await
         .unwrap();
@@ -392,7 +425,7 @@ impl Nacos {
             enc(group),
             enc(namespace)
         );
-        match http(self.http_addr(), "GET", &path).await {
+        match http(self.http_addr(), "GET", &self.authed(path)).await {
             Ok(r) if r.status == 200 => serde_json::from_slice::<serde_json::Value>(&r.body)
                 .ok()
                 .and_then(|v| v["hosts"].as_array().cloned())

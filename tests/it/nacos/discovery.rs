@@ -636,3 +636,33 @@ async fn no_request_lost_or_mislaned_through_changes_and_an_outage() {
         &bad[..bad.len().min(5)]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auth_on_the_gateway_logs_in() {
+    let nacos = Nacos::start_env(&[
+        ("RNACOS_ENABLE_OPEN_API_AUTH", "true"),
+        ("RNACOS_INIT_ADMIN_USERNAME", "nacos"),
+        ("RNACOS_INIT_ADMIN_PASSWORD", "s3cret-pass"),
+    ])
+    .await;
+    let f = Backend::start("f", "formal").await;
+    let svc = "guarded";
+    nacos.register(&Inst::new(svc, f.addr)).await;
+    let creds = |pass: &str| format!("  username: nacos\n  password: {pass}\n");
+    let (_f1, gw) = start(&config(&nacos, svc, &creds("s3cret-pass"), ""));
+    soon("served with the right password", || async {
+        hit(&gw, None).await == Ok("f".into())
+    })
+    .await;
+    assert_eq!(gw.status().await["nacos"]["connected"], true);
+    // A wrong password: refused, nothing served, /status says why.
+    let (_f2, bad) = start(&config(&nacos, svc, &creds("wrong"), ""));
+    soon("refused", || async {
+        let st = bad.status().await;
+        st["nacos"]["connected"] == false && st["nacos"]["error"].is_string()
+    })
+    .await;
+    let st = bad.status().await;
+    assert_eq!(st["nacos"]["services"][0]["nodes"], 0, "{st}");
+    assert_eq!(hit(&bad, None).await.unwrap_err().0, 503);
+}
