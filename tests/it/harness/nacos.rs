@@ -67,6 +67,8 @@ pub struct Nacos {
     /// With `RNACOS_ENABLE_OPEN_API_AUTH=true`: the token the harness's
     /// own API calls carry (logged in as the initial admin).
     token: Option<String>,
+    /// Launches so far: each has its own data directory and log.
+    starts: usize,
 }
 
 impl Drop for Nacos {
@@ -246,6 +248,7 @@ impl Nacos {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
             token: None,
+            starts: 0,
         };
         n.launch();
         n
@@ -266,7 +269,10 @@ impl Nacos {
             .env("RNACOS_GRPC_PORT", self.grpc.to_string())
             .env("RNACOS_HTTP_CONSOLE_PORT", "0")
             .env("RNACOS_SDK_HOST", "127.0.0.1")
-            .env("RNACOS_DATA_DIR", self.dir.path().join("data"))
+            .env(
+                "RNACOS_DATA_DIR",
+                self.dir.path().join(format!("data-{}", self.starts)),
+            )
             .env("RUST_LOG", "warn")
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
@@ -278,7 +284,7 @@ impl Nacos {
     }
 
     fn log_path(&self) -> PathBuf {
-        self.dir.path().join("rnacos.log")
+        self.dir.path().join(format!("rnacos-{}.log", self.starts))
     }
 
     /// What the server wrote so far.
@@ -432,6 +438,26 @@ impl Nacos {
                 .unwrap_or_default(),
             _ => Vec::new(),
         }
+    }
+
+    /// A new server on the same ports, on a fresh data directory (what a
+    /// client sees as the server coming back, its instances to register
+    /// again); a broken start is replaced as at [`Nacos::start`].
+    pub async fn restart_fresh(&mut self) {
+        for attempt in 1..=START_ATTEMPTS {
+            self.kill();
+            self.starts += 1;
+            self.token = None;
+            self.launch();
+            match self.wait_up().await {
+                Ok(()) => return,
+                Err(why) => eprintln!("rnacos restart {attempt} failed ({why}); again"),
+            }
+        }
+        panic!(
+            "rnacos did not restart in {START_ATTEMPTS} attempts:\n{}",
+            self.log()
+        );
     }
 
     /// Kills the server (SIGKILL) and waits for it.

@@ -355,6 +355,29 @@ async fn nacos_down_keeps_the_last_instances() {
         assert_eq!(hit(&gw, None).await.unwrap(), "f");
         assert_eq!(hit(&gw, Some("gray")).await.unwrap(), "g");
     }
+    // Nacos back (a fresh server on the same address: the services
+    // register again, one gray instance replaced): live again, and the
+    // subscription, renewed by the client, brings the change.
+    nacos.restart_fresh().await;
+    let g2 = Backend::start("g2", "gray").await;
+    nacos.register(&Inst::new(svc, f.addr)).await;
+    nacos
+        .register(&Inst::new(svc, g2.addr).meta("version", "gray"))
+        .await;
+    soon("live again, the new instance served", || async {
+        gw.status().await["nacos"]["state"] == "live"
+            && hit(&gw, Some("gray")).await == Ok("g2".into())
+    })
+    .await;
+    assert_eq!(nodes(&gw, svc).await.len(), 2);
+    // Pushed as before: one more change reaches the gateway.
+    nacos
+        .deregister(&Inst::new(svc, g2.addr).meta("version", "gray"))
+        .await;
+    soon("the deregistration pushed", || async {
+        hit(&gw, Some("gray")).await == Ok("f".into())
+    })
+    .await;
 }
 
 #[test]
