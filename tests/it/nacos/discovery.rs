@@ -166,6 +166,10 @@ async fn metadata_lanes_weights_and_disabled_instances() {
     assert_eq!(d.count(), before);
 }
 
+/// A request of the steady load: the lane asked, the node that answered
+/// or the error.
+type Answer = (&'static str, Result<String, String>);
+
 /// p-th percentile (0–100) of sorted samples.
 fn pct(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 - 1.0) * p / 100.0).round() as usize;
@@ -571,7 +575,7 @@ async fn no_request_lost_or_mislaned_through_changes_and_an_outage() {
 
     // Steady load, gray-tagged and untagged: (lane asked, answer).
     let stop = Arc::new(AtomicBool::new(false));
-    let seen: Arc<Mutex<Vec<(&'static str, Result<String, String>)>>> = Default::default();
+    let seen: Arc<Mutex<Vec<Answer>>> = Default::default();
     let tasks: Vec<_> = [Some("gray"), None]
         .into_iter()
         .map(|lane| {
