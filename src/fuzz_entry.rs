@@ -1,7 +1,8 @@
 //! Layer: tools (top; uses the data plane's phases, never the control plane).
 //! Entry points shared by the cargo-fuzz targets in `fuzz/` and the bounded
-//! stable-Rust smoke test (`tests/it/fuzz_smoke.rs`): config files → loader, and
-//! raw request bytes → route and lane decision. Both check invariants and panic
+//! stable-Rust smoke test (`tests/it/fuzz_smoke.rs`): config files → loader,
+//! raw request bytes → route and lane decision, and a node's raw response
+//! bytes → the upstream HTTP/1.1 response codec. Both check invariants and panic
 //! when one breaks, which is what a fuzzer looks for.
 
 use std::net::{IpAddr, Ipv4Addr};
@@ -141,4 +142,47 @@ pub fn request_decision(gen: &Generation, data: &[u8]) -> Option<Decision> {
         }
     }
     Some(decision)
+}
+
+/// A node's raw response (`data[0]` bit 0: the request was HEAD; `data[1]`:
+/// the size of the connection's reads, 0 for all at once; the rest: the
+/// bytes) through the upstream response codec. Checks that the verdict and
+/// the message do not depend on how the bytes were split into reads, that
+/// no hop-by-hop field and no CR or LF is passed on, that a length-framed
+/// body is its length, and that what follows the message is the input's
+/// tail. Returns the decoded message.
+pub fn response_decoding(data: &[u8]) -> Option<crate::upstream::Decoded> {
+    let (&flags, rest) = data.split_first()?;
+    let (&piece, wire) = rest.split_first()?;
+    let head_request = flags & 1 == 1;
+    let decode = |piece: usize| crate::upstream::decode_response(wire, piece, head_request);
+    let whole = decode(wire.len());
+    for piece in [usize::from(piece), 1, 7] {
+        if piece == 0 {
+            continue;
+        }
+        let split = decode(piece);
+        assert_eq!(
+            whole.as_ref().ok(),
+            split.as_ref().ok(),
+            "reads of {piece} bytes decode otherwise: {whole:?} vs {split:?}"
+        );
+    }
+    let d = whole.ok()?;
+    for (name, value) in &d.fields {
+        assert!(
+            !crate::upstream::fields::is_hop_by_hop(name.as_bytes()),
+            "hop-by-hop {name} passed on: {:?}",
+            String::from_utf8_lossy(wire)
+        );
+        assert!(
+            !value.iter().any(|&b| b == b'\r' || b == b'\n'),
+            "CR or LF in {name}"
+        );
+    }
+    if let Some(rest) = &d.rest {
+        assert!(wire.ends_with(rest), "the rest is not the input's tail");
+        assert!(d.body.len() + rest.len() <= wire.len());
+    }
+    Some(d)
 }

@@ -774,7 +774,7 @@ async fn run(
     drain(&gw, &up, serving, handed_over, &mut signals).await;
     // A gateway that stops (not one handing over) leaves the fleet.
     if handed_over.is_none() {
-        source::leave(&gw).await;
+        graygate::control::leave(&gw).await;
     }
     up.cleanup();
     ExitCode::SUCCESS

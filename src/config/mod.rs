@@ -271,6 +271,29 @@ impl Default for StaticCacheConfig {
 pub const ZONE_ENV: &str = "GRAYGATE_ZONE";
 
 impl MainConfig {
+    /// The directory relative paths resolve against: `root`, itself
+    /// relative to the directory of `config_path` (the main file).
+    pub fn root_dir(&self, config_path: &Path) -> PathBuf {
+        let dir = config_path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        self.root
+            .as_ref()
+            .map_or(dir.to_path_buf(), |r| resolve(dir, r))
+    }
+
+    /// The release state file (`release_state_file`, default
+    /// `releases.json` under [`root_dir`](Self::root_dir)).
+    pub fn release_state_path(&self, config_path: &Path) -> PathBuf {
+        resolve(
+            &self.root_dir(config_path),
+            self.release_state_file
+                .as_deref()
+                .unwrap_or(Path::new("releases.json")),
+        )
+    }
+
     /// The gateway's zone: `GRAYGATE_ZONE` if set and not empty, else the
     /// `zone` key; `None` means no zone preference.
     pub fn gateway_zone(&self) -> Option<String> {

@@ -294,3 +294,18 @@ impl ReleaseState {
 pub struct ReleasesFile {
     pub releases: Vec<ReleaseRecord>,
 }
+
+/// What the generation routes by in a release state: each release's spec,
+/// phase and step — not its decisions, counts, failures or holds. A state
+/// change that keeps it is written without a reload
+/// (the release controller: the generation number then still says only that the
+/// configuration changed).
+pub fn routing_signature(releases: &[ReleaseRecord]) -> Vec<(String, Phase, usize)> {
+    releases
+        .iter()
+        .map(|r| {
+            let spec = serde_json::to_string(&r.spec).unwrap_or_default();
+            (spec, r.state.phase, r.state.step)
+        })
+        .collect()
+}

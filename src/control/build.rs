@@ -1,15 +1,20 @@
 //! Layer: control plane. Building a generation: every file reachable from the
 //! main config is read, parsed, validated and compiled (the Lua top level runs
 //! in a fresh sandbox) into one [`Generation`], or the first error is returned
-//! with its file:line. A build has no effect on live state, whether it is
+//! with its file:line. [`Generation::build`] is a list of named steps over
+//! one `Build` context (main document, lists, zone, services and their
+//! nodes, routes, rules, releases, dictionaries, script, otel, sticky,
+//! listener TLS), in a fixed order so the first error is always the same
+//! one. A build has no effect on live state, whether it is
 //! accepted or not: its shared dictionaries are build-private copies (the
 //! script's top level runs against them) and what a generation shares with
 //! the running gateway (dictionaries, health, counters) is attached by
 //! `Gateway::install` only once it is accepted.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -17,6 +22,7 @@ use http::HeaderName;
 
 use crate::base::lists::IpList;
 use crate::config::docs::{Docs, FileDocs};
+use crate::config::release::ReleaseRecord;
 use crate::config::{
     find_line, parse_yaml, resolve, valid_lane, Balance, ConfigError, MainConfig, NodeAddr,
     NodeFile, ServiceConfig, FORMAL, ZONE_ENV,
@@ -33,10 +39,27 @@ use crate::nodes::{Node, Select, Service};
 use crate::static_files::{CacheSettings, StaticTree};
 use crate::upstream::tls::{TlsConnect, Transport};
 
-/// Services from a registry (e.g. etcd's `services/<svc>/nodes/<id>`):
-/// the document each came from (for errors), its name and settings. A
-/// registered service that a node file also defines gets its nodes appended.
-pub type RegisteredServices = Vec<(PathBuf, String, ServiceConfig)>;
+pub use super::registry::RegisteredServices;
+
+/// What a node file (or a registry) says of one service: the document, its
+/// text (for lines in errors), the service's name and settings.
+type ServiceDef = (PathBuf, Rc<String>, String, ServiceConfig);
+
+/// One build under way: the main document and what the steps add to as
+/// they go (files to watch, warnings). Each step reads its part of the
+/// configuration and returns it compiled, or the first error.
+struct Build<'a> {
+    docs: &'a dyn Docs,
+    config_path: &'a Path,
+    text: String,
+    config: MainConfig,
+    root: PathBuf,
+    files: Vec<PathBuf>,
+    watch_paths: Vec<PathBuf>,
+    warnings: Vec<String>,
+    /// Services a route names and only Nacos defines (`nacos.discovery`).
+    discovered: Vec<String>,
+}
 
 impl Generation {
     /// Loads, validates and compiles everything reachable from `config_path`.
@@ -46,536 +69,41 @@ impl Generation {
 
     /// Builds a generation from `docs` (the files, or one snapshot of a
     /// store), `config_path` naming the main document, plus `registered`
-    /// services. The same validation whatever the source.
+    /// services. The same validation whatever the source; the steps run in
+    /// this order, so the first error is always the same one.
     pub fn build(
         docs: &dyn Docs,
         config_path: &Path,
         registered: RegisteredServices,
         id: u64,
     ) -> Result<Generation, ConfigError> {
-        let text = docs.read(config_path)?;
-        let config: MainConfig = parse_yaml(config_path, &text)?;
-        let config_dir = config_path
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        let root = match &config.root {
-            Some(r) => resolve(config_dir, r),
-            None => config_dir.to_path_buf(),
-        };
-        let at = |needle: &str| find_line(&text, None, needle);
-        let mut files = vec![config_path.to_path_buf()];
-        let mut watch_paths = Vec::new();
-        let mut warnings = Vec::new();
-
-        let tag_header = HeaderName::from_bytes(config.tag_header.as_bytes()).map_err(|_| {
-            ConfigError::new(
-                config_path,
-                at("tag_header"),
-                format!("invalid header name {:?}", config.tag_header),
-            )
-        })?;
-
-        let mut lists = BTreeMap::new();
-        for (name, p) in &config.lists {
-            let path = resolve(&root, p);
-            lists.insert(name.clone(), IpList::load_from(docs, &path)?);
-            files.push(path);
-        }
-        let lists = Arc::new(lists);
-
-        let gateway_zone: Option<Arc<str>> = match config.gateway_zone() {
-            Some(z) if !valid_lane(&z) => {
-                let from_env = std::env::var(ZONE_ENV).is_ok_and(|e| !e.trim().is_empty());
-                return Err(ConfigError::new(
-                    config_path,
-                    if from_env { None } else { at("zone:") },
-                    format!(
-                        "invalid zone name {z:?}{} (letters, digits, - _ . only)",
-                        if from_env { " in GRAYGATE_ZONE" } else { "" }
-                    ),
-                ));
-            }
-            z => z.map(Into::into),
-        };
-
-        if config.resolve_interval_ms < 100 {
-            return Err(ConfigError::new(
-                config_path,
-                at("resolve_interval_ms"),
-                "resolve_interval_ms must be at least 100",
-            ));
-        }
-        let resolve_interval = std::time::Duration::from_millis(config.resolve_interval_ms);
-        let mut node_names = Vec::new();
-        let mut services: BTreeMap<String, Service> = BTreeMap::new();
-        let mut service_file: BTreeMap<String, PathBuf> = BTreeMap::new();
-        // (document, its text, service name, settings), node files first.
-        let mut defs: Vec<(PathBuf, std::rc::Rc<String>, String, ServiceConfig)> = Vec::new();
-        for p in &config.node_files {
-            let path = resolve(&root, p);
-            let ntext = docs.read(&path)?;
-            let nf: NodeFile = parse_yaml(&path, &ntext)?;
-            let ntext = std::rc::Rc::new(ntext);
-            for (name, svc) in nf.services {
-                if let Some(prev) = service_file.get(&name) {
-                    return Err(ConfigError::new(
-                        &path,
-                        find_line(&ntext, None, &format!("{name}:")),
-                        format!("service {name:?} is also defined in {}", prev.display()),
-                    ));
-                }
-                service_file.insert(name.clone(), path.clone());
-                defs.push((path.clone(), ntext.clone(), name, svc));
-            }
-            files.push(path);
-        }
-        for (key, name, svc) in registered {
-            match defs.iter_mut().find(|d| d.2 == name) {
-                Some(d) => d.3.nodes.extend(svc.nodes),
-                None => defs.push((key, Default::default(), name, svc)),
-            }
-        }
-        // Services a route names and nothing above defines: from Nacos
-        // naming, when `nacos.discovery` is set (an unknown service is an
-        // empty node set, kept current by the subscription).
-        let mut discovered = Vec::new();
-        if let Some((nacos, disc)) = config
-            .nacos
-            .as_ref()
-            .and_then(|n| n.discovery.as_ref().map(|d| (n, d)))
-        {
-            for r in &config.routes {
-                let Some(name) = &r.service else { continue };
-                if defs.iter().any(|d| &d.2 == name) {
-                    continue;
-                }
-                let (svc, mut w) = super::source::nacos::service(nacos, disc, name);
-                warnings.append(&mut w);
-                discovered.push(name.clone());
-                defs.push((
-                    config_path.to_path_buf(),
-                    Default::default(),
-                    name.clone(),
-                    svc,
-                ));
-            }
-        }
-        for (path, ntext, name, svc) in defs {
-            {
-                let mut nodes = Vec::new();
-                for (i, n) in svc.nodes.iter().enumerate() {
-                    if !valid_lane(&n.lane) {
-                        return Err(ConfigError::new(
-                            &path,
-                            find_line(&ntext, Some(&format!("{name}:")), &n.lane),
-                            format!(
-                                "invalid lane name {:?} (letters, digits, - _ . only)",
-                                n.lane
-                            ),
-                        ));
-                    }
-                    if let Some(z) = n.zone.as_deref().filter(|z| !valid_lane(z)) {
-                        return Err(ConfigError::new(
-                            &path,
-                            find_line(&ntext, Some(&format!("{name}:")), z),
-                            format!("invalid zone name {z:?} (letters, digits, - _ . only)"),
-                        ));
-                    }
-                    match &n.addr {
-                        NodeAddr::Ip(a) => nodes.push(Node::from_config(&name, i, n, *a)),
-                        NodeAddr::Name { host, port } => {
-                            let ips = super::names::NAMES
-                                .addresses(config.resolver.as_ref(), host, resolve_interval)
-                                .map_err(|e| {
-                                    ConfigError::new(
-                                        &path,
-                                        find_line(&ntext, Some(&format!("{name}:")), host),
-                                        format!("service {name:?}: node address {}: {e}", n.addr),
-                                    )
-                                })?;
-                            let mut addrs = Vec::new();
-                            for ip in ips {
-                                let a = SocketAddr::new(ip, *port);
-                                addrs.push(a);
-                                if nodes.iter().any(|m: &Node| m.addr == a) {
-                                    warnings.push(format!(
-                                        "{}: service {name:?}: {} resolves to {a}, already a node of the service: listed once",
-                                        path.display(),
-                                        n.addr
-                                    ));
-                                    continue;
-                                }
-                                nodes.push(Node::from_config(&name, i, n, a));
-                            }
-                            node_names.push(NodeName {
-                                service: name.clone(),
-                                host: host.clone(),
-                                port: *port,
-                                addrs,
-                            });
-                        }
-                    }
-                }
-                let service_line =
-                    |needle: &str| find_line(&ntext, Some(&format!("{name}:")), needle);
-                let hash_key = match &svc.hash_key {
-                    Some(k) => Some(k.parse::<HashKey>().map_err(|m| {
-                        ConfigError::new(
-                            &path,
-                            service_line("hash_key:"),
-                            format!("service {name:?}: {m}"),
-                        )
-                    })?),
-                    None => None,
-                };
-                match (svc.balance, &hash_key) {
-                    (Balance::Hash, None) => {
-                        return Err(ConfigError::new(
-                            &path,
-                            service_line("balance:"),
-                            format!(
-                                "service {name:?}: balance: hash needs a hash_key \
-                                 (header:<name>, cookie:<name>, arg:<name> or client_ip)"
-                            ),
-                        ))
-                    }
-                    (b, Some(k)) if b != Balance::Hash => warnings.push(format!(
-                        "{}: service {name:?}: hash_key {k} is unused with balance: {}",
-                        path.display(),
-                        b.as_str()
-                    )),
-                    _ => {}
-                }
-                let select = Select {
-                    balance: svc.balance,
-                    hash_key,
-                    slow_start_ms: svc.slow_start_ms,
-                    zone: gateway_zone.clone(),
-                    zone_min_healthy: svc.zone_min_healthy,
-                };
-                let mut service = Service::with_select(&name, nodes, select);
-                service.health = svc.health.clone();
-                service.strict = svc.strict;
-                service.retries = svc.retries;
-                service.read_timeout_ms = svc.read_timeout_ms;
-                service.grpc_error_codes = svc.grpc_error_codes;
-                service.transport = transport(&svc, &root, &path, &ntext, &name)?;
-                if let Some(a) = &svc.health.active {
-                    if !a.path.starts_with('/') {
-                        return Err(ConfigError::new(
-                            &path,
-                            find_line(&ntext, Some(&format!("{name}:")), "path:"),
-                            format!("health check path {:?} must start with /", a.path),
-                        ));
-                    }
-                }
-                // (A Nacos service's instances come and go: `/status`
-                // shows them under `nacos`.)
-                if service.count(FORMAL) == 0 && !discovered.contains(&name) {
-                    warnings.push(format!(
-                        "{}: service {name:?} has no formal node: untagged requests get 503",
-                        path.display()
-                    ));
-                }
-                services.insert(name, service);
-            }
-        }
-
-        let static_cache = static_cache_settings(&config, config_path, &text)?;
-        let mut routes = Vec::new();
-        for r in &config.routes {
-            let line = find_line(&text, Some("routes:"), &r.prefix);
-            if !r.prefix.starts_with('/') {
-                return Err(ConfigError::new(
-                    config_path,
-                    line,
-                    format!("route prefix {:?} must start with /", r.prefix),
-                ));
-            }
-            let target = match (&r.service, &r.static_root) {
-                (Some(s), None) => {
-                    if !services.contains_key(s) {
-                        return Err(ConfigError::new(
-                            config_path,
-                            find_line(&text, Some("routes:"), &format!("service: {s}")),
-                            format!("route {:?} names unknown service {s:?}", r.prefix),
-                        ));
-                    }
-                    Target::Service(s.as_str().into())
-                }
-                (None, Some(dir)) => {
-                    if http::HeaderValue::from_str(&r.cache_control).is_err() {
-                        return Err(ConfigError::new(
-                            config_path,
-                            find_line(&text, Some("routes:"), "cache_control"),
-                            format!(
-                                "route {:?}: cache_control {:?} is not a valid header value",
-                                r.prefix, r.cache_control
-                            ),
-                        ));
-                    }
-                    let path = resolve(docs.local_root().unwrap_or(&root), dir);
-                    let canon = path.canonicalize().map_err(|e| {
-                        ConfigError::new(
-                            config_path,
-                            line,
-                            format!("static root {}: {e}", path.display()),
-                        )
-                    })?;
-                    watch_paths.push(path);
-                    if !canon.join(FORMAL).is_dir() {
-                        warnings.push(format!(
-                            "static root {} has no {FORMAL}/ directory",
-                            canon.display()
-                        ));
-                    }
-                    let mut tree =
-                        StaticTree::new(canon, r.index.clone(), &r.cache_control, static_cache);
-                    tree.precompressed = r.precompressed.clone();
-                    Target::Static(tree)
-                }
-                _ => {
-                    return Err(ConfigError::new(
-                        config_path,
-                        line,
-                        format!(
-                            "route {:?} needs exactly one of `service` or `static`",
-                            r.prefix
-                        ),
-                    ))
-                }
-            };
-            if r.sticky && config.sticky.is_none() {
-                return Err(ConfigError::new(
-                    config_path,
-                    line,
-                    format!(
-                        "route {:?} is sticky but there is no `sticky:` section",
-                        r.prefix
-                    ),
-                ));
-            }
-            routes.push(Route {
-                host: r.host.as_ref().map(|h| h.to_ascii_lowercase()),
-                prefix: r.prefix.as_str().into(),
-                target,
-                sticky: r.sticky,
-                upgrades: r.upgrades.iter().map(|u| u.to_ascii_lowercase()).collect(),
-            });
-        }
-
-        let rules = match (&config.rules, &config.rules_file) {
-            (Some(_), Some(_)) => {
-                return Err(ConfigError::new(
-                    config_path,
-                    at("rules_file"),
-                    "use either inline `rules` or `rules_file`, not both",
-                ))
-            }
-            (Some(cfg), None) => Some(Rules::compile(
-                cfg,
-                config_path,
-                &text,
-                Some("rules:"),
-                &lists,
-            )?),
-            (None, Some(p)) => {
-                let path = resolve(&root, p);
-                let rtext = docs.read(&path)?;
-                let cfg = parse_yaml(&path, &rtext)?;
-                files.push(path.clone());
-                Some(Rules::compile(&cfg, &path, &rtext, None, &lists)?)
-            }
-            (None, None) => None,
-        };
-        if let Some(r) = &rules {
-            for lane in r.lanes() {
-                if lane != FORMAL && !services.values().any(|s| s.count(lane) > 0) {
-                    warnings.push(format!(
-                        "rules: lane {lane:?} is served by no node (its requests go to formal nodes)"
-                    ));
-                }
-            }
-        }
-
-        // The release state: the store's release keys (etcd), else the
-        // local state file next to the rules.
-        let (release_file, release_path, release_text) = match docs.releases() {
-            Some(kvs) => {
-                let (file, path) = super::release::from_store(kvs)?;
-                (file, path, String::new())
-            }
-            None => {
-                let path = super::release::state_path(config_path, &config);
-                let (file, text) = super::release::load(&path)?;
-                files.push(path.clone());
-                (file, path, text)
-            }
-        };
-        let (releases, revoked) =
-            super::release::compile(&release_file, &release_path, &release_text, &lists)?;
-        for r in &release_file.releases {
-            if !services.values().any(|s| s.count(&r.spec.lane) > 0) {
-                warnings.push(format!(
-                    "release {:?}: lane {:?} is served by no node (its requests go to formal nodes)",
-                    r.spec.name, r.spec.lane
-                ));
-            }
-        }
-
-        let mut dict_sizes = Vec::new();
-        for (name, size) in &config.shared_dicts {
-            let bytes = size.bytes().filter(|b| *b > 0).ok_or_else(|| {
-                ConfigError::new(
-                    config_path,
-                    find_line(&text, Some("shared_dicts:"), name),
-                    format!("shared dict {name:?}: bad size {size} (e.g. 10m, 512k)"),
-                )
-            })?;
-            dict_sizes.push((name.clone(), bytes));
-        }
-        let memory_limit = config
-            .script_limits
-            .memory_limit
-            .bytes()
-            .filter(|b| *b >= 1 << 20)
-            .ok_or_else(|| {
-                ConfigError::new(
-                    config_path,
-                    at("memory_limit"),
-                    "script_limits.memory_limit must be at least 1m",
-                )
-            })?;
-        if config.script_limits.instruction_budget < 1_000 {
-            return Err(ConfigError::new(
-                config_path,
-                at("instruction_budget"),
-                "script_limits.instruction_budget must be at least 1000",
-            ));
-        }
-        let dicts: BTreeMap<String, Arc<SharedDict>> = dict_sizes
-            .iter()
-            .map(|(name, bytes)| (name.clone(), shared_dict::pending(name, *bytes)))
-            .collect();
-
-        // Where LuaJIT cannot make its code executable it would end the
-        // process at the first compiled trace: `true` is refused there,
-        // `auto` runs the interpreter.
-        let jit = match (config.script_limits.jit, config.script.is_some()) {
-            (JitMode::Off, _) | (_, false) => false,
-            (JitMode::On, true) => {
-                crate::lane::jit_probe::available().map_err(|why| {
-                    ConfigError::new(config_path, at("jit"), format!("script_limits.jit: {why}"))
-                })?;
-                true
-            }
-            (JitMode::Auto, true) => match crate::lane::jit_probe::available() {
-                Ok(()) => true,
-                Err(why) => {
-                    warnings.push(format!(
-                        "script_limits.jit: auto: scripts run on LuaJIT's interpreter: {why} \
-                         (script_limits.jit: false says so and skips this check)"
-                    ));
-                    false
-                }
-            },
-        };
-        let script = match &config.script {
-            Some(p) => {
-                let path = resolve(&root, p);
-                let mut src = ScriptSource::load_from(docs, &path)?;
-                src.instruction_budget = config.script_limits.instruction_budget;
-                src.memory_limit = memory_limit;
-                src.jit = jit;
-                src.dicts = dicts.clone();
-                src.validate(&lists)?;
-                files.extend(src.files());
-                Some(src)
-            }
-            None => None,
-        };
-
-        if let Some(n) = &config.nacos {
-            n.check().map_err(|(key, m)| {
-                ConfigError::new(config_path, find_line(&text, Some("nacos:"), key), m)
-            })?;
-        }
-        if let Some(o) = &config.otel {
-            o.check().map_err(|(key, m)| {
-                ConfigError::new(config_path, find_line(&text, Some("otel:"), key), m)
-            })?;
-        }
-        let sticky = match &config.sticky {
-            Some(c) => Some(
-                Sticky::from_config(c)
-                    .map_err(|m| ConfigError::new(config_path, at("sticky:"), m))?,
-            ),
-            None => None,
-        };
-        let mut served_lanes: std::collections::BTreeSet<String> =
-            std::iter::once(FORMAL.to_string()).collect();
-        for svc in services.values() {
-            served_lanes.extend(svc.lanes.keys().cloned());
-        }
-        for r in &routes {
-            if let Target::Static(t) = &r.target {
-                if let Ok(rd) = std::fs::read_dir(&t.root) {
-                    for e in rd.flatten() {
-                        let name = e.file_name().to_string_lossy().into_owned();
-                        if e.path().is_dir() && valid_lane(&name) {
-                            served_lanes.insert(name);
-                        }
-                    }
-                }
-            }
-        }
-
-        let mut tls = Vec::with_capacity(config.listeners.len());
-        for l in &config.listeners {
-            let line = find_line(&text, Some("listeners:"), &l.listen.to_string());
-            if l.tls.is_some() && l.h2c {
-                return Err(ConfigError::new(
-                    config_path,
-                    line,
-                    format!(
-                        "listener {}: h2c is for plain listeners (TLS negotiates h2 by ALPN)",
-                        l.listen
-                    ),
-                ));
-            }
-            match crate::generation::tls::server_config(l, &root, config_path, line)? {
-                Some((cfg, tls_files)) => {
-                    files.extend(tls_files);
-                    tls.push(Some(cfg));
-                }
-                None => tls.push(None),
-            }
-        }
-        let trusted = IpList::from_nets(config.trusted_proxies.iter().copied());
-        let baggage_on = config.otel.as_ref().filter(|o| o.baggage);
-        let baggage_key = baggage_on.map(|o| o.baggage_key.as_str().into());
-        let lane_tags: BTreeMap<String, http::HeaderValue> = served_lanes
-            .iter()
-            .map(String::as_str)
-            .chain([FORMAL])
-            .filter_map(|l| Some((l.to_string(), http::HeaderValue::from_str(l).ok()?)))
-            .collect();
+        let mut b = Build::main(docs, config_path)?;
+        let tag_header = b.tag_header()?;
+        let lists = b.lists()?;
+        let zone = b.gateway_zone()?;
+        let (services, node_names) = b.services(registered, zone)?;
+        let routes = b.routes(&services)?;
+        let rules = b.rules(&lists, &services)?;
+        let (release_records, releases, revoked) = b.releases(&lists, &services)?;
+        let dicts = b.dicts()?;
+        let script = b.script(&lists, &dicts)?;
+        b.otel()?;
+        b.nacos()?;
+        let sticky = b.sticky()?;
+        let served_lanes = served_lanes(&services, &routes);
+        let tls = b.listener_tls()?;
+        let lane_tags = lane_tags(&served_lanes);
+        let baggage_on = b.config.otel.as_ref().filter(|o| o.baggage);
         let lane_baggage = match baggage_on {
-            Some(o) => lane_tags
-                .keys()
-                .filter_map(|l: &String| {
-                    let v = http::HeaderValue::from_str(&format!("{}={l}", o.baggage_key)).ok()?;
-                    Some((l.clone(), v))
-                })
-                .collect(),
+            Some(o) => lane_baggage(&o.baggage_key, &lane_tags),
             None => Default::default(),
         };
+        let baggage_key = baggage_on.map(|o| o.baggage_key.as_str().into());
+        let trusted = IpList::from_nets(b.config.trusted_proxies.iter().copied());
         Ok(Generation {
             id,
             lane_baggage,
             config_path: config_path.to_path_buf(),
-            config,
             trusted,
             lane: LanePolicy {
                 tag_header,
@@ -588,19 +116,20 @@ impl Generation {
                 releases,
                 revoked,
             },
+            config: b.config,
             services,
             node_names,
             routes,
             dicts,
-            files,
-            watch_paths,
+            files: b.files,
+            watch_paths: b.watch_paths,
             loaded_at: SystemTime::now(),
-            warnings,
+            warnings: b.warnings,
             lane_tags,
             id_tag: http::HeaderValue::from(id),
-            release_records: release_file.releases.clone(),
+            release_records,
             tls,
-            discovered,
+            discovered: b.discovered,
         })
     }
 
@@ -639,6 +168,647 @@ impl Generation {
             }
         }
     }
+}
+
+impl<'a> Build<'a> {
+    /// Step 1: the main document, parsed, and the root its paths resolve
+    /// against.
+    fn main(docs: &'a dyn Docs, config_path: &'a Path) -> Result<Build<'a>, ConfigError> {
+        let text = docs.read(config_path)?;
+        let config: MainConfig = parse_yaml(config_path, &text)?;
+        let root = config.root_dir(config_path);
+        Ok(Build {
+            docs,
+            config_path,
+            text,
+            config,
+            root,
+            files: vec![config_path.to_path_buf()],
+            watch_paths: Vec::new(),
+            warnings: Vec::new(),
+            discovered: Vec::new(),
+        })
+    }
+
+    /// The line of the main document holding `needle`.
+    fn at(&self, needle: &str) -> Option<usize> {
+        find_line(&self.text, None, needle)
+    }
+
+    /// The line of the main document holding `needle` after `section`.
+    fn at_in(&self, section: &str, needle: &str) -> Option<usize> {
+        find_line(&self.text, Some(section), needle)
+    }
+
+    /// An error in the main document.
+    fn error(&self, line: Option<usize>, message: impl Into<String>) -> ConfigError {
+        ConfigError::new(self.config_path, line, message)
+    }
+
+    fn tag_header(&self) -> Result<HeaderName, ConfigError> {
+        HeaderName::from_bytes(self.config.tag_header.as_bytes()).map_err(|_| {
+            self.error(
+                self.at("tag_header"),
+                format!("invalid header name {:?}", self.config.tag_header),
+            )
+        })
+    }
+
+    /// The named IP lists (`lists:`), each from its file.
+    fn lists(&mut self) -> Result<Arc<BTreeMap<String, IpList>>, ConfigError> {
+        let mut lists = BTreeMap::new();
+        for (name, p) in &self.config.lists {
+            let path = resolve(&self.root, p);
+            lists.insert(name.clone(), IpList::load_from(self.docs, &path)?);
+            self.files.push(path);
+        }
+        Ok(Arc::new(lists))
+    }
+
+    /// The gateway's zone (`GRAYGATE_ZONE` or `zone:`), checked.
+    fn gateway_zone(&self) -> Result<Option<Arc<str>>, ConfigError> {
+        match self.config.gateway_zone() {
+            Some(z) if !valid_lane(&z) => {
+                let from_env = std::env::var(ZONE_ENV).is_ok_and(|e| !e.trim().is_empty());
+                Err(self.error(
+                    if from_env { None } else { self.at("zone:") },
+                    format!(
+                        "invalid zone name {z:?}{} (letters, digits, - _ . only)",
+                        if from_env { " in GRAYGATE_ZONE" } else { "" }
+                    ),
+                ))
+            }
+            z => Ok(z.map(Into::into)),
+        }
+    }
+
+    /// The services: those of the node files (each defined once), with the
+    /// `registered` ones added (a registered service a node file also
+    /// defines gets its nodes appended), each compiled; and the node
+    /// addresses written as host names.
+    fn services(
+        &mut self,
+        registered: RegisteredServices,
+        zone: Option<Arc<str>>,
+    ) -> Result<(BTreeMap<String, Service>, Vec<NodeName>), ConfigError> {
+        if self.config.resolve_interval_ms < 100 {
+            return Err(self.error(
+                self.at("resolve_interval_ms"),
+                "resolve_interval_ms must be at least 100",
+            ));
+        }
+        let mut defs = self.node_files()?;
+        for (key, name, svc) in registered {
+            match defs.iter_mut().find(|d| d.2 == name) {
+                Some(d) => d.3.nodes.extend(svc.nodes),
+                None => defs.push((key, Default::default(), name, svc)),
+            }
+        }
+        self.discovered(&mut defs);
+        let mut services = BTreeMap::new();
+        let mut node_names = Vec::new();
+        for def in defs {
+            let service = self.service(def, &zone, &mut node_names)?;
+            services.insert(service.name.to_string(), service);
+        }
+        Ok((services, node_names))
+    }
+
+    /// The services the node files define, in order; a service defined in
+    /// two files is an error.
+    fn node_files(&mut self) -> Result<Vec<ServiceDef>, ConfigError> {
+        let mut defs: Vec<ServiceDef> = Vec::new();
+        let mut service_file: BTreeMap<String, PathBuf> = BTreeMap::new();
+        for p in &self.config.node_files {
+            let path = resolve(&self.root, p);
+            let ntext = self.docs.read(&path)?;
+            let nf: NodeFile = parse_yaml(&path, &ntext)?;
+            let ntext = Rc::new(ntext);
+            for (name, svc) in nf.services {
+                if let Some(prev) = service_file.get(&name) {
+                    return Err(ConfigError::new(
+                        &path,
+                        find_line(&ntext, None, &format!("{name}:")),
+                        format!("service {name:?} is also defined in {}", prev.display()),
+                    ));
+                }
+                service_file.insert(name.clone(), path.clone());
+                defs.push((path.clone(), ntext.clone(), name, svc));
+            }
+            self.files.push(path);
+        }
+        Ok(defs)
+    }
+
+    /// One service compiled: its nodes, selection, health and transport.
+    fn service(
+        &mut self,
+        (path, ntext, name, svc): ServiceDef,
+        zone: &Option<Arc<str>>,
+        node_names: &mut Vec<NodeName>,
+    ) -> Result<Service, ConfigError> {
+        let service_line = |needle: &str| find_line(&ntext, Some(&format!("{name}:")), needle);
+        let nodes = self.nodes(&path, &ntext, &name, &svc, node_names)?;
+        let hash_key = match &svc.hash_key {
+            Some(k) => Some(k.parse::<HashKey>().map_err(|m| {
+                ConfigError::new(
+                    &path,
+                    service_line("hash_key:"),
+                    format!("service {name:?}: {m}"),
+                )
+            })?),
+            None => None,
+        };
+        match (svc.balance, &hash_key) {
+            (Balance::Hash, None) => {
+                return Err(ConfigError::new(
+                    &path,
+                    service_line("balance:"),
+                    format!(
+                        "service {name:?}: balance: hash needs a hash_key \
+                         (header:<name>, cookie:<name>, arg:<name> or client_ip)"
+                    ),
+                ))
+            }
+            (b, Some(k)) if b != Balance::Hash => self.warnings.push(format!(
+                "{}: service {name:?}: hash_key {k} is unused with balance: {}",
+                path.display(),
+                b.as_str()
+            )),
+            _ => {}
+        }
+        let select = Select {
+            balance: svc.balance,
+            hash_key,
+            slow_start_ms: svc.slow_start_ms,
+            zone: zone.clone(),
+            zone_min_healthy: svc.zone_min_healthy,
+        };
+        let mut service = Service::with_select(&name, nodes, select);
+        service.health = svc.health.clone();
+        service.strict = svc.strict;
+        service.retries = svc.retries;
+        service.read_timeout_ms = svc.read_timeout_ms;
+        service.grpc_error_codes = svc.grpc_error_codes;
+        service.transport = transport(&svc, &self.root, &path, &ntext, &name)?;
+        if let Some(a) = &svc.health.active {
+            if !a.path.starts_with('/') {
+                return Err(ConfigError::new(
+                    &path,
+                    service_line("path:"),
+                    format!("health check path {:?} must start with /", a.path),
+                ));
+            }
+        }
+        // (A Nacos service's instances come and go: `/status` shows them
+        // under `nacos`.)
+        if service.count(FORMAL) == 0 && !self.discovered.contains(&name) {
+            self.warnings.push(format!(
+                "{}: service {name:?} has no formal node: untagged requests get 503",
+                path.display()
+            ));
+        }
+        Ok(service)
+    }
+
+    /// A service's nodes: lanes and zones checked, host names resolved (a
+    /// node per address, an address listed once).
+    fn nodes(
+        &mut self,
+        path: &Path,
+        ntext: &str,
+        name: &str,
+        svc: &ServiceConfig,
+        node_names: &mut Vec<NodeName>,
+    ) -> Result<Vec<Node>, ConfigError> {
+        let line = |needle: &str| find_line(ntext, Some(&format!("{name}:")), needle);
+        let interval = std::time::Duration::from_millis(self.config.resolve_interval_ms);
+        let mut nodes = Vec::new();
+        for (i, n) in svc.nodes.iter().enumerate() {
+            if !valid_lane(&n.lane) {
+                return Err(ConfigError::new(
+                    path,
+                    line(&n.lane),
+                    format!(
+                        "invalid lane name {:?} (letters, digits, - _ . only)",
+                        n.lane
+                    ),
+                ));
+            }
+            if let Some(z) = n.zone.as_deref().filter(|z| !valid_lane(z)) {
+                return Err(ConfigError::new(
+                    path,
+                    line(z),
+                    format!("invalid zone name {z:?} (letters, digits, - _ . only)"),
+                ));
+            }
+            match &n.addr {
+                NodeAddr::Ip(a) => nodes.push(Node::from_config(name, i, n, *a)),
+                NodeAddr::Name { host, port } => {
+                    let ips = super::names::NAMES
+                        .addresses(self.config.resolver.as_ref(), host, interval)
+                        .map_err(|e| {
+                            ConfigError::new(
+                                path,
+                                line(host),
+                                format!("service {name:?}: node address {}: {e}", n.addr),
+                            )
+                        })?;
+                    let mut addrs = Vec::new();
+                    for ip in ips {
+                        let a = SocketAddr::new(ip, *port);
+                        addrs.push(a);
+                        if nodes.iter().any(|m: &Node| m.addr == a) {
+                            self.warnings.push(format!(
+                                "{}: service {name:?}: {} resolves to {a}, already a node of the service: listed once",
+                                path.display(),
+                                n.addr
+                            ));
+                            continue;
+                        }
+                        nodes.push(Node::from_config(name, i, n, a));
+                    }
+                    node_names.push(NodeName {
+                        service: name.to_string(),
+                        host: host.clone(),
+                        port: *port,
+                        addrs,
+                    });
+                }
+            }
+        }
+        Ok(nodes)
+    }
+
+    /// The routes, each to a known service or a static root.
+    fn routes(&mut self, services: &BTreeMap<String, Service>) -> Result<Vec<Route>, ConfigError> {
+        let static_cache = static_cache_settings(&self.config, self.config_path, &self.text)?;
+        let mut routes = Vec::new();
+        for r in &self.config.routes {
+            let line = self.at_in("routes:", &r.prefix);
+            if !r.prefix.starts_with('/') {
+                return Err(self.error(
+                    line,
+                    format!("route prefix {:?} must start with /", r.prefix),
+                ));
+            }
+            let target = match (&r.service, &r.static_root) {
+                (Some(s), None) => {
+                    if !services.contains_key(s) {
+                        return Err(self.error(
+                            self.at_in("routes:", &format!("service: {s}")),
+                            format!("route {:?} names unknown service {s:?}", r.prefix),
+                        ));
+                    }
+                    Target::Service(s.as_str().into())
+                }
+                (None, Some(dir)) => {
+                    if http::HeaderValue::from_str(&r.cache_control).is_err() {
+                        return Err(self.error(
+                            self.at_in("routes:", "cache_control"),
+                            format!(
+                                "route {:?}: cache_control {:?} is not a valid header value",
+                                r.prefix, r.cache_control
+                            ),
+                        ));
+                    }
+                    let path = resolve(self.docs.local_root().unwrap_or(&self.root), dir);
+                    let canon = path.canonicalize().map_err(|e| {
+                        self.error(line, format!("static root {}: {e}", path.display()))
+                    })?;
+                    self.watch_paths.push(path);
+                    if !canon.join(FORMAL).is_dir() {
+                        self.warnings.push(format!(
+                            "static root {} has no {FORMAL}/ directory",
+                            canon.display()
+                        ));
+                    }
+                    let mut tree =
+                        StaticTree::new(canon, r.index.clone(), &r.cache_control, static_cache);
+                    tree.precompressed = r.precompressed.clone();
+                    Target::Static(tree)
+                }
+                _ => {
+                    return Err(self.error(
+                        line,
+                        format!(
+                            "route {:?} needs exactly one of `service` or `static`",
+                            r.prefix
+                        ),
+                    ))
+                }
+            };
+            if r.sticky && self.config.sticky.is_none() {
+                return Err(self.error(
+                    line,
+                    format!(
+                        "route {:?} is sticky but there is no `sticky:` section",
+                        r.prefix
+                    ),
+                ));
+            }
+            routes.push(Route {
+                host: r.host.as_ref().map(|h| h.to_ascii_lowercase()),
+                prefix: r.prefix.as_str().into(),
+                target,
+                sticky: r.sticky,
+                upgrades: r.upgrades.iter().map(|u| u.to_ascii_lowercase()).collect(),
+            });
+        }
+        Ok(routes)
+    }
+
+    /// The declarative rules, inline (`rules:`) or from `rules_file`.
+    fn rules(
+        &mut self,
+        lists: &Arc<BTreeMap<String, IpList>>,
+        services: &BTreeMap<String, Service>,
+    ) -> Result<Option<Rules>, ConfigError> {
+        let rules = match (&self.config.rules, &self.config.rules_file) {
+            (Some(_), Some(_)) => {
+                return Err(self.error(
+                    self.at("rules_file"),
+                    "use either inline `rules` or `rules_file`, not both",
+                ))
+            }
+            (Some(cfg), None) => Some(Rules::compile(
+                cfg,
+                self.config_path,
+                &self.text,
+                Some("rules:"),
+                lists,
+            )?),
+            (None, Some(p)) => {
+                let path = resolve(&self.root, p);
+                let rtext = self.docs.read(&path)?;
+                let cfg = parse_yaml(&path, &rtext)?;
+                self.files.push(path.clone());
+                Some(Rules::compile(&cfg, &path, &rtext, None, lists)?)
+            }
+            (None, None) => None,
+        };
+        if let Some(r) = &rules {
+            for lane in r.lanes() {
+                if lane != FORMAL && !services.values().any(|s| s.count(lane) > 0) {
+                    self.warnings.push(format!(
+                        "rules: lane {lane:?} is served by no node (its requests go to formal nodes)"
+                    ));
+                }
+            }
+        }
+        Ok(rules)
+    }
+
+    /// The release state: the store's release keys (etcd), else the local
+    /// state file; its records, compiled releases and revoked lanes.
+    #[allow(clippy::type_complexity)]
+    fn releases(
+        &mut self,
+        lists: &Arc<BTreeMap<String, IpList>>,
+        services: &BTreeMap<String, Service>,
+    ) -> Result<(Vec<ReleaseRecord>, Option<Rules>, BTreeSet<String>), ConfigError> {
+        let (release_file, release_path, release_text) = match self.docs.releases() {
+            Some(kvs) => {
+                let (file, path) = super::release::from_store(kvs)?;
+                (file, path, String::new())
+            }
+            None => {
+                let path = self.config.release_state_path(self.config_path);
+                let (file, text) = super::release::load(&path)?;
+                self.files.push(path.clone());
+                (file, path, text)
+            }
+        };
+        let (releases, revoked) =
+            super::release::compile(&release_file, &release_path, &release_text, lists)?;
+        for r in &release_file.releases {
+            if !services.values().any(|s| s.count(&r.spec.lane) > 0) {
+                self.warnings.push(format!(
+                    "release {:?}: lane {:?} is served by no node (its requests go to formal nodes)",
+                    r.spec.name, r.spec.lane
+                ));
+            }
+        }
+        Ok((release_file.releases, releases, revoked))
+    }
+
+    /// The shared dictionaries (`shared_dicts:`), build-private until the
+    /// generation is installed; the script limits checked with them.
+    fn dicts(&self) -> Result<BTreeMap<String, Arc<SharedDict>>, ConfigError> {
+        let mut dicts = BTreeMap::new();
+        for (name, size) in &self.config.shared_dicts {
+            let bytes = size.bytes().filter(|b| *b > 0).ok_or_else(|| {
+                self.error(
+                    self.at_in("shared_dicts:", name),
+                    format!("shared dict {name:?}: bad size {size} (e.g. 10m, 512k)"),
+                )
+            })?;
+            dicts.insert(name.clone(), bytes);
+        }
+        self.memory_limit()?;
+        if self.config.script_limits.instruction_budget < 1_000 {
+            return Err(self.error(
+                self.at("instruction_budget"),
+                "script_limits.instruction_budget must be at least 1000",
+            ));
+        }
+        Ok(dicts
+            .into_iter()
+            .map(|(name, bytes)| {
+                let d = shared_dict::pending(&name, bytes);
+                (name, d)
+            })
+            .collect())
+    }
+
+    /// `script_limits.memory_limit` in bytes, at least 1m.
+    fn memory_limit(&self) -> Result<usize, ConfigError> {
+        self.config
+            .script_limits
+            .memory_limit
+            .bytes()
+            .filter(|b| *b >= 1 << 20)
+            .ok_or_else(|| {
+                self.error(
+                    self.at("memory_limit"),
+                    "script_limits.memory_limit must be at least 1m",
+                )
+            })
+    }
+
+    /// Whether the script runs on LuaJIT's trace compiler. Where LuaJIT
+    /// cannot make its code executable it would end the process at the
+    /// first compiled trace: `true` is refused there, `auto` runs the
+    /// interpreter.
+    fn jit(&mut self) -> Result<bool, ConfigError> {
+        match (self.config.script_limits.jit, self.config.script.is_some()) {
+            (JitMode::Off, _) | (_, false) => Ok(false),
+            (JitMode::On, true) => {
+                crate::lane::jit_probe::available().map_err(|why| {
+                    self.error(self.at("jit"), format!("script_limits.jit: {why}"))
+                })?;
+                Ok(true)
+            }
+            (JitMode::Auto, true) => match crate::lane::jit_probe::available() {
+                Ok(()) => Ok(true),
+                Err(why) => {
+                    self.warnings.push(format!(
+                        "script_limits.jit: auto: scripts run on LuaJIT's interpreter: {why} \
+                         (script_limits.jit: false says so and skips this check)"
+                    ));
+                    Ok(false)
+                }
+            },
+        }
+    }
+
+    /// The lane script with its modules, its top level run once in a
+    /// fresh VM to prove it yields a lane function.
+    fn script(
+        &mut self,
+        lists: &Arc<BTreeMap<String, IpList>>,
+        dicts: &BTreeMap<String, Arc<SharedDict>>,
+    ) -> Result<Option<ScriptSource>, ConfigError> {
+        let jit = self.jit()?;
+        let Some(p) = &self.config.script else {
+            return Ok(None);
+        };
+        let path = resolve(&self.root, p);
+        let mut src = ScriptSource::load_from(self.docs, &path)?;
+        src.instruction_budget = self.config.script_limits.instruction_budget;
+        src.memory_limit = self.memory_limit()?;
+        src.jit = jit;
+        src.dicts = dicts.clone();
+        src.validate(lists)?;
+        self.files.extend(src.files());
+        Ok(Some(src))
+    }
+
+    /// Services a route names and nothing else defines: from Nacos naming,
+    /// when `nacos.discovery` is set (an unknown service is an empty node
+    /// set, kept current by the subscription).
+    fn discovered(&mut self, defs: &mut Vec<ServiceDef>) {
+        let Some((nacos, disc)) = self
+            .config
+            .nacos
+            .as_ref()
+            .and_then(|n| n.discovery.as_ref().map(|d| (n, d)))
+        else {
+            return;
+        };
+        for r in &self.config.routes {
+            let Some(name) = &r.service else { continue };
+            if defs.iter().any(|d| &d.2 == name) {
+                continue;
+            }
+            let (svc, mut w) = super::source::nacos::service(nacos, disc, name);
+            self.warnings.append(&mut w);
+            self.discovered.push(name.clone());
+            defs.push((
+                self.config_path.to_path_buf(),
+                Default::default(),
+                name.clone(),
+                svc,
+            ));
+        }
+    }
+
+    /// `nacos:` checked.
+    fn nacos(&self) -> Result<(), ConfigError> {
+        if let Some(n) = &self.config.nacos {
+            n.check()
+                .map_err(|(key, m)| self.error(self.at_in("nacos:", key), m))?;
+        }
+        Ok(())
+    }
+
+    fn otel(&self) -> Result<(), ConfigError> {
+        if let Some(o) = &self.config.otel {
+            o.check()
+                .map_err(|(key, m)| self.error(self.at_in("otel:", key), m))?;
+        }
+        Ok(())
+    }
+
+    fn sticky(&self) -> Result<Option<Sticky>, ConfigError> {
+        self.config
+            .sticky
+            .as_ref()
+            .map(|c| Sticky::from_config(c).map_err(|m| self.error(self.at("sticky:"), m)))
+            .transpose()
+    }
+
+    /// Each listener's TLS settings (`None`: plain), their files watched.
+    #[allow(clippy::type_complexity)]
+    fn listener_tls(&mut self) -> Result<Vec<Option<Arc<rustls::ServerConfig>>>, ConfigError> {
+        let mut tls = Vec::with_capacity(self.config.listeners.len());
+        for l in &self.config.listeners {
+            let line = self.at_in("listeners:", &l.listen.to_string());
+            if l.tls.is_some() && l.h2c {
+                return Err(self.error(
+                    line,
+                    format!(
+                        "listener {}: h2c is for plain listeners (TLS negotiates h2 by ALPN)",
+                        l.listen
+                    ),
+                ));
+            }
+            match crate::generation::tls::server_config(l, &self.root, self.config_path, line)? {
+                Some((cfg, tls_files)) => {
+                    self.files.extend(tls_files);
+                    tls.push(Some(cfg));
+                }
+                None => tls.push(None),
+            }
+        }
+        Ok(tls)
+    }
+}
+
+/// The lanes something serves: formal, every node's lane and every lane
+/// directory of a static root.
+fn served_lanes(services: &BTreeMap<String, Service>, routes: &[Route]) -> BTreeSet<String> {
+    let mut served: BTreeSet<String> = std::iter::once(FORMAL.to_string()).collect();
+    for svc in services.values() {
+        served.extend(svc.lanes.keys().cloned());
+    }
+    for r in routes {
+        if let Target::Static(t) = &r.target {
+            if let Ok(rd) = std::fs::read_dir(&t.root) {
+                for e in rd.flatten() {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    if e.path().is_dir() && valid_lane(&name) {
+                        served.insert(name);
+                    }
+                }
+            }
+        }
+    }
+    served
+}
+
+/// Each served lane's tag header value, made once.
+fn lane_tags(served: &BTreeSet<String>) -> BTreeMap<String, http::HeaderValue> {
+    served
+        .iter()
+        .map(String::as_str)
+        .chain([FORMAL])
+        .filter_map(|l| Some((l.to_string(), http::HeaderValue::from_str(l).ok()?)))
+        .collect()
+}
+
+/// Each lane's baggage member (`key=lane`), made once.
+fn lane_baggage(
+    key: &str,
+    lane_tags: &BTreeMap<String, http::HeaderValue>,
+) -> BTreeMap<String, http::HeaderValue> {
+    lane_tags
+        .keys()
+        .filter_map(|l| {
+            let v = http::HeaderValue::from_str(&format!("{key}={l}")).ok()?;
+            Some((l.clone(), v))
+        })
+        .collect()
 }
 
 /// A service's transport to its nodes (TLS, HTTP/2), `None` for plain

@@ -21,3 +21,13 @@ pub mod stats;
 pub mod upgrade;
 
 pub use gateway::Gateway;
+
+/// At a graceful stop (not a handover): a fleet gateway gives up the
+/// release leadership, then leaves its configuration source (an etcd
+/// gateway removes its status key).
+pub async fn leave(gw: &Gateway) {
+    if let Some(src) = &gw.etcd {
+        release::fleet::resign(gw, src).await;
+    }
+    source::leave(gw).await;
+}

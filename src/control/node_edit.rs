@@ -95,14 +95,7 @@ impl std::fmt::Display for EditError {
 
 /// The directory relative paths of `config` resolve against.
 pub fn root_dir(config_path: &Path, config: &MainConfig) -> PathBuf {
-    let dir = config_path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    config
-        .root
-        .as_ref()
-        .map_or(dir.to_path_buf(), |r| resolve(dir, r))
+    config.root_dir(config_path)
 }
 
 /// The node file (path, text, parsed) that defines `service`.

@@ -9,6 +9,7 @@
 
 pub mod budget;
 pub mod jit_probe;
+pub(crate) mod lent;
 mod native;
 pub mod ngx;
 pub mod precedence;

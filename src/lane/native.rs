@@ -12,7 +12,7 @@
 
 use mlua::{BString, Function, IntoLua, IntoLuaMulti, Lua, LuaString, Table};
 
-use super::script::{request_string, Restore};
+use super::lent::{request_string, Restore};
 use super::RequestInfo;
 use crate::base::lists::IpList;
 
@@ -151,7 +151,7 @@ impl Prefetch {
                     flags |= i64::from(super::bucket(b)) << (BUCKET_BITS * j);
                 }
                 match std::str::from_utf8(b) {
-                    Ok(t) if b.len() <= super::script::UNLIMITED_STRING_MAX => text[j] = Some(t),
+                    Ok(t) if b.len() <= super::lent::UNLIMITED_STRING_MAX => text[j] = Some(t),
                     _ => all_text = false,
                 }
             }

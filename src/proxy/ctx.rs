@@ -93,7 +93,7 @@ pub struct Verdict {
     /// The node's counters (a broken body is one more error).
     pub counters: Arc<NodeCounters>,
     /// The service's gRPC statuses that count as errors (read at the end
-    /// of a gRPC answer, [`super::record`]).
+    /// of a gRPC answer, by the `record` phase).
     pub grpc_error_codes: GrpcErrorCodes,
 }
 
@@ -126,10 +126,8 @@ impl Verdict {
 
 impl RequestCtx {
     /// A fresh context for the request `info` describes (the resolve
-    /// phase's result). Built straight into its box ([`Pending::new`]):
+    /// phase's result). Built straight into its box (`record::Pending::new`):
     /// no copy of the whole context per request.
-    ///
-    /// [`Pending::new`]: super::record::Pending::new
     pub fn begin(info: &RequestInfo, peer: SocketAddr, start: Instant, log: bool) -> RequestCtx {
         RequestCtx {
             client: Client {

@@ -71,12 +71,7 @@ where
     F: Future<Output = ()> + Send + 'static,
 {
     fn execute(&self, fut: F) {
-        tokio::spawn(Watched {
-            fut,
-            waiting: Waiting::default(),
-            limit_ms: self.limit_ms,
-            timer: None,
-        });
+        tokio::spawn(Watched::new(fut, self.limit_ms, now_ms));
     }
 }
 
@@ -89,10 +84,25 @@ pin_project_lite::pin_project! {
         fut: F,
         waiting: Waiting,
         limit_ms: u64,
+        // The clock `waiting` is read against (`now_ms`; a test's own).
+        clock: fn() -> u64,
         // Armed on the first wait for the client and re-armed only when it
         // fires early (the wait it was armed for ended meanwhile): at most
         // one timer firing per `limit_ms` per stream, not one reset per chunk.
         timer: Option<Pin<Box<Sleep>>>,
+    }
+}
+
+impl<F> Watched<F> {
+    /// `fut` under a watchdog of `limit_ms` (0: none) on `clock`.
+    pub fn new(fut: F, limit_ms: u64, clock: fn() -> u64) -> Watched<F> {
+        Watched {
+            fut,
+            waiting: Waiting::default(),
+            limit_ms,
+            clock,
+            timer: None,
+        }
     }
 }
 
@@ -115,7 +125,7 @@ impl<F: Future<Output = ()>> Future for Watched<F> {
                 return Poll::Pending;
             }
             let due = since.saturating_add(*me.limit_ms);
-            let now = now_ms();
+            let now = (me.clock)();
             if now >= due {
                 log_limited(&STALL_LOG, || {
                     tracing::warn!(
@@ -901,6 +911,37 @@ mod tests {
         assert_eq!(goaway_of(&frames), Some((3, ENHANCE_YOUR_CALM)));
         // Writes after it are dropped, not errors.
         io.write_all(&frame(PING, ACK, 0, &[0; 8])).await.unwrap();
+    }
+
+    /// The stream's deadline is relative: on the clock of a gateway that
+    /// has run for three days, a stream that starts waiting for its client
+    /// is dropped `limit_ms` later (on tokio's paused clock: exactly), not
+    /// three days and `limit_ms` later.
+    #[tokio::test(start_paused = true)]
+    async fn a_stalled_stream_is_dropped_at_its_limit_on_a_clock_far_from_zero() {
+        static START: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
+        fn uptime_ms() -> u64 {
+            let start = *START.get_or_init(tokio::time::Instant::now);
+            3 * DAY_MS + start.elapsed().as_millis() as u64
+        }
+        uptime_ms();
+        for limit in [1, 300, 5_000] {
+            // The stream hands out a chunk and then waits for its client.
+            let stalled = std::future::poll_fn(|_| {
+                crate::base::sendwait::body_poll(uptime_ms, || {
+                    crate::base::sendwait::client_wait();
+                    ((), crate::base::sendwait::Polled::Pending)
+                });
+                Poll::<()>::Pending
+            });
+            let from = tokio::time::Instant::now();
+            Watched::new(stalled, limit, uptime_ms).await;
+            let took = from.elapsed().as_millis() as u64;
+            assert!(
+                (limit..=limit + 1).contains(&took),
+                "limit {limit}: {took} ms"
+            );
+        }
     }
 
     #[test]

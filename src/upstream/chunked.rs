@@ -46,17 +46,57 @@ impl Default for Chunked {
 /// Takes one CRLF-terminated line (without its CRLF) off the front of
 /// `buf`; a bare LF is an error.
 fn line(buf: &mut BytesMut) -> Result<Option<Bytes>, &'static str> {
+    Ok(line_end(buf)?.map(|i| {
+        let mut l = buf.split_to(i + 1).freeze();
+        l.truncate(i - 1);
+        l
+    }))
+}
+
+/// Where the CRLF-terminated line at the front of `buf` ends (its LF);
+/// `None` when more bytes are needed; a bare LF is an error.
+fn line_end(buf: &[u8]) -> Result<Option<usize>, &'static str> {
     match buf.iter().position(|&b| b == b'\n') {
         Some(i) if i > MAX_LINE => Err("chunk line too long"),
         Some(i) if i == 0 || buf[i - 1] != b'\r' => Err("bare LF in a chunked body"),
-        Some(i) => {
-            let mut l = buf.split_to(i + 1).freeze();
-            l.truncate(i - 1);
-            Ok(Some(l))
-        }
+        Some(i) => Ok(Some(i)),
         None if buf.len() > MAX_LINE => Err("chunk line too long"),
         None => Ok(None),
     }
+}
+
+/// Checks the part of a chunked body already in `buf` (what came with the
+/// response head) without consuming it: the error [`Chunked::step`] would
+/// meet in these bytes, so that a broken body in hand is refused before
+/// the head goes out (a 502, not a 200 cut short). `Ok` when the bytes are
+/// well-formed as far as they go. One step per chunk, no copy.
+pub fn check_in_hand(buf: &[u8]) -> Result<(), &'static str> {
+    let mut at = 0usize;
+    loop {
+        let Some((used, size)) = parse_size(&buf[at..])? else {
+            return Ok(());
+        };
+        at += used;
+        if size == 0 {
+            break;
+        }
+        let Some(end) = usize::try_from(size).ok().and_then(|n| at.checked_add(n)) else {
+            return Ok(());
+        };
+        match buf.get(end..) {
+            None | Some([]) | Some([b'\r']) => return Ok(()),
+            Some([b'\r', b'\n', ..]) => at = end + 2,
+            Some(_) => return Err("missing CRLF after chunk data"),
+        }
+    }
+    // The trailers, up to the empty line that ends them.
+    while let Some(i) = line_end(&buf[at..])? {
+        if i == 1 {
+            break;
+        }
+        at += i + 1;
+    }
+    Ok(())
 }
 
 /// Reads a chunk-size line at the front of `buf` without consuming it:
@@ -208,6 +248,43 @@ mod tests {
         let mut long = b"5;".to_vec();
         long.extend(std::iter::repeat_n(b'x', MAX_LINE + 10));
         assert!(decode(&long, 64).is_err());
+    }
+
+    #[test]
+    fn the_body_in_hand_is_checked_as_the_decoder_would() {
+        let good: &[&[u8]] = &[
+            b"5;ext=1\r\nhello\r\n1A\r\nabcdefghijklmnopqrstuvwxyz\r\n0\r\nX-Trailer: t\r\n\r\n",
+            b"0\r\n\r\nHTTP/1.1 200 OK\r\n\n",
+        ];
+        let bad: &[&[u8]] = &[
+            b"5\r\nhello\r\n0\r\nX-T: a\n\r\n",
+            b"0\r\nX-T: a\r\nX-U: b\n\r\n",
+            b"5\r\nhello\n0\r\n\r\n",
+            b"3\r\nabcX\r\n0\r\n\r\n",
+            b"5\nhello\r\n0\r\n\r\n",
+            b"0\r\n\n",
+        ];
+        for wire in good.iter().chain(bad) {
+            // Every prefix: an error exactly when the decoder meets one.
+            for cut in 0..=wire.len() {
+                let part = &wire[..cut];
+                let mut c = Chunked::default();
+                let mut buf = BytesMut::from(part);
+                let decoder = loop {
+                    match c.step(&mut buf) {
+                        Ok(Step::Data(_)) => continue,
+                        Ok(_) => break Ok(()),
+                        Err(e) => break Err(e),
+                    }
+                };
+                assert_eq!(
+                    check_in_hand(part),
+                    decoder,
+                    "{:?}",
+                    String::from_utf8_lossy(part)
+                );
+            }
+        }
     }
 
     #[test]

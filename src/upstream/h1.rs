@@ -729,6 +729,103 @@ fn content_length(v: &[u8]) -> Option<u64> {
     })
 }
 
+/// One node response as the inline exchange reads it, decoded off raw
+/// bytes without a socket (the response codec on its own: fuzz targets
+/// and codec tests drive it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decoded {
+    pub status: u16,
+    /// The end-to-end fields as the proxy passes them on (hop-by-hop
+    /// fields and those a Connection names dropped), in the header map's
+    /// order.
+    pub fields: Vec<(String, Vec<u8>)>,
+    pub body: Vec<u8>,
+    /// The bytes after the message; `None` when it ends at the close.
+    pub rest: Option<Vec<u8>>,
+}
+
+/// Decodes the response at the front of `wire` as the inline exchange does
+/// — interim `1xx` skipped, the head's framing, the chunked body that came
+/// with the head checked before the head would go out — with `wire`
+/// arriving `piece` bytes at a time (the connection's reads). `Err`: what
+/// the exchange answers 502 for (a message cut short included).
+pub fn decode_response(wire: &[u8], piece: usize, head_request: bool) -> Result<Decoded, String> {
+    let piece = piece.max(1);
+    let mut fed = 0;
+    let mut buf = BytesMut::new();
+    let mut feed = |buf: &mut BytesMut| -> bool {
+        if fed == wire.len() {
+            return false;
+        }
+        let end = (fed + piece).min(wire.len());
+        buf.extend_from_slice(&wire[fed..end]);
+        fed = end;
+        true
+    };
+    let mut spans = Vec::new();
+    let head = loop {
+        match parse_head(&mut buf, &mut spans, None).map_err(|f| f.error.to_string())? {
+            Some(h) => break h,
+            None if buf.len() > MAX_HEAD => return Err("response head too large".into()),
+            None if !feed(&mut buf) => return Err("cut short in the head".into()),
+            None => {}
+        }
+    };
+    let bad = |e: &str| format!("invalid response: {e}");
+    let framing = head.meta.framing(head.status, head_request).map_err(bad)?;
+    if matches!(framing, Framing::Chunked(_)) {
+        super::chunked::check_in_hand(&buf).map_err(bad)?;
+    }
+    // As the proxy passes them on: the fields a Connection names go too.
+    let mut headers = head.headers;
+    super::fields::strip_hop_by_hop(&mut headers);
+    let fields = headers
+        .iter()
+        .map(|(n, v)| (n.as_str().to_string(), v.as_bytes().to_vec()))
+        .collect();
+    let mut body = Vec::new();
+    match framing {
+        Framing::Done => {}
+        Framing::Length(n) => {
+            while (buf.len() as u64) < n {
+                if !feed(&mut buf) {
+                    return Err("cut short in the body".into());
+                }
+            }
+            body.extend_from_slice(&buf.split_to(n as usize));
+        }
+        Framing::Chunked(mut c) => loop {
+            match c.step(&mut buf).map_err(bad)? {
+                Step::Data(d) => body.extend_from_slice(&d),
+                Step::Done => break,
+                Step::More => {
+                    if !feed(&mut buf) {
+                        return Err("cut short in the body".into());
+                    }
+                }
+            }
+        },
+        Framing::UntilClose => {
+            while feed(&mut buf) {}
+            body.extend_from_slice(&buf);
+            return Ok(Decoded {
+                status: head.status.as_u16(),
+                fields,
+                body,
+                rest: None,
+            });
+        }
+    }
+    let mut rest = buf.to_vec();
+    rest.extend_from_slice(&wire[fed..]);
+    Ok(Decoded {
+        status: head.status.as_u16(),
+        fields,
+        body,
+        rest: Some(rest),
+    })
+}
+
 /// How the response body is delimited.
 enum Framing {
     Length(u64),
@@ -747,10 +844,10 @@ fn finish(
     let bad =
         |e: &str| Error::new(ErrorKind::Exchange).with_source(format!("invalid response: {e}"));
     let framing = head.meta.framing(head.status, head_request).map_err(bad)?;
-    // A broken first chunk that came with the head is refused before the
-    // head goes out (a 502, not a truncated 200).
+    // A broken chunked body, as far as it came with the head, is refused
+    // before the head goes out (a 502, not a truncated 200).
     if matches!(framing, Framing::Chunked(_)) {
-        super::chunked::parse_size(&conn.rbuf).map_err(bad)?;
+        super::chunked::check_in_hand(&conn.rbuf).map_err(bad)?;
     }
     // An upstream that sent both Transfer-Encoding and Content-Length may
     // disagree with us about where its message ends: never reuse it.

@@ -17,6 +17,7 @@ mod chunked;
 pub mod fields;
 mod h1;
 pub use h1::RawHead;
+pub use h1::{decode_response, Decoded};
 mod h2;
 mod pool;
 pub mod tls;

@@ -1,4 +1,4 @@
-//! Bounded, deterministic stable-Rust smoke run of the two fuzz entry
+//! Bounded, deterministic stable-Rust smoke run of the three fuzz entry
 //! points (`graygate::fuzz_entry`, also driven by cargo-fuzz in `fuzz/`):
 //! seed inputs plus seeded random mutations, checking that nothing panics
 //! and that the entry points' invariants hold.
@@ -159,4 +159,56 @@ fn request_decision_survives_mutated_requests() {
     // missing or mangled Host is one since the RFC 9112 checks); enough
     // still reach the lane and node choice to exercise them.
     assert!(decided > 400);
+}
+
+#[test]
+fn the_response_codec_survives_mutated_node_answers() {
+    use graygate::fuzz_entry::response_decoding;
+    // (flags: bit 0 = HEAD request, read size, the node's bytes)
+    let answers: Vec<&[u8]> = vec![
+        b"\x00\x03HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-A: 1\r\n\r\nhelloHTTP/1.1 200 OK\r\n\r\n",
+        b"\x00\x05HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5;e=1\r\nhello\r\n1A\r\nabcdefghijklmnopqrstuvwxyz\r\n0\r\nX-T: t\r\n\r\nrest",
+        b"\x00\x00HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok",
+        b"\x00\x02HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 3\r\n\r\nold",
+        b"\x00\x04HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the close",
+        b"\x01\x01HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n",
+        b"\x00\x09HTTP/1.1 204 No Content\r\nContent-Length: 7\r\n\r\nnext",
+        b"\x00\x00HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\nb\r\nhello world\r\n0\r\n\r\n",
+    ];
+    let seeds: Vec<Vec<u8>> = answers.iter().map(|a| a.to_vec()).collect();
+    // The seeds decode as the exchange reads them.
+    let d = response_decoding(&seeds[0]).unwrap();
+    assert_eq!((d.status, &d.body[..]), (200, &b"hello"[..]));
+    assert_eq!(d.rest.as_deref(), Some(&b"HTTP/1.1 200 OK\r\n\r\n"[..]));
+    let d = response_decoding(&seeds[1]).unwrap();
+    assert_eq!(d.body, b"helloabcdefghijklmnopqrstuvwxyz");
+    assert_eq!(d.rest.as_deref(), Some(&b"rest"[..]));
+    assert_eq!(response_decoding(&seeds[2]).unwrap().status, 201);
+    assert_eq!(response_decoding(&seeds[4]).unwrap().rest, None);
+    assert!(response_decoding(&seeds[5]).unwrap().body.is_empty());
+    let d = response_decoding(&seeds[7]).unwrap();
+    assert!(d.fields.iter().all(|(n, _)| n != "content-length"), "{d:?}");
+    // Broken framing is refused, whatever the reads.
+    for bad in [
+        &b"\x00\x01HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nX-T: a\n\r\n"[..],
+        b"\x00\x00HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello!",
+        b"\x00\x03HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nhello",
+        b"\x00\x00HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nshort",
+    ] {
+        assert!(
+            response_decoding(bad).is_none(),
+            "{}",
+            String::from_utf8_lossy(bad)
+        );
+    }
+    let mut rng = fastrand::Rng::with_seed(0x636f_6465);
+    let mut decoded = 0;
+    for _ in 0..20_000 {
+        let input = mutate(&mut rng, &seeds);
+        if response_decoding(&input).is_some() {
+            decoded += 1;
+        }
+    }
+    eprintln!("response inputs: {decoded} of 20000 decoded");
+    assert!(decoded > 1000, "mutations exercise the accepting paths");
 }

@@ -405,6 +405,8 @@ struct Seen {
     settings_acks: usize,
     goaway: Option<u32>,
     closed: bool,
+    /// When each (frame type, stream) was first seen.
+    first: std::collections::BTreeMap<(u8, u32), std::time::Instant>,
 }
 
 fn watch_frames(s: &TcpStream) -> std::sync::Arc<std::sync::Mutex<Seen>> {
@@ -414,6 +416,9 @@ fn watch_frames(s: &TcpStream) -> std::sync::Arc<std::sync::Mutex<Seen>> {
     std::thread::spawn(move || {
         while let Some(f) = frames.next() {
             let mut s = out.lock().unwrap();
+            s.first
+                .entry((f.kind, f.stream))
+                .or_insert_with(std::time::Instant::now);
             match f.kind {
                 0x0 => {
                     s.data += f.payload.len();
@@ -504,6 +509,44 @@ async fn streams_a_client_never_lets_send_are_reset_at_the_send_timeout() {
         || async move { open_fds(pid).0 == base },
     )
     .await;
+}
+
+/// Issue 50: the per-stream send timeout is armed relative to now. In a
+/// gateway that has run a while (the watchdog's clock counts from its
+/// start), a stream whose client never lets it send is reset
+/// `client.send_timeout_ms` after its answer began, within a clock tick and
+/// a loaded machine's scheduling — not the gateway's age later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_stream_is_reset_at_its_send_timeout_in_a_gateway_that_has_run_a_while() {
+    let limit = Duration::from_millis(300);
+    let started = std::time::Instant::now();
+    let (_fx, gw, h2c) = static_site(
+        &format!("client: {{ send_timeout_ms: {} }}\n", limit.as_millis()),
+        None,
+    );
+    // Five seconds of serving: a timer armed at the absolute due time
+    // would fire five seconds late.
+    let age = Duration::from_secs(5);
+    while started.elapsed() < age {
+        assert_eq!(gw.get("/small.txt").await.text(), "small\n");
+    }
+    for round in 0..3u32 {
+        let mut c = h2c_client(h2c, &[(0x4, 0)], None);
+        let seen = watch_frames(&c);
+        gets(&mut c, "/big.bin", [1]);
+        eventually("the stalled stream reset", Duration::from_secs(30), || {
+            let done = seen.lock().unwrap().reset.contains_key(&1);
+            async move { done }
+        })
+        .await;
+        let s = seen.lock().unwrap();
+        let waited = s.first[&(0x3, 1)] - s.first[&(0x1, 1)];
+        assert!(
+            waited >= limit - Duration::from_millis(20) && waited < limit + Duration::from_secs(1),
+            "round {round}: reset {waited:?} after the answer began, the limit is {limit:?}"
+        );
+        assert_eq!(s.reset[&1], 0x8, "RST_STREAM CANCEL");
+    }
 }
 
 /// Issue 33, item 8: one connection's answers hold at most

@@ -1,7 +1,9 @@
 //! The house keeps its layers: every top-level module of `src/` imports
 //! only from modules of a lower layer (so no import circle can form), and
 //! the data plane never imports the control plane. Reads the `crate::…`
-//! paths (and `use crate::{a, b}` groups) of every source file.
+//! paths (and `use crate::{a, b}` groups) of every source file. Inside
+//! every module directory, sibling modules form no import circle either
+//! (`super::x` and `crate::…::x` paths, test code aside).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -213,4 +215,131 @@ fn the_checker_catches_circles_and_control_imports() {
         crate_refs("use crate::{a::X, b};\nlet y = crate::c::f(); // notcrate::d"),
         ["a", "b", "c"].iter().map(|s| s.to_string()).collect()
     );
+}
+
+/// The non-test part of a source file: up to its first `#[cfg(test)]`
+/// (test modules may reach anywhere).
+fn non_test(text: &str) -> &str {
+    text.find("#[cfg(test)]").map_or(text, |i| &text[..i])
+}
+
+/// Within `dir` (a module directory under `src`, e.g. `lane/script`): each
+/// child module → the siblings it imports (`super::x`, or the full
+/// `crate::…::x` path), test code aside.
+fn sibling_graph(src: &Path, dir: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let full = src.join(dir);
+    let prefix = format!("crate::{}::", dir.replace('/', "::"));
+    let mut files = Vec::new();
+    walk(&full, &mut files);
+    let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for f in &files {
+        let rel = f.strip_prefix(&full).unwrap();
+        let mut parts = rel.components();
+        let first = parts.next().unwrap().as_os_str().to_string_lossy();
+        let child = first.trim_end_matches(".rs").to_string();
+        // mod.rs is the parent; `testing` helpers are test code.
+        if child == "mod" || f.file_stem().is_some_and(|s| s == "testing") {
+            continue;
+        }
+        // A file directly in `dir` sees its siblings as `super::`; one in a
+        // child directory as `super::super::` (its mod.rs: `super::`).
+        let depth = rel.components().count() - usize::from(rel.ends_with("mod.rs"));
+        let up = "super::".repeat(depth);
+        let text = std::fs::read_to_string(f).unwrap();
+        let text = non_test(&text);
+        let deps = g.entry(child.clone()).or_default();
+        for head in [up.as_str(), prefix.as_str()] {
+            let mut rest = text;
+            while let Some(pos) = rest.find(head) {
+                let glued = rest[..pos]
+                    .chars()
+                    .next_back()
+                    .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':');
+                rest = &rest[pos + head.len()..];
+                if glued {
+                    continue;
+                }
+                let names: Vec<String> = match rest.strip_prefix('{') {
+                    Some(group) => {
+                        let end = group.find('}').unwrap_or(group.len());
+                        group[..end].split(',').map(|i| ident(i.trim())).collect()
+                    }
+                    None => vec![ident(rest)],
+                };
+                deps.extend(names.into_iter().filter(|n| !n.is_empty() && *n != child));
+            }
+        }
+    }
+    // Only edges to sibling modules (not to items of mod.rs).
+    let children: BTreeSet<String> = g.keys().cloned().collect();
+    for deps in g.values_mut() {
+        deps.retain(|d| children.contains(d));
+    }
+    g
+}
+
+/// Every module directory under `src` (relative, `/`-separated).
+fn module_dirs(src: &Path, rel: &str, out: &mut Vec<String>) {
+    for e in std::fs::read_dir(src.join(rel)).unwrap().flatten() {
+        if e.path().is_dir() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let child = if rel.is_empty() {
+                name
+            } else {
+                format!("{rel}/{name}")
+            };
+            out.push(child.clone());
+            module_dirs(src, &child, out);
+        }
+    }
+}
+
+#[test]
+fn sibling_modules_form_no_circle() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut dirs = Vec::new();
+    module_dirs(&src, "", &mut dirs);
+    let mut bad = Vec::new();
+    for dir in &dirs {
+        let mut g = sibling_graph(&src, dir);
+        while let Some(c) = find_cycle(&g) {
+            bad.push(format!("{dir}: {}", c.join(" → ")));
+            g.get_mut(&c[0]).unwrap().remove(&c[1]);
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "import circles between sibling modules:\n{}",
+        bad.join("\n")
+    );
+}
+
+#[test]
+fn the_sibling_checker_reads_super_and_crate_paths_and_skips_tests() {
+    let dir = std::env::temp_dir().join(format!("gg-layering-{}", std::process::id()));
+    let m = dir.join("a");
+    std::fs::create_dir_all(m.join("z")).unwrap();
+    std::fs::write(m.join("x.rs"), "use super::y::Y;\n").unwrap();
+    std::fs::write(
+        m.join("y.rs"),
+        "pub struct Y;\n#[cfg(test)]\nuse super::x;\n",
+    )
+    .unwrap();
+    std::fs::write(m.join("z/mod.rs"), "use crate::a::{x, w};\n").unwrap();
+    std::fs::write(m.join("z/inner.rs"), "use super::super::y;\n").unwrap();
+    std::fs::write(m.join("testing.rs"), "use super::z;\n").unwrap();
+    let g = sibling_graph(&dir, "a");
+    let edges = |n: &str| g[n].iter().cloned().collect::<Vec<_>>();
+    assert_eq!(edges("x"), ["y"]);
+    assert!(edges("y").is_empty(), "test code is not an edge");
+    assert_eq!(
+        edges("z"),
+        ["x", "y"],
+        "crate paths and a nested file count"
+    );
+    assert!(!g.contains_key("testing"));
+    assert!(find_cycle(&g).is_none());
+    std::fs::write(m.join("y.rs"), "use crate::a::z::Z;\n").unwrap();
+    assert!(find_cycle(&sibling_graph(&dir, "a")).is_some());
+    std::fs::remove_dir_all(&dir).unwrap();
 }

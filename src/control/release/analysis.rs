@@ -352,7 +352,8 @@ const TILT_RATIO: f64 = 1.1;
 /// likelihood ratio of Bernoulli(p′) to Bernoulli(p), p′ = p tilted by a
 /// step λ of the log odds: exp(±λx − n ln(1 − p + p e^{±λ})). Under any
 /// rate on the null side each term's expected factor per request is at
-/// most 1, so the equal-weight mixture is a nonnegative supermartingale.
+/// most 1, so the mixture ([`AT_REST`] on λ = 0, the rest in equal
+/// parts) is a nonnegative supermartingale, never below [`AT_REST`].
 /// Decreasing in `p` when `up`, increasing when not.
 fn ln_tilted(tilts: &[f64], x: f64, n: f64, p: f64, up: bool) -> f64 {
     let p = p.clamp(0.0, 1.0);
@@ -370,8 +371,15 @@ fn ln_tilted(tilts: &[f64], x: f64, n: f64, p: f64, up: bool) -> f64 {
             sum += (v - top).exp();
         }
     }
-    top + (sum / tilts.len() as f64).ln()
+    // [`AT_REST`] of the weight on λ = 0 (the factor 1): a lane whose own
+    // data says nothing about `p` costs the other lane ln 8, never more.
+    let w = (1.0 - AT_REST) / tilts.len() as f64;
+    let (a, b) = (top + (sum * w).ln(), AT_REST.ln());
+    a.max(b) + (-(a - b).abs()).exp().ln_1p()
 }
+
+/// The share of each lane's error mixture on no tilt at all.
+const AT_REST: f64 = 0.125;
 
 /// Whether `dec(r) + inc(r) ≥ need` for every `r` in `[r0, r1]`, `dec`
 /// non-increasing and `inc` non-decreasing: on an interval the sum is at
@@ -624,6 +632,20 @@ fn quantile_upper(s: &LaneSnapshot, n: u64, level: f64, alpha: f64) -> Option<f6
     None
 }
 
+/// An anytime-valid lower bound (ms) of a lane's `level` quantile: the
+/// highest bucket edge with more than `1 − level` of the sample certainly
+/// at or above it; `None` while the sample cannot tell.
+fn quantile_lower(s: &LaneSnapshot, n: u64, level: f64, alpha: f64) -> Option<f64> {
+    let mut seen = 0;
+    for (i, c) in s.buckets.iter().enumerate().rev() {
+        seen += c;
+        if *c > 0 && certainly_above(seen, n, 1.0 - level, alpha) {
+            return Some(bucket_lower_us(i) / 1000.0);
+        }
+    }
+    None
+}
+
 fn latency_check(
     a: &AnalysisSpec,
     g: &LaneSnapshot,
@@ -711,7 +733,16 @@ fn latency_check(
     }
     let within = pg <= a.max_p99_ratio * pf + 1e-9 || pg - pf <= floor + 1e-9;
     let within_ceiling = a.max_p99_ms.is_none_or(|c| pg <= c);
-    let enough = ratio.is_some_and(|r| r <= target);
+    // Enough evidence: the sample would have caught a gray `target` ×
+    // slower, or it rules one out directly (gray's quantile is certainly
+    // below `target` × formal's; the way through for a heavy-tailed
+    // formal, whose sparse tail makes a shifted copy hard to tell apart).
+    let ruled_out = || {
+        let gu = quantile_upper(g, ng, q, each);
+        let fl = quantile_lower(f, nf, q, each);
+        matches!((gu, fl), (Some(gu), Some(fl)) if gu <= target * fl)
+    };
+    let enough = ratio.is_some_and(|r| r <= target) || ruled_out();
     if within && within_ceiling && enough {
         (
             Check::Pass,
@@ -935,6 +966,29 @@ mod tests {
         );
         assert_eq!(j.errors, Some(Check::Fail), "{j:?}");
         assert!(j.reason.contains("above the ceiling 1%"), "{}", j.reason);
+    }
+
+    #[test]
+    fn a_small_step_passes_against_a_formal_with_nine_times_its_traffic() {
+        // A 10 % step: formal's sample dwarfs gray's, and neither has an
+        // error. Formal's own data says nothing about a high rate; it may
+        // not drown gray's evidence there.
+        let a = AnalysisSpec {
+            max_error_delta_pp: 5.0,
+            ..AnalysisSpec::default()
+        };
+        for (ng, nf) in [(300, 2_700), (2_925, 24_532), (10_000, 200_000)] {
+            let j = judge_step(
+                &a,
+                Some(&lane(ng, 0, 1.0, 0, 1.0)),
+                Some(&lane(nf, 0, 1.0, 0, 1.0)),
+                step_alpha(2),
+            );
+            assert_eq!(j.errors, Some(Check::Pass), "{ng} vs {nf}: {j:?}");
+        }
+        let t = tilts(0.05);
+        let high = excess_bound(&t, (0.0, 2_925.0), (0.0, 24_532.0), PASS_LEVEL, false);
+        assert!(high < 0.005, "{high}");
     }
 
     #[test]

@@ -29,29 +29,11 @@ use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpR
 use serde::{Deserialize, Serialize};
 
 use crate::config::release::ReleaseRecord;
-use crate::control::source::etcd::EtcdSource;
+use crate::control::source::etcd::{
+    leader_key, release_key, releases_range, stats_key, EtcdSource,
+};
 use crate::control::Gateway;
 use crate::observe::lanes::{LaneSnapshot, BUCKETS};
-
-/// The key of release `name`.
-pub fn release_key(prefix: &str, name: &str) -> String {
-    format!("{prefix}/releases/{name}")
-}
-
-/// The release keys: `[<prefix>/releases/, <prefix>/releases0)`.
-pub fn releases_range(prefix: &str) -> (String, String) {
-    (format!("{prefix}/releases/"), format!("{prefix}/releases0"))
-}
-
-/// The counters key of gateway `id`.
-pub fn stats_key(prefix: &str, id: &str) -> String {
-    format!("{prefix}/stats/{id}")
-}
-
-/// The leader key.
-pub fn leader_key(prefix: &str) -> String {
-    format!("{prefix}/tasks/releases/leader")
-}
 
 fn unix_ms() -> u64 {
     SystemTime::now()

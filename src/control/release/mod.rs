@@ -27,14 +27,7 @@ use crate::lane::rules::Rules;
 
 /// Where the release state lives for `config`.
 pub fn state_path(config_path: &Path, config: &MainConfig) -> PathBuf {
-    let root = super::node_edit::root_dir(config_path, config);
-    crate::config::resolve(
-        &root,
-        config
-            .release_state_file
-            .as_deref()
-            .unwrap_or(Path::new("releases.json")),
-    )
+    config.release_state_path(config_path)
 }
 
 /// Reads the state file (no file: no releases).
@@ -98,20 +91,7 @@ pub fn weight(r: &ReleaseRecord) -> f64 {
     }
 }
 
-/// What the generation routes by in a release state: each release's spec,
-/// phase and step — not its decisions, counts, failures or holds. A state
-/// change that keeps it is written without a reload
-/// ([`controller`]: the generation number then still says only that the
-/// configuration changed).
-pub fn routing_signature(releases: &[ReleaseRecord]) -> Vec<(String, Phase, usize)> {
-    releases
-        .iter()
-        .map(|r| {
-            let spec = serde_json::to_string(&r.spec).unwrap_or_default();
-            (spec, r.state.phase, r.state.step)
-        })
-        .collect()
-}
+pub use crate::config::release::routing_signature;
 
 /// Whether step `i` gives the lane all of the release's traffic — a weight
 /// of 100, or past the last step: that is promotion (formal would have no

@@ -160,12 +160,11 @@ pub fn watch(gw: &Arc<Gateway>) {
     }
 }
 
-/// At a graceful stop (not a handover): an etcd gateway gives up the
-/// release leadership and removes its status key; a files gateway has
-/// nothing to leave.
+/// At a graceful stop (not a handover), after the release leadership is
+/// given up (`release::fleet::resign`): an etcd gateway removes its
+/// status key; a files gateway has nothing to leave.
 pub async fn leave(gw: &Gateway) {
     if let Some(src) = &gw.etcd {
-        crate::control::release::fleet::resign(gw, src).await;
         etcd::leave(src).await;
     }
 }

@@ -10,9 +10,10 @@ use http::HeaderName;
 use mlua::{Either, Lua, Table, Value};
 
 use super::req::{args_packed, headers_packed};
-use super::var::{header_name, header_values, var_bytes, variable, CookiesAndArgs};
+use super::var::{header_name, header_values, var_bytes, variable};
 use super::DEFAULT_MAX;
-use crate::lane::script::{pushed, request_string, with_current, Pushed, Restore};
+use crate::lane::lent::CookiesAndArgs;
+use crate::lane::lent::{pushed, request_string, with_current, Pushed, Restore};
 use crate::lane::RequestInfo;
 
 /// ([`mentioned`]): all of it is fetched in one host call, the batch, on a

@@ -33,7 +33,6 @@ use mlua::{Function, Lua, LuaString, Table, Value};
 use super::shared_dict::SharedDict;
 
 pub(crate) use batch::{mentioned, Mentioned};
-pub(crate) use var::CookiesAndArgs;
 pub use var::{normalize_uri, variable};
 
 /// Default cap of `get_headers()` / `get_uri_args()` entries (OpenResty's).

@@ -11,7 +11,7 @@ use mlua::{Either, Function, Lua, LuaString, Table, Value};
 use percent_encoding::percent_decode;
 
 use super::{Caches, DEFAULT_MAX};
-use crate::lane::script::{request_string, with_current, with_edit, with_req};
+use crate::lane::lent::{request_string, with_current, with_edit, with_req};
 use crate::lane::RequestInfo;
 
 /// `ngx.req`: the glue's `get_headers` / `get_uri_args`, and the host's

@@ -10,7 +10,7 @@ use http::{HeaderName, HeaderValue};
 use mlua::{Either, Lua, LuaString, Value};
 use percent_encoding::percent_decode;
 
-use crate::lane::script::{request_string, with_current, with_edit};
+use crate::lane::lent::{request_string, with_current, with_edit, CookiesAndArgs, Pair};
 use crate::lane::RequestInfo;
 
 /// `ngx.var` reads: the variable's value for the current request.
@@ -213,30 +213,6 @@ fn values_of<'a, 'n>(
         Either::Left(h.iter().filter(move |(k, _)| *k == name).map(|(_, v)| v))
     } else {
         Either::Right(h.get_all(name).iter())
-    }
-}
-
-/// A `name=value` pair found in a Cookie header or the query string, as
-/// byte offsets into it (`src`: which Cookie header).
-#[derive(Clone, Copy)]
-struct Pair {
-    src: u16,
-    name: (u32, u32),
-    value: (u32, u32),
-}
-
-/// The request's cookies and query arguments, split into pairs once per
-/// request on first use (by `ngx.var.cookie_*` / `ngx.var.arg_*`).
-#[derive(Default)]
-pub(crate) struct CookiesAndArgs {
-    cookies: Option<Vec<Pair>>,
-    args: Option<Vec<Pair>>,
-}
-
-impl CookiesAndArgs {
-    /// Headers changed (`ngx.req.set_header`): cookies are parsed again.
-    pub(crate) fn headers_changed(&mut self) {
-        self.cookies = None;
     }
 }
 

@@ -7,13 +7,12 @@ use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::error::ScriptError;
-use super::limits::{classify, Limit, INSTRUCTION_LIMIT_HITS, MEMORY_LIMIT_HITS, SCRIPT_ERRORS};
+use super::error::{Limit, ScriptError};
+use super::limits::{classify, INSTRUCTION_LIMIT_HITS, MEMORY_LIMIT_HITS, SCRIPT_ERRORS};
 use super::load::ScriptSource;
-use super::sandbox::{Entry, ScriptVm};
-use super::slot::{with_current, CURRENT, REQ, VM};
-use super::RuleCtx;
+use super::sandbox::{Entry, ScriptVm, VM};
 use crate::base::lists::IpList;
+use crate::lane::lent::{with_current, RuleCtx, CURRENT, REQ};
 use crate::lane::RequestInfo;
 
 /// A lane function's string result that is not UTF-8.

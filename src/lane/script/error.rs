@@ -4,8 +4,14 @@
 
 use std::path::{Path, PathBuf};
 
-use super::limits::Limit;
 use crate::config::ConfigError;
+
+/// Which limit stopped a call, if any.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    Instructions,
+    Memory,
+}
 
 /// Converts an mlua error into a located message, pulling `file:line`
 /// out of Lua's own message when it carries one.

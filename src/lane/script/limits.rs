@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use mlua::{Function, Lua, Table};
 
-use super::error::{located, lua_error, Located};
+use super::error::{located, lua_error, Limit, Located};
 
 /// The script's top level (run once per load) may run this many budgets,
 /// so building big tables at load time is fine.
@@ -102,13 +102,6 @@ fn script_position(lua: &Lua) -> (String, usize) {
         (file, d.current_line().unwrap_or(0))
     })
     .unwrap_or_default()
-}
-
-/// Which limit stopped a call, if any.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Limit {
-    Instructions,
-    Memory,
 }
 
 pub(super) static INSTRUCTION_LIMIT_HITS: AtomicU64 = AtomicU64::new(0);

@@ -7,8 +7,6 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::sandbox::ScriptVm;
-use crate::base::lists::IpList;
 use crate::config::{find_line, ConfigError};
 use crate::config::{DEFAULT_INSTRUCTION_BUDGET, DEFAULT_MEMORY_LIMIT};
 use crate::lane::shared_dict::SharedDict;
@@ -96,12 +94,6 @@ impl ScriptSource {
         let mut v = vec![self.path.clone()];
         v.extend(self.modules.values().map(|(p, _)| p.clone()));
         v
-    }
-
-    /// Compiles and runs the script's top level in a fresh VM, proving it
-    /// yields a lane function. Errors carry the script's file:line.
-    pub fn validate(&self, lists: &Arc<BTreeMap<String, IpList>>) -> Result<(), ConfigError> {
-        ScriptVm::build(self, lists.clone()).map(|_| ())
     }
 }
 

@@ -19,27 +19,15 @@ mod call;
 mod error;
 mod limits;
 mod load;
-mod push;
 mod req;
 mod sandbox;
-mod slot;
 
 #[cfg(test)]
 pub(crate) mod testing;
 
-use std::sync::Arc;
-
+pub use crate::lane::lent::RuleCtx;
 pub use call::call_lane;
 pub(crate) use call::call_with;
-pub use error::{Located, ScriptError};
-pub use limits::{instruction_limit_hits, memory_limit_hits, script_errors, Limit, CHECK_WEIGHT};
+pub use error::{Limit, Located, ScriptError};
+pub use limits::{instruction_limit_hits, memory_limit_hits, script_errors, CHECK_WEIGHT};
 pub use load::ScriptSource;
-pub(crate) use push::{pushed, request_string, Pushed, Restore, UNLIMITED_STRING_MAX};
-pub(crate) use slot::{with_current, with_edit, with_req};
-
-/// The rule verdict handed to the script (`req.rule_lane`, `req.rule_name`).
-#[derive(Debug, Clone, Default)]
-pub struct RuleCtx {
-    pub lane: Option<Arc<str>>,
-    pub name: Option<Arc<str>>,
-}

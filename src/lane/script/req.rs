@@ -7,9 +7,8 @@ use std::sync::Arc;
 
 use mlua::{Lua, Table, Value};
 
-use super::push::request_string;
-use super::slot::{with_current, with_req};
 use crate::base::lists::IpList;
+use crate::lane::lent::{request_string, with_current, with_req};
 
 fn opt_str(lua: &Lua, s: Option<&[u8]>) -> mlua::Result<Value> {
     match s {

@@ -83,6 +83,20 @@ const LOCKED_LIBRARIES: [&str; 10] = [
     "graygate",
 ];
 
+thread_local! {
+    /// This thread's VM, built lazily for the serving generation.
+    pub(super) static VM: std::cell::RefCell<Option<ScriptVm>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+impl ScriptSource {
+    /// Compiles and runs the script's top level in a fresh VM, proving it
+    /// yields a lane function. Errors carry the script's file:line.
+    pub fn validate(&self, lists: &Arc<BTreeMap<String, IpList>>) -> Result<(), ConfigError> {
+        ScriptVm::build(self, lists.clone()).map(|_| ())
+    }
+}
+
 impl ScriptVm {
     pub(super) fn build(
         src: &ScriptSource,

@@ -8,7 +8,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::slot::VM;
+use super::sandbox::VM;
 use super::{call_lane, RuleCtx, ScriptError, ScriptSource};
 use crate::config::ConfigError;
 use crate::lane::RequestInfo;

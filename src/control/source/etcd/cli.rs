@@ -79,7 +79,7 @@ pub fn documents_of_files(config: &Path) -> Result<BTreeMap<String, Vec<u8>>, St
         std::fs::read(&config).map_err(|e| format!("{}: {e}", config.display()))?,
     );
     // The release state is each gateway's own local file, not configuration.
-    let release_state = crate::control::release::state_path(&config, &gen.config);
+    let release_state = gen.config.release_state_path(&config);
     for f in &gen.files {
         if *f == config || *f == release_state {
             continue;

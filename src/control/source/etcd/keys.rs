@@ -40,6 +40,26 @@ pub fn status_key(prefix: &str, id: &str) -> String {
     format!("{prefix}/status/{id}")
 }
 
+/// The key of release `name`.
+pub fn release_key(prefix: &str, name: &str) -> String {
+    format!("{prefix}/releases/{name}")
+}
+
+/// The release keys: `[<prefix>/releases/, <prefix>/releases0)`.
+pub fn releases_range(prefix: &str) -> (String, String) {
+    (format!("{prefix}/releases/"), format!("{prefix}/releases0"))
+}
+
+/// The counters key of gateway `id`.
+pub fn stats_key(prefix: &str, id: &str) -> String {
+    format!("{prefix}/stats/{id}")
+}
+
+/// The release leader's key.
+pub fn leader_key(prefix: &str) -> String {
+    format!("{prefix}/tasks/releases/leader")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -28,7 +28,10 @@ mod watch;
 
 pub use cli::{check, documents_of_files, pull, push};
 pub use edit::{edit_node, edit_rules};
-pub use keys::{endpoint_list, main_key, norm_prefix, range, status_key};
+pub use keys::{
+    endpoint_list, leader_key, main_key, norm_prefix, range, release_key, releases_range,
+    stats_key, status_key,
+};
 pub use snapshot::{build, documents, read, Kv, Snapshot};
 pub use status::{fleet, leave, status_doc};
 pub use watch::run;

@@ -17,8 +17,8 @@ use super::err;
 use super::keys::{main_key, range};
 use crate::config::docs::MemDocs;
 use crate::config::{Bootstrap, ConfigError};
-use crate::control::build::RegisteredServices;
 use crate::control::registry;
+use crate::control::registry::RegisteredServices;
 use crate::generation::Generation;
 
 /// One value of a snapshot.
@@ -47,7 +47,8 @@ impl Snapshot {
     /// without a rebuild, so the generation still means a changed
     /// configuration.
     pub fn only_release_decisions(&self, next: &Snapshot) -> bool {
-        use crate::control::release::{fleet::releases_range, routing_signature};
+        use super::keys::releases_range;
+        use crate::config::release::routing_signature;
         let (start, end) = releases_range(&next.prefix);
         let release = |k: &str| k >= start.as_str() && k < end.as_str();
         let rest = |s: &Snapshot| {
@@ -178,7 +179,7 @@ pub fn documents(
         local_root: local_root.to_path_buf(),
         releases: Some(BTreeMap::new()),
     };
-    let (rel, _) = crate::control::release::fleet::releases_range(prefix);
+    let (rel, _) = super::keys::releases_range(prefix);
     for (k, kv) in &snap.kvs {
         if let (Some(_), Some(r)) = (k.strip_prefix(&rel), docs.releases.as_mut()) {
             r.insert(PathBuf::from(k), kv.value.clone());

@@ -172,7 +172,7 @@ pub async fn fleet(src: &EtcdSource) -> Result<serde_json::Value, String> {
     let revs: std::collections::BTreeSet<String> =
         gateways.iter().map(|g| g["revision"].to_string()).collect();
     // Who drives the releases (the leader key's holder).
-    let leader_key = crate::control::release::fleet::leader_key(&src.prefix);
+    let leader_key = super::keys::leader_key(&src.prefix);
     let release_leader = match tokio::time::timeout(src.timeout(), c.get(leader_key, None)).await {
         Ok(Ok(r)) => r
             .kvs()

@@ -1,11 +1,10 @@
 //! Layer: lane. This thread's slots beside a lane call: the request being
 //! decided (lent to the call, never moved), its [`Current`] state and the
-//! request as the script changed it, and this thread's VM; host functions
-//! reach them through [`with_req`], [`with_current`] and [`with_edit`].
+//! request as the script changed it; host functions reach them through
+//! [`with_req`], [`with_current`] and [`with_edit`].
 
 use std::cell::RefCell;
 
-use super::sandbox::ScriptVm;
 use super::RuleCtx;
 use crate::lane::RequestInfo;
 
@@ -14,7 +13,7 @@ use crate::lane::RequestInfo;
 pub(crate) struct Current {
     pub rule: RuleCtx,
     /// Cookies and arguments split once per request, on first use.
-    pub cookies_args: crate::lane::ngx::CookiesAndArgs,
+    pub cookies_args: super::CookiesAndArgs,
     /// Set by the `ngx` host calls that fill per-request caches in Lua;
     /// the call empties them afterwards (`ScriptVm::reset`).
     pub ngx_cached: bool,
@@ -24,23 +23,22 @@ pub(crate) struct Current {
 /// the script changed it, and its [`Current`]. It lives as long as the
 /// thread and is filled in place per call.
 #[derive(Default)]
-pub(super) struct Slot {
+pub(crate) struct Slot {
     /// A copy of the request made at the first change
     /// (`ngx.req.set_header`, `ngx.var.args = …`), which every later read
     /// of the call sees; it replaces the request only when the call
     /// succeeds, so a failing script leaves the request untouched.
-    pub(super) edited: Option<Box<RequestInfo>>,
-    pub(super) cur: Current,
+    pub(crate) edited: Option<Box<RequestInfo>>,
+    pub(crate) cur: Current,
 }
 
 // Per-thread slots: the request being decided — borrowed for the call, so
 // it is never moved in or out (moving it into a thread-local and back
-// would copy the whole request several times) — its slot, and this
-// thread's VM.
-scoped_tls::scoped_thread_local!(pub(super) static REQ: RequestInfo);
+// would copy the whole request several times) — and its slot. (This
+// thread's VM is `lane::script`'s.)
+scoped_tls::scoped_thread_local!(pub(crate) static REQ: RequestInfo);
 thread_local! {
-    pub(super) static CURRENT: RefCell<Slot> = RefCell::new(Slot::default());
-    pub(super) static VM: RefCell<Option<ScriptVm>> = const { RefCell::new(None) };
+    pub(crate) static CURRENT: RefCell<Slot> = RefCell::new(Slot::default());
 }
 
 fn outside() -> mlua::Error {

@@ -76,9 +76,9 @@ pub(crate) fn pushed(lua: &Lua, v: mlua::Either<Vec<u8>, Value>) -> mlua::Result
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{both_modes, call, limited_src, load_src};
-    use super::super::Limit;
     use super::*;
+    use crate::lane::script::testing::{both_modes, call, limited_src, load_src};
+    use crate::lane::script::Limit;
 
     #[test]
     fn request_strings_leave_the_memory_limit_in_force() {
