@@ -698,6 +698,30 @@ mod tests {
     }
 
     #[test]
+    fn a_first_answer_yields_to_a_push_and_only_routable_changes_count() {
+        let dir = Directory::default();
+        let key = Key {
+            server: "s".into(),
+            namespace: "public".into(),
+            group: "G".into(),
+            service: "x".into(),
+        };
+        let a = inst("10.0.0.1", 1, 1.0, &[]);
+        let mut sick = inst("10.0.0.2", 1, 1.0, &[]);
+        sick.healthy = false;
+        assert!(dir.record(&key, vec![a.clone()], true));
+        // An older first answer does not undo the push.
+        assert!(!dir.record(&key, vec![], false));
+        assert_eq!(dir.instances(&key).len(), 1);
+        // An unhealthy instance listed or not: nothing to route by.
+        assert!(!dir.record(&key, vec![a.clone(), sick], true));
+        assert_eq!(dir.instances(&key).len(), 2);
+        // Every instance gone: a change.
+        assert!(dir.record(&key, vec![], true));
+        assert!(dir.instances(&key).is_empty());
+    }
+
+    #[test]
     fn weights_become_whole_numbers_in_their_ratio() {
         let l = [
             inst("10.0.0.1", 1, 1.0, &[]),
