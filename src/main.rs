@@ -537,11 +537,15 @@ fn main() -> ExitCode {
         }
         _ => {}
     }
+    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // The Nacos client logs every push whole at info: its warnings only,
+    // unless RUST_LOG names it.
+    if !std::env::var("RUST_LOG").is_ok_and(|v| v.contains("nacos_sdk")) {
+        filter = filter.add_directive("nacos_sdk=warn".parse().expect("a valid directive"));
+    }
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_timer(TimeAndPid)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

@@ -117,6 +117,9 @@ pub fn status(gw: &Gateway) -> serde_json::Value {
         doc["store_error"] = src.store_error.into();
         doc["gateway_id"] = src.gateway_id.into();
     }
+    if let Some(n) = crate::control::source::nacos::status(gw) {
+        doc["nacos"] = n;
+    }
     doc
 }
 

@@ -20,6 +20,7 @@ pub use addr::{NodeAddr, Resolvers};
 pub mod addr;
 pub mod docs;
 pub mod grpc;
+pub mod nacos;
 pub mod otel;
 pub mod release;
 pub mod rules;
@@ -219,6 +220,10 @@ pub struct MainConfig {
     /// OTLP (off when absent).
     #[serde(default)]
     pub otel: Option<otel::OtelConfig>,
+    /// Nacos: services a route names and no node file defines, resolved in
+    /// Nacos naming and kept current by subscription (absent: none).
+    #[serde(default)]
+    pub nacos: Option<nacos::NacosConfig>,
 }
 
 fn default_tag_header() -> String {

@@ -57,6 +57,8 @@ struct Build<'a> {
     files: Vec<PathBuf>,
     watch_paths: Vec<PathBuf>,
     warnings: Vec<String>,
+    /// Services a route names and only Nacos defines (`nacos.discovery`).
+    discovered: Vec<String>,
 }
 
 impl Generation {
@@ -86,6 +88,7 @@ impl Generation {
         let dicts = b.dicts()?;
         let script = b.script(&lists, &dicts)?;
         b.otel()?;
+        b.nacos()?;
         let sticky = b.sticky()?;
         let served_lanes = served_lanes(&services, &routes);
         let tls = b.listener_tls()?;
@@ -126,6 +129,7 @@ impl Generation {
             id_tag: http::HeaderValue::from(id),
             release_records,
             tls,
+            discovered: b.discovered,
         })
     }
 
@@ -182,6 +186,7 @@ impl<'a> Build<'a> {
             files: vec![config_path.to_path_buf()],
             watch_paths: Vec::new(),
             warnings: Vec::new(),
+            discovered: Vec::new(),
         })
     }
 
@@ -259,6 +264,7 @@ impl<'a> Build<'a> {
                 None => defs.push((key, Default::default(), name, svc)),
             }
         }
+        self.discovered(&mut defs);
         let mut services = BTreeMap::new();
         let mut node_names = Vec::new();
         for def in defs {
@@ -354,7 +360,9 @@ impl<'a> Build<'a> {
                 ));
             }
         }
-        if service.count(FORMAL) == 0 {
+        // (A Nacos service's instances come and go: `/status` shows them
+        // under `nacos`.)
+        if service.count(FORMAL) == 0 && !self.discovered.contains(&name) {
             self.warnings.push(format!(
                 "{}: service {name:?} has no formal node: untagged requests get 503",
                 path.display()
@@ -674,6 +682,44 @@ impl<'a> Build<'a> {
         src.validate(lists)?;
         self.files.extend(src.files());
         Ok(Some(src))
+    }
+
+    /// Services a route names and nothing else defines: from Nacos naming,
+    /// when `nacos.discovery` is set (an unknown service is an empty node
+    /// set, kept current by the subscription).
+    fn discovered(&mut self, defs: &mut Vec<ServiceDef>) {
+        let Some((nacos, disc)) = self
+            .config
+            .nacos
+            .as_ref()
+            .and_then(|n| n.discovery.as_ref().map(|d| (n, d)))
+        else {
+            return;
+        };
+        for r in &self.config.routes {
+            let Some(name) = &r.service else { continue };
+            if defs.iter().any(|d| &d.2 == name) {
+                continue;
+            }
+            let (svc, mut w) = super::source::nacos::service(nacos, disc, name);
+            self.warnings.append(&mut w);
+            self.discovered.push(name.clone());
+            defs.push((
+                self.config_path.to_path_buf(),
+                Default::default(),
+                name.clone(),
+                svc,
+            ));
+        }
+    }
+
+    /// `nacos:` checked.
+    fn nacos(&self) -> Result<(), ConfigError> {
+        if let Some(n) = &self.config.nacos {
+            n.check()
+                .map_err(|(key, m)| self.error(self.at_in("nacos:", key), m))?;
+        }
+        Ok(())
     }
 
     fn otel(&self) -> Result<(), ConfigError> {

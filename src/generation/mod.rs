@@ -82,6 +82,9 @@ pub struct Generation {
     /// Node addresses written as host names, and what each stood for when
     /// this generation was built (the control plane resolves them again).
     pub node_names: Vec<NodeName>,
+    /// Services whose nodes a discovery service gave (a route names them,
+    /// no node file defines them): the control plane keeps them current.
+    pub discovered: Vec<String>,
 }
 
 /// A node-file entry whose address is a host name: its service, the name,

@@ -154,6 +154,24 @@ const KINDS: &[Kind] = &[
         object: &["steps", "0"],
     },
     Kind {
+        name: "nacos",
+        parse: main_file,
+        base: "listen: 127.0.0.1:8080\nnacos: { server_addr: \"127.0.0.1:8848\" }\n",
+        object: &["nacos"],
+    },
+    Kind {
+        name: "nacos_discovery",
+        parse: main_file,
+        base: "listen: 127.0.0.1:8080\nnacos: { server_addr: \"127.0.0.1:8848\", discovery: {} }\n",
+        object: &["nacos", "discovery"],
+    },
+    Kind {
+        name: "nacos_service",
+        parse: main_file,
+        base: "listen: 127.0.0.1:8080\nnacos: { server_addr: \"127.0.0.1:8848\", discovery: { services: { api: {} } } }\n",
+        object: &["nacos", "discovery", "services", "api"],
+    },
+    Kind {
         name: "etcd",
         parse: bootstrap,
         base: "listen: 127.0.0.1:8080\netcd: { endpoints: [\"http://127.0.0.1:2379\"], prefix: /graygate, cache_dir: cache }\n",

@@ -32,6 +32,7 @@ mod h2;
 mod hardening;
 mod layering;
 mod listen;
+mod nacos;
 mod node_names;
 mod observability;
 mod otel;

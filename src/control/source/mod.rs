@@ -1,5 +1,6 @@
 //! Layer: control plane. Configuration sources: where the documents of a
-//! generation come from. `files` (the default): the main file and what it
+//! generation come from (and, in `nacos`, the services discovered in Nacos
+//! naming). `files` (the default): the main file and what it
 //! names, watched with notify and SIGHUP. `etcd`: every document is a key
 //! under a prefix, read at one revision (one range read: a consistent
 //! snapshot), watched from that revision + 1, the last applied snapshot kept
@@ -20,6 +21,7 @@ use crate::control::Gateway;
 
 pub mod etcd;
 pub mod files;
+pub mod nacos;
 
 /// Which source a gateway runs on and how it stands, for `/status`.
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -122,6 +124,13 @@ impl ConfigSource {
     /// the cached snapshot while the store cannot be reached). Files load
     /// outside `rt`; etcd is read on it. The error is the line to print.
     pub fn start(&self, rt: &tokio::runtime::Runtime) -> Result<Arc<Gateway>, String> {
+        let gw = self.start_source(rt)?;
+        // Services from Nacos: their first answer before serving.
+        rt.block_on(nacos::prime(&gw));
+        Ok(gw)
+    }
+
+    fn start_source(&self, rt: &tokio::runtime::Runtime) -> Result<Arc<Gateway>, String> {
         match self {
             ConfigSource::Files(main) => files::start(main).map_err(|e| e.to_string()),
             ConfigSource::Etcd(path) => rt
@@ -138,9 +147,11 @@ impl ConfigSource {
 /// Starts what keeps `gw` on its source's newest state, on the current
 /// runtime: files — the file watcher and SIGHUP; etcd — the watch, SIGHUP
 /// and this gateway's status key; either — node host names resolved again
-/// (`control::names`). Returns at once.
+/// (`control::names`) and the Nacos subscriptions (`nacos`). Returns at
+/// once.
 pub fn watch(gw: &Arc<Gateway>) {
     tokio::spawn(crate::control::names::run(gw.clone()));
+    tokio::spawn(nacos::run(gw.clone()));
     match gw.etcd.clone() {
         Some(src) => {
             tokio::spawn(etcd::run(gw.clone(), src));

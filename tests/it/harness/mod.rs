@@ -2,8 +2,8 @@
 //! binary on free ports), [`Backend`] (a real hyper backend on loopback
 //! recording what it saw), the clients ([`Req`], [`try_get`], raw
 //! sockets), the typed config builder ([`Config`], [`Nodes`]), bounded
-//! polling ([`eventually`]); etcd clusters, a DNS server (dnsmasq), TLS
-//! tools and a browser in their own modules.
+//! polling ([`eventually`]); etcd clusters, a Nacos server (rnacos), a DNS
+//! server (dnsmasq), TLS tools and a browser in their own modules.
 
 pub mod backend;
 pub mod browser;
@@ -12,6 +12,7 @@ pub mod config;
 pub mod dnsmasq;
 pub mod etcd;
 pub mod gateway;
+pub mod nacos;
 pub mod nginx;
 pub mod tls;
 
