@@ -110,7 +110,7 @@ pub fn status(gw: &Gateway) -> serde_json::Value {
         "script_jit": gen.lane.script.as_ref().map(|s| s.jit),
         "source": src.source,
     });
-    if gw.etcd.is_some() {
+    if gw.etcd.is_some() || gw.nacos.get().is_some() {
         doc["source_state"] = src.source_state.into();
         doc["revision"] = src.revision.into();
         doc["config_hash"] = src.config_hash.into();

@@ -1,9 +1,13 @@
 //! Layer: config. The `nacos:` section: where the Nacos servers are and, under
 //! `discovery:`, how services a route names but no node file defines are
 //! resolved in Nacos naming (group, clusters, the metadata key that is the
-//! lane, per-service settings). Plain data; `control::source::nacos` uses it.
+//! lane, per-service settings); in a bootstrap file, under `config:`, the
+//! group and data id graygate's own documents are read from (a bootstrap
+//! is `listen`, `admin_listen` and `nacos:` with `config:`). Plain data;
+//! `control::source::nacos` and `control::source::nacos_config` use it.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use serde::Deserialize;
@@ -43,6 +47,66 @@ pub struct NacosConfig {
     /// Services resolved in Nacos naming (absent: none).
     #[serde(default)]
     pub discovery: Option<NacosDiscovery>,
+    /// graygate's own documents from Nacos config (bootstrap files only).
+    #[serde(default)]
+    pub config: Option<NacosConfigDocs>,
+}
+
+/// `nacos.config:` in a bootstrap file: where the main settings are (one
+/// data id of one group); every document they name is the data id of its
+/// relative path in the same group.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NacosConfigDocs {
+    pub group: String,
+    pub data_id: String,
+}
+
+impl Default for NacosConfigDocs {
+    fn default() -> Self {
+        NacosConfigDocs {
+            group: "DEFAULT_GROUP".into(),
+            data_id: "graygate.yaml".into(),
+        }
+    }
+}
+
+/// The local bootstrap of a gateway whose documents live in Nacos config:
+/// its own addresses and the `nacos:` section (with `config:`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NacosBootstrap {
+    pub listen: SocketAddr,
+    #[serde(default)]
+    pub admin_listen: Option<SocketAddr>,
+    pub nacos: NacosConfig,
+    /// `nacos:` as written, without `config:`, as one JSON (= YAML flow)
+    /// mapping: what a build of the main settings gets as its `nacos:`.
+    #[serde(skip)]
+    pub nacos_json: String,
+}
+
+impl NacosBootstrap {
+    /// Parses a bootstrap file's text (errors name `path` and the line).
+    pub fn parse(path: &std::path::Path, text: &str) -> Result<NacosBootstrap, super::ConfigError> {
+        let mut b: NacosBootstrap = super::parse_yaml(path, text)?;
+        let mut v: serde_yaml::Value = super::parse_yaml(path, text)?;
+        let mut n = v.get_mut("nacos").map(std::mem::take).unwrap_or_default();
+        if let Some(m) = n.as_mapping_mut() {
+            m.remove("config");
+        }
+        b.nacos_json = serde_json::to_string(&n).unwrap_or_else(|_| "{}".into());
+        Ok(b)
+    }
+}
+
+/// Does this YAML text look like a Nacos bootstrap (a top-level `nacos:`
+/// with `config:` in it)?
+pub fn is_nacos_bootstrap(text: &str) -> bool {
+    serde_yaml::from_str::<serde_yaml::Value>(text)
+        .ok()
+        .and_then(|v| v.get("nacos").map(|n| n.get("config").is_some()))
+        .unwrap_or(false)
 }
 
 impl NacosConfig {
@@ -72,6 +136,17 @@ impl NacosConfig {
         }
         if self.timeout_ms < 100 {
             return Err(("timeout_ms", "nacos.timeout_ms must be at least 100".into()));
+        }
+        if let Some(c) = &self.config {
+            if c.group.trim().is_empty() {
+                return Err(("group", "nacos.config.group must not be empty".into()));
+            }
+            if c.data_id.trim().is_empty() || c.data_id.starts_with('/') {
+                return Err((
+                    "data_id",
+                    "nacos.config.data_id must be a relative name (e.g. graygate.yaml)".into(),
+                ));
+            }
         }
         if let Some(d) = &self.discovery {
             if d.group.trim().is_empty() {

@@ -573,7 +573,18 @@ impl<'a> Build<'a> {
                 (file, path, String::new())
             }
             None => {
-                let path = self.config.release_state_path(self.config_path);
+                // A store without release records (Nacos config): the
+                // state file on this gateway's disk, as with files.
+                let path = match self.docs.local_root() {
+                    Some(dir) => resolve(
+                        dir,
+                        self.config
+                            .release_state_file
+                            .as_deref()
+                            .unwrap_or(Path::new("releases.json")),
+                    ),
+                    None => self.config.release_state_path(self.config_path),
+                };
                 let (file, text) = super::release::load(&path)?;
                 self.files.push(path.clone());
                 (file, path, text)

@@ -12,6 +12,7 @@ use std::time::{Instant, SystemTime};
 use tokio::sync::watch;
 
 use super::source::etcd::EtcdSource;
+use super::source::nacos_config::NacosConfigSource;
 use super::source::SourceStatus;
 use super::stats::History;
 use crate::base::counter::Counter;
@@ -57,6 +58,9 @@ pub struct Gateway {
     pub source: Mutex<SourceStatus>,
     /// The etcd source, when the gateway was started from a bootstrap.
     pub etcd: Option<Arc<EtcdSource>>,
+    /// The Nacos config source, when the gateway was started from a
+    /// bootstrap with `nacos.config` (set once, at start).
+    pub nacos: std::sync::OnceLock<Arc<NacosConfigSource>>,
     /// Start-only keys the command line set (`--listen`, `--pid-file`, …):
     /// the file's value of those is not what runs, so a reload may change
     /// it.
@@ -135,6 +139,7 @@ impl Gateway {
                 ..Default::default()
             }),
             etcd,
+            nacos: std::sync::OnceLock::new(),
             pinned: std::sync::OnceLock::new(),
         });
         gw.sync_health(&gw.current());
@@ -157,6 +162,9 @@ impl Gateway {
     /// old one keeps serving and the error is recorded. Blocking.
     pub fn reload(&self) -> Result<u64, ConfigError> {
         if let Some(src) = &self.etcd {
+            return src.rebuild_current(self);
+        }
+        if let Some(src) = self.nacos.get() {
             return src.rebuild_current(self);
         }
         self.install(|next| Generation::load(&self.config_path, next))

@@ -11,7 +11,9 @@
 //! [`ConfigSource`] is the seam the binary uses: it checks a configuration,
 //! starts a gateway on generation 1, and, once started, [`watch`] keeps the
 //! gateway current and [`leave`] takes it out of its fleet, whatever the
-//! source is.
+//! source is. `nacos_config`: every document is a data id of one group in
+//! Nacos config, each listened to (pushed), the last applied snapshot kept
+//! on disk as with etcd.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -22,11 +24,12 @@ use crate::control::Gateway;
 pub mod etcd;
 pub mod files;
 pub mod nacos;
+pub mod nacos_config;
 
 /// Which source a gateway runs on and how it stands, for `/status`.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct SourceStatus {
-    /// `files` or `etcd`.
+    /// `files`, `etcd` or `nacos`.
     pub source: &'static str,
     /// etcd: `live` (applied from the store, the store answering), `stale`
     /// (applied from the store, which is unreachable or failing since: the
@@ -50,6 +53,12 @@ pub enum ConfigSource {
     Files(PathBuf),
     /// A bootstrap file (it has `etcd:`): the documents are keys in etcd.
     Etcd(PathBuf),
+    /// A bootstrap file whose `nacos:` has `config:`: the documents are
+    /// data ids in Nacos config.
+    Nacos(PathBuf),
+    /// Servers, namespace, group and data id given directly (`--check
+    /// --nacos …`): only checked, never served.
+    NacosStore(Box<nacos_config::Place>),
     /// Members and a prefix given directly (`--check --etcd … --prefix …`):
     /// only checked, never served.
     Store { endpoints: String, prefix: String },
@@ -83,7 +92,12 @@ impl ConfigSource {
     /// comes from the build).
     pub fn open(path: &Path) -> ConfigSource {
         let text = std::fs::read_to_string(path);
-        if text.is_ok_and(|t| crate::config::is_bootstrap(&t)) {
+        if text
+            .as_ref()
+            .is_ok_and(|t| crate::config::nacos::is_nacos_bootstrap(t))
+        {
+            ConfigSource::Nacos(path.to_path_buf())
+        } else if text.is_ok_and(|t| crate::config::is_bootstrap(&t)) {
             ConfigSource::Etcd(path.to_path_buf())
         } else {
             ConfigSource::Files(path.to_path_buf())
@@ -117,6 +131,22 @@ impl ConfigSource {
                 }),
             },
             ConfigSource::Store { endpoints, prefix } => check_store(endpoints, prefix),
+            ConfigSource::Nacos(path) => {
+                let boot = std::fs::read_to_string(path)
+                    .map_err(|e| e.to_string())
+                    .and_then(|t| {
+                        crate::config::nacos::NacosBootstrap::parse(path, &t)
+                            .map_err(|e| e.to_string())
+                    });
+                match boot {
+                    Ok(b) => check_nacos(&nacos_config::Place::of(&b.nacos)),
+                    Err(e) => Err(CheckFailed {
+                        name: None,
+                        error: format!("not a valid bootstrap file: {e}"),
+                    }),
+                }
+            }
+            ConfigSource::NacosStore(place) => check_nacos(place),
         }
     }
 
@@ -140,6 +170,14 @@ impl ConfigSource {
             ConfigSource::Store { endpoints, prefix } => Err(format!(
                 "{endpoints} {prefix}: members and a prefix are only checked; start from a bootstrap file"
             )),
+            ConfigSource::Nacos(path) => rt
+                .block_on(nacos_config::start(path))
+                .map(|(gw, _)| gw)
+                .map_err(|e| format!("{}: {e}", path.display())),
+            ConfigSource::NacosStore(place) => Err(format!(
+                "{}: only checked; start from a bootstrap file",
+                place.name()
+            )),
         }
     }
 }
@@ -152,6 +190,10 @@ impl ConfigSource {
 pub fn watch(gw: &Arc<Gateway>) {
     tokio::spawn(crate::control::names::run(gw.clone()));
     tokio::spawn(nacos::run(gw.clone()));
+    if let Some(src) = gw.nacos.get() {
+        tokio::spawn(nacos_config::run(gw.clone(), src.clone()));
+        return;
+    }
     match gw.etcd.clone() {
         Some(src) => {
             tokio::spawn(etcd::run(gw.clone(), src));
@@ -188,6 +230,27 @@ fn check_store(endpoints: &str, prefix: &str) -> Result<Checked, CheckFailed> {
         Ok((rev, warnings)) => Ok(Checked {
             name,
             revision: Some(rev),
+            warnings,
+            config: None,
+        }),
+        Err(error) => Err(CheckFailed {
+            name: Some(name),
+            error,
+        }),
+    }
+}
+
+/// `--check` of what is in Nacos config at `place`.
+fn check_nacos(place: &nacos_config::Place) -> Result<Checked, CheckFailed> {
+    let name = place.name();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    match rt.block_on(nacos_config::check(place)) {
+        Ok(warnings) => Ok(Checked {
+            name,
+            revision: None,
             warnings,
             config: None,
         }),

@@ -397,6 +397,21 @@ impl Nacos {
             .unwrap_or_else(|e| panic!("register {i:?}: {e}"));
     }
 
+    /// Publishes a config (`data_id` in `group` of the public namespace)
+    /// through the HTTP API, as an operator's edit in the console does.
+    pub async fn publish(&self, group: &str, data_id: &str, content: &str) {
+        let path = self.authed(format!(
+            "/nacos/v1/cs/configs?dataId={}&group={}&content={}",
+            enc(data_id),
+            enc(group),
+            enc(content)
+        ));
+        let r = http(self.http_addr(), "POST", &path)
+            .await
+            .unwrap_or_else(|e| panic!("publish {group}/{data_id}: {e}"));
+        assert_eq!(r.status, 200, "publish {group}/{data_id}: {}", r.text());
+    }
+
     /// Changes `i` in place (PUT: weight, enabled, metadata).
     pub async fn update(&self, i: &Inst) {
         let r = http(

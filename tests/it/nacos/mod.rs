@@ -3,4 +3,5 @@
 //! instances registered through its HTTP API or by Nacos's official
 //! Python client, and the real graygate binary.
 
+mod config;
 mod discovery;

@@ -1,0 +1,901 @@
+//! Layer: control plane. The Nacos config source (`nacos.config` in a
+//! bootstrap file): the main settings are one data id of one group, and
+//! every document they name (node files, IP lists, rules files, scripts
+//! and their modules, certificates) is the data id of its relative path in
+//! the same group. A snapshot is the content of every data id the main
+//! settings reach ([`read_set`]: a build tells which documents it reads);
+//! each of them (and each named one not there yet) is listened to with the
+//! official client (`nacos-sdk`, Nacos 2.x gRPC), so a change is pushed,
+//! validated whole and swapped in by `Gateway::install`; a rejected one
+//! leaves the old configuration serving, its error (`nacos:<group>/<data
+//! id>:<line>`) in `/status`. Every applied snapshot is written atomically
+//! to `<cache_dir>/graygate-config.json`; a gateway that cannot reach Nacos
+//! at start serves it (`source_state: cached`) and catches up when Nacos
+//! returns. Release state stays on the gateway's disk, as with files.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nacos_sdk::api::config::{
+    ConfigChangeListener, ConfigResponse, ConfigService, ConfigServiceBuilder,
+};
+use nacos_sdk::api::props::ClientProps;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
+
+use crate::config::docs::Docs;
+use crate::config::nacos::{NacosBootstrap, NacosConfig};
+use crate::config::{resolve, ConfigError};
+use crate::control::Gateway;
+use crate::generation::Generation;
+
+/// How often the connection is checked (one small request).
+const CHECK_EVERY: Duration = Duration::from_secs(1);
+/// Quiet time after a push before rebuilding (data ids published together
+/// make one build).
+const DEBOUNCE: Duration = Duration::from_millis(20);
+/// How long after a listener starts its data id is read again.
+const VERIFY_AFTER: Duration = Duration::from_millis(100);
+/// The most documents one configuration may name (a bound on [`read_set`]).
+const MAX_DOCS: usize = 512;
+
+/// Where the documents are: servers, namespace, group, main data id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Place {
+    pub settings: NacosConfig,
+    pub group: String,
+    pub data_id: String,
+}
+
+impl Place {
+    /// The place a bootstrap's `nacos:` names.
+    pub fn of(settings: &NacosConfig) -> Place {
+        let c = settings.config.clone().unwrap_or_default();
+        Place {
+            settings: settings.clone(),
+            group: c.group,
+            data_id: c.data_id,
+        }
+    }
+
+    /// The virtual directory documents are named under in a build (what
+    /// errors show: `nacos:<group>/<data id>:<line>`).
+    pub fn root(&self) -> PathBuf {
+        PathBuf::from(format!("nacos:{}", self.group))
+    }
+
+    /// What `--check` and the logs call it.
+    pub fn name(&self) -> String {
+        format!(
+            "nacos {} namespace {} group {} data id {}",
+            self.settings.server_addr, self.settings.namespace, self.group, self.data_id
+        )
+    }
+}
+
+/// The content of every data id one configuration reads, at one moment.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Snap {
+    pub namespace: String,
+    pub group: String,
+    /// The main settings' data id.
+    pub main: String,
+    /// Data id → content.
+    pub docs: BTreeMap<String, String>,
+}
+
+impl Snap {
+    /// SHA-256 over the data ids and their content.
+    pub fn hash(&self) -> String {
+        let mut h = Sha256::new();
+        for (k, v) in &self.docs {
+            h.update(k.as_bytes());
+            h.update([0]);
+            h.update(v.as_bytes());
+            h.update([0]);
+        }
+        hex::encode(h.finalize())
+    }
+
+    /// Writes the snapshot to `path` atomically; a failure is logged, the
+    /// gateway serves on.
+    fn save(&self, path: &Path) {
+        let res = (|| -> std::io::Result<()> {
+            if let Some(d) = path.parent() {
+                std::fs::create_dir_all(d)?;
+            }
+            let text = serde_json::to_string(self).map_err(std::io::Error::other)?;
+            crate::control::node_edit::write_atomic(path, &text)
+        })();
+        if let Err(e) = res {
+            tracing::warn!(file = %path.display(), error = %e, "cannot write the snapshot cache");
+        }
+    }
+
+    /// The snapshot cached at `path`, if written for this place.
+    fn load(path: &Path, place: &Place) -> Result<Snap, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let snap: Snap =
+            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        if snap.namespace != place.settings.namespace
+            || snap.group != place.group
+            || snap.main != place.data_id
+        {
+            return Err(format!(
+                "{}: cached for namespace {} group {} data id {}, not this bootstrap's",
+                path.display(),
+                snap.namespace,
+                snap.group,
+                snap.main
+            ));
+        }
+        Ok(snap)
+    }
+}
+
+/// One snapshot seen as the documents of a build; the data ids a build
+/// asked for and the snapshot lacks are recorded (so [`read_set`] fetches
+/// them).
+struct SnapDocs<'a> {
+    snap: &'a Snap,
+    root: PathBuf,
+    main: Vec<u8>,
+    local_root: PathBuf,
+    missing: Mutex<BTreeSet<String>>,
+}
+
+impl SnapDocs<'_> {
+    fn data_id(&self, path: &Path) -> Option<String> {
+        let rel = path.strip_prefix(&self.root).ok()?;
+        let parts: Vec<&str> = rel.iter().filter_map(|p| p.to_str()).collect();
+        (!parts.is_empty()).then(|| parts.join(":"))
+    }
+}
+
+impl Docs for SnapDocs<'_> {
+    fn read_bytes(&self, path: &Path) -> Result<Vec<u8>, ConfigError> {
+        let Some(id) = self.data_id(path) else {
+            return Err(ConfigError::new(
+                path,
+                None,
+                format!(
+                    "cannot read: not a data id of group {} (name documents by a relative path)",
+                    self.snap.group
+                ),
+            ));
+        };
+        if id == self.snap.main {
+            return Ok(self.main.clone());
+        }
+        match self.snap.docs.get(&id) {
+            Some(v) => Ok(v.clone().into_bytes()),
+            None => {
+                self.missing
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(id.clone());
+                Err(ConfigError::new(
+                    path,
+                    None,
+                    format!(
+                        "cannot read: no data id {id:?} in Nacos config (group {}, namespace {})",
+                        self.snap.group, self.snap.namespace
+                    ),
+                ))
+            }
+        }
+    }
+
+    fn local_root(&self) -> Option<&Path> {
+        Some(&self.local_root)
+    }
+}
+
+/// The data id of a document's relative path: Nacos data ids have no `/`,
+/// so each `/` is a `:` (`nodes/api.yaml` → `nodes:api.yaml`).
+pub fn data_id_of(rel: &str) -> String {
+    rel.trim_start_matches("./").replace('/', ":")
+}
+
+/// An error of a build named as the operator finds it in Nacos:
+/// `nacos:<group>/<data id>`.
+fn name_data_id(mut e: ConfigError, root: &Path) -> ConfigError {
+    if let Ok(rel) = e.file.strip_prefix(root) {
+        let parts: Vec<&str> = rel.iter().filter_map(|p| p.to_str()).collect();
+        if !parts.is_empty() {
+            e.file = root.join(parts.join(":"));
+        }
+    }
+    e
+}
+
+/// The main settings as a build sees them: the per-gateway keys (`listen`,
+/// `admin_listen`, `root`) and the `nacos:` section blanked line for line
+/// (so every other line keeps its number), the bootstrap's addresses and
+/// `nacos:` (without `config:`) appended.
+fn main_text(text: &str, boot: Option<&NacosBootstrap>) -> String {
+    let mut out = String::with_capacity(text.len() + 256);
+    let mut had_listen = false;
+    let mut in_nacos = false;
+    for line in text.lines() {
+        let top = !line.starts_with([' ', '\t', '#', '-']) && !line.trim().is_empty();
+        if top {
+            in_nacos = line.starts_with("nacos:");
+        }
+        let local = ["listen:", "admin_listen:"]
+            .iter()
+            .any(|k| line.starts_with(k));
+        if line.starts_with("root:") || (local && boot.is_some()) || (in_nacos && boot.is_some()) {
+            out.push('#');
+        } else if line.starts_with("listen:") {
+            had_listen = true;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    match boot {
+        Some(b) => {
+            out.push_str(&format!("listen: \"{}\"\n", b.listen));
+            if let Some(a) = b.admin_listen {
+                out.push_str(&format!("admin_listen: \"{a}\"\n"));
+            }
+            out.push_str(&format!("nacos: {}\n", b.nacos_json));
+        }
+        None if !had_listen => out.push_str("listen: \"127.0.0.1:0\"\n"),
+        None => {}
+    }
+    out
+}
+
+/// Builds a generation from a snapshot; the data ids the build asked for
+/// and the snapshot lacks come back too.
+pub fn build(
+    snap: &Snap,
+    boot: Option<&NacosBootstrap>,
+    local_root: &Path,
+    id: u64,
+) -> (Result<Generation, ConfigError>, BTreeSet<String>) {
+    let root = PathBuf::from(format!("nacos:{}", snap.group));
+    let main_path = root.join(&snap.main);
+    let Some(main) = snap.docs.get(&snap.main) else {
+        let e = ConfigError::new(
+            &main_path,
+            None,
+            format!(
+                "no main settings in Nacos config (data id {}, group {}, namespace {}): publish them first (graygate push --nacos …)",
+                snap.main, snap.group, snap.namespace
+            ),
+        );
+        return (Err(e), BTreeSet::new());
+    };
+    let docs = SnapDocs {
+        snap,
+        main: main_text(main, boot).into_bytes(),
+        root,
+        local_root: local_root.to_path_buf(),
+        missing: Mutex::new(BTreeSet::new()),
+    };
+    let res = Generation::build(&docs, &main_path, Vec::new(), id)
+        .map_err(|e| name_data_id(e, &docs.root));
+    let missing = docs.missing.into_inner().unwrap_or_else(|e| e.into_inner());
+    (res, missing)
+}
+
+/// A client of the config service for `settings` (bounded: the first
+/// connection is given at least 5 s).
+pub async fn connect(
+    settings: &NacosConfig,
+    cache_dir: Option<&Path>,
+) -> Result<ConfigService, String> {
+    let mut props = ClientProps::new()
+        .server_addr(settings.server_addr.clone())
+        .namespace(settings.namespace.clone())
+        .app_name("graygate")
+        .env_first(false);
+    if let Some(p) = settings.grpc_port {
+        props = props.remote_grpc_port(p);
+    }
+    if let Some(d) = cache_dir {
+        // The client's own copy (never read at start: the gateway's
+        // snapshot is what a start during an outage serves); its
+        // directory made first (the client does not).
+        let _ = std::fs::create_dir_all(d.join("config").join(&settings.namespace));
+        props = props.cache_dir(d.to_path_buf());
+    }
+    let mut builder = ConfigServiceBuilder::new(match (&settings.username, &settings.password) {
+        (Some(u), Some(p)) => props.auth_username(u.clone()).auth_password(p.clone()),
+        _ => props,
+    });
+    if settings.username.is_some() {
+        builder = builder.enable_auth_plugin_http();
+    }
+    let timeout = Duration::from_millis(settings.timeout_ms.max(5_000));
+    match tokio::time::timeout(timeout, builder.build()).await {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no answer within {} ms", timeout.as_millis())),
+    }
+}
+
+/// One data id's content: `Ok(None)` when Nacos has no such data id.
+pub async fn get(
+    client: &ConfigService,
+    group: &str,
+    data_id: &str,
+    timeout: Duration,
+) -> Result<Option<String>, String> {
+    let ask = client.get_config(data_id.to_string(), group.to_string());
+    match tokio::time::timeout(timeout, ask).await {
+        Ok(Ok(r)) => Ok(Some(r.content().clone())),
+        Ok(Err(nacos_sdk::api::error::Error::ConfigNotFound(_))) => Ok(None),
+        Ok(Err(e)) => Err(format!("data id {data_id}: {e}")),
+        Err(_) => Err(format!(
+            "data id {data_id}: no answer within {} ms",
+            timeout.as_millis()
+        )),
+    }
+}
+
+/// Completes `snap` with every data id its build reads (fetching what it
+/// lacks, again until a build asks for nothing new); the data ids named
+/// but absent from Nacos are returned (the build's error names them).
+pub async fn complete(
+    client: &ConfigService,
+    snap: &mut Snap,
+    boot: Option<&NacosBootstrap>,
+    local_root: &Path,
+    timeout: Duration,
+) -> Result<BTreeSet<String>, String> {
+    let mut absent = BTreeSet::new();
+    if !snap.docs.contains_key(&snap.main) {
+        match get(client, &snap.group, &snap.main, timeout).await? {
+            Some(v) => {
+                snap.docs.insert(snap.main.clone(), v);
+            }
+            None => {
+                absent.insert(snap.main.clone());
+                return Ok(absent);
+            }
+        }
+    }
+    for _ in 0..MAX_DOCS {
+        let (_, missing) = build(snap, boot, local_root, 0);
+        let new: Vec<String> = missing.difference(&absent).cloned().collect();
+        if new.is_empty() {
+            return Ok(absent);
+        }
+        for id in new {
+            match get(client, &snap.group, &id, timeout).await? {
+                Some(v) => {
+                    snap.docs.insert(id, v);
+                }
+                None => {
+                    absent.insert(id);
+                }
+            }
+        }
+    }
+    Err(format!("more than {MAX_DOCS} documents named"))
+}
+
+/// Reads the main settings and every document they name, fresh.
+pub async fn read_set(
+    client: &ConfigService,
+    place: &Place,
+    boot: Option<&NacosBootstrap>,
+    local_root: &Path,
+) -> Result<(Snap, BTreeSet<String>), String> {
+    let mut snap = Snap {
+        namespace: place.settings.namespace.clone(),
+        group: place.group.clone(),
+        main: place.data_id.clone(),
+        docs: BTreeMap::new(),
+    };
+    let timeout = Duration::from_millis(place.settings.timeout_ms.max(100));
+    let absent = complete(client, &mut snap, boot, local_root, timeout).await?;
+    Ok((snap, absent))
+}
+
+/// A push: the data id and its new content (empty: deleted).
+type Push = (String, String);
+
+struct Listener {
+    tx: mpsc::UnboundedSender<Push>,
+}
+
+impl ConfigChangeListener for Listener {
+    fn notify(&self, r: ConfigResponse) {
+        let _ = self.tx.send((r.data_id().clone(), r.content().clone()));
+    }
+}
+
+/// The running Nacos config source of one gateway.
+pub struct NacosConfigSource {
+    pub boot: NacosBootstrap,
+    pub place: Place,
+    /// The bootstrap file's directory (static trees, cache_dir, release
+    /// state, access log).
+    pub dir: PathBuf,
+    /// The snapshot serving now.
+    applied: Mutex<Option<Arc<Snap>>>,
+    /// The newest content of every data id known (a rejected change
+    /// included: the next push builds on it).
+    latest: Mutex<Snap>,
+    /// Named data ids Nacos does not have (listened to: their creation is
+    /// pushed).
+    absent: Mutex<BTreeSet<String>>,
+}
+
+impl NacosConfigSource {
+    fn new(boot: NacosBootstrap, path: &Path) -> NacosConfigSource {
+        let dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."))
+            .to_path_buf();
+        let place = Place::of(&boot.nacos);
+        NacosConfigSource {
+            boot,
+            place,
+            dir,
+            applied: Mutex::new(None),
+            latest: Mutex::new(Snap::default()),
+            absent: Mutex::new(BTreeSet::new()),
+        }
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_millis(self.boot.nacos.timeout_ms.max(100))
+    }
+
+    /// `<cache_dir>/graygate-config.json`, when `nacos.cache_dir` is set.
+    pub fn cache_path(&self) -> Option<PathBuf> {
+        self.boot
+            .nacos
+            .cache_dir
+            .as_ref()
+            .map(|c| resolve(&self.dir, c).join("graygate-config.json"))
+    }
+
+    /// `<cache_dir>/sdk`: the client's own copy of what it was pushed.
+    fn sdk_cache(&self) -> Option<PathBuf> {
+        self.boot
+            .nacos
+            .cache_dir
+            .as_ref()
+            .map(|c| resolve(&self.dir, c).join("sdk"))
+    }
+
+    fn build(&self, snap: &Snap, id: u64) -> Result<Generation, ConfigError> {
+        build(snap, Some(&self.boot), &self.dir, id).0
+    }
+
+    fn applied(&self) -> Option<Arc<Snap>> {
+        self.applied
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn set_latest(&self, snap: &Snap, absent: BTreeSet<String>) {
+        *self.latest.lock().unwrap_or_else(|e| e.into_inner()) = snap.clone();
+        *self.absent.lock().unwrap_or_else(|e| e.into_inner()) = absent;
+    }
+
+    /// The data ids to listen to: every one known, and the named absent.
+    fn listened(&self) -> BTreeSet<String> {
+        let mut ids: BTreeSet<String> = self
+            .latest
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .docs
+            .keys()
+            .cloned()
+            .collect();
+        ids.insert(self.place.data_id.clone());
+        ids.extend(
+            self.absent
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .cloned(),
+        );
+        ids
+    }
+
+    fn set_applied(&self, gw: &Gateway, snap: Arc<Snap>, live: bool) {
+        if live {
+            if let Some(p) = self.cache_path() {
+                snap.save(&p);
+            }
+        }
+        {
+            let mut st = gw.source.lock().unwrap_or_else(|e| e.into_inner());
+            st.source_state = Some(if live { "live" } else { "cached" });
+            st.config_hash = Some(snap.hash());
+            if live {
+                st.store_error = None;
+            }
+        }
+        *self.applied.lock().unwrap_or_else(|e| e.into_inner()) = Some(snap);
+    }
+
+    fn set_store_error(&self, gw: &Gateway, e: &str) {
+        let mut st = gw.source.lock().unwrap_or_else(|e| e.into_inner());
+        if st.store_error.as_deref() != Some(e) {
+            tracing::warn!(error = %e, "nacos config: unreachable or failing; serving the last configuration");
+        }
+        st.store_error = Some(e.to_string());
+        if st.source_state == Some("live") {
+            st.source_state = Some("stale");
+        }
+    }
+
+    fn mark_live(&self, gw: &Gateway) {
+        let mut st = gw.source.lock().unwrap_or_else(|e| e.into_inner());
+        if st.store_error.is_some() {
+            tracing::info!("nacos config: reached again");
+        }
+        st.store_error = None;
+        if st.source_state == Some("stale") {
+            st.source_state = Some("live");
+        }
+    }
+
+    fn state(&self, gw: &Gateway) -> Option<&'static str> {
+        gw.source
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .source_state
+    }
+
+    /// Builds and applies `snap` (if it differs from the serving one); a
+    /// rejected one leaves the old generation serving, its error in
+    /// `/status`. Blocking.
+    fn apply(&self, gw: &Gateway, snap: Snap) -> Result<u64, ConfigError> {
+        if self.applied().is_some_and(|a| *a == snap) {
+            self.set_applied(gw, Arc::new(snap), true);
+            return Ok(gw.current().id);
+        }
+        let res = gw.install(|id| self.build(&snap, id));
+        if res.is_ok() {
+            self.set_applied(gw, Arc::new(snap), true);
+        }
+        res
+    }
+
+    /// Why an admin edit of nodes or rules is refused: the documents are
+    /// Nacos's, edited there.
+    pub fn edit_refused(&self) -> String {
+        format!(
+            "the configuration lives in Nacos config (namespace {}, group {}): edit the data id there (or graygate push --nacos); the change is pushed to every gateway",
+            self.place.settings.namespace, self.place.group
+        )
+    }
+
+    /// Rebuilds the serving snapshot (a discovery push, SIGHUP, a release
+    /// step). Blocking.
+    pub fn rebuild_current(&self, gw: &Gateway) -> Result<u64, ConfigError> {
+        let snap = self
+            .applied()
+            .ok_or_else(|| ConfigError::new(self.place.root(), None, "no snapshot applied yet"))?;
+        gw.install(|id| self.build(&snap, id))
+    }
+}
+
+/// Starts a gateway from a Nacos bootstrap file: generation 1 from Nacos
+/// config, or from the last-known-good snapshot when Nacos cannot be read;
+/// with neither, an error (never an empty configuration).
+pub async fn start(
+    bootstrap_path: &Path,
+) -> Result<(Arc<Gateway>, Arc<NacosConfigSource>), String> {
+    let path = std::path::absolute(bootstrap_path).unwrap_or(bootstrap_path.to_path_buf());
+    let text = crate::config::read_file(&path).map_err(|e| e.to_string())?;
+    let boot = NacosBootstrap::parse(&path, &text).map_err(|e| e.to_string())?;
+    boot.nacos
+        .check()
+        .map_err(|(_, m)| format!("{}: {m}", path.display()))?;
+    let src = Arc::new(NacosConfigSource::new(boot, &path));
+    let read = match connect(&src.boot.nacos, src.sdk_cache().as_deref()).await {
+        Ok(client) => read_set(&client, &src.place, Some(&src.boot), &src.dir).await,
+        Err(e) => Err(e),
+    };
+    let (snap, gen, live, first_error) = match read {
+        Ok((snap, absent)) => {
+            src.set_latest(&snap, absent);
+            match src.build(&snap, 1) {
+                Ok(gen) => (Some(snap), Some(gen), true, None),
+                Err(e) => (None, None, true, Some(e.to_string())),
+            }
+        }
+        Err(e) => (None, None, false, Some(format!("nacos unreachable: {e}"))),
+    };
+    let (snap, gen, live) = match (snap, gen) {
+        (Some(s), Some(g)) => (s, g, live),
+        _ => {
+            let why = first_error.clone().unwrap_or_default();
+            let cache = src
+                .cache_path()
+                .ok_or_else(|| format!("{why}; and no cache (nacos.cache_dir is not set)"))?;
+            let cached = Snap::load(&cache, &src.place)
+                .map_err(|e| format!("{why}; and no usable cached snapshot: {e}"))?;
+            let gen = src
+                .build(&cached, 1)
+                .map_err(|e| format!("{why}; and the cached snapshot does not build: {e}"))?;
+            tracing::warn!(file = %cache.display(), "{why}: serving the cached snapshot");
+            if !live {
+                src.set_latest(&cached, BTreeSet::new());
+            }
+            (cached, gen, false)
+        }
+    };
+    let gw = Gateway::with_generation(gen, path, None);
+    gw.source.lock().unwrap_or_else(|e| e.into_inner()).source = "nacos";
+    let _ = gw.nacos.set(src.clone());
+    src.set_applied(&gw, Arc::new(snap), live);
+    if let Some(e) = first_error {
+        if live {
+            gw.status
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .last_reload_error = Some(e);
+        } else {
+            src.set_store_error(&gw, &e);
+        }
+    }
+    Ok((gw, src))
+}
+
+/// Keeps `gw` on the newest documents in Nacos config: listens to every
+/// data id the configuration reads, applies each push (debounced), checks
+/// the connection, catches a cached start up. Runs until the process ends.
+pub async fn run(gw: Arc<Gateway>, src: Arc<NacosConfigSource>) {
+    tokio::spawn(sighup(gw.clone()));
+    let (tx, mut rx) = mpsc::unbounded_channel::<Push>();
+    // Two clients: one listens; the other reads (the listening one
+    // answers listened data ids from its own cache).
+    let mut client: Option<(ConfigService, ConfigService)> = None;
+    // Data ids listened to since the last check: their content is read
+    // again on the next tick (a change published between the read and
+    // the listener's start is never pushed).
+    let mut verify: BTreeSet<String> = BTreeSet::new();
+    let mut listening: BTreeSet<String> = BTreeSet::new();
+    let mut backoff = Duration::from_millis(200);
+    let mut retry_at = Instant::now();
+    let mut tick = tokio::time::interval(CHECK_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let listener = Arc::new(Listener { tx });
+    loop {
+        let mut pushes = Vec::new();
+        tokio::select! {
+            got = rx.recv() => {
+                let Some(p) = got else { return };
+                pushes.push(p);
+                while let Ok(Some(p)) = tokio::time::timeout(DEBOUNCE, rx.recv()).await {
+                    pushes.push(p);
+                }
+            }
+            _ = tick.tick() => {}
+        }
+        if client.is_none() {
+            if Instant::now() < retry_at {
+                continue;
+            }
+            let both = match connect(&src.boot.nacos, src.sdk_cache().as_deref()).await {
+                Ok(l) => connect(&src.boot.nacos, None).await.map(|r| (l, r)),
+                Err(e) => Err(e),
+            };
+            match both {
+                Ok(c) => {
+                    backoff = Duration::from_millis(200);
+                    client = Some(c);
+                    listening.clear();
+                }
+                Err(e) => {
+                    src.set_store_error(&gw, &e);
+                    retry_at = Instant::now() + backoff;
+                    backoff = (backoff * 2).min(Duration::from_secs(3));
+                    continue;
+                }
+            }
+        }
+        let (c, reader) = client.as_ref().expect("connected above");
+        let timeout = src.timeout();
+        if !pushes.is_empty() {
+            let mut snap = src.latest.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            for (id, content) in pushes {
+                tracing::info!(data_id = %id, "Nacos pushed a change");
+                if content.is_empty() {
+                    snap.docs.remove(&id);
+                } else {
+                    snap.docs.insert(id, content);
+                }
+            }
+            apply_latest(&gw, &src, reader, snap, timeout).await;
+        } else {
+            // The connection: a data id nobody listens to is asked of the
+            // server (the client answers listened ones from its cache).
+            let probe = get(
+                reader,
+                &src.place.group,
+                "graygate.connection-check",
+                timeout,
+            )
+            .await;
+            match probe {
+                Ok(_) => {
+                    if src.state(&gw) == Some("cached") {
+                        match read_set(reader, &src.place, Some(&src.boot), &src.dir).await {
+                            Ok((snap, _)) => {
+                                tracing::info!("nacos config reached: catching up");
+                                apply_latest(&gw, &src, reader, snap, timeout).await;
+                                if src.state(&gw) == Some("cached") {
+                                    // Rejected: the cache keeps serving,
+                                    // but Nacos answers.
+                                    let mut st =
+                                        gw.source.lock().unwrap_or_else(|e| e.into_inner());
+                                    st.source_state = Some("live");
+                                    st.store_error = None;
+                                }
+                            }
+                            Err(e) => src.set_store_error(&gw, &e),
+                        }
+                    } else {
+                        src.mark_live(&gw);
+                    }
+                    for id in std::mem::take(&mut verify) {
+                        let known = src
+                            .latest
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .docs
+                            .get(&id)
+                            .cloned();
+                        match get(reader, &src.place.group, &id, timeout).await {
+                            Ok(now) if now != known => {
+                                let _ = listener.tx.send((id, now.unwrap_or_default()));
+                            }
+                            Ok(_) => {}
+                            Err(_) => {
+                                verify.insert(id);
+                            }
+                        }
+                    }
+                }
+                Err(e) => src.set_store_error(&gw, &e),
+            }
+        }
+        // Listen to every data id the configuration reads.
+        for id in src.listened() {
+            if listening.contains(&id) {
+                continue;
+            }
+            let add = c.add_listener(id.clone(), src.place.group.clone(), listener.clone());
+            match tokio::time::timeout(timeout, add).await {
+                Ok(Ok(())) => {
+                    tracing::info!(data_id = %id, group = %src.place.group, "listening in Nacos config");
+                    listening.insert(id.clone());
+                    verify.insert(id);
+                }
+                Ok(Err(e)) => src.set_store_error(&gw, &format!("listen {id}: {e}")),
+                Err(_) => src.set_store_error(&gw, &format!("listen {id}: no answer")),
+            }
+        }
+        if !verify.is_empty() {
+            // Soon, not on the next second: the listeners are registered
+            // by then.
+            tick.reset_after(VERIFY_AFTER);
+        }
+    }
+}
+
+/// Completes `snap` with any newly named data id, records it as the newest
+/// state and applies it (on the blocking pool).
+async fn apply_latest(
+    gw: &Arc<Gateway>,
+    src: &Arc<NacosConfigSource>,
+    c: &ConfigService,
+    mut snap: Snap,
+    timeout: Duration,
+) {
+    match complete(c, &mut snap, Some(&src.boot), &src.dir, timeout).await {
+        Ok(absent) => src.set_latest(&snap, absent),
+        Err(e) => {
+            src.set_store_error(gw, &e);
+            return;
+        }
+    }
+    let (g, s) = (gw.clone(), src.clone());
+    let _ = tokio::task::spawn_blocking(move || s.apply(&g, snap)).await;
+}
+
+/// SIGHUP: the serving snapshot built again (as a files gateway reloads).
+async fn sighup(gw: Arc<Gateway>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        return;
+    };
+    while hup.recv().await.is_some() {
+        tracing::info!("SIGHUP; rebuilding the Nacos configuration");
+        let g = gw.clone();
+        let _ = tokio::task::spawn_blocking(move || g.reload()).await;
+    }
+}
+
+/// `--check` of what is in Nacos config at `place`: the warnings, or the
+/// error to print.
+pub async fn check(place: &Place) -> Result<Vec<String>, String> {
+    let client = connect(&place.settings, None).await?;
+    let (snap, _) = read_set(&client, place, None, Path::new(".")).await?;
+    build(&snap, None, Path::new("."), 1)
+        .0
+        .map(|g| g.warnings)
+        .map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snap(docs: &[(&str, &str)]) -> Snap {
+        Snap {
+            namespace: "public".into(),
+            group: "G".into(),
+            main: "graygate.yaml".into(),
+            docs: docs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_build_names_the_data_id_and_line_and_asks_for_what_is_missing() {
+        let s = snap(&[(
+            "graygate.yaml",
+            "listen: 1.2.3.4:5\nnode_files: [nodes.yaml]\n",
+        )]);
+        let (res, missing) = build(&s, None, Path::new("."), 1);
+        let e = res.unwrap_err().to_string();
+        assert!(e.starts_with("nacos:G/nodes.yaml"), "{e}");
+        assert!(e.contains("no data id \"nodes.yaml\""), "{e}");
+        assert_eq!(missing.into_iter().collect::<Vec<_>>(), ["nodes.yaml"]);
+        let s = snap(&[
+            (
+                "graygate.yaml",
+                "listen: 1.2.3.4:5\nnode_files: [nodes.yaml]\n",
+            ),
+            (
+                "nodes.yaml",
+                "services:\n  api:\n    nodes:\n      - { addr: nope }\n",
+            ),
+        ]);
+        let e = build(&s, None, Path::new("."), 1).0.unwrap_err();
+        assert!(e.to_string().starts_with("nacos:G/nodes.yaml:4:"), "{e}");
+    }
+
+    #[test]
+    fn the_bootstraps_addresses_and_nacos_replace_the_data_ids_and_keep_line_numbers() {
+        let boot = NacosBootstrap::parse(
+            Path::new("b.yaml"),
+            "listen: 127.0.0.1:7000\nnacos:\n  server_addr: 127.0.0.1:8848\n  discovery: { lane_key: version, formal_values: [v1] }\n  config: { group: G, data_id: graygate.yaml }\n",
+        )
+        .unwrap();
+        let s = snap(&[(
+            "graygate.yaml",
+            "listen: 1.2.3.4:5\nnacos:\n  server_addr: elsewhere:1\nroutes:\n  - { prefix: nope, service: x }\n",
+        )]);
+        let e = build(&s, Some(&boot), Path::new("."), 1).0.unwrap_err();
+        assert_eq!(e.line, Some(5), "{e}");
+        let ok = snap(&[("graygate.yaml", "listen: 1.2.3.4:5\n")]);
+        let g = build(&ok, Some(&boot), Path::new("."), 1).0.unwrap();
+        assert_eq!(g.config.listen.to_string(), "127.0.0.1:7000");
+        let n = g.config.nacos.as_ref().unwrap();
+        assert_eq!(n.server_addr, "127.0.0.1:8848");
+        assert!(n.config.is_none());
+        assert_eq!(n.discovery.as_ref().unwrap().formal_values, ["v1"]);
+    }
+}

@@ -1,0 +1,328 @@
+//! Configuration from Nacos config (`nacos.config` in a bootstrap file):
+//! the main settings and every document they name are data ids of one
+//! group, each change pushed, validated whole and swapped in; a bad one
+//! rejected with its data id and line; the last applied snapshot on disk
+//! serves a start while Nacos is down.
+
+use std::time::{Duration, Instant};
+
+use crate::harness::nacos::*;
+use crate::harness::*;
+
+const GROUP: &str = "GRAYGATE";
+
+/// A bootstrap file as the issue writes it (`extra`: more `nacos:` keys,
+/// indented for their place).
+fn bootstrap(nacos: &Nacos, extra: &str) -> String {
+    format!(
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nnacos:\n  server_addr: {}\n  namespace: public\n  cache_dir: cache\n  timeout_ms: 500\n{extra}  discovery:\n    group: DEFAULT_GROUP\n    lane_key: version\n    formal_values: [v1]\n  config:\n    group: {GROUP}\n    data_id: graygate.yaml\n",
+        nacos.server_addr()
+    )
+}
+
+/// The rules of seed 004: an IP whitelist and a list of user ids to
+/// `gray-1.0`.
+fn rules(uids: &str) -> String {
+    format!(
+        "uid: {{ header: X-User-Id }}\nrules:\n  - {{ name: testers, lane: gray-1.0, ip: [127.0.9.0/24] }}\n  - {{ name: beta-users, lane: gray-1.0, uid: {{ in: [{uids}] }} }}\n"
+    )
+}
+
+/// The node answering a request of user `uid`.
+async fn user(gw: &Gateway, uid: &str) -> String {
+    Req::get("/orders/1")
+        .header("X-User-Id", uid)
+        .send(gw.addr)
+        .await
+        .node()
+}
+
+/// p-th percentile (0–100) of sorted samples.
+fn pct(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p / 100.0).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+/// Seed 004 end to end: instances registered by Nacos's official client
+/// with their version in the metadata, the rule file kept in Nacos config;
+/// the operator edits it in Nacos and the next requests follow it (the
+/// time from the publish to the first request that follows it measured);
+/// a bad edit is rejected with its data id and line while the last good
+/// rules keep serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_004_rules_in_nacos_config_follow_an_operators_edit() {
+    let nacos = Nacos::start().await;
+    let [f, g] = backends([("v1", "formal"), ("gray-1.0", "gray-1.0")]).await;
+    let svc = "orders";
+    let _py = PyClient::start(
+        &nacos,
+        "public",
+        &[
+            Inst::new(svc, f.addr).meta("version", "v1"),
+            Inst::new(svc, g.addr).meta("version", "gray-1.0"),
+        ],
+    )
+    .await;
+    nacos
+        .publish(
+            GROUP,
+            "graygate.yaml",
+            &format!("rules_file: rules.yaml\nroutes:\n  - {{ prefix: /, service: {svc} }}\n"),
+        )
+        .await;
+    nacos
+        .publish(GROUP, "rules.yaml", &rules("1001, 1002, 1003"))
+        .await;
+    let fx = Fixture::new();
+    let gw = Gateway::start(&fx.write("bootstrap.yaml", &bootstrap(&nacos, "")));
+    let st = gw.status().await;
+    assert_eq!(st["source"], "nacos", "{st}");
+    assert_eq!(st["source_state"], "live", "{st}");
+    soon("both instances served", || async {
+        user(&gw, "1002").await == "gray-1.0" && user(&gw, "2000").await == "v1"
+    })
+    .await;
+    let from_tester = Req::get("/orders/1")
+        .from_ip("127.0.9.5")
+        .send(gw.addr)
+        .await;
+    assert_eq!(from_tester.node(), "gray-1.0");
+    assert_eq!(gw.get("/orders/1").await.node(), "v1");
+
+    // The operator edits the rule in Nacos: user 2000 in, then out again;
+    // each time, from the publish to the first request that follows it.
+    let mut samples = Vec::new();
+    for round in 0..10 {
+        for (uids, want) in [
+            ("1001, 1002, 1003, 2000", "gray-1.0"),
+            ("1001, 1002, 1003", "v1"),
+        ] {
+            let uids = format!("{uids}, {}", 9000 + round);
+            let t0 = Instant::now();
+            nacos.publish(GROUP, "rules.yaml", &rules(&uids)).await;
+            while user(&gw, "2000").await != want {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(10),
+                    "edit not followed in 10 s: {}\n{}",
+                    gw.status().await,
+                    gw.logs()
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            samples.push(t0.elapsed());
+        }
+    }
+    samples.sort();
+    let (p50, p99) = (pct(&samples, 50.0), pct(&samples, 99.0));
+    println!(
+        "nacos config publish → first request that follows it, {} changes: p50 {:.3} s, p99 {:.3} s, max {:.3} s",
+        samples.len(),
+        p50.as_secs_f64(),
+        p99.as_secs_f64(),
+        samples[samples.len() - 1].as_secs_f64()
+    );
+    assert!(
+        p99 <= Duration::from_millis(1500),
+        "p99 {p99:?} (p50 {p50:?}): {samples:?}"
+    );
+
+    // A bad edit (an unknown lane on line 4): rejected with the data id
+    // and the line; the last good rules keep serving.
+    let rejected = gw.status().await["reloads_rejected"].as_u64().unwrap();
+    let bad = rules("1001").replace("lane: gray-1.0, uid", "lane: nowhere!, uid");
+    nacos.publish(GROUP, "rules.yaml", &bad).await;
+    soon("the bad edit is rejected", || async {
+        gw.status().await["reloads_rejected"].as_u64().unwrap() > rejected
+    })
+    .await;
+    let st = gw.status().await;
+    let err = st["last_reload_error"].as_str().unwrap_or_default();
+    assert!(
+        err.starts_with(&format!("nacos:{GROUP}/rules.yaml:4:")),
+        "{st}"
+    );
+    assert_eq!(st["source_state"], "live", "{st}");
+    assert_eq!(user(&gw, "1002").await, "gray-1.0");
+    assert_eq!(user(&gw, "2000").await, "v1");
+    // Fixed: applied.
+    nacos
+        .publish(GROUP, "rules.yaml", &rules("1001, 2000"))
+        .await;
+    soon("the fixed rules apply", || async {
+        user(&gw, "2000").await == "gray-1.0"
+    })
+    .await;
+    assert_eq!(
+        gw.status().await["last_reload_error"],
+        serde_json::Value::Null
+    );
+    // Admin edits are Nacos's: refused, saying where to edit.
+    let r = Req::get("/rules/beta-users")
+        .method("PATCH")
+        .header("content-type", "application/json")
+        .body(r#"{"percentage": 5}"#)
+        .send(gw.admin.unwrap())
+        .await;
+    assert_eq!(r.status, 409, "{}", r.text());
+    assert!(r.text().contains("Nacos config"), "{}", r.text());
+}
+
+/// Every document the main settings name is a data id: a node file, an IP
+/// list and a rules file; one named later (a new list) is read and
+/// listened to as well; one named but missing is an error naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_named_document_is_a_data_id_and_a_new_one_is_followed() {
+    let nacos = Nacos::start().await;
+    let [f, g] = backends([("f", "formal"), ("g", "gray")]).await;
+    let main = |lists: &str| {
+        format!(
+            "node_files: [nodes/api.yaml]\nlists:\n{lists}rules_file: rules.yaml\nroutes:\n  - {{ prefix: /, service: api }}\n"
+        )
+    };
+    nacos
+        .publish(
+            GROUP,
+            "graygate.yaml",
+            &main("  office: lists/office.txt\n"),
+        )
+        .await;
+    nacos
+        .publish(
+            GROUP,
+            // A path's `/` is a `:` in its data id.
+            "nodes:api.yaml",
+            &format!(
+                "services:\n  api:\n    nodes:\n      - {{ addr: \"{}\", lane: formal }}\n      - {{ addr: \"{}\", lane: gray }}\n",
+                f.addr, g.addr
+            ),
+        )
+        .await;
+    nacos
+        .publish(GROUP, "lists:office.txt", "127.0.7.0/24\n")
+        .await;
+    nacos
+        .publish(
+            GROUP,
+            "rules.yaml",
+            "rules:\n  - { name: office, lane: gray, ip: { list: office } }\n",
+        )
+        .await;
+    let fx = Fixture::new();
+    let gw = Gateway::start(&fx.write("bootstrap.yaml", &bootstrap(&nacos, "")));
+    let from = |ip: &'static str| {
+        let addr = gw.addr;
+        async move { Req::get("/x").from_ip(ip).send(addr).await.node() }
+    };
+    assert_eq!(from("127.0.7.9").await, "g");
+    assert_eq!(from("127.0.8.9").await, "f");
+    // The list changes in Nacos: pushed.
+    nacos
+        .publish(GROUP, "lists:office.txt", "127.0.8.0/24\n")
+        .await;
+    soon("the new list applies", || async {
+        from("127.0.8.9").await == "g"
+    })
+    .await;
+    assert_eq!(from("127.0.7.9").await, "f");
+    // The rules name a list the main settings do not have yet: rejected,
+    // naming the key; then a new list data id, named, is read and followed.
+    nacos
+        .publish(
+            GROUP,
+            "graygate.yaml",
+            &main("  office: lists/office.txt\n  lab: lists/lab.txt\n"),
+        )
+        .await;
+    soon("a named but missing data id is rejected", || async {
+        gw.status().await["last_reload_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("lists:lab.txt") && e.contains("no data id"))
+    })
+    .await;
+    nacos
+        .publish(GROUP, "lists:lab.txt", "127.0.6.0/24\n")
+        .await;
+    nacos
+        .publish(
+            GROUP,
+            "rules.yaml",
+            "rules:\n  - { name: office, lane: gray, ip: { list: office } }\n  - { name: lab, lane: gray, ip: { list: lab } }\n",
+        )
+        .await;
+    soon("the new list is read", || async {
+        from("127.0.6.9").await == "g"
+    })
+    .await;
+    nacos
+        .publish(GROUP, "lists:lab.txt", "127.0.5.0/24\n")
+        .await;
+    soon("and followed", || async { from("127.0.5.9").await == "g" }).await;
+    assert_eq!(
+        gw.status().await["last_reload_error"],
+        serde_json::Value::Null
+    );
+}
+
+/// The main settings, a node file and a rules file sending `gray_ip` to
+/// the gray node.
+async fn publish_all(nacos: &Nacos, f: &Backend, g: &Backend, gray_ip: &str) {
+    let main = "node_files: [nodes.yaml]\nrules_file: rules.yaml\nroutes:\n  - { prefix: /, service: api }\n";
+    let nodes = format!(
+        "services:\n  api:\n    nodes:\n      - {{ addr: \"{}\", lane: formal }}\n      - {{ addr: \"{}\", lane: gray }}\n",
+        f.addr, g.addr
+    );
+    let rules = format!("rules:\n  - {{ name: lab, lane: gray, ip: [{gray_ip}] }}\n");
+    nacos.publish(GROUP, "graygate.yaml", main).await;
+    nacos.publish(GROUP, "nodes.yaml", &nodes).await;
+    nacos.publish(GROUP, "rules.yaml", &rules).await;
+}
+
+/// The promises of the etcd source: Nacos killed — the gateway keeps
+/// serving, `stale`; restarted during the outage — it serves its cached
+/// snapshot, `cached`; Nacos back — `live`, and a change made meanwhile
+/// applies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nacos_outage_is_survived_and_a_restart_serves_the_cache() {
+    let mut nacos = Nacos::start().await;
+    let [f, g] = backends([("f", "formal"), ("g", "gray")]).await;
+    publish_all(&nacos, &f, &g, "127.0.7.0/24").await;
+    let fx = Fixture::new();
+    let boot = fx.write("bootstrap.yaml", &bootstrap(&nacos, ""));
+    let mut gw = Gateway::start(&boot);
+    let from = |addr: std::net::SocketAddr, ip: &'static str| async move {
+        Req::get("/x").from_ip(ip).send(addr).await.node()
+    };
+    assert_eq!(from(gw.addr, "127.0.7.9").await, "g");
+    assert!(fx.path("cache/graygate-config.json").exists());
+
+    nacos.kill();
+    soon("stale once Nacos is gone", || async {
+        gw.status().await["source_state"] == "stale"
+    })
+    .await;
+    let st = gw.status().await;
+    assert!(st["store_error"].is_string(), "{st}");
+    assert_eq!(from(gw.addr, "127.0.7.9").await, "g");
+    assert_eq!(from(gw.addr, "127.0.8.9").await, "f");
+
+    // A restart during the outage: the cached snapshot.
+    gw.kill();
+    let gw = Gateway::start(&boot);
+    let st = gw.status().await;
+    assert_eq!(st["source_state"], "cached", "{st}");
+    assert_eq!(from(gw.addr, "127.0.7.9").await, "g");
+
+    // Nacos back (a fresh server: the configuration published again, the
+    // rule changed meanwhile): live, the change applied.
+    nacos.restart_fresh().await;
+    publish_all(&nacos, &f, &g, "127.0.8.0/24").await;
+    eventually("live again", Duration::from_secs(20), || async {
+        gw.status().await["source_state"] == "live"
+    })
+    .await;
+    soon("the change made during the outage applies", || async {
+        from(gw.addr, "127.0.8.9").await == "g"
+    })
+    .await;
+    assert_eq!(from(gw.addr, "127.0.7.9").await, "f");
+}
