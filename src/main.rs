@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use clap::{CommandFactory, FromArgMatches, Parser};
 use graygate::control::registry::{self, Instance, Registration};
-use graygate::control::source::{self, etcd, ConfigSource};
+use graygate::control::source::{self, etcd, nacos_config, ConfigSource};
 use graygate::control::upgrade::{self, Paths, Predecessor, Upgrade};
 use graygate::control::Gateway;
 use graygate::generation::Generation;
@@ -111,13 +111,68 @@ struct Cli {
     #[arg(long, value_name = "PATH")]
     pid_file: Option<PathBuf>,
     /// With --check: check what is in etcd (this member's URL) instead.
-    #[arg(long, requires = "prefix")]
+    #[arg(long, requires = "prefix", conflicts_with = "nacos")]
     etcd: Option<String>,
     /// With --check --etcd: the key prefix.
     #[arg(long, requires = "etcd")]
     prefix: Option<String>,
+    #[command(flatten)]
+    nacos: NacosArgs,
     #[command(subcommand)]
     command: Option<Command>,
+}
+
+/// Where graygate's documents are in Nacos config (`--check`, `push`,
+/// `pull`).
+#[derive(clap::Args, Clone)]
+struct NacosArgs {
+    /// With --check, push or pull: graygate's documents in Nacos config
+    /// (servers' HTTP host:port, comma-separated) instead of etcd.
+    #[arg(long, value_name = "HOST:PORT")]
+    nacos: Option<String>,
+    /// With --nacos: the namespace (its id).
+    #[arg(long, default_value = "public")]
+    namespace: String,
+    /// With --nacos: the group of the documents.
+    #[arg(long, default_value = "DEFAULT_GROUP")]
+    group: String,
+    /// With --nacos: the data id of the main settings.
+    #[arg(long, default_value = "graygate.yaml")]
+    data_id: String,
+    /// With --nacos: Nacos auth (with NACOS_PASSWORD in the environment).
+    #[arg(long, env = "NACOS_USERNAME")]
+    nacos_username: Option<String>,
+}
+
+impl NacosArgs {
+    /// The place the arguments name, or the message to print.
+    fn place(&self) -> Option<Result<nacos_config::Place, String>> {
+        let server_addr = self.nacos.clone()?;
+        let password = std::env::var("NACOS_PASSWORD").ok();
+        let settings = graygate::config::nacos::NacosConfig {
+            server_addr,
+            grpc_port: None,
+            namespace: self.namespace.clone(),
+            username: self.nacos_username.clone(),
+            password: password.filter(|_| self.nacos_username.is_some()),
+            cache_dir: None,
+            timeout_ms: 3_000,
+            discovery: None,
+            config: Some(graygate::config::nacos::NacosConfigDocs {
+                group: self.group.clone(),
+                data_id: self.data_id.clone(),
+            }),
+        };
+        if self.nacos_username.is_some() && settings.password.is_none() {
+            return Some(Err(
+                "--nacos-username: give the password in NACOS_PASSWORD".into()
+            ));
+        }
+        Some(match settings.check() {
+            Ok(()) => Ok(nacos_config::Place::of(&settings)),
+            Err((_, m)) => Err(m),
+        })
+    }
 }
 
 #[derive(clap::Subcommand)]
@@ -170,25 +225,40 @@ The token: --token, else GRAYGATE_ADMIN_TOKEN, else that file's admin_token."
     #[command(name = "jit-probe", hide = true)]
     JitProbe,
     /// Upload a files configuration (what --check accepts) to etcd in one
-    /// transaction.
+    /// transaction, or to Nacos config (--nacos: one data id a document).
     Push {
         #[arg(long, short)]
         config: PathBuf,
         /// Member URL(s), comma-separated: the first that answers is used.
-        #[arg(long)]
-        etcd: String,
-        #[arg(long)]
-        prefix: String,
+        #[arg(
+            long,
+            requires = "prefix",
+            required_unless_present = "nacos",
+            conflicts_with = "nacos"
+        )]
+        etcd: Option<String>,
+        #[arg(long, requires = "etcd")]
+        prefix: Option<String>,
+        #[command(flatten)]
+        nacos: NacosArgs,
     },
-    /// Write the configuration in etcd back to files (DIR/main.yaml, …).
+    /// Write the configuration in etcd (or Nacos config: --nacos) back to
+    /// files (DIR/main.yaml, …).
     Pull {
         /// Member URL(s), comma-separated: the first that answers is used.
-        #[arg(long)]
-        etcd: String,
-        #[arg(long)]
-        prefix: String,
+        #[arg(
+            long,
+            requires = "prefix",
+            required_unless_present = "nacos",
+            conflicts_with = "nacos"
+        )]
+        etcd: Option<String>,
+        #[arg(long, requires = "etcd")]
+        prefix: Option<String>,
         #[arg(long, default_value = ".")]
         dir: PathBuf,
+        #[command(flatten)]
+        nacos: NacosArgs,
     },
     /// Sidecar: register an instance under a lease and keep it alive; on
     /// SIGTERM deregister first, wait the drain period, exit.
@@ -338,6 +408,75 @@ fn runtime() -> tokio::runtime::Runtime {
         .expect("tokio runtime")
 }
 
+/// `push --nacos`: what `--check` accepts, published to Nacos config.
+fn nacos_push(rt: &tokio::runtime::Runtime, config: &std::path::Path, n: &NacosArgs) -> ExitCode {
+    let place = match n.place() {
+        Some(Ok(p)) => p,
+        Some(Err(e)) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+        None => return ExitCode::FAILURE,
+    };
+    let docs = match etcd::documents_of_files(config) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("{e}");
+            println!(
+                "{}: configuration test failed; nothing pushed",
+                config.display()
+            );
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(nacos_config::push(&place, &docs)) {
+        Ok((published, unchanged)) => {
+            println!(
+                "pushed {} documents to {} ({published} published, {unchanged} unchanged)",
+                docs.len(),
+                place.name()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("push failed: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `pull --nacos`: the documents in Nacos config written back to files.
+fn nacos_pull(rt: &tokio::runtime::Runtime, dir: &std::path::Path, n: &NacosArgs) -> ExitCode {
+    let place = match n.place() {
+        Some(Ok(p)) => p,
+        Some(Err(e)) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+        None => return ExitCode::FAILURE,
+    };
+    match rt.block_on(nacos_config::pull(&place, dir)) {
+        Ok((files, broken)) => {
+            for f in &files {
+                println!("{}", f.display());
+            }
+            println!("pulled {} documents from {}", files.len(), place.name());
+            match broken {
+                None => ExitCode::SUCCESS,
+                Some(e) => {
+                    eprintln!("{e}");
+                    eprintln!("pull incomplete: the configuration in Nacos does not build; documents named after this error were not pulled");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Err(e) => {
+            eprintln!("pull failed: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// `push`, `pull`, `register`: the etcd commands.
 fn etcd_command(cmd: Command) -> ExitCode {
     let rt = runtime();
@@ -347,9 +486,14 @@ fn etcd_command(cmd: Command) -> ExitCode {
         | Command::Manpage
         | Command::JitProbe => ExitCode::FAILURE,
         Command::Push {
+            config, nacos: n, ..
+        } if n.nacos.is_some() => nacos_push(&rt, &config, &n),
+        Command::Pull { dir, nacos: n, .. } if n.nacos.is_some() => nacos_pull(&rt, &dir, &n),
+        Command::Push {
             config,
-            etcd: url,
-            prefix,
+            etcd: Some(url),
+            prefix: Some(prefix),
+            ..
         } => {
             let docs = match etcd::documents_of_files(&config) {
                 Ok(d) => d,
@@ -377,9 +521,10 @@ fn etcd_command(cmd: Command) -> ExitCode {
             }
         }
         Command::Pull {
-            etcd: url,
-            prefix,
+            etcd: Some(url),
+            prefix: Some(prefix),
             dir,
+            ..
         } => match rt.block_on(etcd::pull(&url, &prefix, &dir)) {
             Ok((rev, files)) => {
                 for f in &files {
@@ -393,6 +538,10 @@ fn etcd_command(cmd: Command) -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Push { .. } | Command::Pull { .. } => {
+            eprintln!("give --etcd URLS --prefix P, or --nacos HOST:PORT");
+            ExitCode::FAILURE
+        }
         Command::Register {
             etcd: url,
             prefix,
@@ -573,6 +722,14 @@ fn main() -> ExitCode {
         None => {}
     }
     let source = match (&cli.etcd, &cli.prefix) {
+        _ if cli.check && cli.nacos.nacos.is_some() => match cli.nacos.place() {
+            Some(Ok(place)) => ConfigSource::NacosStore(Box::new(place)),
+            Some(Err(e)) => {
+                eprintln!("{e}");
+                return ExitCode::FAILURE;
+            }
+            None => ConfigSource::open(&cli.config),
+        },
         (Some(url), Some(prefix)) if cli.check => ConfigSource::Store {
             endpoints: url.clone(),
             prefix: prefix.clone(),

@@ -836,6 +836,110 @@ pub async fn check(place: &Place) -> Result<Vec<String>, String> {
         .map_err(|e| e.to_string())
 }
 
+/// `push --nacos`: publishes the documents of a files configuration that
+/// `--check` accepts (relative path → bytes, the main file as
+/// `main.yaml`, as `etcd::documents_of_files` gives them): each under the
+/// data id of its path, the main settings under `place`'s data id, last
+/// (a document is there before the settings name it). Nacos config has no
+/// transaction: documents are published one by one and only those that
+/// differ. Returns (published, unchanged).
+pub async fn push(
+    place: &Place,
+    docs: &BTreeMap<String, Vec<u8>>,
+) -> Result<(usize, usize), String> {
+    let mut texts = Vec::new();
+    for (rel, bytes) in docs {
+        let text = String::from_utf8(bytes.clone())
+            .map_err(|_| format!("{rel}: not UTF-8 text (Nacos config holds text)"))?;
+        if text.trim().is_empty() {
+            return Err(format!(
+                "{rel}: empty; Nacos config cannot hold an empty document (write a comment line)"
+            ));
+        }
+        let id = if rel == "main.yaml" {
+            place.data_id.clone()
+        } else {
+            if rel.contains(':') {
+                return Err(format!(
+                    "{rel}: a path with `:` has no data id (each `/` becomes `:`)"
+                ));
+            }
+            data_id_of(rel)
+        };
+        if id != place.data_id && id.eq_ignore_ascii_case(&place.data_id) {
+            return Err(format!("{rel}: its data id {id} is the main settings'"));
+        }
+        texts.push((id, text));
+    }
+    // The main settings last.
+    texts.sort_by_key(|(id, _)| *id == place.data_id);
+    let client = connect(&place.settings, None).await?;
+    let timeout = Duration::from_millis(place.settings.timeout_ms.max(3_000));
+    let (mut published, mut unchanged) = (0, 0);
+    for (id, text) in texts {
+        if get(&client, &place.group, &id, timeout).await?.as_deref() == Some(text.as_str()) {
+            unchanged += 1;
+            continue;
+        }
+        let put = client.publish_config(
+            id.clone(),
+            place.group.clone(),
+            text,
+            Some("text".to_string()),
+        );
+        match tokio::time::timeout(timeout, put).await {
+            Ok(Ok(true)) => published += 1,
+            Ok(Ok(false)) => return Err(format!("data id {id}: Nacos refused the publish")),
+            Ok(Err(e)) => return Err(format!("data id {id}: {e}")),
+            Err(_) => return Err(format!("data id {id}: no answer")),
+        }
+    }
+    Ok((published, unchanged))
+}
+
+/// `pull --nacos`: writes the main settings (`dir/<data id>`) and every
+/// document they name (`dir/<path>`, each `:` of its data id a `/`).
+/// Returns the files written and, when what is in Nacos does not build,
+/// its error (documents named after it are not found, so not written).
+pub async fn pull(place: &Place, dir: &Path) -> Result<(Vec<PathBuf>, Option<String>), String> {
+    let client = connect(&place.settings, None).await?;
+    let (snap, _) = read_set(&client, place, None, Path::new(".")).await?;
+    if !snap.docs.contains_key(&place.data_id) {
+        return Err(format!(
+            "no data id {} in group {} (namespace {})",
+            place.data_id, place.group, place.settings.namespace
+        ));
+    }
+    let mut written = Vec::new();
+    for (id, text) in &snap.docs {
+        let rel = if *id == place.data_id {
+            id.clone()
+        } else {
+            id.replace(':', "/")
+        };
+        if rel.starts_with('/')
+            || rel
+                .split('/')
+                .any(|s| s == ".." || s == "." || s.is_empty())
+        {
+            return Err(format!(
+                "data id {id}: not a relative path; refusing to write it"
+            ));
+        }
+        let path = dir.join(&rel);
+        if let Some(d) = path.parent() {
+            std::fs::create_dir_all(d).map_err(|e| format!("{}: {e}", d.display()))?;
+        }
+        std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+        written.push(path);
+    }
+    let broken = build(&snap, None, Path::new("."), 0)
+        .0
+        .err()
+        .map(|e| e.to_string());
+    Ok((written, broken))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

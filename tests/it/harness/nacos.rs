@@ -412,6 +412,17 @@ impl Nacos {
         assert_eq!(r.status, 200, "publish {group}/{data_id}: {}", r.text());
     }
 
+    /// The content of a config, if Nacos has it.
+    pub async fn config(&self, group: &str, data_id: &str) -> Option<String> {
+        let path = self.authed(format!(
+            "/nacos/v1/cs/configs?dataId={}&group={}",
+            enc(data_id),
+            enc(group)
+        ));
+        let r = http(self.http_addr(), "GET", &path).await.ok()?;
+        (r.status == 200).then(|| r.text())
+    }
+
     /// Changes `i` in place (PUT: weight, enabled, metadata).
     pub async fn update(&self, i: &Inst) {
         let r = http(

@@ -326,3 +326,140 @@ async fn a_nacos_outage_is_survived_and_a_restart_serves_the_cache() {
     .await;
     assert_eq!(from(gw.addr, "127.0.7.9").await, "f");
 }
+
+/// `graygate …` with `args`: (success, stdout + stderr).
+fn graygate(args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_graygate"))
+        .args(args)
+        .env_remove("NACOS_USERNAME")
+        .output()
+        .expect("run graygate");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// `push --nacos` uploads exactly what `--check` accepts (one data id a
+/// document, the main settings under `--data-id`), `--check --nacos`
+/// builds what is in Nacos (a bad data id named with its line), `pull
+/// --nacos` writes it back to files that check as they were, and a
+/// gateway starts on what was pushed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_check_and_pull_with_nacos() {
+    let nacos = Nacos::start().await;
+    let [f, g] = backends([("f", "formal"), ("g", "gray")]).await;
+    let fx = Fixture::new();
+    fx.write(
+        "nodes/api.yaml",
+        &format!(
+            "services:\n  api:\n    nodes:\n      - {{ addr: \"{}\", lane: formal }}\n      - {{ addr: \"{}\", lane: gray }}\n",
+            f.addr, g.addr
+        ),
+    );
+    fx.write("lists/office.txt", "127.0.7.0/24\n");
+    fx.write(
+        "rules.yaml",
+        "rules:\n  - { name: office, lane: gray, ip: { list: office } }\n",
+    );
+    let main = fx.write(
+        "graygate.yaml",
+        &main_config(
+            "node_files: [nodes/api.yaml]\nlists:\n  office: lists/office.txt\nrules_file: rules.yaml\nroutes:\n  - { prefix: /, service: api }\n",
+        ),
+    );
+    let server = nacos.server_addr();
+    let at = [
+        "--nacos",
+        server.as_str(),
+        "--group",
+        GROUP,
+        "--data-id",
+        "graygate.yaml",
+    ];
+    let push = |main: &std::path::Path| {
+        let mut args = vec!["push", "-c", main.to_str().unwrap()];
+        args.extend(at);
+        graygate(&args)
+    };
+    let (ok, out) = push(&main);
+    assert!(ok, "{out}");
+    assert!(out.contains("pushed 4 documents"), "{out}");
+    assert_eq!(
+        nacos.config(GROUP, "lists:office.txt").await.as_deref(),
+        Some("127.0.7.0/24\n")
+    );
+    assert!(nacos
+        .config(GROUP, "graygate.yaml")
+        .await
+        .unwrap()
+        .contains("rules_file: rules.yaml"));
+    let mut check = vec!["--check"];
+    check.extend(at);
+    let (ok, out) = graygate(&check);
+    assert!(ok, "{out}");
+    assert!(out.contains("configuration ok"), "{out}");
+
+    // A configuration --check refuses is not pushed.
+    fx.write(
+        "rules.yaml",
+        "rules:\n  - { name: office, lane: gray, ip: { list: nowhere } }\n",
+    );
+    let (ok, out) = push(&main);
+    assert!(!ok, "{out}");
+    assert!(out.contains("nothing pushed"), "{out}");
+    assert!(nacos
+        .config(GROUP, "rules.yaml")
+        .await
+        .unwrap()
+        .contains("list: office"));
+
+    // A gateway on what was pushed.
+    let gw = Gateway::start(&fx.write("boot/bootstrap.yaml", &bootstrap(&nacos, "")));
+    let r = Req::get("/x").from_ip("127.0.7.9").send(gw.addr).await;
+    assert_eq!(r.node(), "g");
+
+    // Pulled back to files: the same documents, by path.
+    let out_dir = fx.path("pulled");
+    let mut pull = vec!["pull", "--dir", out_dir.to_str().unwrap()];
+    pull.extend(at);
+    let (ok, out) = graygate(&pull);
+    assert!(ok, "{out}");
+    assert!(out.contains("pulled 4 documents"), "{out}");
+    assert_eq!(
+        std::fs::read_to_string(out_dir.join("lists/office.txt")).unwrap(),
+        "127.0.7.0/24\n"
+    );
+    assert!(std::fs::read_to_string(out_dir.join("nodes/api.yaml"))
+        .unwrap()
+        .contains(&f.addr.to_string()));
+    assert!(std::fs::read_to_string(out_dir.join("rules.yaml"))
+        .unwrap()
+        .contains("list: office"));
+    let pulled_main = out_dir.join("graygate.yaml");
+    let (ok, out) = graygate(&["--check", "-c", pulled_main.to_str().unwrap()]);
+    assert!(ok, "{out}");
+
+    // A bad edit in Nacos: --check names the data id and the line.
+    nacos
+        .publish(
+            GROUP,
+            "nodes:api.yaml",
+            "services:\n  api:\n    nodes:\n      - { addr: nope }\n",
+        )
+        .await;
+    let (ok, out) = graygate(&check);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains(&format!("nacos:{GROUP}/nodes:api.yaml:4:")),
+        "{out}"
+    );
+    assert!(out.contains("configuration test failed"), "{out}");
+
+    // Pulled while it does not build: what was found, and the error.
+    let (ok, out) = graygate(&pull);
+    assert!(!ok, "{out}");
+    assert!(out.contains("pull incomplete"), "{out}");
+}
