@@ -45,6 +45,11 @@ fn release_spec(text: &str) -> Result<String, String> {
 fn bootstrap(text: &str) -> Result<String, String> {
     parsed::<Bootstrap>("bootstrap.yaml", text)
 }
+fn nacos_bootstrap(text: &str) -> Result<String, String> {
+    graygate::config::nacos::NacosBootstrap::parse(Path::new("bootstrap.yaml"), text)
+        .map(|c| format!("{c:?}"))
+        .map_err(|e| e.to_string())
+}
 
 /// What a marker's tables describe: the file type, a minimal valid document of it, and where in
 /// that document the object whose keys the table lists sits.
@@ -170,6 +175,12 @@ const KINDS: &[Kind] = &[
         parse: main_file,
         base: "listen: 127.0.0.1:8080\nnacos: { server_addr: \"127.0.0.1:8848\", discovery: { services: { api: {} } } }\n",
         object: &["nacos", "discovery", "services", "api"],
+    },
+    Kind {
+        name: "nacos_config",
+        parse: nacos_bootstrap,
+        base: "listen: 127.0.0.1:8080\nnacos: { server_addr: \"127.0.0.1:8848\", config: {} }\n",
+        object: &["nacos", "config"],
     },
     Kind {
         name: "etcd",

@@ -14,7 +14,8 @@
 //! - `release`: a release spec (`POST /releases`, `graygate release create`): parsed and checked
 //!   as the release controller checks a new spec.
 //! - `bootstrap`: the main file of a gateway that reads the rest from etcd: parsed (its loading
-//!   needs the etcd cluster, which `etcd_fleet` starts).
+//!   needs the etcd cluster, which `etcd_fleet` starts); `nacos-bootstrap`: the same with the
+//!   rest in Nacos config (`nacos.config`), parsed and its `nacos:` checked.
 //!
 //! A marker may also name the snippet's file, `<!-- snippet: node-file nodes.yaml -->`: the
 //! snippet is then written under that name beside every later snippet of the same page (a
@@ -226,8 +227,13 @@ fn check(s: &Snippet) -> Result<(), String> {
         "bootstrap" => parse_yaml::<Bootstrap>(Path::new("graygate.yaml"), &s.text)
             .map(drop)
             .map_err(|e| e.to_string()),
+        "nacos-bootstrap" => {
+            graygate::config::nacos::NacosBootstrap::parse(Path::new("bootstrap.yaml"), &s.text)
+                .map_err(|e| e.to_string())
+                .and_then(|b| b.nacos.check().map_err(|(_, m)| m))
+        }
         other => Err(format!(
-            "unknown snippet kind {other:?} (main, main-fragment, node-file, rule-file, release, bootstrap)"
+            "unknown snippet kind {other:?} (main, main-fragment, node-file, rule-file, release, bootstrap, nacos-bootstrap)"
         )),
     }
 }
