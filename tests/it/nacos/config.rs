@@ -463,3 +463,66 @@ async fn push_check_and_pull_with_nacos() {
     assert!(!ok, "{out}");
     assert!(out.contains("pull incomplete"), "{out}");
 }
+
+/// Releases on a Nacos config source work as on files: created through
+/// the admin API, their state in `releases.json` beside the bootstrap
+/// file (this gateway's own), kept through a pushed change and a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_keep_their_state_on_the_gateways_disk() {
+    use crate::releases::{admin_post, LIFECYCLE};
+    let nacos = Nacos::start().await;
+    let [f, g] = backends([("f", "formal"), ("g", "gray")]).await;
+    let nodes = |comment: &str| {
+        format!(
+            "# {comment}\nservices:\n  api:\n    health: {{ passive: {{ max_fails: 0 }} }}\n    nodes:\n      - {{ addr: \"{}\", lane: formal }}\n      - {{ addr: \"{}\", lane: gray }}\n",
+            f.addr, g.addr
+        )
+    };
+    nacos
+        .publish(
+            GROUP,
+            "graygate.yaml",
+            "node_files: [nodes.yaml]\nroutes:\n  - { prefix: /api/, service: api }\n",
+        )
+        .await;
+    nacos.publish(GROUP, "nodes.yaml", &nodes("one")).await;
+    let fx = Fixture::new();
+    let boot = fx.write("bootstrap.yaml", &bootstrap(&nacos, ""));
+    let mut gw = Gateway::start(&boot);
+    let spec = format!(
+        "name: r1\nlane: gray\nroutes: [/api/]\nkey: {{ header: X-User }}\nsteps:\n  - {{ weight: 50, min_duration_ms: 600000 }}\n{LIFECYCLE}\n"
+    );
+    let r = admin_post(&gw, "/releases", &spec).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert!(fx.path("releases.json").exists());
+    let gray_users = |addr: std::net::SocketAddr| async move {
+        let mut n = 0;
+        for i in 0..100 {
+            let r = Req::get("/api/x")
+                .header("X-User", &format!("u{i}"))
+                .send(addr)
+                .await;
+            n += usize::from(r.node() == "g");
+        }
+        n
+    };
+    let share = gray_users(gw.addr).await;
+    assert!((20..=80).contains(&share), "{share} of 100 users on gray");
+    let release = |gw: &Gateway| {
+        let admin = gw.admin.unwrap();
+        async move { Req::get("/releases/r1").send(admin).await.json() }
+    };
+    // A change pushed from Nacos: the release goes on.
+    let gen = gw.generation().await;
+    nacos.publish(GROUP, "nodes.yaml", &nodes("two")).await;
+    gw.wait_generation(gen).await;
+    assert_eq!(release(&gw).await["weight"], 50.0);
+    assert_eq!(gray_users(gw.addr).await, share);
+    // A restart: the state from the disk.
+    gw.kill();
+    let gw = Gateway::start(&boot);
+    let doc = release(&gw).await;
+    assert_eq!(doc["weight"], 50.0, "{doc}");
+    assert_eq!(doc["state"], "progressing", "{doc}");
+    assert_eq!(gray_users(gw.addr).await, share);
+}
