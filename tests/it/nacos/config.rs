@@ -37,6 +37,32 @@ async fn user(gw: &Gateway, uid: &str) -> String {
         .node()
 }
 
+/// Steady load from `users` (each `(X-User-Id, the node it must reach)`)
+/// until `stop`: every answer that is not 200 from that node.
+fn steady(
+    addr: std::net::SocketAddr,
+    users: &'static [(&'static str, &'static str)],
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<(usize, Vec<String>)> {
+    tokio::spawn(async move {
+        let (mut n, mut bad) = (0, Vec::new());
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            for (uid, want) in users {
+                n += 1;
+                // A transport failure panics: the test fails with it.
+                let r = Req::get("/orders/1")
+                    .header("X-User-Id", uid)
+                    .send(addr)
+                    .await;
+                if r.status != 200 || r.node() != *want {
+                    bad.push(format!("user {uid}: {} {}", r.status, r.text()));
+                }
+            }
+        }
+        (n, bad)
+    })
+}
+
 /// p-th percentile (0–100) of sorted samples.
 fn pct(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 - 1.0) * p / 100.0).round() as usize;
@@ -91,6 +117,14 @@ async fn seed_004_rules_in_nacos_config_follow_an_operators_edit() {
 
     // The operator edits the rule in Nacos: user 2000 in, then out again;
     // each time, from the publish to the first request that follows it.
+    // Meanwhile users the edits do not touch: no request lost or sent to
+    // another lane through 20 swaps.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = steady(
+        gw.addr,
+        &[("1002", "gray-1.0"), ("3000", "v1")],
+        stop.clone(),
+    );
     let mut samples = Vec::new();
     for round in 0..10 {
         for (uids, want) in [
@@ -112,10 +146,19 @@ async fn seed_004_rules_in_nacos_config_follow_an_operators_edit() {
             samples.push(t0.elapsed());
         }
     }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (sent, bad) = load.await.unwrap();
+    assert!(sent > 20, "{sent}");
+    assert!(
+        bad.is_empty(),
+        "{} of {sent}: {:?}",
+        bad.len(),
+        &bad[..bad.len().min(5)]
+    );
     samples.sort();
     let (p50, p99) = (pct(&samples, 50.0), pct(&samples, 99.0));
     println!(
-        "nacos config publish → first request that follows it, {} changes: p50 {:.3} s, p99 {:.3} s, max {:.3} s",
+        "nacos config publish → first request that follows it, {} changes ({sent} requests of untouched users meanwhile, none lost or mis-laned): p50 {:.3} s, p99 {:.3} s, max {:.3} s",
         samples.len(),
         p50.as_secs_f64(),
         p99.as_secs_f64(),
@@ -295,11 +338,42 @@ async fn a_nacos_outage_is_survived_and_a_restart_serves_the_cache() {
     assert_eq!(from(gw.addr, "127.0.7.9").await, "g");
     assert!(fx.path("cache/graygate-config.json").exists());
 
+    // Steady load from both sides while Nacos dies: none lost, none on
+    // the other lane.
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let count = std::sync::Arc::new(AtomicUsize::new(0));
+    let load = {
+        let (stop, count, addr) = (stop.clone(), count.clone(), gw.addr);
+        tokio::spawn(async move {
+            let (mut n, mut bad) = (0, Vec::new());
+            while !stop.load(Ordering::Relaxed) {
+                for (ip, want) in [("127.0.7.9", "g"), ("127.0.8.9", "f")] {
+                    n += 1;
+                    count.fetch_add(1, Ordering::Relaxed);
+                    let r = Req::get("/x").from_ip(ip).send(addr).await;
+                    if r.status != 200 || r.node() != want {
+                        bad.push(format!("from {ip}: {} {}", r.status, r.text()));
+                    }
+                }
+            }
+            (n, bad)
+        })
+    };
     nacos.kill();
     soon("stale once Nacos is gone", || async {
         gw.status().await["source_state"] == "stale"
     })
     .await;
+    // And on, stale, for a few hundred requests more.
+    let at_stale = count.load(Ordering::Relaxed);
+    soon("load goes on while stale", || async {
+        count.load(Ordering::Relaxed) >= at_stale + 300
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    let (sent, bad) = load.await.unwrap();
+    assert!(bad.is_empty(), "{} of {sent}: {bad:?}", bad.len());
     let st = gw.status().await;
     assert!(st["store_error"].is_string(), "{st}");
     assert_eq!(from(gw.addr, "127.0.7.9").await, "g");
