@@ -139,14 +139,17 @@ impl ConfigSource {
                             .map_err(|e| e.to_string())
                     });
                 match boot {
-                    Ok(b) => check_nacos(&nacos_config::Place::of(&b.nacos)),
+                    Ok(b) => {
+                        let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+                        check_nacos(&nacos_config::Place::of(&b.nacos), Some((&b, &dir)))
+                    }
                     Err(e) => Err(CheckFailed {
                         name: None,
                         error: format!("not a valid bootstrap file: {e}"),
                     }),
                 }
             }
-            ConfigSource::NacosStore(place) => check_nacos(place),
+            ConfigSource::NacosStore(place) => check_nacos(place, None),
         }
     }
 
@@ -241,13 +244,20 @@ fn check_store(endpoints: &str, prefix: &str) -> Result<Checked, CheckFailed> {
 }
 
 /// `--check` of what is in Nacos config at `place`.
-fn check_nacos(place: &nacos_config::Place) -> Result<Checked, CheckFailed> {
+fn check_nacos(
+    place: &nacos_config::Place,
+    boot: Option<(&crate::config::nacos::NacosBootstrap, &PathBuf)>,
+) -> Result<Checked, CheckFailed> {
     let name = place.name();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("tokio runtime");
-    match rt.block_on(nacos_config::check(place)) {
+    let (boot, dir) = match boot {
+        Some((b, d)) => (Some(b), d.as_path()),
+        None => (None, Path::new(".")),
+    };
+    match rt.block_on(nacos_config::check(place, boot, dir)) {
         Ok(warnings) => Ok(Checked {
             name,
             revision: None,

@@ -219,11 +219,13 @@ fn name_data_id(mut e: ConfigError, root: &Path) -> ConfigError {
 fn main_text(text: &str, boot: Option<&NacosBootstrap>) -> String {
     let mut out = String::with_capacity(text.len() + 256);
     let mut had_listen = false;
+    let mut had_nacos = false;
     let mut in_nacos = false;
     for line in text.lines() {
         let top = !line.starts_with([' ', '\t', '#', '-']) && !line.trim().is_empty();
         if top {
             in_nacos = line.starts_with("nacos:");
+            had_nacos |= in_nacos;
         }
         let local = ["listen:", "admin_listen:"]
             .iter()
@@ -244,8 +246,17 @@ fn main_text(text: &str, boot: Option<&NacosBootstrap>) -> String {
             }
             out.push_str(&format!("nacos: {}\n", b.nacos_json));
         }
-        None if !had_listen => out.push_str("listen: \"127.0.0.1:0\"\n"),
-        None => {}
+        None => {
+            // Checked without a bootstrap (`--check --nacos`, `pull`): any
+            // address will do, and a service no node file defines is a
+            // Nacos service (checked as empty, as `--check` of files does).
+            if !had_listen {
+                out.push_str("listen: \"127.0.0.1:0\"\n");
+            }
+            if !had_nacos {
+                out.push_str("nacos: { server_addr: \"127.0.0.1:8848\", discovery: {} }\n");
+            }
+        }
     }
     out
 }
@@ -825,12 +836,17 @@ async fn sighup(gw: Arc<Gateway>) {
     }
 }
 
-/// `--check` of what is in Nacos config at `place`: the warnings, or the
-/// error to print.
-pub async fn check(place: &Place) -> Result<Vec<String>, String> {
+/// `--check` of what is in Nacos config at `place` (as the gateway of
+/// `boot` would build it, when given): the warnings, or the error to
+/// print.
+pub async fn check(
+    place: &Place,
+    boot: Option<&NacosBootstrap>,
+    local_root: &Path,
+) -> Result<Vec<String>, String> {
     let client = connect(&place.settings, None).await?;
-    let (snap, _) = read_set(&client, place, None, Path::new(".")).await?;
-    build(&snap, None, Path::new("."), 1)
+    let (snap, _) = read_set(&client, place, boot, local_root).await?;
+    build(&snap, boot, local_root, 1)
         .0
         .map(|g| g.warnings)
         .map_err(|e| e.to_string())

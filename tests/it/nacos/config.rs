@@ -114,6 +114,25 @@ async fn seed_004_rules_in_nacos_config_follow_an_operators_edit() {
         .await;
     assert_eq!(from_tester.node(), "gray-1.0");
     assert_eq!(gw.get("/orders/1").await.node(), "v1");
+    // What is in Nacos checks, through the bootstrap and directly (the
+    // service only Nacos defines checked as empty), and pulls to files.
+    let (ok, out) = graygate(&["--check", "-c", fx.path("bootstrap.yaml").to_str().unwrap()]);
+    assert!(ok, "{out}");
+    let server = nacos.server_addr();
+    let (ok, out) = graygate(&["--check", "--nacos", &server, "--group", GROUP]);
+    assert!(ok, "{out}");
+    let pulled = fx.path("pulled");
+    let (ok, out) = graygate(&[
+        "pull",
+        "--nacos",
+        &server,
+        "--group",
+        GROUP,
+        "--dir",
+        pulled.to_str().unwrap(),
+    ]);
+    assert!(ok, "{out}");
+    assert!(pulled.join("rules.yaml").exists(), "{out}");
 
     // The operator edits the rule in Nacos: user 2000 in, then out again;
     // each time, from the publish to the first request that follows it.
