@@ -619,3 +619,83 @@ async fn releases_keep_their_state_on_the_gateways_disk() {
     assert_eq!(doc["state"], "progressing", "{doc}");
     assert_eq!(gray_users(gw.addr).await, share);
 }
+
+/// With Nacos auth on: the gateway logs in (the bootstrap's `username` and
+/// `password`) and follows a pushed change; `push --nacos` logs in with
+/// `--nacos-username` and `NACOS_PASSWORD`; a wrong password does not
+/// start a gateway without a cache (never an empty configuration).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auth_on_the_gateway_and_push_log_in() {
+    let nacos = Nacos::start_env(&[
+        ("RNACOS_ENABLE_OPEN_API_AUTH", "true"),
+        ("RNACOS_INIT_ADMIN_USERNAME", "nacos"),
+        ("RNACOS_INIT_ADMIN_PASSWORD", "s3cret-pass"),
+    ])
+    .await;
+    let [f, g] = backends([("f", "formal"), ("g", "gray")]).await;
+    let fx = Fixture::new();
+    fx.write(
+        "nodes.yaml",
+        &format!(
+            "services:\n  api:\n    nodes:\n      - {{ addr: \"{}\", lane: formal }}\n      - {{ addr: \"{}\", lane: gray }}\n",
+            f.addr, g.addr
+        ),
+    );
+    fx.write(
+        "rules.yaml",
+        "rules:\n  - { name: lab, lane: gray, ip: [127.0.7.0/24] }\n",
+    );
+    let main = fx.write(
+        "graygate.yaml",
+        &main_config(
+            "node_files: [nodes.yaml]\nrules_file: rules.yaml\nroutes:\n  - { prefix: /, service: api }\n",
+        ),
+    );
+    let server = nacos.server_addr();
+    let push = |pass: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_graygate"))
+            .args(["push", "-c", main.to_str().unwrap(), "--nacos", &server])
+            .args(["--group", GROUP, "--nacos-username", "nacos"])
+            .env("NACOS_PASSWORD", pass)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        )
+    };
+    let (ok, out) = push("wrong");
+    assert!(!ok, "{out}");
+    let (ok, out) = push("s3cret-pass");
+    assert!(ok, "{out}");
+    let creds = |pass: &str| format!("  username: nacos\n  password: {pass}\n");
+    let gw = Gateway::start(&fx.write(
+        "a/bootstrap.yaml",
+        &bootstrap(&nacos, &creds("s3cret-pass")),
+    ));
+    let from = |ip: &'static str| {
+        let addr = gw.addr;
+        async move { Req::get("/x").from_ip(ip).send(addr).await.node() }
+    };
+    assert_eq!(from("127.0.7.9").await, "g");
+    nacos
+        .publish(
+            GROUP,
+            "rules.yaml",
+            "rules:\n  - { name: lab, lane: gray, ip: [127.0.8.0/24] }\n",
+        )
+        .await;
+    soon("the pushed change applies", || async {
+        from("127.0.8.9").await == "g"
+    })
+    .await;
+    // A wrong password and no cache: no start.
+    let bad =
+        Gateway::try_start(&fx.write("b/bootstrap.yaml", &bootstrap(&nacos, &creds("wrong"))));
+    let err = bad.err().expect("no start with a wrong password");
+    assert!(err.contains("no usable cached snapshot"), "{err}");
+}
