@@ -158,7 +158,8 @@ async fn a_healthy_gray_with_a_coarse_detectable_effect_is_promoted_at_ten_per_s
     gray.set_delay(Duration::from_millis(5));
     let fx = Fixture::new();
     let gw = gateway(&fx, &formal, &gray).await;
-    let spec = "name: good\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 20, min_duration_ms: 5000 }\n  - { weight: 50, min_duration_ms: 5000 }\nanalysis: { interval_ms: 1000, max_error_delta_pp: 5 }\n";
+    // The case as written: steps 20 and 50, 20 s each at least.
+    let spec = "name: good\nlane: gray\nroutes: [/api/]\nkey: { header: X-User }\nsteps:\n  - { weight: 20, min_duration_ms: 20000 }\n  - { weight: 50, min_duration_ms: 20000 }\nanalysis: { interval_ms: 1000, max_error_delta_pp: 5 }\n";
     let doc = run(&gw, "good", spec, Duration::from_secs(150), |d| {
         d["state"] == "promoted"
     })
