@@ -86,7 +86,8 @@ impl Generation {
         let rules = b.rules(&lists, &services)?;
         let (release_records, releases, revoked) = b.releases(&lists, &services)?;
         let dicts = b.dicts()?;
-        let script = b.script(&lists, &dicts)?;
+        let memory_limit = b.script_limits()?;
+        let script = b.script(&lists, &dicts, memory_limit)?;
         b.otel()?;
         b.nacos()?;
         let sticky = b.sticky()?;
@@ -604,7 +605,7 @@ impl<'a> Build<'a> {
     }
 
     /// The shared dictionaries (`shared_dicts:`), build-private until the
-    /// generation is installed; the script limits checked with them.
+    /// generation is installed.
     fn dicts(&self) -> Result<BTreeMap<String, Arc<SharedDict>>, ConfigError> {
         let mut dicts = BTreeMap::new();
         for (name, size) in &self.config.shared_dicts {
@@ -616,13 +617,6 @@ impl<'a> Build<'a> {
             })?;
             dicts.insert(name.clone(), bytes);
         }
-        self.memory_limit()?;
-        if self.config.script_limits.instruction_budget < 1_000 {
-            return Err(self.error(
-                self.at("instruction_budget"),
-                "script_limits.instruction_budget must be at least 1000",
-            ));
-        }
         Ok(dicts
             .into_iter()
             .map(|(name, bytes)| {
@@ -632,10 +626,11 @@ impl<'a> Build<'a> {
             .collect())
     }
 
-    /// `script_limits.memory_limit` in bytes, at least 1m.
-    fn memory_limit(&self) -> Result<usize, ConfigError> {
-        self.config
-            .script_limits
+    /// `script_limits`, checked: the memory limit in bytes (at least 1m)
+    /// and an instruction budget of at least 1000.
+    fn script_limits(&self) -> Result<usize, ConfigError> {
+        let limits = &self.config.script_limits;
+        let memory_limit = limits
             .memory_limit
             .bytes()
             .filter(|b| *b >= 1 << 20)
@@ -644,7 +639,14 @@ impl<'a> Build<'a> {
                     self.at("memory_limit"),
                     "script_limits.memory_limit must be at least 1m",
                 )
-            })
+            })?;
+        if limits.instruction_budget < 1_000 {
+            return Err(self.error(
+                self.at("instruction_budget"),
+                "script_limits.instruction_budget must be at least 1000",
+            ));
+        }
+        Ok(memory_limit)
     }
 
     /// Whether the script runs on LuaJIT's trace compiler. Where LuaJIT
@@ -679,6 +681,7 @@ impl<'a> Build<'a> {
         &mut self,
         lists: &Arc<BTreeMap<String, IpList>>,
         dicts: &BTreeMap<String, Arc<SharedDict>>,
+        memory_limit: usize,
     ) -> Result<Option<ScriptSource>, ConfigError> {
         let jit = self.jit()?;
         let Some(p) = &self.config.script else {
@@ -687,7 +690,7 @@ impl<'a> Build<'a> {
         let path = resolve(&self.root, p);
         let mut src = ScriptSource::load_from(self.docs, &path)?;
         src.instruction_budget = self.config.script_limits.instruction_budget;
-        src.memory_limit = self.memory_limit()?;
+        src.memory_limit = memory_limit;
         src.jit = jit;
         src.dicts = dicts.clone();
         src.validate(lists)?;

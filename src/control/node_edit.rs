@@ -93,18 +93,13 @@ impl std::fmt::Display for EditError {
     }
 }
 
-/// The directory relative paths of `config` resolve against.
-pub fn root_dir(config_path: &Path, config: &MainConfig) -> PathBuf {
-    config.root_dir(config_path)
-}
-
 /// The node file (path, text, parsed) that defines `service`.
 pub fn find_service_file(
     config_path: &Path,
     config: &MainConfig,
     service: &str,
 ) -> Result<(PathBuf, String, NodeFile), EditError> {
-    let root = root_dir(config_path, config);
+    let root = config.root_dir(config_path);
     for p in &config.node_files {
         let path = resolve(&root, p);
         let text = read_file(&path).map_err(|e| EditError::Conflict(e.to_string()))?;
@@ -137,7 +132,7 @@ pub fn relabel_lane(
     services: &std::collections::BTreeSet<String>,
     lane: &str,
 ) -> Result<Relabel, EditError> {
-    let root = root_dir(config_path, config);
+    let root = config.root_dir(config_path);
     let (mut files, mut promoted, mut drained) = (Vec::new(), 0, 0);
     for p in &config.node_files {
         let path = resolve(&root, p);

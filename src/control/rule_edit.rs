@@ -10,7 +10,7 @@ use serde_yaml::Value;
 use crate::base::lists::IpList;
 use crate::config::rules::RulesConfig;
 use crate::config::{parse_yaml, read_file, resolve, MainConfig};
-use crate::control::node_edit::{root_dir, EditError};
+use crate::control::node_edit::EditError;
 use crate::lane::rules::Rules;
 
 /// A requested change to the rules.
@@ -36,7 +36,7 @@ impl std::fmt::Display for RuleChange {
 /// comments and layout an automatic rewrite would destroy: refused.
 pub fn rules_file(config_path: &Path, config: &MainConfig) -> Result<PathBuf, EditError> {
     match (&config.rules, &config.rules_file) {
-        (_, Some(p)) => Ok(resolve(&root_dir(config_path, config), p)),
+        (_, Some(p)) => Ok(resolve(&config.root_dir(config_path), p)),
         (Some(_), None) => Err(EditError::Conflict(
             "the rules are inline in the main config; move them to a `rules_file` to manage them through the API".into(),
         )),

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::analysis;
 use super::fleet::{self, Guard, Leadership, Sample};
-use super::{load, state_path, weight};
+use super::{load, weight};
 use crate::config::release::{
     Analysis, FailureCount, LaneFigures, Phase, ReleaseRecord, ReleaseSpec, ReleaseState,
     ReleasesFile,
@@ -289,7 +289,7 @@ async fn roll_back(r: &mut ReleaseRecord, reason: String) {
 /// without a reload: the generation stays, `list` shows the new state.
 async fn commit(gw: &Arc<Gateway>, file: &ReleasesFile) -> Result<(), String> {
     let gen = gw.current();
-    let path = state_path(&gw.config_path, &gen.config);
+    let path = gen.config.release_state_path(&gw.config_path);
     let text = serde_json::to_string_pretty(file).map_err(|e| e.to_string())?;
     let quiet =
         super::routing_signature(&file.releases) == super::routing_signature(&gen.release_records);
@@ -357,7 +357,7 @@ async fn load_all(gw: &Gateway) -> Result<Vec<(ReleaseRecord, i64)>, Refused> {
     match &gw.etcd {
         Some(src) => Ok(fleet::load(src).await.map_err(Refused::Unavailable)?.0),
         None => {
-            let path = state_path(&gw.config_path, &gw.current().config);
+            let path = gw.current().config.release_state_path(&gw.config_path);
             let (file, _) = load(&path).map_err(|e| Refused::Conflict(e.to_string()))?;
             Ok(file.releases.into_iter().map(|r| (r, 0)).collect())
         }
@@ -734,7 +734,7 @@ pub async fn create(gw: &Arc<Gateway>, spec_text: &str) -> Result<ReleaseRecord,
     super::check_new_spec(&spec, &gen.lane.served_lanes).map_err(Refused::Invalid)?;
     let path = match &gw.etcd {
         Some(src) => fleet::key_path(src, &spec.name),
-        None => state_path(&gw.config_path, &gen.config),
+        None => gen.config.release_state_path(&gw.config_path),
     };
     let compiles = |releases: Vec<ReleaseRecord>| {
         super::compile(&ReleasesFile { releases }, &path, "", &gen.lane.lists)
@@ -891,7 +891,7 @@ pub async fn act(gw: &Arc<Gateway>, name: &str, action: Action) -> Result<Releas
     let _one = gw.releases.lock.lock().await;
     let not_found = || Refused::NotFound(format!("no release {name:?}"));
     let Some(src) = gw.etcd.clone() else {
-        let path = state_path(&gw.config_path, &gw.current().config);
+        let path = gw.current().config.release_state_path(&gw.config_path);
         let (mut file, _) = load(&path).map_err(|e| Refused::Conflict(e.to_string()))?;
         let r = file
             .releases

@@ -22,13 +22,8 @@ use std::path::{Path, PathBuf};
 use crate::base::lists::IpList;
 use crate::config::release::{Phase, ReleaseRecord, ReleaseSpec, ReleasesFile};
 use crate::config::rules::{OneOrMany, RuleConfig, RulesConfig, SourceConfig};
-use crate::config::{valid_lane, ConfigError, MainConfig, FORMAL};
+use crate::config::{valid_lane, ConfigError, FORMAL};
 use crate::lane::rules::Rules;
-
-/// Where the release state lives for `config`.
-pub fn state_path(config_path: &Path, config: &MainConfig) -> PathBuf {
-    config.release_state_path(config_path)
-}
 
 /// Reads the state file (no file: no releases).
 pub fn load(path: &Path) -> Result<(ReleasesFile, String), ConfigError> {

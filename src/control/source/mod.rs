@@ -15,6 +15,7 @@
 //! Nacos config, each listened to (pushed), the last applied snapshot kept
 //! on disk as with etcd.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -269,4 +270,47 @@ fn check_nacos(
             error,
         }),
     }
+}
+
+/// A store's main settings as a build sees them: the per-gateway keys
+/// (`listen`, `admin_listen`, `root`) — and, with a bootstrap, its own
+/// top-level `section` (e.g. `nacos:`) — blanked line for line (so every
+/// other line keeps its number), then the bootstrap's addresses
+/// (`listen`, `admin_listen`) appended, or without one (a `--check` of
+/// what is in the store) any address. Returns the text and whether the
+/// store's text had `section`.
+pub(crate) fn store_main_text(
+    text: &str,
+    addrs: Option<(SocketAddr, Option<SocketAddr>)>,
+    section: Option<&str>,
+) -> (String, bool) {
+    let mut out = String::with_capacity(text.len() + 64);
+    let (mut had_listen, mut had_section, mut in_section) = (false, false, false);
+    for line in text.lines() {
+        if !line.starts_with([' ', '\t', '#', '-']) && !line.trim().is_empty() {
+            in_section = section.is_some_and(|s| line.starts_with(s));
+            had_section |= in_section;
+        }
+        let local = ["listen:", "admin_listen:"]
+            .iter()
+            .any(|k| line.starts_with(k));
+        if line.starts_with("root:") || ((local || in_section) && addrs.is_some()) {
+            out.push('#');
+        } else if line.starts_with("listen:") {
+            had_listen = true;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    match addrs {
+        Some((listen, admin)) => {
+            out.push_str(&format!("listen: \"{listen}\"\n"));
+            if let Some(a) = admin {
+                out.push_str(&format!("admin_listen: \"{a}\"\n"));
+            }
+        }
+        None if !had_listen => out.push_str("listen: \"127.0.0.1:0\"\n"),
+        None => {}
+    }
+    (out, had_section)
 }

@@ -217,46 +217,17 @@ fn name_data_id(mut e: ConfigError, root: &Path) -> ConfigError {
 /// (so every other line keeps its number), the bootstrap's addresses and
 /// `nacos:` (without `config:`) appended.
 fn main_text(text: &str, boot: Option<&NacosBootstrap>) -> String {
-    let mut out = String::with_capacity(text.len() + 256);
-    let mut had_listen = false;
-    let mut had_nacos = false;
-    let mut in_nacos = false;
-    for line in text.lines() {
-        let top = !line.starts_with([' ', '\t', '#', '-']) && !line.trim().is_empty();
-        if top {
-            in_nacos = line.starts_with("nacos:");
-            had_nacos |= in_nacos;
-        }
-        let local = ["listen:", "admin_listen:"]
-            .iter()
-            .any(|k| line.starts_with(k));
-        if line.starts_with("root:") || (local && boot.is_some()) || (in_nacos && boot.is_some()) {
-            out.push('#');
-        } else if line.starts_with("listen:") {
-            had_listen = true;
-        }
-        out.push_str(line);
-        out.push('\n');
-    }
+    let addrs = boot.map(|b| (b.listen, b.admin_listen));
+    let (mut out, had_nacos) = crate::control::source::store_main_text(text, addrs, Some("nacos:"));
     match boot {
-        Some(b) => {
-            out.push_str(&format!("listen: \"{}\"\n", b.listen));
-            if let Some(a) = b.admin_listen {
-                out.push_str(&format!("admin_listen: \"{a}\"\n"));
-            }
-            out.push_str(&format!("nacos: {}\n", b.nacos_json));
+        Some(b) => out.push_str(&format!("nacos: {}\n", b.nacos_json)),
+        // Checked without a bootstrap (`--check --nacos`, `pull`): a
+        // service no node file defines is a Nacos service (checked as
+        // empty, as `--check` of files does).
+        None if !had_nacos => {
+            out.push_str("nacos: { server_addr: \"127.0.0.1:8848\", discovery: {} }\n")
         }
-        None => {
-            // Checked without a bootstrap (`--check --nacos`, `pull`): any
-            // address will do, and a service no node file defines is a
-            // Nacos service (checked as empty, as `--check` of files does).
-            if !had_listen {
-                out.push_str("listen: \"127.0.0.1:0\"\n");
-            }
-            if !had_nacos {
-                out.push_str("nacos: { server_addr: \"127.0.0.1:8848\", discovery: {} }\n");
-            }
-        }
+        None => {}
     }
     out
 }

@@ -72,7 +72,7 @@ async fn read_config(endpoints: &str, base: &str) -> Result<(Client, GetResponse
 pub fn documents_of_files(config: &Path) -> Result<BTreeMap<String, Vec<u8>>, String> {
     let config = std::path::absolute(config).unwrap_or(config.to_path_buf());
     let gen = Generation::load(&config, 0).map_err(err)?;
-    let root = crate::control::node_edit::root_dir(&config, &gen.config);
+    let root = gen.config.root_dir(&config);
     let mut docs = BTreeMap::new();
     docs.insert(
         "main.yaml".to_string(),

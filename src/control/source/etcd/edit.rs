@@ -204,7 +204,7 @@ pub async fn edit_node(
         }
     }
     let gen = gw.current();
-    let root = node_edit::root_dir(&gen.config_path, &gen.config);
+    let root = gen.config.root_dir(&gen.config_path);
     let mut found = None;
     for p in &gen.config.node_files {
         let path = crate::config::resolve(&root, p);

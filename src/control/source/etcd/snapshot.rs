@@ -218,32 +218,10 @@ fn main_text(value: &[u8], boot: Option<&Bootstrap>) -> Vec<u8> {
     let Ok(text) = std::str::from_utf8(value) else {
         return value.to_vec();
     };
-    let mut out = String::with_capacity(text.len() + 64);
-    let mut had_listen = false;
-    for line in text.lines() {
-        let local = ["listen:", "admin_listen:"]
-            .iter()
-            .any(|k| line.starts_with(k));
-        if line.starts_with("root:") || (local && boot.is_some()) {
-            out.push('#');
-        } else if line.starts_with("listen:") {
-            had_listen = true;
-        }
-        out.push_str(line);
-        out.push('\n');
-    }
-    match boot {
-        Some(b) => {
-            out.push_str(&format!("listen: \"{}\"\n", b.listen));
-            if let Some(a) = b.admin_listen {
-                out.push_str(&format!("admin_listen: \"{a}\"\n"));
-            }
-        }
-        // `--check` of what is in etcd: any address will do.
-        None if !had_listen => out.push_str("listen: \"127.0.0.1:0\"\n"),
-        None => {}
-    }
-    out.into_bytes()
+    let addrs = boot.map(|b| (b.listen, b.admin_listen));
+    crate::control::source::store_main_text(text, addrs, None)
+        .0
+        .into_bytes()
 }
 
 /// Builds a generation from a snapshot.
