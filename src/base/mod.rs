@@ -2,7 +2,7 @@
 //! `config`: clocks, coarse per-thread deadlines, the response body type, the fast read of HTTP/1.x heads, the per-request `Decision`, the
 //! typed request-path error, live counters, IP lists, rate-limited logging,
 //! bounded free lists, a connection's open-file slots, the per-stream "waiting for the client" mark
-//! of HTTP/2 responses and the allocator nudge that returns freed memory.
+//! of HTTP/2 responses, the two halves of an upgraded connection and the allocator nudge that returns freed memory.
 //! Nothing here knows about generations, nodes or the gateway.
 
 pub mod baggage;
@@ -22,6 +22,7 @@ pub mod sendwait;
 pub mod stall;
 pub mod tidy;
 pub mod trace;
+pub mod upgrade;
 
 /// Request extension: the request arrived over TLS (the server layer sets
 /// it; `X-Forwarded-Proto`, `ngx.var.scheme` and `req.scheme` read it).

@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 use http::header::{self, HeaderMap, HeaderValue};
 use http::request::Parts;
 use http::{Method, Request, Response, StatusCode, Uri, Version};
-use hyper_util::rt::TokioIo;
 
 use super::ctx::{Client, RequestCtx, Verdict};
 use super::{lane_tag, DataPlane};
@@ -24,6 +23,7 @@ use crate::base::counter::Counted;
 use crate::base::decision::Decision;
 use crate::base::error::{Error, ErrorKind};
 use crate::base::trace::{TRACEPARENT, TRACESTATE};
+use crate::base::upgrade::ClientUpgrade;
 use crate::config::{UpstreamConfig, FORMAL};
 use crate::generation::Generation;
 use crate::nodes::{Choice, Fallback, NoCandidates, Service};
@@ -171,7 +171,7 @@ struct Outbound<'g> {
     idempotent: bool,
     /// The protocol the client asked to upgrade to (kept for the node).
     upgrade: Option<HeaderValue>,
-    client_upgrade: Option<hyper::upgrade::OnUpgrade>,
+    client_upgrade: Option<ClientUpgrade>,
     t0: Instant,
     /// `upstream.total_timeout_ms` from `t0`.
     deadline: Instant,
@@ -199,7 +199,7 @@ fn rewrite_request<'g>(
     let hop_by_hop = scan.hop_by_hop;
     let client_upgrade = upgrade
         .as_ref()
-        .and_then(|_| parts.extensions.remove::<hyper::upgrade::OnUpgrade>());
+        .and_then(|_| parts.extensions.remove::<ClientUpgrade>());
     if hop_by_hop {
         strip_hop_by_hop_found(&mut parts.headers, &gen.lane.tag_header);
     }
@@ -534,7 +534,7 @@ impl Tried {
 fn respond(
     plane: &DataPlane,
     mut resp: Response<PooledBody>,
-    client_upgrade: Option<hyper::upgrade::OnUpgrade>,
+    client_upgrade: Option<ClientUpgrade>,
     upgrade_requested: bool,
     tracker: NodeTracker,
 ) -> Result<Response<Body>, Error> {
@@ -544,18 +544,20 @@ fn respond(
             tracker.count_status(StatusCode::BAD_GATEWAY);
             return Err(ErrorKind::UpgradeUnavailable.into());
         };
-        let upstream_up = hyper::upgrade::on(&mut resp);
+        let Some(client_up) = client_up.take() else {
+            tracker.count_status(StatusCode::BAD_GATEWAY);
+            return Err(ErrorKind::UpgradeUnavailable.into());
+        };
+        let upstream_up = crate::upstream::take_upgrade(&mut resp);
         // Counted from now, while the client connection is still counted
         // too, so a drain never sees a gap between the two.
         let guard = Counted::new(plane.tunnels.clone());
         tokio::spawn(async move {
             let _guard = guard;
-            let (Ok(c), Ok(u)) = tokio::join!(client_up, upstream_up) else {
+            let (Some(mut c), Some(mut u)) = tokio::join!(client_up, upstream_up) else {
                 tracing::debug!("upgrade handshake did not complete");
                 return;
             };
-            let mut c = TokioIo::new(c);
-            let mut u = TokioIo::new(u);
             let _ = tokio::io::copy_bidirectional(&mut c, &mut u).await;
         });
         let (head, body) = resp.into_parts();

@@ -446,6 +446,15 @@ impl Server {
             if secure {
                 req.extensions_mut().insert(Https);
             }
+            // hyper's side of an upgrade, in the proxy's terms.
+            if let Some(up) = req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>() {
+                let pending: crate::base::upgrade::Pending = Box::pin(async move {
+                    let io = up.await.ok()?;
+                    Some(Box::new(TokioIo::new(io)) as crate::base::upgrade::Tunnel)
+                });
+                req.extensions_mut()
+                    .insert(crate::base::upgrade::ClientUpgrade::new(pending));
+            }
             // hyper accepts any `Transfer-Encoding` list that ends in
             // `chunked`; the proxy refuses all but one `chunked` field (the
             // plain path tells it the same from its own parse).
@@ -573,6 +582,15 @@ impl Server {
             let guard = svc_act.request_started();
             if secure {
                 req.extensions_mut().insert(Https);
+            }
+            // hyper's side of an upgrade, in the proxy's terms.
+            if let Some(up) = req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>() {
+                let pending: crate::base::upgrade::Pending = Box::pin(async move {
+                    let io = up.await.ok()?;
+                    Some(Box::new(TokioIo::new(io)) as crate::base::upgrade::Tunnel)
+                });
+                req.extensions_mut()
+                    .insert(crate::base::upgrade::ClientUpgrade::new(pending));
             }
             if let Some(s) = &slots {
                 req.extensions_mut().insert(s.clone());

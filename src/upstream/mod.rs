@@ -499,6 +499,16 @@ impl Body for PooledBody {
     }
 }
 
+/// The node's side of an upgrade its response accepted (`101`), ready once
+/// the response's connection gives it up.
+pub fn take_upgrade<B>(resp: &mut Response<B>) -> crate::base::upgrade::Pending {
+    let up = hyper::upgrade::on(resp);
+    Box::pin(async move {
+        let io = up.await.ok()?;
+        Some(Box::new(TokioIo::new(io)) as crate::base::upgrade::Tunnel)
+    })
+}
+
 /// hyper's response body plus the connection it came on.
 pub struct HyperBody {
     inner: Incoming,
