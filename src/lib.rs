@@ -20,6 +20,7 @@
 
 pub mod admin;
 pub mod base;
+pub mod codec;
 pub mod config;
 pub mod control;
 pub mod demo;

@@ -51,7 +51,7 @@ use crate::base::body::{RequestBody, SendFile};
 use crate::base::clock::now_ms;
 use crate::base::counter::Counted;
 use crate::base::freelist::FreeList;
-use crate::base::head::{httparse_spans, span_in, RequestLine, Span};
+use crate::codec::head::{httparse_spans, span_in, RequestLine, Span};
 use crate::base::ratelog::log_limited;
 use crate::proxy;
 use crate::proxy::record::Recorded;
@@ -663,7 +663,7 @@ fn parse(buf: &mut BytesMut) -> Parse {
     parsed
 }
 
-/// httparse's read of a head the fast read (`base::head`) declined: its
+/// httparse's read of a head the fast read (`codec::head`) declined: its
 /// fields' positions into `spans`; `Err`: not a head this path takes.
 fn httparse_request(buf: &[u8], spans: &mut Vec<Span>) -> Result<Option<RequestLine>, ()> {
     let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
@@ -689,7 +689,7 @@ fn httparse_request(buf: &[u8], spans: &mut Vec<Span>) -> Result<Option<RequestL
 fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
     // The usual strict head is read in one pass; anything else by
     // httparse.
-    let line = match crate::base::head::request(buf, spans, MAX_HEADERS) {
+    let line = match crate::codec::head::request(buf, spans, MAX_HEADERS) {
         Some(line) => line,
         None => match httparse_request(buf, spans) {
             Ok(Some(line)) => line,
@@ -803,7 +803,7 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
     } else {
         Version::HTTP_10
     };
-    crate::base::head::drop_map(std::mem::replace(req.headers_mut(), headers));
+    crate::codec::head::drop_map(std::mem::replace(req.headers_mut(), headers));
     Parse::Done(ParsedHead {
         req,
         keep_alive,
@@ -1300,7 +1300,7 @@ fn encode_head(
     }
     w.extend_from_slice(b"\r\n");
     // Empty now; never had room when the node's lines went out raw.
-    crate::base::head::drop_map(headers);
+    crate::codec::head::drop_map(headers);
     (coding, keep)
 }
 

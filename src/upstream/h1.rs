@@ -30,14 +30,14 @@ use hyper::body::{Body, Frame, SizeHint};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::chunked::{Chunked, Step};
+use crate::codec::chunked::{Chunked, Step};
 use super::fields::{is_hop_by_hop, name_eq, Added};
 use super::pool::{IdlePool, Opened};
 use super::BoxError;
 use crate::base::deadline::Deadline;
 use crate::base::error::{Error, ErrorKind};
 use crate::base::freelist::FreeList;
-use crate::base::head::{Span, StatusLine};
+use crate::codec::head::{Span, StatusLine};
 use crate::base::stall::Stall;
 
 /// Most response header fields parsed (hyper's default too).
@@ -403,7 +403,7 @@ fn parse_head(
     loop {
         // The usual strict head is read in one pass (`head`); anything else
         // by httparse. Either way `spans` holds every field.
-        let line = match crate::base::head::response(buf, spans, MAX_HEADERS) {
+        let line = match crate::codec::head::response(buf, spans, MAX_HEADERS) {
             Some(line) => line,
             None => match httparse_head(buf, spans)? {
                 Some(line) => line,
@@ -486,7 +486,7 @@ fn httparse_head(buf: &[u8], spans: &mut Vec<Span>) -> Result<Option<StatusLine>
             })
         }
     };
-    crate::base::head::httparse_spans(buf, resp.headers, spans);
+    crate::codec::head::httparse_spans(buf, resp.headers, spans);
     Ok(Some(StatusLine {
         len,
         code: resp.code.unwrap_or(0),
@@ -774,7 +774,7 @@ pub fn decode_response(wire: &[u8], piece: usize, head_request: bool) -> Result<
     let bad = |e: &str| format!("invalid response: {e}");
     let framing = head.meta.framing(head.status, head_request).map_err(bad)?;
     if matches!(framing, Framing::Chunked(_)) {
-        super::chunked::check_in_hand(&buf).map_err(bad)?;
+        crate::codec::chunked::check_in_hand(&buf).map_err(bad)?;
     }
     // As the proxy passes them on: the fields a Connection names go too.
     let mut headers = head.headers;
@@ -847,7 +847,7 @@ fn finish(
     // A broken chunked body, as far as it came with the head, is refused
     // before the head goes out (a 502, not a truncated 200).
     if matches!(framing, Framing::Chunked(_)) {
-        super::chunked::check_in_hand(&conn.rbuf).map_err(bad)?;
+        crate::codec::chunked::check_in_hand(&conn.rbuf).map_err(bad)?;
     }
     // An upstream that sent both Transfer-Encoding and Content-Length may
     // disagree with us about where its message ends: never reuse it.
@@ -880,7 +880,7 @@ fn finish(
     let mut resp = Response::new(body);
     *resp.status_mut() = head.status;
     *resp.version_mut() = head.version;
-    crate::base::head::drop_map(std::mem::replace(resp.headers_mut(), headers));
+    crate::codec::head::drop_map(std::mem::replace(resp.headers_mut(), headers));
     Ok(resp)
 }
 

@@ -13,7 +13,6 @@
 //! on a fresh connection (it never reached the upstream).
 
 pub mod body;
-mod chunked;
 pub mod fields;
 mod h1;
 pub use h1::RawHead;

@@ -13,6 +13,7 @@ use std::path::Path;
 const LAYERS: &[(&str, u32)] = &[
     ("config", 0),
     ("base", 1),
+    ("codec", 2),
     ("observe", 2),
     ("upstream", 3),
     ("static_files", 3),

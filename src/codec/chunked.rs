@@ -1,4 +1,4 @@
-//! Layer: upstream. Incremental decoder for `Transfer-Encoding: chunked`
+//! Layer: codec. Incremental decoder for `Transfer-Encoding: chunked`
 //! response bodies: fed from the connection's read buffer, it hands out chunk
 //! data without copying and drops chunk extensions and trailers (as nginx
 //! does). Strict, as RFC 9112 §7.1 reads: every line ends in CRLF (a bare

@@ -1,4 +1,4 @@
-//! Layer: base. The fast read of an HTTP/1.x head in its strict, usual form
+//! Layer: codec. The fast read of an HTTP/1.x head in its strict, usual form
 //! — a request line (`METHOD target HTTP/1.x`) or a status line (`HTTP/1.x
 //! DDD reason`) and CRLF, then `name:` OWS `value` OWS CRLF lines, then CRLF
 //! — in one pass, field values scanned a word (8 bytes) at a time. Anything
