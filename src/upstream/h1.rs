@@ -30,15 +30,15 @@ use hyper::body::{Body, Frame, SizeHint};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::codec::chunked::{Chunked, Step};
 use super::fields::{is_hop_by_hop, name_eq, Added};
 use super::pool::{IdlePool, Opened};
 use super::BoxError;
 use crate::base::deadline::Deadline;
 use crate::base::error::{Error, ErrorKind};
 use crate::base::freelist::FreeList;
-use crate::codec::head::{Span, StatusLine};
 use crate::base::stall::Stall;
+use crate::codec::chunked::{Chunked, Step};
+use crate::codec::head::{Span, StatusLine};
 
 /// Most response header fields parsed (hyper's default too).
 const MAX_HEADERS: usize = 100;
