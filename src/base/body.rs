@@ -21,14 +21,54 @@ pub struct SendFile {
     pub len: u64,
 }
 
+/// Why a client's request body failed: the client went away (or broke
+/// off) mid-body, or it sent bytes that are not a body (bad framing).
+#[derive(Debug)]
+pub struct BodyError {
+    gone: bool,
+    what: std::borrow::Cow<'static, str>,
+}
+
+impl BodyError {
+    /// The client went away before the body's end.
+    pub fn gone(what: &'static str) -> BodyError {
+        BodyError {
+            gone: true,
+            what: what.into(),
+        }
+    }
+
+    /// The bytes are not a body (bad chunked framing).
+    pub fn bad(what: &'static str) -> BodyError {
+        BodyError {
+            gone: false,
+            what: what.into(),
+        }
+    }
+
+    /// Was it the client going away (not bad bytes)?
+    pub fn is_gone(&self) -> bool {
+        self.gone
+    }
+}
+
+impl std::fmt::Display for BodyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.what)
+    }
+}
+
+impl std::error::Error for BodyError {}
+
 /// A client's request body as the request path receives it: from hyper's
-/// server (HTTP/2, TLS, and the HTTP/1.1 connections `server::h1` hands to
-/// hyper), or whole from the hand-written HTTP/1.1 server (no body, or a
-/// `Content-Length` body that arrived with its head).
+/// server (HTTP/2 and HTTP/1.1 over TLS), whole from the hand-written
+/// HTTP/1.1 server (no body, or a `Content-Length` body that arrived with
+/// its head), or streamed by it ([`pipe`](super::pipe): the rest).
 #[derive(Debug)]
 pub enum RequestBody {
     Hyper(hyper::body::Incoming),
     Full(Option<Bytes>),
+    Stream(super::pipe::PipeReader),
 }
 
 impl From<hyper::body::Incoming> for RequestBody {
@@ -39,17 +79,20 @@ impl From<hyper::body::Incoming> for RequestBody {
 
 impl hyper::body::Body for RequestBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BodyError;
 
     fn poll_frame(
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, BodyError>>> {
         match self.get_mut() {
-            RequestBody::Hyper(b) => std::pin::Pin::new(b).poll_frame(cx),
+            RequestBody::Hyper(b) => std::pin::Pin::new(b)
+                .poll_frame(cx)
+                .map(|f| f.map(|r| r.map_err(|e| hyper_body_error(&e)))),
             RequestBody::Full(b) => {
                 std::task::Poll::Ready(b.take().map(|d| Ok(hyper::body::Frame::data(d))))
             }
+            RequestBody::Stream(b) => std::pin::Pin::new(b).poll_frame(cx),
         }
     }
 
@@ -57,6 +100,7 @@ impl hyper::body::Body for RequestBody {
         match self {
             RequestBody::Hyper(b) => b.is_end_stream(),
             RequestBody::Full(b) => b.is_none(),
+            RequestBody::Stream(b) => b.is_end_stream(),
         }
     }
 
@@ -66,7 +110,28 @@ impl hyper::body::Body for RequestBody {
             RequestBody::Full(b) => {
                 hyper::body::SizeHint::with_exact(b.as_ref().map_or(0, |d| d.len() as u64))
             }
+            RequestBody::Stream(b) => b.size_hint(),
         }
+    }
+}
+
+/// A body error of hyper's server in the gateway's terms: the client gone
+/// (an incomplete message, a reset or broken connection) or bad bytes.
+fn hyper_body_error(e: &hyper::Error) -> BodyError {
+    let gone = e.is_incomplete_message()
+        || std::error::Error::source(e)
+            .and_then(|s| s.downcast_ref::<std::io::Error>())
+            .is_some_and(|io| {
+                matches!(
+                    io.kind(),
+                    std::io::ErrorKind::UnexpectedEof
+                        | std::io::ErrorKind::ConnectionReset
+                        | std::io::ErrorKind::BrokenPipe
+                )
+            });
+    BodyError {
+        gone,
+        what: e.to_string().into(),
     }
 }
 

@@ -1,5 +1,5 @@
 //! Layer: base — the small shared vocabulary of both planes, above only
-//! `config`: clocks, coarse per-thread deadlines, the response body type, the per-request `Decision`, the
+//! `config`: clocks, coarse per-thread deadlines, the response body type, the streamed request body of an HTTP/1.1 connection (`pipe`), the per-request `Decision`, the
 //! typed request-path error, live counters, IP lists, rate-limited logging,
 //! bounded free lists, a connection's open-file slots, the per-stream "waiting for the client" mark
 //! of HTTP/2 responses, the two halves of an upgraded connection and the allocator nudge that returns freed memory.
@@ -16,6 +16,7 @@ pub mod fileslots;
 pub mod freelist;
 pub mod grpc;
 pub mod lists;
+pub mod pipe;
 pub mod ratelog;
 pub mod sendwait;
 pub mod stall;

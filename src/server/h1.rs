@@ -43,15 +43,19 @@ use http::{Method, Request, StatusCode, Uri, Version};
 use hyper::body::Body as _;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::wheel::Wheel;
 use super::Server;
-use crate::base::body::{RequestBody, SendFile};
+use crate::base::body::{BodyError, RequestBody, SendFile};
 use crate::base::clock::now_ms;
 use crate::base::counter::Counted;
 use crate::base::freelist::FreeList;
+use crate::base::pipe::{pipe, PipeWriter};
 use crate::base::ratelog::log_limited;
+use crate::base::upgrade::{ClientUpgrade, Tunnel};
+use crate::codec::chunked::{Chunked, Step};
 use crate::codec::head::{httparse_spans, span_in, RequestLine, Span};
 use crate::proxy;
 use crate::proxy::record::Recorded;
@@ -75,6 +79,8 @@ const READ_BUF: usize = 4096;
 /// requests in flight used; what the load does not use again is freed on
 /// the accept loop's tick, [`trim_kept`]).
 const POOL_MAX: usize = 1024;
+/// Room made for each read of a streamed request body.
+const BODY_READ: usize = 16 * 1024;
 /// A body frame up to this size is copied behind its head (one write).
 const COALESCE: usize = 16 * 1024;
 
@@ -185,8 +191,9 @@ fn date(out: &mut Vec<u8>) {
 enum Next {
     KeepAlive,
     Close,
-    /// Hand the connection to hyper, these bytes first.
-    Hyper(BytesMut),
+    /// A `101` went out: the connection (its unread bytes in front) is the
+    /// client's side of the tunnel now.
+    Upgrade(oneshot::Sender<Tunnel>),
 }
 
 /// One plain HTTP/1.1 client connection: its idle state.
@@ -232,29 +239,26 @@ pub(super) fn serve(
 }
 
 async fn run(conn: Box<Conn>) {
-    // Served here until the connection closes or goes to hyper (the tick's
-    // registration is dropped with `plain`'s state, before hyper's turn).
-    let Some((conn, bytes)) = plain(conn).await else {
+    // Served here until the connection closes or becomes a tunnel (the
+    // tick's registration is dropped with `plain`'s state first).
+    let Some((conn, tunnel)) = plain(conn).await else {
         return;
     };
     let Conn {
-        server,
-        stream,
-        peer,
-        _open,
-        ..
+        stream, pending, ..
     } = *conn;
     let io = Rewind {
-        pre: bytes.freeze(),
+        pre: pending.map_or_else(Bytes::new, |b| b.freeze()),
         inner: stream,
     };
-    Box::pin(server.serve_h1(io, peer, false)).await;
-    drop(_open);
+    // The proxy's tunnel task takes it from here (counted as a tunnel from
+    // the 101 on, so the drain sees no gap).
+    let _ = tunnel.send(Box::new(io));
 }
 
-/// The connection's requests on this path; `Some`: hand it to hyper, these
-/// bytes first.
-async fn plain(mut conn: Box<Conn>) -> Option<(Box<Conn>, BytesMut)> {
+/// The connection's requests; `Some`: it became a tunnel (after a `101`),
+/// to be handed to the proxy's side.
+async fn plain(mut conn: Box<Conn>) -> Option<(Box<Conn>, oneshot::Sender<Tunnel>)> {
     // The tick's wake-up, kept registered across requests (renewed only
     // once it has fired): no waiter put into and taken out of the accept
     // loop's list per request. A request moves the deadline later, so the
@@ -274,7 +278,7 @@ async fn plain(mut conn: Box<Conn>) -> Option<(Box<Conn>, BytesMut)> {
         match next {
             Next::KeepAlive => {}
             Next::Close => return None,
-            Next::Hyper(bytes) => return Some((conn, bytes)),
+            Next::Upgrade(tunnel) => return Some((conn, tunnel)),
         }
     }
 }
@@ -460,13 +464,14 @@ impl Conn {
         )
     }
 
-    /// Answers a request line longer than the read buffer: 414 with the
-    /// gateway's short body and `Connection: close` (the connection closes
-    /// after it; the line was never a request, so nothing is recorded, as
-    /// for hyper's own parse errors).
-    async fn refuse_uri_too_long(&mut self) {
+    /// Answers a head that is no request this path serves (a
+    /// [`Refusal`]) with its status, the gateway's short body and
+    /// `Connection: close`; the connection closes after it. The head was
+    /// never a request, so nothing is recorded (nginx logs these as 400s
+    /// with no request; hyper did not log them either).
+    async fn refuse(&mut self, refusal: Refusal) {
         let send_ms = self.server.plane.current().config.client.send_timeout_ms;
-        let (status, text) = crate::base::error::ErrorKind::UriTooLong.answer();
+        let (status, text) = refusal.answer();
         let mut w = WRITE_BUF.take();
         w.clear();
         w.extend_from_slice(b"HTTP/1.1 ");
@@ -513,18 +518,23 @@ impl Conn {
             if !buf.is_empty() {
                 match parse(&mut buf) {
                     Parse::Partial => {}
-                    Parse::Hyper => return Next::Hyper(buf),
+                    Parse::Refuse(r) => {
+                        self.refuse(r).await;
+                        return Next::Close;
+                    }
                     Parse::Done(p) => break p,
                 }
                 if buf.len() >= max_buf {
                     // A request line that alone fills the buffer is a
                     // target too long (414, as nginx answers), not a head
-                    // too large (hyper's 431).
-                    if !buf.contains(&b'\n') {
-                        self.refuse_uri_too_long().await;
-                        return Next::Close;
-                    }
-                    return Next::Hyper(buf);
+                    // too large (431).
+                    let r = if buf.contains(&b'\n') {
+                        Refusal::TooLarge
+                    } else {
+                        Refusal::UriTooLong
+                    };
+                    self.refuse(r).await;
+                    return Next::Close;
                 }
             }
             if buf.capacity() - buf.len() < 1024 {
@@ -563,25 +573,55 @@ impl Conn {
             }
         };
         let ParsedHead {
-            req,
+            mut req,
             keep_alive,
-            body_len,
+            body,
             has_underscores,
             bad_te,
+            expect_continue,
+            upgrade,
         } = parsed;
-        // The body arrived with the head (else the request went to hyper).
-        let body = if body_len == 0 {
-            RequestBody::Full(None)
-        } else {
-            RequestBody::Full(Some(buf.split_to(body_len).freeze()))
-        };
-        if buf.is_empty() {
-            give_read_buf(buf);
-            if drained {
-                forget_readable(&self.stream);
+        // The body: whole when it arrived with the head (the usual case),
+        // else read from the socket as the request path asks for it.
+        let mut pump = None;
+        let body = match body {
+            BodyLen::Length(0) => RequestBody::Full(None),
+            BodyLen::Length(n) if buf.len() as u64 >= n => {
+                RequestBody::Full(Some(buf.split_to(n as usize).freeze()))
             }
-        } else {
-            self.pending = Some(Box::new(buf));
+            framing => {
+                let (len, left) = match framing {
+                    BodyLen::Length(n) => (Some(n), Left::Length(n)),
+                    BodyLen::Chunked => (None, Left::Chunked(Chunked::default())),
+                };
+                let (writer, reader) = pipe(len);
+                pump = Some(Pump {
+                    writer,
+                    buf: std::mem::take(&mut buf),
+                    left,
+                    cont: expect_continue.then_some(0),
+                    state: PumpState::Running,
+                });
+                RequestBody::Stream(reader)
+            }
+        };
+        if pump.is_none() {
+            if buf.is_empty() {
+                give_read_buf(buf);
+                if drained {
+                    forget_readable(&self.stream);
+                }
+            } else {
+                self.pending = Some(Box::new(buf));
+            }
+        }
+        // The client's side of an upgrade, handed over once a 101 is out.
+        let mut tunnel = None;
+        if upgrade {
+            let (tx, rx) = oneshot::channel::<Tunnel>();
+            tunnel = Some(tx);
+            req.extensions_mut()
+                .insert(ClientUpgrade::new(Box::pin(async move { rx.await.ok() })));
         }
         let method_head = req.method() == Method::HEAD;
         let version = req.version();
@@ -591,8 +631,10 @@ impl Conn {
         // A client that goes away meanwhile cancels the request (as on
         // hyper's connections).
         let plane = self.server.plane.clone();
-        let handled = unless_gone(
+        let handled = drive(
             &self.stream,
+            pump.as_mut(),
+            true,
             InBox::new(|| {
                 let hints = proxy::ServerHints {
                     raw_ok: true,
@@ -606,16 +648,23 @@ impl Conn {
             return Next::Close;
         };
         let (mut head, body) = resp.into_parts();
+        let status = head.status;
+        // A body still unread when the answer is ready: the connection
+        // cannot be reused (nothing tells where the next request starts
+        // until it is read), so the answer says so.
+        let unread = pump.as_ref().is_some_and(|p| !p.finished());
         // Draining: this answer ends the keep-alive connection (as on
         // hyper's connections).
-        if self.server.draining.load(Ordering::Relaxed) {
+        if (unread || self.server.draining.load(Ordering::Relaxed))
+            && status != StatusCode::SWITCHING_PROTOCOLS
+        {
             head.headers
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         let framing = Framing {
             head: method_head,
             http10: version == Version::HTTP_10,
-            keep_alive,
+            keep_alive: keep_alive && !unread,
         };
         let mut out = Out {
             stream: &self.stream,
@@ -623,24 +672,273 @@ impl Conn {
             peer: self.peer,
             lowat: &mut self.lowat,
         };
-        let keep = out.respond(head, body, framing).await;
+        // The body goes on being read while the answer is written (a node
+        // may answer before it has the whole upload).
+        let keep = drive(
+            &self.stream,
+            pump.as_mut(),
+            false,
+            out.respond(head, body, framing),
+        )
+        .await
+        .unwrap_or(Ok(false));
         self.last = now_ms();
-        match keep {
-            Ok(true) => Next::KeepAlive,
+        if let Some(p) = pump {
+            // What the client sent past the body is its next request.
+            match p.into_rest() {
+                Some(rest) if !rest.is_empty() => self.pending = Some(Box::new(rest)),
+                Some(rest) => give_read_buf(rest),
+                None => return Next::Close,
+            }
+        }
+        match (keep, tunnel) {
+            (Ok(_), Some(tx)) if status == StatusCode::SWITCHING_PROTOCOLS => Next::Upgrade(tx),
+            (Ok(true), _) if status != StatusCode::SWITCHING_PROTOCOLS => Next::KeepAlive,
             _ => Next::Close,
         }
     }
 }
 
-/// A request head the plain path parsed, with its body's length.
+/// What is left of a streamed request body.
+enum Left {
+    Length(u64),
+    Chunked(Chunked),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PumpState {
+    Running,
+    /// The body's end was read: what follows in `buf` is the next request.
+    Done,
+    /// Bad framing, the client gone, or the reader gone: the connection
+    /// ends after this request.
+    Stopped,
+}
+
+/// `100 Continue`, sent before the first read of an `Expect`ing body.
+const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
+
+/// Reads a streamed request body from the connection into its [`pipe`],
+/// one frame at a time as the request path asks: polled beside the
+/// request's handling and the answer's writing ([`drive`]).
+struct Pump {
+    writer: PipeWriter,
+    /// Bytes read and not yet decoded (then, after the end: the next
+    /// request's).
+    buf: BytesMut,
+    left: Left,
+    /// How much of [`CONTINUE`] went out (`None`: not asked for).
+    cont: Option<usize>,
+    state: PumpState,
+}
+
+impl Pump {
+    fn finished(&self) -> bool {
+        self.state == PumpState::Done
+    }
+
+    /// The bytes past the body, once it was read to its end.
+    fn into_rest(self) -> Option<BytesMut> {
+        (self.state == PumpState::Done).then_some(self.buf)
+    }
+
+    /// The next decoded piece in `buf`: data, the end (`Ok(None)` after
+    /// setting `Done`), or `Err` for bad framing; `Ok(Some(empty))`: read
+    /// more.
+    fn decode(&mut self) -> Result<Option<Bytes>, &'static str> {
+        match &mut self.left {
+            Left::Length(0) => {
+                self.state = PumpState::Done;
+                Ok(None)
+            }
+            Left::Length(n) => {
+                let take = (*n).min(self.buf.len() as u64) as usize;
+                *n -= take as u64;
+                Ok(Some(self.buf.split_to(take).freeze()))
+            }
+            Left::Chunked(c) => match c.step(&mut self.buf)? {
+                Step::Data(d) => Ok(Some(d)),
+                Step::More => Ok(Some(Bytes::new())),
+                Step::Done => {
+                    self.state = PumpState::Done;
+                    Ok(None)
+                }
+            },
+        }
+    }
+
+    fn stop(&mut self, e: BodyError) -> Poll<()> {
+        self.writer.send(Err(e));
+        self.state = PumpState::Stopped;
+        Poll::Ready(())
+    }
+
+    /// Moves the body along; ready once it is done (read to its end, or
+    /// stopped).
+    fn poll(&mut self, stream: &TcpStream, cx: &mut Context<'_>) -> Poll<()> {
+        loop {
+            if self.state != PumpState::Running {
+                return Poll::Ready(());
+            }
+            match self.writer.poll_want(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(false) => {
+                    // Nobody reads it any more: the rest stays unread and
+                    // the connection ends after this request.
+                    self.state = PumpState::Stopped;
+                    return Poll::Ready(());
+                }
+                Poll::Ready(true) => {}
+            }
+            match self.decode() {
+                Err(e) => return self.stop(BodyError::bad(e)),
+                Ok(None) => {
+                    self.writer.end();
+                    return Poll::Ready(());
+                }
+                Ok(Some(d)) if !d.is_empty() => {
+                    self.writer.send(Ok(d));
+                    if matches!(self.left, Left::Length(0)) {
+                        self.writer.end();
+                        self.state = PumpState::Done;
+                        return Poll::Ready(());
+                    }
+                    continue;
+                }
+                Ok(Some(_)) => {}
+            }
+            // The body's bytes are still to come: first the `100 Continue`
+            // the client waits for.
+            if let Some(at) = self.cont {
+                if at < CONTINUE.len() {
+                    match stream.try_write(&CONTINUE[at..]) {
+                        Ok(n) => self.cont = Some(at + n),
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                            match stream.poll_write_ready(cx) {
+                                Poll::Pending => return Poll::Pending,
+                                Poll::Ready(Ok(())) => {}
+                                Poll::Ready(Err(_)) => {
+                                    return self.stop(BodyError::gone("client connection failed"))
+                                }
+                            }
+                        }
+                        Err(_) => return self.stop(BodyError::gone("client connection failed")),
+                    }
+                    continue;
+                }
+            }
+            if self.buf.capacity() - self.buf.len() < 1024 {
+                self.buf.reserve(BODY_READ);
+            }
+            match stream.try_read_buf(&mut self.buf) {
+                Ok(0) => {
+                    return self.stop(BodyError::gone("client closed the connection mid-body"))
+                }
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => match stream.poll_read_ready(cx)
+                {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(Ok(())) => {}
+                    Poll::Ready(Err(_)) => {
+                        return self.stop(BodyError::gone("client connection failed"))
+                    }
+                },
+                Err(_) => return self.stop(BodyError::gone("client connection failed")),
+            }
+        }
+    }
+}
+
+/// Runs `fut` while moving a streamed request body along (`pump`) and, with
+/// `watch`, watching the client: `None` when it closed its side or the
+/// connection failed (a peek at the socket once the body is read: bytes it
+/// pipelined stay unread, and once some are there the watch ends).
+async fn drive<F: Future>(
+    stream: &TcpStream,
+    mut pump: Option<&mut Pump>,
+    mut watch: bool,
+    fut: F,
+) -> Option<F::Output> {
+    tokio::pin!(fut);
+    poll_fn(|cx| {
+        if let Poll::Ready(out) = fut.as_mut().poll(cx) {
+            return Poll::Ready(Some(out));
+        }
+        if let Some(p) = pump.as_deref_mut() {
+            if p.poll(stream, cx).is_pending() {
+                // The body's reads see the client go.
+                return Poll::Pending;
+            }
+            if !p.finished() {
+                return Poll::Pending;
+            }
+        }
+        if watch {
+            let mut one = [0u8; 1];
+            let mut peek = ReadBuf::new(&mut one);
+            match stream.poll_peek(cx, &mut peek) {
+                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(None),
+                Poll::Ready(Ok(_)) => watch = false,
+                Poll::Pending => {}
+            }
+        }
+        Poll::Pending
+    })
+    .await
+}
+
+/// How a request's body is framed (RFC 9112 §6.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BodyLen {
+    /// `Content-Length` bytes (0: no body).
+    Length(u64),
+    /// `Transfer-Encoding: chunked`.
+    Chunked,
+}
+
+/// A request head this path parsed, with its body's framing.
 struct ParsedHead {
     req: Request<()>,
     keep_alive: bool,
-    body_len: usize,
+    body: BodyLen,
     /// Some field name has a `_` (every name was looked at).
     has_underscores: bool,
     /// A `Transfer-Encoding` other than one `chunked` field: refused.
     bad_te: bool,
+    /// `Expect: 100-continue` on HTTP/1.1: a `100 Continue` goes out before
+    /// the body is read from the socket.
+    expect_continue: bool,
+    /// An `Upgrade` field: the connection may become a tunnel.
+    upgrade: bool,
+}
+
+/// A head answered here without a request (hyper's answers, nginx's
+/// statuses): the connection closes after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refusal {
+    /// Not an HTTP/1.x head (syntax, a bad field, conflicting lengths).
+    BadRequest,
+    /// More fields than the parser holds, or a head longer than its buffer.
+    TooLarge,
+    /// A request target longer than any URI the parser takes.
+    UriTooLong,
+    /// `CONNECT`: the gateway is no forward proxy.
+    Connect,
+}
+
+impl Refusal {
+    fn answer(self) -> (StatusCode, &'static str) {
+        use crate::base::error::ErrorKind;
+        match self {
+            Refusal::BadRequest => ErrorKind::BadRequest.answer(),
+            Refusal::UriTooLong => ErrorKind::UriTooLong.answer(),
+            Refusal::TooLarge => (
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                "request header fields too large\n",
+            ),
+            Refusal::Connect => (StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n"),
+        }
+    }
 }
 
 // Returned once per request and matched at once: a box would cost an
@@ -648,8 +946,8 @@ struct ParsedHead {
 #[allow(clippy::large_enum_variant)]
 enum Parse {
     Partial,
-    /// Not for this path: hyper serves the connection from here.
-    Hyper,
+    /// Answered here, then the connection closes.
+    Refuse(Refusal),
     Done(ParsedHead),
 }
 
@@ -665,16 +963,17 @@ fn parse(buf: &mut BytesMut) -> Parse {
 
 /// httparse's read of a head the fast read (`codec::head`) declined: its
 /// fields' positions into `spans`; `Err`: not a head this path takes.
-fn httparse_request(buf: &[u8], spans: &mut Vec<Span>) -> Result<Option<RequestLine>, ()> {
+fn httparse_request(buf: &[u8], spans: &mut Vec<Span>) -> Result<Option<RequestLine>, Refusal> {
     let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
     let mut r = httparse::Request::new(&mut []);
     let len = match r.parse_with_uninit_headers(buf, &mut fields) {
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) => return Ok(None),
-        Err(_) => return Err(()),
+        Err(httparse::Error::TooManyHeaders) => return Err(Refusal::TooLarge),
+        Err(_) => return Err(Refusal::BadRequest),
     };
     let (Some(method), Some(path), Some(v)) = (r.method, r.path, r.version) else {
-        return Err(());
+        return Err(Refusal::BadRequest);
     };
     let at = |part: &str| span_in(buf, part.as_bytes());
     httparse_spans(buf, r.headers, spans);
@@ -694,43 +993,47 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
         None => match httparse_request(buf, spans) {
             Ok(Some(line)) => line,
             Ok(None) => return Parse::Partial,
-            Err(()) => return Parse::Hyper,
+            Err(r) => return Parse::Refuse(r),
         },
     };
     let len = line.len;
     // Offsets into the head: the map is built from slices of it once split.
     let path_at = (line.target.0, line.target.1 - line.target.0);
     if path_at.1 > MAX_URI_LEN {
-        return Parse::Hyper;
+        return Parse::Refuse(Refusal::UriTooLong);
     }
     let Ok(method) = Method::from_bytes(&buf[line.method.0..line.method.1]) else {
-        return Parse::Hyper;
+        return Parse::Refuse(Refusal::BadRequest);
     };
     if method == Method::CONNECT {
-        return Parse::Hyper;
+        return Parse::Refuse(Refusal::Connect);
     }
     let http11 = !line.http10;
     let mut keep_alive = http11;
     let mut close = false;
-    let mut body_len: Option<usize> = None;
+    let mut length: Option<u64> = None;
     let (mut te_fields, mut te_chunked) = (0u32, false);
+    let (mut expect_continue, mut upgrade) = (false, false);
     for &(ns, ne, vs, ve) in spans.iter() {
         let name = &buf[ns as usize..ne as usize];
         let value = &buf[vs as usize..ve as usize];
         // Matched by length first: one word compare per field.
         let is = |lower: &[u8]| name_eq(name, lower);
         match name.len() {
-            // Only one field of exactly `chunked` goes to hyper; any
+            // Only one field of exactly `chunked` is a chunked body; any
             // other coding or list is refused below (501).
             17 if is(b"transfer-encoding") => {
                 te_fields += 1;
                 te_chunked = name_eq(value, b"chunked");
             }
-            6 if is(b"expect") => return Parse::Hyper,
-            7 if is(b"upgrade") => return Parse::Hyper,
-            14 if is(b"content-length") => match (body_len, digits(value)) {
-                (None, Some(l)) => body_len = Some(l),
-                _ => return Parse::Hyper,
+            6 if is(b"expect") => expect_continue |= name_eq(value, b"100-continue"),
+            7 if is(b"upgrade") => upgrade = true,
+            // Repeated fields must agree (hyper's rule); a list, a sign or
+            // any other byte is not a length.
+            14 if is(b"content-length") => match (length, digits(value)) {
+                (None, Some(l)) => length = Some(l as u64),
+                (Some(a), Some(b)) if a == b as u64 => {}
+                _ => return Parse::Refuse(Refusal::BadRequest),
             },
             10 if is(b"connection") => {
                 if close || has_token(value, b"close") {
@@ -746,22 +1049,28 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
     // A refused coding: the head is answered (501) and the connection
     // closes; nothing of what follows is read as a body.
     let bad_te = te_fields > 1 || (te_fields == 1 && !te_chunked);
-    if te_fields > 0 && !bad_te {
-        return Parse::Hyper;
-    }
-    let body_len = if bad_te { 0 } else { body_len.unwrap_or(0) };
-    if bad_te {
+    let chunked = te_fields == 1 && te_chunked;
+    let body = if bad_te {
         keep_alive = false;
-    }
-    if buf.len() - len < body_len {
-        // The body is still on its way: hyper streams it.
-        return Parse::Hyper;
-    }
+        BodyLen::Length(0)
+    } else if chunked {
+        // HTTP/1.0 has no chunked coding (RFC 9112 §6.1).
+        if !http11 {
+            return Parse::Refuse(Refusal::BadRequest);
+        }
+        // Both framings: the chunked coding wins, the length is dropped
+        // and the connection ends after this request (RFC 9112 §6.3).
+        if length.is_some() {
+            keep_alive = false;
+        }
+        BodyLen::Chunked
+    } else {
+        BodyLen::Length(length.unwrap_or(0))
+    };
+    let drop_length = chunked && length.is_some();
     let head: Bytes = buf.split_to(len).freeze();
     let Ok(uri) = Uri::from_maybe_shared(head.slice(path_at.0..path_at.0 + path_at.1)) else {
-        // Put back for hyper (its 400).
-        put_back(&head, buf);
-        return Parse::Hyper;
+        return Parse::Refuse(Refusal::BadRequest);
     };
     let mut headers = HeaderMap::with_capacity(spans.len());
     let mut has_underscores = false;
@@ -780,19 +1089,18 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
                 name
             });
         let Ok(name) = name else {
-            put_back(&head, buf);
-            return Parse::Hyper;
+            return Parse::Refuse(Refusal::BadRequest);
         };
+        if drop_length && name == header::CONTENT_LENGTH {
+            continue;
+        }
         // httparse checked the value's bytes.
         let value = HeaderValue::from_maybe_shared(head.slice(vs as usize..ve as usize));
         match value {
             Ok(v) => {
                 headers.append(name, v);
             }
-            Err(_) => {
-                put_back(&head, buf);
-                return Parse::Hyper;
-            }
+            Err(_) => return Parse::Refuse(Refusal::BadRequest),
         }
     }
     let mut req = Request::new(());
@@ -807,9 +1115,11 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
     Parse::Done(ParsedHead {
         req,
         keep_alive,
-        body_len,
+        body,
         has_underscores,
         bad_te,
+        expect_continue: expect_continue && http11 && body != BodyLen::Length(0),
+        upgrade,
     })
 }
 
@@ -847,14 +1157,6 @@ fn forget_readable(stream: &TcpStream) {
     let _ = stream.try_io(tokio::io::Interest::READABLE, || {
         Err::<(), _>(io::ErrorKind::WouldBlock.into())
     });
-}
-
-/// Undoes the split of a head that turned out to be hyper's to answer.
-fn put_back(head: &Bytes, buf: &mut BytesMut) {
-    let mut back = BytesMut::with_capacity(head.len() + buf.len());
-    back.extend_from_slice(head);
-    back.extend_from_slice(buf);
-    *buf = back;
 }
 
 /// A `Content-Length` value hyper accepts on one field: digits only.
@@ -1565,36 +1867,88 @@ mod tests {
         assert_eq!(names, ["x-name-1", "x-name-1x", "x-name-"]);
     }
 
+    /// What the parse makes of the heads that went to hyper before the one
+    /// codec: bodies, `Expect` and `Upgrade` are served here; bad heads
+    /// get the status hyper (and nginx) gave them.
     #[test]
-    fn unusual_requests_go_to_hyper() {
-        for raw in [
-            &b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"[..],
-            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nab",
-            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\na",
-            b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: +1\r\n\r\na",
-            b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n\r\n",
-            b"GET / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n\r\n",
-            b"CONNECT x:1 HTTP/1.1\r\nHost: x\r\n\r\n",
-            b"GET / HTTP/1.1\r\nHost : x\r\n\r\n",
+    fn every_head_is_served_or_refused_here() {
+        let done = |raw: &[u8]| match parsed(raw) {
+            Parse::Done(p) => p,
+            _ => panic!("not parsed: {}", String::from_utf8_lossy(raw)),
+        };
+        let p = done(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n");
+        assert!(p.body == BodyLen::Chunked && p.keep_alive && !p.bad_te);
+        let p = done(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nab");
+        assert_eq!(p.body, BodyLen::Length(5));
+        let p =
+            done(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\na");
+        assert_eq!(p.body, BodyLen::Length(1));
+        assert!(done(b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n\r\n").upgrade);
+        // `Expect` only matters when a body is to come.
+        assert!(
+            !done(b"GET / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n\r\n").expect_continue
+        );
+        assert!(
+            done(b"PUT / HTTP/1.1\r\nHost: x\r\nExpect: 100-Continue\r\nContent-Length: 2\r\n\r\n")
+                .expect_continue
+        );
+        assert!(
+            !done(
+                b"PUT / HTTP/1.0\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n"
+            )
+            .expect_continue
+        );
+        // Both framings: chunked wins, the length goes, the connection ends.
+        let p = done(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\nTransfer-Encoding: chunked\r\n\r\n");
+        assert!(p.body == BodyLen::Chunked && !p.keep_alive);
+        assert!(p.req.headers().get(header::CONTENT_LENGTH).is_none());
+        let refused = |raw: &[u8]| match parsed(raw) {
+            Parse::Refuse(r) => r,
+            _ => panic!("not refused: {}", String::from_utf8_lossy(raw)),
+        };
+        for (raw, want) in [
+            (
+                &b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: +1\r\n\r\na"[..],
+                Refusal::BadRequest,
+            ),
+            (
+                b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\na",
+                Refusal::BadRequest,
+            ),
+            (
+                b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1, 1\r\n\r\na",
+                Refusal::BadRequest,
+            ),
+            (
+                b"POST / HTTP/1.0\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n",
+                Refusal::BadRequest,
+            ),
+            (b"CONNECT x:1 HTTP/1.1\r\nHost: x\r\n\r\n", Refusal::Connect),
+            (b"GET / HTTP/1.1\r\nHost : x\r\n\r\n", Refusal::BadRequest),
+            (b"GET /\r\n\r\n", Refusal::BadRequest),
         ] {
-            assert!(
-                matches!(parsed(raw), Parse::Hyper),
-                "{}",
-                String::from_utf8_lossy(raw)
-            );
+            assert_eq!(refused(raw), want, "{}", String::from_utf8_lossy(raw));
         }
+        let mut many = b"GET / HTTP/1.1\r\n".to_vec();
+        for i in 0..=MAX_HEADERS {
+            many.extend_from_slice(format!("X-{i}: 1\r\n").as_bytes());
+        }
+        many.extend_from_slice(b"\r\n");
+        assert_eq!(refused(&many), Refusal::TooLarge);
     }
 
-    /// One `chunked` field goes to hyper; every other coding, list or
-    /// repetition is parsed here, flagged for the 501, with no body and no
-    /// keep-alive (whatever a Content-Length says).
+    /// One `chunked` field is a chunked body; every other coding, list or
+    /// repetition is flagged for the 501, with no body and no keep-alive
+    /// (whatever a Content-Length says).
     #[test]
     fn transfer_encodings_but_one_chunked_are_refused() {
         for raw in [
             &b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"[..],
             b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: ChunKed \r\n\r\n",
         ] {
-            assert!(matches!(parsed(raw), Parse::Hyper));
+            assert!(
+                matches!(parsed(raw), Parse::Done(p) if p.body == BodyLen::Chunked && !p.bad_te)
+            );
         }
         for te in [
             "Transfer-Encoding: gzip, chunked",
@@ -1612,7 +1966,10 @@ mod tests {
             let Parse::Done(p) = parsed(raw.as_bytes()) else {
                 panic!("{te}: not parsed here")
             };
-            assert!(p.bad_te && !p.keep_alive && p.body_len == 0, "{te}");
+            assert!(
+                p.bad_te && !p.keep_alive && p.body == BodyLen::Length(0),
+                "{te}"
+            );
         }
     }
 
@@ -1633,9 +1990,9 @@ mod tests {
     /// Random mutations of valid heads (bytes flipped, inserted, cut): the
     /// parser never panics; whatever it accepts is what httparse reads
     /// (method, target, every field in order), with a framing this path
-    /// serves — else the head goes to hyper.
+    /// serves — else the head is refused.
     #[test]
-    fn mutated_heads_are_parsed_as_httparse_reads_them_or_go_to_hyper() {
+    fn mutated_heads_are_parsed_as_httparse_reads_them_or_refused() {
         let seeds: [&[u8]; 4] = [
             b"GET /a?b=1 HTTP/1.1\r\nHost: x\r\nX-Gray: 1\r\n\r\n",
             b"POST /p HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc",
@@ -1689,25 +2046,21 @@ mod tests {
             let mut want_sorted = want.clone();
             want_sorted.sort();
             assert_eq!(got_sorted, want_sorted, "{what:?}");
-            for (k, _) in &want {
-                assert!(!matches!(k.as_str(), "expect" | "upgrade"), "{what:?}");
-            }
-            // A Transfer-Encoding is taken here only to be refused: any
-            // but one `chunked` field (which hyper serves).
+            // A Transfer-Encoding of one `chunked` field is a chunked
+            // body; any other is refused.
             let te: Vec<&[u8]> = want
                 .iter()
                 .filter(|(k, _)| k == "transfer-encoding")
                 .map(|(_, v)| &v[..])
                 .collect();
-            let one_chunked = te.len() == 1 && te[0].eq_ignore_ascii_case(b"chunked");
-            assert!(!one_chunked, "{what:?}");
-            assert_eq!(p.bad_te, !te.is_empty(), "{what:?}");
+            let one_chunked = te.len() == 1 && te[0].trim_ascii().eq_ignore_ascii_case(b"chunked");
+            assert_eq!(p.body == BodyLen::Chunked, one_chunked, "{what:?}");
+            assert_eq!(p.bad_te, !te.is_empty() && !one_chunked, "{what:?}");
             if p.bad_te {
-                assert!(!p.keep_alive && p.body_len == 0, "{what:?}");
+                assert!(!p.keep_alive && p.body == BodyLen::Length(0), "{what:?}");
             }
-            // The body is what Content-Length says, and the rest is left.
+            // The body starts where the head ends.
             assert_eq!(b.len(), raw.len() - n, "{what:?}");
-            assert!(p.body_len <= b.len(), "{what:?}");
         }
         assert!(
             accepted > 2_000,

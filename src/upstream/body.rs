@@ -15,7 +15,7 @@ use hyper::body::{Body, Frame, SizeHint};
 use tokio::sync::oneshot;
 
 use super::BoxError;
-use crate::base::body::RequestBody;
+use crate::base::body::{BodyError, RequestBody};
 use crate::base::error::ErrorKind;
 use crate::base::stall::Stall;
 
@@ -70,19 +70,8 @@ impl ClientBody {
         &self.fault
     }
 
-    fn failed(&self, e: &hyper::Error) -> u8 {
-        let gone = e.is_incomplete_message()
-            || std::error::Error::source(e)
-                .and_then(|s| s.downcast_ref::<std::io::Error>())
-                .is_some_and(|io| {
-                    matches!(
-                        io.kind(),
-                        std::io::ErrorKind::UnexpectedEof
-                            | std::io::ErrorKind::ConnectionReset
-                            | std::io::ErrorKind::BrokenPipe
-                    )
-                });
-        if gone {
+    fn failed(&self, e: &BodyError) -> u8 {
+        if e.is_gone() {
             ClientFault::ABORT
         } else {
             ClientFault::BAD
