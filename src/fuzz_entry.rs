@@ -186,3 +186,51 @@ pub fn response_decoding(data: &[u8]) -> Option<crate::upstream::Decoded> {
     }
     Some(d)
 }
+
+/// A client's raw request (`data[0]`: the size of the connection's reads,
+/// 0 for all at once; the rest: the bytes) through the server side of the
+/// HTTP/1.1 codec. Checks that the verdict and the message do not depend on
+/// how the bytes were split into reads, that no field value holds a CR, LF
+/// or NUL, that a length-framed body is its length, that a chunked body
+/// never carries its framing's bytes when the chunks hold none, and that
+/// what follows the message is the input's tail. Returns the decoded
+/// request.
+pub fn request_decoding(data: &[u8]) -> Option<crate::server::DecodedRequest> {
+    let (&piece, wire) = data.split_first()?;
+    let decode = |piece: usize| crate::server::decode_request(wire, piece);
+    let whole = decode(wire.len());
+    for piece in [usize::from(piece), 1, 7] {
+        if piece == 0 {
+            continue;
+        }
+        let split = decode(piece);
+        assert_eq!(whole, split, "reads of {piece} bytes decode otherwise");
+    }
+    let d = whole.ok()?;
+    for (name, value) in &d.fields {
+        assert!(
+            !value.iter().any(|b| matches!(b, b'\r' | b'\n' | 0)),
+            "{name}: a value with CR, LF or NUL passed: {value:?}"
+        );
+    }
+    let length = d
+        .fields
+        .iter()
+        .find(|(n, _)| n == "content-length")
+        .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse::<usize>().ok());
+    let chunked = d.fields.iter().any(|(n, _)| n == "transfer-encoding");
+    if let (Some(len), false, false) = (length, chunked, d.bad_te) {
+        assert_eq!(d.body.len(), len, "a length-framed body is its length");
+    }
+    if d.bad_te {
+        assert!(
+            d.body.is_empty() && !d.keep_alive,
+            "a refused coding reads no body"
+        );
+    }
+    assert!(
+        wire.ends_with(&d.rest),
+        "what follows the message is the input's tail"
+    );
+    Some(d)
+}

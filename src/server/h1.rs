@@ -55,7 +55,7 @@ use crate::base::freelist::FreeList;
 use crate::base::pipe::{pipe, PipeWriter};
 use crate::base::ratelog::log_limited;
 use crate::base::upgrade::{ClientUpgrade, Tunnel};
-use crate::codec::chunked::{Chunked, Step};
+use crate::codec::body::{BodyDecoder, Piece};
 use crate::codec::head::{httparse_spans, span_in, RequestLine, Span};
 use crate::proxy;
 use crate::proxy::record::Recorded;
@@ -591,8 +591,8 @@ impl Conn {
             }
             framing => {
                 let (len, left) = match framing {
-                    BodyLen::Length(n) => (Some(n), Left::Length(n)),
-                    BodyLen::Chunked => (None, Left::Chunked(Chunked::default())),
+                    BodyLen::Length(n) => (Some(n), BodyDecoder::length(n)),
+                    BodyLen::Chunked => (None, BodyDecoder::chunked()),
                 };
                 let (writer, reader) = pipe(len);
                 pump = Some(Pump {
@@ -699,12 +699,6 @@ impl Conn {
     }
 }
 
-/// What is left of a streamed request body.
-enum Left {
-    Length(u64),
-    Chunked(Chunked),
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum PumpState {
     Running,
@@ -726,7 +720,7 @@ struct Pump {
     /// Bytes read and not yet decoded (then, after the end: the next
     /// request's).
     buf: BytesMut,
-    left: Left,
+    left: BodyDecoder,
     /// How much of [`CONTINUE`] went out (`None`: not asked for).
     cont: Option<usize>,
     state: PumpState,
@@ -740,31 +734,6 @@ impl Pump {
     /// The bytes past the body, once it was read to its end.
     fn into_rest(self) -> Option<BytesMut> {
         (self.state == PumpState::Done).then_some(self.buf)
-    }
-
-    /// The next decoded piece in `buf`: data, the end (`Ok(None)` after
-    /// setting `Done`), or `Err` for bad framing; `Ok(Some(empty))`: read
-    /// more.
-    fn decode(&mut self) -> Result<Option<Bytes>, &'static str> {
-        match &mut self.left {
-            Left::Length(0) => {
-                self.state = PumpState::Done;
-                Ok(None)
-            }
-            Left::Length(n) => {
-                let take = (*n).min(self.buf.len() as u64) as usize;
-                *n -= take as u64;
-                Ok(Some(self.buf.split_to(take).freeze()))
-            }
-            Left::Chunked(c) => match c.step(&mut self.buf)? {
-                Step::Data(d) => Ok(Some(d)),
-                Step::More => Ok(Some(Bytes::new())),
-                Step::Done => {
-                    self.state = PumpState::Done;
-                    Ok(None)
-                }
-            },
-        }
     }
 
     fn stop(&mut self, e: BodyError) -> Poll<()> {
@@ -790,22 +759,23 @@ impl Pump {
                 }
                 Poll::Ready(true) => {}
             }
-            match self.decode() {
+            match self.left.step(&mut self.buf) {
                 Err(e) => return self.stop(BodyError::bad(e)),
-                Ok(None) => {
+                Ok(Piece::End) => {
                     self.writer.end();
+                    self.state = PumpState::Done;
                     return Poll::Ready(());
                 }
-                Ok(Some(d)) if !d.is_empty() => {
+                Ok(Piece::Data(d)) => {
                     self.writer.send(Ok(d));
-                    if matches!(self.left, Left::Length(0)) {
+                    if self.left.ended() {
                         self.writer.end();
                         self.state = PumpState::Done;
                         return Poll::Ready(());
                     }
                     continue;
                 }
-                Ok(Some(_)) => {}
+                Ok(Piece::More) => {}
             }
             // The body's bytes are still to come: first the `100 Continue`
             // the client waits for.
@@ -847,6 +817,83 @@ impl Pump {
             }
         }
     }
+}
+
+/// A client's request as a connection decodes it (the codec's request
+/// direction, for the fuzz target and its smoke test).
+#[derive(Debug, PartialEq, Eq)]
+pub struct DecodedRequest {
+    pub method: String,
+    pub target: String,
+    /// Field names as the map holds them, values as sent.
+    pub fields: Vec<(String, Vec<u8>)>,
+    pub keep_alive: bool,
+    /// Refused for its `Transfer-Encoding` (501, no body read).
+    pub bad_te: bool,
+    pub body: Vec<u8>,
+    /// What followed the body (the next request's bytes).
+    pub rest: Vec<u8>,
+}
+
+/// Decodes `wire` fed `piece` bytes at a time (`piece` ≥ 1), as a
+/// connection reads it: `Err` with the status the head is refused with
+/// (400, 414, 431, 405), 400 for a body that is not one, or 0 when the
+/// bytes end before the message does.
+pub fn decode_request(wire: &[u8], piece: usize) -> Result<DecodedRequest, u16> {
+    let piece = piece.max(1);
+    let mut buf = BytesMut::new();
+    let mut fed = 0;
+    let mut feed = |buf: &mut BytesMut| {
+        let n = piece.min(wire.len() - fed);
+        buf.extend_from_slice(&wire[fed..fed + n]);
+        fed += n;
+        n > 0
+    };
+    let p = loop {
+        if !buf.is_empty() {
+            match parse(&mut buf) {
+                Parse::Done(p) => break p,
+                Parse::Refuse(r) => return Err(r.answer().0.as_u16()),
+                Parse::Partial => {}
+            }
+        }
+        if !feed(&mut buf) {
+            return Err(0);
+        }
+    };
+    let mut body = Vec::new();
+    let mut decoder = match p.body {
+        _ if p.bad_te => BodyDecoder::length(0),
+        BodyLen::Length(n) => BodyDecoder::length(n),
+        BodyLen::Chunked => BodyDecoder::chunked(),
+    };
+    loop {
+        match decoder.step(&mut buf) {
+            Err(_) => return Err(400),
+            Ok(Piece::Data(d)) => body.extend_from_slice(&d),
+            Ok(Piece::End) => break,
+            Ok(Piece::More) => {
+                if !feed(&mut buf) {
+                    return Err(0);
+                }
+            }
+        }
+    }
+    buf.extend_from_slice(&wire[fed..]);
+    Ok(DecodedRequest {
+        method: p.req.method().to_string(),
+        target: p.req.uri().to_string(),
+        fields: p
+            .req
+            .headers()
+            .iter()
+            .map(|(n, v)| (n.as_str().to_string(), v.as_bytes().to_vec()))
+            .collect(),
+        keep_alive: p.keep_alive,
+        bad_te: p.bad_te,
+        body,
+        rest: buf.to_vec(),
+    })
 }
 
 /// Runs `fut` while moving a streamed request body along (`pump`) and, with

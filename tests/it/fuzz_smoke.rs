@@ -212,3 +212,61 @@ fn the_response_codec_survives_mutated_node_answers() {
     eprintln!("response inputs: {decoded} of 20000 decoded");
     assert!(decoded > 1000, "mutations exercise the accepting paths");
 }
+
+#[test]
+fn the_request_codec_survives_mutated_client_requests() {
+    use graygate::fuzz_entry::request_decoding;
+    // (read size, the client's bytes)
+    let requests: Vec<&[u8]> = vec![
+        b"\x03GET /a?b=1 HTTP/1.1\r\nHost: x\r\nX-Gray: 1\r\n\r\nGET /next HTTP/1.1\r\n\r\n",
+        b"\x05POST /p HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhelloGET /n HTTP/1.1\r\n\r\n",
+        b"\x02POST /c HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3;e=1\r\nabc\r\n2\r\nde\r\n0\r\nX-T: 1\r\n\r\nrest",
+        b"\x00GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n",
+        b"\x01POST /both HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\nX",
+        b"\x04PUT /e HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\nxyz",
+        b"\x00POST /g HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+    ];
+    let seeds: Vec<Vec<u8>> = requests.iter().map(|r| r.to_vec()).collect();
+    // The seeds decode as a connection reads them.
+    let d = request_decoding(&seeds[0]).unwrap();
+    assert_eq!((d.method.as_str(), d.target.as_str()), ("GET", "/a?b=1"));
+    assert_eq!(d.rest, b"GET /next HTTP/1.1\r\n\r\n");
+    let d = request_decoding(&seeds[1]).unwrap();
+    assert_eq!(
+        (&d.body[..], &d.rest[..]),
+        (&b"hello"[..], &b"GET /n HTTP/1.1\r\n\r\n"[..])
+    );
+    let d = request_decoding(&seeds[2]).unwrap();
+    assert_eq!((&d.body[..], &d.rest[..]), (&b"abcde"[..], &b"rest"[..]));
+    assert!(request_decoding(&seeds[3]).unwrap().keep_alive);
+    let d = request_decoding(&seeds[4]).unwrap();
+    assert!(d.body.is_empty() && d.rest == b"X" && !d.keep_alive);
+    assert!(d.fields.iter().all(|(n, _)| n != "content-length"), "{d:?}");
+    assert_eq!(request_decoding(&seeds[5]).unwrap().body, b"xyz");
+    assert!(request_decoding(&seeds[6]).unwrap().bad_te);
+    // Broken heads and bodies are refused, whatever the reads.
+    for bad in [
+        &b"\x01POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\nabc\r\n0\r\n\r\n"
+            [..],
+        b"\x00POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+        b"\x03GET / HTTP/1.1\r\nHost : x\r\n\r\n",
+        b"\x00CONNECT x:1 HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"\x02POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\nshort",
+    ] {
+        assert!(
+            request_decoding(bad).is_none(),
+            "{}",
+            String::from_utf8_lossy(bad)
+        );
+    }
+    let mut rng = fastrand::Rng::with_seed(0x7265_7175);
+    let mut decoded = 0;
+    for _ in 0..20_000 {
+        let input = mutate(&mut rng, &seeds);
+        if request_decoding(&input).is_some() {
+            decoded += 1;
+        }
+    }
+    eprintln!("request inputs: {decoded} of 20000 decoded");
+    assert!(decoded > 1000, "mutations exercise the accepting paths");
+}
