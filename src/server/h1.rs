@@ -6,16 +6,20 @@
 //! state, no per-request timers, heads parsed straight into the `http` types
 //! and encoded into a reused per-thread buffer).
 //!
-//! The common request takes this path: a complete head (httparse, the parser
-//! hyper uses), no body or a `Content-Length` body that arrived with it.
-//! Anything else — a `Transfer-Encoding: chunked`, `Expect`, `Upgrade` or
-//! `CONNECT` request, a larger body, a head hyper would answer with an error
-//! (400, 414, 431) — hands the connection, its unread bytes put back in
-//! front, to hyper's server (`Server::serve_h1`) for the rest of its life:
-//! the framing rules of the hardening section stay hyper's. Two refusals are
-//! this path's own: any other `Transfer-Encoding` (501 through the proxy,
-//! then close) and a request line longer than the whole read buffer (414,
-//! where hyper would say 431).
+//! Every request on such a connection is served here, with the shared
+//! codec (`codec`): the head read by `codec::head` (httparse where the
+//! fast read declines), a body that arrived with its head handed over
+//! whole, any other `Content-Length` or chunked body streamed from the
+//! socket as the request path asks for it (`codec::body` through a
+//! `base::pipe`, `Expect: 100-continue` answered on the first demand), an
+//! `Upgrade` request turned into the client's side of a tunnel once its
+//! `101` is out. Heads that are no request are answered here and the
+//! connection closed: 400 (syntax, a bad field, conflicting lengths,
+//! chunked on HTTP/1.0), 414 (a target longer than any URI, or a request
+//! line that fills the whole read buffer), 431 (too many fields, a head
+//! over the buffer), 405 (`CONNECT`: no forward proxying); a
+//! `Transfer-Encoding` other than one `chunked` field goes through the
+//! proxy to its 501. No connection changes engine mid-life.
 //!
 //! Between requests a connection is a small future awaiting readability: a
 //! read buffer is taken from a per-thread pool only while a head is being
@@ -672,6 +676,16 @@ impl Conn {
             peer: self.peer,
             lowat: &mut self.lowat,
         };
+        // No `100 Continue` after a final answer: a body not asked for yet
+        // is read when asked, without one (half of one sent: the
+        // connection cannot go on).
+        if let Some(p) = pump.as_mut() {
+            match p.cont {
+                Some(0) => p.cont = None,
+                Some(at) if at < CONTINUE.len() => return Next::Close,
+                _ => {}
+            }
+        }
         // The body goes on being read while the answer is written (a node
         // may answer before it has the whole upload).
         let keep = drive(

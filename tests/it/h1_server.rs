@@ -1,10 +1,10 @@
-//! The client-side HTTP/1.1 server on raw sockets (`server::h1`, and the
-//! hand-over to hyper for what it does not serve itself): pipelining in
-//! order, HTTP/1.0 and `Connection` keep-alive rules, HEAD, 204/304 and
+//! The client-side HTTP/1.1 server on raw sockets (`server::h1`): pipelining
+//! in order, HTTP/1.0 and `Connection` keep-alive rules, HEAD, 204/304 and
 //! chunked/close-delimited response framing, `Date`, bodies that arrive with
-//! their head or after it, a connection handed to hyper mid-way (chunked
-//! request with trailers, `Expect: 100-continue`) and served on, and the
-//! header timeout on a keep-alive connection's second request.
+//! their head or after it, streamed bodies (chunked with trailers, `Expect:
+//! 100-continue`, a large upload answered before its end) on a connection
+//! that serves on, and the header timeout on a keep-alive connection's
+//! second request.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -340,7 +340,7 @@ async fn unknown_length_bodies_are_chunked_or_close_delimited() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bodies_with_or_after_the_head_and_a_hand_over_to_hyper_mid_connection() {
+async fn bodies_with_or_after_the_head_and_streamed_bodies_on_one_connection() {
     let up = Upstream::start().await;
     let fx = Fixture::new();
     let gw = gateway(&fx, &up, "");
@@ -471,4 +471,80 @@ async fn a_request_sent_with_its_fin_is_cancelled_and_the_connection_closed() {
         })
         .await;
     }
+}
+
+/// Bodies larger than any read: a `Content-Length` upload and a chunked
+/// one, written in pieces while the gateway already forwards, reach the
+/// node byte for byte, and the connection serves the next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_uploads_stream_through_and_the_connection_serves_on() {
+    let up = Upstream::start().await;
+    let fx = Fixture::new();
+    let gw = gateway(&fx, &up, "");
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    let mut buf = Vec::new();
+    let data: Vec<u8> = (0..2_000_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    s.write_all(
+        format!(
+            "PUT /big HTTP/1.1\r\nHost: a\r\nContent-Length: {}\r\n\r\n",
+            data.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    for piece in data.chunks(100_000) {
+        s.write_all(piece).await.unwrap();
+    }
+    let r = read_one(&mut s, &mut buf).await;
+    assert!(r.starts_with("HTTP/1.1 200 OK\r\n"), "{r}");
+    assert!(!r.to_ascii_lowercase().contains("connection: close"), "{r}");
+    s.write_all(b"POST /bigchunks HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n")
+        .await
+        .unwrap();
+    for piece in data.chunks(65_536) {
+        s.write_all(format!("{:x}\r\n", piece.len()).as_bytes())
+            .await
+            .unwrap();
+        s.write_all(piece).await.unwrap();
+        s.write_all(b"\r\n").await.unwrap();
+    }
+    s.write_all(b"0\r\n\r\nGET /after HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let r = read_one(&mut s, &mut buf).await;
+    assert!(r.ends_with("POST /bigchunks HTTP/1.1"), "{r}");
+    let r = read_one(&mut s, &mut buf).await;
+    assert!(r.ends_with("GET /after HTTP/1.1"), "{r}");
+    assert!(
+        up.body_of("/big").unwrap() == data,
+        "the length-framed upload differs"
+    );
+    assert!(
+        up.body_of("/bigchunks").unwrap() == data,
+        "the chunked upload differs"
+    );
+}
+
+/// `CONNECT` is answered here (405, no forward proxying) and the
+/// connection closed: nothing reaches a node, nothing after it is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_is_refused_and_the_connection_closed() {
+    let up = Upstream::start().await;
+    let fx = Fixture::new();
+    let gw = gateway(&fx, &up, "");
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: a\r\n\r\n")
+        .await
+        .unwrap();
+    let mut all = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut all)).await;
+    assert!(matches!(read, Ok(Ok(_))), "the connection was not closed");
+    let text = String::from_utf8_lossy(&all);
+    assert!(
+        text.starts_with("HTTP/1.1 405 Method Not Allowed\r\n"),
+        "{text}"
+    );
+    assert_eq!(text.matches("HTTP/1.1").count(), 1, "{text}");
+    assert!(up.got.lock().unwrap().is_empty());
 }

@@ -741,18 +741,18 @@ async fn expect_continue_with_pipelined_bytes_answers_each_request() {
     );
 }
 
-/// The requests that leave the hand-written parser for hyper's (a
-/// chunked body, `Expect`, the next request on such a connection, a
-/// refused coding on it) are held to the same rules: the underscore
-/// filter, 501 for a `Transfer-Encoding` but one `chunked`, 400 for a
-/// method that is no token.
+/// Requests with streamed bodies (a chunked body, `Expect`, the next
+/// request on such a connection, a refused coding on it) are held to the
+/// same rules as the rest: the underscore filter, 501 for a
+/// `Transfer-Encoding` but one `chunked`, 400 for a method that is no
+/// token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn requests_parsed_by_hyper_get_the_same_checks() {
+async fn requests_with_streamed_bodies_get_the_same_checks() {
     let (_fx, gw, up) = setup("").await;
     let chunked = "POST /h/chunked HTTP/1.1\r\nHost: a\r\nX_Custom: 1\r\nX_Forwarded_For: 6.6.6.6\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n";
     let expect = "POST /h/expect HTTP/1.1\r\nHost: a\r\nX_Custom: 1\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\nabc";
-    // On the connection hyper took over: a plain GET, then a refused
-    // coding (that hyper accepts: it ends in `chunked`).
+    // On the same connection: a plain GET, then a refused coding (one a
+    // lenient parser would accept: it ends in `chunked`).
     let next = "GET /h/next HTTP/1.1\r\nHost: a\r\nX_Custom: 1\r\n\r\n";
     let gzip = "POST /h/gzip HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n";
     let conv = converse(
