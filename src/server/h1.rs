@@ -41,16 +41,16 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, StatusCode, Uri, Version};
 use hyper::body::Body as _;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::wheel::Wheel;
+use super::wire::{TlsWire, Wire};
 use super::Server;
 use crate::base::body::{BodyError, RequestBody, SendFile};
 use crate::base::clock::now_ms;
@@ -59,12 +59,14 @@ use crate::base::freelist::FreeList;
 use crate::base::pipe::{pipe, PipeWriter};
 use crate::base::ratelog::log_limited;
 use crate::base::upgrade::{ClientUpgrade, Tunnel};
+use crate::base::Https;
 use crate::codec::body::{BodyDecoder, Piece};
 use crate::codec::head::{httparse_spans, span_in, RequestLine, Span};
 use crate::proxy;
 use crate::proxy::record::Recorded;
 use crate::upstream::fields::name_eq;
 use crate::upstream::RawHead;
+use tokio_rustls::server::TlsStream;
 
 /// `TCP_NOTSENT_LOWAT` of a connection once it sends a file by sendfile(2):
 /// enough unsent bytes queued to keep the link busy, few enough that a
@@ -200,10 +202,11 @@ enum Next {
     Upgrade(oneshot::Sender<Tunnel>),
 }
 
-/// One plain HTTP/1.1 client connection: its idle state.
-struct Conn {
+/// One HTTP/1.1 client connection (plain, or TLS: [`Wire`]): its idle
+/// state.
+struct Conn<W: Wire = TcpStream> {
     server: Arc<Server>,
-    stream: TcpStream,
+    stream: W,
     peer: SocketAddr,
     /// Bytes read past the last request (pipelining); `None` when idle
     /// (boxed: rare, and the idle connection stays small).
@@ -217,6 +220,8 @@ struct Conn {
     _open: Option<Counted>,
     /// `TCP_NOTSENT_LOWAT` was set (at the first sendfile'd answer).
     lowat: bool,
+    /// Over TLS (requests carry the `Https` mark).
+    secure: bool,
 }
 
 /// Serves a plain connection: the accept loop spawns this future as the
@@ -239,10 +244,33 @@ pub(super) fn serve(
         wheel,
         _open: open,
         lowat: false,
+        secure: false,
     }))
 }
 
-async fn run(conn: Box<Conn>) {
+/// Serves an HTTP/1.1 connection over TLS (after the handshake chose
+/// HTTP/1.1) with the same codec and loop as a plain one; its opener
+/// counts it.
+pub(super) fn serve_tls(
+    server: Arc<Server>,
+    stream: TlsStream<TcpStream>,
+    peer: SocketAddr,
+    wheel: Arc<Wheel>,
+) -> impl Future<Output = ()> + Send {
+    run(Box::new(Conn {
+        server,
+        stream: TlsWire::new(stream),
+        peer,
+        pending: None,
+        last: now_ms(),
+        wheel,
+        _open: None,
+        lowat: false,
+        secure: true,
+    }))
+}
+
+async fn run<W: Wire>(conn: Box<Conn<W>>) {
     // Served here until the connection closes or becomes a tunnel (the
     // tick's registration is dropped with `plain`'s state first).
     let Some((conn, tunnel)) = plain(conn).await else {
@@ -251,18 +279,15 @@ async fn run(conn: Box<Conn>) {
     let Conn {
         stream, pending, ..
     } = *conn;
-    let io = Rewind {
-        pre: pending.map_or_else(Bytes::new, |b| b.freeze()),
-        inner: stream,
-    };
+    let io = stream.into_tunnel(pending.map_or_else(Bytes::new, |b| b.freeze()));
     // The proxy's tunnel task takes it from here (counted as a tunnel from
     // the 101 on, so the drain sees no gap).
-    let _ = tunnel.send(Box::new(io));
+    let _ = tunnel.send(io);
 }
 
 /// The connection's requests; `Some`: it became a tunnel (after a `101`),
 /// to be handed to the proxy's side.
-async fn plain(mut conn: Box<Conn>) -> Option<(Box<Conn>, oneshot::Sender<Tunnel>)> {
+async fn plain<W: Wire>(mut conn: Box<Conn<W>>) -> Option<(Box<Conn<W>>, oneshot::Sender<Tunnel>)> {
     // The tick's wake-up, kept registered across requests (renewed only
     // once it has fired): no waiter put into and taken out of the accept
     // loop's list per request. A request moves the deadline later, so the
@@ -409,7 +434,7 @@ impl<F: Future + 'static> Drop for InBox<F> {
     }
 }
 
-impl Conn {
+impl<W: Wire> Conn<W> {
     /// Ready (holding no buffer, no timer) once the client sends; false
     /// when the connection is to close: idle timeout (shortened while
     /// draining) or an error. The idle timeout is checked when the accept
@@ -500,7 +525,7 @@ impl Conn {
 
     /// [`Self::exchange`] on the connection it owns meanwhile (handed back
     /// with the outcome).
-    async fn exchange_owned(mut self: Box<Self>) -> (Box<Conn>, Next) {
+    async fn exchange_owned(mut self: Box<Self>) -> (Box<Conn<W>>, Next) {
         let next = self.exchange().await;
         (self, next)
     }
@@ -567,7 +592,8 @@ impl Conn {
             // The head has started: the header timer runs from its first byte.
             let due =
                 *head_due.get_or_insert_with(|| Instant::now() + Duration::from_millis(header_ms));
-            match tokio::time::timeout_at(due, self.stream.readable()).await {
+            let readable = poll_fn(|cx| self.stream.poll_read_ready(cx));
+            match tokio::time::timeout_at(due, readable).await {
                 Ok(Ok(())) => {}
                 Ok(Err(_)) => return Next::Close,
                 Err(_) => {
@@ -613,7 +639,7 @@ impl Conn {
             if buf.is_empty() {
                 give_read_buf(buf);
                 if drained {
-                    forget_readable(&self.stream);
+                    self.stream.forget_readable();
                 }
             } else {
                 self.pending = Some(Box::new(buf));
@@ -626,6 +652,9 @@ impl Conn {
             tunnel = Some(tx);
             req.extensions_mut()
                 .insert(ClientUpgrade::new(Box::pin(async move { rx.await.ok() })));
+        }
+        if self.secure {
+            req.extensions_mut().insert(Https);
         }
         let method_head = req.method() == Method::HEAD;
         let version = req.version();
@@ -758,7 +787,7 @@ impl Pump {
 
     /// Moves the body along; ready once it is done (read to its end, or
     /// stopped).
-    fn poll(&mut self, stream: &TcpStream, cx: &mut Context<'_>) -> Poll<()> {
+    fn poll<W: Wire>(&mut self, stream: &W, cx: &mut Context<'_>) -> Poll<()> {
         loop {
             if self.state != PumpState::Running {
                 return Poll::Ready(());
@@ -794,6 +823,16 @@ impl Pump {
             // The body's bytes are still to come: first the `100 Continue`
             // the client waits for.
             if let Some(at) = self.cont {
+                if W::BUFFERED && at == CONTINUE.len() {
+                    match stream.poll_flush(cx) {
+                        Poll::Pending => return Poll::Pending,
+                        Poll::Ready(Ok(())) => self.cont = Some(at + 1),
+                        Poll::Ready(Err(_)) => {
+                            return self.stop(BodyError::gone("client connection failed"))
+                        }
+                    }
+                    continue;
+                }
                 if at < CONTINUE.len() {
                     match stream.try_write(&CONTINUE[at..]) {
                         Ok(n) => self.cont = Some(at + n),
@@ -914,8 +953,8 @@ pub fn decode_request(wire: &[u8], piece: usize) -> Result<DecodedRequest, u16> 
 /// `watch`, watching the client: `None` when it closed its side or the
 /// connection failed (a peek at the socket once the body is read: bytes it
 /// pipelined stay unread, and once some are there the watch ends).
-async fn drive<F: Future>(
-    stream: &TcpStream,
+async fn drive<W: Wire, F: Future>(
+    stream: &W,
     mut pump: Option<&mut Pump>,
     mut watch: bool,
     fut: F,
@@ -935,11 +974,9 @@ async fn drive<F: Future>(
             }
         }
         if watch {
-            let mut one = [0u8; 1];
-            let mut peek = ReadBuf::new(&mut one);
-            match stream.poll_peek(cx, &mut peek) {
-                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(None),
-                Poll::Ready(Ok(_)) => watch = false,
+            match stream.poll_gone(cx) {
+                Poll::Ready(true) => return Poll::Ready(None),
+                Poll::Ready(false) => watch = false,
                 Poll::Pending => {}
             }
         }
@@ -1187,37 +1224,8 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
 /// Runs `fut` while watching the client: `None` when it closed its side or
 /// the connection failed (a peek at the socket: bytes it pipelined stay
 /// unread, and once some are there the watch ends).
-async fn unless_gone<F: Future>(stream: &TcpStream, fut: F) -> Option<F::Output> {
-    tokio::pin!(fut);
-    let mut watch = true;
-    poll_fn(|cx| {
-        if let Poll::Ready(out) = fut.as_mut().poll(cx) {
-            return Poll::Ready(Some(out));
-        }
-        if watch {
-            let mut one = [0u8; 1];
-            let mut peek = ReadBuf::new(&mut one);
-            match stream.poll_peek(cx, &mut peek) {
-                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(None),
-                Poll::Ready(Ok(_)) => watch = false,
-                Poll::Pending => {}
-            }
-        }
-        Poll::Pending
-    })
-    .await
-}
-
-/// Marks the socket not readable after a read that drained it, so the
-/// client watch (`unless_gone`) and the idle wait register for the next
-/// readiness event instead of each first paying a `recv` that says EAGAIN.
-/// Sound because nothing between that read and this call (same poll, one
-/// thread per runtime) lets the I/O driver record a newer event, and tokio
-/// keeps a seen close (`READ_CLOSED`) through a clear.
-fn forget_readable(stream: &TcpStream) {
-    let _ = stream.try_io(tokio::io::Interest::READABLE, || {
-        Err::<(), _>(io::ErrorKind::WouldBlock.into())
-    });
+async fn unless_gone<W: Wire, F: Future>(stream: &W, fut: F) -> Option<F::Output> {
+    drive(stream, None, true, fut).await
 }
 
 /// A `Content-Length` value hyper accepts on one field: digits only.
@@ -1262,15 +1270,15 @@ enum Coding {
 }
 
 /// Where a response is written.
-struct Out<'a> {
-    stream: &'a TcpStream,
+struct Out<'a, W: Wire> {
+    stream: &'a W,
     send: Duration,
     peer: SocketAddr,
     /// The connection's `Conn::lowat`.
     lowat: &'a mut bool,
 }
 
-impl Out<'_> {
+impl<W: Wire> Out<'_, W> {
     /// Writes the answer; `Ok(true)` when the connection may serve
     /// another request. Framing as hyper's server encodes it.
     async fn respond(
@@ -1313,13 +1321,13 @@ impl Out<'_> {
             WRITE_BUF.set(w);
             return r.map(|()| keep);
         }
-        if let (Some(sf), Coding::Length(n)) = (&sendfile, coding) {
+        if let (Some(sf), Coding::Length(n), Some(tcp)) = (&sendfile, coding, self.stream.tcp()) {
             if sf.len == n {
                 // The head, then the file by sendfile(2): one copy less. A
                 // file that shrank meanwhile ends short: the connection
                 // closes, the client never takes it as whole.
-                let r = match self.send_more(&w).await {
-                    Ok(()) => self.send_file(&sf.file, n).await,
+                let r = match self.send_more(tcp, &w).await {
+                    Ok(()) => self.send_file(tcp, &sf.file, n).await,
                     Err(e) => Err(e),
                 };
                 WRITE_BUF.set(w);
@@ -1437,22 +1445,26 @@ impl Out<'_> {
     /// Sends the first `len` bytes of `file` with `sendfile(2)` from this
     /// thread (the page cache's pages go to the socket, no copy through
     /// user space); the send timeout applies as to [`Self::write`].
-    async fn send_file(&mut self, file: &std::fs::File, len: u64) -> io::Result<()> {
+    async fn send_file(
+        &mut self,
+        tcp: &TcpStream,
+        file: &std::fs::File,
+        len: u64,
+    ) -> io::Result<()> {
         if !*self.lowat {
             // Only this much not-yet-sent data is queued on the socket; the
             // worker tops it up when the client's ACKs drain it. Without it a
             // sendfile queues up to the whole send buffer, and the segments
             // the client's ACKs release are then transmitted on the client's
             // CPU (loopback) or held in kernel memory per slow reader.
-            let _ = socket2::SockRef::from(self.stream).set_tcp_notsent_lowat(SENDFILE_LOWAT);
+            let _ = socket2::SockRef::from(tcp).set_tcp_notsent_lowat(SENDFILE_LOWAT);
             *self.lowat = true;
         }
         let mut off: u64 = 0;
         while off < len {
             let want = (len - off).min(1 << 30) as usize;
-            let r = self.stream.try_io(tokio::io::Interest::WRITABLE, || {
-                rustix::fs::sendfile(self.stream, file, Some(&mut off), want)
-                    .map_err(io::Error::from)
+            let r = tcp.try_io(tokio::io::Interest::WRITABLE, || {
+                rustix::fs::sendfile(tcp, file, Some(&mut off), want).map_err(io::Error::from)
             });
             match r {
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
@@ -1467,11 +1479,11 @@ impl Out<'_> {
     /// Writes every byte of `head` with `MSG_MORE`: it leaves in the same
     /// segment as the start of the body that follows (nginx's
     /// `tcp_nopush`), never as a small segment of its own.
-    async fn send_more(&mut self, head: &[u8]) -> io::Result<()> {
+    async fn send_more(&mut self, tcp: &TcpStream, head: &[u8]) -> io::Result<()> {
         let mut done = 0;
         while done < head.len() {
-            let r = self.stream.try_io(tokio::io::Interest::WRITABLE, || {
-                rustix::net::send(self.stream, &head[done..], rustix::net::SendFlags::MORE)
+            let r = tcp.try_io(tokio::io::Interest::WRITABLE, || {
+                rustix::net::send(tcp, &head[done..], rustix::net::SendFlags::MORE)
                     .map_err(io::Error::from)
             });
             match r {
@@ -1489,7 +1501,8 @@ impl Out<'_> {
     async fn wait_writable(&self) -> io::Result<()> {
         // The worker's coarse deadlines: no tokio timer per wait (a big
         // file waits once per low-water refill).
-        match crate::base::deadline::timeout(self.send, self.stream.writable()).await {
+        let writable = poll_fn(|cx| self.stream.poll_write_ready(cx));
+        match crate::base::deadline::timeout(self.send, writable).await {
             Ok(r) => r,
             Err(_) => {
                 let send_ms = self.send.as_millis() as u64;
@@ -1526,6 +1539,11 @@ impl Out<'_> {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => self.wait_writable().await?,
                 Err(e) => return Err(e),
             }
+        }
+        // Over TLS, the records the socket could not take yet go out now
+        // (a plain socket holds nothing back).
+        if W::BUFFERED {
+            self.wait_writable().await?;
         }
         Ok(())
     }
@@ -1665,46 +1683,6 @@ fn encode_head(
     // Empty now; never had room when the node's lines went out raw.
     crate::codec::head::drop_map(headers);
     (coding, keep)
-}
-
-/// The client stream handed to hyper: the bytes already read first.
-struct Rewind {
-    pre: Bytes,
-    inner: TcpStream,
-}
-
-impl AsyncRead for Rewind {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        if !self.pre.is_empty() {
-            let n = self.pre.len().min(buf.remaining());
-            buf.put_slice(&self.pre[..n]);
-            self.pre.advance(n);
-            return Poll::Ready(Ok(()));
-        }
-        Pin::new(&mut self.inner).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for Rewind {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
 }
 
 #[cfg(test)]
@@ -2175,7 +2153,7 @@ mod task_size {
     /// connection.
     #[test]
     fn an_idle_connections_future_fits_a_256_byte_task_cell() {
-        let run = future_size(super::run);
+        let run = future_size(super::run::<tokio::net::TcpStream>);
         assert!(run <= 160, "run: {run} bytes");
         assert!(std::mem::size_of::<super::Conn>() <= 128);
     }

@@ -16,6 +16,7 @@ pub mod h2guard;
 pub mod handover;
 pub mod tls;
 mod wheel;
+mod wire;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -36,7 +37,7 @@ use crate::base::ratelog::log_limited;
 use crate::base::Https;
 use crate::proxy::record::Recorded;
 use crate::proxy::{self, DataPlane};
-use conn::{verdict, Activity, TimedIo, TimedIoV, Timeouts, Tracked, Verdict};
+use conn::{Activity, TimedIoV, Tracked, Verdict};
 
 /// What a client listener speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -239,7 +240,7 @@ impl Server {
             tokio::spawn(async move {
                 match kind {
                     Kind::Plain | Kind::H2c => server.serve_h2c(stream, peer, wheel).await,
-                    Kind::Tls(i) => tls::serve(server, stream, peer, i).await,
+                    Kind::Tls(i) => tls::serve(server, stream, peer, i, wheel).await,
                 }
                 drop(guard);
             });
@@ -427,128 +428,6 @@ impl Server {
             Ok(Ok(true)) => self.serve_h2(stream, peer, false).await,
             Ok(Ok(false)) => h1::serve(self, stream, peer, wheel, None).await,
             Ok(Err(_)) | Err(_) => {}
-        }
-    }
-
-    /// HTTP/1.1 on a plain or TLS stream.
-    async fn serve_h1<I>(self: Arc<Self>, stream: I, peer: SocketAddr, secure: bool)
-    where
-        I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    {
-        let limits = self.plane.current().config.client.clone();
-        let act = Activity::new();
-        let plane = self.plane.clone();
-        let svc_act = act.clone();
-        let server = self.clone();
-        let svc = service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
-            let plane = plane.clone();
-            let guard = svc_act.request_started();
-            let server = server.clone();
-            if secure {
-                req.extensions_mut().insert(Https);
-            }
-            // hyper's side of an upgrade, in the proxy's terms.
-            if let Some(up) = req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>() {
-                let pending: crate::base::upgrade::Pending = Box::pin(async move {
-                    let io = up.await.ok()?;
-                    Some(Box::new(TokioIo::new(io)) as crate::base::upgrade::Tunnel)
-                });
-                req.extensions_mut()
-                    .insert(crate::base::upgrade::ClientUpgrade::new(pending));
-            }
-            // hyper accepts any `Transfer-Encoding` list that ends in
-            // `chunked`; the proxy refuses all but one `chunked` field (the
-            // plain path tells it the same from its own parse).
-            let hints = proxy::ServerHints {
-                bad_transfer_encoding: proxy::resolve::transfer_encoding_refused(req.headers()),
-                ..proxy::ServerHints::default()
-            };
-            async move {
-                let resp = proxy::handle_with(plane, peer, req.map(Into::into), hints).await?;
-                let (mut head, body) = resp.into_parts();
-                // Draining: this answer ends the keep-alive connection, so
-                // the client's next request opens a new one (to the
-                // successor, after an upgrade) instead of racing a close.
-                if server.draining.load(Ordering::Relaxed)
-                    && head.status != http::StatusCode::SWITCHING_PROTOCOLS
-                {
-                    head.headers.insert(
-                        http::header::CONNECTION,
-                        http::HeaderValue::from_static("close"),
-                    );
-                }
-                Ok::<_, std::convert::Infallible>(http::Response::from_parts(
-                    head,
-                    Tracked::new(body, guard),
-                ))
-            }
-        });
-        let mut builder = hyper::server::conn::http1::Builder::new();
-        // The header timeout is enforced below (`verdict`), so hyper's own
-        // per-request header timer is off: one timer fewer per request.
-        builder
-            .timer(TokioTimer::new())
-            .header_read_timeout(None)
-            .max_buf_size((limits.max_uri_bytes + limits.max_header_bytes + 4096).max(8192));
-        let conn = builder
-            .serve_connection(TokioIo::new(TimedIo::new(stream, act.clone())), svc)
-            .with_upgrades();
-        tokio::pin!(conn);
-        let mut shutdown = self.shutdown.clone();
-        let mut closing = false;
-        let mut draining = false;
-        let mut timeouts = Timeouts {
-            header_ms: limits.header_timeout_ms,
-            idle_ms: limits.idle_timeout_ms,
-            send_ms: limits.send_timeout_ms,
-            drain_since: 0,
-            drain_idle_ms: limits.drain_idle_ms,
-        };
-        loop {
-            let wait = match verdict(&act, now_ms(), timeouts) {
-                Verdict::Wait(d) => d,
-                Verdict::HeaderTimeout => {
-                    tracing::debug!(%peer, "request head not received in time; closing");
-                    return;
-                }
-                Verdict::SendTimeout => {
-                    log_limited(
-                        &SEND_LOG,
-                        || tracing::warn!(%peer, send_timeout_ms = timeouts.send_ms, "client stopped reading the response; closing"),
-                    );
-                    return;
-                }
-                Verdict::Idle => {
-                    if !closing {
-                        conn.as_mut().graceful_shutdown();
-                        closing = true;
-                    }
-                    Duration::from_millis(limits.header_timeout_ms.max(10))
-                }
-            };
-            // Re-check at least every half header timeout: a request head
-            // may start arriving at any moment.
-            let wait = wait.min(Duration::from_millis(
-                (limits.header_timeout_ms / 2).max(10),
-            ));
-            tokio::select! {
-                r = conn.as_mut() => {
-                    if let Err(e) = r {
-                        tracing::debug!(%peer, error = %e, "client connection ended with an error");
-                    }
-                    return;
-                }
-                _ = tokio::time::sleep(wait) => {}
-                // Drain: requests in flight finish (their answers carry
-                // `Connection: close`); a connection idle for
-                // `drain_idle_ms` since the drain's start (or its last
-                // request, if later) is closed — never one that is
-                // mid-request.
-                _ = shutdown.wait_for(|s| *s), if !draining => {
-                    draining = true;
-                    timeouts.drain_since = self.drain_since_or_now();
-                }
-            }
         }
     }
 }

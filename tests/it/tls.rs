@@ -555,3 +555,51 @@ async fn big_static_files_over_tls_and_h2_are_streamed_whole() {
         }
     }
 }
+
+/// HTTP/1.1 over TLS runs on the same connection loop and codec as plain
+/// HTTP/1.1: a 2 MB upload with `Expect: 100-continue` (curl's default for
+/// a body that large) and a chunked one come back whole from an echoing
+/// node; a head that never ends is cut at the header timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http1_over_tls_streams_uploads_and_keeps_the_header_timeout() {
+    let fx = Fixture::new();
+    let echo = Backend::start_mode("e", "formal", Mode::Echo).await;
+    write_cert(&fx.path("certs"), "default", "localhost");
+    fx.api_nodes(&[&echo]);
+    let gw = Config::new()
+        .node_files(&["nodes.yaml"])
+        .raw("client: { header_timeout_ms: 1500 }\n")
+        .routes(&[Route::service("/", "api")])
+        .listeners(&[Listener::tls().cert("certs/default.crt", "certs/default.key")])
+        .start(&fx, "graygate.yaml");
+    let tls = listeners(&gw)[0];
+    let data = pattern(2_000_000);
+    fx.write("upload.bin", std::str::from_utf8(&data).unwrap());
+    let upload = format!("@{}", fx.path("upload.bin").display());
+    for extra in [&[][..], &["-H", "Transfer-Encoding: chunked"][..]] {
+        let mut args = vec!["--http1.1", "--data-binary", &upload];
+        args.extend_from_slice(extra);
+        let r = curl(&args, &https(tls, "/up"));
+        assert!(r.ok, "{extra:?}: curl failed");
+        assert_eq!(r.version, "1.1");
+        assert!(
+            r.body.as_bytes() == data,
+            "{extra:?}: {} bytes came back",
+            r.body.len()
+        );
+    }
+    // A head that never ends: closed at the header timeout (the client's
+    // read ends), not held open.
+    let started = std::time::Instant::now();
+    let out = s_client(
+        tls,
+        &["-quiet"],
+        "GET / HTTP/1.1\r\nHost: localhost\r\nX-Slow: 1\r\n",
+    );
+    assert!(!out.contains("HTTP/1.1 200"), "{out}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(15),
+        "a slow head was held {:?}",
+        started.elapsed()
+    );
+}
