@@ -11,6 +11,7 @@
 
 pub mod conn;
 mod h1;
+mod inbox;
 pub use h1::{decode_request, DecodedRequest};
 pub mod h2guard;
 pub mod handover;
