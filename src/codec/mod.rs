@@ -1,9 +1,12 @@
 //! Layer: codec (data plane, above base; below upstream and server). The
 //! HTTP/1.1 wire format in one place, for both sides of the gateway: the
-//! fast read of request and status heads ([`head`]) and the strict
-//! `Transfer-Encoding: chunked` decoder ([`chunked`]). The client
+//! fast read of request and status heads ([`head`]), the strict
+//! `Transfer-Encoding: chunked` decoder and the encoder ([`chunked`]), and
+//! the body-framing rules of RFC 9112 §6 with the strict Content-Length
+//! value ([`framing`]). The client
 //! connections (`server`) and the node connections (`upstream`) frame
 //! their messages with these; HTTP/2 stays hyper's.
 
 pub mod chunked;
+pub mod framing;
 pub mod head;
