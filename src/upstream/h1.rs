@@ -655,7 +655,9 @@ async fn exchange(
             .map_err(|e| (Failed::io(e, true), true))?;
     }
     if let Some(sending) = sending {
-        return duplex(conn, req, sending, deadline).await;
+        // Boxed: the exchange of a body in hand does not carry the duplex
+        // loop's state.
+        return Box::pin(duplex(conn, req, sending, deadline)).await;
     }
     loop {
         if let Some(head) = parsed(conn, req).map_err(|e| (e, true))? {
