@@ -1523,6 +1523,54 @@ mod tests {
         assert_eq!(kept(), 0);
     }
 
+    /// The head of a streamed body says its framing once: chunked (the
+    /// client's own length and coding fields dropped) or the known length;
+    /// a body in hand its own length.
+    #[test]
+    fn the_head_frames_the_body_once() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("5"));
+        headers.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("gzip"));
+        headers.insert(header::HOST, HeaderValue::from_static("a"));
+        let added = Added::none();
+        let addr: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        let head = |streamed: Option<BodyFraming>, body: Option<Bytes>| {
+            let out = Outgoing {
+                method: &Method::POST,
+                path_and_query: "/p",
+                headers: &headers,
+                added: &added,
+                body,
+                streamed,
+                raw_ok: false,
+                upgrade: false,
+            };
+            let mut w = Vec::new();
+            out.encode(addr, &mut w);
+            String::from_utf8(w).unwrap()
+        };
+        let framing = |h: &str| {
+            h.lines()
+                .filter(|l| {
+                    let l = l.to_ascii_lowercase();
+                    l.starts_with("content-length") || l.starts_with("transfer-encoding")
+                })
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        };
+        let chunked = head(Some(BodyFraming::Chunked), None);
+        assert!(chunked.starts_with("POST /p HTTP/1.1\r\nhost: a\r\n"), "{chunked}");
+        assert_eq!(framing(&chunked), ["transfer-encoding: chunked"]);
+        assert!(chunked.ends_with("\r\n\r\n"));
+        assert_eq!(
+            framing(&head(Some(BodyFraming::Length(70000)), None)),
+            ["content-length: 70000"]
+        );
+        let in_hand = head(None, Some(Bytes::from_static(b"hello")));
+        assert_eq!(framing(&in_hand), ["content-length: 5"]);
+        assert!(in_hand.ends_with("\r\n\r\nhello"));
+    }
+
     #[test]
     fn hop_by_hop_fields_are_read_and_dropped() {
         let mut m = Meta::default();
