@@ -280,8 +280,8 @@ fn checkin(addr: SocketAddr, mut conn: Box<Conn>, max_idle: usize) {
     }
 }
 
-/// Connects a fresh upstream connection.
-pub async fn connect(addr: SocketAddr, timeout: Duration) -> Result<TcpStream, Error> {
+/// Connects a fresh TCP connection to a node.
+pub async fn connect_tcp(addr: SocketAddr, timeout: Duration) -> Result<TcpStream, Error> {
     let stream = tokio::time::timeout(timeout, TcpStream::connect(addr))
         .await
         .map_err(|_| Error::new(ErrorKind::Connect).with_source("timed out"))?
@@ -297,7 +297,7 @@ async fn open(
     tls: Option<&TlsConnect>,
     timeout: Duration,
 ) -> Result<Box<Conn>, Error> {
-    let tcp = connect(addr, timeout).await?;
+    let tcp = connect_tcp(addr, timeout).await?;
     let Some(t) = tls else {
         return Ok(Box::new(Conn::new(Stream::Plain(tcp), 0)));
     };
@@ -539,50 +539,107 @@ pub struct Settings {
     pub read_timeout: Duration,
 }
 
-/// Sends `req` to `addr` (over TLS with `tls`) and returns the response
-/// with its body streaming from the connection; a streamed body goes in
-/// `sending` and what is left of it when the head arrives is sent while
-/// the response body is read. A reused connection that the upstream had
-/// already closed is replaced by a fresh one and the request sent again,
-/// as nginx does for its cached connections — only when nothing came back,
-/// the request was either never written or is idempotent, and no byte of a
-/// streamed body was taken.
-pub async fn request(
-    (addr, tls): (SocketAddr, Option<&TlsConnect>),
-    req: Outgoing<'_>,
-    mut sending: Option<Box<Sending>>,
-    s: &Settings,
-    deadline: &mut Deadline,
-) -> Result<Response<RawBody>, Error> {
-    let idempotent = super::fields::idempotent(req.method);
-    let head_request = *req.method == Method::HEAD;
-    let tls_id = tls.map_or(0, |t| t.id);
-    if let Some(mut conn) = checkout(addr, tls_id, s.idle_timeout) {
-        match exchange(&mut conn, addr, &req, sending.as_deref_mut(), deadline).await {
-            Ok(head) => return finish(head, conn, addr, head_request, sending, s),
-            Err((f, _)) if f.timed_out => return Err(ErrorKind::ResponseTimeout.into()),
-            Err((f, written))
-                if f.nothing_back
-                    && (!written || idempotent)
-                    && !sending.as_ref().is_some_and(|b| b.polled) =>
-            {
-                tracing::debug!(%addr, error = %f.error, "pooled upstream connection was closed; reconnecting");
-            }
-            Err((f, _)) => return Err(Error::new(ErrorKind::Exchange).with_source(f.error)),
+/// An HTTP/1.1 session to a node: one connection, taken from the thread's
+/// pool or freshly opened, carrying one exchange at a time ([`connect`],
+/// [`Session::send`]).
+pub struct Session {
+    conn: Box<Conn>,
+    /// Taken from the pool: the node may have closed it meanwhile.
+    reused: bool,
+}
+
+/// Why a session's exchange failed.
+pub enum Failure {
+    /// A pooled connection the node had already closed, found so before
+    /// anything came back and before anything was sent that cannot be sent
+    /// again: a fresh session may carry the request (as nginx does for its
+    /// cached connections).
+    Stale,
+    Failed(Error),
+}
+
+impl From<Failure> for Error {
+    fn from(f: Failure) -> Error {
+        match f {
+            Failure::Stale => Error::new(ErrorKind::Exchange)
+                .with_source("the node closed the connection before a response"),
+            Failure::Failed(e) => e,
         }
     }
+}
+
+/// A session to `addr` (over TLS with `tls`): an idle pooled connection
+/// still usable, else a fresh one ([`fresh`]).
+pub async fn connect(
+    addr: SocketAddr,
+    tls: Option<&TlsConnect>,
+    s: &Settings,
+    deadline: &mut Deadline,
+) -> Result<Session, Error> {
+    match checkout(addr, tls.map_or(0, |t| t.id), s.idle_timeout) {
+        Some(conn) => Ok(Session { conn, reused: true }),
+        None => fresh(addr, tls, s, deadline).await,
+    }
+}
+
+/// A session on a new connection (TCP, and the TLS handshake with `tls`),
+/// within the connect timeout and the attempt's deadline.
+pub async fn fresh(
+    addr: SocketAddr,
+    tls: Option<&TlsConnect>,
+    s: &Settings,
+    deadline: &mut Deadline,
+) -> Result<Session, Error> {
     // Boxed once per connection: the response body (which owns the
-    // connection until its end) stays small to move.
-    // (The connect future boxed too: only new connections pay for it, and
-    // the exchange's future stays small to move.)
-    let mut conn = deadline
+    // connection until its end) stays small to move. (The connect future
+    // boxed too: only new connections pay for it, and the exchange's
+    // future stays small to move.)
+    let conn = deadline
         .within(Box::pin(open(addr, tls, s.connect_timeout)))
         .await
         .map_err(|_| Error::new(ErrorKind::ResponseTimeout))??;
-    match exchange(&mut conn, addr, &req, sending.as_deref_mut(), deadline).await {
-        Ok(head) => finish(head, conn, addr, head_request, sending, s),
-        Err((f, _)) if f.timed_out => Err(ErrorKind::ResponseTimeout.into()),
-        Err((f, _)) => Err(Error::new(ErrorKind::Exchange).with_source(f.error)),
+    Ok(Session {
+        conn,
+        reused: false,
+    })
+}
+
+impl Session {
+    /// Sends `req` to `addr` on this session and returns the response with
+    /// its body streaming from the connection; a streamed body comes in
+    /// `sending`, and what is left of it when the head arrives is sent
+    /// while the response body is read. [`Failure::Stale`] when a pooled
+    /// connection turned out closed and the request may go again: nothing
+    /// came back, and it was either never written or is idempotent, and no
+    /// byte of a streamed body was taken (`sending` is left in place).
+    pub async fn send(
+        self,
+        addr: SocketAddr,
+        req: &Outgoing<'_>,
+        sending: &mut Option<Box<Sending>>,
+        s: &Settings,
+        deadline: &mut Deadline,
+    ) -> Result<Response<RawBody>, Failure> {
+        let mut conn = self.conn;
+        match exchange(&mut conn, addr, req, sending.as_deref_mut(), deadline).await {
+            Ok(head) => {
+                let head_request = *req.method == Method::HEAD;
+                finish(head, conn, addr, head_request, sending.take(), s).map_err(Failure::Failed)
+            }
+            Err((f, _)) if f.timed_out => Err(Failure::Failed(ErrorKind::ResponseTimeout.into())),
+            Err((f, written))
+                if self.reused
+                    && f.nothing_back
+                    && (!written || super::fields::idempotent(req.method))
+                    && !sending.as_ref().is_some_and(|b| b.polled) =>
+            {
+                tracing::debug!(%addr, error = %f.error, "pooled upstream connection was closed; reconnecting");
+                Err(Failure::Stale)
+            }
+            Err((f, _)) => Err(Failure::Failed(
+                Error::new(ErrorKind::Exchange).with_source(f.error),
+            )),
+        }
     }
 }
 
@@ -1559,7 +1616,10 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         let chunked = head(Some(BodyFraming::Chunked), None);
-        assert!(chunked.starts_with("POST /p HTTP/1.1\r\nhost: a\r\n"), "{chunked}");
+        assert!(
+            chunked.starts_with("POST /p HTTP/1.1\r\nhost: a\r\n"),
+            "{chunked}"
+        );
         assert_eq!(framing(&chunked), ["transfer-encoding: chunked"]);
         assert!(chunked.ends_with("\r\n\r\n"));
         assert_eq!(

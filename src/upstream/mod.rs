@@ -1,8 +1,8 @@
 //! Layer: upstream (data plane, below node choice; uses observe, base, config).
 //! The client to the nodes, as sessions: [`Upstream::send`] takes a request
-//! to a [`Peer`], picks its [`Session`] — HTTP/1.1 over plain TCP or TLS (one
-//! engine, [`h1`], on the shared wire format of `codec`) or HTTP/2 (hyper,
-//! [`h2`]) — and runs the exchange there, with per-thread keep-alive pools
+//! to a [`Peer`], connects a [`Session`] ([`Upstream::connect`]) — HTTP/1.1
+//! over plain TCP or TLS (one engine, [`h1`], on the shared wire format of
+//! `codec`) or HTTP/2 (hyper, [`h2`]) — and runs the exchange there, with per-thread keep-alive pools
 //! (like nginx's per-worker upstream keepalive): no shared lock, no
 //! cross-thread wake-ups on the request path. One path for every request:
 //! bodies in hand or streamed (full duplex), upgrades, health probes.
@@ -80,36 +80,17 @@ pub struct OutHead<'a> {
     pub upgrade: bool,
 }
 
-/// The protocol session a request to a [`Peer`] takes: HTTP/1.1 (plain or
-/// TLS, one engine: [`h1`], its connections from the thread's keep-alive
-/// pools) or HTTP/2 (h2c or h2 over TLS: [`h2`], one multiplexed
-/// connection per node and thread). [`Upstream::send`] connects one (a
-/// pooled connection or a fresh one) and runs the exchange on it.
+/// A session to a node ([`Upstream::connect`]): an HTTP/1.1 connection,
+/// plain or TLS (one engine, [`h1`]), taken from the thread's keep-alive
+/// pool or freshly opened; or an HTTP/2 node (h2c or h2 over TLS, [`h2`]),
+/// whose one multiplexed connection per thread is taken (or opened) when
+/// the request's stream goes out.
 pub enum Session<'a> {
-    H1 {
-        addr: SocketAddr,
-        tls: Option<&'a tls::TlsConnect>,
-    },
+    H1(h1::Session),
     H2 {
         addr: SocketAddr,
         transport: &'a tls::Transport,
     },
-}
-
-impl<'a> Session<'a> {
-    /// The session for `peer`.
-    pub fn of(peer: Peer<'a>) -> Session<'a> {
-        match peer.transport {
-            Some(t) if t.h2 => Session::H2 {
-                addr: peer.addr,
-                transport: t,
-            },
-            t => Session::H1 {
-                addr: peer.addr,
-                tls: t.and_then(|t| t.tls.as_ref()),
-            },
-        }
-    }
 }
 
 /// Frees the read buffers the thread's exchanges kept and did not take
@@ -179,7 +160,29 @@ impl Upstream {
         }
     }
 
-    /// Sends a request to `peer` — the one way to a node — and returns
+    /// A session to `peer`: for HTTP/1.1 (plain or TLS) an idle pooled
+    /// connection still usable, else a fresh one, connected within
+    /// `deadline`.
+    pub async fn connect<'a>(
+        &self,
+        peer: Peer<'a>,
+        s: &h1::Settings,
+        deadline: &mut Deadline,
+    ) -> Result<Session<'a>, Error> {
+        match peer.transport {
+            Some(t) if t.h2 => Ok(Session::H2 {
+                addr: peer.addr,
+                transport: t,
+            }),
+            t => {
+                let tls = t.and_then(|t| t.tls.as_ref());
+                Ok(Session::H1(h1::connect(peer.addr, tls, s, deadline).await?))
+            }
+        }
+    }
+
+    /// Sends a request to `peer` — the one way to a node, proxy and health
+    /// probes alike — on a session ([`connect`](Self::connect)) and returns
     /// the response with its body still streaming; a body read that waits
     /// longer than `read_timeout` fails the body. No response head within
     /// `limit` (connect included) is a `ResponseTimeout` — on the HTTP/1.1
@@ -191,7 +194,9 @@ impl Upstream {
     /// streamed one as it comes, and is taken only by the connection that
     /// sends it: a connect failure leaves it untouched, so the caller can
     /// take it back for another node ([`body::Replay::recover`]), while a
-    /// body that reached a node is never sent twice.
+    /// body that reached a node is never sent twice. A pooled HTTP/1.1
+    /// connection the node had closed is replaced by a fresh one when the
+    /// request may go again ([`h1::Failure::Stale`]).
     pub async fn send(
         &self,
         peer: Peer<'_>,
@@ -199,13 +204,16 @@ impl Upstream {
         body: UpBody,
         (read_timeout, limit): (Duration, Duration),
     ) -> Result<Response<PooledBody>, Error> {
-        let session = Session::of(peer);
-        let Session::H1 { addr, tls } = session else {
+        let mut deadline =
+            Deadline::after_from(head.start.unwrap_or_else(std::time::Instant::now), limit);
+        let settings = self.settings(read_timeout);
+        let session = match self.connect(peer, &settings, &mut deadline).await? {
+            Session::H1(session) => session,
             // Boxed: the HTTP/1.1 path's future does not grow by h2's
             // state.
-            return Box::pin(self.send_h2(session, head, body, (read_timeout, limit))).await;
+            h2 => return Box::pin(self.send_h2(h2, head, body, (read_timeout, limit))).await,
         };
-        let (body, sending) = match body {
+        let (body, mut sending) = match body {
             UpBody::Empty => (None, None),
             UpBody::Full(b) => (b, None),
             stream @ UpBody::Stream(_) => {
@@ -226,21 +234,20 @@ impl Upstream {
             raw_ok: head.raw_ok,
             upgrade: head.upgrade,
         };
-        let mut deadline =
-            Deadline::after_from(head.start.unwrap_or_else(std::time::Instant::now), limit);
-        let settings = self.settings(read_timeout);
-        let resp = if sending.is_none() && tls.is_none() {
-            h1::request((addr, None), out, None, &settings, &mut deadline).await?
-        } else {
-            // Boxed: the plain in-hand exchange's future stays as small.
-            Box::pin(h1::request(
-                (addr, tls),
-                out,
-                sending,
-                &settings,
-                &mut deadline,
-            ))
-            .await?
+        let addr = peer.addr;
+        let resp = match session
+            .send(addr, &out, &mut sending, &settings, &mut deadline)
+            .await
+        {
+            Ok(r) => r,
+            Err(h1::Failure::Stale) => {
+                let tls = peer.transport.and_then(|t| t.tls.as_ref());
+                h1::fresh(addr, tls, &settings, &mut deadline)
+                    .await?
+                    .send(addr, &out, &mut sending, &settings, &mut deadline)
+                    .await?
+            }
+            Err(h1::Failure::Failed(e)) => return Err(e),
         };
         Ok(resp.map(|b| PooledBody::Raw(b, None)))
     }
