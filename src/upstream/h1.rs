@@ -1,6 +1,7 @@
-//! Layer: upstream. The HTTP/1.1 engine for node connections, plain or TLS:
-//! one exchange driven inline by the request's own task (like an nginx
-//! upstream), on a pooled connection. No connection task, no channel between
+//! Layer: upstream. The HTTP/1.1 engine for node connections, plain or TLS
+//! ([`Stream`]): a [`Session`] is one connection, pooled or fresh
+//! ([`connect`], [`fresh`]), and [`Session::send`] one exchange driven
+//! inline by the request's own task (like an nginx upstream). No connection task, no channel between
 //! the request and its connection: the request head and a buffered body go
 //! out in one write, the response head is parsed with the codec's fast read
 //! (`httparse` for the rest), and the body is handed to the client side

@@ -241,9 +241,23 @@ async fn tls_node(mode: Mode, certs: &Path) -> (SocketAddr, Seen) {
 /// A gateway in front of `nodes` (one service `api`, its TLS settings
 /// `tls` when given), with `extra` main configuration.
 fn gateway(fx: &Fixture, nodes: &[SocketAddr], tls: Option<&str>, extra: &str) -> Gateway {
+    gateway_with(fx, nodes, tls, extra, &[])
+}
+
+/// [`gateway`] with more settings of the service.
+fn gateway_with(
+    fx: &Fixture,
+    nodes: &[SocketAddr],
+    tls: Option<&str>,
+    extra: &str,
+    service: &[(&str, &str)],
+) -> Gateway {
     let mut svc = Service::new("api");
     if let Some(t) = tls {
         svc = svc.set("tls", t);
+    }
+    for (k, v) in service {
+        svc = svc.set(k, v);
     }
     for (i, addr) in nodes.iter().enumerate() {
         svc = svc.node(Node::new(&format!("n{i}"), *addr));
@@ -478,13 +492,21 @@ async fn a_node_answering_before_reading_the_body_is_passed_on() {
 
 /// A node that closes in the middle of a streamed body: the client gets a
 /// 502, and the body, which reached a node, is sent to no other (the
-/// request is idempotent and retries are on: only the body stops it).
+/// request is idempotent and retries are on: only the body stops it); the
+/// node is charged once (one error, one passive-health failure).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_closing_mid_body_is_a_502_and_the_body_is_not_sent_again() {
     let fx = Fixture::new();
     let (a, seen_a) = plain_node(Mode::CloseMidBody).await;
     let (b, seen_b) = plain_node(Mode::CloseMidBody).await;
-    let gw = gateway(&fx, &[a, b], None, "upstream: { retries: 2 }\n");
+    let health = "{ passive: { max_fails: 5, cooldown_ms: 60000 } }";
+    let gw = gateway_with(
+        &fx,
+        &[a, b],
+        None,
+        "upstream: { retries: 2 }\n",
+        &[("health", health)],
+    );
     let mut sock = TcpStream::connect(gw.addr).await.unwrap();
     // A chunked PUT: idempotent, but of unknown length, so it streams.
     sock.write_all(
@@ -517,4 +539,26 @@ async fn a_node_closing_mid_body_is_a_502_and_the_body_is_not_sent_again() {
         "a second connection was opened"
     );
     writer.abort();
+    // Charged once: one error and one failure, on the node that had it.
+    let charged = |doc: &serde_json::Value, key: &str| -> u64 {
+        doc["services"][0]["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| {
+                n[key]
+                    .as_u64()
+                    .or_else(|| n["health_detail"][key].as_u64())
+                    .unwrap_or(0)
+            })
+            .sum()
+    };
+    soon("the node's error recorded", || async {
+        charged(&gw.admin_get("/nodes").await.json(), "errors") >= 1
+    })
+    .await;
+    let doc = gw.admin_get("/nodes").await.json();
+    assert_eq!(charged(&doc, "errors"), 1, "{doc}");
+    assert_eq!(charged(&doc, "consecutive_fails"), 1, "{doc}");
+    assert_eq!(charged(&doc, "requests"), 1, "{doc}");
 }
