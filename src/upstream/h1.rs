@@ -606,7 +606,7 @@ pub async fn fresh(
 }
 
 impl Session {
-    /// Sends `req` to `addr` on this session and returns the response with
+    /// Sends `req` to `addr` on the session and returns the response with
     /// its body streaming from the connection; a streamed body comes in
     /// `sending`, and what is left of it when the head arrives is sent
     /// while the response body is read. [`Failure::Stale`] when a pooled
@@ -1134,7 +1134,7 @@ impl Meta {
     }
 }
 
-/// One node response as the inline exchange reads it, decoded off raw
+/// One node response as the engine reads it, decoded off raw
 /// bytes without a socket (the response codec on its own: fuzz targets
 /// and codec tests drive it).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1149,7 +1149,7 @@ pub struct Decoded {
     pub rest: Option<Vec<u8>>,
 }
 
-/// Decodes the response at the front of `wire` as the inline exchange does
+/// Decodes the response at the front of `wire` as the engine does
 /// — interim `1xx` skipped, the head's framing, the chunked body that came
 /// with the head checked before the head would go out — with `wire`
 /// arriving `piece` bytes at a time (the connection's reads). `Err`: what

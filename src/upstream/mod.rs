@@ -1,11 +1,12 @@
-//! Layer: upstream (data plane, below node choice; uses observe, base, config).
-//! The client to the nodes, as sessions: [`Upstream::send`] takes a request
-//! to a [`Peer`], connects a [`Session`] ([`Upstream::connect`]) — HTTP/1.1
-//! over plain TCP or TLS (one engine, [`h1`], on the shared wire format of
-//! `codec`) or HTTP/2 (hyper, [`h2`]) — and runs the exchange there, with per-thread keep-alive pools
-//! (like nginx's per-worker upstream keepalive): no shared lock, no
-//! cross-thread wake-ups on the request path. One path for every request:
-//! bodies in hand or streamed (full duplex), upgrades, health probes.
+//! Layer: upstream (data plane, below node choice; uses observe, codec, base,
+//! config). The client to the nodes, as sessions: [`Upstream::send`] takes a
+//! request to a [`Peer`], connects a [`Session`] ([`Upstream::connect`]) —
+//! HTTP/1.1 over plain TCP or TLS (one engine, [`h1`], on the shared wire
+//! format of `codec`) or HTTP/2 (hyper, [`h2`]) — and runs the exchange
+//! there, with per-thread keep-alive pools (like nginx's per-worker upstream
+//! keepalive): no shared lock, no cross-thread wake-ups on the request path.
+//! One path for every request: bodies in hand or streamed (full duplex),
+//! upgrades, health probes.
 //!
 //! A connection goes back to its thread's pool when the response body has been
 //! read to the end; one the upstream closed is dropped at checkout, and a
@@ -284,7 +285,7 @@ impl Upstream {
 // would cost a second allocation per response.
 #[allow(clippy::large_enum_variant)]
 pub enum PooledBody {
-    /// From the inline exchange.
+    /// From the HTTP/1.1 engine ([`h1`]).
     Raw(h1::RawBody, Option<NodeTracker>),
     /// From an HTTP/2 stream.
     H2(H2Body, Option<NodeTracker>),
@@ -292,7 +293,7 @@ pub enum PooledBody {
 
 impl PooledBody {
     /// The response head's fields as the node sent them, if they came so
-    /// ([`Upstream::request_ref`] with `raw_ok`).
+    /// ([`OutHead::raw_ok`]).
     pub fn take_raw_head(&mut self) -> Option<RawHead> {
         match self {
             PooledBody::Raw(b, _) => b.take_raw_head(),
