@@ -2,8 +2,10 @@
 //! Entry points shared by the cargo-fuzz targets in `fuzz/` and the bounded
 //! stable-Rust smoke test (`tests/it/fuzz_smoke.rs`): config files → loader,
 //! raw request bytes → route and lane decision, and a node's raw response
-//! bytes → the upstream HTTP/1.1 response codec. Both check invariants and panic
-//! when one breaks, which is what a fuzzer looks for.
+//! bytes → the upstream HTTP/1.1 response codec, and a request body → the
+//! chunked encoder the node connections send with → the strict decoder.
+//! Each checks invariants and panics when one breaks, which is what a
+//! fuzzer looks for.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Component, Path};
@@ -233,4 +235,67 @@ pub fn request_decoding(data: &[u8]) -> Option<crate::server::DecodedRequest> {
         "what follows the message is the input's tail"
     );
     Some(d)
+}
+
+/// A request body through the chunked encoder the node connections send a
+/// body of unknown length with, and back through the strict decoder
+/// (`data[0]`: the size of the client's pieces, 0 for one piece;
+/// `data[1]`: the size of the reads the decoder is fed, 0 for all at
+/// once; the rest: the body). The body comes back whole and exact, the
+/// encoded bytes pass the check a node's answer gets, and what follows the
+/// last chunk is left untouched. Returns the encoded bytes.
+pub fn chunked_round_trip(data: &[u8]) -> Option<Vec<u8>> {
+    use crate::codec::chunked::{check_in_hand, encode, Chunked, Step, LAST_CHUNK};
+    let (&piece, rest) = data.split_first()?;
+    let (&read, body) = rest.split_first()?;
+    let piece = if piece == 0 {
+        body.len().max(1)
+    } else {
+        usize::from(piece)
+    };
+    let mut wire = Vec::with_capacity(body.len() + 64);
+    for part in body.chunks(piece) {
+        encode(part, &mut wire);
+    }
+    wire.extend_from_slice(LAST_CHUNK);
+    assert_eq!(
+        check_in_hand(&wire),
+        Ok(()),
+        "the encoder's bytes are refused"
+    );
+    let tail = b"HTTP/1.1 200 OK\r\n\r\n";
+    let mut fed = wire.clone();
+    fed.extend_from_slice(tail);
+    let read = if read == 0 {
+        fed.len()
+    } else {
+        usize::from(read)
+    };
+    let mut decoder = Chunked::default();
+    let mut buf = bytes::BytesMut::new();
+    let mut at = 0;
+    let mut out = Vec::with_capacity(body.len());
+    loop {
+        match decoder
+            .step(&mut buf)
+            .expect("the decoder refuses the encoder's bytes")
+        {
+            Step::Data(d) => out.extend_from_slice(&d),
+            Step::Done => break,
+            Step::More => {
+                assert!(
+                    at < fed.len(),
+                    "the decoder wants more than the encoder wrote"
+                );
+                let end = (at + read).min(fed.len());
+                buf.extend_from_slice(&fed[at..end]);
+                at = end;
+            }
+        }
+    }
+    assert!(out == body, "the body came back otherwise");
+    let mut left = buf.to_vec();
+    left.extend_from_slice(&fed[at..]);
+    assert_eq!(&left[..], &tail[..], "what follows the body was touched");
+    Some(wire)
 }

@@ -1,5 +1,7 @@
-//! Layer: codec. Incremental decoder for `Transfer-Encoding: chunked`
-//! response bodies: fed from the connection's read buffer, it hands out chunk
+//! Layer: codec. `Transfer-Encoding: chunked` both ways: the encoder for a
+//! request body of unknown length the gateway sends ([`SizeLine`],
+//! [`LAST_CHUNK`], [`encode`]), and the incremental decoder for response
+//! bodies: fed from the connection's read buffer, it hands out chunk
 //! data without copying and drops chunk extensions and trailers (as nginx
 //! does). Strict, as RFC 9112 §7.1 reads: every line ends in CRLF (a bare
 //! LF is an error), sizes are hex digits only (httparse's chunk-size parser,
@@ -173,9 +175,100 @@ impl Chunked {
     }
 }
 
+/// The CRLF that ends a chunk's data.
+pub const CRLF: &[u8] = b"\r\n";
+
+/// The last chunk with no trailers: what ends a chunked body.
+pub const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
+
+/// The size line that opens a chunk of `len` bytes (lower-case hex, no
+/// extension, CRLF), on the stack. A chunk of 0 bytes would end the body:
+/// callers send none.
+#[derive(Clone, Copy)]
+pub struct SizeLine {
+    buf: [u8; 18],
+    len: u8,
+}
+
+impl SizeLine {
+    pub fn new(len: usize) -> SizeLine {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut buf = [0u8; 18];
+        let digits = (usize::BITS - len.leading_zeros()).div_ceil(4).max(1) as usize;
+        for (i, b) in buf[..digits].iter_mut().enumerate() {
+            *b = HEX[(len >> (4 * (digits - 1 - i))) & 0xf];
+        }
+        buf[digits] = b'\r';
+        buf[digits + 1] = b'\n';
+        SizeLine {
+            buf,
+            len: digits as u8 + 2,
+        }
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.buf[..self.len as usize]
+    }
+}
+
+/// Appends `data` as one chunk to `out` (nothing for empty data: an empty
+/// chunk is the last one).
+pub fn encode(data: &[u8], out: &mut Vec<u8>) {
+    if data.is_empty() {
+        return;
+    }
+    out.extend_from_slice(SizeLine::new(data.len()).as_bytes());
+    out.extend_from_slice(data);
+    out.extend_from_slice(CRLF);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn size_lines_are_bare_lower_case_hex() {
+        for (n, want) in [
+            (1usize, "1\r\n"),
+            (15, "f\r\n"),
+            (16, "10\r\n"),
+            (255, "ff\r\n"),
+            (4096, "1000\r\n"),
+            (0xdead_beef, "deadbeef\r\n"),
+        ] {
+            assert_eq!(SizeLine::new(n).as_bytes(), want.as_bytes(), "{n}");
+        }
+        let max = SizeLine::new(usize::MAX);
+        assert_eq!(max.as_bytes().len(), usize::BITS as usize / 4 + 2);
+        // What the strict decoder reads back.
+        for n in [1usize, 9, 10, 4095, 1 << 20] {
+            let line = SizeLine::new(n);
+            assert_eq!(
+                parse_size(line.as_bytes()),
+                Ok(Some((line.as_bytes().len(), n as u64)))
+            );
+        }
+    }
+
+    /// Every split of the data into chunks decodes back to the same bytes,
+    /// fed to the decoder at every piece size, with nothing left over.
+    #[test]
+    fn encoded_bodies_decode_back() {
+        let data: Vec<u8> = (0..=255u8).cycle().take(300).collect();
+        for split in [1usize, 7, 16, 299, 300, 1000] {
+            let mut wire = Vec::new();
+            for part in data.chunks(split) {
+                encode(part, &mut wire);
+            }
+            encode(b"", &mut wire);
+            wire.extend_from_slice(LAST_CHUNK);
+            for piece in [1usize, 3, 64, wire.len()] {
+                let (body, left) = decode(&wire, piece).unwrap();
+                assert_eq!(body, data, "split {split} piece {piece}");
+                assert_eq!(left, 0);
+            }
+        }
+    }
 
     /// Feeds `wire` in pieces of `piece` bytes and collects the body.
     fn decode(wire: &[u8], piece: usize) -> Result<(Vec<u8>, usize), &'static str> {

@@ -10,13 +10,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue, Request};
+use http::{HeaderName, HeaderValue};
 
 use super::Service;
 use crate::config::{ActiveHealth, PassiveHealth};
 use crate::upstream::body::UpBody;
 use crate::upstream::fields::Added;
-use crate::upstream::Upstream;
+use crate::upstream::{OutHead, Peer, Upstream};
 
 use crate::base::clock::now_ms;
 
@@ -365,24 +365,33 @@ async fn probe(
     lane: &str,
     cfg: &ActiveHealth,
 ) -> bool {
-    let Ok(mut req) = Request::get(cfg.path.as_str()).body(UpBody::Empty) else {
+    let Ok(target) = http::Uri::try_from(cfg.path.as_str()) else {
         return false;
     };
+    let mut headers = http::HeaderMap::with_capacity(2);
     if let Ok(v) = HeaderValue::from_str(lane) {
-        req.headers_mut().insert(tag_header.clone(), v);
+        headers.insert(tag_header.clone(), v);
     }
-    req.headers_mut().insert(
+    headers.insert(
         http::header::USER_AGENT,
         HeaderValue::from_static("graygate-health"),
     );
     let fut = async {
         let read_timeout = Duration::from_millis(cfg.timeout_ms);
+        let head = OutHead {
+            method: &http::Method::GET,
+            target: &target,
+            headers: &headers,
+            added: &Added::none(),
+            start: None,
+            raw_ok: false,
+            upgrade: false,
+        };
         let resp = client
-            .request_via(
-                addr,
-                transport,
-                req,
-                &Added::none(),
+            .send(
+                Peer { addr, transport },
+                head,
+                UpBody::Empty,
                 (read_timeout, read_timeout),
             )
             .await

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use http::header::{self, HeaderMap, HeaderValue};
 use http::request::Parts;
-use http::{Method, Request, Response, StatusCode, Uri, Version};
+use http::{Method, Response, StatusCode, Uri};
 
 use super::ctx::{Client, RequestCtx, Verdict};
 use super::{lane_tag, DataPlane};
@@ -30,7 +30,7 @@ use crate::nodes::{Choice, Fallback, NoCandidates, Service};
 use crate::observe::metrics::NodeTracker;
 use crate::upstream::body::{ClientBody, Replay};
 use crate::upstream::fields::{idempotent, scan, strip_hop_by_hop, strip_hop_by_hop_found, Added};
-use crate::upstream::{OutHead, PooledBody, RawHead, Upstream};
+use crate::upstream::{OutHead, Peer, PooledBody, RawHead};
 
 /// Rate-limits the lane-fallback WARN to once per 10 s per (service,
 /// lane): a slot per hash of the pair holding when it last logged — no
@@ -381,58 +381,27 @@ async fn attempt_all(
             return Err(ErrorKind::TotalTimeout.into());
         }
         let per_try = Duration::from_millis(upstream.response_timeout_ms).min(out.deadline - now);
-        // The plain call checks `per_try` itself at each of its waits (no
-        // wrapper future to move, no timer).
+        // The HTTP/1.1 engine checks `per_try` itself at each of its waits
+        // (no wrapper future to move, no timer).
         let timeouts = (read_timeout, per_try);
-        let plain = service.transport.is_none();
-        // No upgrade kept: the rewrite left no `Upgrade` field (no scan).
-        let inline = Upstream::inline_body(&up_body)
-            && (out.upgrade.is_none() || Upstream::inline_ok(&out.headers, &up_body));
-        let outcome = if plain && inline {
-            // The inline exchange borrows the head: no request built, no
-            // fields cloned or moved per attempt.
-            let head = OutHead {
-                method: &out.method,
-                target: &out.target,
-                headers: &out.headers,
-                // The response timeout runs from this attempt's reading
-                // (`t0` only when nothing was awaited since it was read).
-                start: (tried.len() > 1 || t0_fresh).then_some(now),
-            };
-            plane
-                .client
-                .request_ref(
-                    node.addr,
-                    head,
-                    up_body,
-                    &out.added,
-                    timeouts,
-                    raw.is_some(),
-                )
-                .await
-        } else {
-            let mut req = Request::new(up_body);
-            *req.method_mut() = out.method.clone();
-            *req.uri_mut() = out.target.clone();
-            *req.version_mut() = Version::HTTP_11;
-            *req.headers_mut() = if tried.len() < max_attempts {
-                out.headers.clone()
-            } else {
-                std::mem::take(&mut out.headers)
-            };
-            // A service with TLS or HTTP/2 to its nodes takes its own
-            // (boxed) exchange; each path keeps to `per_try` itself.
-            plane
-                .client
-                .request_via(
-                    node.addr,
-                    service.transport.as_deref(),
-                    req,
-                    &out.added,
-                    timeouts,
-                )
-                .await
+        // The head is borrowed: no request built, no fields cloned or
+        // moved per attempt.
+        let head = OutHead {
+            method: &out.method,
+            target: &out.target,
+            headers: &out.headers,
+            added: &out.added,
+            // The response timeout runs from this attempt's reading (`t0`
+            // only when nothing was awaited since it was read).
+            start: (tried.len() > 1 || t0_fresh).then_some(now),
+            raw_ok: raw.is_some(),
+            upgrade: out.upgrade.is_some(),
         };
+        let peer = Peer {
+            addr: node.addr,
+            transport: service.transport.as_deref(),
+        };
+        let outcome = plane.client.send(peer, head, up_body, timeouts).await;
         let e = match outcome {
             Ok(r) => {
                 // Judged when the body ends (`record`): a body the node

@@ -65,6 +65,7 @@ use crate::base::ratelog::log_limited;
 use crate::base::upgrade::{ClientUpgrade, Tunnel};
 use crate::base::Https;
 use crate::codec::body::{BodyDecoder, Piece};
+use crate::codec::framing::{self, content_length};
 use crate::codec::head::{httparse_spans, span_in, RequestLine, Span};
 use crate::proxy;
 use crate::proxy::record::Recorded;
@@ -999,7 +1000,7 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
     let http11 = !line.http10;
     let mut keep_alive = http11;
     let mut close = false;
-    let mut length: Option<u64> = None;
+    let mut length: Result<Option<u64>, ()> = Ok(None);
     let (mut te_fields, mut te_chunked) = (0u32, false);
     let (mut expect_continue, mut upgrade) = (false, false);
     for &(ns, ne, vs, ve) in spans.iter() {
@@ -1018,11 +1019,13 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
             7 if is(b"upgrade") => upgrade = true,
             // Repeated fields must agree (hyper's rule); a list, a sign or
             // any other byte is not a length.
-            14 if is(b"content-length") => match (length, digits(value)) {
-                (None, Some(l)) => length = Some(l as u64),
-                (Some(a), Some(b)) if a == b as u64 => {}
-                _ => return Parse::Refuse(Refusal::BadRequest),
-            },
+            14 if is(b"content-length") => {
+                length = match (length, content_length(value)) {
+                    (Ok(None), Some(l)) => Ok(Some(l)),
+                    (Ok(Some(a)), Some(b)) if a == b => Ok(Some(a)),
+                    _ => Err(()),
+                }
+            }
             10 if is(b"connection") => {
                 if close || has_token(value, b"close") {
                     close = true;
@@ -1034,28 +1037,21 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
             _ => {}
         }
     }
-    // A refused coding: the head is answered (501) and the connection
-    // closes; nothing of what follows is read as a body.
-    let bad_te = te_fields > 1 || (te_fields == 1 && !te_chunked);
-    let chunked = te_fields == 1 && te_chunked;
-    let body = if bad_te {
-        keep_alive = false;
-        BodyLen::Length(0)
-    } else if chunked {
-        // HTTP/1.0 has no chunked coding (RFC 9112 §6.1).
-        if !http11 {
-            return Parse::Refuse(Refusal::BadRequest);
-        }
-        // Both framings: the chunked coding wins, the length is dropped
-        // and the connection ends after this request (RFC 9112 §6.3).
-        if length.is_some() {
-            keep_alive = false;
-        }
-        BodyLen::Chunked
-    } else {
-        BodyLen::Length(length.unwrap_or(0))
+    // The body's framing (RFC 9112 §6, `codec::framing`). A refused
+    // coding: the head is answered (501) and the connection closes; nothing
+    // of what follows is read as a body.
+    let received = match framing::request_received(te_fields, te_chunked, length, http11) {
+        Ok(r) => r,
+        Err(_) => return Parse::Refuse(Refusal::BadRequest),
     };
-    let drop_length = chunked && length.is_some();
+    let (body, bad_te, drop_length) = match received {
+        framing::RequestBody::Unsupported => (BodyLen::Length(0), true, false),
+        framing::RequestBody::Length(n) => (BodyLen::Length(n), false, false),
+        framing::RequestBody::Chunked { close } => (BodyLen::Chunked, false, close),
+    };
+    if bad_te || drop_length {
+        keep_alive = false;
+    }
     let head: Bytes = buf.split_to(len).freeze();
     let Ok(uri) = Uri::from_maybe_shared(head.slice(path_at.0..path_at.0 + path_at.1)) else {
         return Parse::Refuse(Refusal::BadRequest);

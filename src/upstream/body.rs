@@ -20,7 +20,7 @@ use crate::base::error::ErrorKind;
 use crate::base::stall::Stall;
 
 /// What went wrong with a client's request body, shared between the body
-/// (wherever it is being read: buffering, or hyper's client connection)
+/// (wherever it is being read: buffering, or a node connection sending it)
 /// and the request that decides whom to blame.
 #[derive(Debug, Default)]
 pub struct ClientFault(AtomicU8);

@@ -229,7 +229,7 @@ fn stripped(n: &HeaderName) -> bool {
 
 /// Removes hop-by-hop headers, including those named in `Connection`
 /// (from a node's response: nothing is kept from its tokens).
-/// (`Transfer-Encoding` is framing that hyper owns on each side.)
+/// (`Transfer-Encoding` is framing that each side's engine owns.)
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none: one pass comparing names (cheap for the
     // standard ones) instead of nine hashed removals.

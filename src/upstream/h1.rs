@@ -1,21 +1,29 @@
-//! Layer: upstream. The fast path of the upstream client: one HTTP/1.1 exchange
-//! driven inline by the request's own task (like an nginx upstream), on a
-//! pooled connection. No connection task,
-//! no channel between the request and its connection: the request head and a
-//! buffered body go out in one write, the response head is parsed with
-//! `httparse`, and the body is handed to the client side without copies
-//! (zero-copy slices of the read buffer), decoded from Content-Length, chunked
-//! or close-delimited framing. At its end the connection goes back to the
+//! Layer: upstream. The HTTP/1.1 engine for node connections, plain or TLS
+//! ([`Stream`]): a [`Session`] is one connection, pooled or fresh
+//! ([`connect`], [`fresh`]), and [`Session::send`] one exchange driven
+//! inline by the request's own task (like an nginx upstream). No connection task, no channel between
+//! the request and its connection: the request head and a buffered body go
+//! out in one write, the response head is parsed with the codec's fast read
+//! (`httparse` for the rest), and the body is handed to the client side
+//! without copies (zero-copy slices of the read buffer), decoded from
+//! Content-Length, chunked or close-delimited framing
+//! ([`crate::codec::framing`]). At its end the connection goes back to the
 //! thread's pool without a buffer: its read buffer goes to the thread's
 //! free list (trimmed on the accept loop's tick, [`trim_kept`]), and the
 //! request head is written from one per-thread buffer, so the connections a
 //! burst left idle hold only their sockets.
 //!
-//! Used for every request whose body is already in hand (empty or buffered) and
-//! that asks for no protocol upgrade; streamed bodies and upgrades take hyper's
-//! full-duplex client (`super`).
+//! A streamed request body ([`Sending`]) goes out as it comes — by its
+//! Content-Length when known, chunked otherwise — full duplex: the response
+//! head is read while the body is still being sent, and the rest of the
+//! body is sent while the response body is read (a node may answer before
+//! it has read the whole body). A request that asked for an upgrade takes a
+//! `101` as its final answer; its connection, with any bytes read past the
+//! 101 head in front, becomes the node's side of the tunnel
+//! ([`RawBody::take_upgraded`]).
 
 use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
 use std::future::Future;
 use std::io::{self, Write as _};
 use std::net::SocketAddr;
@@ -23,21 +31,25 @@ use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Response, StatusCode, Version};
 use hyper::body::{Body, Frame, SizeHint};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
 
+use super::body::UpBody;
 use super::fields::{is_hop_by_hop, name_eq, Added};
 use super::pool::{IdlePool, Opened};
+use super::tls::TlsConnect;
 use super::BoxError;
 use crate::base::deadline::Deadline;
 use crate::base::error::{Error, ErrorKind};
 use crate::base::freelist::FreeList;
 use crate::base::stall::Stall;
-use crate::codec::chunked::{Chunked, Step};
+use crate::codec::chunked::{self, Chunked, SizeLine, Step};
+use crate::codec::framing::{self, BodyFraming, LengthFields};
 use crate::codec::head::{Span, StatusLine};
 
 /// Most response header fields parsed (hyper's default too).
@@ -58,10 +70,80 @@ const READ_BUFS_MAX: usize = 1024;
 /// The request-head buffer's first capacity (the usual head fits).
 const WRITE_BUF: usize = 1024;
 
+/// A node connection's byte stream: plain TCP or TLS over it (boxed: the
+/// TLS state is large, and the plain connection does not carry its size).
+pub enum Stream {
+    Plain(TcpStream),
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl Stream {
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Stream::Plain(s) => s,
+            Stream::Tls(s) => s.get_ref().0,
+        }
+    }
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tls(s) => Pin::new(&mut **s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, b: &[u8]) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_write(cx, b),
+            Stream::Tls(s) => Pin::new(&mut **s).poll_write(cx, b),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Stream::Tls(s) => Pin::new(&mut **s).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Stream::Plain(s) => s.is_write_vectored(),
+            Stream::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tls(s) => Pin::new(&mut **s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tls(s) => Pin::new(&mut **s).poll_shutdown(cx),
+        }
+    }
+}
+
 /// An upstream connection; while pooled, its read buffer is empty
 /// (capacity 0: the buffer is on the thread's free list).
 pub struct Conn {
-    stream: TcpStream,
+    stream: Stream,
     rbuf: BytesMut,
     /// Current read size (adaptive, see [`READ_MIN`]).
     read_size: usize,
@@ -74,6 +156,9 @@ pub struct Conn {
     /// Its place in the opening order ([`super::pool::opening`]): a purge
     /// keeps the oldest.
     opened: u64,
+    /// The TLS settings it was verified under ([`TlsConnect::id`]); 0 =
+    /// plain. Which pool it goes back to.
+    tls_id: u64,
 }
 
 impl Opened for Box<Conn> {
@@ -83,7 +168,12 @@ impl Opened for Box<Conn> {
 }
 
 thread_local! {
+    /// Plain connections by node.
     static POOL: RefCell<IdlePool<Box<Conn>>> = RefCell::new(IdlePool::default());
+    /// TLS connections by (node, TLS settings id): a connection verified
+    /// under one service's TLS settings is never handed to a service with
+    /// others.
+    static TLS_POOL: RefCell<IdlePool<Box<Conn>, (SocketAddr, u64)>> = RefCell::new(IdlePool::default());
     static READ_BUFS: RefCell<FreeList<BytesMut>> = const { RefCell::new(FreeList::new(READ_BUFS_MAX)) };
     static WRITE_BUF_KEPT: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
 }
@@ -97,21 +187,40 @@ pub(crate) fn trim_kept() -> usize {
 /// Closes the thread's pooled connections past `idle_timeout`, stale, or
 /// left over from a burst ([`IdlePool::trim`]); how many.
 pub(crate) fn trim_pool(now: u64, idle_timeout: Duration) -> usize {
-    POOL.try_with(|p| p.borrow_mut().trim(now, idle_timeout, |c| !c.is_stale()))
-        .unwrap_or(0)
+    let plain = POOL
+        .try_with(|p| p.borrow_mut().trim(now, idle_timeout, |c| !c.is_stale()))
+        .unwrap_or(0);
+    let tls = TLS_POOL
+        .try_with(|p| p.borrow_mut().trim(now, idle_timeout, |c| !c.is_stale()))
+        .unwrap_or(0);
+    plain + tls
 }
 
 impl Conn {
+    fn new(stream: Stream, tls_id: u64) -> Conn {
+        Conn {
+            stream,
+            rbuf: BytesMut::new(),
+            read_size: READ_MIN,
+            spans: Vec::new(),
+            raw: None,
+            opened: super::pool::opening(),
+            tls_id,
+        }
+    }
+
     /// True when the peer has sent something (EOF, a reset, stray bytes) on
     /// an idle connection: it cannot carry a new request. Reads tokio's
     /// cached readiness only — no system call, and (unlike a poll of the
     /// readiness) no waker put into the registration under its lock: the
     /// closure runs only when the socket is marked readable or closed.
+    /// Under TLS a readiness left over from the last read is checked with a
+    /// peek (a record that filled rustls' read exactly leaves the socket
+    /// marked readable).
     fn is_stale(&self) -> bool {
-        let readable = self
-            .stream
-            .try_io(tokio::io::Interest::READABLE, || Ok(()))
-            .is_ok();
+        let tcp = self.stream.tcp();
+        let readable = tcp.try_io(tokio::io::Interest::READABLE, || Ok(())).is_ok();
+        let readable = readable && (self.tls_id == 0 || peeks_something(tcp));
         readable || !self.rbuf.is_empty()
     }
 
@@ -135,12 +244,29 @@ impl Conn {
     }
 }
 
-/// Takes an idle connection to `addr` that is still usable.
-fn checkout(addr: SocketAddr, idle_timeout: Duration) -> Option<Box<Conn>> {
-    POOL.with(|p| {
-        p.borrow_mut()
-            .checkout(addr, idle_timeout, |c| !c.is_stale())
-    })
+/// Does an idle socket have anything to read (EOF, an error, bytes)? A
+/// peek that does not wait (the idle connection has no task to wake).
+fn peeks_something(tcp: &TcpStream) -> bool {
+    let mut byte = [0u8; 1];
+    let mut buf = ReadBuf::new(&mut byte);
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    tcp.poll_peek(&mut cx, &mut buf).is_ready()
+}
+
+/// Takes an idle connection to `addr` (under TLS settings `tls_id`; 0 =
+/// plain) that is still usable.
+fn checkout(addr: SocketAddr, tls_id: u64, idle_timeout: Duration) -> Option<Box<Conn>> {
+    if tls_id == 0 {
+        POOL.with(|p| {
+            p.borrow_mut()
+                .checkout(addr, idle_timeout, |c| !c.is_stale())
+        })
+    } else {
+        TLS_POOL.with(|p| {
+            p.borrow_mut()
+                .checkout((addr, tls_id), idle_timeout, |c| !c.is_stale())
+        })
+    }
 }
 
 /// Pools `conn` (its read buffer empty), its buffer kept apart.
@@ -149,17 +275,37 @@ fn checkin(addr: SocketAddr, mut conn: Box<Conn>, max_idle: usize) {
     if buf.capacity() > 0 {
         drop(READ_BUFS.with(|b| b.borrow_mut().give(buf)));
     }
-    POOL.with(|p| p.borrow_mut().checkin(addr, conn, max_idle))
+    match conn.tls_id {
+        0 => POOL.with(|p| p.borrow_mut().checkin(addr, conn, max_idle)),
+        id => TLS_POOL.with(|p| p.borrow_mut().checkin((addr, id), conn, max_idle)),
+    }
 }
 
-/// Connects a fresh upstream connection.
-pub async fn connect(addr: SocketAddr, timeout: Duration) -> Result<TcpStream, Error> {
+/// Connects a fresh TCP connection to a node.
+pub async fn connect_tcp(addr: SocketAddr, timeout: Duration) -> Result<TcpStream, Error> {
     let stream = tokio::time::timeout(timeout, TcpStream::connect(addr))
         .await
         .map_err(|_| Error::new(ErrorKind::Connect).with_source("timed out"))?
         .map_err(|e| Error::new(ErrorKind::Connect).with_source(e))?;
     let _ = stream.set_nodelay(true);
     Ok(stream)
+}
+
+/// Opens a fresh connection to `addr`, with the TLS handshake when `tls`
+/// is given (within the connect timeout too).
+async fn open(
+    addr: SocketAddr,
+    tls: Option<&TlsConnect>,
+    timeout: Duration,
+) -> Result<Box<Conn>, Error> {
+    let tcp = connect_tcp(addr, timeout).await?;
+    let Some(t) = tls else {
+        return Ok(Box::new(Conn::new(Stream::Plain(tcp), 0)));
+    };
+    let stream = tokio::time::timeout(timeout, t.connect(tcp, addr))
+        .await
+        .map_err(|_| Error::new(ErrorKind::Connect).with_source("TLS handshake timed out"))??;
+    Ok(Box::new(Conn::new(Stream::Tls(Box::new(stream)), t.id)))
 }
 
 /// One request to send: everything borrowed from the caller.
@@ -169,10 +315,15 @@ pub struct Outgoing<'a> {
     pub headers: &'a HeaderMap,
     /// The gateway's own fields, written after `headers`.
     pub added: &'a Added<'a>,
+    /// A body in hand (a streamed one is a [`Sending`] beside this).
     pub body: Option<Bytes>,
+    /// How a streamed body is framed (`None`: the body is in hand).
+    pub streamed: Option<BodyFraming>,
     /// The caller takes the response head's fields as raw bytes
     /// ([`RawHead`]) when they allow it (the plain HTTP/1.1 client side).
     pub raw_ok: bool,
+    /// The request asks for an upgrade: a `101` is its final answer.
+    pub upgrade: bool,
 }
 
 impl Outgoing<'_> {
@@ -198,7 +349,16 @@ impl Outgoing<'_> {
         if !had_host {
             let _ = write!(w, "host: {addr}\r\n");
         }
-        let len = self.body.as_ref().map_or(0, Bytes::len);
+        let len = match self.streamed {
+            None => self.body.as_ref().map_or(0, Bytes::len) as u64,
+            Some(BodyFraming::Length(n)) => n,
+            Some(BodyFraming::Chunked) => {
+                w.extend_from_slice(b"transfer-encoding: chunked\r\n");
+                had_length = false;
+                0
+            }
+            Some(_) => 0,
+        };
         if len > 0 || had_length {
             w.extend_from_slice(b"content-length: ");
             w.extend_from_slice(itoa::Buffer::new().format(len).as_bytes());
@@ -212,6 +372,126 @@ impl Outgoing<'_> {
 
     fn body_after_head(&self) -> Option<&Bytes> {
         self.body.as_ref().filter(|b| b.len() > COALESCE)
+    }
+}
+
+/// A streamed request body on its way to the node: framed by its length or
+/// chunked ([`crate::codec::chunked`]), written piece by piece as the
+/// client's body yields it, the pieces not yet written queued.
+pub struct Sending {
+    body: UpBody,
+    chunked: bool,
+    /// Bytes still due by the Content-Length.
+    left: u64,
+    out: VecDeque<Bytes>,
+    /// The body has been read from (it can no longer go to another
+    /// connection).
+    polled: bool,
+    /// The body ended and its end is queued.
+    ended: bool,
+    /// All of it is written.
+    finished: bool,
+}
+
+/// Why sending a streamed body stopped.
+enum SendError {
+    /// The client's body failed (its fault is noted on the body).
+    Body(BoxError),
+    /// The connection refused more (the node may have answered already).
+    Write(io::Error),
+}
+
+impl Sending {
+    /// A streamed body framed as `framing` says ([`framing::request`]).
+    pub fn new(body: UpBody, framing: BodyFraming) -> Sending {
+        let (chunked, left, ended) = match framing {
+            BodyFraming::Chunked => (true, 0, false),
+            BodyFraming::Length(n) => (false, n, false),
+            _ => (false, 0, true),
+        };
+        Sending {
+            body,
+            chunked,
+            left,
+            out: VecDeque::new(),
+            polled: false,
+            ended,
+            finished: ended,
+        }
+    }
+
+    /// How the body is framed (for the head).
+    pub fn framing(&self) -> BodyFraming {
+        match (self.chunked, self.finished) {
+            (true, _) => BodyFraming::Chunked,
+            (false, true) => BodyFraming::None,
+            (false, false) => BodyFraming::Length(self.left),
+        }
+    }
+
+    /// Sends as much of the body as the client has given and the
+    /// connection takes; `Ready(Ok)` once all of it is written and flushed.
+    fn poll_send(
+        &mut self,
+        stream: &mut Stream,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<(), SendError>> {
+        loop {
+            while let Some(front) = self.out.front_mut() {
+                let n = ready!(Pin::new(&mut *stream).poll_write(cx, front))
+                    .map_err(SendError::Write)?;
+                if n == 0 {
+                    return Poll::Ready(Err(SendError::Write(io::ErrorKind::WriteZero.into())));
+                }
+                front.advance(n);
+                if front.is_empty() {
+                    self.out.pop_front();
+                }
+            }
+            // What is written leaves TLS's buffer before the next wait.
+            ready!(Pin::new(&mut *stream).poll_flush(cx)).map_err(SendError::Write)?;
+            if self.ended {
+                return Poll::Ready(Ok(()));
+            }
+            self.polled = true;
+            match ready!(Pin::new(&mut self.body).poll_frame(cx)) {
+                Some(Ok(frame)) => {
+                    // Trailers of the client's body are not passed on.
+                    let Ok(data) = frame.into_data() else {
+                        continue;
+                    };
+                    if data.is_empty() {
+                        continue;
+                    }
+                    if self.chunked {
+                        let line = SizeLine::new(data.len());
+                        self.out.push_back(Bytes::copy_from_slice(line.as_bytes()));
+                        self.out.push_back(data);
+                        self.out.push_back(Bytes::from_static(chunked::CRLF));
+                    } else {
+                        let n = data.len() as u64;
+                        if n > self.left {
+                            return Poll::Ready(Err(SendError::Body(
+                                "request body longer than its content-length".into(),
+                            )));
+                        }
+                        self.left -= n;
+                        self.out.push_back(data);
+                    }
+                }
+                Some(Err(e)) => return Poll::Ready(Err(SendError::Body(e))),
+                None => {
+                    if self.chunked {
+                        self.out.push_back(Bytes::from_static(chunked::LAST_CHUNK));
+                    } else if self.left > 0 {
+                        return Poll::Ready(Err(SendError::Body(
+                            "request body shorter than its content-length".into(),
+                        )));
+                    }
+                    self.ended = true;
+                }
+            }
+        }
     }
 }
 
@@ -241,6 +521,14 @@ impl Failed {
             error: "response timeout".into(),
         }
     }
+
+    fn other(error: BoxError) -> Failed {
+        Failed {
+            nothing_back: false,
+            timed_out: false,
+            error,
+        }
+    }
 }
 
 /// Pool settings the exchange needs.
@@ -252,48 +540,107 @@ pub struct Settings {
     pub read_timeout: Duration,
 }
 
-/// Sends `req` to `addr` and returns the response with its body streaming
-/// from the connection. A reused connection that the upstream had already
-/// closed is replaced by a fresh one and the request sent again, as nginx
-/// does for its cached connections — only when nothing came back and the
-/// request was either never written or is idempotent.
-pub async fn request(
-    addr: SocketAddr,
-    req: Outgoing<'_>,
-    s: &Settings,
-    deadline: &mut Deadline,
-) -> Result<Response<RawBody>, Error> {
-    let idempotent = super::fields::idempotent(req.method);
-    let head_request = *req.method == Method::HEAD;
-    if let Some(mut conn) = checkout(addr, s.idle_timeout) {
-        match exchange(&mut conn, addr, &req, deadline).await {
-            Ok(head) => return finish(head, conn, addr, head_request, s),
-            Err((f, _)) if f.timed_out => return Err(ErrorKind::ResponseTimeout.into()),
-            Err((f, written)) if f.nothing_back && (!written || idempotent) => {
-                tracing::debug!(%addr, error = %f.error, "pooled upstream connection was closed; reconnecting");
-            }
-            Err((f, _)) => return Err(Error::new(ErrorKind::Exchange).with_source(f.error)),
+/// An HTTP/1.1 session to a node: one connection, taken from the thread's
+/// pool or freshly opened, carrying one exchange at a time ([`connect`],
+/// [`Session::send`]).
+pub struct Session {
+    conn: Box<Conn>,
+    /// Taken from the pool: the node may have closed it meanwhile.
+    reused: bool,
+}
+
+/// Why a session's exchange failed.
+pub enum Failure {
+    /// A pooled connection the node had already closed, found so before
+    /// anything came back and before anything was sent that cannot be sent
+    /// again: a fresh session may carry the request (as nginx does for its
+    /// cached connections).
+    Stale,
+    Failed(Error),
+}
+
+impl From<Failure> for Error {
+    fn from(f: Failure) -> Error {
+        match f {
+            Failure::Stale => Error::new(ErrorKind::Exchange)
+                .with_source("the node closed the connection before a response"),
+            Failure::Failed(e) => e,
         }
     }
+}
+
+/// A session to `addr` (over TLS with `tls`): an idle pooled connection
+/// still usable, else a fresh one ([`fresh`]).
+pub async fn connect(
+    addr: SocketAddr,
+    tls: Option<&TlsConnect>,
+    s: &Settings,
+    deadline: &mut Deadline,
+) -> Result<Session, Error> {
+    match checkout(addr, tls.map_or(0, |t| t.id), s.idle_timeout) {
+        Some(conn) => Ok(Session { conn, reused: true }),
+        None => fresh(addr, tls, s, deadline).await,
+    }
+}
+
+/// A session on a new connection (TCP, and the TLS handshake with `tls`),
+/// within the connect timeout and the attempt's deadline.
+pub async fn fresh(
+    addr: SocketAddr,
+    tls: Option<&TlsConnect>,
+    s: &Settings,
+    deadline: &mut Deadline,
+) -> Result<Session, Error> {
     // Boxed once per connection: the response body (which owns the
-    // connection until its end) stays small to move.
-    // (The connect future boxed too: only new connections pay for it, and
-    // the exchange's future stays small to move.)
-    let mut conn = Box::new(Conn {
-        stream: deadline
-            .within(Box::pin(connect(addr, s.connect_timeout)))
-            .await
-            .map_err(|_| Error::new(ErrorKind::ResponseTimeout))??,
-        rbuf: BytesMut::new(),
-        read_size: READ_MIN,
-        spans: Vec::new(),
-        raw: None,
-        opened: super::pool::opening(),
-    });
-    match exchange(&mut conn, addr, &req, deadline).await {
-        Ok(head) => finish(head, conn, addr, head_request, s),
-        Err((f, _)) if f.timed_out => Err(ErrorKind::ResponseTimeout.into()),
-        Err((f, _)) => Err(Error::new(ErrorKind::Exchange).with_source(f.error)),
+    // connection until its end) stays small to move. (The connect future
+    // boxed too: only new connections pay for it, and the exchange's
+    // future stays small to move.)
+    let conn = deadline
+        .within(Box::pin(open(addr, tls, s.connect_timeout)))
+        .await
+        .map_err(|_| Error::new(ErrorKind::ResponseTimeout))??;
+    Ok(Session {
+        conn,
+        reused: false,
+    })
+}
+
+impl Session {
+    /// Sends `req` to `addr` on the session and returns the response with
+    /// its body streaming from the connection; a streamed body comes in
+    /// `sending`, and what is left of it when the head arrives is sent
+    /// while the response body is read. [`Failure::Stale`] when a pooled
+    /// connection turned out closed and the request may go again: nothing
+    /// came back, and it was either never written or is idempotent, and no
+    /// byte of a streamed body was taken (`sending` is left in place).
+    pub async fn send(
+        self,
+        addr: SocketAddr,
+        req: &Outgoing<'_>,
+        sending: &mut Option<Box<Sending>>,
+        s: &Settings,
+        deadline: &mut Deadline,
+    ) -> Result<Response<RawBody>, Failure> {
+        let mut conn = self.conn;
+        match exchange(&mut conn, addr, req, sending.as_deref_mut(), deadline).await {
+            Ok(head) => {
+                let head_request = *req.method == Method::HEAD;
+                finish(head, conn, addr, head_request, sending.take(), s).map_err(Failure::Failed)
+            }
+            Err((f, _)) if f.timed_out => Err(Failure::Failed(ErrorKind::ResponseTimeout.into())),
+            Err((f, written))
+                if self.reused
+                    && f.nothing_back
+                    && (!written || super::fields::idempotent(req.method))
+                    && !sending.as_ref().is_some_and(|b| b.polled) =>
+            {
+                tracing::debug!(%addr, error = %f.error, "pooled upstream connection was closed; reconnecting");
+                Err(Failure::Stale)
+            }
+            Err((f, _)) => Err(Failure::Failed(
+                Error::new(ErrorKind::Exchange).with_source(f.error),
+            )),
+        }
     }
 }
 
@@ -302,17 +649,22 @@ struct Head {
     status: StatusCode,
     version: Version,
     /// End-to-end fields only (empty when the connection's `raw` holds
-    /// them).
+    /// them); every field of a `101`.
     headers: HeaderMap,
     meta: Meta,
+    /// Writing a streamed body failed before the head came (the node
+    /// answered without reading it all): the connection is not reused.
+    send_failed: bool,
 }
 
-/// Writes the request and reads the final response head. On failure also
-/// says whether the request was (at least partly) written.
+/// Writes the request and reads the final response head (sending a
+/// streamed body meanwhile). On failure also says whether the request was
+/// (at least partly) written.
 async fn exchange(
     conn: &mut Conn,
     addr: SocketAddr,
     req: &Outgoing<'_>,
+    sending: Option<&mut Sending>,
     deadline: &mut Deadline,
 ) -> Result<Head, (Failed, bool)> {
     // The thread's head buffer (a fresh one while another exchange's write
@@ -324,14 +676,25 @@ async fn exchange(
     req.encode(addr, &mut wbuf);
     // The usual head fits the socket's send buffer: one try first, no
     // write future (its readiness poll and budget check) unless it waits.
-    let first = match conn.stream.try_write(&wbuf) {
-        Ok(n) => Ok(n),
-        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
-        Err(e) => Err(e),
+    let first = match &conn.stream {
+        Stream::Plain(s) => match s.try_write(&wbuf) {
+            Ok(n) => Ok(n),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
+            Err(e) => Err(e),
+        },
+        Stream::Tls(_) => Ok(0),
     };
     let written = match first {
         Ok(n) if n == wbuf.len() => Ok(Ok(())),
-        Ok(n) => deadline.within(conn.stream.write_all(&wbuf[n..])).await,
+        Ok(n) => {
+            let stream = &mut conn.stream;
+            deadline
+                .within(async {
+                    stream.write_all(&wbuf[n..]).await?;
+                    stream.flush().await
+                })
+                .await
+        }
         Err(e) => Ok(Err(e)),
     };
     WRITE_BUF_KEPT.set(wbuf);
@@ -339,33 +702,24 @@ async fn exchange(
         .map_err(|_| (Failed::timeout(), true))?
         .map_err(|e| (Failed::io(e, true), false))?;
     if let Some(b) = req.body_after_head() {
+        let stream = &mut conn.stream;
         deadline
-            .within(conn.stream.write_all(b))
+            .within(async {
+                stream.write_all(b).await?;
+                stream.flush().await
+            })
             .await
             .map_err(|_| (Failed::timeout(), true))?
             .map_err(|e| (Failed::io(e, true), true))?;
     }
+    if let Some(sending) = sending {
+        // Boxed: the exchange of a body in hand does not carry the duplex
+        // loop's state.
+        return Box::pin(duplex(conn, req, sending, deadline)).await;
+    }
     loop {
-        if !conn.rbuf.is_empty() {
-            if let Some(head) = parse_head(
-                &mut conn.rbuf,
-                &mut conn.spans,
-                req.raw_ok.then_some(&mut conn.raw),
-            )
-            .map_err(|e| (e, true))?
-            {
-                return Ok(head);
-            }
-        }
-        if conn.rbuf.len() > MAX_HEAD {
-            return Err((
-                Failed {
-                    nothing_back: false,
-                    timed_out: false,
-                    error: "response head too large".into(),
-                },
-                true,
-            ));
+        if let Some(head) = parsed(conn, req).map_err(|e| (e, true))? {
+            return Ok(head);
         }
         let got_some = !conn.rbuf.is_empty();
         let Ok(filled) = deadline
@@ -374,20 +728,85 @@ async fn exchange(
         else {
             return Err((Failed::timeout(), true));
         };
-        match filled {
-            Ok(0) => {
-                return Err((
-                    Failed {
-                        nothing_back: !got_some,
-                        timed_out: false,
-                        error: "upstream closed the connection before a response".into(),
-                    },
-                    true,
-                ))
-            }
-            Ok(_) => {}
-            Err(e) => return Err((Failed::io(e, !got_some), true)),
+        filled_ok(filled, got_some).map_err(|e| (e, true))?;
+    }
+}
+
+/// The final response head at the front of the read buffer, if it is all
+/// there; an error for a broken or too large one.
+fn parsed(conn: &mut Conn, req: &Outgoing<'_>) -> Result<Option<Head>, Failed> {
+    if !conn.rbuf.is_empty() {
+        let raw_to = req.raw_ok.then_some(&mut conn.raw);
+        if let Some(head) = parse_head(&mut conn.rbuf, &mut conn.spans, raw_to, req.upgrade)? {
+            return Ok(Some(head));
         }
+    }
+    if conn.rbuf.len() > MAX_HEAD {
+        return Err(Failed::other("response head too large".into()));
+    }
+    Ok(None)
+}
+
+/// A read while waiting for the head: an EOF or an error fails the
+/// exchange (`nothing_back` when no byte of a response had come).
+fn filled_ok(filled: io::Result<usize>, got_some: bool) -> Result<(), Failed> {
+    match filled {
+        Ok(0) => Err(Failed {
+            nothing_back: !got_some,
+            timed_out: false,
+            error: "upstream closed the connection before a response".into(),
+        }),
+        Ok(_) => Ok(()),
+        Err(e) => Err(Failed::io(e, !got_some)),
+    }
+}
+
+/// Reads the response head while the streamed body is sent (full duplex).
+/// A client body that fails ends the exchange; a write the node refuses
+/// only stops the sending (the node may be answering: its head is still
+/// read).
+async fn duplex(
+    conn: &mut Conn,
+    req: &Outgoing<'_>,
+    sending: &mut Sending,
+    deadline: &mut Deadline,
+) -> Result<Head, (Failed, bool)> {
+    let mut send_failed = None;
+    let mut sent = false;
+    let wait = std::future::poll_fn(|cx| {
+        if !sent && send_failed.is_none() {
+            match sending.poll_send(&mut conn.stream, cx) {
+                Poll::Ready(Ok(())) => {
+                    sent = true;
+                    sending.finished = true;
+                }
+                Poll::Ready(Err(SendError::Body(e))) => {
+                    return Poll::Ready(Err(Failed::other(e)));
+                }
+                Poll::Ready(Err(SendError::Write(e))) => send_failed = Some(e),
+                Poll::Pending => {}
+            }
+        }
+        loop {
+            if let Some(mut head) = parsed(conn, req)? {
+                head.send_failed = send_failed.is_some();
+                return Poll::Ready(Ok(head));
+            }
+            let got_some = !conn.rbuf.is_empty();
+            let filled = ready!(conn.poll_fill(cx));
+            if let Err(mut f) = filled_ok(filled, got_some) {
+                // Nothing more to read after the node refused the body:
+                // its write error says more.
+                if let Some(e) = send_failed.take() {
+                    f.error = e.into();
+                }
+                return Poll::Ready(Err(f));
+            }
+        }
+    });
+    match deadline.within(wait).await {
+        Ok(r) => r.map_err(|e| (e, true)),
+        Err(_) => Err((Failed::timeout(), true)),
     }
 }
 
@@ -399,6 +818,7 @@ fn parse_head(
     buf: &mut BytesMut,
     spans: &mut Vec<Span>,
     raw_to: Option<&mut Option<RawHead>>,
+    upgrade: bool,
 ) -> Result<Option<Head>, Failed> {
     loop {
         // The usual strict head is read in one pass (`head`); anything else
@@ -417,12 +837,17 @@ fn parse_head(
             error: format!("invalid response head: {what}").into(),
         };
         let status = StatusCode::from_u16(line.code).map_err(|_| bad("status"))?;
+        // A 101 is the final answer to an upgrade request (its fields all
+        // go to the client: Upgrade and Connection say what was agreed).
+        let switching = status == StatusCode::SWITCHING_PROTOCOLS;
         if status.is_informational() {
-            if status == StatusCode::SWITCHING_PROTOCOLS {
+            if !switching {
+                let _ = buf.split_to(n);
+                continue;
+            }
+            if !upgrade {
                 return Err(bad("101 without an upgrade request"));
             }
-            let _ = buf.split_to(n);
-            continue;
         }
         let version = if line.http10 {
             Version::HTTP_10
@@ -438,10 +863,10 @@ fn parse_head(
             meta.note(
                 &buf[ns as usize..ne as usize],
                 &buf[vs as usize..ve as usize],
-            )
+            ) || switching
         });
         let head = buf.split_to(n).freeze();
-        if let Some(to) = raw_to {
+        if let Some(to) = raw_to.filter(|_| !switching) {
             if let Some(raw) = RawHead::of(&head, spans, &meta, status) {
                 *to = Some(raw);
                 return Ok(Some(Head {
@@ -449,6 +874,7 @@ fn parse_head(
                     version,
                     headers: HeaderMap::new(),
                     meta,
+                    send_failed: false,
                 }));
             }
         }
@@ -458,6 +884,7 @@ fn parse_head(
             version,
             headers,
             meta,
+            send_failed: false,
         }));
     }
 }
@@ -678,7 +1105,7 @@ impl Meta {
             }
             14 if is(b"content-length") => {
                 self.saw_length = true;
-                match content_length(value) {
+                match framing::content_length(value) {
                     Some(n) if self.length.is_none_or(|l| l == n) => self.length = Some(n),
                     Some(_) => self.length_error = Some("conflicting content-length"),
                     None => self.length_error = Some("bad content-length"),
@@ -689,47 +1116,25 @@ impl Meta {
         }
     }
 
+    /// The body's framing (RFC 9112 §6.3, [`crate::codec::framing`]).
     fn framing(&self, status: StatusCode, head_request: bool) -> Result<Framing, &'static str> {
-        let s = status.as_u16();
-        if head_request || s == 204 || s == 304 {
-            return Ok(Framing::Done);
-        }
-        // Transfer-Encoding wins over Content-Length; a final coding other
-        // than chunked cannot be delimited safely by a proxy: refused.
-        if let Some(chunked) = self.chunked {
-            return if chunked {
-                Ok(Framing::Chunked(Chunked::default()))
-            } else {
-                Err("transfer-encoding does not end in chunked")
-            };
-        }
-        if let Some(e) = self.length_error {
-            return Err(e);
-        }
-        Ok(match self.length {
-            None => Framing::UntilClose,
-            Some(0) => Framing::Done,
-            Some(n) => Framing::Length(n),
-        })
+        let fields = LengthFields {
+            chunked: self.chunked,
+            length: self.length,
+            length_error: self.length_error,
+        };
+        Ok(
+            match framing::response(status.as_u16(), head_request, &fields)? {
+                BodyFraming::None => Framing::Done,
+                BodyFraming::Length(n) => Framing::Length(n),
+                BodyFraming::Chunked => Framing::Chunked(Chunked::default()),
+                BodyFraming::UntilClose => Framing::UntilClose,
+            },
+        )
     }
 }
 
-/// A Content-Length value: ASCII digits (white space around allowed) that
-/// fit in a u64.
-fn content_length(v: &[u8]) -> Option<u64> {
-    let v = v.trim_ascii();
-    if v.is_empty() {
-        return None;
-    }
-    v.iter().try_fold(0u64, |n, &b| {
-        if !b.is_ascii_digit() {
-            return None;
-        }
-        n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
-    })
-}
-
-/// One node response as the inline exchange reads it, decoded off raw
+/// One node response as the engine reads it, decoded off raw
 /// bytes without a socket (the response codec on its own: fuzz targets
 /// and codec tests drive it).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -744,7 +1149,7 @@ pub struct Decoded {
     pub rest: Option<Vec<u8>>,
 }
 
-/// Decodes the response at the front of `wire` as the inline exchange does
+/// Decodes the response at the front of `wire` as the engine does
 /// — interim `1xx` skipped, the head's framing, the chunked body that came
 /// with the head checked before the head would go out — with `wire`
 /// arriving `piece` bytes at a time (the connection's reads). `Err`: what
@@ -764,7 +1169,7 @@ pub fn decode_response(wire: &[u8], piece: usize, head_request: bool) -> Result<
     };
     let mut spans = Vec::new();
     let head = loop {
-        match parse_head(&mut buf, &mut spans, None).map_err(|f| f.error.to_string())? {
+        match parse_head(&mut buf, &mut spans, None, false).map_err(|f| f.error.to_string())? {
             Some(h) => break h,
             None if buf.len() > MAX_HEAD => return Err("response head too large".into()),
             None if !feed(&mut buf) => return Err("cut short in the head".into()),
@@ -839,6 +1244,7 @@ fn finish(
     conn: Box<Conn>,
     addr: SocketAddr,
     head_request: bool,
+    sending: Option<Box<Sending>>,
     s: &Settings,
 ) -> Result<Response<RawBody>, Error> {
     let bad =
@@ -852,8 +1258,11 @@ fn finish(
     // An upstream that sent both Transfer-Encoding and Content-Length may
     // disagree with us about where its message ends: never reuse it.
     let ambiguous = head.meta.chunked.is_some() && head.meta.saw_length;
+    let switched = head.status == StatusCode::SWITCHING_PROTOCOLS;
     let keep_alive = !matches!(framing, Framing::UntilClose)
         && !ambiguous
+        && !head.send_failed
+        && !switched
         && match head.version {
             Version::HTTP_10 => head.meta.keep_alive,
             _ => !head.meta.close,
@@ -875,8 +1284,14 @@ fn finish(
         addr,
         max_idle: s.max_idle,
         stall: Stall::new(s.read_timeout),
+        // What is left of a streamed body goes out while the response
+        // body is read.
+        sending: sending.filter(|b| !b.finished && !head.send_failed),
     };
-    body.release_if_done();
+    // The connection of a 101 waits for `take_upgraded`.
+    if !switched {
+        body.release_if_done();
+    }
     let mut resp = Response::new(body);
     *resp.status_mut() = head.status;
     *resp.version_mut() = head.version;
@@ -893,9 +1308,46 @@ pub struct RawBody {
     max_idle: usize,
     /// The read timeout between two reads of the body.
     stall: Stall,
+    /// The rest of a streamed request body, sent as the body is read.
+    sending: Option<Box<Sending>>,
 }
 
 impl RawBody {
+    /// The connection of a `101` answer, as the node's side of the
+    /// upgraded connection (any bytes read past the 101 head in front).
+    pub fn take_upgraded(&mut self) -> Option<Upgraded> {
+        let mut conn = self.conn.take()?;
+        self.framing = Framing::Done;
+        Some(Upgraded {
+            pre: std::mem::take(&mut conn.rbuf),
+            conn,
+        })
+    }
+
+    /// Sends more of a streamed request body, if any is left: the client's
+    /// body failing fails the response too; the node refusing more only
+    /// keeps the connection from being reused.
+    fn poll_sending(&mut self, cx: &mut Context<'_>) -> Result<(), Error> {
+        let (Some(sending), Some(conn)) = (self.sending.as_mut(), self.conn.as_mut()) else {
+            return Ok(());
+        };
+        match sending.poll_send(&mut conn.stream, cx) {
+            Poll::Pending => Ok(()),
+            Poll::Ready(Ok(())) => {
+                self.sending = None;
+                Ok(())
+            }
+            Poll::Ready(Err(SendError::Write(e))) => {
+                tracing::debug!(error = %e, "the node took no more of the request body");
+                self.sending = None;
+                self.keep_alive = false;
+                Ok(())
+            }
+            Poll::Ready(Err(SendError::Body(e))) => {
+                Err(Error::new(ErrorKind::UpstreamBody).with_source(e))
+            }
+        }
+    }
     /// The response head's fields as the node sent them, when the request
     /// allowed it and the head was plain ([`RawHead`]); the response's map
     /// is empty then.
@@ -910,7 +1362,8 @@ impl RawBody {
             return;
         }
         if let Some(mut conn) = self.conn.take() {
-            if self.keep_alive && conn.rbuf.is_empty() {
+            // A request body not all sent leaves the connection unusable.
+            if self.keep_alive && conn.rbuf.is_empty() && self.sending.is_none() {
                 // A head's fields not taken are not the next response's.
                 conn.raw = None;
                 checkin(self.addr, conn, self.max_idle);
@@ -922,6 +1375,7 @@ impl RawBody {
     /// reused.
     fn fail(&mut self, e: Error) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         self.conn = None;
+        self.sending = None;
         self.framing = Framing::Done;
         Poll::Ready(Some(Err(e.into())))
     }
@@ -936,6 +1390,11 @@ impl Body for RawBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
+        if this.sending.is_some() {
+            if let Err(e) = this.poll_sending(cx) {
+                return this.fail(e);
+            }
+        }
         loop {
             let Some(conn) = this.conn.as_mut() else {
                 return Poll::Ready(None);
@@ -1010,6 +1469,43 @@ impl Body for RawBody {
     }
 }
 
+/// The node's side of an upgraded connection: the connection, with the
+/// bytes read past the 101 head given out first.
+pub struct Upgraded {
+    pre: BytesMut,
+    conn: Box<Conn>,
+}
+
+impl AsyncRead for Upgraded {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if !this.pre.is_empty() {
+            let n = this.pre.len().min(buf.remaining());
+            buf.put_slice(&this.pre.split_to(n));
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut this.conn.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Upgraded {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, b: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().conn.stream).poll_write(cx, b)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().conn.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().conn.stream).poll_shutdown(cx)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1024,14 +1520,7 @@ mod tests {
         for stray in [false, true] {
             let stream = TcpStream::connect(addr).await.unwrap();
             let (mut peer, _) = listener.accept().await.unwrap();
-            let conn = Conn {
-                stream,
-                rbuf: BytesMut::new(),
-                read_size: READ_MIN,
-                spans: Vec::new(),
-                raw: None,
-                opened: 0,
-            };
+            let conn = Conn::new(Stream::Plain(stream), 0);
             // A round trip on the connection: the driver has polled it.
             peer.write_all(b"").await.unwrap();
             tokio::task::yield_now().await;
@@ -1062,14 +1551,7 @@ mod tests {
         let stream = TcpStream::connect(addr).await.unwrap();
         let (mut peer, _) = listener.accept().await.unwrap();
         let kept = || READ_BUFS.with(|b| b.borrow().len());
-        let mut conn = Box::new(Conn {
-            stream,
-            rbuf: BytesMut::new(),
-            read_size: READ_MIN,
-            spans: Vec::new(),
-            raw: None,
-            opened: 0,
-        });
+        let mut conn = Box::new(Conn::new(Stream::Plain(stream), 0));
         peer.write_all(b"x").await.unwrap();
         let n = std::future::poll_fn(|cx| conn.poll_fill(cx)).await.unwrap();
         assert_eq!(n, 1);
@@ -1078,7 +1560,7 @@ mod tests {
 
         checkin(addr, conn, 8);
         assert_eq!(kept(), 1, "the buffer went to the free list");
-        let mut conn = checkout(addr, Duration::from_secs(60)).expect("pooled");
+        let mut conn = checkout(addr, 0, Duration::from_secs(60)).expect("pooled");
         assert_eq!(
             conn.rbuf.capacity(),
             0,
@@ -1099,28 +1581,55 @@ mod tests {
         assert_eq!(kept(), 0);
     }
 
+    /// The head of a streamed body says its framing once: chunked (the
+    /// client's own length and coding fields dropped) or the known length;
+    /// a body in hand its own length.
     #[test]
-    fn content_length_is_digits_only() {
-        assert_eq!(content_length(b"0"), Some(0));
-        assert_eq!(content_length(b" 42 "), Some(42));
-        assert_eq!(content_length(b"18446744073709551615"), Some(u64::MAX));
-        for bad in [
-            &b""[..],
-            b" ",
-            b"+1",
-            b"-1",
-            b"1 2",
-            b"0x10",
-            b"18446744073709551616",
-            b"\xff1",
-        ] {
-            assert_eq!(
-                content_length(bad),
-                None,
-                "{:?}",
-                String::from_utf8_lossy(bad)
-            );
-        }
+    fn the_head_frames_the_body_once() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("5"));
+        headers.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("gzip"));
+        headers.insert(header::HOST, HeaderValue::from_static("a"));
+        let added = Added::none();
+        let addr: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        let head = |streamed: Option<BodyFraming>, body: Option<Bytes>| {
+            let out = Outgoing {
+                method: &Method::POST,
+                path_and_query: "/p",
+                headers: &headers,
+                added: &added,
+                body,
+                streamed,
+                raw_ok: false,
+                upgrade: false,
+            };
+            let mut w = Vec::new();
+            out.encode(addr, &mut w);
+            String::from_utf8(w).unwrap()
+        };
+        let framing = |h: &str| {
+            h.lines()
+                .filter(|l| {
+                    let l = l.to_ascii_lowercase();
+                    l.starts_with("content-length") || l.starts_with("transfer-encoding")
+                })
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        };
+        let chunked = head(Some(BodyFraming::Chunked), None);
+        assert!(
+            chunked.starts_with("POST /p HTTP/1.1\r\nhost: a\r\n"),
+            "{chunked}"
+        );
+        assert_eq!(framing(&chunked), ["transfer-encoding: chunked"]);
+        assert!(chunked.ends_with("\r\n\r\n"));
+        assert_eq!(
+            framing(&head(Some(BodyFraming::Length(70000)), None)),
+            ["content-length: 70000"]
+        );
+        let in_hand = head(None, Some(Bytes::from_static(b"hello")));
+        assert_eq!(framing(&in_hand), ["content-length: 5"]);
+        assert!(in_hand.ends_with("\r\n\r\nhello"));
     }
 
     #[test]

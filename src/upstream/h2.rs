@@ -92,7 +92,7 @@ async fn connect(
     transport: &Transport,
     connect_timeout: Duration,
 ) -> Result<Sender, Error> {
-    let tcp = super::h1::connect(addr, connect_timeout).await?;
+    let tcp = super::h1::connect_tcp(addr, connect_timeout).await?;
     let mut builder = http2::Builder::new(TokioExecutor::new());
     builder
         .timer(TokioTimer::new())

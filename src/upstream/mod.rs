@@ -1,11 +1,12 @@
-//! Layer: upstream (data plane, below node choice; uses observe, base, config).
-//! Upstream HTTP/1.1 client with per-thread keep-alive pools (like nginx's
-//! per-worker upstream keepalive): no shared lock, no cross-thread wake-ups on
-//! the request path.
-//!
-//! Two engines: requests whose body is in hand (empty or buffered) and that ask
-//! for no upgrade take the inline exchange in [`h1`]; streamed bodies (full
-//! duplex) and upgrades take hyper's `client::conn::http1`.
+//! Layer: upstream (data plane, below node choice; uses observe, codec, base,
+//! config). The client to the nodes, as sessions: [`Upstream::send`] takes a
+//! request to a [`Peer`], connects a [`Session`] ([`Upstream::connect`]) —
+//! HTTP/1.1 over plain TCP or TLS (one engine, [`h1`], on the shared wire
+//! format of `codec`) or HTTP/2 (hyper, [`h2`]) — and runs the exchange
+//! there, with per-thread keep-alive pools (like nginx's per-worker upstream
+//! keepalive): no shared lock, no cross-thread wake-ups on the request path.
+//! One path for every request: bodies in hand or streamed (full duplex),
+//! upgrades, health probes.
 //!
 //! A connection goes back to its thread's pool when the response body has been
 //! read to the end; one the upstream closed is dropped at checkout, and a
@@ -21,7 +22,6 @@ mod h2;
 mod pool;
 pub mod tls;
 
-use std::cell::RefCell;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -31,8 +31,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Response};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper::client::conn::http1::{self, SendRequest};
-use hyper_util::rt::TokioIo;
 
 pub use crate::base::body::BoxError;
 use crate::base::deadline::{self, Deadline};
@@ -42,25 +40,6 @@ use crate::config::UpstreamConfig;
 use crate::observe::metrics::NodeTracker;
 use body::UpBody;
 use fields::Added;
-
-/// A hyper connection's sending half, with its place in the opening order.
-struct Sender {
-    tx: SendRequest<UpBody>,
-    opened: u64,
-}
-
-impl pool::Opened for Sender {
-    fn opened(&self) -> u64 {
-        self.opened
-    }
-}
-
-thread_local! {
-    /// hyper's HTTP/1.1 connections by (node, TLS settings id; 0 = plain):
-    /// a connection verified under one service's TLS settings is never
-    /// handed to a service with others.
-    static POOL: RefCell<pool::IdlePool<Sender, (SocketAddr, u64)>> = RefCell::new(pool::IdlePool::default());
-}
 
 /// `fut` within `limit` on the worker's coarse deadlines; past it, a
 /// `ResponseTimeout`.
@@ -73,6 +52,14 @@ async fn within<T>(
         .map_err(|_| Error::new(ErrorKind::ResponseTimeout))?
 }
 
+/// Where a request goes: a node's address and how its service reaches it
+/// (`None`: plain HTTP/1.1).
+#[derive(Clone, Copy)]
+pub struct Peer<'a> {
+    pub addr: SocketAddr,
+    pub transport: Option<&'a tls::Transport>,
+}
+
 /// A request's head as it goes to a node, borrowed from the caller (the
 /// same for every attempt).
 pub struct OutHead<'a> {
@@ -80,9 +67,31 @@ pub struct OutHead<'a> {
     /// Origin-form target.
     pub target: &'a http::Uri,
     pub headers: &'a http::HeaderMap,
+    /// The gateway's own fields, written after `headers`.
+    pub added: &'a Added<'a>,
     /// When the attempt began, if the caller has read the clock already
     /// (the response timeout runs from then: one clock read fewer).
     pub start: Option<std::time::Instant>,
+    /// The caller takes a plain HTTP/1.1 response head's fields as
+    /// [`RawHead`] ([`PooledBody::take_raw_head`]; the response's map is
+    /// empty then).
+    pub raw_ok: bool,
+    /// The request asks for an upgrade (`Upgrade` kept in `headers`): a
+    /// `101` answer hands the connection over ([`take_upgrade`]).
+    pub upgrade: bool,
+}
+
+/// A session to a node ([`Upstream::connect`]): an HTTP/1.1 connection,
+/// plain or TLS (one engine, [`h1`]), taken from the thread's keep-alive
+/// pool or freshly opened; or an HTTP/2 node (h2c or h2 over TLS, [`h2`]),
+/// whose one multiplexed connection per thread is taken (or opened) when
+/// the request's stream goes out.
+pub enum Session<'a> {
+    H1(h1::Session),
+    H2 {
+        addr: SocketAddr,
+        transport: &'a tls::Transport,
+    },
 }
 
 /// Frees the read buffers the thread's exchanges kept and did not take
@@ -90,13 +99,7 @@ pub struct OutHead<'a> {
 /// and closes the idle connections past `idle_timeout`, closed by the
 /// node, or left over from a burst (`pool::IdlePool::trim`); how many.
 pub fn trim_kept(now: u64, idle_timeout: Duration) -> usize {
-    let hyper = POOL
-        .try_with(|p| {
-            p.borrow_mut()
-                .trim(now, idle_timeout, |s| !s.tx.is_closed())
-        })
-        .unwrap_or(0);
-    h1::trim_kept() + h1::trim_pool(now, idle_timeout) + hyper
+    h1::trim_kept() + h1::trim_pool(now, idle_timeout)
 }
 
 /// The client. Cheap to share; the pools live in thread-locals. Its
@@ -158,278 +161,122 @@ impl Upstream {
         }
     }
 
-    /// Sends `req` (origin-form URI) to the node at `addr` and returns the
-    /// response with its body still streaming; a body read that waits
-    /// longer than `read_timeout` fails the body. No response head within
-    /// `limit` (connect included) is a `ResponseTimeout` — checked at each
-    /// wait of the inline exchange on the thread's coarse deadlines
-    /// (`base::deadline`): no timer, no wrapper future per request.
-    pub async fn request(
+    /// A session to `peer`: for HTTP/1.1 (plain or TLS) an idle pooled
+    /// connection still usable, else a fresh one, connected within
+    /// `deadline`.
+    pub async fn connect<'a>(
         &self,
-        addr: SocketAddr,
-        req: Request<UpBody>,
-        added: &Added<'_>,
-        timeouts: (Duration, Duration),
-    ) -> Result<Response<PooledBody>, Error> {
-        if Self::inline_ok(req.headers(), req.body()) {
-            let (parts, body) = req.into_parts();
-            let head = OutHead {
-                method: &parts.method,
-                target: &parts.uri,
-                headers: &parts.headers,
-                start: None,
-            };
-            return self
-                .request_ref(addr, head, body, added, timeouts, false)
-                .await;
+        peer: Peer<'a>,
+        s: &h1::Settings,
+        deadline: &mut Deadline,
+    ) -> Result<Session<'a>, Error> {
+        match peer.transport {
+            Some(t) if t.h2 => Ok(Session::H2 {
+                addr: peer.addr,
+                transport: t,
+            }),
+            t => {
+                let tls = t.and_then(|t| t.tls.as_ref());
+                Ok(Session::H1(h1::connect(peer.addr, tls, s, deadline).await?))
+            }
         }
-        let (read_timeout, limit) = timeouts;
-        let mut req = req;
-        added.apply(req.headers_mut());
-        self.hyper_within(addr, req, read_timeout, limit).await
     }
 
-    /// Can [`request_ref`](Self::request_ref) send a request with these
-    /// fields and this body (the inline exchange: no upgrade asked, the
-    /// body in hand)?
-    pub fn inline_ok(headers: &http::HeaderMap, body: &UpBody) -> bool {
-        Self::inline_body(body) && fields::first(headers, &http::header::UPGRADE).is_none()
-    }
-
-    /// Can the inline exchange send this body (in hand, not streamed)?
-    pub fn inline_body(body: &UpBody) -> bool {
-        !matches!(body, UpBody::Stream(_))
-    }
-
-    /// The inline exchange for a request whose head is borrowed (see
-    /// [`inline_ok`](Self::inline_ok); anything else takes
-    /// [`request`](Self::request)). With `raw_ok` a plain response head's
-    /// fields may come as [`RawHead`] (taken with
-    /// [`PooledBody::take_raw_head`]; the response's map is empty then).
-    pub async fn request_ref(
+    /// Sends a request to `peer` — the one way to a node, proxy and health
+    /// probes alike — on a session ([`connect`](Self::connect)) and returns
+    /// the response with its body still streaming; a body read that waits
+    /// longer than `read_timeout` fails the body. No response head within
+    /// `limit` (connect included) is a `ResponseTimeout` — on the HTTP/1.1
+    /// engine checked at each of its waits on the thread's coarse
+    /// deadlines (`base::deadline`): no timer, no wrapper future per
+    /// request.
+    ///
+    /// A body in hand (empty or buffered) goes out with the head; a
+    /// streamed one as it comes, and is taken only by the connection that
+    /// sends it: a connect failure leaves it untouched, so the caller can
+    /// take it back for another node ([`body::Replay::recover`]), while a
+    /// body that reached a node is never sent twice. A pooled HTTP/1.1
+    /// connection the node had closed is replaced by a fresh one when the
+    /// request may go again ([`h1::Failure::Stale`]).
+    pub async fn send(
         &self,
-        addr: SocketAddr,
+        peer: Peer<'_>,
         head: OutHead<'_>,
         body: UpBody,
-        added: &Added<'_>,
         (read_timeout, limit): (Duration, Duration),
-        raw_ok: bool,
     ) -> Result<Response<PooledBody>, Error> {
-        let body = match body {
-            UpBody::Empty => None,
-            UpBody::Full(b) => b,
-            UpBody::Stream(_) => {
-                return Err(Error::new(ErrorKind::Exchange)
-                    .with_source("a streamed body cannot take the inline exchange"))
+        let mut deadline =
+            Deadline::after_from(head.start.unwrap_or_else(std::time::Instant::now), limit);
+        let settings = self.settings(read_timeout);
+        let session = match self.connect(peer, &settings, &mut deadline).await? {
+            Session::H1(session) => session,
+            // Boxed: the HTTP/1.1 path's future does not grow by h2's
+            // state.
+            h2 => return Box::pin(self.send_h2(h2, head, body, (read_timeout, limit))).await,
+        };
+        let (body, mut sending) = match body {
+            UpBody::Empty => (None, None),
+            UpBody::Full(b) => (b, None),
+            stream @ UpBody::Stream(_) => {
+                let framing = crate::codec::framing::request(
+                    stream.is_end_stream(),
+                    stream.size_hint().exact(),
+                );
+                (None, Some(Box::new(h1::Sending::new(stream, framing))))
             }
         };
         let out = h1::Outgoing {
             method: head.method,
             path_and_query: head.target.path_and_query().map_or("/", |p| p.as_str()),
             headers: head.headers,
-            added,
+            added: head.added,
             body,
-            raw_ok,
+            streamed: sending.as_ref().map(|s| s.framing()),
+            raw_ok: head.raw_ok,
+            upgrade: head.upgrade,
         };
-        let mut deadline =
-            Deadline::after_from(head.start.unwrap_or_else(std::time::Instant::now), limit);
-        let settings = self.settings(read_timeout);
-        let resp = h1::request(addr, out, &settings, &mut deadline).await?;
+        let addr = peer.addr;
+        let resp = match session
+            .send(addr, &out, &mut sending, &settings, &mut deadline)
+            .await
+        {
+            Ok(r) => r,
+            Err(h1::Failure::Stale) => {
+                let tls = peer.transport.and_then(|t| t.tls.as_ref());
+                h1::fresh(addr, tls, &settings, &mut deadline)
+                    .await?
+                    .send(addr, &out, &mut sending, &settings, &mut deadline)
+                    .await?
+            }
+            Err(h1::Failure::Failed(e)) => return Err(e),
+        };
         Ok(resp.map(|b| PooledBody::Raw(b, None)))
     }
 
-    /// The hyper path within `limit` (boxed: hyper's client futures would
-    /// make the inline path's future large, copied on every move).
-    async fn hyper_within(
+    /// An HTTP/2 session's exchange ([`h2`]).
+    async fn send_h2(
         &self,
-        addr: SocketAddr,
-        req: Request<UpBody>,
-        read_timeout: Duration,
-        limit: Duration,
-    ) -> Result<Response<PooledBody>, Error> {
-        within(limit, Box::pin(self.request_hyper(addr, req, read_timeout))).await
-    }
-
-    /// [`request`](Self::request) over a service's [`tls::Transport`]:
-    /// HTTP/2 (h2c or h2 over TLS), HTTP/1.1 over TLS, or (`None`) the
-    /// plain HTTP/1.1 engines.
-    pub async fn request_via(
-        &self,
-        addr: SocketAddr,
-        transport: Option<&tls::Transport>,
-        req: Request<UpBody>,
-        added: &Added<'_>,
-        timeouts: (Duration, Duration),
-    ) -> Result<Response<PooledBody>, Error> {
-        match transport {
-            None => self.request(addr, req, added, timeouts).await,
-            // Boxed: the plain path's future does not grow by the TLS and
-            // h2 paths' state.
-            Some(t) => Box::pin(self.request_transport(addr, t, req, added, timeouts)).await,
-        }
-    }
-
-    /// HTTP/2 or TLS to the node (a service with a [`tls::Transport`]); no
-    /// response head within `limit` is a `ResponseTimeout`, as on the plain
-    /// path.
-    async fn request_transport(
-        &self,
-        addr: SocketAddr,
-        t: &tls::Transport,
-        req: Request<UpBody>,
-        added: &Added<'_>,
+        session: Session<'_>,
+        head: OutHead<'_>,
+        body: UpBody,
         (read_timeout, limit): (Duration, Duration),
     ) -> Result<Response<PooledBody>, Error> {
-        if t.h2 {
-            let call = h2::request(addr, t, req, added, self.connect_timeout());
-            let resp = within(limit, call).await?;
-            let (head, body) = resp.into_parts();
-            let body = HyperBody {
-                inner: body,
-                stall: Stall::new(read_timeout),
-                slot: None,
-            };
-            return Ok(Response::from_parts(head, PooledBody::Hyper(body, None)));
-        }
-        let Some(tls) = &t.tls else {
-            return self.request(addr, req, added, (read_timeout, limit)).await;
+        let Session::H2 { addr, transport } = session else {
+            return Err(Error::new(ErrorKind::Exchange).with_source("not an HTTP/2 session"));
         };
-        let mut req = req;
-        added.apply(req.headers_mut());
-        within(
-            limit,
-            self.request_hyper_on(addr, req, Some(tls), read_timeout),
-        )
-        .await
-    }
-
-    /// The full-duplex path over hyper's client connection.
-    async fn request_hyper(
-        &self,
-        addr: SocketAddr,
-        req: Request<UpBody>,
-        read_timeout: Duration,
-    ) -> Result<Response<PooledBody>, Error> {
-        self.request_hyper_on(addr, req, None, read_timeout).await
-    }
-
-    /// hyper's HTTP/1.1 client connection, plain or over TLS.
-    async fn request_hyper_on(
-        &self,
-        addr: SocketAddr,
-        req: Request<UpBody>,
-        tls: Option<&tls::TlsConnect>,
-        read_timeout: Duration,
-    ) -> Result<Response<PooledBody>, Error> {
-        let key = (addr, tls.map_or(0, |t| t.id));
-        let mut req = req;
-        // The target is origin-form: a client that sent no Host (HTTP/1.0)
-        // gets the node's address, as on the inline path.
-        if !req.headers().contains_key(http::header::HOST) {
-            if let Ok(v) = http::HeaderValue::from_str(&addr.to_string()) {
-                req.headers_mut().insert(http::header::HOST, v);
-            }
-        }
-        mark_chunked(&mut req);
-        while let Some(mut sender) = self.checkout(key) {
-            if sender.tx.ready().await.is_err() {
-                continue;
-            }
-            match sender.tx.try_send_request(req).await {
-                Ok(resp) => return Ok(self.wrap(resp, sender, key, read_timeout)),
-                Err(mut e) => match e.take_message() {
-                    // Never sent: safe to try another connection.
-                    Some(r) => req = r,
-                    None => return Err(Error::new(ErrorKind::Exchange).with_source(e.into_error())),
-                },
-            }
-        }
-        let mut sender = self.connect(addr, tls).await?;
-        let resp = sender
-            .tx
-            .send_request(req)
-            .await
-            .map_err(|e| Error::new(ErrorKind::Exchange).with_source(e))?;
-        Ok(self.wrap(resp, sender, key, read_timeout))
-    }
-
-    async fn connect(
-        &self,
-        addr: SocketAddr,
-        tls: Option<&tls::TlsConnect>,
-    ) -> Result<Sender, Error> {
-        let stream = h1::connect(addr, self.connect_timeout()).await?;
-        let connect_err = |e: hyper::Error| Error::new(ErrorKind::Connect).with_source(e);
-        let tx = match tls {
-            None => {
-                let (sender, conn) = http1::Builder::new()
-                    .handshake(TokioIo::new(stream))
-                    .await
-                    .map_err(connect_err)?;
-                tokio::spawn(async move {
-                    let _ = conn.with_upgrades().await;
-                });
-                sender
-            }
-            Some(t) => {
-                let stream = tokio::time::timeout(self.connect_timeout(), t.connect(stream, addr))
-                    .await
-                    .map_err(|_| {
-                        Error::new(ErrorKind::Connect).with_source("TLS handshake timed out")
-                    })??;
-                let (sender, conn) = http1::Builder::new()
-                    .handshake(TokioIo::new(stream))
-                    .await
-                    .map_err(connect_err)?;
-                tokio::spawn(async move {
-                    let _ = conn.with_upgrades().await;
-                });
-                sender
-            }
-        };
-        Ok(Sender {
-            tx,
-            opened: pool::opening(),
-        })
-    }
-
-    fn checkout(&self, addr: (SocketAddr, u64)) -> Option<Sender> {
-        POOL.with(|p| {
-            p.borrow_mut()
-                .checkout(addr, self.idle_timeout(), |s| !s.tx.is_closed())
-        })
-    }
-
-    fn wrap(
-        &self,
-        resp: Response<Incoming>,
-        sender: Sender,
-        addr: (SocketAddr, u64),
-        read_timeout: Duration,
-    ) -> Response<PooledBody> {
-        let (head, body) = resp.into_parts();
-        let reusable = head.status != http::StatusCode::SWITCHING_PROTOCOLS;
-        let mut pooled = HyperBody {
+        let mut req = Request::new(body);
+        *req.method_mut() = head.method.clone();
+        *req.uri_mut() = head.target.clone();
+        *req.headers_mut() = head.headers.clone();
+        let call = h2::request(addr, transport, req, head.added, self.connect_timeout());
+        let resp = within(limit, call).await?;
+        let (parts, body) = resp.into_parts();
+        let body = H2Body {
             inner: body,
             stall: Stall::new(read_timeout),
-            slot: reusable.then_some(Slot {
-                sender,
-                addr,
-                max_idle: self.max_idle(),
-            }),
         };
-        if pooled.inner.is_end_stream() {
-            pooled.release();
-        }
-        Response::from_parts(head, PooledBody::Hyper(pooled, None))
+        Ok(Response::from_parts(parts, PooledBody::H2(body, None)))
     }
-}
-
-struct Slot {
-    sender: Sender,
-    /// The pool key: node and TLS settings id.
-    addr: (SocketAddr, u64),
-    max_idle: usize,
 }
 
 /// A response body that returns its connection to the pool at its end,
@@ -438,26 +285,26 @@ struct Slot {
 // would cost a second allocation per response.
 #[allow(clippy::large_enum_variant)]
 pub enum PooledBody {
-    /// From the inline exchange.
+    /// From the HTTP/1.1 engine ([`h1`]).
     Raw(h1::RawBody, Option<NodeTracker>),
-    /// From hyper's client connection.
-    Hyper(HyperBody, Option<NodeTracker>),
+    /// From an HTTP/2 stream.
+    H2(H2Body, Option<NodeTracker>),
 }
 
 impl PooledBody {
     /// The response head's fields as the node sent them, if they came so
-    /// ([`Upstream::request_ref`] with `raw_ok`).
+    /// ([`OutHead::raw_ok`]).
     pub fn take_raw_head(&mut self) -> Option<RawHead> {
         match self {
             PooledBody::Raw(b, _) => b.take_raw_head(),
-            PooledBody::Hyper(..) => None,
+            PooledBody::H2(..) => None,
         }
     }
 
     /// Keeps `tracker` (the node's request in flight) until the body ends.
     pub fn tracked(mut self, tracker: NodeTracker) -> PooledBody {
         match &mut self {
-            PooledBody::Raw(_, t) | PooledBody::Hyper(_, t) => *t = Some(tracker),
+            PooledBody::Raw(_, t) | PooledBody::H2(_, t) => *t = Some(tracker),
         }
         self
     }
@@ -473,7 +320,7 @@ impl Body for PooledBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let (r, tracker) = match self.get_mut() {
             PooledBody::Raw(b, t) => (Pin::new(b).poll_frame(cx), t),
-            PooledBody::Hyper(b, t) => (Pin::new(b).poll_frame(cx), t),
+            PooledBody::H2(b, t) => (Pin::new(b).poll_frame(cx), t),
         };
         // At the end or on an error the node's request is no longer in
         // flight (whose error it was is judged when it is recorded).
@@ -486,50 +333,38 @@ impl Body for PooledBody {
     fn is_end_stream(&self) -> bool {
         match self {
             PooledBody::Raw(b, _) => b.is_end_stream(),
-            PooledBody::Hyper(b, _) => b.is_end_stream(),
+            PooledBody::H2(b, _) => b.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match self {
             PooledBody::Raw(b, _) => b.size_hint(),
-            PooledBody::Hyper(b, _) => b.size_hint(),
+            PooledBody::H2(b, _) => b.size_hint(),
         }
     }
 }
 
-/// The node's side of an upgrade its response accepted (`101`), ready once
-/// the response's connection gives it up.
-pub fn take_upgrade<B>(resp: &mut Response<B>) -> crate::base::upgrade::Pending {
-    let up = hyper::upgrade::on(resp);
-    Box::pin(async move {
-        let io = up.await.ok()?;
-        Some(Box::new(TokioIo::new(io)) as crate::base::upgrade::Tunnel)
-    })
+/// The node's side of an upgrade its response accepted (`101`): the
+/// connection it came on, any bytes read past the 101 head in front.
+/// `None` once taken, or for an answer that came any other way.
+pub fn take_upgrade(resp: &mut Response<PooledBody>) -> crate::base::upgrade::Pending {
+    let up = match resp.body_mut() {
+        PooledBody::Raw(b, _) => b.take_upgraded(),
+        PooledBody::H2(..) => None,
+    };
+    Box::pin(std::future::ready(
+        up.map(|u| Box::new(u) as crate::base::upgrade::Tunnel),
+    ))
 }
 
-/// hyper's response body plus the connection it came on.
-pub struct HyperBody {
+/// An HTTP/2 response body, with the read timeout between its frames.
+pub struct H2Body {
     inner: Incoming,
     stall: Stall,
-    slot: Option<Slot>,
 }
 
-impl HyperBody {
-    fn release(&mut self) {
-        if let Some(slot) = self.slot.take() {
-            if slot.sender.tx.is_closed() {
-                return;
-            }
-            POOL.with(|p| {
-                p.borrow_mut()
-                    .checkin(slot.addr, slot.sender, slot.max_idle)
-            });
-        }
-    }
-}
-
-impl Body for HyperBody {
+impl Body for H2Body {
     type Data = Bytes;
     type Error = BoxError;
 
@@ -540,16 +375,12 @@ impl Body for HyperBody {
         let this = &mut *self;
         let r = Pin::new(&mut this.inner).poll_frame(cx);
         match &r {
-            Poll::Ready(None) => this.release(),
-            Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => this.release(),
-            Poll::Ready(Some(Err(_))) => this.slot = None,
             Poll::Ready(Some(Ok(_))) => this.stall.progress(),
             Poll::Pending if this.stall.stalled(cx) => {
-                this.slot = None;
                 let e = Error::new(ErrorKind::UpstreamBodyTimeout);
                 return Poll::Ready(Some(Err(e.into())));
             }
-            Poll::Pending => {}
+            _ => {}
         }
         r.map_err(|e| Error::new(ErrorKind::UpstreamBody).with_source(e).into())
     }
@@ -560,20 +391,5 @@ impl Body for HyperBody {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
-    }
-}
-
-/// A body of unknown length (a client's chunked one) goes out chunked
-/// whatever the method: hyper's client sends a GET, HEAD or CONNECT with no
-/// length of its own as bodiless (`Content-Length: 0` framing), which would
-/// drop the client's body on the floor. A set `Transfer-Encoding` is what
-/// hyper frames by.
-fn mark_chunked(req: &mut Request<UpBody>) {
-    let unknown = !req.body().is_end_stream() && req.body().size_hint().exact().is_none();
-    if unknown {
-        req.headers_mut().insert(
-            http::header::TRANSFER_ENCODING,
-            http::HeaderValue::from_static("chunked"),
-        );
     }
 }

@@ -1,4 +1,4 @@
-//! The inline upstream HTTP/1.1 exchange against hand-written upstream
+//! The upstream HTTP/1.1 engine against hand-written upstream
 //! responses on real sockets: chunked, close-delimited, HTTP/1.0, interim
 //! 1xx, HEAD, large and broken bodies, and pooled connections the upstream
 //! closed while idle; the response-head pass-through to HTTP/1.1 clients
@@ -597,8 +597,8 @@ async fn requests_without_host_get_the_node_address() {
     })
     .await;
     let s = setup(&wire);
-    // An HTTP/1.0 client may send no Host: a bodiless GET (inline
-    // exchange) and a POST whose body streams (hyper's client).
+    // An HTTP/1.0 client may send no Host: a bodiless GET (a body in
+    // hand) and a POST whose body streams.
     for raw in [
         &b"GET /a HTTP/1.0\r\n\r\n"[..],
         &b"POST /b HTTP/1.0\r\ncontent-length: 3\r\n\r\nabc"[..],
