@@ -21,44 +21,7 @@ pub struct SendFile {
     pub len: u64,
 }
 
-/// Why a client's request body failed: the client went away (or broke
-/// off) mid-body, or it sent bytes that are not a body (bad framing).
-#[derive(Debug)]
-pub struct BodyError {
-    gone: bool,
-    what: std::borrow::Cow<'static, str>,
-}
-
-impl BodyError {
-    /// The client went away before the body's end.
-    pub fn gone(what: &'static str) -> BodyError {
-        BodyError {
-            gone: true,
-            what: what.into(),
-        }
-    }
-
-    /// The bytes are not a body (bad chunked framing).
-    pub fn bad(what: &'static str) -> BodyError {
-        BodyError {
-            gone: false,
-            what: what.into(),
-        }
-    }
-
-    /// Was it the client going away (not bad bytes)?
-    pub fn is_gone(&self) -> bool {
-        self.gone
-    }
-}
-
-impl std::fmt::Display for BodyError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.what)
-    }
-}
-
-impl std::error::Error for BodyError {}
+pub use super::pipe::BodyError;
 
 /// A client's request body as the request path receives it: from hyper's
 /// server (HTTP/2 and HTTP/1.1 over TLS), whole from the hand-written
@@ -129,10 +92,7 @@ fn hyper_body_error(e: &hyper::Error) -> BodyError {
                         | std::io::ErrorKind::BrokenPipe
                 )
             });
-    BodyError {
-        gone,
-        what: e.to_string().into(),
-    }
+    BodyError::new(gone, e.to_string())
 }
 
 /// Boxes any body into [`Body`].

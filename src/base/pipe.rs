@@ -4,7 +4,8 @@
 //! the bytes only when the body asks for more (so `Expect: 100-continue`
 //! is answered on the first demand, and a slow node slows the client's
 //! upload instead of filling memory), and the request path, which reads
-//! it as any body. One frame at most waits in between.
+//! it as any body. One frame at most waits in between. Its failures
+//! ([`BodyError`]) are those of every client body.
 
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -13,7 +14,52 @@ use std::task::{Context, Poll, Waker};
 use bytes::Bytes;
 use hyper::body::{Frame, SizeHint};
 
-use super::body::BodyError;
+/// Why a client's request body failed: the client went away (or broke
+/// off) mid-body, or it sent bytes that are not a body (bad framing).
+#[derive(Debug)]
+pub struct BodyError {
+    gone: bool,
+    what: std::borrow::Cow<'static, str>,
+}
+
+impl BodyError {
+    /// The client went away before the body's end.
+    pub fn gone(what: &'static str) -> BodyError {
+        BodyError {
+            gone: true,
+            what: what.into(),
+        }
+    }
+
+    /// The bytes are not a body (bad chunked framing).
+    pub fn bad(what: &'static str) -> BodyError {
+        BodyError {
+            gone: false,
+            what: what.into(),
+        }
+    }
+
+    /// A failure of either kind, described by `what`.
+    pub fn new(gone: bool, what: String) -> BodyError {
+        BodyError {
+            gone,
+            what: what.into(),
+        }
+    }
+
+    /// Was it the client going away (not bad bytes)?
+    pub fn is_gone(&self) -> bool {
+        self.gone
+    }
+}
+
+impl std::fmt::Display for BodyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.what)
+    }
+}
+
+impl std::error::Error for BodyError {}
 
 #[derive(Default, Debug)]
 struct Shared {
