@@ -39,7 +39,7 @@ use crate::nodes::{Node, Select, Service};
 use crate::static_files::{CacheSettings, StaticTree};
 use crate::upstream::tls::{TlsConnect, Transport};
 
-pub use super::registry::RegisteredServices;
+pub use super::source::RegisteredServices;
 
 /// What a node file (or a registry) says of one service: the document, its
 /// text (for lines in errors), the service's name and settings.

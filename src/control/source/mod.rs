@@ -22,10 +22,19 @@ use std::sync::Arc;
 use crate::config::MainConfig;
 use crate::control::Gateway;
 
+pub mod cli;
 pub mod etcd;
 pub mod files;
 pub mod nacos;
 pub mod nacos_config;
+pub mod store;
+
+pub use store::{leadership_view, GatewayCounts, Guard, Leadership, Sample, SharedReleases, Store};
+
+/// Services from a registry (etcd's `services/<svc>/nodes/<id>`): the
+/// document each came from (for errors), its name and settings. A
+/// registered service that a node file also defines gets its nodes appended.
+pub type RegisteredServices = Vec<(PathBuf, String, crate::config::ServiceConfig)>;
 
 /// Which source a gateway runs on and how it stands, for `/status`.
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -194,24 +203,18 @@ impl ConfigSource {
 pub fn watch(gw: &Arc<Gateway>) {
     tokio::spawn(crate::control::names::run(gw.clone()));
     tokio::spawn(nacos::run(gw.clone()));
-    if let Some(src) = gw.nacos.get() {
-        tokio::spawn(nacos_config::run(gw.clone(), src.clone()));
-        return;
-    }
-    match gw.etcd.clone() {
-        Some(src) => {
-            tokio::spawn(etcd::run(gw.clone(), src));
-        }
+    match &gw.store {
+        Some(store) => store.watch(gw),
         None => files::spawn_watch(gw.clone()),
     }
 }
 
-/// At a graceful stop (not a handover), after the release leadership is
-/// given up (`release::fleet::resign`): an etcd gateway removes its
-/// status key; a files gateway has nothing to leave.
+/// At a graceful stop (not a handover): a fleet gateway gives up the
+/// release leadership, then leaves its store (an etcd gateway removes its
+/// status key); a files gateway has nothing to leave.
 pub async fn leave(gw: &Gateway) {
-    if let Some(src) = &gw.etcd {
-        etcd::leave(src).await;
+    if let Some(store) = &gw.store {
+        store.leave(gw).await;
     }
 }
 

@@ -614,9 +614,7 @@ pub async fn start(
             (cached, gen, false)
         }
     };
-    let gw = Gateway::with_generation(gen, path, None);
-    gw.source.lock().unwrap_or_else(|e| e.into_inner()).source = "nacos";
-    let _ = gw.nacos.set(src.clone());
+    let gw = Gateway::with_generation(gen, path, Some(super::Store::Nacos(src.clone())));
     src.set_applied(&gw, Arc::new(snap), live);
     if let Some(e) = first_error {
         if live {
@@ -792,6 +790,29 @@ async fn apply_latest(
     }
     let (g, s) = (gw.clone(), src.clone());
     let _ = tokio::task::spawn_blocking(move || s.apply(&g, snap)).await;
+}
+
+/// An admin node edit: refused for now (see `edit_refused`).
+pub async fn edit_node(
+    _gw: &Gateway,
+    src: &NacosConfigSource,
+    _service: &str,
+    _change: crate::control::node_edit::NodeChange,
+) -> Result<serde_json::Value, crate::control::node_edit::EditError> {
+    Err(crate::control::node_edit::EditError::Conflict(
+        src.edit_refused(),
+    ))
+}
+
+/// An admin rule edit: refused for now (see `edit_refused`).
+pub async fn edit_rules(
+    _gw: &Gateway,
+    src: &NacosConfigSource,
+    _change: crate::control::rule_edit::RuleChange,
+) -> Result<serde_json::Value, crate::control::node_edit::EditError> {
+    Err(crate::control::node_edit::EditError::Conflict(
+        src.edit_refused(),
+    ))
 }
 
 /// SIGHUP: the serving snapshot built again (as a files gateway reloads).
