@@ -121,7 +121,7 @@ enum Command {
     /// Progressive releases, through a running gateway's admin API.
     #[command(
         after_help = "Which gateway: --admin ADDR, else the admin_listen of the file -c names \
-(a main file or an etcd bootstrap), else 127.0.0.1:9080; stderr names the one that answered. \
+(a main file or a bootstrap), else 127.0.0.1:9080; stderr names the one that answered. \
 The token: --token, else GRAYGATE_ADMIN_TOKEN, else that file's admin_token."
     )]
     Release {

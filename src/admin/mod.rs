@@ -110,15 +110,17 @@ pub fn status(gw: &Gateway) -> serde_json::Value {
         "script_jit": gen.lane.script.as_ref().map(|s| s.jit),
         "source": src.source,
     });
-    if gw.store.is_some() {
+    if let Some(store) = &gw.store {
+        // Whether `/fleet` lists this store's gateways.
+        doc["fleet"] = store.keeps_fleet().into();
         doc["source_state"] = src.source_state.into();
         doc["revision"] = src.revision.into();
         doc["config_hash"] = src.config_hash.into();
         doc["store_error"] = src.store_error.into();
         doc["gateway_id"] = src.gateway_id.into();
     }
-    if let Some(n) = crate::control::source::nacos::status(gw) {
-        doc["nacos"] = n;
+    if let Some((key, v)) = crate::control::source::discovery::status(gw) {
+        doc[key] = v;
     }
     doc
 }

@@ -87,9 +87,13 @@ pub fn list(gw: &Gateway) -> serde_json::Value {
             serde_json::json!({
                 "name": s.name,
                 "balance": s.select.balance.as_str(),
-                // `nacos`: the nodes are the service's instances in Nacos
-                // naming (null: from node files or the registry).
-                "discovery": gen.discovered.contains(&s.name).then_some("nacos"),
+                // The discovery source whose instances the nodes are
+                // (`nacos`; null: from node files or the registry).
+                "discovery": gen
+                    .discovered
+                    .contains(&s.name)
+                    .then(|| crate::control::source::discovery::name(&gen.config))
+                    .flatten(),
                 "nodes": nodes,
             })
         })

@@ -23,6 +23,7 @@ use crate::config::MainConfig;
 use crate::control::Gateway;
 
 pub mod cli;
+pub mod discovery;
 pub mod etcd;
 pub mod files;
 pub mod nacos;

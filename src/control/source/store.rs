@@ -92,6 +92,11 @@ impl Store {
         }
     }
 
+    /// Whether the store keeps a list of its gateways (`/fleet`).
+    pub fn keeps_fleet(&self) -> bool {
+        matches!(self, Store::Etcd(_))
+    }
+
     /// `GET /fleet`: every gateway of the store's fleet, or why there is
     /// none (`Err((found, message))`: `found` false when the store keeps
     /// no fleet).
