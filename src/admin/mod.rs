@@ -118,6 +118,9 @@ pub fn status(gw: &Gateway) -> serde_json::Value {
         doc["config_hash"] = src.config_hash.into();
         doc["store_error"] = src.store_error.into();
         doc["gateway_id"] = src.gateway_id.into();
+        if let Some(ids) = src.listening {
+            doc["listening"] = ids.into();
+        }
     }
     if let Some((key, v)) = crate::control::source::discovery::status(gw) {
         doc[key] = v;

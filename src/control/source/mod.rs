@@ -28,6 +28,7 @@ pub mod etcd;
 pub mod files;
 pub mod nacos;
 pub mod nacos_config;
+mod nacos_edit;
 pub mod store;
 
 pub use store::{leadership_view, GatewayCounts, Guard, Leadership, Sample, SharedReleases, Store};
@@ -55,6 +56,8 @@ pub struct SourceStatus {
     pub store_error: Option<String>,
     /// etcd: this gateway's id in `<prefix>/status/<id>`.
     pub gateway_id: Option<String>,
+    /// Nacos config: the data ids listened to now.
+    pub listening: Option<Vec<String>>,
 }
 
 /// Where a gateway's configuration comes from.

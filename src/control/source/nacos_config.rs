@@ -145,6 +145,8 @@ struct SnapDocs<'a> {
     main: Vec<u8>,
     local_root: PathBuf,
     missing: Mutex<BTreeSet<String>>,
+    /// Every data id the build asked for (found or not).
+    read: Mutex<BTreeSet<String>>,
 }
 
 impl SnapDocs<'_> {
@@ -170,6 +172,10 @@ impl Docs for SnapDocs<'_> {
         if id == self.snap.main {
             return Ok(self.main.clone());
         }
+        self.read
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.clone());
         match self.snap.docs.get(&id) {
             Some(v) => Ok(v.clone().into_bytes()),
             None => {
@@ -240,6 +246,22 @@ pub fn build(
     local_root: &Path,
     id: u64,
 ) -> (Result<Generation, ConfigError>, BTreeSet<String>) {
+    let (res, missing, _) = build_reading(snap, boot, local_root, id);
+    (res, missing)
+}
+
+/// [`build`], with every data id the build read (the ones the
+/// configuration names now).
+fn build_reading(
+    snap: &Snap,
+    boot: Option<&NacosBootstrap>,
+    local_root: &Path,
+    id: u64,
+) -> (
+    Result<Generation, ConfigError>,
+    BTreeSet<String>,
+    BTreeSet<String>,
+) {
     let root = PathBuf::from(format!("nacos:{}", snap.group));
     let main_path = root.join(&snap.main);
     let Some(main) = snap.docs.get(&snap.main) else {
@@ -251,7 +273,7 @@ pub fn build(
                 snap.main, snap.group, snap.namespace
             ),
         );
-        return (Err(e), BTreeSet::new());
+        return (Err(e), BTreeSet::new(), BTreeSet::new());
     };
     let docs = SnapDocs {
         snap,
@@ -259,11 +281,13 @@ pub fn build(
         root,
         local_root: local_root.to_path_buf(),
         missing: Mutex::new(BTreeSet::new()),
+        read: Mutex::new(BTreeSet::new()),
     };
     let res = Generation::build(&docs, &main_path, Vec::new(), id)
         .map_err(|e| name_data_id(e, &docs.root));
     let missing = docs.missing.into_inner().unwrap_or_else(|e| e.into_inner());
-    (res, missing)
+    let read = docs.read.into_inner().unwrap_or_else(|e| e.into_inner());
+    (res, missing, read)
 }
 
 /// A client of the config service for `settings` (bounded: the first
@@ -322,8 +346,10 @@ pub async fn get(
 }
 
 /// Completes `snap` with every data id its build reads (fetching what it
-/// lacks, again until a build asks for nothing new); the data ids named
-/// but absent from Nacos are returned (the build's error names them).
+/// lacks, again until a build asks for nothing new) and drops the data ids
+/// it no longer reads (named again later, they are read fresh); the data
+/// ids named but absent from Nacos are returned (the build's error names
+/// them).
 pub async fn complete(
     client: &ConfigService,
     snap: &mut Snap,
@@ -344,9 +370,11 @@ pub async fn complete(
         }
     }
     for _ in 0..MAX_DOCS {
-        let (_, missing) = build(snap, boot, local_root, 0);
+        let (_, missing, read) = build_reading(snap, boot, local_root, 0);
         let new: Vec<String> = missing.difference(&absent).cloned().collect();
         if new.is_empty() {
+            let main = snap.main.clone();
+            snap.docs.retain(|id, _| *id == main || read.contains(id));
             return Ok(absent);
         }
         for id in new {
@@ -409,6 +437,10 @@ pub struct NacosConfigSource {
     /// Named data ids Nacos does not have (listened to: their creation is
     /// pushed).
     absent: Mutex<BTreeSet<String>>,
+    /// SIGHUP: read every data id again on new connections.
+    reread: tokio::sync::Notify,
+    /// The client admin edits publish with (`nacos_edit`).
+    pub(super) writer: tokio::sync::Mutex<Option<ConfigService>>,
 }
 
 impl NacosConfigSource {
@@ -426,6 +458,8 @@ impl NacosConfigSource {
             applied: Mutex::new(None),
             latest: Mutex::new(Snap::default()),
             absent: Mutex::new(BTreeSet::new()),
+            reread: tokio::sync::Notify::new(),
+            writer: tokio::sync::Mutex::new(None),
         }
     }
 
@@ -455,7 +489,17 @@ impl NacosConfigSource {
         build(snap, Some(&self.boot), &self.dir, id).0
     }
 
-    fn applied(&self) -> Option<Arc<Snap>> {
+    /// Whether the newest content known of data id `id` is `text`.
+    pub(super) fn latest_has(&self, id: &str, text: &str) -> bool {
+        self.latest
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .docs
+            .get(id)
+            .is_some_and(|t| t == text)
+    }
+
+    pub(super) fn applied(&self) -> Option<Arc<Snap>> {
         self.applied
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -516,6 +560,18 @@ impl NacosConfigSource {
         }
     }
 
+    /// `/status` `listening`: the data ids listened to now.
+    fn set_listening(&self, gw: &Gateway, ids: &BTreeSet<String>) {
+        let mut st = gw.source.lock().unwrap_or_else(|e| e.into_inner());
+        if st
+            .listening
+            .as_ref()
+            .is_none_or(|l| !l.iter().eq(ids.iter()))
+        {
+            st.listening = Some(ids.iter().cloned().collect());
+        }
+    }
+
     fn mark_live(&self, gw: &Gateway) {
         let mut st = gw.source.lock().unwrap_or_else(|e| e.into_inner());
         if st.store_error.is_some() {
@@ -538,7 +594,13 @@ impl NacosConfigSource {
     /// rejected one leaves the old generation serving, its error in
     /// `/status`. Blocking.
     fn apply(&self, gw: &Gateway, snap: Snap) -> Result<u64, ConfigError> {
-        if self.applied().is_some_and(|a| *a == snap) {
+        self.apply_as(gw, snap, false)
+    }
+
+    /// [`Self::apply`]; `always`: built even if it is the serving snapshot
+    /// (SIGHUP: documents on disk, certificates, may have changed).
+    fn apply_as(&self, gw: &Gateway, snap: Snap, always: bool) -> Result<u64, ConfigError> {
+        if !always && self.applied().is_some_and(|a| *a == snap) {
             self.set_applied(gw, Arc::new(snap), true);
             return Ok(gw.current().id);
         }
@@ -547,15 +609,6 @@ impl NacosConfigSource {
             self.set_applied(gw, Arc::new(snap), true);
         }
         res
-    }
-
-    /// Why an admin edit of nodes or rules is refused: the documents are
-    /// Nacos's, edited there.
-    pub fn edit_refused(&self) -> String {
-        format!(
-            "the configuration lives in Nacos config (namespace {}, group {}): edit the data id there (or graygate push --nacos); the change is pushed to every gateway",
-            self.place.settings.namespace, self.place.group
-        )
     }
 
     /// Rebuilds the serving snapshot (a discovery push, SIGHUP, a release
@@ -630,10 +683,13 @@ pub async fn start(
 }
 
 /// Keeps `gw` on the newest documents in Nacos config: listens to every
-/// data id the configuration reads, applies each push (debounced), checks
-/// the connection, catches a cached start up. Runs until the process ends.
+/// data id the configuration reads (and stops listening to those it no
+/// longer names), applies each push (debounced), checks the connection,
+/// catches a cached start up; at SIGHUP connects again and reads every
+/// data id afresh. Runs until the process ends.
 pub async fn run(gw: Arc<Gateway>, src: Arc<NacosConfigSource>) {
-    tokio::spawn(sighup(gw.clone()));
+    tokio::spawn(sighup(src.clone()));
+    let mut reread = false;
     let (tx, mut rx) = mpsc::unbounded_channel::<Push>();
     // Two clients: one listens; the other reads (the listening one
     // answers listened data ids from its own cache).
@@ -659,6 +715,11 @@ pub async fn run(gw: Arc<Gateway>, src: Arc<NacosConfigSource>) {
                 }
             }
             _ = tick.tick() => {}
+            _ = src.reread.notified() => {
+                reread = true;
+                client = None;
+                retry_at = Instant::now();
+            }
         }
         if client.is_none() {
             if Instant::now() < retry_at {
@@ -678,12 +739,38 @@ pub async fn run(gw: Arc<Gateway>, src: Arc<NacosConfigSource>) {
                     src.set_store_error(&gw, &e);
                     retry_at = Instant::now() + backoff;
                     backoff = (backoff * 2).min(Duration::from_secs(3));
+                    if std::mem::take(&mut reread) {
+                        // SIGHUP while Nacos is unreachable: what is
+                        // served built again (documents on disk).
+                        tracing::warn!(error = %e, "SIGHUP: Nacos config unreachable; rebuilding what is served");
+                        let g = gw.clone();
+                        let _ = tokio::task::spawn_blocking(move || g.reload()).await;
+                    }
                     continue;
                 }
             }
         }
         let (c, reader) = client.as_ref().expect("connected above");
         let timeout = src.timeout();
+        if std::mem::take(&mut reread) {
+            match read_set(reader, &src.place, Some(&src.boot), &src.dir).await {
+                Ok((snap, absent)) => {
+                    tracing::info!(
+                        data_ids = snap.docs.len(),
+                        "SIGHUP: Nacos config read again"
+                    );
+                    src.set_latest(&snap, absent);
+                    src.mark_live(&gw);
+                    let (g, s) = (gw.clone(), src.clone());
+                    let _ = tokio::task::spawn_blocking(move || s.apply_as(&g, snap, true)).await;
+                }
+                Err(e) => {
+                    src.set_store_error(&gw, &e);
+                    let g = gw.clone();
+                    let _ = tokio::task::spawn_blocking(move || g.reload()).await;
+                }
+            }
+        }
         if !pushes.is_empty() {
             let mut snap = src.latest.lock().unwrap_or_else(|e| e.into_inner()).clone();
             for (id, content) in pushes {
@@ -748,8 +835,23 @@ pub async fn run(gw: Arc<Gateway>, src: Arc<NacosConfigSource>) {
                 Err(e) => src.set_store_error(&gw, &e),
             }
         }
-        // Listen to every data id the configuration reads.
-        for id in src.listened() {
+        // Stop listening to the data ids the configuration no longer
+        // names, then listen to every one it reads.
+        let named = src.listened();
+        for id in listening.difference(&named).cloned().collect::<Vec<_>>() {
+            let remove = c.remove_listener(id.clone(), src.place.group.clone(), listener.clone());
+            match tokio::time::timeout(timeout, remove).await {
+                Ok(Ok(())) => {
+                    tracing::info!(data_id = %id, group = %src.place.group, "no longer named: not listened to");
+                    listening.remove(&id);
+                    verify.remove(&id);
+                }
+                Ok(Err(e)) => src.set_store_error(&gw, &format!("stop listening {id}: {e}")),
+                Err(_) => src.set_store_error(&gw, &format!("stop listening {id}: no answer")),
+            }
+        }
+        src.set_listening(&gw, &listening);
+        for id in named {
             if listening.contains(&id) {
                 continue;
             }
@@ -759,6 +861,7 @@ pub async fn run(gw: Arc<Gateway>, src: Arc<NacosConfigSource>) {
                     tracing::info!(data_id = %id, group = %src.place.group, "listening in Nacos config");
                     listening.insert(id.clone());
                     verify.insert(id);
+                    src.set_listening(&gw, &listening);
                 }
                 Ok(Err(e)) => src.set_store_error(&gw, &format!("listen {id}: {e}")),
                 Err(_) => src.set_store_error(&gw, &format!("listen {id}: no answer")),
@@ -792,39 +895,16 @@ async fn apply_latest(
     let _ = tokio::task::spawn_blocking(move || s.apply(&g, snap)).await;
 }
 
-/// An admin node edit: refused for now (see `edit_refused`).
-pub async fn edit_node(
-    _gw: &Gateway,
-    src: &NacosConfigSource,
-    _service: &str,
-    _change: crate::control::node_edit::NodeChange,
-) -> Result<serde_json::Value, crate::control::node_edit::EditError> {
-    Err(crate::control::node_edit::EditError::Conflict(
-        src.edit_refused(),
-    ))
-}
-
-/// An admin rule edit: refused for now (see `edit_refused`).
-pub async fn edit_rules(
-    _gw: &Gateway,
-    src: &NacosConfigSource,
-    _change: crate::control::rule_edit::RuleChange,
-) -> Result<serde_json::Value, crate::control::node_edit::EditError> {
-    Err(crate::control::node_edit::EditError::Conflict(
-        src.edit_refused(),
-    ))
-}
-
-/// SIGHUP: the serving snapshot built again (as a files gateway reloads).
-async fn sighup(gw: Arc<Gateway>) {
+/// SIGHUP: Nacos config read again, on new connections (the run loop
+/// does it).
+async fn sighup(src: Arc<NacosConfigSource>) {
     use tokio::signal::unix::{signal, SignalKind};
     let Ok(mut hup) = signal(SignalKind::hangup()) else {
         return;
     };
     while hup.recv().await.is_some() {
-        tracing::info!("SIGHUP; rebuilding the Nacos configuration");
-        let g = gw.clone();
-        let _ = tokio::task::spawn_blocking(move || g.reload()).await;
+        tracing::info!("SIGHUP; reading Nacos config again");
+        src.reread.notify_one();
     }
 }
 

@@ -17,6 +17,7 @@ use std::sync::Arc;
 
 use super::etcd::{self, EtcdSource};
 use super::nacos_config::{self, NacosConfigSource};
+use super::nacos_edit;
 use crate::config::release::ReleaseRecord;
 use crate::config::ConfigError;
 use crate::control::node_edit::{EditError, NodeChange};
@@ -63,7 +64,8 @@ impl Store {
 
     /// An admin node edit written back to the store with compare-and-swap
     /// (`if_match`: the revision the caller read, where the store has
-    /// revisions). The change comes back through the watch.
+    /// revisions; Nacos config: the content's MD5). The change comes back
+    /// through the watch.
     pub async fn edit_node(
         &self,
         gw: &Gateway,
@@ -74,7 +76,7 @@ impl Store {
         let _one_at_a_time = gw.edit_lock.lock().await;
         match self {
             Store::Etcd(s) => etcd::edit_node(gw, s, service, change, if_match).await,
-            Store::Nacos(s) => nacos_config::edit_node(gw, s, service, change).await,
+            Store::Nacos(s) => nacos_edit::edit_node(gw, s, service, change).await,
         }
     }
 
@@ -88,7 +90,7 @@ impl Store {
         let _one_at_a_time = gw.edit_lock.lock().await;
         match self {
             Store::Etcd(s) => etcd::edit_rules(gw, s, change, if_match).await,
-            Store::Nacos(s) => nacos_config::edit_rules(gw, s, change).await,
+            Store::Nacos(s) => nacos_edit::edit_rules(gw, s, change).await,
         }
     }
 
