@@ -5,3 +5,4 @@
 
 mod config;
 mod discovery;
+mod store;
