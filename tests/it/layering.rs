@@ -393,8 +393,8 @@ fn rust_without_comments(text: &str) -> String {
             let j = j.min(rest.len());
             out.push_str(&rest[..j]);
             i += j;
-        } else if rest.starts_with("'\\") {
-            let end = rest[2..].find('\'').map_or(rest.len(), |e| e + 3);
+        } else if let Some(esc) = rest.strip_prefix("'\\") {
+            let end = esc.find('\'').map_or(rest.len(), |e| e + 3);
             out.push_str(&rest[..end]);
             i += end;
         } else if rest.len() >= 3
