@@ -375,13 +375,40 @@ impl Nacos {
         }
     }
 
-    async fn try_register(&self, i: &Inst) -> Result<(), String> {
-        let r = http(
-            self.http_addr(),
+    /// Registers `i`; the error instead of a panic (a cluster electing a
+    /// leader refuses writes for a while).
+    pub async fn try_register(&self, i: &Inst) -> Result<(), String> {
+        self.try_call("POST", format!("/nacos/v1/ns/instance?{}", i.query()))
+            .await
+    }
+
+    /// Deregisters `i`; the error instead of a panic.
+    pub async fn try_deregister(&self, i: &Inst) -> Result<(), String> {
+        self.try_call("DELETE", format!("/nacos/v1/ns/instance?{}", i.query()))
+            .await
+    }
+
+    /// Publishes a config; the error instead of a panic.
+    pub async fn try_publish(
+        &self,
+        group: &str,
+        data_id: &str,
+        content: &str,
+    ) -> Result<(), String> {
+        self.try_call(
             "POST",
-            &self.authed(format!("/nacos/v1/ns/instance?{}", i.query())),
+            format!(
+                "/nacos/v1/cs/configs?dataId={}&group={}&content={}",
+                enc(data_id),
+                enc(group),
+                enc(content)
+            ),
         )
-        .await?;
+        .await
+    }
+
+    async fn try_call(&self, method: &str, path: String) -> Result<(), String> {
+        let r = http(self.http_addr(), method, &self.authed(path)).await?;
         if r.status == 200 {
             Ok(())
         } else {

@@ -1,0 +1,162 @@
+//! A Nacos cluster (three rnacos members, raft) with one member lost: the
+//! gateway names every member in `server_addr`; the member its clients
+//! are connected to is killed; discovery and config pushes go on through
+//! the others.
+
+use std::collections::BTreeMap;
+
+use crate::harness::nacos::*;
+use crate::harness::*;
+
+const GROUP: &str = "GRAYGATE";
+
+/// Three members: the first initialises the raft, the others join it.
+async fn cluster() -> Vec<Nacos> {
+    let first = Nacos::start_env(&[
+        ("RNACOS_RAFT_NODE_ID", "1"),
+        ("RNACOS_RAFT_AUTO_INIT", "true"),
+    ])
+    .await;
+    let join = format!("127.0.0.1:{}", first.grpc);
+    let mut members = vec![first];
+    for id in ["2", "3"] {
+        members.push(
+            Nacos::start_env(&[
+                ("RNACOS_RAFT_NODE_ID", id),
+                ("RNACOS_RAFT_AUTO_INIT", "false"),
+                ("RNACOS_RAFT_JOIN_ADDR", &join),
+            ])
+            .await,
+        );
+    }
+    members
+}
+
+/// The gRPC ports `pid` has established connections to, with their count
+/// (from `/proc`: its socket inodes matched in `/proc/net/tcp`).
+fn connections_of(pid: u32, ports: &[u16]) -> BTreeMap<u16, usize> {
+    let mut inodes = std::collections::BTreeSet::new();
+    if let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
+        for fd in fds.flatten() {
+            if let Ok(link) = std::fs::read_link(fd.path()) {
+                let l = link.to_string_lossy();
+                if let Some(ino) = l.strip_prefix("socket:[").and_then(|r| r.strip_suffix(']')) {
+                    inodes.insert(ino.to_string());
+                }
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    for line in table.lines().skip(1) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 10 || f[3] != "01" || !inodes.contains(f[9]) {
+            continue;
+        }
+        let port = f[2]
+            .rsplit_once(':')
+            .and_then(|(_, p)| u16::from_str_radix(p, 16).ok())
+            .unwrap_or(0);
+        if ports.contains(&port) {
+            *out.entry(port).or_default() += 1;
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_member_lost_is_survived() {
+    let mut members = cluster().await;
+    let [f, g, h] = backends([("v1", "formal"), ("g1", "gray"), ("g2", "gray2")]).await;
+    let svc = "orders";
+    let (fi, gi, hi) = (
+        Inst::new(svc, f.addr).meta("version", "v1"),
+        Inst::new(svc, g.addr).meta("version", "gray"),
+        Inst::new(svc, h.addr).meta("version", "gray2"),
+    );
+    members[0].register(&fi).await;
+    members[0].register(&gi).await;
+    members[0]
+        .publish(
+            GROUP,
+            "graygate.yaml",
+            &format!("rules_file: rules.yaml\nroutes:\n  - {{ prefix: /, service: {svc} }}\n"),
+        )
+        .await;
+    let rules = |lane: &str| {
+        format!("uid: {{ header: X-User-Id }}\nrules:\n  - {{ name: beta, lane: {lane}, uid: {{ in: [7] }} }}\n")
+    };
+    members[0]
+        .publish(GROUP, "rules.yaml", &rules("gray"))
+        .await;
+    let servers: Vec<String> = members.iter().map(|m| m.server_addr()).collect();
+    let fx = Fixture::new();
+    let gw = Gateway::start(&fx.write(
+        "bootstrap.yaml",
+        &format!(
+            "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nnacos:\n  server_addr: \"{}\"\n  namespace: public\n  cache_dir: cache\n  timeout_ms: 1000\n  discovery:\n    group: DEFAULT_GROUP\n    lane_key: version\n    formal_values: [v1]\n  config:\n    group: {GROUP}\n    data_id: graygate.yaml\n",
+            servers.join(",")
+        ),
+    ));
+    let user7 = || async {
+        Req::get("/x")
+            .header("X-User-Id", "7")
+            .send(gw.addr)
+            .await
+            .node()
+    };
+    soon("both instances and the rules served", || async {
+        user7().await == "g1" && gw.get("/x").await.node() == "v1"
+    })
+    .await;
+    // The member most of the gateway's connections go to, killed.
+    let ports: Vec<u16> = members.iter().map(|m| m.grpc).collect();
+    let conns = connections_of(gw.pid(), &ports);
+    let (&port, _) = conns
+        .iter()
+        .max_by_key(|(_, n)| **n)
+        .unwrap_or_else(|| panic!("no connection to a member: {conns:?}"));
+    let lost = members.iter().position(|m| m.grpc == port).unwrap();
+    eprintln!(
+        "gateway connections by member gRPC port: {conns:?}; killing member {}",
+        lost + 1
+    );
+    members[lost].kill();
+    let alive = &members[(lost + 1) % members.len()];
+    let nodes = || async {
+        let doc = gw.admin_get("/nodes").await.json();
+        let mut names: Vec<String> = doc["services"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|s| s["name"] == svc)
+            .flat_map(|s| s["nodes"].as_array().cloned().unwrap_or_default())
+            .filter_map(|n| n["lane"].as_str().map(str::to_string))
+            .collect();
+        names.sort();
+        names
+    };
+    // Discovery: an instance registered and one deregistered through a
+    // surviving member (retried while the raft elects a new leader).
+    soon("an instance registered after the loss", || async {
+        let _ = alive.try_register(&hi).await;
+        nodes().await == ["formal", "gray", "gray2"]
+    })
+    .await;
+    soon("an instance deregistered after the loss", || async {
+        let _ = alive.try_deregister(&gi).await;
+        nodes().await == ["formal", "gray2"]
+    })
+    .await;
+    // Config: a change published through a surviving member is pushed.
+    soon("a config change pushed after the loss", || async {
+        let _ = alive
+            .try_publish(GROUP, "rules.yaml", &rules("gray2"))
+            .await;
+        user7().await == "g2"
+    })
+    .await;
+    assert_eq!(gw.get("/x").await.node(), "v1");
+    let st = gw.status().await;
+    assert_eq!(st["source_state"], "live", "{st}");
+}
