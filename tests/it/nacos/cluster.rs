@@ -89,6 +89,15 @@ async fn a_cluster_member_lost_is_survived() {
     members[0]
         .publish(GROUP, "rules.yaml", &rules("gray"))
         .await;
+    // Replicated: every member holds the documents and the instances.
+    for m in &members {
+        soon("every member holds what the first was given", || async {
+            m.config(GROUP, "rules.yaml").await == Some(rules("gray"))
+                && m.config(GROUP, "graygate.yaml").await.is_some()
+                && m.instances(svc, "DEFAULT_GROUP", "public").await.len() == 2
+        })
+        .await;
+    }
     let servers: Vec<String> = members.iter().map(|m| m.server_addr()).collect();
     let fx = Fixture::new();
     let gw = Gateway::start(&fx.write(
@@ -136,20 +145,36 @@ async fn a_cluster_member_lost_is_survived() {
         names.sort();
         names
     };
+    // The clients of the lost member fail over: the client's health
+    // check (every 5 s, 3 s to answer) notices, then it reconnects to
+    // another member and subscribes again.
+    let within = std::time::Duration::from_secs(30);
     // Discovery: an instance registered and one deregistered through a
     // surviving member (retried while the raft elects a new leader).
-    soon("an instance registered after the loss", || async {
-        let _ = alive.try_register(&hi).await;
+    eventually(
+        "the cluster takes a registration after the loss",
+        within,
+        || async {
+            alive.try_register(&hi).await.is_ok()
+                && alive.instances(svc, "DEFAULT_GROUP", "public").await.len() == 3
+        },
+    )
+    .await;
+    eventually("an instance registered after the loss", within, || async {
         nodes().await == ["formal", "gray", "gray2"]
     })
     .await;
-    soon("an instance deregistered after the loss", || async {
-        let _ = alive.try_deregister(&gi).await;
-        nodes().await == ["formal", "gray2"]
-    })
+    eventually(
+        "an instance deregistered after the loss",
+        within,
+        || async {
+            let _ = alive.try_deregister(&gi).await;
+            nodes().await == ["formal", "gray2"]
+        },
+    )
     .await;
     // Config: a change published through a surviving member is pushed.
-    soon("a config change pushed after the loss", || async {
+    eventually("a config change pushed after the loss", within, || async {
         let _ = alive
             .try_publish(GROUP, "rules.yaml", &rules("gray2"))
             .await;
