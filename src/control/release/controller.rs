@@ -8,10 +8,11 @@
 //! steps, holds, promotes or rolls back. Only `fail` counts toward the
 //! rollback threshold (in a row by default: a pass resets the count);
 //! `inconclusive` and `error` never move a release by themselves. Admin actions (create, promote, pause, resume,
-//! abort) go through the same state file, one change at a time. With the
-//! etcd source the state is the fleet's release keys instead: the elected
-//! gateway ticks and judges on every gateway's summed counters, any gateway
-//! applies an admin action by compare-and-swap (`super::fleet`).
+//! abort) go through the same state file, one change at a time. With a
+//! store that shares release state (`source::Store::shared_releases`: etcd)
+//! the state is the fleet's instead: the elected gateway ticks and judges
+//! on every gateway's summed counters, any gateway applies an admin action
+//! by compare-and-swap (`source::SharedReleases`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

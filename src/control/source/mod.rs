@@ -1,19 +1,26 @@
 //! Layer: control plane. Configuration sources: where the documents of a
-//! generation come from (and, in `nacos`, the services discovered in Nacos
-//! naming). `files` (the default): the main file and what it
-//! names, watched with notify and SIGHUP. `etcd`: every document is a key
-//! under a prefix, read at one revision (one range read: a consistent
-//! snapshot), watched from that revision + 1, the last applied snapshot kept
-//! on disk for starts while etcd is down. Both hand the same builder
-//! (`control::build`) a set of named documents, so validation and errors
-//! (document:line) are the same.
+//! generation come from, and where the services no node file defines are
+//! discovered. `files` (the default): the main file and what it names,
+//! watched with notify and SIGHUP. `etcd`: every document is a key under a
+//! prefix, read at one revision (one range read: a consistent snapshot),
+//! watched from that revision + 1, the last applied snapshot kept on disk
+//! for starts while etcd is down; its service registry (`etcd::registry`)
+//! and the fleet's shared releases (`etcd::fleet`) are there too.
+//! `nacos_config`: every document is a data id of one group in Nacos
+//! config, each listened to (pushed), the last applied snapshot kept on
+//! disk as with etcd; admin edits published back (`nacos_edit`). `nacos`:
+//! the services discovered in Nacos naming. Every source hands the same
+//! builder (`control::build`) a set of named documents, so validation and
+//! errors (document:line) are the same.
 //!
-//! [`ConfigSource`] is the seam the binary uses: it checks a configuration,
-//! starts a gateway on generation 1, and, once started, [`watch`] keeps the
-//! gateway current and [`leave`] takes it out of its fleet, whatever the
-//! source is. `nacos_config`: every document is a data id of one group in
-//! Nacos config, each listened to (pushed), the last applied snapshot kept
-//! on disk as with etcd.
+//! The seams: [`ConfigSource`] is what the binary uses (check, start on
+//! generation 1; once started [`watch`] keeps the gateway current and
+//! [`leave`] takes it out of its fleet); [`Store`] is the one method set
+//! the rest of the control plane uses on a running gateway's store (edits,
+//! reloads, releases, status, fleet); `discovery` is what the build and
+//! the admin API ask of service discovery; `cli` holds the stores' command
+//! line. Nothing outside this module names a store
+//! (`tests/it/layering.rs`).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
