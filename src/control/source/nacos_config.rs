@@ -437,7 +437,7 @@ pub struct NacosConfigSource {
     /// Named data ids Nacos does not have (listened to: their creation is
     /// pushed).
     absent: Mutex<BTreeSet<String>>,
-    /// SIGHUP: read every data id again on new connections.
+    /// SIGHUP: read every data id again from the server.
     reread: tokio::sync::Notify,
     /// The client admin edits publish with (`nacos_edit`).
     pub(super) writer: tokio::sync::Mutex<Option<ConfigService>>,
@@ -685,8 +685,12 @@ pub async fn start(
 /// Keeps `gw` on the newest documents in Nacos config: listens to every
 /// data id the configuration reads (and stops listening to those it no
 /// longer names), applies each push (debounced), checks the connection,
-/// catches a cached start up; at SIGHUP connects again and reads every
-/// data id afresh. Runs until the process ends.
+/// catches a cached start up; at SIGHUP reads every data id afresh from
+/// the server through the client admin edits use (it listens to none, so
+/// it never answers from a cache, and its connection is not the one
+/// pushes come on) and builds again. No client is replaced: the client
+/// library has no way to close one, so a new one would leave the old
+/// connection open. Runs until the process ends.
 pub async fn run(gw: Arc<Gateway>, src: Arc<NacosConfigSource>) {
     tokio::spawn(sighup(src.clone()));
     let mut reread = false;
@@ -717,7 +721,6 @@ pub async fn run(gw: Arc<Gateway>, src: Arc<NacosConfigSource>) {
             _ = tick.tick() => {}
             _ = src.reread.notified() => {
                 reread = true;
-                client = None;
                 retry_at = Instant::now();
             }
         }
@@ -753,7 +756,11 @@ pub async fn run(gw: Arc<Gateway>, src: Arc<NacosConfigSource>) {
         let (c, reader) = client.as_ref().expect("connected above");
         let timeout = src.timeout();
         if std::mem::take(&mut reread) {
-            match read_set(reader, &src.place, Some(&src.boot), &src.dir).await {
+            let read = match src.writer().await {
+                Ok(w) => read_set(&w, &src.place, Some(&src.boot), &src.dir).await,
+                Err(e) => Err(e.to_string()),
+            };
+            match read {
                 Ok((snap, absent)) => {
                     tracing::info!(
                         data_ids = snap.docs.len(),
@@ -895,8 +902,8 @@ async fn apply_latest(
     let _ = tokio::task::spawn_blocking(move || s.apply(&g, snap)).await;
 }
 
-/// SIGHUP: Nacos config read again, on new connections (the run loop
-/// does it).
+/// SIGHUP: Nacos config read again from the server (the run loop does
+/// it).
 async fn sighup(src: Arc<NacosConfigSource>) {
     use tokio::signal::unix::{signal, SignalKind};
     let Ok(mut hup) = signal(SignalKind::hangup()) else {

@@ -50,8 +50,10 @@ impl NacosConfigSource {
         Ok((id, text))
     }
 
-    /// The client edits publish with (made on first use, kept).
-    async fn writer(&self) -> Result<ConfigService, EditError> {
+    /// The client edits publish with, and SIGHUP reads with (made on
+    /// first use, kept: its connection is not the listening one, which
+    /// may be the one that stopped delivering).
+    pub(super) async fn writer(&self) -> Result<ConfigService, EditError> {
         let mut w = self.writer.lock().await;
         if let Some(c) = w.as_ref() {
             return Ok(c.clone());

@@ -3,8 +3,6 @@
 //! are connected to is killed; discovery and config pushes go on through
 //! the others.
 
-use std::collections::BTreeMap;
-
 use crate::harness::nacos::*;
 use crate::harness::*;
 
@@ -30,38 +28,6 @@ async fn cluster() -> Vec<Nacos> {
         );
     }
     members
-}
-
-/// The gRPC ports `pid` has established connections to, with their count
-/// (from `/proc`: its socket inodes matched in `/proc/net/tcp`).
-fn connections_of(pid: u32, ports: &[u16]) -> BTreeMap<u16, usize> {
-    let mut inodes = std::collections::BTreeSet::new();
-    if let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
-        for fd in fds.flatten() {
-            if let Ok(link) = std::fs::read_link(fd.path()) {
-                let l = link.to_string_lossy();
-                if let Some(ino) = l.strip_prefix("socket:[").and_then(|r| r.strip_suffix(']')) {
-                    inodes.insert(ino.to_string());
-                }
-            }
-        }
-    }
-    let mut out = BTreeMap::new();
-    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
-    for line in table.lines().skip(1) {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        if f.len() < 10 || f[3] != "01" || !inodes.contains(f[9]) {
-            continue;
-        }
-        let port = f[2]
-            .rsplit_once(':')
-            .and_then(|(_, p)| u16::from_str_radix(p, 16).ok())
-            .unwrap_or(0);
-        if ports.contains(&port) {
-            *out.entry(port).or_default() += 1;
-        }
-    }
-    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
