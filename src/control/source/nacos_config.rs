@@ -39,6 +39,11 @@ const CHECK_EVERY: Duration = Duration::from_secs(1);
 const DEBOUNCE: Duration = Duration::from_millis(20);
 /// How long after a listener starts its data id is read again.
 const VERIFY_AFTER: Duration = Duration::from_millis(100);
+/// How often every listened data id is read again, in case a push was
+/// lost: the Nacos client re-registers its listens only every 60 s after
+/// it reconnects to another cluster member, and pushes in between go
+/// nowhere. One small read per data id.
+const SWEEP_EVERY: Duration = Duration::from_secs(10);
 /// The most documents one configuration may name (a bound on [`read_set`]).
 const MAX_DOCS: usize = 512;
 
@@ -684,7 +689,8 @@ pub async fn start(
 
 /// Keeps `gw` on the newest documents in Nacos config: listens to every
 /// data id the configuration reads (and stops listening to those it no
-/// longer names), applies each push (debounced), checks the connection,
+/// longer names), applies each push (debounced), reads every listened
+/// data id again every [`SWEEP_EVERY`] (a push lost), checks the connection,
 /// catches a cached start up; at SIGHUP reads every data id afresh from
 /// the server through the client admin edits use (it listens to none, so
 /// it never answers from a cache, and its connection is not the one
@@ -703,6 +709,7 @@ pub async fn run(gw: Arc<Gateway>, src: Arc<NacosConfigSource>) {
     // the listener's start is never pushed).
     let mut verify: BTreeSet<String> = BTreeSet::new();
     let mut listening: BTreeSet<String> = BTreeSet::new();
+    let mut swept = Instant::now();
     let mut backoff = Duration::from_millis(200);
     let mut retry_at = Instant::now();
     let mut tick = tokio::time::interval(CHECK_EVERY);
@@ -819,6 +826,10 @@ pub async fn run(gw: Arc<Gateway>, src: Arc<NacosConfigSource>) {
                         }
                     } else {
                         src.mark_live(&gw);
+                    }
+                    if swept.elapsed() >= SWEEP_EVERY {
+                        swept = Instant::now();
+                        verify.extend(listening.iter().cloned());
                     }
                     for id in std::mem::take(&mut verify) {
                         let known = src

@@ -426,6 +426,8 @@ impl Nacos {
 
     /// Publishes a config (`data_id` in `group` of the public namespace)
     /// through the HTTP API, as an operator's edit in the console does.
+    /// A server whose raft has no leader yet (just started, on a loaded
+    /// machine) is asked again for up to 10 s; any other refusal fails.
     pub async fn publish(&self, group: &str, data_id: &str, content: &str) {
         let path = self.authed(format!(
             "/nacos/v1/cs/configs?dataId={}&group={}&content={}",
@@ -433,10 +435,18 @@ impl Nacos {
             enc(group),
             enc(content)
         ));
-        let r = http(self.http_addr(), "POST", &path)
-            .await
-            .unwrap_or_else(|e| panic!("publish {group}/{data_id}: {e}"));
-        assert_eq!(r.status, 200, "publish {group}/{data_id}: {}", r.text());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let r = http(self.http_addr(), "POST", &path)
+                .await
+                .unwrap_or_else(|e| panic!("publish {group}/{data_id}: {e}"));
+            if r.status != 200 && r.text().contains("raft leader") && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+            assert_eq!(r.status, 200, "publish {group}/{data_id}: {}", r.text());
+            return;
+        }
     }
 
     /// The content of a config, if Nacos has it.
