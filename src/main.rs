@@ -1,6 +1,7 @@
 //! Layer: the binary (top). `graygate --config FILE` runs the gateway (a
-//! main file, or a bootstrap with `etcd:`); `--check` validates and exits;
-//! `push`, `pull` and `register` talk to etcd; `--upgrade` takes over from a running
+//! main file, or a bootstrap naming a configuration store); `--check`
+//! validates and exits; `push`, `pull` and `register` talk to a store
+//! (`control::source::cli`); `--upgrade` takes over from a running
 //! graygate (binary upgrade); `completions SHELL` and `manpage` print what
 //! the package installs. Signals as nginx: HUP reload, USR1 reopen logs,
 //! USR2 binary upgrade, TERM graceful stop, QUIT/INT fast stop.
@@ -13,8 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{CommandFactory, FromArgMatches, Parser};
-use graygate::control::registry::{self, Instance, Registration};
-use graygate::control::source::{self, etcd, nacos_config, ConfigSource};
+use graygate::control::source::{self, ConfigSource};
 use graygate::control::upgrade::{self, Paths, Predecessor, Upgrade};
 use graygate::control::Gateway;
 use graygate::generation::Generation;
@@ -110,69 +110,10 @@ struct Cli {
     /// Pid file (overrides `pid_file`).
     #[arg(long, value_name = "PATH")]
     pid_file: Option<PathBuf>,
-    /// With --check: check what is in etcd (this member's URL) instead.
-    #[arg(long, requires = "prefix", conflicts_with = "nacos")]
-    etcd: Option<String>,
-    /// With --check --etcd: the key prefix.
-    #[arg(long, requires = "etcd")]
-    prefix: Option<String>,
     #[command(flatten)]
-    nacos: NacosArgs,
+    store: source::cli::CheckStore,
     #[command(subcommand)]
     command: Option<Command>,
-}
-
-/// Where graygate's documents are in Nacos config (`--check`, `push`,
-/// `pull`).
-#[derive(clap::Args, Clone)]
-struct NacosArgs {
-    /// With --check, push or pull: graygate's documents in Nacos config
-    /// (servers' HTTP host:port, comma-separated) instead of etcd.
-    #[arg(long, value_name = "HOST:PORT")]
-    nacos: Option<String>,
-    /// With --nacos: the namespace (its id).
-    #[arg(long, default_value = "public")]
-    namespace: String,
-    /// With --nacos: the group of the documents.
-    #[arg(long, default_value = "DEFAULT_GROUP")]
-    group: String,
-    /// With --nacos: the data id of the main settings.
-    #[arg(long, default_value = "graygate.yaml")]
-    data_id: String,
-    /// With --nacos: Nacos auth (with NACOS_PASSWORD in the environment).
-    #[arg(long, env = "NACOS_USERNAME")]
-    nacos_username: Option<String>,
-}
-
-impl NacosArgs {
-    /// The place the arguments name, or the message to print.
-    fn place(&self) -> Option<Result<nacos_config::Place, String>> {
-        let server_addr = self.nacos.clone()?;
-        let password = std::env::var("NACOS_PASSWORD").ok();
-        let settings = graygate::config::nacos::NacosConfig {
-            server_addr,
-            grpc_port: None,
-            namespace: self.namespace.clone(),
-            username: self.nacos_username.clone(),
-            password: password.filter(|_| self.nacos_username.is_some()),
-            cache_dir: None,
-            timeout_ms: 3_000,
-            discovery: None,
-            config: Some(graygate::config::nacos::NacosConfigDocs {
-                group: self.group.clone(),
-                data_id: self.data_id.clone(),
-            }),
-        };
-        if self.nacos_username.is_some() && settings.password.is_none() {
-            return Some(Err(
-                "--nacos-username: give the password in NACOS_PASSWORD".into()
-            ));
-        }
-        Some(match settings.check() {
-            Ok(()) => Ok(nacos_config::Place::of(&settings)),
-            Err((_, m)) => Err(m),
-        })
-    }
 }
 
 #[derive(clap::Subcommand)]
@@ -180,7 +121,7 @@ enum Command {
     /// Progressive releases, through a running gateway's admin API.
     #[command(
         after_help = "Which gateway: --admin ADDR, else the admin_listen of the file -c names \
-(a main file or an etcd bootstrap), else 127.0.0.1:9080; stderr names the one that answered. \
+(a main file or a bootstrap), else 127.0.0.1:9080; stderr names the one that answered. \
 The token: --token, else GRAYGATE_ADMIN_TOKEN, else that file's admin_token."
     )]
     Release {
@@ -226,69 +167,13 @@ The token: --token, else GRAYGATE_ADMIN_TOKEN, else that file's admin_token."
     JitProbe,
     /// Upload a files configuration (what --check accepts) to etcd in one
     /// transaction, or to Nacos config (--nacos: one data id a document).
-    Push {
-        #[arg(long, short)]
-        config: PathBuf,
-        /// Member URL(s), comma-separated: the first that answers is used.
-        #[arg(
-            long,
-            requires = "prefix",
-            required_unless_present = "nacos",
-            conflicts_with = "nacos"
-        )]
-        etcd: Option<String>,
-        #[arg(long, requires = "etcd")]
-        prefix: Option<String>,
-        #[command(flatten)]
-        nacos: NacosArgs,
-    },
+    Push(source::cli::Push),
     /// Write the configuration in etcd (or Nacos config: --nacos) back to
     /// files (DIR/main.yaml, …).
-    Pull {
-        /// Member URL(s), comma-separated: the first that answers is used.
-        #[arg(
-            long,
-            requires = "prefix",
-            required_unless_present = "nacos",
-            conflicts_with = "nacos"
-        )]
-        etcd: Option<String>,
-        #[arg(long, requires = "etcd")]
-        prefix: Option<String>,
-        #[arg(long, default_value = ".")]
-        dir: PathBuf,
-        #[command(flatten)]
-        nacos: NacosArgs,
-    },
+    Pull(source::cli::Pull),
     /// Sidecar: register an instance under a lease and keep it alive; on
     /// SIGTERM deregister first, wait the drain period, exit.
-    Register {
-        /// Member URL(s), comma-separated.
-        #[arg(long)]
-        etcd: String,
-        #[arg(long)]
-        prefix: String,
-        #[arg(long)]
-        service: String,
-        #[arg(long)]
-        addr: SocketAddr,
-        #[arg(long)]
-        lane: Option<String>,
-        /// Free metadata, `k=v` (repeatable).
-        #[arg(long = "meta", value_parser = parse_meta)]
-        meta: Vec<(String, String)>,
-        /// Lease TTL: an instance whose sidecar dies leaves within it.
-        #[arg(long, default_value_t = 10)]
-        ttl: i64,
-        /// Instance id (default: the address).
-        #[arg(long)]
-        id: Option<String>,
-        #[arg(long, default_value_t = 1)]
-        weight: u32,
-        /// Seconds between deregistering and exiting.
-        #[arg(long, default_value_t = 5.0)]
-        drain: f64,
-    },
+    Register(source::cli::Register),
 }
 
 #[derive(clap::Subcommand)]
@@ -396,199 +281,6 @@ fn print_out(bytes: &[u8]) -> ExitCode {
     }
 }
 
-fn parse_meta(s: &str) -> Result<(String, String), String> {
-    let (k, v) = s.split_once('=').ok_or("expected k=v")?;
-    Ok((k.to_string(), v.to_string()))
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-}
-
-/// `push --nacos`: what `--check` accepts, published to Nacos config.
-fn nacos_push(rt: &tokio::runtime::Runtime, config: &std::path::Path, n: &NacosArgs) -> ExitCode {
-    let place = match n.place() {
-        Some(Ok(p)) => p,
-        Some(Err(e)) => {
-            eprintln!("{e}");
-            return ExitCode::FAILURE;
-        }
-        None => return ExitCode::FAILURE,
-    };
-    let docs = match etcd::documents_of_files(config) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("{e}");
-            println!(
-                "{}: configuration test failed; nothing pushed",
-                config.display()
-            );
-            return ExitCode::FAILURE;
-        }
-    };
-    match rt.block_on(nacos_config::push(&place, &docs)) {
-        Ok((published, unchanged)) => {
-            println!(
-                "pushed {} documents to {} ({published} published, {unchanged} unchanged)",
-                docs.len(),
-                place.name()
-            );
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("push failed: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-/// `pull --nacos`: the documents in Nacos config written back to files.
-fn nacos_pull(rt: &tokio::runtime::Runtime, dir: &std::path::Path, n: &NacosArgs) -> ExitCode {
-    let place = match n.place() {
-        Some(Ok(p)) => p,
-        Some(Err(e)) => {
-            eprintln!("{e}");
-            return ExitCode::FAILURE;
-        }
-        None => return ExitCode::FAILURE,
-    };
-    match rt.block_on(nacos_config::pull(&place, dir)) {
-        Ok((files, broken)) => {
-            for f in &files {
-                println!("{}", f.display());
-            }
-            println!("pulled {} documents from {}", files.len(), place.name());
-            match broken {
-                None => ExitCode::SUCCESS,
-                Some(e) => {
-                    eprintln!("{e}");
-                    eprintln!("pull incomplete: the configuration in Nacos does not build; documents named after this error were not pulled");
-                    ExitCode::FAILURE
-                }
-            }
-        }
-        Err(e) => {
-            eprintln!("pull failed: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-/// `push`, `pull`, `register`: the etcd commands.
-fn etcd_command(cmd: Command) -> ExitCode {
-    let rt = runtime();
-    match cmd {
-        Command::Release { .. }
-        | Command::Completions { .. }
-        | Command::Manpage
-        | Command::JitProbe => ExitCode::FAILURE,
-        Command::Push {
-            config, nacos: n, ..
-        } if n.nacos.is_some() => nacos_push(&rt, &config, &n),
-        Command::Pull { dir, nacos: n, .. } if n.nacos.is_some() => nacos_pull(&rt, &dir, &n),
-        Command::Push {
-            config,
-            etcd: Some(url),
-            prefix: Some(prefix),
-            ..
-        } => {
-            let docs = match etcd::documents_of_files(&config) {
-                Ok(d) => d,
-                Err(e) => {
-                    eprintln!("{e}");
-                    println!(
-                        "{}: configuration test failed; nothing pushed",
-                        config.display()
-                    );
-                    return ExitCode::FAILURE;
-                }
-            };
-            match rt.block_on(etcd::push(&url, &prefix, &docs)) {
-                Ok(rev) => {
-                    println!(
-                        "pushed {} documents to {url} under {prefix}/config/ at revision {rev}",
-                        docs.len()
-                    );
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("push failed: {e}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
-        Command::Pull {
-            etcd: Some(url),
-            prefix: Some(prefix),
-            dir,
-            ..
-        } => match rt.block_on(etcd::pull(&url, &prefix, &dir)) {
-            Ok((rev, files)) => {
-                for f in &files {
-                    println!("{}", f.display());
-                }
-                println!("pulled {} documents at revision {rev}", files.len());
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("pull failed: {e}");
-                ExitCode::FAILURE
-            }
-        },
-        Command::Push { .. } | Command::Pull { .. } => {
-            eprintln!("give --etcd URLS --prefix P, or --nacos HOST:PORT");
-            ExitCode::FAILURE
-        }
-        Command::Register {
-            etcd: url,
-            prefix,
-            service,
-            addr,
-            lane,
-            meta,
-            ttl,
-            id,
-            weight,
-            drain,
-        } => {
-            let id = id.unwrap_or_else(|| addr.to_string());
-            if !registry::valid_segment(&service) || !registry::valid_segment(&id) {
-                eprintln!("service and id: letters, digits, - _ . : only");
-                return ExitCode::FAILURE;
-            }
-            if let Some(l) = lane.as_deref().filter(|l| !graygate::config::valid_lane(l)) {
-                eprintln!("invalid lane name {l:?}");
-                return ExitCode::FAILURE;
-            }
-            let reg = Registration {
-                endpoints: etcd::endpoint_list(&url).map(str::to_string).collect(),
-                prefix: etcd::norm_prefix(&prefix),
-                service,
-                id,
-                instance: Instance {
-                    addr,
-                    lane,
-                    weight,
-                    drain: false,
-                    metadata: meta.into_iter().collect(),
-                },
-                ttl_secs: ttl.max(1),
-                drain: Duration::from_secs_f64(drain.max(0.0)),
-            };
-            match rt.block_on(registry::run_sidecar(reg)) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("register: {e}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
-    }
-}
-
 /// `--check`: builds the configuration as a start would and says so.
 fn check(source: &ConfigSource) -> ExitCode {
     match source.check() {
@@ -688,10 +380,10 @@ fn main() -> ExitCode {
     }
     let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    // The Nacos client logs every push whole at info: its warnings only,
-    // unless RUST_LOG names it.
-    if !std::env::var("RUST_LOG").is_ok_and(|v| v.contains("nacos_sdk")) {
-        filter = filter.add_directive("nacos_sdk=warn".parse().expect("a valid directive"));
+    // Store clients that log too much at info: their warnings only,
+    // unless RUST_LOG names them.
+    for d in source::cli::quiet_clients() {
+        filter = filter.add_directive(d.parse().expect("a valid directive"));
     }
     tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -718,23 +410,20 @@ fn main() -> ExitCode {
             };
             return release_command(args, action);
         }
-        Some(cmd) => return etcd_command(cmd),
+        Some(Command::Push(a)) => return a.run(),
+        Some(Command::Pull(a)) => return a.run(),
+        Some(Command::Register(a)) => return a.run(),
+        Some(Command::Completions { .. } | Command::Manpage | Command::JitProbe) => {
+            return ExitCode::FAILURE
+        }
         None => {}
     }
-    let source = match (&cli.etcd, &cli.prefix) {
-        _ if cli.check && cli.nacos.nacos.is_some() => match cli.nacos.place() {
-            Some(Ok(place)) => ConfigSource::NacosStore(Box::new(place)),
-            Some(Err(e)) => {
-                eprintln!("{e}");
-                return ExitCode::FAILURE;
-            }
-            None => ConfigSource::open(&cli.config),
-        },
-        (Some(url), Some(prefix)) if cli.check => ConfigSource::Store {
-            endpoints: url.clone(),
-            prefix: prefix.clone(),
-        },
-        _ => ConfigSource::open(&cli.config),
+    let source = match cli.store.config_source(cli.check, &cli.config) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
     };
     if cli.check {
         return check(&source);

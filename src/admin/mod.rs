@@ -110,15 +110,20 @@ pub fn status(gw: &Gateway) -> serde_json::Value {
         "script_jit": gen.lane.script.as_ref().map(|s| s.jit),
         "source": src.source,
     });
-    if gw.etcd.is_some() || gw.nacos.get().is_some() {
+    if let Some(store) = &gw.store {
+        // Whether `/fleet` lists this store's gateways.
+        doc["fleet"] = store.keeps_fleet().into();
         doc["source_state"] = src.source_state.into();
         doc["revision"] = src.revision.into();
         doc["config_hash"] = src.config_hash.into();
         doc["store_error"] = src.store_error.into();
         doc["gateway_id"] = src.gateway_id.into();
+        if let Some(ids) = src.listening {
+            doc["listening"] = ids.into();
+        }
     }
-    if let Some(n) = crate::control::source::nacos::status(gw) {
-        doc["nacos"] = n;
+    if let Some((key, v)) = crate::control::source::discovery::status(gw) {
+        doc[key] = v;
     }
     doc
 }
@@ -126,14 +131,15 @@ pub fn status(gw: &Gateway) -> serde_json::Value {
 /// `GET /fleet`: every gateway's status key and whether all run the same
 /// revision (etcd source only).
 async fn fleet(gw: &Gateway) -> Response<Body> {
-    match &gw.etcd {
+    match &gw.store {
         None => text(
             StatusCode::NOT_FOUND,
-            "no fleet: this gateway runs on files (start it from an etcd bootstrap)",
+            "no fleet: this gateway runs on files (start it from a bootstrap file)",
         ),
-        Some(src) => match crate::control::source::etcd::fleet(src).await {
+        Some(store) => match store.fleet().await {
             Ok(v) => json(v),
-            Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, format!("etcd: {e}")),
+            Err((true, e)) => text(StatusCode::SERVICE_UNAVAILABLE, e),
+            Err((false, e)) => text(StatusCode::NOT_FOUND, e),
         },
     }
 }

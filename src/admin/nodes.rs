@@ -87,9 +87,13 @@ pub fn list(gw: &Gateway) -> serde_json::Value {
             serde_json::json!({
                 "name": s.name,
                 "balance": s.select.balance.as_str(),
-                // `nacos`: the nodes are the service's instances in Nacos
-                // naming (null: from node files or the registry).
-                "discovery": gen.discovered.contains(&s.name).then_some("nacos"),
+                // The discovery source whose instances the nodes are
+                // (`nacos`; null: from node files or the registry).
+                "discovery": gen
+                    .discovered
+                    .contains(&s.name)
+                    .then(|| crate::control::source::discovery::name(&gen.config))
+                    .flatten(),
                 "nodes": nodes,
             })
         })
@@ -285,14 +289,8 @@ pub async fn manage(gw: &Arc<Gateway>, req: Request<Incoming>, rest: &[&str]) ->
         NodeChange::Remove(n) => NodeChange::Remove(percent_decode(&n)),
         other => other,
     };
-    if let Some(src) = gw.nacos.get() {
-        return text(StatusCode::CONFLICT, src.edit_refused());
-    }
-    let result = match &gw.etcd {
-        Some(src) => {
-            let _one_at_a_time = gw.edit_lock.lock().await;
-            crate::control::source::etcd::edit_node(gw, src, &service, change, if_match).await
-        }
+    let result = match &gw.store {
+        Some(store) => store.edit_node(gw, &service, change, if_match).await,
         None => edit(gw, &service, change).await,
     };
     match result {

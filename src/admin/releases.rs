@@ -92,9 +92,11 @@ pub async fn handle(gw: &Arc<Gateway>, req: Request<Incoming>, rest: &[&str]) ->
                 .map(|r| view(r, false))
                 .collect();
             let mut doc = serde_json::json!({ "releases": all, "source": "files" });
-            if gw.etcd.is_some() {
-                doc["source"] = "etcd".into();
-                doc["fleet"] = crate::control::release::fleet::leadership_view(gw);
+            if let Some(store) = &gw.store {
+                doc["source"] = store.name().into();
+                if store.shared_releases().is_some() {
+                    doc["fleet"] = crate::control::source::leadership_view(gw);
+                }
             }
             json(doc)
         }

@@ -97,14 +97,8 @@ pub async fn handle(gw: &Arc<Gateway>, req: Request<Incoming>, rest: &[&str]) ->
         (_, [] | [_]) => return text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed"),
         _ => return text(StatusCode::NOT_FOUND, "not found"),
     };
-    if let Some(src) = gw.nacos.get() {
-        return text(StatusCode::CONFLICT, src.edit_refused());
-    }
-    let result = match &gw.etcd {
-        Some(src) => {
-            let _one_at_a_time = gw.edit_lock.lock().await;
-            crate::control::source::etcd::edit_rules(gw, src, change, if_match).await
-        }
+    let result = match &gw.store {
+        Some(store) => store.edit_rules(gw, change, if_match).await,
         None => edit(gw, change).await,
     };
     match result {

@@ -39,7 +39,7 @@ use crate::nodes::{Node, Select, Service};
 use crate::static_files::{CacheSettings, StaticTree};
 use crate::upstream::tls::{TlsConnect, Transport};
 
-pub use super::registry::RegisteredServices;
+pub use super::source::RegisteredServices;
 
 /// What a node file (or a registry) says of one service: the document, its
 /// text (for lines in errors), the service's name and settings.
@@ -89,7 +89,7 @@ impl Generation {
         let memory_limit = b.script_limits()?;
         let script = b.script(&lists, &dicts, memory_limit)?;
         b.otel()?;
-        b.nacos()?;
+        b.discovery()?;
         let sticky = b.sticky()?;
         let served_lanes = served_lanes(&services, &routes);
         let tls = b.listener_tls()?;
@@ -698,24 +698,21 @@ impl<'a> Build<'a> {
         Ok(Some(src))
     }
 
-    /// Services a route names and nothing else defines: from Nacos naming,
-    /// when `nacos.discovery` is set (an unknown service is an empty node
-    /// set, kept current by the subscription).
+    /// Services a route names and nothing else defines: from service
+    /// discovery (`source::discovery`), when configured (an unknown service
+    /// is an empty node set, kept current by the discovery source).
     fn discovered(&mut self, defs: &mut Vec<ServiceDef>) {
-        let Some((nacos, disc)) = self
-            .config
-            .nacos
-            .as_ref()
-            .and_then(|n| n.discovery.as_ref().map(|d| (n, d)))
-        else {
+        if !super::source::discovery::enabled(&self.config) {
             return;
-        };
+        }
         for r in &self.config.routes {
             let Some(name) = &r.service else { continue };
             if defs.iter().any(|d| &d.2 == name) {
                 continue;
             }
-            let (svc, mut w) = super::source::nacos::service(nacos, disc, name);
+            let Some((svc, mut w)) = super::source::discovery::service(&self.config, name) else {
+                return;
+            };
             self.warnings.append(&mut w);
             self.discovered.push(name.clone());
             defs.push((
@@ -727,13 +724,10 @@ impl<'a> Build<'a> {
         }
     }
 
-    /// `nacos:` checked.
-    fn nacos(&self) -> Result<(), ConfigError> {
-        if let Some(n) = &self.config.nacos {
-            n.check()
-                .map_err(|(key, m)| self.error(self.at_in("nacos:", key), m))?;
-        }
-        Ok(())
+    /// The discovery settings checked.
+    fn discovery(&self) -> Result<(), ConfigError> {
+        super::source::discovery::check(&self.config)
+            .map_err(|e| self.error(self.at_in(e.section, &e.key), e.message))
     }
 
     fn otel(&self) -> Result<(), ConfigError> {

@@ -11,9 +11,7 @@ use std::time::{Instant, SystemTime};
 
 use tokio::sync::watch;
 
-use super::source::etcd::EtcdSource;
-use super::source::nacos_config::NacosConfigSource;
-use super::source::SourceStatus;
+use super::source::{SourceStatus, Store};
 use super::stats::History;
 use crate::base::counter::Counter;
 use crate::config::{resolve, ConfigError};
@@ -56,11 +54,9 @@ pub struct Gateway {
     pub edit_lock: tokio::sync::Mutex<()>,
     /// Where the configuration comes from and how that stands.
     pub source: Mutex<SourceStatus>,
-    /// The etcd source, when the gateway was started from a bootstrap.
-    pub etcd: Option<Arc<EtcdSource>>,
-    /// The Nacos config source, when the gateway was started from a
-    /// bootstrap with `nacos.config` (set once, at start).
-    pub nacos: std::sync::OnceLock<Arc<NacosConfigSource>>,
+    /// The configuration store, when the gateway was started from a
+    /// bootstrap (none: files).
+    pub store: Option<Store>,
     /// Start-only keys the command line set (`--listen`, `--pid-file`, …):
     /// the file's value of those is not what runs, so a reload may change
     /// it.
@@ -77,11 +73,11 @@ impl Gateway {
     }
 
     /// A gateway serving `gen` (generation 1). `config_path` is the main
-    /// file, or the bootstrap file when `etcd` is given.
+    /// file, or the bootstrap file when a `store` is given.
     pub fn with_generation(
         mut gen: Generation,
         config_path: PathBuf,
-        etcd: Option<Arc<EtcdSource>>,
+        store: Option<Store>,
     ) -> Arc<Gateway> {
         for w in &gen.warnings {
             tracing::warn!("{w}");
@@ -135,11 +131,10 @@ impl Gateway {
             releases: Default::default(),
             edit_lock: tokio::sync::Mutex::new(()),
             source: Mutex::new(SourceStatus {
-                source: if etcd.is_some() { "etcd" } else { "files" },
+                source: store.as_ref().map_or("files", Store::name),
                 ..Default::default()
             }),
-            etcd,
-            nacos: std::sync::OnceLock::new(),
+            store,
             pinned: std::sync::OnceLock::new(),
         });
         gw.sync_health(&gw.current());
@@ -158,14 +153,12 @@ impl Gateway {
             .sync(&gen.services, &gen.lane.tag_header, &self.plane.client);
     }
 
-    /// Builds a new generation from disk and swaps it in; on any error the
-    /// old one keeps serving and the error is recorded. Blocking.
+    /// Builds a new generation from disk (a store: from its applied
+    /// snapshot) and swaps it in; on any error the old one keeps serving
+    /// and the error is recorded. Blocking.
     pub fn reload(&self) -> Result<u64, ConfigError> {
-        if let Some(src) = &self.etcd {
-            return src.rebuild_current(self);
-        }
-        if let Some(src) = self.nacos.get() {
-            return src.rebuild_current(self);
+        if let Some(store) = &self.store {
+            return store.rebuild_current(self);
         }
         self.install(|next| Generation::load(&self.config_path, next))
     }

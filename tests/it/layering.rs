@@ -344,3 +344,180 @@ fn the_sibling_checker_reads_super_and_crate_paths_and_skips_tests() {
     assert!(find_cycle(&sibling_graph(&dir, "a")).is_some());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The configuration stores and discovery sources (etcd, Nacos) are named
+/// only behind the source seam: `src/control/source/` (and, for each
+/// source's settings, `src/config/`). Everywhere else — code, string
+/// literals, the dashboard's script — goes through `source::Store`,
+/// `source::discovery` and `source::cli` and takes a store's name from
+/// it. Comments may still say which store a behaviour is about; test code
+/// aside.
+const STORE_NAMES: &[&str] = &["etcd", "nacos"];
+const SEAM_DIRS: &[&str] = &["control/source", "config"];
+
+/// `text` (Rust) without its comments: line and block comments blanked,
+/// string and char literals kept (a `//` inside a string is not a
+/// comment).
+fn rust_without_comments(text: &str) -> String {
+    let b = text.as_bytes();
+    let mut out = String::with_capacity(text.len());
+    let mut i = 0;
+    while i < b.len() {
+        let rest = &text[i..];
+        if rest.starts_with("//") {
+            let end = rest.find('\n').unwrap_or(rest.len());
+            i += end;
+        } else if rest.starts_with("/*") {
+            let end = rest.find("*/").map_or(rest.len(), |e| e + 2);
+            i += end;
+        } else if rest.starts_with("r\"") || rest.starts_with("r#") {
+            let hashes = rest[1..].chars().take_while(|c| *c == '#').count();
+            let close = format!("\"{}", "#".repeat(hashes));
+            let body = 1 + hashes + 1;
+            let end = rest[body..]
+                .find(&close)
+                .map_or(rest.len(), |e| body + e + close.len());
+            out.push_str(&rest[..end]);
+            i += end;
+        } else if rest.starts_with('"') {
+            let mut j = 1;
+            while j < rest.len() {
+                match rest.as_bytes()[j] {
+                    b'\\' => j += 2,
+                    b'"' => {
+                        j += 1;
+                        break;
+                    }
+                    _ => j += 1,
+                }
+            }
+            let j = j.min(rest.len());
+            out.push_str(&rest[..j]);
+            i += j;
+        } else if let Some(esc) = rest.strip_prefix("'\\") {
+            let end = esc.find('\'').map_or(rest.len(), |e| e + 3);
+            out.push_str(&rest[..end]);
+            i += end;
+        } else if rest.len() >= 3
+            && rest.starts_with('\'')
+            && rest[1..].chars().nth(1) == Some('\'')
+        {
+            let n = 2 + rest[1..].chars().next().unwrap().len_utf8();
+            out.push_str(&rest[..n]);
+            i += n;
+        } else {
+            let c = rest.chars().next().unwrap();
+            out.push(c);
+            i += c.len_utf8();
+        }
+    }
+    out
+}
+
+/// A non-Rust asset (script, page, style) with its comment lines blanked
+/// (so line numbers stay).
+fn asset_without_comments(text: &str) -> String {
+    text.lines()
+        .map(|l| {
+            let t = l.trim_start();
+            let comment = ["//", "/*", "*", "<!--"].iter().any(|c| t.starts_with(c));
+            if comment {
+                ""
+            } else {
+                l
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Every line outside the seam that names a store, as `path:line: text`.
+fn store_names_outside_the_seam(src: &Path) -> Vec<String> {
+    let mut files = Vec::new();
+    fn all(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                all(&p, out);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    all(src, &mut files);
+    let mut bad = Vec::new();
+    for f in files {
+        let rel = f
+            .strip_prefix(src)
+            .unwrap()
+            .to_string_lossy()
+            .replace('\\', "/");
+        if SEAM_DIRS
+            .iter()
+            .any(|d| rel.starts_with(&format!("{d}/")) || rel == format!("{d}.rs"))
+        {
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(&f) else {
+            continue; // not text (an image)
+        };
+        let code = if rel.ends_with(".rs") {
+            rust_without_comments(non_test(&text))
+        } else {
+            asset_without_comments(&text)
+        };
+        for (n, line) in code.lines().enumerate() {
+            let lower = line.to_ascii_lowercase();
+            if STORE_NAMES.iter().any(|s| lower.contains(s)) {
+                bad.push(format!("src/{rel}:{}: {}", n + 1, line.trim()));
+            }
+        }
+    }
+    bad
+}
+
+#[test]
+fn no_module_outside_the_sources_names_a_store() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let bad = store_names_outside_the_seam(&src);
+    assert!(
+        bad.is_empty(),
+        "a store named outside src/control/source/ and src/config/ (go through source::Store, \
+         source::discovery or source::cli, and take the name from Store::name):\n{}",
+        bad.join("\n")
+    );
+}
+
+#[test]
+fn the_store_name_checker_reads_code_and_strings_not_comments() {
+    let code = rust_without_comments(
+        "// etcd here\nlet a = \"http://x\"; // nacos\n/* etcd */ let b = 'x'; let c = \"Nacos\";\nfn f<'a>() {}\n",
+    );
+    assert!(!code.contains("etcd"), "{code}");
+    assert!(code.contains("\"http://x\""), "{code}");
+    assert!(
+        code.contains("\"Nacos\""),
+        "a string literal counts: {code}"
+    );
+    assert!(code.contains("fn f<'a>()"), "{code}");
+    let dir = std::env::temp_dir().join(format!("gg-store-names-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("control/source")).unwrap();
+    std::fs::create_dir_all(dir.join("admin")).unwrap();
+    std::fs::write(dir.join("control/source/x.rs"), "let etcd = 1;\n").unwrap();
+    std::fs::write(
+        dir.join("admin/y.rs"),
+        "// etcd\nlet s = gw.etcd;\n#[cfg(test)]\nlet t = \"nacos\";\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("admin/z.js"),
+        "// nacos\nif (s === \"Nacos\") {}\n",
+    )
+    .unwrap();
+    let mut bad = store_names_outside_the_seam(&dir);
+    bad.sort();
+    assert_eq!(bad.len(), 2, "{bad:?}");
+    assert!(bad[0].starts_with("src/admin/y.rs:2:"), "{bad:?}");
+    assert!(bad[1].starts_with("src/admin/z.js:2:"), "{bad:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

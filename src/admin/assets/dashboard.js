@@ -219,14 +219,14 @@ function renderConfig(cfg) {
   document.getElementById("script").textContent = text;
 }
 
-// The fleet (etcd source only): every gateway and whether all run the same
-// revision.
-function renderFleet(f) {
+// The fleet (a store that keeps one: /status says `fleet`): every gateway
+// and whether all run the same revision.
+function renderFleet(f, source) {
   const sec = document.getElementById("fleet-section");
   sec.hidden = false;
   const sum = document.getElementById("fleet-summary");
   if (f.error) {
-    sum.textContent = "etcd: " + f.error;
+    sum.textContent = source + ": " + f.error;
     sum.className = "fail";
     return;
   }
@@ -334,8 +334,8 @@ async function refresh() {
     renderStats(stats, nodes, releases);
     renderNodes(nodes);
     renderConfig(cfg);
-    if (status.source === "etcd") {
-      renderFleet(await getJSON("fleet").catch((e) => ({ error: e.message })));
+    if (status.fleet) {
+      renderFleet(await getJSON("fleet").catch((e) => ({ error: e.message })), status.source);
     }
     const u = document.getElementById("updated");
     u.textContent = "updated " + new Date().toLocaleTimeString();

@@ -8,17 +8,17 @@
 //! steps, holds, promotes or rolls back. Only `fail` counts toward the
 //! rollback threshold (in a row by default: a pass resets the count);
 //! `inconclusive` and `error` never move a release by themselves. Admin actions (create, promote, pause, resume,
-//! abort) go through the same state file, one change at a time. With the
-//! etcd source the state is the fleet's release keys instead: the elected
-//! gateway ticks and judges on every gateway's summed counters, any gateway
-//! applies an admin action by compare-and-swap (`super::fleet`).
+//! abort) go through the same state file, one change at a time. With a
+//! store that shares release state (`source::Store::shared_releases`: etcd)
+//! the state is the fleet's instead: the elected gateway ticks and judges
+//! on every gateway's summed counters, any gateway applies an admin action
+//! by compare-and-swap (`source::SharedReleases`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::analysis;
-use super::fleet::{self, Guard, Leadership, Sample};
 use super::{load, weight};
 use crate::config::release::{
     Analysis, FailureCount, LaneFigures, Phase, ReleaseRecord, ReleaseSpec, ReleaseState,
@@ -26,7 +26,7 @@ use crate::config::release::{
 };
 use crate::config::FORMAL;
 use crate::control::node_edit::{self, write_atomic};
-use crate::control::source::etcd::EtcdSource;
+use crate::control::source::{self as fleet, Guard, Leadership, Sample, SharedReleases};
 use crate::control::Gateway;
 use crate::observe::lanes::LaneSnapshot;
 
@@ -37,6 +37,12 @@ const HISTORY: usize = 500;
 const FLEET_HISTORY: usize = 100;
 /// Compare-and-swap attempts of an admin action before giving up.
 const CAS_TRIES: usize = 5;
+
+/// The release state the fleet shares through its store, if it does (else
+/// this gateway's state file).
+fn shared(gw: &Gateway) -> Option<SharedReleases> {
+    gw.store.as_ref().and_then(|s| s.shared_releases())
+}
 
 fn unix_ms() -> u64 {
     SystemTime::now()
@@ -354,8 +360,8 @@ fn set_due(gw: &Gateway, at: Option<Instant>) {
 
 /// Every release and its key's mod revision (0 on files).
 async fn load_all(gw: &Gateway) -> Result<Vec<(ReleaseRecord, i64)>, Refused> {
-    match &gw.etcd {
-        Some(src) => Ok(fleet::load(src).await.map_err(Refused::Unavailable)?.0),
+    match shared(gw) {
+        Some(src) => Ok(src.load().await.map_err(Refused::Unavailable)?.0),
         None => {
             let path = gw.current().config.release_state_path(&gw.config_path);
             let (file, _) = load(&path).map_err(|e| Refused::Conflict(e.to_string()))?;
@@ -407,7 +413,7 @@ async fn judge_due(
         note(r, "promote", "a step of weight 100 is promotion");
         return Some(());
     }
-    let fleet = gw.etcd.is_some();
+    let fleet = shared(gw).is_some();
     let mut detectable = (None, None);
     let (outcome, mut reason, figs, counted) = match (sample, &mark) {
         (Ok(s), Some(m)) => {
@@ -513,14 +519,20 @@ fn judged_steps(spec: &ReleaseSpec) -> usize {
 
 /// The leader's write of a judged release, fenced by its term; the
 /// interval goes on from the written revision (or starts again).
-async fn write_judged(src: &EtcdSource, gw: &Gateway, r: &mut ReleaseRecord, rev: i64, fence: i64) {
+async fn write_judged(
+    src: &SharedReleases,
+    gw: &Gateway,
+    r: &mut ReleaseRecord,
+    rev: i64,
+    fence: i64,
+) {
     trim(r);
     let guard = Guard {
         fence: Some(fence),
         mod_revision: rev,
         range_read_at: None,
     };
-    match fleet::write(src, r, &guard).await {
+    match src.write(r, &guard).await {
         Ok(Some(written)) => {
             if let Some(m) = marks(gw).get_mut(&r.spec.name) {
                 m.rev = written;
@@ -559,7 +571,7 @@ pub async fn tick(gw: &Arc<Gateway>) {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .fence();
-    if gw.etcd.is_some() && fence.is_none() {
+    if shared(gw).is_some() && fence.is_none() {
         // Not (or no longer) leading: the next term starts new intervals.
         marks(gw).clear();
         return;
@@ -577,10 +589,10 @@ pub async fn tick(gw: &Arc<Gateway>) {
         if r.state.phase != Phase::Progressing {
             continue;
         }
-        let sample = match &gw.etcd {
+        let sample = match shared(gw) {
             Some(src) => {
                 if fleet_sample.is_none() {
-                    fleet_sample = Some(fleet::sample(src).await);
+                    fleet_sample = Some(src.sample().await);
                 }
                 fleet_sample.clone().unwrap_or_else(|| Err(String::new()))
             }
@@ -590,11 +602,11 @@ pub async fn tick(gw: &Arc<Gateway>) {
             changed.push(i);
         }
     }
-    match (&gw.etcd, fence) {
+    match (shared(gw), fence) {
         (Some(src), Some(fence)) => {
             for i in changed {
                 let (r, rev) = &mut all[i];
-                write_judged(src, gw, r, *rev, fence).await;
+                write_judged(&src, gw, r, *rev, fence).await;
             }
         }
         _ if !changed.is_empty() => {
@@ -621,10 +633,10 @@ pub async fn run(gw: Arc<Gateway>) {
             self.0.iter().for_each(|t| t.abort());
         }
     }
-    let _tasks = Tasks(match &gw.etcd {
+    let _tasks = Tasks(match shared(&gw) {
         Some(src) => vec![
-            tokio::spawn(fleet::campaign(gw.clone(), src.clone())),
-            tokio::spawn(fleet::publish_counters(gw.clone(), src.clone())),
+            tokio::spawn(src.clone().campaign(gw.clone())),
+            tokio::spawn(src.publish_counters(gw.clone())),
         ],
         None => Vec::new(),
     });
@@ -636,12 +648,7 @@ pub async fn run(gw: Arc<Gateway>) {
         every.tick().await;
         tick(&gw).await;
         // Every gateway's gauges follow the state it serves.
-        if let Some(rev) = gw
-            .etcd
-            .as_ref()
-            .and_then(|s| s.applied())
-            .map(|s| s.revision)
-        {
+        if let Some(rev) = shared(&gw).and_then(|s| s.serving_version()) {
             if rev != shown {
                 shown = rev;
                 publish(&gw, &list(&gw));
@@ -732,15 +739,15 @@ pub async fn create(gw: &Arc<Gateway>, spec_text: &str) -> Result<ReleaseRecord,
     let _one = gw.releases.lock.lock().await;
     let gen = gw.current();
     super::check_new_spec(&spec, &gen.lane.served_lanes).map_err(Refused::Invalid)?;
-    let path = match &gw.etcd {
-        Some(src) => fleet::key_path(src, &spec.name),
+    let path = match shared(gw) {
+        Some(src) => src.key_path(&spec.name),
         None => gen.config.release_state_path(&gw.config_path),
     };
     let compiles = |releases: Vec<ReleaseRecord>| {
         super::compile(&ReleasesFile { releases }, &path, "", &gen.lane.lists)
             .map_err(|e| Refused::Invalid(e.to_string()))
     };
-    let Some(src) = gw.etcd.clone() else {
+    let Some(src) = shared(gw) else {
         let (mut file, _) = load(&path).map_err(|e| Refused::Conflict(e.to_string()))?;
         check_new(file.releases.iter(), &spec)?;
         file.releases.retain(|r| r.spec.name != spec.name);
@@ -753,7 +760,7 @@ pub async fn create(gw: &Arc<Gateway>, spec_text: &str) -> Result<ReleaseRecord,
         return Ok(rec);
     };
     for _ in 0..CAS_TRIES {
-        let (all, at) = fleet::load(&src).await.map_err(Refused::Unavailable)?;
+        let (all, at) = src.load().await.map_err(Refused::Unavailable)?;
         check_new(all.iter().map(|(r, _)| r), &spec)?;
         // A finished release of the same name: its key is overwritten.
         let replaced = all
@@ -773,26 +780,28 @@ pub async fn create(gw: &Arc<Gateway>, spec_text: &str) -> Result<ReleaseRecord,
             mod_revision: replaced,
             range_read_at: Some(at),
         };
-        if let Some(rev) = fleet::write(&src, &rec, &guard)
+        if let Some(rev) = src
+            .write(&rec, &guard)
             .await
             .map_err(Refused::Unavailable)?
         {
             return applied(gw, &src, rec, rev).await;
         }
     }
-    Err(Refused::Conflict(
-        "the releases in etcd kept changing; try again".into(),
-    ))
+    Err(Refused::Conflict(format!(
+        "the releases in {} kept changing; try again",
+        src.title()
+    )))
 }
 
 /// Answers a fleet write once this gateway serves it.
 async fn applied(
     gw: &Gateway,
-    src: &EtcdSource,
+    src: &SharedReleases,
     rec: ReleaseRecord,
     rev: i64,
 ) -> Result<ReleaseRecord, Refused> {
-    let key = fleet::key_path(src, &rec.spec.name);
+    let key = src.key_path(&rec.spec.name);
     src.wait_applied(gw, &key.to_string_lossy(), rev)
         .await
         .map_err(Refused::Conflict)?;
@@ -883,14 +892,15 @@ pub async fn act(gw: &Arc<Gateway>, name: &str, action: Action) -> Result<Releas
         == Action::Finish {
             relabel_nodes: true,
         };
-    if relabel && gw.etcd.is_some() {
-        return Err(Refused::Invalid(
-            "relabel_nodes works on node files; with etcd the nodes are registered: redeploy the new version as formal, then finish".into(),
-        ));
+    if let Some(src) = shared(gw).filter(|_| relabel) {
+        return Err(Refused::Invalid(format!(
+            "relabel_nodes works on node files; with {} the nodes are registered: redeploy the new version as formal, then finish",
+            src.title()
+        )));
     }
     let _one = gw.releases.lock.lock().await;
     let not_found = || Refused::NotFound(format!("no release {name:?}"));
-    let Some(src) = gw.etcd.clone() else {
+    let Some(src) = shared(gw) else {
         let path = gw.current().config.release_state_path(&gw.config_path);
         let (mut file, _) = load(&path).map_err(|e| Refused::Conflict(e.to_string()))?;
         let r = file
@@ -914,7 +924,7 @@ pub async fn act(gw: &Arc<Gateway>, name: &str, action: Action) -> Result<Releas
         return Ok(out);
     };
     for _ in 0..CAS_TRIES {
-        let (all, _) = fleet::load(&src).await.map_err(Refused::Unavailable)?;
+        let (all, _) = src.load().await.map_err(Refused::Unavailable)?;
         let (mut r, rev) = all
             .into_iter()
             .find(|(r, _)| r.spec.name == name)
@@ -926,15 +936,13 @@ pub async fn act(gw: &Arc<Gateway>, name: &str, action: Action) -> Result<Releas
             mod_revision: rev,
             range_read_at: None,
         };
-        if let Some(written) = fleet::write(&src, &r, &guard)
-            .await
-            .map_err(Refused::Unavailable)?
-        {
+        if let Some(written) = src.write(&r, &guard).await.map_err(Refused::Unavailable)? {
             return applied(gw, &src, r, written).await;
         }
     }
     Err(Refused::Conflict(format!(
-        "release {name:?} kept changing in etcd; try again"
+        "release {name:?} kept changing in {}; try again",
+        src.title()
     )))
 }
 
@@ -985,8 +993,8 @@ fn relabel_nodes(gw: &Gateway, r: &ReleaseRecord) -> Result<(), Refused> {
 
 /// Every release (spec and state) this gateway serves.
 pub fn list(gw: &Gateway) -> Vec<ReleaseRecord> {
-    if let Some(src) = &gw.etcd {
-        return fleet::list(src);
+    if let Some(src) = shared(gw) {
+        return src.list();
     }
     // The serving generation's records, not the state file: a state
     // written by `commit` is shown once its reload serves it (a rollback

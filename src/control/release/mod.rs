@@ -14,7 +14,6 @@
 
 pub mod analysis;
 pub mod controller;
-pub mod fleet;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

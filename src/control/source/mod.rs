@@ -1,19 +1,26 @@
 //! Layer: control plane. Configuration sources: where the documents of a
-//! generation come from (and, in `nacos`, the services discovered in Nacos
-//! naming). `files` (the default): the main file and what it
-//! names, watched with notify and SIGHUP. `etcd`: every document is a key
-//! under a prefix, read at one revision (one range read: a consistent
-//! snapshot), watched from that revision + 1, the last applied snapshot kept
-//! on disk for starts while etcd is down. Both hand the same builder
-//! (`control::build`) a set of named documents, so validation and errors
-//! (document:line) are the same.
+//! generation come from, and where the services no node file defines are
+//! discovered. `files` (the default): the main file and what it names,
+//! watched with notify and SIGHUP. `etcd`: every document is a key under a
+//! prefix, read at one revision (one range read: a consistent snapshot),
+//! watched from that revision + 1, the last applied snapshot kept on disk
+//! for starts while etcd is down; its service registry (`etcd::registry`)
+//! and the fleet's shared releases (`etcd::fleet`) are there too.
+//! `nacos_config`: every document is a data id of one group in Nacos
+//! config, each listened to (pushed), the last applied snapshot kept on
+//! disk as with etcd; admin edits published back (`nacos_edit`). `nacos`:
+//! the services discovered in Nacos naming. Every source hands the same
+//! builder (`control::build`) a set of named documents, so validation and
+//! errors (document:line) are the same.
 //!
-//! [`ConfigSource`] is the seam the binary uses: it checks a configuration,
-//! starts a gateway on generation 1, and, once started, [`watch`] keeps the
-//! gateway current and [`leave`] takes it out of its fleet, whatever the
-//! source is. `nacos_config`: every document is a data id of one group in
-//! Nacos config, each listened to (pushed), the last applied snapshot kept
-//! on disk as with etcd.
+//! The seams: [`ConfigSource`] is what the binary uses (check, start on
+//! generation 1; once started [`watch`] keeps the gateway current and
+//! [`leave`] takes it out of its fleet); [`Store`] is the one method set
+//! the rest of the control plane uses on a running gateway's store (edits,
+//! reloads, releases, status, fleet); `discovery` is what the build and
+//! the admin API ask of service discovery; `cli` holds the stores' command
+//! line. Nothing outside this module names a store
+//! (`tests/it/layering.rs`).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -22,10 +29,21 @@ use std::sync::Arc;
 use crate::config::MainConfig;
 use crate::control::Gateway;
 
+pub mod cli;
+pub mod discovery;
 pub mod etcd;
 pub mod files;
 pub mod nacos;
 pub mod nacos_config;
+mod nacos_edit;
+pub mod store;
+
+pub use store::{leadership_view, GatewayCounts, Guard, Leadership, Sample, SharedReleases, Store};
+
+/// Services from a registry (etcd's `services/<svc>/nodes/<id>`): the
+/// document each came from (for errors), its name and settings. A
+/// registered service that a node file also defines gets its nodes appended.
+pub type RegisteredServices = Vec<(PathBuf, String, crate::config::ServiceConfig)>;
 
 /// Which source a gateway runs on and how it stands, for `/status`.
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -45,6 +63,8 @@ pub struct SourceStatus {
     pub store_error: Option<String>,
     /// etcd: this gateway's id in `<prefix>/status/<id>`.
     pub gateway_id: Option<String>,
+    /// Nacos config: the data ids listened to now.
+    pub listening: Option<Vec<String>>,
 }
 
 /// Where a gateway's configuration comes from.
@@ -194,24 +214,18 @@ impl ConfigSource {
 pub fn watch(gw: &Arc<Gateway>) {
     tokio::spawn(crate::control::names::run(gw.clone()));
     tokio::spawn(nacos::run(gw.clone()));
-    if let Some(src) = gw.nacos.get() {
-        tokio::spawn(nacos_config::run(gw.clone(), src.clone()));
-        return;
-    }
-    match gw.etcd.clone() {
-        Some(src) => {
-            tokio::spawn(etcd::run(gw.clone(), src));
-        }
+    match &gw.store {
+        Some(store) => store.watch(gw),
         None => files::spawn_watch(gw.clone()),
     }
 }
 
-/// At a graceful stop (not a handover), after the release leadership is
-/// given up (`release::fleet::resign`): an etcd gateway removes its
-/// status key; a files gateway has nothing to leave.
+/// At a graceful stop (not a handover): a fleet gateway gives up the
+/// release leadership, then leaves its store (an etcd gateway removes its
+/// status key); a files gateway has nothing to leave.
 pub async fn leave(gw: &Gateway) {
-    if let Some(src) = &gw.etcd {
-        etcd::leave(src).await;
+    if let Some(store) = &gw.store {
+        store.leave(gw).await;
     }
 }
 

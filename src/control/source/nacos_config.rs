@@ -39,6 +39,11 @@ const CHECK_EVERY: Duration = Duration::from_secs(1);
 const DEBOUNCE: Duration = Duration::from_millis(20);
 /// How long after a listener starts its data id is read again.
 const VERIFY_AFTER: Duration = Duration::from_millis(100);
+/// How often every listened data id is read again, in case a push was
+/// lost: the Nacos client re-registers its listens only every 60 s after
+/// it reconnects to another cluster member, and pushes in between go
+/// nowhere. One small read per data id.
+const SWEEP_EVERY: Duration = Duration::from_secs(10);
 /// The most documents one configuration may name (a bound on [`read_set`]).
 const MAX_DOCS: usize = 512;
 
@@ -145,6 +150,8 @@ struct SnapDocs<'a> {
     main: Vec<u8>,
     local_root: PathBuf,
     missing: Mutex<BTreeSet<String>>,
+    /// Every data id the build asked for (found or not).
+    read: Mutex<BTreeSet<String>>,
 }
 
 impl SnapDocs<'_> {
@@ -170,6 +177,10 @@ impl Docs for SnapDocs<'_> {
         if id == self.snap.main {
             return Ok(self.main.clone());
         }
+        self.read
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.clone());
         match self.snap.docs.get(&id) {
             Some(v) => Ok(v.clone().into_bytes()),
             None => {
@@ -240,6 +251,22 @@ pub fn build(
     local_root: &Path,
     id: u64,
 ) -> (Result<Generation, ConfigError>, BTreeSet<String>) {
+    let (res, missing, _) = build_reading(snap, boot, local_root, id);
+    (res, missing)
+}
+
+/// [`build`], with every data id the build read (the ones the
+/// configuration names now).
+fn build_reading(
+    snap: &Snap,
+    boot: Option<&NacosBootstrap>,
+    local_root: &Path,
+    id: u64,
+) -> (
+    Result<Generation, ConfigError>,
+    BTreeSet<String>,
+    BTreeSet<String>,
+) {
     let root = PathBuf::from(format!("nacos:{}", snap.group));
     let main_path = root.join(&snap.main);
     let Some(main) = snap.docs.get(&snap.main) else {
@@ -251,7 +278,7 @@ pub fn build(
                 snap.main, snap.group, snap.namespace
             ),
         );
-        return (Err(e), BTreeSet::new());
+        return (Err(e), BTreeSet::new(), BTreeSet::new());
     };
     let docs = SnapDocs {
         snap,
@@ -259,11 +286,13 @@ pub fn build(
         root,
         local_root: local_root.to_path_buf(),
         missing: Mutex::new(BTreeSet::new()),
+        read: Mutex::new(BTreeSet::new()),
     };
     let res = Generation::build(&docs, &main_path, Vec::new(), id)
         .map_err(|e| name_data_id(e, &docs.root));
     let missing = docs.missing.into_inner().unwrap_or_else(|e| e.into_inner());
-    (res, missing)
+    let read = docs.read.into_inner().unwrap_or_else(|e| e.into_inner());
+    (res, missing, read)
 }
 
 /// A client of the config service for `settings` (bounded: the first
@@ -322,8 +351,10 @@ pub async fn get(
 }
 
 /// Completes `snap` with every data id its build reads (fetching what it
-/// lacks, again until a build asks for nothing new); the data ids named
-/// but absent from Nacos are returned (the build's error names them).
+/// lacks, again until a build asks for nothing new) and drops the data ids
+/// it no longer reads (named again later, they are read fresh); the data
+/// ids named but absent from Nacos are returned (the build's error names
+/// them).
 pub async fn complete(
     client: &ConfigService,
     snap: &mut Snap,
@@ -344,9 +375,11 @@ pub async fn complete(
         }
     }
     for _ in 0..MAX_DOCS {
-        let (_, missing) = build(snap, boot, local_root, 0);
+        let (_, missing, read) = build_reading(snap, boot, local_root, 0);
         let new: Vec<String> = missing.difference(&absent).cloned().collect();
         if new.is_empty() {
+            let main = snap.main.clone();
+            snap.docs.retain(|id, _| *id == main || read.contains(id));
             return Ok(absent);
         }
         for id in new {
@@ -409,6 +442,10 @@ pub struct NacosConfigSource {
     /// Named data ids Nacos does not have (listened to: their creation is
     /// pushed).
     absent: Mutex<BTreeSet<String>>,
+    /// SIGHUP: read every data id again from the server.
+    reread: tokio::sync::Notify,
+    /// The client admin edits publish with (`nacos_edit`).
+    pub(super) writer: tokio::sync::Mutex<Option<ConfigService>>,
 }
 
 impl NacosConfigSource {
@@ -426,6 +463,8 @@ impl NacosConfigSource {
             applied: Mutex::new(None),
             latest: Mutex::new(Snap::default()),
             absent: Mutex::new(BTreeSet::new()),
+            reread: tokio::sync::Notify::new(),
+            writer: tokio::sync::Mutex::new(None),
         }
     }
 
@@ -455,7 +494,17 @@ impl NacosConfigSource {
         build(snap, Some(&self.boot), &self.dir, id).0
     }
 
-    fn applied(&self) -> Option<Arc<Snap>> {
+    /// Whether the newest content known of data id `id` is `text`.
+    pub(super) fn latest_has(&self, id: &str, text: &str) -> bool {
+        self.latest
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .docs
+            .get(id)
+            .is_some_and(|t| t == text)
+    }
+
+    pub(super) fn applied(&self) -> Option<Arc<Snap>> {
         self.applied
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -516,6 +565,18 @@ impl NacosConfigSource {
         }
     }
 
+    /// `/status` `listening`: the data ids listened to now.
+    fn set_listening(&self, gw: &Gateway, ids: &BTreeSet<String>) {
+        let mut st = gw.source.lock().unwrap_or_else(|e| e.into_inner());
+        if st
+            .listening
+            .as_ref()
+            .is_none_or(|l| !l.iter().eq(ids.iter()))
+        {
+            st.listening = Some(ids.iter().cloned().collect());
+        }
+    }
+
     fn mark_live(&self, gw: &Gateway) {
         let mut st = gw.source.lock().unwrap_or_else(|e| e.into_inner());
         if st.store_error.is_some() {
@@ -538,7 +599,13 @@ impl NacosConfigSource {
     /// rejected one leaves the old generation serving, its error in
     /// `/status`. Blocking.
     fn apply(&self, gw: &Gateway, snap: Snap) -> Result<u64, ConfigError> {
-        if self.applied().is_some_and(|a| *a == snap) {
+        self.apply_as(gw, snap, false)
+    }
+
+    /// [`Self::apply`]; `always`: built even if it is the serving snapshot
+    /// (SIGHUP: documents on disk, certificates, may have changed).
+    fn apply_as(&self, gw: &Gateway, snap: Snap, always: bool) -> Result<u64, ConfigError> {
+        if !always && self.applied().is_some_and(|a| *a == snap) {
             self.set_applied(gw, Arc::new(snap), true);
             return Ok(gw.current().id);
         }
@@ -547,15 +614,6 @@ impl NacosConfigSource {
             self.set_applied(gw, Arc::new(snap), true);
         }
         res
-    }
-
-    /// Why an admin edit of nodes or rules is refused: the documents are
-    /// Nacos's, edited there.
-    pub fn edit_refused(&self) -> String {
-        format!(
-            "the configuration lives in Nacos config (namespace {}, group {}): edit the data id there (or graygate push --nacos); the change is pushed to every gateway",
-            self.place.settings.namespace, self.place.group
-        )
     }
 
     /// Rebuilds the serving snapshot (a discovery push, SIGHUP, a release
@@ -614,9 +672,7 @@ pub async fn start(
             (cached, gen, false)
         }
     };
-    let gw = Gateway::with_generation(gen, path, None);
-    gw.source.lock().unwrap_or_else(|e| e.into_inner()).source = "nacos";
-    let _ = gw.nacos.set(src.clone());
+    let gw = Gateway::with_generation(gen, path, Some(super::Store::Nacos(src.clone())));
     src.set_applied(&gw, Arc::new(snap), live);
     if let Some(e) = first_error {
         if live {
@@ -632,10 +688,18 @@ pub async fn start(
 }
 
 /// Keeps `gw` on the newest documents in Nacos config: listens to every
-/// data id the configuration reads, applies each push (debounced), checks
-/// the connection, catches a cached start up. Runs until the process ends.
+/// data id the configuration reads (and stops listening to those it no
+/// longer names), applies each push (debounced), reads every listened
+/// data id again every [`SWEEP_EVERY`] (a push lost), checks the connection,
+/// catches a cached start up; at SIGHUP reads every data id afresh from
+/// the server through the client admin edits use (it listens to none, so
+/// it never answers from a cache, and its connection is not the one
+/// pushes come on) and builds again. No client is replaced: the client
+/// library has no way to close one, so a new one would leave the old
+/// connection open. Runs until the process ends.
 pub async fn run(gw: Arc<Gateway>, src: Arc<NacosConfigSource>) {
-    tokio::spawn(sighup(gw.clone()));
+    tokio::spawn(sighup(src.clone()));
+    let mut reread = false;
     let (tx, mut rx) = mpsc::unbounded_channel::<Push>();
     // Two clients: one listens; the other reads (the listening one
     // answers listened data ids from its own cache).
@@ -645,6 +709,7 @@ pub async fn run(gw: Arc<Gateway>, src: Arc<NacosConfigSource>) {
     // the listener's start is never pushed).
     let mut verify: BTreeSet<String> = BTreeSet::new();
     let mut listening: BTreeSet<String> = BTreeSet::new();
+    let mut swept = Instant::now();
     let mut backoff = Duration::from_millis(200);
     let mut retry_at = Instant::now();
     let mut tick = tokio::time::interval(CHECK_EVERY);
@@ -661,6 +726,10 @@ pub async fn run(gw: Arc<Gateway>, src: Arc<NacosConfigSource>) {
                 }
             }
             _ = tick.tick() => {}
+            _ = src.reread.notified() => {
+                reread = true;
+                retry_at = Instant::now();
+            }
         }
         if client.is_none() {
             if Instant::now() < retry_at {
@@ -680,12 +749,42 @@ pub async fn run(gw: Arc<Gateway>, src: Arc<NacosConfigSource>) {
                     src.set_store_error(&gw, &e);
                     retry_at = Instant::now() + backoff;
                     backoff = (backoff * 2).min(Duration::from_secs(3));
+                    if std::mem::take(&mut reread) {
+                        // SIGHUP while Nacos is unreachable: what is
+                        // served built again (documents on disk).
+                        tracing::warn!(error = %e, "SIGHUP: Nacos config unreachable; rebuilding what is served");
+                        let g = gw.clone();
+                        let _ = tokio::task::spawn_blocking(move || g.reload()).await;
+                    }
                     continue;
                 }
             }
         }
         let (c, reader) = client.as_ref().expect("connected above");
         let timeout = src.timeout();
+        if std::mem::take(&mut reread) {
+            let read = match src.writer().await {
+                Ok(w) => read_set(&w, &src.place, Some(&src.boot), &src.dir).await,
+                Err(e) => Err(e.to_string()),
+            };
+            match read {
+                Ok((snap, absent)) => {
+                    tracing::info!(
+                        data_ids = snap.docs.len(),
+                        "SIGHUP: Nacos config read again"
+                    );
+                    src.set_latest(&snap, absent);
+                    src.mark_live(&gw);
+                    let (g, s) = (gw.clone(), src.clone());
+                    let _ = tokio::task::spawn_blocking(move || s.apply_as(&g, snap, true)).await;
+                }
+                Err(e) => {
+                    src.set_store_error(&gw, &e);
+                    let g = gw.clone();
+                    let _ = tokio::task::spawn_blocking(move || g.reload()).await;
+                }
+            }
+        }
         if !pushes.is_empty() {
             let mut snap = src.latest.lock().unwrap_or_else(|e| e.into_inner()).clone();
             for (id, content) in pushes {
@@ -728,6 +827,10 @@ pub async fn run(gw: Arc<Gateway>, src: Arc<NacosConfigSource>) {
                     } else {
                         src.mark_live(&gw);
                     }
+                    if swept.elapsed() >= SWEEP_EVERY {
+                        swept = Instant::now();
+                        verify.extend(listening.iter().cloned());
+                    }
                     for id in std::mem::take(&mut verify) {
                         let known = src
                             .latest
@@ -750,8 +853,23 @@ pub async fn run(gw: Arc<Gateway>, src: Arc<NacosConfigSource>) {
                 Err(e) => src.set_store_error(&gw, &e),
             }
         }
-        // Listen to every data id the configuration reads.
-        for id in src.listened() {
+        // Stop listening to the data ids the configuration no longer
+        // names, then listen to every one it reads.
+        let named = src.listened();
+        for id in listening.difference(&named).cloned().collect::<Vec<_>>() {
+            let remove = c.remove_listener(id.clone(), src.place.group.clone(), listener.clone());
+            match tokio::time::timeout(timeout, remove).await {
+                Ok(Ok(())) => {
+                    tracing::info!(data_id = %id, group = %src.place.group, "no longer named: not listened to");
+                    listening.remove(&id);
+                    verify.remove(&id);
+                }
+                Ok(Err(e)) => src.set_store_error(&gw, &format!("stop listening {id}: {e}")),
+                Err(_) => src.set_store_error(&gw, &format!("stop listening {id}: no answer")),
+            }
+        }
+        src.set_listening(&gw, &listening);
+        for id in named {
             if listening.contains(&id) {
                 continue;
             }
@@ -761,6 +879,7 @@ pub async fn run(gw: Arc<Gateway>, src: Arc<NacosConfigSource>) {
                     tracing::info!(data_id = %id, group = %src.place.group, "listening in Nacos config");
                     listening.insert(id.clone());
                     verify.insert(id);
+                    src.set_listening(&gw, &listening);
                 }
                 Ok(Err(e)) => src.set_store_error(&gw, &format!("listen {id}: {e}")),
                 Err(_) => src.set_store_error(&gw, &format!("listen {id}: no answer")),
@@ -794,16 +913,16 @@ async fn apply_latest(
     let _ = tokio::task::spawn_blocking(move || s.apply(&g, snap)).await;
 }
 
-/// SIGHUP: the serving snapshot built again (as a files gateway reloads).
-async fn sighup(gw: Arc<Gateway>) {
+/// SIGHUP: Nacos config read again from the server (the run loop does
+/// it).
+async fn sighup(src: Arc<NacosConfigSource>) {
     use tokio::signal::unix::{signal, SignalKind};
     let Ok(mut hup) = signal(SignalKind::hangup()) else {
         return;
     };
     while hup.recv().await.is_some() {
-        tracing::info!("SIGHUP; rebuilding the Nacos configuration");
-        let g = gw.clone();
-        let _ = tokio::task::spawn_blocking(move || g.reload()).await;
+        tracing::info!("SIGHUP; reading Nacos config again");
+        src.reread.notify_one();
     }
 }
 

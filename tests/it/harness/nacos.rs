@@ -375,13 +375,40 @@ impl Nacos {
         }
     }
 
-    async fn try_register(&self, i: &Inst) -> Result<(), String> {
-        let r = http(
-            self.http_addr(),
+    /// Registers `i`; the error instead of a panic (a cluster electing a
+    /// leader refuses writes for a while).
+    pub async fn try_register(&self, i: &Inst) -> Result<(), String> {
+        self.try_call("POST", format!("/nacos/v1/ns/instance?{}", i.query()))
+            .await
+    }
+
+    /// Deregisters `i`; the error instead of a panic.
+    pub async fn try_deregister(&self, i: &Inst) -> Result<(), String> {
+        self.try_call("DELETE", format!("/nacos/v1/ns/instance?{}", i.query()))
+            .await
+    }
+
+    /// Publishes a config; the error instead of a panic.
+    pub async fn try_publish(
+        &self,
+        group: &str,
+        data_id: &str,
+        content: &str,
+    ) -> Result<(), String> {
+        self.try_call(
             "POST",
-            &self.authed(format!("/nacos/v1/ns/instance?{}", i.query())),
+            format!(
+                "/nacos/v1/cs/configs?dataId={}&group={}&content={}",
+                enc(data_id),
+                enc(group),
+                enc(content)
+            ),
         )
-        .await?;
+        .await
+    }
+
+    async fn try_call(&self, method: &str, path: String) -> Result<(), String> {
+        let r = http(self.http_addr(), method, &self.authed(path)).await?;
         if r.status == 200 {
             Ok(())
         } else {
@@ -399,6 +426,8 @@ impl Nacos {
 
     /// Publishes a config (`data_id` in `group` of the public namespace)
     /// through the HTTP API, as an operator's edit in the console does.
+    /// A server whose raft has no leader yet (just started, on a loaded
+    /// machine) is asked again for up to 10 s; any other refusal fails.
     pub async fn publish(&self, group: &str, data_id: &str, content: &str) {
         let path = self.authed(format!(
             "/nacos/v1/cs/configs?dataId={}&group={}&content={}",
@@ -406,10 +435,18 @@ impl Nacos {
             enc(group),
             enc(content)
         ));
-        let r = http(self.http_addr(), "POST", &path)
-            .await
-            .unwrap_or_else(|e| panic!("publish {group}/{data_id}: {e}"));
-        assert_eq!(r.status, 200, "publish {group}/{data_id}: {}", r.text());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let r = http(self.http_addr(), "POST", &path)
+                .await
+                .unwrap_or_else(|e| panic!("publish {group}/{data_id}: {e}"));
+            if r.status != 200 && r.text().contains("raft leader") && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+            assert_eq!(r.status, 200, "publish {group}/{data_id}: {}", r.text());
+            return;
+        }
     }
 
     /// The content of a config, if Nacos has it.
@@ -596,4 +633,36 @@ impl PyClient {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The gRPC ports `pid` has established connections to, with their count
+/// (from `/proc`: its socket inodes matched in `/proc/net/tcp`).
+pub fn connections_of(pid: u32, ports: &[u16]) -> std::collections::BTreeMap<u16, usize> {
+    let mut inodes = std::collections::BTreeSet::new();
+    if let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
+        for fd in fds.flatten() {
+            if let Ok(link) = std::fs::read_link(fd.path()) {
+                let l = link.to_string_lossy();
+                if let Some(ino) = l.strip_prefix("socket:[").and_then(|r| r.strip_suffix(']')) {
+                    inodes.insert(ino.to_string());
+                }
+            }
+        }
+    }
+    let mut out = std::collections::BTreeMap::new();
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    for line in table.lines().skip(1) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 10 || f[3] != "01" || !inodes.contains(f[9]) {
+            continue;
+        }
+        let port = f[2]
+            .rsplit_once(':')
+            .and_then(|(_, p)| u16::from_str_radix(p, 16).ok())
+            .unwrap_or(0);
+        if ports.contains(&port) {
+            *out.entry(port).or_default() += 1;
+        }
+    }
+    out
 }

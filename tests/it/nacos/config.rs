@@ -218,15 +218,17 @@ async fn seed_004_rules_in_nacos_config_follow_an_operators_edit() {
         gw.status().await["last_reload_error"],
         serde_json::Value::Null
     );
-    // Admin edits are Nacos's: refused, saying where to edit.
+    // An admin edit is published to the data id in Nacos.
     let r = Req::get("/rules/beta-users")
         .method("PATCH")
         .header("content-type", "application/json")
         .body(r#"{"percentage": 5}"#)
         .send(gw.admin.unwrap())
         .await;
-    assert_eq!(r.status, 409, "{}", r.text());
-    assert!(r.text().contains("Nacos config"), "{}", r.text());
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["data_id"], "rules.yaml");
+    let stored = nacos.config(GROUP, "rules.yaml").await.unwrap();
+    assert!(stored.contains("percentage: 5"), "{stored}");
 }
 
 /// Every document the main settings name is a data id: a node file, an IP
@@ -560,6 +562,9 @@ async fn push_check_and_pull_with_nacos() {
 /// Releases on a Nacos config source work as on files: created through
 /// the admin API, their state in `releases.json` beside the bootstrap
 /// file (this gateway's own), kept through a pushed change and a restart.
+/// The supported mode's consequence for a fleet: another gateway on the
+/// same Nacos config does not have the release (each gateway's releases
+/// are its own; `/releases` names no fleet, `/fleet` has none).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn releases_keep_their_state_on_the_gateways_disk() {
     use crate::releases::{admin_post, LIFECYCLE};
@@ -601,6 +606,21 @@ async fn releases_keep_their_state_on_the_gateways_disk() {
     };
     let share = gray_users(gw.addr).await;
     assert!((20..=80).contains(&share), "{share} of 100 users on gray");
+    // A second gateway on the same Nacos config: not its release.
+    let fx_b = Fixture::new();
+    let gw_b = Gateway::start(&fx_b.write("bootstrap.yaml", &bootstrap(&nacos, "")));
+    let b_admin = gw_b.admin.unwrap();
+    let r = Req::get("/releases/r1").send(b_admin).await;
+    assert_eq!(r.status, 404, "{}", r.text());
+    assert_eq!(gray_users(gw_b.addr).await, 0, "no release on gateway b");
+    let list = Req::get("/releases").send(b_admin).await.json();
+    assert_eq!(list["source"], "nacos", "{list}");
+    assert!(list.get("fleet").is_none(), "{list}");
+    assert_eq!(gw_b.status().await["fleet"], false);
+    let r = Req::get("/fleet").send(b_admin).await;
+    assert_eq!(r.status, 404, "{}", r.text());
+    assert!(r.text().contains("no fleet"), "{}", r.text());
+    drop(gw_b);
     let release = |gw: &Gateway| {
         let admin = gw.admin.unwrap();
         async move { Req::get("/releases/r1").send(admin).await.json() }

@@ -3,5 +3,7 @@
 //! instances registered through its HTTP API or by Nacos's official
 //! Python client, and the real graygate binary.
 
+mod cluster;
 mod config;
 mod discovery;
+mod store;

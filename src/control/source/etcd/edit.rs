@@ -10,10 +10,11 @@ use std::time::Duration;
 
 use etcd_client::PutOptions;
 
+use super::registry;
 use super::EtcdSource;
 use crate::config::parse_yaml;
 use crate::control::node_edit::EditError;
-use crate::control::{registry, Gateway};
+use crate::control::Gateway;
 
 impl EtcdSource {
     /// The text and mod revision of `path` in the serving snapshot.

@@ -21,7 +21,9 @@ use crate::generation::Generation;
 
 mod cli;
 mod edit;
+pub mod fleet;
 mod keys;
+pub mod registry;
 mod snapshot;
 mod status;
 mod watch;
@@ -226,7 +228,7 @@ pub async fn start(bootstrap_path: &Path) -> Result<(Arc<Gateway>, Arc<EtcdSourc
             (cached, gen, false)
         }
     };
-    let gw = Gateway::with_generation(gen, path, Some(src.clone()));
+    let gw = Gateway::with_generation(gen, path, Some(super::Store::Etcd(src.clone())));
     src.set_applied(&gw, Arc::new(snap), live);
     if let Some(e) = first_error {
         if live {

@@ -15,10 +15,10 @@ use sha2::{Digest, Sha256};
 
 use super::err;
 use super::keys::{main_key, range};
+use super::registry;
 use crate::config::docs::MemDocs;
 use crate::config::{Bootstrap, ConfigError};
-use crate::control::registry;
-use crate::control::registry::RegisteredServices;
+use crate::control::source::RegisteredServices;
 use crate::generation::Generation;
 
 /// One value of a snapshot.

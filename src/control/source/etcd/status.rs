@@ -101,7 +101,7 @@ pub(super) async fn publish_status(gw: Arc<Gateway>, src: Arc<EtcdSource>) {
             let mut c = src.client().await?;
             let id = match lease {
                 Some(id) => {
-                    crate::control::registry::keep_alive(&mut c, id).await?;
+                    super::registry::keep_alive(&mut c, id).await?;
                     id
                 }
                 None => {

@@ -28,10 +28,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use etcd_client::{Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse};
 use serde::{Deserialize, Serialize};
 
+use super::{leader_key, release_key, releases_range, stats_key, EtcdSource};
 use crate::config::release::ReleaseRecord;
-use crate::control::source::etcd::{
-    leader_key, release_key, releases_range, stats_key, EtcdSource,
-};
 use crate::control::Gateway;
 use crate::observe::lanes::{LaneSnapshot, BUCKETS};
 
@@ -191,7 +189,7 @@ async fn campaign_once(
     let mut c = src.client().await?;
     let id = match *lease {
         Some(l) => {
-            if let Err(e) = crate::control::registry::keep_alive(&mut c, l).await {
+            if let Err(e) = super::registry::keep_alive(&mut c, l).await {
                 *lease = None;
                 return Err(e);
             }
@@ -334,7 +332,7 @@ pub async fn publish_counters(gw: Arc<Gateway>, src: Arc<EtcdSource>) {
             let id = match lease {
                 Some((id, renewed)) if renewed.elapsed() < beat => id,
                 Some((id, _)) => {
-                    crate::control::registry::keep_alive(&mut c, id).await?;
+                    super::registry::keep_alive(&mut c, id).await?;
                     lease = Some((id, Instant::now()));
                     id
                 }

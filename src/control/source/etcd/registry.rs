@@ -17,10 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::{find_line, parse_yaml, valid_lane, ConfigError, NodeConfig};
 use crate::config::{ServiceConfig, FORMAL};
 
-/// Services from a registry (e.g. etcd's `services/<svc>/nodes/<id>`):
-/// the document each came from (for errors), its name and settings. A
-/// registered service that a node file also defines gets its nodes appended.
-pub type RegisteredServices = Vec<(std::path::PathBuf, String, crate::config::ServiceConfig)>;
+pub use crate::control::source::RegisteredServices;
 
 /// The value of `<prefix>/services/<svc>/nodes/<id>`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
