@@ -300,6 +300,9 @@ async fn plain<W: Wire>(mut conn: Box<Conn<W>>) -> Option<(Box<Conn<W>>, oneshot
     let mut tick = std::pin::pin!(conn.wheel.slot(conn.idle_due()).clone().notified_owned());
     loop {
         if conn.pending.is_none() && !poll_fn(|cx| conn.poll_idle(tick.as_mut(), cx)).await {
+            if W::BUFFERED {
+                Box::pin(conn.close()).await;
+            }
             return None;
         }
         // Boxed: the exchange's state (the head being read, the response
@@ -311,7 +314,12 @@ async fn plain<W: Wire>(mut conn: Box<Conn<W>>) -> Option<(Box<Conn<W>>, oneshot
         conn = back;
         match next {
             Next::KeepAlive => {}
-            Next::Close => return None,
+            Next::Close => {
+                if W::BUFFERED {
+                    Box::pin(conn.close()).await;
+                }
+                return None;
+            }
             Next::Upgrade(tunnel) => return Some((conn, tunnel)),
         }
     }
@@ -363,6 +371,16 @@ impl<W: Wire> Conn<W> {
                 Poll::Pending => return Poll::Pending,
             }
         }
+    }
+
+    /// Ends the stream's session before the socket closes (TLS: the
+    /// `close_notify` alert, so a client reading to the close can tell it
+    /// from a cut), bounded by the send timeout. Plain sockets have nothing
+    /// to say: they are only dropped.
+    async fn close(&self) {
+        let send = Duration::from_millis(self.server.plane.current().config.client.send_timeout_ms);
+        let shut = poll_fn(|cx| self.stream.poll_shutdown(cx));
+        let _ = crate::base::deadline::timeout(send.min(Duration::from_secs(1)), shut).await;
     }
 
     /// When the connection, idle since its last read or write, is closed

@@ -42,6 +42,11 @@ pub(super) trait Wire: Send + Sync + Sized + 'static {
     fn try_write_vectored(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize>;
     /// Ready once everything written has left for the socket.
     fn poll_flush(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
+    /// Ends the session on the stream before the socket closes (TLS:
+    /// `close_notify`); a plain socket is only dropped.
+    fn poll_shutdown(&self, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
     /// `Some(true)`: the client closed its side (or the connection failed);
     /// `Some(false)`: it sent more (stop watching); `None`: can't tell yet
     /// (or never: TLS has no peek).
@@ -227,6 +232,10 @@ impl Wire for TlsWire {
 
     fn poll_gone(&self, _: &mut Context<'_>) -> Poll<bool> {
         Poll::Pending
+    }
+
+    fn poll_shutdown(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.lock().io).poll_shutdown(cx)
     }
 
     fn tcp(&self) -> Option<&TcpStream> {

@@ -603,3 +603,55 @@ async fn http1_over_tls_streams_uploads_and_keeps_the_header_timeout() {
         started.elapsed()
     );
 }
+
+/// A TLS connection the gateway closes (after a `Connection: close`
+/// answer, and an idle one at its timeout) ends with TLS's `close_notify`,
+/// so a client reading to the close can tell it from a cut (Python's `ssl`
+/// with ragged EOFs not suppressed raises on a close without it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_tls_connections_end_with_close_notify() {
+    let fx = Fixture::new();
+    let node = Backend::start("n", "formal").await;
+    write_cert(&fx.path("certs"), "default", "localhost");
+    fx.api_nodes(&[&node]);
+    let gw = Config::new()
+        .node_files(&["nodes.yaml"])
+        .raw("client: { idle_timeout_ms: 1000 }\n")
+        .routes(&[Route::service("/", "api")])
+        .listeners(&[Listener::tls().cert("certs/default.crt", "certs/default.key")])
+        .start(&fx, "graygate.yaml");
+    let tls = listeners(&gw)[0];
+    let script = r#"
+import socket, ssl, sys
+port, request = int(sys.argv[1]), sys.argv[2].encode().decode("unicode_escape").encode()
+ctx = ssl.create_default_context()
+ctx.check_hostname = False
+ctx.verify_mode = ssl.CERT_NONE
+raw = socket.create_connection(("127.0.0.1", port), timeout=20)
+s = ctx.wrap_socket(raw, server_hostname="localhost", suppress_ragged_eofs=False)
+if request:
+    s.sendall(request)
+got = b""
+try:
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    print("clean", got.split(b"\r\n")[0].decode() if got else "idle")
+except ssl.SSLEOFError as e:
+    print("cut", e)
+"#;
+    let run = |request: &str| {
+        let out = std::process::Command::new("python3")
+            .args(["-c", script, &tls.port().to_string(), request])
+            .output()
+            .expect("run python3");
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+    };
+    let answered = run("GET /x HTTP/1.1\\r\\nHost: localhost\\r\\nConnection: close\\r\\n\\r\\n");
+    assert!(answered.starts_with("clean HTTP/1.1 200"), "{answered}");
+    // Nothing sent: closed at the idle timeout, with the alert too.
+    let idle = run("");
+    assert!(idle.starts_with("clean idle"), "{idle}");
+}
