@@ -232,3 +232,74 @@ async fn websocket_tunnels_are_cut_at_the_drain_time() {
     })
     .await;
 }
+
+/// A WebSocket over a TLS listener: the HTTP/1.1-over-TLS connection (the
+/// same loop as plain ones) turns into the client's side of the tunnel
+/// after its 101, with the lane decided at the upgrade.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn websocket_over_a_tls_listener_becomes_a_tunnel() {
+    use crate::harness::tls::{listeners, write_cert};
+    let (f_addr, _f) = ws_node("fws").await;
+    let (g_addr, _g) = ws_node("gws").await;
+    let fx = Fixture::new();
+    write_cert(&fx.path("certs"), "default", "localhost");
+    fx.write(
+        "lane.lua",
+        "return function(req) return req:header('X-Lane') end\n",
+    );
+    let chat = Service::new("chat").nodes([
+        Node::new("fws", f_addr),
+        Node::new("gws", g_addr).lane("gray"),
+    ]);
+    Nodes::new().service(chat).write(&fx, "nodes.yaml");
+    let gw = Config::new()
+        .script("lane.lua")
+        .node_files(&["nodes.yaml"])
+        .routes(&[Route::service("/", "chat")])
+        .listeners(&[Listener::tls().cert("certs/default.crt", "certs/default.key")])
+        .start(&fx, "gg.yaml");
+    let tls_addr = listeners(&gw)[0];
+    let mut roots = rustls::RootCertStore::empty();
+    let pem = std::fs::read(fx.path("certs/default.crt")).unwrap();
+    for cert in rustls_pki_types::pem::PemObject::pem_slice_iter(&pem) {
+        let cert: rustls_pki_types::CertificateDer<'static> = cert.unwrap();
+        roots.add(cert).unwrap();
+    }
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let tcp = TcpStream::connect(tls_addr).await.unwrap();
+    let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
+    let stream = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .expect("TLS handshake");
+    let mut req = format!("wss://localhost:{}/chat", tls_addr.port())
+        .into_client_request()
+        .unwrap();
+    req.headers_mut().insert("X-Lane", "gray".parse().unwrap());
+    let (mut ws, resp) = tokio_tungstenite::client_async(req, stream)
+        .await
+        .expect("upgrade through the gateway over TLS");
+    assert_eq!(resp.status(), 101);
+    let first = tokio::time::timeout(Duration::from_secs(10), ws.next())
+        .await
+        .expect("greeting in time")
+        .expect("open")
+        .expect("frame");
+    assert_eq!(first.into_text().unwrap().as_str(), "gws tag=gray");
+    for i in 0..3 {
+        ws.send(Message::text(format!("t{i}"))).await.unwrap();
+        let m = tokio::time::timeout(Duration::from_secs(10), ws.next())
+            .await
+            .expect("echo in time")
+            .expect("open")
+            .expect("frame");
+        assert_eq!(m.into_text().unwrap().as_str(), format!("gws:t{i}"));
+    }
+    ws.close(None).await.unwrap();
+}
