@@ -308,6 +308,18 @@ async fn open(
     Ok(Box::new(Conn::new(Stream::Tls(Box::new(stream)), t.id)))
 }
 
+/// [`open`]'s future, boxed by a function of its own (never inlined): the
+/// connect and TLS handshake state is built in this frame, not in the
+/// stack frame of the exchange's poll that awaits it.
+#[inline(never)]
+fn open_boxed<'a>(
+    addr: SocketAddr,
+    tls: Option<&'a TlsConnect>,
+    timeout: Duration,
+) -> Pin<Box<impl Future<Output = Result<Box<Conn>, Error>> + 'a>> {
+    Box::pin(open(addr, tls, timeout))
+}
+
 /// One request to send: everything borrowed from the caller.
 pub struct Outgoing<'a> {
     pub method: &'a Method,
@@ -577,10 +589,17 @@ pub async fn connect(
     s: &Settings,
     deadline: &mut Deadline,
 ) -> Result<Session, Error> {
-    match checkout(addr, tls.map_or(0, |t| t.id), s.idle_timeout) {
-        Some(conn) => Ok(Session { conn, reused: true }),
+    match pooled(addr, tls, s.idle_timeout) {
+        Some(session) => Ok(session),
         None => fresh(addr, tls, s, deadline).await,
     }
+}
+
+/// A session on an idle pooled connection to `addr` (under `tls`) still
+/// usable, if there is one: no future, no wait.
+pub fn pooled(addr: SocketAddr, tls: Option<&TlsConnect>, idle_timeout: Duration) -> Option<Session> {
+    let conn = checkout(addr, tls.map_or(0, |t| t.id), idle_timeout)?;
+    Some(Session { conn, reused: true })
 }
 
 /// A session on a new connection (TCP, and the TLS handshake with `tls`),
@@ -596,7 +615,7 @@ pub async fn fresh(
     // boxed too: only new connections pay for it, and the exchange's
     // future stays small to move.)
     let conn = deadline
-        .within(Box::pin(open(addr, tls, s.connect_timeout)))
+        .within(open_boxed(addr, tls, s.connect_timeout))
         .await
         .map_err(|_| Error::new(ErrorKind::ResponseTimeout))??;
     Ok(Session {
