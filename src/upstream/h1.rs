@@ -597,7 +597,11 @@ pub async fn connect(
 
 /// A session on an idle pooled connection to `addr` (under `tls`) still
 /// usable, if there is one: no future, no wait.
-pub fn pooled(addr: SocketAddr, tls: Option<&TlsConnect>, idle_timeout: Duration) -> Option<Session> {
+pub fn pooled(
+    addr: SocketAddr,
+    tls: Option<&TlsConnect>,
+    idle_timeout: Duration,
+) -> Option<Session> {
     let conn = checkout(addr, tls.map_or(0, |t| t.id), idle_timeout)?;
     Some(Session { conn, reused: true })
 }
