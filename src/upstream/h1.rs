@@ -43,7 +43,7 @@ use super::body::UpBody;
 use super::fields::{is_hop_by_hop, name_eq, Added};
 use super::pool::{IdlePool, Opened};
 use super::tls::TlsConnect;
-use super::BoxError;
+use super::{BoxError, PooledBody};
 use crate::base::deadline::Deadline;
 use crate::base::error::{Error, ErrorKind};
 use crate::base::freelist::FreeList;
@@ -643,7 +643,7 @@ impl Session {
         sending: &mut Option<Box<Sending>>,
         s: &Settings,
         deadline: &mut Deadline,
-    ) -> Result<Response<RawBody>, Failure> {
+    ) -> Result<Response<PooledBody>, Failure> {
         let mut conn = self.conn;
         match exchange(&mut conn, addr, req, sending.as_deref_mut(), deadline).await {
             Ok(head) => {
@@ -1269,7 +1269,7 @@ fn finish(
     head_request: bool,
     sending: Option<Box<Sending>>,
     s: &Settings,
-) -> Result<Response<RawBody>, Error> {
+) -> Result<Response<PooledBody>, Error> {
     let bad =
         |e: &str| Error::new(ErrorKind::Exchange).with_source(format!("invalid response: {e}"));
     let framing = head.meta.framing(head.status, head_request).map_err(bad)?;
@@ -1315,7 +1315,9 @@ fn finish(
     if !switched {
         body.release_if_done();
     }
-    let mut resp = Response::new(body);
+    // Built as the client's type here: the response is not moved again
+    // to be wrapped.
+    let mut resp = Response::new(PooledBody::Raw(body, None));
     *resp.status_mut() = head.status;
     *resp.version_mut() = head.version;
     crate::codec::head::drop_map(std::mem::replace(resp.headers_mut(), headers));

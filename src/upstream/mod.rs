@@ -246,20 +246,17 @@ impl Upstream {
             upgrade: head.upgrade,
         };
         let addr = peer.addr;
-        let resp = match session
+        match session
             .send(addr, &out, &mut sending, &settings, &mut deadline)
             .await
         {
-            Ok(r) => r,
-            Err(h1::Failure::Stale) => {
-                h1::fresh(addr, tls, &settings, &mut deadline)
-                    .await?
-                    .send(addr, &out, &mut sending, &settings, &mut deadline)
-                    .await?
-            }
-            Err(h1::Failure::Failed(e)) => return Err(e),
-        };
-        Ok(resp.map(|b| PooledBody::Raw(b, None)))
+            Ok(r) => Ok(r),
+            Err(h1::Failure::Stale) => Ok(h1::fresh(addr, tls, &settings, &mut deadline)
+                .await?
+                .send(addr, &out, &mut sending, &settings, &mut deadline)
+                .await?),
+            Err(h1::Failure::Failed(e)) => Err(e),
+        }
     }
 
     /// An HTTP/2 session's exchange ([`h2`]), boxed by a function of its
