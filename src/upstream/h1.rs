@@ -43,7 +43,7 @@ use super::body::UpBody;
 use super::fields::{is_hop_by_hop, name_eq, Added};
 use super::pool::{IdlePool, Opened};
 use super::tls::TlsConnect;
-use super::BoxError;
+use super::{BoxError, PooledBody};
 use crate::base::deadline::Deadline;
 use crate::base::error::{Error, ErrorKind};
 use crate::base::freelist::FreeList;
@@ -306,6 +306,18 @@ async fn open(
         .await
         .map_err(|_| Error::new(ErrorKind::Connect).with_source("TLS handshake timed out"))??;
     Ok(Box::new(Conn::new(Stream::Tls(Box::new(stream)), t.id)))
+}
+
+/// [`open`]'s future, boxed by a function of its own (never inlined): the
+/// connect and TLS handshake state is built in this frame, not in the
+/// stack frame of the exchange's poll that awaits it.
+#[inline(never)]
+fn open_boxed<'a>(
+    addr: SocketAddr,
+    tls: Option<&'a TlsConnect>,
+    timeout: Duration,
+) -> Pin<Box<impl Future<Output = Result<Box<Conn>, Error>> + 'a>> {
+    Box::pin(open(addr, tls, timeout))
 }
 
 /// One request to send: everything borrowed from the caller.
@@ -577,10 +589,21 @@ pub async fn connect(
     s: &Settings,
     deadline: &mut Deadline,
 ) -> Result<Session, Error> {
-    match checkout(addr, tls.map_or(0, |t| t.id), s.idle_timeout) {
-        Some(conn) => Ok(Session { conn, reused: true }),
+    match pooled(addr, tls, s.idle_timeout) {
+        Some(session) => Ok(session),
         None => fresh(addr, tls, s, deadline).await,
     }
+}
+
+/// A session on an idle pooled connection to `addr` (under `tls`) still
+/// usable, if there is one: no future, no wait.
+pub fn pooled(
+    addr: SocketAddr,
+    tls: Option<&TlsConnect>,
+    idle_timeout: Duration,
+) -> Option<Session> {
+    let conn = checkout(addr, tls.map_or(0, |t| t.id), idle_timeout)?;
+    Some(Session { conn, reused: true })
 }
 
 /// A session on a new connection (TCP, and the TLS handshake with `tls`),
@@ -596,7 +619,7 @@ pub async fn fresh(
     // boxed too: only new connections pay for it, and the exchange's
     // future stays small to move.)
     let conn = deadline
-        .within(Box::pin(open(addr, tls, s.connect_timeout)))
+        .within(open_boxed(addr, tls, s.connect_timeout))
         .await
         .map_err(|_| Error::new(ErrorKind::ResponseTimeout))??;
     Ok(Session {
@@ -620,7 +643,7 @@ impl Session {
         sending: &mut Option<Box<Sending>>,
         s: &Settings,
         deadline: &mut Deadline,
-    ) -> Result<Response<RawBody>, Failure> {
+    ) -> Result<Response<PooledBody>, Failure> {
         let mut conn = self.conn;
         match exchange(&mut conn, addr, req, sending.as_deref_mut(), deadline).await {
             Ok(head) => {
@@ -1246,7 +1269,7 @@ fn finish(
     head_request: bool,
     sending: Option<Box<Sending>>,
     s: &Settings,
-) -> Result<Response<RawBody>, Error> {
+) -> Result<Response<PooledBody>, Error> {
     let bad =
         |e: &str| Error::new(ErrorKind::Exchange).with_source(format!("invalid response: {e}"));
     let framing = head.meta.framing(head.status, head_request).map_err(bad)?;
@@ -1292,7 +1315,9 @@ fn finish(
     if !switched {
         body.release_if_done();
     }
-    let mut resp = Response::new(body);
+    // Built as the client's type here: the response is not moved again
+    // to be wrapped.
+    let mut resp = Response::new(PooledBody::Raw(body, None));
     *resp.status_mut() = head.status;
     *resp.version_mut() = head.version;
     crate::codec::head::drop_map(std::mem::replace(resp.headers_mut(), headers));

@@ -205,14 +205,24 @@ impl Upstream {
         body: UpBody,
         (read_timeout, limit): (Duration, Duration),
     ) -> Result<Response<PooledBody>, Error> {
+        let tls = match peer.transport {
+            // Boxed, and built in a frame of its own: neither the HTTP/1.1
+            // path's future nor its poll's stack grows by h2's state.
+            Some(t) if t.h2 => {
+                return self
+                    .send_h2(peer.addr, t, head, body, (read_timeout, limit))
+                    .await
+            }
+            t => t.and_then(|t| t.tls.as_ref()),
+        };
         let mut deadline =
             Deadline::after_from(head.start.unwrap_or_else(std::time::Instant::now), limit);
         let settings = self.settings(read_timeout);
-        let session = match self.connect(peer, &settings, &mut deadline).await? {
-            Session::H1(session) => session,
-            // Boxed: the HTTP/1.1 path's future does not grow by h2's
-            // state.
-            h2 => return Box::pin(self.send_h2(h2, head, body, (read_timeout, limit))).await,
+        // An idle pooled connection is taken in place (the usual
+        // keep-alive case: no connect future built, polled and moved).
+        let session = match h1::pooled(peer.addr, tls, settings.idle_timeout) {
+            Some(session) => session,
+            None => h1::fresh(peer.addr, tls, &settings, &mut deadline).await?,
         };
         let (body, mut sending) = match body {
             UpBody::Empty => (None, None),
@@ -236,46 +246,45 @@ impl Upstream {
             upgrade: head.upgrade,
         };
         let addr = peer.addr;
-        let resp = match session
+        match session
             .send(addr, &out, &mut sending, &settings, &mut deadline)
             .await
         {
-            Ok(r) => r,
-            Err(h1::Failure::Stale) => {
-                let tls = peer.transport.and_then(|t| t.tls.as_ref());
-                h1::fresh(addr, tls, &settings, &mut deadline)
-                    .await?
-                    .send(addr, &out, &mut sending, &settings, &mut deadline)
-                    .await?
-            }
-            Err(h1::Failure::Failed(e)) => return Err(e),
-        };
-        Ok(resp.map(|b| PooledBody::Raw(b, None)))
+            Ok(r) => Ok(r),
+            Err(h1::Failure::Stale) => Ok(h1::fresh(addr, tls, &settings, &mut deadline)
+                .await?
+                .send(addr, &out, &mut sending, &settings, &mut deadline)
+                .await?),
+            Err(h1::Failure::Failed(e)) => Err(e),
+        }
     }
 
-    /// An HTTP/2 session's exchange ([`h2`]).
-    async fn send_h2(
-        &self,
-        session: Session<'_>,
-        head: OutHead<'_>,
+    /// An HTTP/2 session's exchange ([`h2`]), boxed by a function of its
+    /// own (never inlined): the h2 future is built in this frame, not in
+    /// the caller's poll.
+    #[inline(never)]
+    fn send_h2<'a>(
+        &'a self,
+        addr: SocketAddr,
+        transport: &'a tls::Transport,
+        head: OutHead<'a>,
         body: UpBody,
         (read_timeout, limit): (Duration, Duration),
-    ) -> Result<Response<PooledBody>, Error> {
-        let Session::H2 { addr, transport } = session else {
-            return Err(Error::new(ErrorKind::Exchange).with_source("not an HTTP/2 session"));
-        };
-        let mut req = Request::new(body);
-        *req.method_mut() = head.method.clone();
-        *req.uri_mut() = head.target.clone();
-        *req.headers_mut() = head.headers.clone();
-        let call = h2::request(addr, transport, req, head.added, self.connect_timeout());
-        let resp = within(limit, call).await?;
-        let (parts, body) = resp.into_parts();
-        let body = H2Body {
-            inner: body,
-            stall: Stall::new(read_timeout),
-        };
-        Ok(Response::from_parts(parts, PooledBody::H2(body, None)))
+    ) -> Pin<Box<impl std::future::Future<Output = Result<Response<PooledBody>, Error>> + 'a>> {
+        Box::pin(async move {
+            let mut req = Request::new(body);
+            *req.method_mut() = head.method.clone();
+            *req.uri_mut() = head.target.clone();
+            *req.headers_mut() = head.headers.clone();
+            let call = h2::request(addr, transport, req, head.added, self.connect_timeout());
+            let resp = within(limit, call).await?;
+            let (parts, body) = resp.into_parts();
+            let body = H2Body {
+                inner: body,
+                stall: Stall::new(read_timeout),
+            };
+            Ok(Response::from_parts(parts, PooledBody::H2(body, None)))
+        })
     }
 }
 
