@@ -27,10 +27,11 @@
 //! follow); the response head is written from a per-thread buffer. The idle
 //! timeout is checked on the accept loop's coarse tick (no timer per
 //! connection or request); header-read and send timeouts arm a timer only
-//! while a read or a write actually waits. What the pooled read buffers
-//! and the small idle task buy is measured as memory per idle connection
-//! (`bench/idle_conns.py`); the request futures' reused heap slots are
-//! `inbox`'s; the stream (plain or TLS) is reached through `wire`.
+//! while a read or a write actually waits. The tuned machinery sits in
+//! modules of its own, each saying what it buys and where that is
+//! measured: the pooled read buffers (`readbuf`), the request futures'
+//! reused heap slots (`inbox`); the stream (plain or TLS) is reached
+//! through `wire`.
 
 use std::cell::{Cell, RefCell};
 use std::future::poll_fn;
@@ -53,13 +54,13 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::inbox::{self, InBox};
+use super::readbuf::{self, give_read_buf, take_read_buf, READ_BUF};
 use super::wheel::Wheel;
 use super::wire::{TlsWire, Wire};
 use super::Server;
 use crate::base::body::{BodyError, RequestBody, SendFile};
 use crate::base::clock::now_ms;
 use crate::base::counter::Counted;
-use crate::base::freelist::FreeList;
 use crate::base::pipe::{pipe, PipeWriter};
 use crate::base::ratelog::log_limited;
 use crate::base::upgrade::{ClientUpgrade, Tunnel};
@@ -78,25 +79,16 @@ use tokio_rustls::server::TlsStream;
 /// slow reader does not pin a large socket buffer (the static-files
 /// benchmark page has the runs behind the value).
 const SENDFILE_LOWAT: u32 = 32 * 1024;
-/// Fields a head may have on this path (hyper's default limit; more → hyper,
-/// which answers 431).
+/// Fields a head may have (hyper's default limit too); more: 431.
 const MAX_HEADERS: usize = 100;
-/// hyper's longest request target (longer → hyper, which answers 414).
+/// The longest request target taken (hyper's limit too); longer: 414.
 const MAX_URI_LEN: usize = (u16::MAX - 1) as usize;
-/// A pooled read buffer's size; a head longer than this grows it (up to the
-/// connection's limit).
-const READ_BUF: usize = 4096;
-/// Read buffers kept per thread between requests (as many as a burst of
-/// requests in flight used; what the load does not use again is freed on
-/// the accept loop's tick, [`trim_kept`]).
-const POOL_MAX: usize = 1024;
 /// Room made for each read of a streamed request body.
 const BODY_READ: usize = 16 * 1024;
 /// A body frame up to this size is copied behind its head (one write).
 const COALESCE: usize = 16 * 1024;
 
 thread_local! {
-    static READ_POOL: RefCell<FreeList<BytesMut>> = const { RefCell::new(FreeList::new(POOL_MAX)) };
     static WRITE_BUF: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
     static DATE: RefCell<(u64, [u8; 29])> = const { RefCell::new((0, [0; 29])) };
     static SPANS: Cell<Vec<Span>> = const { Cell::new(Vec::new()) };
@@ -155,28 +147,6 @@ fn remember_name(n: &HeaderName) {
             s.next = (i + 1) % SEEN_NAMES;
         }
     })
-}
-
-fn take_read_buf() -> BytesMut {
-    READ_POOL
-        .with(|p| p.borrow_mut().take())
-        .unwrap_or_else(|| BytesMut::with_capacity(READ_BUF))
-}
-
-fn give_read_buf(mut b: BytesMut) {
-    b.clear();
-    // The heads split off the front may still be alive (the request's
-    // fields are slices of them): the rest of the allocation serves the
-    // next heads, and once it runs low `reserve` takes the whole
-    // allocation back (in place, when those heads are gone).
-    if b.capacity() < 1024 {
-        b.reserve(READ_BUF);
-    }
-    if b.capacity() > 4 * READ_BUF {
-        return;
-    }
-    // A full list gives it back: dropped here.
-    drop(READ_POOL.with(|p| p.borrow_mut().give(b)));
 }
 
 /// The `Date` value, formatted once per second per thread (as hyper does).
@@ -329,8 +299,7 @@ async fn plain<W: Wire>(mut conn: Box<Conn<W>>) -> Option<(Box<Conn<W>>, oneshot
 /// handed out since the last call (the accept loop calls this on its tick);
 /// how many were freed.
 pub(crate) fn trim_kept() -> usize {
-    let bufs = READ_POOL.try_with(|p| p.borrow_mut().trim()).unwrap_or(0);
-    inbox::trim() + bufs
+    inbox::trim() + readbuf::trim()
 }
 
 impl<W: Wire> Conn<W> {
@@ -1592,21 +1561,6 @@ fn encode_head(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The tick's trim reaches the read buffers: what a burst left and
-    /// nothing took since the last trim is freed.
-    #[test]
-    fn trim_kept_frees_the_buffers_a_burst_left() {
-        let bufs: Vec<_> = (0..40).map(|_| take_read_buf()).collect();
-        bufs.into_iter().for_each(give_read_buf);
-        let kept_bufs = || READ_POOL.with(|p| p.borrow().len());
-        assert_eq!(kept_bufs(), 40);
-        // One taken and given back since the first trim: it stays.
-        trim_kept();
-        give_read_buf(take_read_buf());
-        assert_eq!(trim_kept(), 39, "the burst's buffers were not freed");
-        assert_eq!(kept_bufs(), 1);
-    }
 
     fn parsed(raw: &[u8]) -> Parse {
         let mut b = BytesMut::from(raw);

@@ -12,6 +12,7 @@
 pub mod conn;
 mod h1;
 mod inbox;
+mod readbuf;
 pub use h1::{decode_request, DecodedRequest};
 pub mod h2guard;
 pub mod handover;
