@@ -1101,21 +1101,6 @@ async fn unless_gone<W: Wire, F: Future>(stream: &W, fut: F) -> Option<F::Output
     drive(stream, None, true, fut).await
 }
 
-/// A `Content-Length` value hyper accepts on one field: digits only.
-fn digits(v: &[u8]) -> Option<usize> {
-    if v.is_empty() || v.len() > 18 {
-        return None;
-    }
-    let mut n: usize = 0;
-    for &b in v {
-        if !b.is_ascii_digit() {
-            return None;
-        }
-        n = n * 10 + (b - b'0') as usize;
-    }
-    Some(n)
-}
-
 /// Is `token` (lower-case) one of the comma-separated values
 /// (case-insensitive)?
 fn has_token(v: &[u8], token: &[u8]) -> bool {
@@ -1478,8 +1463,8 @@ fn encode_head(
                 let len = match exact {
                     Some(l) => l,
                     None if end => 0,
-                    None => match digits(value.as_bytes()) {
-                        Some(l) => l as u64,
+                    None => match content_length(value.as_bytes()) {
+                        Some(l) => l,
                         None => {
                             keep = false;
                             continue;

@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::config::MainConfig;
+use crate::control::node_edit;
 use crate::control::Gateway;
 
 pub mod cli;
@@ -327,4 +328,31 @@ pub(crate) fn store_main_text(
         None => {}
     }
     (out, had_section)
+}
+
+/// The node document (one of `node_files`, read from the store by `read`,
+/// which gives its text first) that defines `service`, with what `read`
+/// gave for it; `NotFound` with `elsewhere` (where such a service changes
+/// instead) when none does. The stores' admin node edits start here.
+fn node_document_of<T>(
+    gw: &Gateway,
+    service: &str,
+    mut read: impl FnMut(&Path) -> Result<(String, T), node_edit::EditError>,
+    elsewhere: &str,
+) -> Result<(PathBuf, String, T), node_edit::EditError> {
+    use node_edit::EditError;
+    let gen = gw.current();
+    let root = gen.config.root_dir(&gen.config_path);
+    for p in &gen.config.node_files {
+        let path = crate::config::resolve(&root, p);
+        let (text, extra) = read(&path)?;
+        let nf: crate::config::NodeFile = crate::config::parse_yaml(&path, &text)
+            .map_err(|e| EditError::Conflict(e.to_string()))?;
+        if nf.services.contains_key(service) {
+            return Ok((path, text, extra));
+        }
+    }
+    Err(EditError::NotFound(format!(
+        "no service {service:?} in any node document ({elsewhere})"
+    )))
 }

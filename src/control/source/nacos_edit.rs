@@ -13,7 +13,6 @@ use std::time::Duration;
 use nacos_sdk::api::config::ConfigService;
 
 use super::nacos_config::{connect, NacosConfigSource};
-use crate::config::{parse_yaml, resolve};
 use crate::control::node_edit::{self, EditError, NodeChange};
 use crate::control::rule_edit::{self, RuleChange};
 use crate::control::Gateway;
@@ -150,24 +149,12 @@ pub async fn edit_node(
     service: &str,
     change: NodeChange,
 ) -> Result<serde_json::Value, EditError> {
-    let gen = gw.current();
-    let root = gen.config.root_dir(&gen.config_path);
-    let mut found = None;
-    for p in &gen.config.node_files {
-        let path = resolve(&root, p);
-        let (id, text) = src.document(&path)?;
-        let nf: crate::config::NodeFile =
-            parse_yaml(&path, &text).map_err(|e| EditError::Conflict(e.to_string()))?;
-        if nf.services.contains_key(service) {
-            found = Some((path, id, text));
-            break;
-        }
-    }
-    let (path, id, text) = found.ok_or_else(|| {
-        EditError::NotFound(format!(
-            "no service {service:?} in any node document (a service discovered in Nacos naming changes there)"
-        ))
-    })?;
+    let (path, text, id) = super::node_document_of(
+        gw,
+        service,
+        |path| src.document(path).map(|(id, text)| (text, id)),
+        "a service discovered in Nacos naming changes there",
+    )?;
     let new_text = node_edit::edit(&path, &text, service, change)?;
     let generation = src.publish_edit(gw, &id, &text, &new_text).await?;
     Ok(serde_json::json!({

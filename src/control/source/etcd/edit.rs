@@ -12,7 +12,6 @@ use etcd_client::PutOptions;
 
 use super::registry;
 use super::EtcdSource;
-use crate::config::parse_yaml;
 use crate::control::node_edit::EditError;
 use crate::control::Gateway;
 
@@ -204,24 +203,12 @@ pub async fn edit_node(
             }));
         }
     }
-    let gen = gw.current();
-    let root = gen.config.root_dir(&gen.config_path);
-    let mut found = None;
-    for p in &gen.config.node_files {
-        let path = crate::config::resolve(&root, p);
-        let (text, rev) = src.document(&path)?;
-        let nf: crate::config::NodeFile =
-            parse_yaml(&path, &text).map_err(|e| EditError::Conflict(e.to_string()))?;
-        if nf.services.contains_key(service) {
-            found = Some((path, text, rev));
-            break;
-        }
-    }
-    let (path, text, rev) = found.ok_or_else(|| {
-        EditError::NotFound(format!(
-            "no service {service:?} in any node document (registered instances change through their own keys)"
-        ))
-    })?;
+    let (path, text, rev) = super::super::node_document_of(
+        gw,
+        service,
+        |path| src.document(path),
+        "registered instances change through their own keys",
+    )?;
     let new_text = node_edit::edit(&path, &text, service, change)?;
     let generation = src.compare_and_put(gw, &path, &new_text, rev).await?;
     Ok(serde_json::json!({
