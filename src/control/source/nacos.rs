@@ -786,4 +786,32 @@ mod tests {
         // Unknown: an empty node set.
         assert!(service(&nacos, &disc, "nobody").0.nodes.is_empty());
     }
+
+    /// A per-service `lane_key` replaces the discovery-wide one for that
+    /// service only.
+    #[test]
+    fn a_per_service_lane_key_applies_to_its_service_only() {
+        let nacos: NacosConfig = serde_yaml::from_str(
+            "server_addr: 127.0.0.1:1\ndiscovery:\n  formal_values: [v1]\n  services:\n    web: { lane_key: lane }\n",
+        )
+        .unwrap();
+        let disc = nacos.discovery.clone().unwrap();
+        let both = || {
+            vec![
+                inst(
+                    "10.0.1.1",
+                    80,
+                    1.0,
+                    &[("version", "v2"), ("lane", "gray-a")],
+                ),
+                inst("10.0.1.2", 80, 1.0, &[("version", "v3")]),
+            ]
+        };
+        for (svc, want) in [("web", ["gray-a", "formal"]), ("shop", ["v2", "v3"])] {
+            DIRECTORY.record(&Key::new(&nacos, &disc, svc), both(), true);
+            let (s, _) = service(&nacos, &disc, svc);
+            let lanes: Vec<&str> = s.nodes.iter().map(|n| n.lane.as_str()).collect();
+            assert_eq!(lanes, want, "{svc}");
+        }
+    }
 }
