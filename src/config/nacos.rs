@@ -33,10 +33,11 @@ pub struct NacosConfig {
     pub username: Option<String>,
     #[serde(default)]
     pub password: Option<String>,
-    /// Directory of the client's on-disk copy of the instances it was
-    /// pushed (relative to the main file), read at start: a gateway started
-    /// while Nacos is down serves them. None: the client's default
-    /// (`~/nacos`), not read at start.
+    /// Directory of graygate's snapshots (relative to the main file): the
+    /// discovered instances, read at start (a gateway started while Nacos
+    /// is down serves them), and with `config` the documents; the client's
+    /// own copy in `sdk/`. None: no snapshot, the client's copy in
+    /// `~/nacos`.
     #[serde(default)]
     pub cache_dir: Option<PathBuf>,
     /// Timeout of one request to a server (the first answer of a

@@ -11,13 +11,19 @@
 //! trusted to the server); the value of the metadata key `lane_key` is the
 //! lane (missing, or one of `formal_values`: formal); `weight` 0 is never
 //! chosen; the `zone` metadata is the node's zone. While Nacos cannot be
-//! reached the last instances keep serving and `/status` says so. (The
+//! reached the last instances keep serving and `/status` says so. With
+//! `cache_dir`, every change is also written to
+//! `<cache_dir>/graygate-discovery.json`; a start finds its services there
+//! at once (`state: cached` until Nacos answers), without waiting for the
+//! client's own connection attempt (five seconds and more while Nacos is
+//! down). (The
 //! client also re-reads each subscribed service every few seconds, as
 //! Nacos's Java client does, in case a push was lost; a change reaches
 //! the gateway by the push, within the server's push delay.)
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -25,6 +31,7 @@ use nacos_sdk::api::naming::{
     NamingChangeEvent, NamingEventListener, NamingService, NamingServiceBuilder, ServiceInstance,
 };
 use nacos_sdk::api::props::ClientProps;
+use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use crate::config::nacos::{NacosConfig, NacosDiscovery};
@@ -63,7 +70,7 @@ impl Key {
 }
 
 /// One instance as Nacos gave it.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Instance {
     pub ip: String,
     pub port: i32,
@@ -104,6 +111,66 @@ struct Entry {
     updated: SystemTime,
     /// A push came (an answer to the first query, older, is then ignored).
     pushed: bool,
+    /// Read from the discovery snapshot at start; Nacos has not answered.
+    cached: bool,
+}
+
+/// graygate's copy on disk of the instances (`<cache_dir>/graygate-discovery.json`):
+/// of one server set and namespace.
+#[derive(Debug, Serialize, Deserialize)]
+struct Snapshot {
+    server_addr: String,
+    namespace: String,
+    services: Vec<SnapService>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct SnapService {
+    group: String,
+    service: String,
+    instances: Vec<Instance>,
+}
+
+impl Snapshot {
+    /// `<cache_dir>/graygate-discovery.json` of `s` (none without
+    /// `cache_dir`); `dir` is the directory `cache_dir` is relative to.
+    fn path(s: &NacosConfig, dir: &Path) -> Option<PathBuf> {
+        s.cache_dir
+            .as_ref()
+            .map(|c| resolve(dir, c).join("graygate-discovery.json"))
+    }
+
+    /// The snapshot at `path` if it is of `s`'s servers and namespace.
+    fn load(path: &Path, s: &NacosConfig) -> Result<Snapshot, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+        let snap: Snapshot = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+        if snap.server_addr != s.server_addr || snap.namespace != s.namespace {
+            return Err(format!(
+                "written for server_addr {} namespace {}, not these settings'",
+                snap.server_addr, snap.namespace
+            ));
+        }
+        Ok(snap)
+    }
+
+    /// Writes it atomically; a failure is logged, the gateway serves on.
+    fn save(&self, path: &Path) {
+        let res = (|| -> std::io::Result<()> {
+            if let Some(d) = path.parent() {
+                std::fs::create_dir_all(d)?;
+            }
+            let text = serde_json::to_string(self).map_err(std::io::Error::other)?;
+            crate::control::node_edit::write_atomic(path, &text)
+        })();
+        if let Err(e) = res {
+            tracing::warn!(file = %path.display(), error = %e, "cannot write the discovery snapshot");
+        }
+    }
+}
+
+/// The directory `cache_dir` is relative to: the main file's.
+fn config_dir(gw: &Gateway) -> &Path {
+    gw.config_path.parent().unwrap_or(Path::new("."))
 }
 
 /// The connection's state, for `/status`.
@@ -155,6 +222,7 @@ impl Directory {
                 return false;
             }
             e.pushed |= pushed;
+            e.cached = false;
             e.updated = SystemTime::now();
             let up = |l: &[Instance]| -> Vec<Instance> {
                 l.iter()
@@ -172,9 +240,64 @@ impl Directory {
                 instances,
                 updated: SystemTime::now(),
                 pushed,
+                cached: false,
             },
         );
         true
+    }
+
+    /// Takes in the services of `keys` that `snap` holds and the directory
+    /// does not (a start); returns whether it now knows every one.
+    fn restore(&self, snap: &Snapshot, keys: &[Key]) -> bool {
+        let mut entries = self.entries();
+        for key in keys {
+            if entries.contains_key(key) {
+                continue;
+            }
+            if let Some(s) = snap
+                .services
+                .iter()
+                .find(|s| s.group == key.group && s.service == key.service)
+            {
+                let mut instances = s.instances.clone();
+                instances.sort_by(|a, b| (&a.ip, a.port).cmp(&(&b.ip, b.port)));
+                entries.insert(
+                    key.clone(),
+                    Entry {
+                        instances,
+                        updated: SystemTime::now(),
+                        pushed: false,
+                        cached: true,
+                    },
+                );
+            }
+        }
+        keys.iter().all(|k| entries.contains_key(k))
+    }
+
+    /// What the directory holds of `s`'s servers and namespace, as a
+    /// snapshot (none while a service is only known from the snapshot:
+    /// it is on disk already).
+    fn snapshot(&self, s: &NacosConfig) -> Option<Snapshot> {
+        let entries = self.entries();
+        let mut services: Vec<SnapService> = entries
+            .iter()
+            .filter(|(k, _)| k.server == s.server_addr && k.namespace == s.namespace)
+            .map(|(k, e)| SnapService {
+                group: k.group.clone(),
+                service: k.service.clone(),
+                instances: e.instances.clone(),
+            })
+            .collect();
+        if entries.values().all(|e| e.cached) {
+            return None;
+        }
+        services.sort_by(|a, b| (&a.group, &a.service).cmp(&(&b.group, &b.service)));
+        Some(Snapshot {
+            server_addr: s.server_addr.clone(),
+            namespace: s.namespace.clone(),
+            services,
+        })
     }
 
     fn set_conn(&self, connected: bool, error: Option<String>) {
@@ -371,11 +494,10 @@ async fn connect(s: &NacosConfig, dir: &std::path::Path) -> Result<NamingService
         props = props.remote_grpc_port(p);
     }
     if let Some(c) = &s.cache_dir {
-        // The instances last pushed, on disk: a start while Nacos is down
-        // serves them.
-        props = props
-            .cache_dir(resolve(dir, c))
-            .naming_load_cache_at_start(true);
+        // The client's own copy of what it was pushed, beside graygate's
+        // snapshot (which is what a start reads: the client's copy is
+        // read only after its connection attempt).
+        props = props.cache_dir(resolve(dir, c).join("sdk"));
     }
     let mut builder = NamingServiceBuilder::new(match (&s.username, &s.password) {
         (Some(u), Some(p)) => props.auth_username(u.clone()).auth_password(p.clone()),
@@ -384,8 +506,8 @@ async fn connect(s: &NacosConfig, dir: &std::path::Path) -> Result<NamingService
     if s.username.is_some() {
         builder = builder.enable_auth_plugin_http();
     }
-    // The client's first connection makes one attempt of its own (with
-    // `cache_dir`, it then starts on its disk copy): bounded by 5 s at least.
+    // The client's first connection makes one attempt of its own: bounded
+    // by 5 s at least.
     let timeout = Duration::from_millis(s.timeout_ms.max(5_000));
     match tokio::time::timeout(timeout, builder.build()).await {
         Ok(Ok(n)) => Ok(n),
@@ -426,8 +548,7 @@ impl Runner {
                 c.server = Some(settings.server_addr.clone());
                 c.namespace = Some(settings.namespace.clone());
             }
-            let dir = gw.config_path.parent().unwrap_or(std::path::Path::new("."));
-            match connect(&settings, dir).await {
+            match connect(&settings, config_dir(gw)).await {
                 Ok(naming) => {
                     self.retry_at = None;
                     self.backoff = Duration::from_millis(200);
@@ -545,43 +666,66 @@ async fn query(client: &Client, key: &Key, timeout: Duration, newest: bool) -> b
         Err(_) => "no answer".to_string(),
     };
     tracing::warn!(service = %key.service, error = %why, "Nacos query failed");
-    if client.settings.cache_dir.is_none() || DIRECTORY.entries().contains_key(key) {
-        return false;
-    }
-    // Not reached, never answered: the client's copy on disk (`cache_dir`,
-    // loaded at start), if it has one.
-    let cached = client.naming.get_all_instances(
-        key.service.clone(),
-        Some(key.group.clone()),
-        Vec::new(),
-        true,
-    );
-    match tokio::time::timeout(timeout, cached).await {
-        Ok(Ok(list)) if !list.is_empty() => {
-            tracing::info!(service = %key.service, "serving the instances cached on disk");
-            DIRECTORY.record(key, list.iter().map(Instance::from).collect(), false)
-        }
-        _ => false,
-    }
+    false
 }
 
-/// Rebuilds the configuration (the directory changed). Blocking work on
-/// the blocking pool; a rejected build leaves the old generation serving.
+/// Rebuilds the configuration (the directory changed) and, with
+/// `cache_dir`, writes the discovery snapshot. Blocking work on the
+/// blocking pool; a rejected build leaves the old generation serving.
 async fn rebuild(gw: &Arc<Gateway>) {
     let g = gw.clone();
-    let _ = tokio::task::spawn_blocking(move || g.reload()).await;
+    let _ = tokio::task::spawn_blocking(move || {
+        if let Some(s) = g.current().config.nacos.as_ref() {
+            if let (Some(path), Some(snap)) =
+                (Snapshot::path(s, config_dir(&g)), DIRECTORY.snapshot(s))
+            {
+                snap.save(&path);
+            }
+        }
+        g.reload()
+    })
+    .await;
 }
 
 /// Before serving: the first answer for every Nacos service of the
-/// generation the gateway starts on (bounded by `timeout_ms`), so it does
-/// not start with empty services while Nacos answers. Nothing to do
-/// without `nacos.discovery`.
+/// generation the gateway starts on, so it does not start with empty
+/// services while Nacos answers. With a discovery snapshot holding every
+/// service, that wait is bounded by `timeout_ms` and the snapshot serves
+/// if Nacos has not answered by then (a start during an outage serves at
+/// once); without one, by the client's first connection attempt. Nothing
+/// to do without `nacos.discovery`.
 pub async fn prime(gw: &Arc<Gateway>) {
-    if wanted(gw).is_none() {
+    let Some((settings, keys)) = wanted(gw) else {
         return;
-    }
-    let changed = RUNNER.lock().await.sync(gw).await;
-    if changed {
+    };
+    let restored = Snapshot::path(&settings, config_dir(gw)).is_some_and(|path| {
+        match Snapshot::load(&path, &settings) {
+            Ok(snap) => DIRECTORY.restore(&snap, &keys),
+            Err(e) => {
+                if path.exists() {
+                    tracing::warn!(file = %path.display(), error = %e, "discovery snapshot not used");
+                }
+                false
+            }
+        }
+    });
+    let sync = async { RUNNER.lock().await.sync(gw).await };
+    let changed = if restored {
+        let bound = Duration::from_millis(settings.timeout_ms);
+        match tokio::time::timeout(bound, sync).await {
+            Ok(changed) => changed,
+            Err(_) => {
+                tracing::warn!(
+                    "Nacos has not answered within {} ms: serving the discovery snapshot",
+                    bound.as_millis()
+                );
+                true
+            }
+        }
+    } else {
+        sync.await
+    };
+    if changed || restored {
         rebuild(gw).await;
     }
 }
@@ -638,6 +782,7 @@ pub fn status(gw: &Gateway) -> Option<serde_json::Value> {
             .map_or(0, |d| d.as_millis() as u64)
     };
     let entries = DIRECTORY.entries();
+    let cached = !conn.connected && entries.values().any(|e| e.cached);
     let services: Vec<serde_json::Value> = gen
         .discovered
         .iter()
@@ -658,6 +803,7 @@ pub fn status(gw: &Gateway) -> Option<serde_json::Value> {
                 "name": name,
                 "group": disc.group,
                 "known": e.is_some(),
+                "cached": e.is_some_and(|e| e.cached),
                 "instances": e.map_or(0, |e| e.instances.len()),
                 "nodes": gen.services.get(name).map_or(0, |s| s.all.len()),
                 "lanes": lanes,
@@ -670,7 +816,13 @@ pub fn status(gw: &Gateway) -> Option<serde_json::Value> {
         "namespace": nacos.namespace,
         "group": disc.group,
         "connected": conn.connected,
-        "state": if conn.connected { "live" } else { "stale" },
+        "state": if conn.connected {
+            "live"
+        } else if cached {
+            "cached"
+        } else {
+            "stale"
+        },
         "error": conn.error,
         "since_unix_ms": conn.since.map(ms),
         "pushes": conn.pushes,
@@ -719,6 +871,41 @@ mod tests {
         // Every instance gone: a change.
         assert!(dir.record(&key, vec![], true));
         assert!(dir.instances(&key).is_empty());
+    }
+
+    #[test]
+    fn the_discovery_snapshot_restores_only_its_own_servers_and_what_is_unknown() {
+        let nacos: NacosConfig =
+            serde_yaml::from_str("server_addr: 127.0.0.1:1\ndiscovery: {}\n").unwrap();
+        let disc = nacos.discovery.clone().unwrap();
+        let (api, web) = (
+            Key::new(&nacos, &disc, "api"),
+            Key::new(&nacos, &disc, "web"),
+        );
+        let dir = Directory::default();
+        // Nothing from Nacos yet: nothing to write.
+        assert!(dir.snapshot(&nacos).is_none());
+        dir.record(&api, vec![inst("10.0.0.1", 1, 1.0, &[])], true);
+        let snap = dir.snapshot(&nacos).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("c/graygate-discovery.json");
+        snap.save(&path);
+        let back = Snapshot::load(&path, &nacos).unwrap();
+        // A start knowing nothing: api restored (cached), web unknown.
+        let fresh = Directory::default();
+        assert!(!fresh.restore(&back, &[api.clone(), web.clone()]));
+        assert!(fresh.entries()[&api].cached);
+        assert_eq!(fresh.instances(&api), dir.instances(&api));
+        // Only cached entries: nothing new to write.
+        assert!(fresh.snapshot(&nacos).is_none());
+        // Nacos's answer replaces the snapshot's, even an older first one.
+        assert!(fresh.record(&api, vec![], false));
+        assert!(!fresh.entries()[&api].cached);
+        // Another server set or namespace: not used.
+        let other: NacosConfig =
+            serde_yaml::from_str("server_addr: 127.0.0.1:2\ndiscovery: {}\n").unwrap();
+        let e = Snapshot::load(&path, &other).unwrap_err();
+        assert!(e.contains("127.0.0.1:1"), "{e}");
     }
 
     #[test]

@@ -38,14 +38,6 @@ async fn hit(gw: &Gateway, lane: Option<&str>) -> Result<String, (u16, String)> 
     }
 }
 
-/// Is there a file anywhere under `dir`?
-fn any_file(dir: &std::path::Path) -> bool {
-    std::fs::read_dir(dir).is_ok_and(|rd| {
-        rd.flatten()
-            .any(|e| e.path().is_file() || any_file(&e.path()))
-    })
-}
-
 /// The nodes of `service` in `/nodes`, by address.
 async fn nodes(gw: &Gateway, service: &str) -> Vec<serde_json::Value> {
     let doc = gw.admin_get("/nodes").await.json();
@@ -440,19 +432,34 @@ async fn a_restart_while_nacos_is_down_serves_the_cached_instances() {
         hit(&gw, Some("gray")).await == Ok("g".into()) && hit(&gw, None).await == Ok("f".into())
     })
     .await;
-    soon("the client's copy is on disk", || async {
-        any_file(&fx.path("nacos-cache"))
+    let snapshot = fx.path("nacos-cache/graygate-discovery.json");
+    soon("the discovery snapshot is on disk", || async {
+        std::fs::read_to_string(&snapshot).is_ok_and(|t| t.contains(&g.addr.port().to_string()))
     })
     .await;
     nacos.kill();
+    // The restart serves the snapshot as soon as it listens: Nacos not
+    // answering costs `timeout_ms`, not the client's connection attempt.
     gw.restart();
-    soon("the cached instances serve", || async {
-        hit(&gw, Some("gray")).await == Ok("g".into()) && hit(&gw, None).await == Ok("f".into())
-    })
-    .await;
+    assert_eq!(hit(&gw, Some("gray")).await, Ok("g".into()));
+    assert_eq!(hit(&gw, None).await, Ok("f".into()));
     let st = gw.status().await;
     assert_eq!(st["nacos"]["connected"], false, "{st}");
+    assert_eq!(st["nacos"]["state"], "cached", "{st}");
+    assert_eq!(st["nacos"]["services"][0]["cached"], true, "{st}");
     assert_eq!(st["nacos"]["services"][0]["nodes"], 2, "{st}");
+    // Nacos back: its answer replaces the snapshot.
+    nacos.restart_fresh().await;
+    nacos.register(&Inst::new(svc, f.addr)).await;
+    soon("Nacos's answer replaces the snapshot", || async {
+        let st = gw.status().await;
+        st["nacos"]["state"] == "live" && st["nacos"]["services"][0]["cached"] == false
+    })
+    .await;
+    soon("the gray instance, not re-registered, is gone", || async {
+        hit(&gw, Some("gray")).await == Ok("f".into())
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
