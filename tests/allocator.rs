@@ -1,4 +1,4 @@
-//! The allocator's side of giving memory back (`base::tidy`), on mimalloc
+//! The allocator's side of giving memory back (`server::tidy`), on mimalloc
 //! as the binary runs it: a burst of blocks in many size classes, all
 //! freed, leaves a page per size class with the thread (mimalloc retires
 //! the last page of a class instead of freeing it), and `tidy::collect`
@@ -6,7 +6,7 @@
 //! process's, so no other test may allocate meanwhile.
 #![forbid(unsafe_code)]
 
-use graygate::base::tidy;
+use graygate::server::tidy;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

@@ -1,11 +1,11 @@
-//! The allocator's side of giving memory back after a burst (`base::tidy`),
+//! The allocator's side of giving memory back after a burst (`server::tidy`),
 //! on mimalloc as the binary runs it: a collect soon after a burst keeps
 //! none of the burst's freed memory resident beyond one small page (its
 //! own size class's last page). Its own test binary: the resident size is
 //! the process's, so no other test may run meanwhile.
 #![forbid(unsafe_code)]
 
-use graygate::base::tidy;
+use graygate::server::tidy;
 use std::time::{Duration, Instant};
 
 #[global_allocator]

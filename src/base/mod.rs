@@ -20,7 +20,6 @@ pub mod pipe;
 pub mod ratelog;
 pub mod sendwait;
 pub mod stall;
-pub mod tidy;
 pub mod trace;
 pub mod upgrade;
 

@@ -3,7 +3,8 @@
 //! fast read of request and status heads ([`head`]), the strict
 //! `Transfer-Encoding: chunked` decoder and the encoder ([`chunked`]), the
 //! body-framing rules of RFC 9112 §6 with the strict Content-Length value
-//! ([`framing`]), and a request body's framing off the wire ([`body`]). The client
+//! ([`framing`]), a request body's framing off the wire ([`body`]), and the
+//! per-thread pool of read buffers both sides read into ([`readbuf`]). The client
 //! connections (`server`) and the node connections (`upstream`) frame
 //! their messages with these; HTTP/2 stays hyper's.
 
@@ -11,3 +12,4 @@ pub mod body;
 pub mod chunked;
 pub mod framing;
 pub mod head;
+pub mod readbuf;

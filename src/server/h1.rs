@@ -54,7 +54,6 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::inbox::{self, InBox};
-use super::readbuf::{self, give_read_buf, take_read_buf, READ_BUF};
 use super::wheel::Wheel;
 use super::wire::{TlsWire, Wire};
 use super::Server;
@@ -66,8 +65,9 @@ use crate::base::ratelog::log_limited;
 use crate::base::upgrade::{ClientUpgrade, Tunnel};
 use crate::base::Https;
 use crate::codec::body::{BodyDecoder, Piece};
-use crate::codec::framing::{self, content_length};
+use crate::codec::framing::{self, content_length, RequestBody as Framed};
 use crate::codec::head::{httparse_spans, span_in, RequestLine, Span};
+use crate::codec::readbuf::{self, READ_BUF};
 use crate::proxy;
 use crate::proxy::record::Recorded;
 use crate::upstream::fields::name_eq;
@@ -416,7 +416,7 @@ impl<W: Wire> Conn<W> {
             let max_buf = (l.max_uri_bytes + l.max_header_bytes + 4096).max(8192);
             (max_buf, l.header_timeout_ms, l.send_timeout_ms)
         };
-        let mut buf = self.pending.take().map_or_else(take_read_buf, |b| *b);
+        let mut buf = self.pending.take().map_or_else(readbuf::take, |b| *b);
         let mut head_due: Option<Instant> = None;
         // The last read returned less than it had room for: the socket's
         // queue was empty then (nginx's `rev->ready = 0` after a short recv).
@@ -450,7 +450,7 @@ impl<W: Wire> Conn<W> {
             let room = buf.capacity() - buf.len();
             match self.stream.try_read_buf(&mut buf) {
                 Ok(0) => {
-                    give_read_buf(buf);
+                    readbuf::give(buf);
                     return Next::Close;
                 }
                 Ok(n) => {
@@ -464,7 +464,7 @@ impl<W: Wire> Conn<W> {
             // A spurious wake-up (nothing to read yet): back to idle, the
             // buffer back to the pool.
             if buf.is_empty() {
-                give_read_buf(buf);
+                readbuf::give(buf);
                 return Next::KeepAlive;
             }
             // The head has started: the header timer runs from its first byte.
@@ -485,22 +485,22 @@ impl<W: Wire> Conn<W> {
             keep_alive,
             body,
             has_underscores,
-            bad_te,
             expect_continue,
             upgrade,
         } = parsed;
         // The body: whole when it arrived with the head (the usual case),
         // else read from the socket as the request path asks for it.
         let mut pump = None;
+        let bad_te = body == Framed::Unsupported;
         let body = match body {
-            BodyLen::Length(0) => RequestBody::Full(None),
-            BodyLen::Length(n) if buf.len() as u64 >= n => {
+            Framed::Length(0) | Framed::Unsupported => RequestBody::Full(None),
+            Framed::Length(n) if buf.len() as u64 >= n => {
                 RequestBody::Full(Some(buf.split_to(n as usize).freeze()))
             }
             framing => {
                 let (len, left) = match framing {
-                    BodyLen::Length(n) => (Some(n), BodyDecoder::length(n)),
-                    BodyLen::Chunked => (None, BodyDecoder::chunked()),
+                    Framed::Length(n) => (Some(n), BodyDecoder::length(n)),
+                    _ => (None, BodyDecoder::chunked()),
                 };
                 let (writer, reader) = pipe(len);
                 pump = Some(Pump {
@@ -515,7 +515,7 @@ impl<W: Wire> Conn<W> {
         };
         if pump.is_none() {
             if buf.is_empty() {
-                give_read_buf(buf);
+                readbuf::give(buf);
                 if drained {
                     self.stream.forget_readable();
                 }
@@ -608,7 +608,7 @@ impl<W: Wire> Conn<W> {
             // What the client sent past the body is its next request.
             match p.into_rest() {
                 Some(rest) if !rest.is_empty() => self.pending = Some(Box::new(rest)),
-                Some(rest) => give_read_buf(rest),
+                Some(rest) => readbuf::give(rest),
                 None => return Next::Close,
             }
         }
@@ -794,9 +794,9 @@ pub fn decode_request(wire: &[u8], piece: usize) -> Result<DecodedRequest, u16> 
     };
     let mut body = Vec::new();
     let mut decoder = match p.body {
-        _ if p.bad_te => BodyDecoder::length(0),
-        BodyLen::Length(n) => BodyDecoder::length(n),
-        BodyLen::Chunked => BodyDecoder::chunked(),
+        Framed::Unsupported => BodyDecoder::length(0),
+        Framed::Length(n) => BodyDecoder::length(n),
+        Framed::Chunked { .. } => BodyDecoder::chunked(),
     };
     loop {
         match decoder.step(&mut buf) {
@@ -821,7 +821,7 @@ pub fn decode_request(wire: &[u8], piece: usize) -> Result<DecodedRequest, u16> 
             .map(|(n, v)| (n.as_str().to_string(), v.as_bytes().to_vec()))
             .collect(),
         keep_alive: p.keep_alive,
-        bad_te: p.bad_te,
+        bad_te: p.body == Framed::Unsupported,
         body,
         rest: buf.to_vec(),
     })
@@ -863,24 +863,15 @@ async fn drive<W: Wire, F: Future>(
     .await
 }
 
-/// How a request's body is framed (RFC 9112 §6.3).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum BodyLen {
-    /// `Content-Length` bytes (0: no body).
-    Length(u64),
-    /// `Transfer-Encoding: chunked`.
-    Chunked,
-}
-
 /// A request head this path parsed, with its body's framing.
 struct ParsedHead {
     req: Request<()>,
     keep_alive: bool,
-    body: BodyLen,
+    /// The body's framing (RFC 9112 §6.3; `Unsupported`: a
+    /// `Transfer-Encoding` other than one `chunked` field, refused).
+    body: Framed,
     /// Some field name has a `_` (every name was looked at).
     has_underscores: bool,
-    /// A `Transfer-Encoding` other than one `chunked` field: refused.
-    bad_te: bool,
     /// `Expect: 100-continue` on HTTP/1.1: a `100 Continue` goes out before
     /// the body is read from the socket.
     expect_continue: bool,
@@ -1027,16 +1018,13 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
     // The body's framing (RFC 9112 §6, `codec::framing`). A refused
     // coding: the head is answered (501) and the connection closes; nothing
     // of what follows is read as a body.
-    let received = match framing::request_received(te_fields, te_chunked, length, http11) {
+    let body = match framing::request_received(te_fields, te_chunked, length, http11) {
         Ok(r) => r,
         Err(_) => return Parse::Refuse(Refusal::BadRequest),
     };
-    let (body, bad_te, drop_length) = match received {
-        framing::RequestBody::Unsupported => (BodyLen::Length(0), true, false),
-        framing::RequestBody::Length(n) => (BodyLen::Length(n), false, false),
-        framing::RequestBody::Chunked { close } => (BodyLen::Chunked, false, close),
-    };
-    if bad_te || drop_length {
+    // Chunked beside a Content-Length: the length goes (§6.3 item 3).
+    let drop_length = body == (Framed::Chunked { close: true });
+    if drop_length || body == Framed::Unsupported {
         keep_alive = false;
     }
     let head: Bytes = buf.split_to(len).freeze();
@@ -1088,8 +1076,9 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
         keep_alive,
         body,
         has_underscores,
-        bad_te,
-        expect_continue: expect_continue && http11 && body != BodyLen::Length(0),
+        expect_continue: expect_continue
+            && http11
+            && !matches!(body, Framed::Length(0) | Framed::Unsupported),
         upgrade,
     })
 }
@@ -1650,12 +1639,12 @@ mod tests {
             _ => panic!("not parsed: {}", String::from_utf8_lossy(raw)),
         };
         let p = done(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n");
-        assert!(p.body == BodyLen::Chunked && p.keep_alive && !p.bad_te);
+        assert!(p.body == Framed::Chunked { close: false } && p.keep_alive);
         let p = done(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nab");
-        assert_eq!(p.body, BodyLen::Length(5));
+        assert_eq!(p.body, Framed::Length(5));
         let p =
             done(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\na");
-        assert_eq!(p.body, BodyLen::Length(1));
+        assert_eq!(p.body, Framed::Length(1));
         assert!(done(b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n\r\n").upgrade);
         // `Expect` only matters when a body is to come.
         assert!(
@@ -1673,7 +1662,7 @@ mod tests {
         );
         // Both framings: chunked wins, the length goes, the connection ends.
         let p = done(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\nTransfer-Encoding: chunked\r\n\r\n");
-        assert!(p.body == BodyLen::Chunked && !p.keep_alive);
+        assert!(p.body == Framed::Chunked { close: true } && !p.keep_alive);
         assert!(p.req.headers().get(header::CONTENT_LENGTH).is_none());
         let refused = |raw: &[u8]| match parsed(raw) {
             Parse::Refuse(r) => r,
@@ -1720,7 +1709,7 @@ mod tests {
             b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: ChunKed \r\n\r\n",
         ] {
             assert!(
-                matches!(parsed(raw), Parse::Done(p) if p.body == BodyLen::Chunked && !p.bad_te)
+                matches!(parsed(raw), Parse::Done(p) if p.body == Framed::Chunked { close: false })
             );
         }
         for te in [
@@ -1739,10 +1728,7 @@ mod tests {
             let Parse::Done(p) = parsed(raw.as_bytes()) else {
                 panic!("{te}: not parsed here")
             };
-            assert!(
-                p.bad_te && !p.keep_alive && p.body == BodyLen::Length(0),
-                "{te}"
-            );
+            assert!(p.body == Framed::Unsupported && !p.keep_alive, "{te}");
         }
     }
 
@@ -1827,10 +1813,15 @@ mod tests {
                 .map(|(_, v)| &v[..])
                 .collect();
             let one_chunked = te.len() == 1 && te[0].trim_ascii().eq_ignore_ascii_case(b"chunked");
-            assert_eq!(p.body == BodyLen::Chunked, one_chunked, "{what:?}");
-            assert_eq!(p.bad_te, !te.is_empty() && !one_chunked, "{what:?}");
-            if p.bad_te {
-                assert!(!p.keep_alive && p.body == BodyLen::Length(0), "{what:?}");
+            assert_eq!(
+                matches!(p.body, Framed::Chunked { .. }),
+                one_chunked,
+                "{what:?}"
+            );
+            let refused = p.body == Framed::Unsupported;
+            assert_eq!(refused, !te.is_empty() && !one_chunked, "{what:?}");
+            if refused {
+                assert!(!p.keep_alive, "{what:?}");
             }
             // The body starts where the head ends.
             assert_eq!(b.len(), raw.len() - n, "{what:?}");

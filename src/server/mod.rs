@@ -12,10 +12,10 @@
 pub mod conn;
 mod h1;
 mod inbox;
-mod readbuf;
 pub use h1::{decode_request, DecodedRequest};
 pub mod h2guard;
 pub mod handover;
+pub mod tidy;
 pub mod tls;
 mod wheel;
 mod wire;
@@ -133,7 +133,7 @@ impl Server {
         // The coarse clock of this loop's idle HTTP/1.1 connections (their
         // idle timeout is checked when a tick reaches the slot of its
         // deadline, `h1`), and of giving closed connections' memory back
-        // (`base::tidy`).
+        // (`tidy`).
         let (period, longest, mut gen_seen) = {
             let gen = self.plane.current();
             let c = &gen.config.client;
@@ -147,7 +147,7 @@ impl Server {
         let mut ticked = now_ms();
         let mut tick = tokio::time::interval(Duration::from_millis(period));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-        let mut tidy = crate::base::tidy::Tidy::default();
+        let mut tidy = crate::server::tidy::Tidy::default();
         // Connections accepted since this loop last let the queued tasks run.
         let mut in_row = 0;
         loop {
@@ -187,7 +187,7 @@ impl Server {
                             tidy.freed();
                         }
                     }
-                    use crate::base::tidy::{self, Give};
+                    use crate::server::tidy::{self, Give};
                     match tidy.tick(self.connections.get(), now) {
                         Give::None => {}
                         Give::Nudge => tidy::nudge(),

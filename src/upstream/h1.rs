@@ -8,8 +8,9 @@
 //! without copies (zero-copy slices of the read buffer), decoded from
 //! Content-Length, chunked or close-delimited framing
 //! ([`crate::codec::framing`]). At its end the connection goes back to the
-//! thread's pool without a buffer: its read buffer goes to the thread's
-//! free list (trimmed on the accept loop's tick, [`trim_kept`]), and the
+//! thread's pool without a buffer: its read buffer goes back to the
+//! thread's read-buffer pool (`codec::readbuf`, shared with the client
+//! side and trimmed on the accept loop's tick), and the
 //! request head is written from one per-thread buffer, so the connections a
 //! burst left idle hold only their sockets.
 //!
@@ -46,7 +47,6 @@ use super::tls::TlsConnect;
 use super::{BoxError, PooledBody};
 use crate::base::deadline::Deadline;
 use crate::base::error::{Error, ErrorKind};
-use crate::base::freelist::FreeList;
 use crate::base::stall::Stall;
 use crate::codec::chunked::{self, Chunked, SizeLine, Step};
 use crate::codec::framing::{self, BodyFraming, LengthFields};
@@ -63,10 +63,6 @@ const READ_MAX: usize = 64 * 1024;
 /// A buffered body up to this size goes out in the same write as the head.
 const COALESCE: usize = 16 * 1024;
 
-/// Read buffers kept per thread for the next exchange (as many as requests
-/// in flight used; what the load does not take again is freed on the
-/// accept loop's tick, [`trim_kept`]).
-const READ_BUFS_MAX: usize = 1024;
 /// The request-head buffer's first capacity (the usual head fits).
 const WRITE_BUF: usize = 1024;
 
@@ -174,14 +170,7 @@ thread_local! {
     /// under one service's TLS settings is never handed to a service with
     /// others.
     static TLS_POOL: RefCell<IdlePool<Box<Conn>, (SocketAddr, u64)>> = RefCell::new(IdlePool::default());
-    static READ_BUFS: RefCell<FreeList<BytesMut>> = const { RefCell::new(FreeList::new(READ_BUFS_MAX)) };
     static WRITE_BUF_KEPT: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
-}
-
-/// Frees the thread's kept read buffers that no exchange took since the
-/// last call (the accept loop calls this on its tick); how many.
-pub(crate) fn trim_kept() -> usize {
-    READ_BUFS.try_with(|b| b.borrow_mut().trim()).unwrap_or(0)
 }
 
 /// Closes the thread's pooled connections past `idle_timeout`, stale, or
@@ -229,9 +218,7 @@ impl Conn {
     /// no extra `EAGAIN` read is made per response.
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         if self.rbuf.capacity() == 0 {
-            if let Some(b) = READ_BUFS.with(|b| b.borrow_mut().take()) {
-                self.rbuf = b;
-            }
+            self.rbuf = crate::codec::readbuf::take();
         }
         self.rbuf.reserve(self.read_size);
         let room = self.rbuf.capacity() - self.rbuf.len();
@@ -273,7 +260,7 @@ fn checkout(addr: SocketAddr, tls_id: u64, idle_timeout: Duration) -> Option<Box
 fn checkin(addr: SocketAddr, mut conn: Box<Conn>, max_idle: usize) {
     let buf = std::mem::take(&mut conn.rbuf);
     if buf.capacity() > 0 {
-        drop(READ_BUFS.with(|b| b.borrow_mut().give(buf)));
+        crate::codec::readbuf::give(buf);
     }
     match conn.tls_id {
         0 => POOL.with(|p| p.borrow_mut().checkin(addr, conn, max_idle)),
@@ -1575,7 +1562,8 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let stream = TcpStream::connect(addr).await.unwrap();
         let (mut peer, _) = listener.accept().await.unwrap();
-        let kept = || READ_BUFS.with(|b| b.borrow().len());
+        use crate::codec::readbuf;
+        let kept = readbuf::kept;
         let mut conn = Box::new(Conn::new(Stream::Plain(stream), 0));
         peer.write_all(b"x").await.unwrap();
         let n = std::future::poll_fn(|cx| conn.poll_fill(cx)).await.unwrap();
@@ -1601,8 +1589,8 @@ mod tests {
         assert_eq!(kept(), 1);
 
         // Not taken over a whole period: freed by the second trim.
-        assert_eq!(trim_kept(), 0);
-        assert_eq!(trim_kept(), 1);
+        assert_eq!(readbuf::trim(), 0);
+        assert_eq!(readbuf::trim(), 1);
         assert_eq!(kept(), 0);
     }
 

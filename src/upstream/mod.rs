@@ -94,12 +94,12 @@ pub enum Session<'a> {
     },
 }
 
-/// Frees the read buffers the thread's exchanges kept and did not take
-/// again since the last call (the accept loop's tick, `now` its `now_ms`),
-/// and closes the idle connections past `idle_timeout`, closed by the
-/// node, or left over from a burst (`pool::IdlePool::trim`); how many.
+/// Closes the thread's idle connections past `idle_timeout`, closed by
+/// the node, or left over from a burst (`pool::IdlePool::trim`; the
+/// accept loop's tick, `now` its `now_ms`); how many. (Their read buffers
+/// are the codec's pool, trimmed with the client side's.)
 pub fn trim_kept(now: u64, idle_timeout: Duration) -> usize {
-    h1::trim_kept() + h1::trim_pool(now, idle_timeout)
+    h1::trim_pool(now, idle_timeout)
 }
 
 /// The client. Cheap to share; the pools live in thread-locals. Its

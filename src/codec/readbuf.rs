@@ -1,11 +1,15 @@
-//! Layer: server. The read buffers of HTTP/1.1 client connections, pooled
-//! per thread: a connection takes one only while a head is being read (or
-//! a streamed body pumped) and gives it back once the request is parsed, so
-//! an idle keep-alive connection holds no buffer (hyper's server kept its
-//! read and write buffers for the connection's life; nginx keeps half a
-//! kilobyte). What it buys is measured as memory per idle connection
-//! (`bench/idle_conns.py`, docs: benchmarks → idle connections: 0.63 KB);
-//! what a burst left is freed on the accept loop's tick ([`trim`]).
+//! Layer: codec. The read buffers of HTTP/1.1 connections, both sides,
+//! pooled per thread: a client connection takes one only while a head is
+//! being read (or a streamed body pumped) and gives it back once the
+//! request is parsed; a node connection takes one for an exchange and
+//! gives it back when it goes idle into its pool. So an idle keep-alive
+//! connection, of either side, holds no buffer (hyper kept its read and
+//! write buffers for the connection's life; nginx keeps half a kilobyte
+//! per idle client connection). What it buys is measured as memory per
+//! idle connection (`bench/idle_conns.py`, docs: benchmarks → idle
+//! connections: 0.63 KB) and as instructions per request (no allocation
+//! per request: `bench/instructions.py`); what a burst left is freed on the
+//! accept loop's tick ([`trim`]).
 
 use std::cell::RefCell;
 
@@ -15,26 +19,29 @@ use crate::base::freelist::FreeList;
 
 /// A pooled read buffer's size; a head longer than this grows it (up to the
 /// connection's limit).
-pub(super) const READ_BUF: usize = 4096;
+pub const READ_BUF: usize = 4096;
 /// Read buffers kept per thread between requests (as many as a burst of
 /// requests in flight used; what the load does not use again is freed by
 /// [`trim`]).
 const POOL_MAX: usize = 1024;
+/// A buffer grown past this (a node's large answers double a connection's
+/// reads up to 64 KiB) is freed rather than kept.
+const KEEP_MAX: usize = 64 * 1024;
 
 thread_local! {
     static READ_POOL: RefCell<FreeList<BytesMut>> = const { RefCell::new(FreeList::new(POOL_MAX)) };
 }
 
-/// A buffer from the thread's pool (or a new one).
-pub(super) fn take_read_buf() -> BytesMut {
+/// A buffer from the thread's pool (or a new one of [`READ_BUF`]).
+pub fn take() -> BytesMut {
     READ_POOL
         .with(|p| p.borrow_mut().take())
         .unwrap_or_else(|| BytesMut::with_capacity(READ_BUF))
 }
 
-/// Gives `b` back to the thread's pool (emptied; one grown far past
-/// [`READ_BUF`] is freed instead).
-pub(super) fn give_read_buf(mut b: BytesMut) {
+/// Gives `b` back to the thread's pool (emptied; one grown past 64 KiB is
+/// freed instead).
+pub fn give(mut b: BytesMut) {
     b.clear();
     // The heads split off the front may still be alive (the request's
     // fields are slices of them): the rest of the allocation serves the
@@ -43,7 +50,7 @@ pub(super) fn give_read_buf(mut b: BytesMut) {
     if b.capacity() < 1024 {
         b.reserve(READ_BUF);
     }
-    if b.capacity() > 4 * READ_BUF {
+    if b.capacity() > KEEP_MAX {
         return;
     }
     // A full list gives it back: dropped here.
@@ -52,8 +59,14 @@ pub(super) fn give_read_buf(mut b: BytesMut) {
 
 /// Frees the thread's kept buffers that were not handed out since the last
 /// call; how many were freed.
-pub(super) fn trim() -> usize {
+pub fn trim() -> usize {
     READ_POOL.try_with(|p| p.borrow_mut().trim()).unwrap_or(0)
+}
+
+/// How many buffers the thread keeps.
+#[cfg(test)]
+pub fn kept() -> usize {
+    READ_POOL.with(|p| p.borrow().len())
 }
 
 #[cfg(test)]
@@ -64,13 +77,12 @@ mod tests {
     /// last trim.
     #[test]
     fn trim_frees_the_buffers_a_burst_left() {
-        let bufs: Vec<_> = (0..40).map(|_| take_read_buf()).collect();
-        bufs.into_iter().for_each(give_read_buf);
-        let kept = || READ_POOL.with(|p| p.borrow().len());
+        let bufs: Vec<_> = (0..40).map(|_| take()).collect();
+        bufs.into_iter().for_each(give);
         assert_eq!(kept(), 40);
         // One taken and given back since the first trim: it stays.
         trim();
-        give_read_buf(take_read_buf());
+        give(take());
         assert_eq!(trim(), 39, "the burst's buffers were not freed");
         assert_eq!(kept(), 1);
     }
