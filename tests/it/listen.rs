@@ -157,7 +157,7 @@ async fn a_reload_changing_a_key_read_only_at_start_is_refused() {
     .await;
     assert!(error_has(&st, &want), "{st}");
     assert_eq!(gw.generation().await, generation);
-    assert!(gw.logs().contains("reload rejected"), "{}", gw.logs());
+    gw.wait_log("reload rejected").await;
     assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err());
     assert_eq!(Req::get("/").send(served).await.status, answer);
 

@@ -387,7 +387,7 @@ async fn binary_upgrade_under_load_loses_no_request_and_lets_the_websocket_finis
         .await
         .unwrap_or_else(|| panic!("old process did not exit:\n{}", old.logs()));
     assert!(status.success(), "{status:?}");
-    assert!(old.logs().contains("drained; exiting"), "{}", old.logs());
+    old.wait_log("drained; exiting").await;
 
     // Only the new process serves now: on the very sockets the old one
     // listened on (its accept queue included), same admin listener.
