@@ -24,9 +24,9 @@ pub struct SendFile {
 pub use super::pipe::BodyError;
 
 /// A client's request body as the request path receives it: from hyper's
-/// server (HTTP/2 and HTTP/1.1 over TLS), whole from the hand-written
-/// HTTP/1.1 server (no body, or a `Content-Length` body that arrived with
-/// its head), or streamed by it ([`pipe`](super::pipe): the rest).
+/// HTTP/2 server, whole from the HTTP/1.1 connection (`server::h1`: no
+/// body, or a `Content-Length` body that arrived with its head), or
+/// streamed by it ([`pipe`](super::pipe): the rest).
 #[derive(Debug)]
 pub enum RequestBody {
     Hyper(hyper::body::Incoming),

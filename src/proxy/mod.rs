@@ -92,9 +92,8 @@ pub struct ServerHints {
     /// every name without one: the underscore filter is skipped then).
     pub may_have_underscores: bool,
     /// The request's `Transfer-Encoding` is anything but one `chunked`
-    /// field (the client side read the fields for its framing anyway,
-    /// [`resolve::transfer_encoding_refused`]): answered 501 with
-    /// `Connection: close`.
+    /// field (the client side's framing, `codec::framing::request_received`):
+    /// answered 501 with `Connection: close`.
     pub bad_transfer_encoding: bool,
 }
 

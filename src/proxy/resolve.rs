@@ -44,20 +44,6 @@ pub fn validate<B>(
     None
 }
 
-/// Is the request's `Transfer-Encoding` anything but exactly one field
-/// `chunked` (any case)? Lists (`gzip, chunked`, `chunked, chunked`,
-/// `,chunked`), other codings and repeated fields are refused (501, as
-/// nginx answers): a proxy in front may read such framing otherwise. For
-/// heads hyper parsed (it accepts any list ending in `chunked`); one scan
-/// of a small map's names.
-pub fn transfer_encoding_refused(headers: &HeaderMap) -> bool {
-    match count_first(headers, &header::TRANSFER_ENCODING) {
-        (0, _) => false,
-        (1, Some(v)) => !v.as_bytes().eq_ignore_ascii_case(b"chunked"),
-        _ => true,
-    }
-}
-
 /// RFC 9112 §3.2: one `Host` on HTTP/1.1, a valid authority (no userinfo);
 /// the target's own authority wins over it. An empty `Host` is refused too
 /// (as nginx does): nothing routes on it, and a node would read its own
@@ -273,31 +259,6 @@ mod tests {
             check("/", Version::HTTP_11, None),
             Some(ErrorKind::BadRequest)
         );
-    }
-
-    #[test]
-    fn only_one_chunked_transfer_encoding_passes() {
-        let refused = |values: &[&str]| {
-            let mut h = HeaderMap::new();
-            for v in values {
-                h.append(header::TRANSFER_ENCODING, v.parse().unwrap());
-            }
-            transfer_encoding_refused(&h)
-        };
-        assert!(!refused(&[]));
-        assert!(!refused(&["chunked"]));
-        assert!(!refused(&["Chunked"]));
-        for bad in [
-            &["gzip, chunked"][..],
-            &["identity, chunked"],
-            &["chunked, chunked"],
-            &[",chunked"],
-            &["chunked", "chunked"],
-            &["gzip"],
-            &[""],
-        ] {
-            assert!(refused(bad), "{bad:?}");
-        }
     }
 
     #[test]
