@@ -16,7 +16,7 @@ use crate::base::decision::Decision;
 use crate::config::{parse_yaml, valid_lane, ConfigError, MainConfig};
 use crate::generation::{Generation, Target};
 use crate::lane::decide_on_route;
-use crate::proxy::resolve::{resolve_request, validate};
+use crate::proxy::resolve::{filter_underscores, resolve_request, validate};
 
 /// Separates the files inside one fuzz input.
 pub const FILE_SEPARATOR: &[u8] = b"\n%%%%\n";
@@ -102,7 +102,8 @@ pub fn request_decision(gen: &Generation, data: &[u8]) -> Option<Decision> {
         };
         req.headers_mut().append(n, v);
     }
-    if let Some(kind) = validate(&mut req, &gen.config.client, &gen.lane.tag_header, true) {
+    filter_underscores(&mut req, &gen.config.client, &gen.lane.tag_header);
+    if let Some(kind) = validate(&mut req, &gen.config.client, &gen.lane.tag_header) {
         assert!(crate::base::error::Error::new(kind)
             .status()
             .is_client_error());

@@ -32,6 +32,11 @@ pub enum RequestBody {
     Hyper(hyper::body::Incoming),
     Full(Option<Bytes>),
     Stream(super::pipe::PipeReader),
+    /// A body whose framing the HTTP/1.1 side refuses (a
+    /// `Transfer-Encoding` other than one `chunked` field,
+    /// `codec::framing::request_received`): nothing of it is read; the
+    /// request is answered 501 and the connection closes.
+    Refused,
 }
 
 impl From<hyper::body::Incoming> for RequestBody {
@@ -56,6 +61,7 @@ impl hyper::body::Body for RequestBody {
                 std::task::Poll::Ready(b.take().map(|d| Ok(hyper::body::Frame::data(d))))
             }
             RequestBody::Stream(b) => std::pin::Pin::new(b).poll_frame(cx),
+            RequestBody::Refused => std::task::Poll::Ready(None),
         }
     }
 
@@ -64,6 +70,7 @@ impl hyper::body::Body for RequestBody {
             RequestBody::Hyper(b) => b.is_end_stream(),
             RequestBody::Full(b) => b.is_none(),
             RequestBody::Stream(b) => b.is_end_stream(),
+            RequestBody::Refused => true,
         }
     }
 
@@ -74,6 +81,7 @@ impl hyper::body::Body for RequestBody {
                 hyper::body::SizeHint::with_exact(b.as_ref().map_or(0, |d| d.len() as u64))
             }
             RequestBody::Stream(b) => b.size_hint(),
+            RequestBody::Refused => hyper::body::SizeHint::with_exact(0),
         }
     }
 }

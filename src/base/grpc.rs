@@ -4,31 +4,41 @@
 //! gRPC answer is recorded as, and the trailers the gateway sends in place
 //! of an answer that failed (gRPC's HTTP-to-gRPC status mapping).
 
-use http::header::{HeaderMap, HeaderValue, CONTENT_TYPE};
+use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE};
 use http::StatusCode;
 
 use crate::config::grpc::{DEADLINE_EXCEEDED, UNAVAILABLE, UNKNOWN};
 
+/// The `grpc-status` field's name.
+pub const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+
 /// Is this message gRPC (`application/grpc`, `application/grpc+proto`,
 /// `application/grpc-web…`)?
 pub fn is_grpc(h: &HeaderMap) -> bool {
-    h.get(CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+    is_grpc_type(h.get(CONTENT_TYPE).map(HeaderValue::as_bytes))
 }
 
-/// Is this message gRPC-Web (`application/grpc-web…`: its trailers travel
-/// in the body, not as HTTP trailers)?
-pub fn is_grpc_web(h: &HeaderMap) -> bool {
-    h.get(CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc-web"))
+/// Is a message of this content type gRPC?
+pub fn is_grpc_type(content_type: Option<&[u8]>) -> bool {
+    content_type.is_some_and(|v| v.starts_with(b"application/grpc"))
+}
+
+/// Is a message of this content type gRPC-Web (`application/grpc-web…`:
+/// its trailers travel in the body, not as HTTP trailers)?
+pub fn is_grpc_web_type(content_type: Option<&[u8]>) -> bool {
+    content_type.is_some_and(|v| v.starts_with(b"application/grpc-web"))
 }
 
 /// The `grpc-status` of a header block, if it has one: a value that is not
 /// a code 0–16 reads as UNKNOWN (as gRPC clients read it).
 pub fn status_of(h: &HeaderMap) -> Option<u8> {
-    let v = h.get("grpc-status")?;
+    status_value(h.get(GRPC_STATUS).map(HeaderValue::as_bytes))
+}
+
+/// A `grpc-status` value read as [`status_of`] does.
+pub fn status_value(v: Option<&[u8]>) -> Option<u8> {
     Some(
-        std::str::from_utf8(v.as_bytes())
+        std::str::from_utf8(v?)
             .ok()
             .and_then(|s| s.trim().parse::<u8>().ok())
             .filter(|c| *c <= 16)

@@ -384,7 +384,7 @@ async fn probe(
             headers: &headers,
             added: &Added::none(),
             start: None,
-            raw_ok: false,
+            keep_lines: false,
             upgrade: false,
         };
         let resp = client

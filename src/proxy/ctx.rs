@@ -18,7 +18,6 @@ use crate::lane::RequestInfo;
 use crate::nodes::health::NodeHealth;
 use crate::observe::node_stats::NodeCounters;
 use crate::upstream::body::ClientFault;
-use crate::upstream::RawHead;
 
 /// Who sent the request.
 #[derive(Debug, Clone, Copy)]
@@ -61,12 +60,6 @@ pub struct RequestCtx {
     /// Where the client's request body notes its failures (requests with
     /// a body).
     pub client_fault: Option<Arc<ClientFault>>,
-    /// The client side writes a node's plain response head from its raw
-    /// lines (the HTTP/1.1 server): the upstream may hand them so.
-    pub raw_ok: bool,
-    /// The node's response fields as it sent them (the response's map is
-    /// empty then), for the HTTP/1.1 server to write.
-    pub raw_head: Option<RawHead>,
     /// The request's trace context (`otel:` configured).
     pub trace: Option<Box<Traced>>,
 }
@@ -152,18 +145,7 @@ impl RequestCtx {
             verdict: None,
             head_request: info.parts.method == http::Method::HEAD,
             client_fault: None,
-            raw_ok: false,
-            raw_head: None,
             trace: None,
-        }
-    }
-
-    /// Puts the node's raw response fields (if they came so) into `headers`
-    /// — before an edit of the response head that the raw lines cannot
-    /// take (the map was empty; the fields keep their order).
-    pub fn unraw(&mut self, headers: &mut http::HeaderMap) {
-        if let Some(raw) = self.raw_head.take() {
-            raw.prepend_to(headers);
         }
     }
 

@@ -30,7 +30,10 @@ use crate::nodes::{Choice, Fallback, NoCandidates, Service};
 use crate::observe::metrics::NodeTracker;
 use crate::upstream::body::{ClientBody, Replay};
 use crate::upstream::fields::{idempotent, scan, strip_hop_by_hop, strip_hop_by_hop_found, Added};
-use crate::upstream::{OutHead, Peer, PooledBody, RawHead};
+use crate::upstream::{OutHead, Peer, PooledBody};
+
+use super::answer::Answer;
+use crate::codec::fields::Fields;
 
 /// Rate-limits the lane-fallback WARN to once per 10 s per (service,
 /// lane): a slot per hash of the pair holding when it last logged — no
@@ -66,7 +69,7 @@ pub async fn forward(
     (service_name, upgrades): (&Arc<str>, &[String]),
     parts: &mut Parts,
     body: RequestBody,
-) -> Result<Response<Body>, Error> {
+) -> Result<Answer<Body>, Error> {
     let client = &ctx.client;
     let decision = ctx.decision.as_mut().expect("decided before forwarding");
     decision.service = Some(service_name.clone());
@@ -95,12 +98,11 @@ pub async fn forward(
         buffer_body(body, out.idempotent, out.deadline, upstream).await?
     };
     let verdict = &mut ctx.verdict;
-    let raw = ctx.raw_ok.then_some(&mut ctx.raw_head);
     attempt_all(
         plane,
         service,
         (choice, client),
-        (decision, verdict, raw),
+        (decision, verdict),
         // Borrowed: the request's fields (a large value) are not moved
         // again.
         &mut out,
@@ -330,15 +332,11 @@ async fn attempt_all(
     plane: &DataPlane,
     service: &Service,
     (choice, client): (Choice<'_>, &Client),
-    (decision, verdict, mut raw): (
-        &mut Decision,
-        &mut Option<Verdict>,
-        Option<&mut Option<RawHead>>,
-    ),
+    (decision, verdict): (&mut Decision, &mut Option<Verdict>),
     out: &mut Outbound<'_>,
     mut replay: Replay,
     upstream: &UpstreamConfig,
-) -> Result<Response<Body>, Error> {
+) -> Result<Answer<Body>, Error> {
     // The hash key (balance: hash) from the fields going upstream.
     let key = service.request_key(&out.headers, &out.target, client.ip);
     let set = choice.set;
@@ -394,7 +392,8 @@ async fn attempt_all(
             // The response timeout runs from this attempt's reading (`t0`
             // only when nothing was awaited since it was read).
             start: (tried.len() > 1 || t0_fresh).then_some(now),
-            raw_ok: raw.is_some(),
+            // A plain head's lines are kept as sent (`Fields`).
+            keep_lines: true,
             upgrade: out.upgrade.is_some(),
         };
         let peer = Peer {
@@ -414,10 +413,6 @@ async fn attempt_all(
                     counters,
                     grpc_error_codes: service.grpc_error_codes,
                 });
-                let mut r = r;
-                if let Some(slot) = raw.as_deref_mut() {
-                    *slot = r.body_mut().take_raw_head();
-                }
                 let client_upgrade = out.client_upgrade.take();
                 return respond(plane, r, client_upgrade, out.upgrade.is_some(), tracker);
             }
@@ -506,7 +501,7 @@ fn respond(
     client_upgrade: Option<ClientUpgrade>,
     upgrade_requested: bool,
     tracker: NodeTracker,
-) -> Result<Response<Body>, Error> {
+) -> Result<Answer<Body>, Error> {
     tracker.count_status(resp.status());
     if upgrade_requested && resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         let Some(client_up) = client_upgrade else {
@@ -530,12 +525,27 @@ fn respond(
             let _ = tokio::io::copy_bidirectional(&mut c, &mut u).await;
         });
         let (head, body) = resp.into_parts();
-        return Ok(Response::from_parts(head, boxed(body.tracked(tracker))));
+        return Ok(Answer {
+            status: head.status,
+            fields: Fields::from(head.headers),
+            extensions: head.extensions,
+            body: boxed(body.tracked(tracker)),
+        });
     }
-    let (mut head, body) = resp.into_parts();
-    strip_hop_by_hop(&mut head.headers);
+    let (mut head, mut body) = resp.into_parts();
+    // The node's plain head: its lines as it sent them (hop-by-hop lines
+    // left out already); else the map.
+    let raw = body.take_lines();
+    if raw.is_none() {
+        strip_hop_by_hop(&mut head.headers);
+    }
     // One box for the upstream body and the node's in-flight marker.
-    Ok(Response::from_parts(head, boxed(body.tracked(tracker))))
+    Ok(Answer {
+        status: head.status,
+        fields: Fields::new(raw, head.headers),
+        extensions: head.extensions,
+        body: boxed(body.tracked(tracker)),
+    })
 }
 
 /// Is every protocol of an `Upgrade` value (`name[/version]`, comma

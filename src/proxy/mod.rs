@@ -12,6 +12,7 @@
 //! upstream client (per-thread pools), node health, metric handles, the access
 //! log — never the whole gateway.
 
+pub mod answer;
 pub mod ctx;
 pub mod forward;
 pub mod record;
@@ -39,6 +40,7 @@ use crate::observe::metrics::Metrics;
 use crate::observe::node_stats::NodeStats;
 use crate::upstream::Upstream;
 
+pub use answer::Answer;
 pub use ctx::{Client, RequestCtx};
 pub use forward::FallbackLog;
 
@@ -70,64 +72,32 @@ impl DataPlane {
     }
 }
 
-/// Serves one client request, phase by phase. The response body records
-/// the request when it ends ([`record::Recorded`]).
+/// Serves one client request, phase by phase, as an `http` response (the
+/// HTTP/2 side). The response body records the request when it ends
+/// ([`record::Recorded`]).
 pub async fn handle(
     plane: &Arc<DataPlane>,
     peer: SocketAddr,
     req: Request<RequestBody>,
 ) -> Result<Response<record::Recorded>, Infallible> {
-    handle_with(plane.clone(), peer, req, ServerHints::default()).await
+    let answer = handle_with(plane.clone(), peer, req).await?;
+    Ok(answer.into_response())
 }
 
-/// What the client-side server knows of one request it hands the proxy.
-#[derive(Debug, Clone, Copy)]
-pub struct ServerHints {
-    /// The plain HTTP/1.1 server writes the answer: a node's plain response
-    /// head may keep its fields as the node sent them
-    /// ([`record::Recorded::take_raw_head`]; the response's map is empty
-    /// then).
-    pub raw_ok: bool,
-    /// Some field name may have a `_` (false only when the client side saw
-    /// every name without one: the underscore filter is skipped then).
-    pub may_have_underscores: bool,
-    /// The request's `Transfer-Encoding` is anything but one `chunked`
-    /// field (the client side's framing, `codec::framing::request_received`):
-    /// answered 501 with `Connection: close`.
-    pub bad_transfer_encoding: bool,
-}
-
-impl Default for ServerHints {
-    /// Nothing known: every check runs, the response gets a map.
-    fn default() -> Self {
-        ServerHints {
-            raw_ok: false,
-            may_have_underscores: true,
-            bad_transfer_encoding: false,
-        }
-    }
-}
-
-/// [`handle`], with what the client side knows of the request
-/// ([`ServerHints`]). The future owns what it needs (`plane` too): it borrows
-/// nothing.
+/// Serves one client request, phase by phase, as an [`Answer`] (the
+/// HTTP/1.1 side writes its fields as they are). The future owns what it
+/// needs (`plane` too): it borrows nothing.
 pub async fn handle_with(
     plane: Arc<DataPlane>,
     peer: SocketAddr,
     mut req: Request<RequestBody>,
-    hints: ServerHints,
-) -> Result<Response<record::Recorded>, Infallible> {
+) -> Result<Answer<record::Recorded>, Infallible> {
     let start = Instant::now();
     let gen = plane.current();
-    let invalid = if hints.bad_transfer_encoding {
+    let invalid = if matches!(req.body(), RequestBody::Refused) {
         Some(ErrorKind::TransferEncoding)
     } else {
-        resolve::validate(
-            &mut req,
-            &gen.config.client,
-            &gen.lane.tag_header,
-            hints.may_have_underscores,
-        )
+        resolve::validate(&mut req, &gen.config.client, &gen.lane.tag_header)
     };
     let (parts, body) = req.into_parts();
     let info = resolve::resolve_request(parts, peer.ip(), &gen.trusted);
@@ -135,7 +105,6 @@ pub async fn handle_with(
     let mut pending =
         record::Pending::new(plane, gen, || RequestCtx::begin(&info, peer, start, log));
     let (plane, gen, ctx) = pending.parts_mut();
-    ctx.raw_ok = hints.raw_ok;
     if let Some(o) = &gen.config.otel {
         ctx.trace = Some(Box::new(traced(plane, o, &info.parts)));
     }
@@ -158,27 +127,27 @@ pub async fn handle_with(
                 }
                 Target::Static(tree) => {
                     let decision = ctx.decision.as_mut().expect("decided above");
-                    // Only the plain HTTP/1.1 server (`raw_ok`) can sendfile.
-                    let sendfile_ok = ctx.raw_ok;
-                    crate::static_files::serve(tree, &info.parts, decision, sendfile_ok).await
+                    // Only the HTTP/1.1 side can sendfile.
+                    let sendfile_ok = info.parts.version != http::Version::HTTP_2;
+                    crate::static_files::serve(tree, &info.parts, decision, sendfile_ok)
+                        .await
+                        .map(Answer::from)
                 }
             }
         }
     };
     let mut resp = served.unwrap_or_else(|e| {
         ctx.error = Some(e.kind());
-        ctx.raw_head = None;
-        let mut resp = e.response();
+        let mut resp = Answer::from(e.response());
         if e.kind() == ErrorKind::TransferEncoding {
             // The body's framing is unknown: the connection cannot go on.
-            resp.headers_mut()
+            resp.fields
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         resp
     });
     if let Some(c) = ctx.set_cookie.take() {
-        ctx.unraw(resp.headers_mut());
-        resp.headers_mut().append(header::SET_COOKIE, c);
+        resp.fields.append(header::SET_COOKIE, c);
     }
     ctx.end = Instant::now();
     Ok(record::respond(pending, resp))

@@ -27,9 +27,10 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderValue};
-use http::{Response, StatusCode};
+use http::StatusCode;
 use hyper::body::{Body as _, Frame, SizeHint};
 
+use super::answer::Answer;
 use super::ctx::RequestCtx;
 use super::DataPlane;
 use crate::base::body::{Body, BoxError};
@@ -125,8 +126,13 @@ pub struct Recorded {
 
 /// The response head's last touches (the lane response header), and the
 /// body that will record the request at its end.
-pub fn respond(mut pending: Box<Pending>, resp: Response<Body>) -> Response<Recorded> {
-    let (mut head, inner) = resp.into_parts();
+pub fn respond(mut pending: Box<Pending>, resp: Answer<Body>) -> Answer<Recorded> {
+    let Answer {
+        status,
+        mut fields,
+        extensions,
+        body: inner,
+    } = resp;
     let p = &mut *pending;
     if let Some(h) = &p.gen.config.lane_response_header {
         let lane = p
@@ -135,33 +141,33 @@ pub fn respond(mut pending: Box<Pending>, resp: Response<Body>) -> Response<Reco
             .as_ref()
             .map(|d| HeaderValue::from_str(&d.lane));
         if let Some(Ok(v)) = lane {
-            // It replaces a field of the node's: done on the map.
-            p.ctx.unraw(&mut head.headers);
-            head.headers.insert(h.0.clone(), v);
+            fields.insert(h.0.clone(), v);
         }
     }
-    p.status = head.status.as_u16();
+    p.status = status.as_u16();
     p.sent = p.status;
     // Only a node's answer (the gateway's own errors are recorded by their
     // HTTP status).
     p.grpc = match &p.ctx.verdict {
-        Some(v) if head.status == StatusCode::OK && grpc::is_grpc(&head.headers) => {
+        Some(v) if status == StatusCode::OK && grpc::is_grpc_type(fields.content_type()) => {
             Some(GrpcAnswer {
                 counted: v.grpc_error_codes,
-                status: grpc::status_of(&head.headers),
-                web: grpc::is_grpc_web(&head.headers),
+                status: grpc::status_value(fields.get(&grpc::GRPC_STATUS)),
+                web: grpc::is_grpc_web_type(fields.content_type()),
             })
         }
         _ => None,
     };
-    Response::from_parts(
-        head,
-        Recorded {
+    Answer {
+        status,
+        fields,
+        extensions,
+        body: Recorded {
             inner,
             pending: Some(pending),
             ended: false,
         },
-    )
+    }
 }
 
 impl Recorded {
@@ -173,13 +179,6 @@ impl Recorded {
         if let Some(p) = &mut self.pending {
             p.sent = sent.as_u16();
         }
-    }
-
-    /// The node's response fields as it sent them, when they came so
-    /// ([`super::handle_with`]): the response's map is empty then, and the
-    /// caller writes these lines first.
-    pub fn take_raw_head(&mut self) -> Option<crate::upstream::RawHead> {
-        self.pending.as_mut()?.ctx.raw_head.take()
     }
 
     /// The whole body went out by another way than polling it (the HTTP/1.1

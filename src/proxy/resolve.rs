@@ -14,23 +14,23 @@ use http::{Request, Uri, Version};
 
 use crate::base::error::ErrorKind;
 use crate::base::lists::IpList;
+use crate::codec::fields::{count_first, first};
 use crate::config::ClientConfig;
 use crate::lane::RequestInfo;
-use crate::upstream::fields::{count_first, first};
 
 /// The checks every request passes before routing: [`check_limits`], the
 /// `Host` rule of RFC 9112 §3.2 (an HTTP/1.1 request has exactly one valid
 /// `Host`; an absolute-form target's authority replaces it, §3.2.2), and
 /// header names with underscores (dropped unless allowed; even when allowed,
 /// no spelling of the tag header, `X-Forwarded-*`, `Forwarded` or
-/// `X-Real-IP` with `_` passes). `may_have_underscores` is false only when
-/// the client side saw every name without a `_`: the filter then has
-/// nothing to do.
+/// `X-Real-IP` with `_` passes: [`drop_underscored`]). The HTTP/1.1 side
+/// applies that filter as it reads a head (it sees every name's bytes, and
+/// calls it only for a head with a `_` in a name); here it runs for the
+/// other heads (HTTP/2).
 pub fn validate<B>(
     req: &mut Request<B>,
     limits: &ClientConfig,
     tag_header: &HeaderName,
-    may_have_underscores: bool,
 ) -> Option<ErrorKind> {
     if let Some(e) = check_limits(req, limits) {
         return Some(e);
@@ -38,7 +38,7 @@ pub fn validate<B>(
     if let Some(e) = check_host(req) {
         return Some(e);
     }
-    if may_have_underscores {
+    if req.version() > Version::HTTP_11 {
         drop_underscored(req.headers_mut(), limits.underscores_in_headers, tag_header);
     }
     None
@@ -93,6 +93,16 @@ const AUTHORITY: [bool; 256] = {
 /// control bytes. One table lookup per byte (it runs on every request).
 fn valid_authority(b: &[u8]) -> bool {
     b.iter().all(|&c| AUTHORITY[usize::from(c)])
+}
+
+/// The underscore filter of [`validate`] for a head the HTTP/1.1 side read
+/// with a `_` in some name, before the request is handed over. A head over
+/// the limits keeps its fields: `validate` answers it 431 on the whole
+/// head, as for any other.
+pub fn filter_underscores<B>(req: &mut Request<B>, limits: &ClientConfig, tag_header: &HeaderName) {
+    if check_limits(req, limits).is_none() {
+        drop_underscored(req.headers_mut(), limits.underscores_in_headers, tag_header);
+    }
 }
 
 /// Removes header fields whose names contain `_` (nginx's default

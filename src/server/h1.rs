@@ -65,13 +65,14 @@ use crate::base::ratelog::log_limited;
 use crate::base::upgrade::{ClientUpgrade, Tunnel};
 use crate::base::Https;
 use crate::codec::body::{BodyDecoder, Piece};
+use crate::codec::fields::name_eq;
+use crate::codec::fields::RawLines;
 use crate::codec::framing::{self, content_length, RequestBody as Framed};
 use crate::codec::head::{httparse_spans, span_in, RequestLine, Span};
-use crate::codec::readbuf::{self, READ_BUF};
+use crate::codec::readbuf::{self, Side, READ_BUF};
 use crate::proxy;
 use crate::proxy::record::Recorded;
-use crate::upstream::fields::name_eq;
-use crate::upstream::RawHead;
+use crate::proxy::Answer;
 use tokio_rustls::server::TlsStream;
 
 /// `TCP_NOTSENT_LOWAT` of a connection once it sends a file by sendfile(2):
@@ -299,7 +300,7 @@ async fn plain<W: Wire>(mut conn: Box<Conn<W>>) -> Option<(Box<Conn<W>>, oneshot
 /// handed out since the last call (the accept loop calls this on its tick);
 /// how many were freed.
 pub(crate) fn trim_kept() -> usize {
-    inbox::trim() + readbuf::trim()
+    inbox::trim() + readbuf::trim() + crate::codec::fields::trim()
 }
 
 impl<W: Wire> Conn<W> {
@@ -416,7 +417,10 @@ impl<W: Wire> Conn<W> {
             let max_buf = (l.max_uri_bytes + l.max_header_bytes + 4096).max(8192);
             (max_buf, l.header_timeout_ms, l.send_timeout_ms)
         };
-        let mut buf = self.pending.take().map_or_else(readbuf::take, |b| *b);
+        let mut buf = self
+            .pending
+            .take()
+            .map_or_else(|| readbuf::take(Side::Client), |b| *b);
         let mut head_due: Option<Instant> = None;
         // The last read returned less than it had room for: the socket's
         // queue was empty then (nginx's `rev->ready = 0` after a short recv).
@@ -450,7 +454,7 @@ impl<W: Wire> Conn<W> {
             let room = buf.capacity() - buf.len();
             match self.stream.try_read_buf(&mut buf) {
                 Ok(0) => {
-                    readbuf::give(buf);
+                    readbuf::give(Side::Client, buf);
                     return Next::Close;
                 }
                 Ok(n) => {
@@ -464,7 +468,7 @@ impl<W: Wire> Conn<W> {
             // A spurious wake-up (nothing to read yet): back to idle, the
             // buffer back to the pool.
             if buf.is_empty() {
-                readbuf::give(buf);
+                readbuf::give(Side::Client, buf);
                 return Next::KeepAlive;
             }
             // The head has started: the header timer runs from its first byte.
@@ -491,9 +495,9 @@ impl<W: Wire> Conn<W> {
         // The body: whole when it arrived with the head (the usual case),
         // else read from the socket as the request path asks for it.
         let mut pump = None;
-        let bad_te = body == Framed::Unsupported;
         let body = match body {
-            Framed::Length(0) | Framed::Unsupported => RequestBody::Full(None),
+            Framed::Unsupported => RequestBody::Refused,
+            Framed::Length(0) => RequestBody::Full(None),
             Framed::Length(n) if buf.len() as u64 >= n => {
                 RequestBody::Full(Some(buf.split_to(n as usize).freeze()))
             }
@@ -515,7 +519,7 @@ impl<W: Wire> Conn<W> {
         };
         if pump.is_none() {
             if buf.is_empty() {
-                readbuf::give(buf);
+                readbuf::give(Side::Client, buf);
                 if drained {
                     self.stream.forget_readable();
                 }
@@ -542,24 +546,24 @@ impl<W: Wire> Conn<W> {
         // A client that goes away meanwhile cancels the request (as on
         // hyper's connections).
         let plane = self.server.plane.clone();
+        if has_underscores {
+            // The underscore filter, for the heads that need it (the proxy
+            // runs it on the other sides' heads).
+            let gen = plane.current();
+            let limits = &gen.config.client;
+            proxy::resolve::filter_underscores(&mut req, limits, &gen.lane.tag_header);
+        }
         let handled = drive(
             &self.stream,
             pump.as_mut(),
             true,
-            InBox::new(|| {
-                let hints = proxy::ServerHints {
-                    raw_ok: true,
-                    may_have_underscores: has_underscores,
-                    bad_transfer_encoding: bad_te,
-                };
-                proxy::handle_with(plane, self.peer, req.map(|()| body), hints)
-            }),
+            InBox::new(|| proxy::handle_with(plane, self.peer, req.map(|()| body))),
         );
         let Some(Ok(resp)) = handled.await else {
             return Next::Close;
         };
-        let (mut head, body) = resp.into_parts();
-        let status = head.status;
+        let mut resp = resp;
+        let status = resp.status;
         // A body still unread when the answer is ready: the connection
         // cannot be reused (nothing tells where the next request starts
         // until it is read), so the answer says so.
@@ -569,7 +573,7 @@ impl<W: Wire> Conn<W> {
         if (unread || self.server.draining.load(Ordering::Relaxed))
             && status != StatusCode::SWITCHING_PROTOCOLS
         {
-            head.headers
+            resp.fields
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         let framing = Framing {
@@ -599,7 +603,7 @@ impl<W: Wire> Conn<W> {
             &self.stream,
             pump.as_mut(),
             false,
-            out.respond(head, body, framing),
+            out.respond(resp, framing),
         )
         .await
         .unwrap_or(Ok(false));
@@ -608,7 +612,7 @@ impl<W: Wire> Conn<W> {
             // What the client sent past the body is its next request.
             match p.into_rest() {
                 Some(rest) if !rest.is_empty() => self.pending = Some(Box::new(rest)),
-                Some(rest) => readbuf::give(rest),
+                Some(rest) => readbuf::give(Side::Client, rest),
                 None => return Next::Close,
             }
         }
@@ -1036,7 +1040,7 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
     for &(ns, ne, vs, ve) in spans.iter() {
         let bytes = &head[ns as usize..ne as usize];
         // The usual names have no `_`: only the others are searched.
-        let name = crate::upstream::fields::known_name(bytes)
+        let name = crate::codec::fields::known_name(bytes)
             .or_else(|| seen_name(bytes))
             .ok_or(())
             .or_else(|()| {
@@ -1128,35 +1132,35 @@ struct Out<'a, W: Wire> {
 impl<W: Wire> Out<'_, W> {
     /// Writes the answer; `Ok(true)` when the connection may serve
     /// another request. Framing as hyper's server encodes it.
-    async fn respond(
-        &mut self,
-        head: http::response::Parts,
-        mut body: Recorded,
-        f: Framing,
-    ) -> io::Result<bool> {
+    async fn respond(&mut self, answer: Answer<Recorded>, f: Framing) -> io::Result<bool> {
         let mut w = WRITE_BUF.take();
         w.clear();
-        let status = head.status;
+        let Answer {
+            status,
+            fields,
+            extensions,
+            mut body,
+        } = answer;
         let bodiless = f.head
             || status.is_informational()
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED;
         let end = body.is_end_stream();
-        let sendfile = head.extensions.get::<SendFile>().cloned();
-        let mut head = head;
+        let sendfile = extensions.get::<SendFile>().cloned();
         // A node's plain head goes out as its lines; the cases where this
         // side rewrites a field (no body, HEAD, a length that is not the
         // body's) take the map.
-        let raw = body.take_raw_head().and_then(|raw| {
+        let rewrites = fields.lines().is_some_and(|raw| {
             let exact = body.size_hint().exact();
-            if end || f.head || raw.length.is_some_and(|l| exact != Some(l)) {
-                raw.prepend_to(&mut head.headers);
-                None
-            } else {
-                Some(raw)
-            }
+            end || f.head || raw.length.is_some_and(|l| exact != Some(l))
         });
-        let (coding, mut keep) = encode_head(&mut w, head, raw.as_ref(), &body, f, end);
+        let (raw, headers) = if rewrites {
+            (None, fields.into_map())
+        } else {
+            fields.into_parts()
+        };
+        let (coding, mut keep) =
+            encode_head(&mut w, (status, headers), raw.as_deref(), &body, f, end);
         let coding = if bodiless || end {
             Coding::Length(0)
         } else {
@@ -1401,13 +1405,12 @@ impl<W: Wire> Out<'_, W> {
 /// `Date`); returns the body's coding and whether the connection may stay.
 fn encode_head(
     w: &mut Vec<u8>,
-    head: http::response::Parts,
-    raw: Option<&RawHead>,
+    (status, mut headers): (StatusCode, HeaderMap),
+    raw: Option<&RawLines>,
     body: &Recorded,
     f: Framing,
     end: bool,
 ) -> (Coding, bool) {
-    let status = head.status;
     let mut keep = f.keep_alive;
     if f.http10 {
         w.extend_from_slice(b"HTTP/1.0 ");
@@ -1429,7 +1432,6 @@ fn encode_head(
     let mut coding: Option<Coding> = None;
     let mut wrote_date = false;
     let mut conn_keep_alive = false;
-    let mut headers = head.headers;
     let mut te_seen = false;
     // The node's own lines first (as the map would hold them: before any
     // field this side added), then the map.
@@ -1440,7 +1442,7 @@ fn encode_head(
         coding = raw.length.map(Coding::Length);
         wrote_date = raw.has_date;
     }
-    for (name, value) in crate::upstream::fields::named(headers.drain()) {
+    for (name, value) in crate::codec::fields::named(headers.drain()) {
         match name {
             header::CONTENT_LENGTH => {
                 if end && !f.head {

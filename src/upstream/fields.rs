@@ -10,6 +10,8 @@ use std::net::IpAddr;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::Method;
 
+use crate::codec::fields::{name_eq, SCAN_MAX};
+
 /// Headers that describe one connection and must not be forwarded
 /// (pre-parsed names: no per-request name parsing on the hot path);
 /// `Transfer-Encoding` is framing, handled by each side's engine. The
@@ -61,123 +63,6 @@ pub fn is_hop_by_hop(name: &[u8]) -> bool {
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
-
-/// A header name from the wire, as `HeaderName::from_bytes` makes it: the
-/// names nearly every request or response carries are recognised by their
-/// length and one case-insensitive compare (from_bytes lower-cases the
-/// name into a scratch buffer and matches it against every standard name,
-/// for each field on each side of every exchange).
-pub fn name_of(b: &[u8]) -> Result<HeaderName, http::header::InvalidHeaderName> {
-    match known_name(b) {
-        Some(n) => Ok(n),
-        None => HeaderName::from_bytes(b),
-    }
-}
-
-/// The usual names [`name_of`] recognises without `from_bytes` (none of
-/// them has a `_`).
-pub fn known_name(b: &[u8]) -> Option<HeaderName> {
-    let is = |lower: &[u8]| name_eq(b, lower);
-    match b.len() {
-        4 if is(b"host") => Some(header::HOST),
-        4 if is(b"date") => Some(header::DATE),
-        6 if is(b"server") => Some(header::SERVER),
-        6 if is(b"accept") => Some(header::ACCEPT),
-        6 if is(b"cookie") => Some(header::COOKIE),
-        10 if is(b"user-agent") => Some(header::USER_AGENT),
-        10 if is(b"connection") => Some(header::CONNECTION),
-        12 if is(b"content-type") => Some(header::CONTENT_TYPE),
-        14 if is(b"content-length") => Some(header::CONTENT_LENGTH),
-        15 if is(b"accept-encoding") => Some(header::ACCEPT_ENCODING),
-        _ => None,
-    }
-}
-
-/// `b` equals `lower` (lower-case ASCII letters, digits and `-`) ignoring
-/// ASCII case — `b.eq_ignore_ascii_case(lower)` for any bytes `b`, compared
-/// a word at a time (two overlapping loads for 4–16 bytes) instead of
-/// lower-casing byte by byte: names are compared against the usual ones on
-/// every field of every request and response head.
-///
-/// OR-ing `0x20` into a byte lower-cases a letter and leaves `-` and the
-/// digits alone; the only other bytes it maps onto one of those are
-/// controls (`\r` onto `-`, `0x10..=0x19` onto the digits), the bytes that
-/// have both bit 5 and bit 6 clear — refused by the second test.
-#[inline]
-pub fn name_eq(b: &[u8], lower: &[u8]) -> bool {
-    #[inline(always)]
-    fn word(x: u64, y: u64) -> bool {
-        const LOW: u64 = 0x2020_2020_2020_2020;
-        (x | LOW) == y && (!x & (!x >> 1) & LOW) == 0
-    }
-    let n = lower.len();
-    if b.len() != n {
-        return false;
-    }
-    let w8 = |s: &[u8], at: usize| u64::from_le_bytes(s[at..at + 8].try_into().unwrap_or([0; 8]));
-    let w4 = |s: &[u8], at: usize| {
-        u64::from(u32::from_le_bytes(
-            s[at..at + 4].try_into().unwrap_or([0; 4]),
-        )) | 0x2020_2020_0000_0000
-    };
-    match n {
-        0..=3 => b
-            .iter()
-            .zip(lower)
-            .all(|(&x, &y)| word(u64::from(x) | !0xff, u64::from(y) | !0xff)),
-        4..=7 => word(w4(b, 0), w4(lower, 0)) && word(w4(b, n - 4), w4(lower, n - 4)),
-        8..=16 => word(w8(b, 0), w8(lower, 0)) && word(w8(b, n - 8), w8(lower, n - 8)),
-        _ => {
-            (0..n - 8)
-                .step_by(8)
-                .all(|at| word(w8(b, at), w8(lower, at)))
-                && word(w8(b, n - 8), w8(lower, n - 8))
-        }
-    }
-}
-
-/// A map's values one by one, each with its field's name (`HeaderMap`'s
-/// owning iterators name a field once and give its further values `None`).
-pub fn named(
-    fields: impl Iterator<Item = (Option<HeaderName>, HeaderValue)>,
-) -> impl Iterator<Item = (HeaderName, HeaderValue)> {
-    let mut last: Option<HeaderName> = None;
-    fields.filter_map(move |(n, v)| {
-        if n.is_some() {
-            last = n;
-        }
-        Some((last.clone()?, v))
-    })
-}
-
-/// Maps up to this many values are searched by a scan of their names
-/// (standard names compare as one enum tag) instead of a hashed lookup.
-const SCAN_MAX: usize = 8;
-
-/// The first value of `name` — what `HeaderMap::get` returns. A request
-/// carries a handful of fields, and several are looked up on every request
-/// (Host, Upgrade): a scan is cheaper than hashing the name.
-pub fn first<'h>(headers: &'h HeaderMap, name: &HeaderName) -> Option<&'h HeaderValue> {
-    if headers.len() > SCAN_MAX {
-        return headers.get(name);
-    }
-    headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v)
-}
-
-/// How many values `name` has, and the first (`get_all` counted), by the
-/// same scan as [`first`].
-pub fn count_first<'h>(
-    headers: &'h HeaderMap,
-    name: &HeaderName,
-) -> (usize, Option<&'h HeaderValue>) {
-    if headers.len() > SCAN_MAX {
-        let all = headers.get_all(name);
-        return (all.iter().count(), all.iter().next());
-    }
-    let mut found = headers.iter().filter(|(n, _)| *n == name).map(|(_, v)| v);
-    let first = found.next();
-    (first.map_or(0, |_| 1 + found.count()), first)
-}
 
 /// What the rewrite of a request reads of its fields ([`scan`]).
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -442,46 +327,10 @@ impl<'a> Added<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec::fields::first;
 
     /// The fast names are exactly what `from_bytes` makes, in any case;
     /// anything else goes to `from_bytes`.
-    #[test]
-    fn name_of_is_from_bytes() {
-        let mut names: Vec<Vec<u8>> = [
-            "host",
-            "date",
-            "server",
-            "accept",
-            "cookie",
-            "user-agent",
-            "connection",
-            "content-type",
-            "content-length",
-            "accept-encoding",
-            "hosts",
-            "x-gray",
-            "dat",
-            "content-lengtH",
-            "accept-encodinG",
-            "x_user",
-            "bad name",
-            "",
-            "é",
-        ]
-        .iter()
-        .map(|n| n.as_bytes().to_vec())
-        .collect();
-        let upper: Vec<Vec<u8>> = names.iter().map(|n| n.to_ascii_uppercase()).collect();
-        names.extend(upper);
-        names.push(b"Content-Type".to_vec());
-        names.push(b"hOsT".to_vec());
-        for n in &names {
-            let want = HeaderName::from_bytes(n).ok();
-            assert_eq!(name_of(n).ok(), want, "{:?}", String::from_utf8_lossy(n));
-        }
-    }
-
-    /// The wire-name test answers as the pre-parsed names do, any case.
     #[test]
     fn is_hop_by_hop_matches_the_list() {
         for h in &HOP_BY_HOP {
@@ -508,92 +357,6 @@ mod tests {
     /// `name_eq` is `eq_ignore_ascii_case` against lower-case names, for
     /// any bytes: every length from 0 to 24, each position of each name
     /// replaced by each of the 256 byte values, and random strings.
-    #[test]
-    fn name_eq_is_eq_ignore_ascii_case() {
-        let names: Vec<Vec<u8>> = (0..=24)
-            .map(|n| {
-                (0..n)
-                    .map(|i| b"abcdefghijklmnopqrstuvwxyz-0123456789"[(i * 7 + n) % 37])
-                    .collect()
-            })
-            .chain(
-                HOP_BY_HOP
-                    .iter()
-                    .map(|h| h.as_str().as_bytes().to_vec())
-                    .chain(
-                        ["transfer-encoding", "content-length", "x-12"]
-                            .map(|n| n.as_bytes().to_vec()),
-                    ),
-            )
-            .collect();
-        let mut rng = fastrand::Rng::with_seed(16);
-        for lower in &names {
-            let upper = lower.to_ascii_uppercase();
-            assert!(name_eq(lower, lower) && name_eq(&upper, lower));
-            for at in 0..lower.len() {
-                for b in 0..=255u8 {
-                    let mut x = lower.clone();
-                    x[at] = b;
-                    assert_eq!(
-                        name_eq(&x, lower),
-                        x.eq_ignore_ascii_case(lower),
-                        "{x:?} {lower:?}"
-                    );
-                    let mut x = upper.clone();
-                    x[at] = b;
-                    assert_eq!(
-                        name_eq(&x, lower),
-                        x.eq_ignore_ascii_case(lower),
-                        "{x:?} {lower:?}"
-                    );
-                }
-            }
-            for _ in 0..200 {
-                let len = lower.len().saturating_sub(1) + rng.usize(0..3);
-                let x: Vec<u8> = (0..len).map(|_| rng.u8(..)).collect();
-                assert_eq!(
-                    name_eq(&x, lower),
-                    x.eq_ignore_ascii_case(lower),
-                    "{x:?} {lower:?}"
-                );
-            }
-        }
-    }
-
-    /// The scan answers as the hashed lookups do, on small maps and on
-    /// maps past the scan limit.
-    #[test]
-    fn first_and_count_first_agree_with_get_and_get_all() {
-        for extra in [0usize, 3, SCAN_MAX + 4] {
-            let mut h = HeaderMap::new();
-            for i in 0..extra {
-                h.append(
-                    HeaderName::from_bytes(format!("x-f{i}").as_bytes()).unwrap(),
-                    HeaderValue::from_static("v"),
-                );
-            }
-            h.append(header::HOST, HeaderValue::from_static("a"));
-            h.append("x-custom", HeaderValue::from_static("c"));
-            h.append(header::HOST, HeaderValue::from_static("b"));
-            for name in [
-                header::HOST,
-                HeaderName::from_static("x-custom"),
-                header::UPGRADE,
-            ] {
-                assert_eq!(first(&h, &name), h.get(&name), "{name} with {extra}");
-                let all = h.get_all(&name);
-                assert_eq!(
-                    count_first(&h, &name),
-                    (all.iter().count(), all.iter().next()),
-                    "{name} with {extra}"
-                );
-            }
-        }
-    }
-
-    /// `scan` reads what `first(Host)`, `first(Upgrade)` and
-    /// `strip_hop_by_hop`'s check read, on small and large maps, with each
-    /// hop-by-hop name (any position, repeated values) and none.
     #[test]
     fn scan_agrees_with_first_and_the_hop_by_hop_check() {
         let hop: Vec<Option<HeaderName>> = std::iter::once(None)

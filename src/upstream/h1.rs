@@ -41,7 +41,7 @@ use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 
 use super::body::UpBody;
-use super::fields::{is_hop_by_hop, name_eq, Added};
+use super::fields::{is_hop_by_hop, Added};
 use super::pool::{IdlePool, Opened};
 use super::tls::TlsConnect;
 use super::{BoxError, PooledBody};
@@ -49,8 +49,10 @@ use crate::base::deadline::Deadline;
 use crate::base::error::{Error, ErrorKind};
 use crate::base::stall::Stall;
 use crate::codec::chunked::{self, Chunked, SizeLine, Step};
+use crate::codec::fields::{name_eq, RawLines};
 use crate::codec::framing::{self, BodyFraming, LengthFields};
 use crate::codec::head::{Span, StatusLine};
+use crate::codec::readbuf::Side;
 
 /// Most response header fields parsed (hyper's default too).
 const MAX_HEADERS: usize = 100;
@@ -145,10 +147,10 @@ pub struct Conn {
     read_size: usize,
     /// Field positions of the head being parsed (reused: no allocation).
     spans: Vec<Span>,
-    /// The last response head's fields as sent ([`RawHead`]), until the
+    /// The last response head's fields as sent ([`RawLines`]), until the
     /// caller takes them: kept here, on the boxed connection, so the
     /// response that moves through the layers stays small.
-    raw: Option<RawHead>,
+    raw: Option<RawLines>,
     /// Its place in the opening order ([`super::pool::opening`]): a purge
     /// keeps the oldest.
     opened: u64,
@@ -218,7 +220,9 @@ impl Conn {
     /// no extra `EAGAIN` read is made per response.
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         if self.rbuf.capacity() == 0 {
-            self.rbuf = crate::codec::readbuf::take();
+            if let Some(b) = crate::codec::readbuf::take_kept(Side::Node) {
+                self.rbuf = b;
+            }
         }
         self.rbuf.reserve(self.read_size);
         let room = self.rbuf.capacity() - self.rbuf.len();
@@ -260,7 +264,7 @@ fn checkout(addr: SocketAddr, tls_id: u64, idle_timeout: Duration) -> Option<Box
 fn checkin(addr: SocketAddr, mut conn: Box<Conn>, max_idle: usize) {
     let buf = std::mem::take(&mut conn.rbuf);
     if buf.capacity() > 0 {
-        crate::codec::readbuf::give(buf);
+        crate::codec::readbuf::give(Side::Node, buf);
     }
     match conn.tls_id {
         0 => POOL.with(|p| p.borrow_mut().checkin(addr, conn, max_idle)),
@@ -318,9 +322,8 @@ pub struct Outgoing<'a> {
     pub body: Option<Bytes>,
     /// How a streamed body is framed (`None`: the body is in hand).
     pub streamed: Option<BodyFraming>,
-    /// The caller takes the response head's fields as raw bytes
-    /// ([`RawHead`]) when they allow it (the plain HTTP/1.1 client side).
-    pub raw_ok: bool,
+    /// A plain response head keeps its lines as sent ([`RawLines`]).
+    pub keep_lines: bool,
     /// The request asks for an upgrade: a `101` is its final answer.
     pub upgrade: bool,
 }
@@ -746,7 +749,7 @@ async fn exchange(
 /// there; an error for a broken or too large one.
 fn parsed(conn: &mut Conn, req: &Outgoing<'_>) -> Result<Option<Head>, Failed> {
     if !conn.rbuf.is_empty() {
-        let raw_to = req.raw_ok.then_some(&mut conn.raw);
+        let raw_to = req.keep_lines.then_some(&mut conn.raw);
         if let Some(head) = parse_head(&mut conn.rbuf, &mut conn.spans, raw_to, req.upgrade)? {
             return Ok(Some(head));
         }
@@ -822,12 +825,12 @@ async fn duplex(
 
 /// Parses a final response head off the front of `buf`, skipping interim
 /// `1xx` responses. `Ok(None)`: incomplete.
-/// With `raw_to`, a plain head's fields go there as [`RawHead`] (the
+/// With `raw_to`, a plain head's fields go there as [`RawLines`] (the
 /// head's map is empty then).
 fn parse_head(
     buf: &mut BytesMut,
     spans: &mut Vec<Span>,
-    raw_to: Option<&mut Option<RawHead>>,
+    raw_to: Option<&mut Option<RawLines>>,
     upgrade: bool,
 ) -> Result<Option<Head>, Failed> {
     loop {
@@ -877,7 +880,7 @@ fn parse_head(
         });
         let head = buf.split_to(n).freeze();
         if let Some(to) = raw_to.filter(|_| !switching) {
-            if let Some(raw) = RawHead::of(&head, spans, &meta, status) {
+            if let Some(raw) = raw_lines(&head, spans, &meta, status) {
                 *to = Some(raw);
                 return Ok(Some(Head {
                     status,
@@ -942,7 +945,7 @@ fn fields_map(head: &Bytes, spans: &[Span], meta: &Meta) -> Result<HeaderMap, &'
         if drop_length && name_eq(&head[ns..ne], b"content-length") {
             continue;
         }
-        let name = super::fields::name_of(&head[ns..ne]).map_err(|_| "header name")?;
+        let name = crate::codec::fields::name_of(&head[ns..ne]).map_err(|_| "header name")?;
         let value =
             HeaderValue::from_maybe_shared(head.slice(vs..ve)).map_err(|_| "header value")?;
         headers.append(name, value);
@@ -950,122 +953,46 @@ fn fields_map(head: &Bytes, spans: &[Span], meta: &Meta) -> Result<HeaderMap, &'
     Ok(headers)
 }
 
-/// Most runs of consecutive kept lines a [`RawHead`] holds (a head whose
-/// end-to-end fields are split by more hop-by-hop lines takes the map).
-const RAW_RUNS: usize = 4;
-
-/// A response head's end-to-end fields as the node sent them: runs of
-/// whole `name: value\r\n` lines of its head, hop-by-hop lines left out —
-/// written to an HTTP/1.1 client as they are (names in the node's case, as
-/// nginx passes them), instead of a `HeaderMap` built and encoded again.
-/// Only for a plain head: every kept line exactly `name: value` + CRLF, no
-/// `Connection` naming other fields, at most one Content-Length and none
-/// beside a Transfer-Encoding, a status with a body; anything else takes
-/// the map ([`RawHead::to_map`] gives the same map on the way back).
-#[derive(Clone, Debug)]
-pub struct RawHead {
-    head: Bytes,
-    runs: [(u32, u32); RAW_RUNS],
-    n: u8,
-    /// The Content-Length field's value, if one is among the lines.
-    pub length: Option<u64>,
-    /// A Date field is among the lines.
-    pub has_date: bool,
-}
-
-impl RawHead {
-    fn of(head: &Bytes, spans: &[Span], meta: &Meta, status: StatusCode) -> Option<RawHead> {
-        if meta.length_error.is_some()
-            || (meta.chunked.is_some() && meta.saw_length)
-            || status == StatusCode::NO_CONTENT
-            || status == StatusCode::NOT_MODIFIED
+/// The node's plain head's end-to-end lines as it sent them
+/// ([`RawLines`]: written to an HTTP/1.1 client as they are); `None` when
+/// the head is not plain — a line not exactly `name: value` + CRLF, a
+/// `Connection` field (it may name other fields), more than one
+/// Content-Length or one beside a Transfer-Encoding, a status without a
+/// body, more runs than kept — and takes the map.
+fn raw_lines(head: &Bytes, spans: &[Span], meta: &Meta, status: StatusCode) -> Option<RawLines> {
+    if meta.length_error.is_some()
+        || (meta.chunked.is_some() && meta.saw_length)
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+    {
+        return None;
+    }
+    let mut raw = RawLines::new(head.clone());
+    let mut lengths = 0;
+    for &(ns, ne, vs, ve) in spans {
+        let name = &head[ns as usize..ne as usize];
+        // Exactly `name: value\r\n` (the encoding the map would give).
+        if vs != ne + 2
+            || head.get(ne as usize..vs as usize) != Some(b": ")
+            || head.get(ve as usize..ve as usize + 2) != Some(b"\r\n")
         {
             return None;
         }
-        let mut raw = RawHead {
-            head: head.clone(),
-            runs: [(0, 0); RAW_RUNS],
-            n: 0,
-            length: None,
-            has_date: false,
-        };
-        let mut lengths = 0;
-        for &(ns, ne, vs, ve) in spans {
-            let name = &head[ns as usize..ne as usize];
-            // Exactly `name: value\r\n` (the encoding the map would give).
-            if vs != ne + 2
-                || head.get(ne as usize..vs as usize) != Some(b": ")
-                || head.get(ve as usize..ve as usize + 2) != Some(b"\r\n")
-            {
-                return None;
+        match name.len() {
+            10 if name_eq(name, b"connection") => return None,
+            4 if name_eq(name, b"date") => raw.has_date = true,
+            12 if name_eq(name, b"content-type") => raw.content_type_at(vs, ve),
+            14 if name_eq(name, b"content-length") => {
+                lengths += 1;
+                raw.length = meta.length;
             }
-            match name.len() {
-                10 if name_eq(name, b"connection") => return None,
-                4 if name_eq(name, b"date") => raw.has_date = true,
-                14 if name_eq(name, b"content-length") => {
-                    lengths += 1;
-                    raw.length = meta.length;
-                }
-                _ => {}
-            }
-            let end = ve + 2;
-            match raw.n {
-                0 => {}
-                k if raw.runs[k as usize - 1].1 == ns => {
-                    raw.runs[k as usize - 1].1 = end;
-                    continue;
-                }
-                k if k as usize == RAW_RUNS => return None,
-                _ => {}
-            }
-            raw.runs[raw.n as usize] = (ns, end);
-            raw.n += 1;
+            _ => {}
         }
-        (lengths <= 1).then_some(raw)
-    }
-
-    /// The field lines, in order (each run ends with CRLF).
-    pub fn runs(&self) -> impl Iterator<Item = &[u8]> {
-        self.runs[..self.n as usize]
-            .iter()
-            .map(|&(s, e)| &self.head[s as usize..e as usize])
-    }
-
-    /// Puts these fields into `headers` before those it holds (which a
-    /// later stage added: after the node's fields, as on a map all along).
-    pub fn prepend_to(&self, headers: &mut HeaderMap) {
-        let added = std::mem::replace(headers, self.to_map());
-        for (n, v) in super::fields::named(added.into_iter()) {
-            headers.append(n, v);
+        if !raw.push(ns, ve + 2) {
+            return None;
         }
     }
-
-    /// The same fields as a map (what the head would have been without
-    /// the pass-through), in order.
-    pub fn to_map(&self) -> HeaderMap {
-        let mut h = HeaderMap::with_capacity(8);
-        for &(start, end) in &self.runs[..self.n as usize] {
-            let (mut at, end) = (start as usize, end as usize);
-            // Each line is `name: value\r\n` (checked when the head was
-            // taken); httparse checked the name's and value's bytes.
-            while at < end {
-                let line = &self.head[at..end];
-                let colon = line.iter().position(|&b| b == b':').unwrap_or(0);
-                let eol = line
-                    .iter()
-                    .position(|&b| b == b'\n')
-                    .map_or(line.len(), |i| i + 1);
-                if let (Ok(n), Ok(v)) = (
-                    super::fields::name_of(&line[..colon]),
-                    HeaderValue::from_maybe_shared(self.head.slice(at + colon + 2..at + eol - 2)),
-                ) {
-                    h.append(n, v);
-                }
-                at += eol;
-            }
-        }
-        h
-    }
+    (lengths <= 1).then_some(raw)
 }
 
 /// What the hop-by-hop and length fields of a response head say.
@@ -1360,10 +1287,10 @@ impl RawBody {
             }
         }
     }
-    /// The response head's fields as the node sent them, when the request
-    /// allowed it and the head was plain ([`RawHead`]); the response's map
-    /// is empty then.
-    pub fn take_raw_head(&mut self) -> Option<RawHead> {
+    /// The response head's lines as the node sent them, when the request
+    /// asked for them and the head was plain ([`RawLines`]; the response's
+    /// map holds none of them).
+    pub fn take_lines(&mut self) -> Option<RawLines> {
         self.conn.as_mut()?.raw.take()
     }
 
@@ -1563,7 +1490,7 @@ mod tests {
         let stream = TcpStream::connect(addr).await.unwrap();
         let (mut peer, _) = listener.accept().await.unwrap();
         use crate::codec::readbuf;
-        let kept = readbuf::kept;
+        let kept = || readbuf::kept(Side::Node);
         let mut conn = Box::new(Conn::new(Stream::Plain(stream), 0));
         peer.write_all(b"x").await.unwrap();
         let n = std::future::poll_fn(|cx| conn.poll_fill(cx)).await.unwrap();
@@ -1613,7 +1540,7 @@ mod tests {
                 added: &added,
                 body,
                 streamed,
-                raw_ok: false,
+                keep_lines: false,
                 upgrade: false,
             };
             let mut w = Vec::new();

@@ -16,7 +16,7 @@
 pub mod body;
 pub mod fields;
 mod h1;
-pub use h1::RawHead;
+
 pub use h1::{decode_response, Decoded};
 mod h2;
 mod pool;
@@ -36,6 +36,7 @@ pub use crate::base::body::BoxError;
 use crate::base::deadline::{self, Deadline};
 use crate::base::error::{Error, ErrorKind};
 use crate::base::stall::Stall;
+use crate::codec::fields::RawLines;
 use crate::config::UpstreamConfig;
 use crate::observe::metrics::NodeTracker;
 use body::UpBody;
@@ -72,10 +73,12 @@ pub struct OutHead<'a> {
     /// When the attempt began, if the caller has read the clock already
     /// (the response timeout runs from then: one clock read fewer).
     pub start: Option<std::time::Instant>,
-    /// The caller takes a plain HTTP/1.1 response head's fields as
-    /// [`RawHead`] ([`PooledBody::take_raw_head`]; the response's map is
-    /// empty then).
-    pub raw_ok: bool,
+    /// A plain HTTP/1.1 response head keeps its lines as sent
+    /// ([`RawLines`], taken with [`PooledBody::take_lines`]: the response's
+    /// map holds the rest of the head, none of those lines); the proxy
+    /// makes them its `codec::fields::Fields`. (Health checks read the
+    /// status only.)
+    pub keep_lines: bool,
     /// The request asks for an upgrade (`Upgrade` kept in `headers`): a
     /// `101` answer hands the connection over ([`take_upgrade`]).
     pub upgrade: bool,
@@ -242,7 +245,7 @@ impl Upstream {
             added: head.added,
             body,
             streamed: sending.as_ref().map(|s| s.framing()),
-            raw_ok: head.raw_ok,
+            keep_lines: head.keep_lines,
             upgrade: head.upgrade,
         };
         let addr = peer.addr;
@@ -301,11 +304,11 @@ pub enum PooledBody {
 }
 
 impl PooledBody {
-    /// The response head's fields as the node sent them, if they came so
-    /// ([`OutHead::raw_ok`]).
-    pub fn take_raw_head(&mut self) -> Option<RawHead> {
+    /// The response head's lines as the node sent them, if kept so
+    /// ([`OutHead::keep_lines`]).
+    pub fn take_lines(&mut self) -> Option<RawLines> {
         match self {
-            PooledBody::Raw(b, _) => b.take_raw_head(),
+            PooledBody::Raw(b, _) => b.take_lines(),
             PooledBody::H2(..) => None,
         }
     }

@@ -646,6 +646,10 @@ fn passthrough_answer(path: &str) -> Vec<u8> {
         "/hop" => format!(
             "HTTP/1.1 200 OK\r\nX-A: 1\r\nKeep-Alive: timeout=5\r\nX-B: 2\r\n{DATE}Proxy-Authenticate: Basic\r\nTrailer: X-T\r\nContent-Length: 2\r\n\r\n"
         ),
+        // The gateway's lane response header, sent by the node too.
+        "/lane" => format!(
+            "HTTP/1.1 200 OK\r\nX-A: 1\r\nX-Gray-Lane: node\r\n{DATE}Content-Length: 2\r\n\r\n"
+        ),
         // Five runs: more than the pass-through holds → the map.
         "/runs" => format!(
             "HTTP/1.1 200 OK\r\nX-A: 1\r\nKeep-Alive: a\r\nX-B: 2\r\nKeep-Alive: b\r\nX-C: 3\r\nKeep-Alive: c\r\nX-D: 4\r\nKeep-Alive: d\r\n{DATE}Content-Length: 2\r\n\r\n"
@@ -917,16 +921,60 @@ async fn unusual_heads_take_the_map_as_before() {
     );
 }
 
+/// The lane response header goes after the node's lines, which stay as
+/// the node sent them; a node's own field of that name is replaced, and its
+/// head then takes the map (in its order).
 #[tokio::test]
-async fn a_lane_response_header_takes_the_map() {
+async fn a_lane_response_header_follows_the_nodes_lines_or_replaces_its_field() {
     let wire = Wire::start(passthrough_wire).await;
     let s = setup_extra(wire.addr, "lane_response_header: X-Gray-Lane\n");
     let mut sock = TcpStream::connect(s.gw.addr).await.unwrap();
-    let date = DATE.replacen("Date", "date", 1);
     let r = exchange(&mut sock, &get("/hop"), false).await;
     assert_eq!(
         r.head,
-        format!("HTTP/1.1 200 OK\r\nx-a: 1\r\nx-b: 2\r\n{date}content-length: 2\r\nx-gray-lane: formal\r\n\r\n")
+        format!("HTTP/1.1 200 OK\r\nX-A: 1\r\nX-B: 2\r\n{DATE}Content-Length: 2\r\nx-gray-lane: formal\r\n\r\n")
     );
     assert_eq!(r.body, b"ok");
+    let date = DATE.replacen("Date", "date", 1);
+    let r = exchange(&mut sock, &get("/lane"), false).await;
+    assert_eq!(
+        r.head,
+        format!(
+            "HTTP/1.1 200 OK\r\nx-a: 1\r\nx-gray-lane: formal\r\n{date}content-length: 2\r\n\r\n"
+        )
+    );
+    assert_eq!(r.body, b"ok");
+}
+
+/// A gRPC-Web answer from an HTTP/1.1 node whose plain head goes out as
+/// sent is still read as gRPC: its trailers-only `grpc-status` 14 is a
+/// counted error (recorded as 503), its lines reach the client as the node
+/// sent them. (When the node's lines went out raw, the response's map was
+/// empty and the answer was recorded as a plain 200.)
+#[tokio::test]
+async fn a_grpc_web_answer_kept_as_sent_is_still_read_as_grpc() {
+    let wire = Wire::start(|_| {
+        (
+            format!("HTTP/1.1 200 OK\r\nContent-Type: application/grpc-web+proto\r\nGrpc-Status: 14\r\n{DATE}Content-Length: 2\r\n\r\nok").into_bytes(),
+            false,
+        )
+    })
+    .await;
+    let s = setup_extra(
+        wire.addr,
+        "access_log: { path: access.log, format: json }\n",
+    );
+    let mut sock = TcpStream::connect(s.gw.addr).await.unwrap();
+    let r = exchange(&mut sock, &get("/grpc.web/Call"), false).await;
+    assert_eq!(
+        r.head,
+        format!("HTTP/1.1 200 OK\r\nContent-Type: application/grpc-web+proto\r\nGrpc-Status: 14\r\n{DATE}Content-Length: 2\r\n\r\n")
+    );
+    soon("the answer recorded as gRPC UNAVAILABLE", || async {
+        s._fx
+            .json_lines("access.log")
+            .iter()
+            .any(|l| (&l["status"], &l["sent_status"]) == (&503.into(), &200.into()))
+    })
+    .await;
 }
