@@ -7,7 +7,7 @@
 //! nginx passes them); what the gateway sets goes after them; and every
 //! reader and editor goes through `Fields`' accessors, so no code sees a
 //! map that lacks the node's fields. Taking the lines into a map
-//! ([`Fields::map_mut`], [`Fields::into_map`]) keeps their order.
+//! ([`Fields::into_map`], an edit of one of them) keeps their order.
 
 use std::cell::RefCell;
 
@@ -237,24 +237,10 @@ impl RawLines {
         if name == header::CONTENT_TYPE {
             return self.content_type();
         }
-        // A line is `name: value\r\n`: `want` and a colon at its length.
         let want = name.as_str().as_bytes();
-        let n = want.len();
-        for run in self.runs() {
-            let mut rest = run;
-            while !rest.is_empty() {
-                let eol = rest
-                    .iter()
-                    .position(|&b| b == b'\n')
-                    .map_or(rest.len(), |i| i + 1);
-                let line = &rest[..eol];
-                if line.get(n) == Some(&b':') && name_eq(&line[..n], want) {
-                    return Some(&line[n + 2..eol - 2]);
-                }
-                rest = &rest[eol..];
-            }
-        }
-        None
+        self.lines()
+            .find(|(n, _)| name_eq(n, want))
+            .map(|(_, v)| &self.head[v])
     }
 
     /// The Content-Type value, as noted by the builder.
@@ -385,11 +371,6 @@ impl Fields {
         }
     }
 
-    /// Has it a field `name`?
-    pub fn contains(&self, name: &HeaderName) -> bool {
-        self.get(name).is_some()
-    }
-
     /// Sets `name` to `value` alone (its other values go).
     pub fn insert(&mut self, name: HeaderName, value: HeaderValue) {
         if self.raw.as_ref().is_some_and(|r| r.get(&name).is_some()) {
@@ -401,13 +382,6 @@ impl Fields {
     /// Adds a value of `name` after every field there is.
     pub fn append(&mut self, name: HeaderName, value: HeaderValue) {
         self.map.append(name, value);
-    }
-
-    /// Every field in a map, in order, for an edit the methods above do not
-    /// make.
-    pub fn map_mut(&mut self) -> &mut HeaderMap {
-        self.take_lines_in();
-        &mut self.map
     }
 
     /// Every field as a map, in order (the HTTP/2 side's head).
@@ -600,7 +574,7 @@ mod tests {
         let mut f = Fields::from(raw);
         assert_eq!(f.get(&header::CONTENT_TYPE), Some(&b"text/plain"[..]));
         assert_eq!(f.get(&HeaderName::from_static("x-a")), Some(&b"1"[..]));
-        assert!(!f.contains(&header::CONNECTION));
+        assert!(f.get(&header::CONNECTION).is_none());
         f.append(header::SET_COOKIE, HeaderValue::from_static("s=1"));
         f.insert(
             HeaderName::from_static("x-lane"),

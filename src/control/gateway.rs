@@ -146,6 +146,16 @@ impl Gateway {
         self.plane.current()
     }
 
+    /// Why the last reload was rejected ("" if it was not).
+    pub fn last_reload_error(&self) -> String {
+        self.status
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .last_reload_error
+            .clone()
+            .unwrap_or_default()
+    }
+
     /// Starts, restarts and stops active probes to match `gen`.
     pub fn sync_health(&self, gen: &Generation) {
         self.plane

@@ -503,7 +503,8 @@ fn respond(
     tracker: NodeTracker,
 ) -> Result<Answer<Body>, Error> {
     tracker.count_status(resp.status());
-    if upgrade_requested && resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+    let switched = upgrade_requested && resp.status() == StatusCode::SWITCHING_PROTOCOLS;
+    if switched {
         let Some(client_up) = client_upgrade else {
             tracker.count_status(StatusCode::BAD_GATEWAY);
             return Err(ErrorKind::UpgradeUnavailable.into());
@@ -524,19 +525,13 @@ fn respond(
             };
             let _ = tokio::io::copy_bidirectional(&mut c, &mut u).await;
         });
-        let (head, body) = resp.into_parts();
-        return Ok(Answer {
-            status: head.status,
-            fields: Fields::from(head.headers),
-            extensions: head.extensions,
-            body: boxed(body.tracked(tracker)),
-        });
     }
     let (mut head, mut body) = resp.into_parts();
     // The node's plain head: its lines as it sent them (hop-by-hop lines
-    // left out already); else the map.
+    // left out already); else the map — whole for a 101, whose Upgrade and
+    // Connection say what was agreed.
     let raw = body.take_lines();
-    if raw.is_none() {
+    if raw.is_none() && !switched {
         strip_hop_by_hop(&mut head.headers);
     }
     // One box for the upstream body and the node's in-flight marker.

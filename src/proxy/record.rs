@@ -126,13 +126,7 @@ pub struct Recorded {
 
 /// The response head's last touches (the lane response header), and the
 /// body that will record the request at its end.
-pub fn respond(mut pending: Box<Pending>, resp: Answer<Body>) -> Answer<Recorded> {
-    let Answer {
-        status,
-        mut fields,
-        extensions,
-        body: inner,
-    } = resp;
+pub fn respond(mut pending: Box<Pending>, mut resp: Answer<Body>) -> Answer<Recorded> {
     let p = &mut *pending;
     if let Some(h) = &p.gen.config.lane_response_header {
         let lane = p
@@ -141,33 +135,29 @@ pub fn respond(mut pending: Box<Pending>, resp: Answer<Body>) -> Answer<Recorded
             .as_ref()
             .map(|d| HeaderValue::from_str(&d.lane));
         if let Some(Ok(v)) = lane {
-            fields.insert(h.0.clone(), v);
+            resp.fields.insert(h.0.clone(), v);
         }
     }
-    p.status = status.as_u16();
+    p.status = resp.status.as_u16();
     p.sent = p.status;
     // Only a node's answer (the gateway's own errors are recorded by their
     // HTTP status).
+    let content_type = resp.fields.content_type();
     p.grpc = match &p.ctx.verdict {
-        Some(v) if status == StatusCode::OK && grpc::is_grpc_type(fields.content_type()) => {
+        Some(v) if resp.status == StatusCode::OK && grpc::is_grpc_type(content_type) => {
             Some(GrpcAnswer {
                 counted: v.grpc_error_codes,
-                status: grpc::status_value(fields.get(&grpc::GRPC_STATUS)),
-                web: grpc::is_grpc_web_type(fields.content_type()),
+                status: grpc::status_value(resp.fields.get(&grpc::GRPC_STATUS)),
+                web: grpc::is_grpc_web_type(content_type),
             })
         }
         _ => None,
     };
-    Answer {
-        status,
-        fields,
-        extensions,
-        body: Recorded {
-            inner,
-            pending: Some(pending),
-            ended: false,
-        },
-    }
+    resp.map_body(|inner| Recorded {
+        inner,
+        pending: Some(pending),
+        ended: false,
+    })
 }
 
 impl Recorded {

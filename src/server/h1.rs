@@ -65,8 +65,7 @@ use crate::base::ratelog::log_limited;
 use crate::base::upgrade::{ClientUpgrade, Tunnel};
 use crate::base::Https;
 use crate::codec::body::{BodyDecoder, Piece};
-use crate::codec::fields::name_eq;
-use crate::codec::fields::RawLines;
+use crate::codec::fields::{name_eq, RawLines};
 use crate::codec::framing::{self, content_length, RequestBody as Framed};
 use crate::codec::head::{httparse_spans, span_in, RequestLine, Span};
 use crate::codec::readbuf::{self, Side, READ_BUF};
@@ -559,10 +558,9 @@ impl<W: Wire> Conn<W> {
             true,
             InBox::new(|| proxy::handle_with(plane, self.peer, req.map(|()| body))),
         );
-        let Some(Ok(resp)) = handled.await else {
+        let Some(Ok(mut resp)) = handled.await else {
             return Next::Close;
         };
-        let mut resp = resp;
         let status = resp.status;
         // A body still unread when the answer is ready: the connection
         // cannot be reused (nothing tells where the next request starts

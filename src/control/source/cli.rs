@@ -93,6 +93,19 @@ pub struct NacosArgs {
 }
 
 impl NacosArgs {
+    /// [`NacosArgs::place`] for `push`/`pull`: the place, or the exit (a
+    /// message printed).
+    fn place_or_exit(&self) -> Result<nacos_config::Place, ExitCode> {
+        match self.place() {
+            Some(Ok(p)) => Ok(p),
+            Some(Err(e)) => {
+                eprintln!("{e}");
+                Err(ExitCode::FAILURE)
+            }
+            None => Err(ExitCode::FAILURE),
+        }
+    }
+
     /// The place the arguments name, or the message to print.
     fn place(&self) -> Option<Result<nacos_config::Place, String>> {
         let server_addr = self.nacos.clone()?;
@@ -303,13 +316,9 @@ impl Register {
 
 /// `push --nacos`: what `--check` accepts, published to Nacos config.
 fn nacos_push(rt: &tokio::runtime::Runtime, config: &std::path::Path, n: &NacosArgs) -> ExitCode {
-    let place = match n.place() {
-        Some(Ok(p)) => p,
-        Some(Err(e)) => {
-            eprintln!("{e}");
-            return ExitCode::FAILURE;
-        }
-        None => return ExitCode::FAILURE,
+    let place = match n.place_or_exit() {
+        Ok(p) => p,
+        Err(code) => return code,
     };
     let docs = match etcd::documents_of_files(config) {
         Ok(d) => d,
@@ -340,13 +349,9 @@ fn nacos_push(rt: &tokio::runtime::Runtime, config: &std::path::Path, n: &NacosA
 
 /// `pull --nacos`: the documents in Nacos config written back to files.
 fn nacos_pull(rt: &tokio::runtime::Runtime, dir: &std::path::Path, n: &NacosArgs) -> ExitCode {
-    let place = match n.place() {
-        Some(Ok(p)) => p,
-        Some(Err(e)) => {
-            eprintln!("{e}");
-            return ExitCode::FAILURE;
-        }
-        None => return ExitCode::FAILURE,
+    let place = match n.place_or_exit() {
+        Ok(p) => p,
+        Err(code) => return code,
     };
     match rt.block_on(nacos_config::pull(&place, dir)) {
         Ok((files, broken)) => {

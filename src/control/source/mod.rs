@@ -356,3 +356,19 @@ fn node_document_of<T>(
         "no service {service:?} in any node document ({elsewhere})"
     )))
 }
+
+/// Writes `value` as JSON to `path` atomically (its directory made, then
+/// a temp file, fsync, rename): a store's last-known-good snapshot. A
+/// failure is logged and the gateway serves on.
+pub(crate) fn save_snapshot(path: &Path, value: &impl serde::Serialize) {
+    let res = (|| -> std::io::Result<()> {
+        if let Some(d) = path.parent() {
+            std::fs::create_dir_all(d)?;
+        }
+        let text = serde_json::to_string(value).map_err(std::io::Error::other)?;
+        node_edit::write_atomic(path, &text)
+    })();
+    if let Err(e) = res {
+        tracing::warn!(file = %path.display(), error = %e, "cannot write the snapshot cache");
+    }
+}

@@ -155,16 +155,7 @@ impl Snapshot {
 
     /// Writes it atomically; a failure is logged, the gateway serves on.
     fn save(&self, path: &Path) {
-        let res = (|| -> std::io::Result<()> {
-            if let Some(d) = path.parent() {
-                std::fs::create_dir_all(d)?;
-            }
-            let text = serde_json::to_string(self).map_err(std::io::Error::other)?;
-            crate::control::node_edit::write_atomic(path, &text)
-        })();
-        if let Err(e) = res {
-            tracing::warn!(file = %path.display(), error = %e, "cannot write the discovery snapshot");
-        }
+        crate::control::source::save_snapshot(path, self);
     }
 }
 

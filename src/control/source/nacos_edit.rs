@@ -115,13 +115,7 @@ impl NacosConfigSource {
                 return Ok(gw.current().id);
             }
             if self.latest_has(id, new) && self.rejected(gw) > rejected_before {
-                let e = gw
-                    .status
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .last_reload_error
-                    .clone()
-                    .unwrap_or_default();
+                let e = gw.last_reload_error();
                 return Err(EditError::Conflict(format!(
                     "published to data id {id}, but the build was rejected: {e}"
                 )));

@@ -111,13 +111,7 @@ impl EtcdSource {
                 return Ok(gw.current().id);
             }
             if self.seen.load(Ordering::Acquire) >= rev {
-                let e = gw
-                    .status
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .last_reload_error
-                    .clone()
-                    .unwrap_or_default();
+                let e = gw.last_reload_error();
                 return Err(format!(
                     "written to {key} at revision {rev}, but the build was rejected: {e}"
                 ));
