@@ -965,6 +965,31 @@ mod tests {
         assert!(service(&nacos, &disc, "nobody").0.nodes.is_empty());
     }
 
+    /// A service's own `formal_values`, `health`, `strict` and `retries`
+    /// reach its node set; another service keeps the defaults.
+    #[test]
+    fn per_service_settings_reach_their_service_only() {
+        let nacos: NacosConfig = serde_yaml::from_str(
+            "server_addr: 127.0.0.1:1\ndiscovery:\n  services:\n    pay:\n      formal_values: [v2]\n      health: { passive: { max_fails: 7 } }\n      strict: true\n      retries: 0\n",
+        )
+        .unwrap();
+        let disc = nacos.discovery.clone().unwrap();
+        for svc in ["pay", "cart"] {
+            let list = vec![inst("10.0.2.1", 80, 1.0, &[("version", "v2")])];
+            DIRECTORY.record(&Key::new(&nacos, &disc, svc), list, true);
+        }
+        let (pay, _) = service(&nacos, &disc, "pay");
+        assert_eq!(pay.nodes[0].lane, "formal");
+        assert_eq!(pay.health.passive.max_fails, 7);
+        assert!(pay.strict);
+        assert_eq!(pay.retries, Some(0));
+        let (cart, _) = service(&nacos, &disc, "cart");
+        assert_eq!(cart.nodes[0].lane, "v2");
+        assert_eq!(cart.health, crate::config::HealthConfig::default());
+        assert!(!cart.strict);
+        assert_eq!(cart.retries, None);
+    }
+
     /// A per-service `lane_key` replaces the discovery-wide one for that
     /// service only.
     #[test]
