@@ -44,7 +44,7 @@ thread_local! {
 }
 
 /// The thread's pool of `side`.
-#[inline]
+#[inline(always)]
 fn pool<R>(side: Side, f: impl FnOnce(&mut FreeList<BytesMut>) -> R) -> R {
     match side {
         Side::Client => CLIENT.with(|p| f(&mut p.borrow_mut())),
@@ -53,13 +53,13 @@ fn pool<R>(side: Side, f: impl FnOnce(&mut FreeList<BytesMut>) -> R) -> R {
 }
 
 /// A kept buffer of `side`, if the thread has one.
-#[inline]
+#[inline(always)]
 pub fn take_kept(side: Side) -> Option<BytesMut> {
     pool(side, FreeList::take)
 }
 
 /// A buffer from the thread's pool of `side` (or a new one of [`READ_BUF`]).
-#[inline]
+#[inline(always)]
 pub fn take(side: Side) -> BytesMut {
     take_kept(side).unwrap_or_else(|| BytesMut::with_capacity(READ_BUF))
 }
@@ -67,7 +67,7 @@ pub fn take(side: Side) -> BytesMut {
 /// Gives `b` back to the thread's pool of `side`: a client buffer emptied
 /// (one grown past 16 KiB is freed instead); a node buffer as it is (its
 /// connection read it to the end).
-#[inline]
+#[inline(always)]
 pub fn give(side: Side, mut b: BytesMut) {
     if side == Side::Client {
         b.clear();

@@ -9,6 +9,7 @@
 //! (`bench/instructions.py`, docs: benchmarks → instructions per request);
 //! a burst's slots go back on the accept loop's tick ([`trim`]).
 
+use std::any::{Any, TypeId};
 use std::cell::RefCell;
 use std::future::Future;
 use std::pin::Pin;
@@ -28,14 +29,14 @@ use crate::base::freelist::FreeList;
 const SLOTS_MAX: usize = 1024;
 
 thread_local! {
-    static SLOTS: RefCell<Vec<Box<dyn Slots>>> = const { RefCell::new(Vec::new()) };
+    static SLOTS: RefCell<Vec<(TypeId, Box<dyn Slots>)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// One future type's kept slots.
 type Free<F> = FreeList<Pin<Box<Option<F>>>>;
 
 /// A free list of any future type (for [`trim_kept`]).
-trait Slots: std::any::Any {
+trait Slots: Any {
     /// Frees the slots not handed out since the last trim; how many.
     fn trim(&mut self) -> usize;
 }
@@ -47,22 +48,22 @@ impl<F: 'static> Slots for Free<F> {
 }
 
 /// Runs `f` on the thread's free list for futures of type `F` (made empty
-/// the first time).
+/// the first time). A list is found by its type's id, kept beside it (a
+/// compare of constants, not a call through each list's vtable).
+#[inline]
 fn with_free<F: 'static, R>(f: impl FnOnce(&mut Free<F>) -> R) -> Option<R> {
+    let id = TypeId::of::<Free<F>>();
     SLOTS
         .try_with(|s| {
             let mut s = s.borrow_mut();
-            let at = match s
-                .iter()
-                .position(|l| (&**l as &dyn std::any::Any).is::<Free<F>>())
-            {
+            let at = match s.iter().position(|(t, _)| *t == id) {
                 Some(at) => at,
                 None => {
-                    s.push(Box::new(Free::<F>::new(SLOTS_MAX)));
+                    s.push((id, Box::new(Free::<F>::new(SLOTS_MAX))));
                     s.len() - 1
                 }
             };
-            let list = (&mut *s[at] as &mut dyn std::any::Any).downcast_mut::<Free<F>>()?;
+            let list = (&mut *s[at].1 as &mut dyn Any).downcast_mut::<Free<F>>()?;
             Some(f(list))
         })
         .ok()
@@ -85,7 +86,7 @@ fn keep_slot<F: 'static>(slot: Pin<Box<Option<F>>>) {
 /// call; how many were freed.
 pub(super) fn trim() -> usize {
     SLOTS
-        .try_with(|s| s.borrow_mut().iter_mut().map(|l| l.trim()).sum())
+        .try_with(|s| s.borrow_mut().iter_mut().map(|(_, l)| l.trim()).sum())
         .unwrap_or(0)
 }
 

@@ -61,30 +61,37 @@ pub(super) trait Wire: Send + Sync + Sized + 'static {
 }
 
 impl Wire for TcpStream {
+    #[inline]
     fn poll_read_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         TcpStream::poll_read_ready(self, cx)
     }
 
+    #[inline]
     fn try_read_buf(&self, buf: &mut BytesMut) -> io::Result<usize> {
         TcpStream::try_read_buf(self, buf)
     }
 
+    #[inline]
     fn poll_write_ready(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         TcpStream::poll_write_ready(self, cx)
     }
 
+    #[inline]
     fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
         TcpStream::try_write(self, buf)
     }
 
+    #[inline]
     fn try_write_vectored(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         TcpStream::try_write_vectored(self, bufs)
     }
 
+    #[inline]
     fn poll_flush(&self, _: &mut Context<'_>) -> Poll<io::Result<()>> {
         Poll::Ready(Ok(()))
     }
 
+    #[inline]
     fn poll_gone(&self, cx: &mut Context<'_>) -> Poll<bool> {
         let mut one = [0u8; 1];
         let mut peek = ReadBuf::new(&mut one);
@@ -101,16 +108,19 @@ impl Wire for TcpStream {
     /// because nothing between that read and this call (same poll, one
     /// thread per runtime) lets the I/O driver record a newer event, and
     /// tokio keeps a seen close (`READ_CLOSED`) through a clear.
+    #[inline]
     fn forget_readable(&self) {
         let _ = self.try_io(tokio::io::Interest::READABLE, || {
             Err::<(), _>(io::ErrorKind::WouldBlock.into())
         });
     }
 
+    #[inline]
     fn tcp(&self) -> Option<&TcpStream> {
         Some(self)
     }
 
+    #[inline]
     fn into_tunnel(self, pre: Bytes) -> Tunnel {
         Box::new(Rewind { pre, inner: self })
     }
