@@ -7,7 +7,9 @@
 //! nginx passes them); what the gateway sets goes after them; and every
 //! reader and editor goes through `Fields`' accessors, so no code sees a
 //! map that lacks the node's fields. Taking the lines into a map
-//! ([`Fields::into_map`], an edit of one of them) keeps their order.
+//! ([`Fields::into_map`], an edit of one of them) keeps their order. The
+//! other way, a client's request head as received ([`SentHead`]) lets the
+//! node side write the fields passed on unchanged as their lines came.
 
 use std::cell::RefCell;
 
@@ -275,6 +277,53 @@ const SLOTS_MAX: usize = 1024;
 
 thread_local! {
     static SLOTS: RefCell<FreeList<Box<RawLines>>> = const { RefCell::new(FreeList::new(SLOTS_MAX)) };
+}
+
+/// A client's HTTP/1.1 request head as it was received. The request's
+/// field values are slices of it, so a field the gateway passes on
+/// unchanged is found again by its value, and its line goes to the node as
+/// the client sent it: the name in the client's case (as nginx passes
+/// request fields), the unchanged lines next to each other copied at once.
+/// A field the gateway set, changed or copied under another name is not
+/// one of its lines and is written from the map.
+#[derive(Debug, Clone)]
+pub struct SentHead(Bytes);
+
+impl SentHead {
+    pub fn new(head: Bytes) -> SentHead {
+        SentHead(head)
+    }
+
+    /// Where `name: value` CRLF sits in the head (through its CRLF) when
+    /// `value` is the one the client sent in a line of exactly that form
+    /// for the field `name` (any case); `None` otherwise.
+    #[inline(always)]
+    pub fn line(&self, name: &HeaderName, value: &HeaderValue) -> Option<(usize, usize)> {
+        let head = &self.0[..];
+        let v = value.as_bytes();
+        // A slice of the head, found by address (no byte is read
+        // outside it).
+        let vs = (v.as_ptr() as usize).checked_sub(head.as_ptr() as usize)?;
+        let ve = vs + v.len();
+        let name = name.as_str().as_bytes();
+        let ns = vs.checked_sub(name.len() + 2)?;
+        let before = head.get(ns.checked_sub(1)?..vs)?;
+        let (lf, sent_name, colon) = (
+            before[0],
+            &before[1..=name.len()],
+            &before[name.len() + 1..],
+        );
+        (lf == b'\n'
+            && colon == b": "
+            && head.get(ve..ve + 2) == Some(&b"\r\n"[..])
+            && name_eq(sent_name, name))
+        .then_some((ns, ve + 2))
+    }
+
+    /// The head's bytes from `start` to `end` (ranges from [`Self::line`]).
+    pub fn get(&self, (start, end): (usize, usize)) -> &[u8] {
+        &self.0[start..end]
+    }
 }
 
 /// [`RawLines`] in a kept heap slot; the slot goes back to the thread's
@@ -637,5 +686,49 @@ mod tests {
         }
         assert!(raw.push(35, 38), "joined to the last run");
         assert!(!raw.push(50, 55));
+    }
+
+    /// A sent line is found by its value only for its own field, in the
+    /// exact `name: value` CRLF form (an empty value too); a value of
+    /// another head and an equal value made elsewhere are not lines.
+    #[test]
+    fn a_sent_line_is_found_by_its_own_value_only() {
+        let head =
+            Bytes::from_static(b"GET / HTTP/1.1\r\nX-Id: 7\r\nX-Wide:  8\r\nEmpty: \r\n\r\n");
+        let sent = SentHead::new(head.clone());
+        let at = |t: &str| {
+            head.windows(t.len())
+                .position(|w| w == t.as_bytes())
+                .unwrap()
+        };
+        let slice =
+            |t: &str| HeaderValue::from_maybe_shared(head.slice(at(t)..at(t) + t.len())).unwrap();
+        let id = HeaderName::from_static("x-id");
+        let line = sent.line(&id, &slice("7")).unwrap();
+        assert_eq!(sent.get(line), b"X-Id: 7\r\n");
+        // The same bytes under another name (a copy into another field).
+        assert_eq!(
+            sent.line(&HeaderName::from_static("x-ie"), &slice("7")),
+            None
+        );
+        assert_eq!(
+            sent.line(&HeaderName::from_static("x-idd"), &slice("7")),
+            None
+        );
+        // Two spaces after the colon: not the exact form.
+        assert_eq!(
+            sent.line(&HeaderName::from_static("x-wide"), &slice("8")),
+            None
+        );
+        // An equal value that is not the head's.
+        assert_eq!(sent.line(&id, &HeaderValue::from_static("7")), None);
+        let other = Bytes::from_static(b"X-Id: 7\r\n");
+        let v = HeaderValue::from_maybe_shared(other.slice(6..7)).unwrap();
+        assert_eq!(sent.line(&id, &v), None);
+        let empty =
+            HeaderValue::from_maybe_shared(head.slice(at("Empty: ") + 7..at("Empty: ") + 7))
+                .unwrap();
+        let line = sent.line(&HeaderName::from_static("empty"), &empty);
+        assert_eq!(line.map(|l| sent.get(l)), Some(&b"Empty: \r\n"[..]));
     }
 }

@@ -382,6 +382,7 @@ async fn probe(
             method: &http::Method::GET,
             target: &target,
             headers: &headers,
+            sent: None,
             added: &Added::none(),
             start: None,
             keep_lines: false,

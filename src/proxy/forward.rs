@@ -24,6 +24,7 @@ use crate::base::decision::Decision;
 use crate::base::error::{Error, ErrorKind};
 use crate::base::trace::{TRACEPARENT, TRACESTATE};
 use crate::base::upgrade::ClientUpgrade;
+use crate::codec::fields::SentHead;
 use crate::config::{UpstreamConfig, FORMAL};
 use crate::generation::Generation;
 use crate::nodes::{Choice, Fallback, NoCandidates, Service};
@@ -67,7 +68,7 @@ pub async fn forward(
     gen: &Generation,
     ctx: &mut RequestCtx,
     (service_name, upgrades): (&Arc<str>, &[String]),
-    parts: &mut Parts,
+    (parts, sent): (&mut Parts, Option<&SentHead>),
     body: RequestBody,
 ) -> Result<Answer<Body>, Error> {
     let client = &ctx.client;
@@ -82,6 +83,7 @@ pub async fn forward(
     // The serve phase's start (one clock read fewer per request).
     let t0 = ctx.serve_start.unwrap_or_else(Instant::now);
     let mut out = rewrite_request(gen, (client, t0), decision, parts, upstream, upgrades);
+    out.sent = sent;
     if let Some(o) = &gen.config.otel {
         let trace = ctx.trace.as_deref().map(|t| &t.ctx);
         otel_fields(plane, gen, o, (&decision.lane, trace), &mut out.headers);
@@ -164,6 +166,9 @@ fn select_node<'g>(
 /// The request as it goes to a node (the same for every attempt).
 struct Outbound<'g> {
     method: Method,
+    /// The client's head as received (HTTP/1.1): its lines for the fields
+    /// passed on unchanged.
+    sent: Option<&'g SentHead>,
     /// Origin-form target, built once.
     target: Uri,
     /// The client's end-to-end fields (hop-by-hop removed).
@@ -241,6 +246,7 @@ fn rewrite_request<'g>(
         )
     };
     Outbound {
+        sent: None,
         idempotent: idempotent(&parts.method),
         method: std::mem::take(&mut parts.method),
         target,
@@ -388,6 +394,7 @@ async fn attempt_all(
             method: &out.method,
             target: &out.target,
             headers: &out.headers,
+            sent: out.sent,
             added: &out.added,
             // The response timeout runs from this attempt's reading (`t0`
             // only when nothing was awaited since it was read).

@@ -32,6 +32,7 @@ use crate::base::counter::Counter;
 use crate::base::decision::Decision;
 use crate::base::error::{Error, ErrorKind};
 use crate::base::trace::{Sampler, TraceCtx};
+use crate::codec::fields::SentHead;
 use crate::generation::{Generation, Live, Route, Target};
 use crate::lane::{self, RequestInfo};
 use crate::nodes::health::HealthRegistry;
@@ -80,17 +81,20 @@ pub async fn handle(
     peer: SocketAddr,
     req: Request<RequestBody>,
 ) -> Result<Response<record::Recorded>, Infallible> {
-    let answer = handle_with(plane.clone(), peer, req).await?;
+    let answer = handle_with(plane.clone(), peer, req, None).await?;
     Ok(answer.into_response())
 }
 
 /// Serves one client request, phase by phase, as an [`Answer`] (the
-/// HTTP/1.1 side writes its fields as they are). The future owns what it
-/// needs (`plane` too): it borrows nothing.
+/// HTTP/1.1 side writes its fields as they are). `sent`: an HTTP/1.1
+/// request's head as received, whose lines go to the node as they came
+/// for the fields passed on unchanged. The future owns what it needs
+/// (`plane` too): it borrows nothing.
 pub async fn handle_with(
     plane: Arc<DataPlane>,
     peer: SocketAddr,
     mut req: Request<RequestBody>,
+    sent: Option<SentHead>,
 ) -> Result<Answer<record::Recorded>, Infallible> {
     let start = Instant::now();
     let gen = plane.current();
@@ -123,7 +127,8 @@ pub async fn handle_with(
             match &route.target {
                 Target::Service(name) => {
                     let service = (name, &route.upgrades[..]);
-                    forward::forward(plane, gen, ctx, service, &mut info.parts, body).await
+                    let request = (&mut info.parts, sent.as_ref());
+                    forward::forward(plane, gen, ctx, service, request, body).await
                 }
                 Target::Static(tree) => {
                     let decision = ctx.decision.as_mut().expect("decided above");

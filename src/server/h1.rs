@@ -65,7 +65,7 @@ use crate::base::ratelog::log_limited;
 use crate::base::upgrade::{ClientUpgrade, Tunnel};
 use crate::base::Https;
 use crate::codec::body::{BodyDecoder, Piece};
-use crate::codec::fields::{name_eq, RawLines};
+use crate::codec::fields::{name_eq, RawLines, SentHead};
 use crate::codec::framing::{self, content_length, RequestBody as Framed};
 use crate::codec::head::{httparse_spans, span_in, RequestLine, Span};
 use crate::codec::readbuf::{self, Side, READ_BUF};
@@ -485,6 +485,7 @@ impl<W: Wire> Conn<W> {
         };
         let ParsedHead {
             mut req,
+            sent,
             keep_alive,
             body,
             has_underscores,
@@ -556,7 +557,7 @@ impl<W: Wire> Conn<W> {
             &self.stream,
             pump.as_mut(),
             true,
-            InBox::new(|| proxy::handle_with(plane, self.peer, req.map(|()| body))),
+            InBox::new(|| proxy::handle_with(plane, self.peer, req.map(|()| body), Some(sent))),
         );
         let Some(Ok(mut resp)) = handled.await else {
             return Next::Close;
@@ -868,6 +869,9 @@ async fn drive<W: Wire, F: Future>(
 /// A request head this path parsed, with its body's framing.
 struct ParsedHead {
     req: Request<()>,
+    /// The head as received: the fields passed on unchanged keep their
+    /// lines (the client's case).
+    sent: SentHead,
     keep_alive: bool,
     /// The body's framing (RFC 9112 §6.3; `Unsupported`: a
     /// `Transfer-Encoding` other than one `chunked` field, refused).
@@ -1075,6 +1079,7 @@ fn parse_into(buf: &mut BytesMut, spans: &mut Vec<Span>) -> Parse {
     crate::codec::head::drop_map(std::mem::replace(req.headers_mut(), headers));
     Parse::Done(ParsedHead {
         req,
+        sent: SentHead::new(head),
         keep_alive,
         body,
         has_underscores,

@@ -50,7 +50,7 @@ impl<F: 'static> Slots for Free<F> {
 /// Runs `f` on the thread's free list for futures of type `F` (made empty
 /// the first time). A list is found by its type's id, kept beside it (a
 /// compare of constants, not a call through each list's vtable).
-#[inline]
+#[inline(always)]
 fn with_free<F: 'static, R>(f: impl FnOnce(&mut Free<F>) -> R) -> Option<R> {
     let id = TypeId::of::<Free<F>>();
     SLOTS

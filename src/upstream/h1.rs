@@ -33,7 +33,7 @@ use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderValue};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Response, StatusCode, Version};
 use hyper::body::{Body, Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
@@ -49,7 +49,7 @@ use crate::base::deadline::Deadline;
 use crate::base::error::{Error, ErrorKind};
 use crate::base::stall::Stall;
 use crate::codec::chunked::{self, Chunked, SizeLine, Step};
-use crate::codec::fields::{name_eq, RawLines};
+use crate::codec::fields::{name_eq, RawLines, SentHead};
 use crate::codec::framing::{self, BodyFraming, LengthFields};
 use crate::codec::head::{Span, StatusLine};
 use crate::codec::readbuf::Side;
@@ -316,6 +316,9 @@ pub struct Outgoing<'a> {
     pub method: &'a Method,
     pub path_and_query: &'a str,
     pub headers: &'a HeaderMap,
+    /// The client's head as received: the lines of the fields passed on
+    /// unchanged ([`SentHead::line`]).
+    pub sent: Option<&'a SentHead>,
     /// The gateway's own fields, written after `headers`.
     pub added: &'a Added<'a>,
     /// A body in hand (a streamed one is a [`Sending`] beside this).
@@ -328,8 +331,28 @@ pub struct Outgoing<'a> {
     pub upgrade: bool,
 }
 
+/// `name: value` CRLF, the name as the map holds it (lower case).
+#[inline(always)]
+fn put_field(w: &mut Vec<u8>, name: &HeaderName, value: &HeaderValue) {
+    w.extend_from_slice(name.as_str().as_bytes());
+    w.extend_from_slice(b": ");
+    w.extend_from_slice(value.as_bytes());
+    w.extend_from_slice(b"\r\n");
+}
+
+/// Writes the client's lines gathered in `run` (and empties it).
+#[inline(always)]
+fn flush_run(w: &mut Vec<u8>, sent: Option<&SentHead>, run: &mut Option<(usize, usize)>) {
+    if let (Some(r), Some(sent)) = (run.take(), sent) {
+        w.extend_from_slice(sent.get(r));
+    }
+}
+
 impl Outgoing<'_> {
-    /// Serializes the request head (and a small body) into `w`.
+    /// Serializes the request head (and a small body) into `w`. A
+    /// function of its own: the per-field compares inline here (in the
+    /// exchange's large poll they were calls).
+    #[inline(never)]
     fn encode(&self, addr: SocketAddr, w: &mut Vec<u8>) {
         w.clear();
         w.extend_from_slice(self.method.as_str().as_bytes());
@@ -337,16 +360,33 @@ impl Outgoing<'_> {
         w.extend_from_slice(self.path_and_query.as_bytes());
         w.extend_from_slice(b" HTTP/1.1\r\n");
         let (mut had_length, mut had_host) = (false, false);
-        for (name, value) in self.headers.iter().chain(self.added.iter()) {
+        // The client's lines of the fields passed on unchanged, as they
+        // came: a run of them next to each other in its head is one copy.
+        let mut run: Option<(usize, usize)> = None;
+        for (name, value) in self.headers.iter() {
             had_host |= name == header::HOST;
             if name == header::CONTENT_LENGTH || name == header::TRANSFER_ENCODING {
                 had_length |= name == header::CONTENT_LENGTH;
+                flush_run(w, self.sent, &mut run);
                 continue;
             }
-            w.extend_from_slice(name.as_str().as_bytes());
-            w.extend_from_slice(b": ");
-            w.extend_from_slice(value.as_bytes());
-            w.extend_from_slice(b"\r\n");
+            if let Some((start, end)) = self.sent.and_then(|s| s.line(name, value)) {
+                run = match run {
+                    Some((s, e)) if e == start => Some((s, end)),
+                    _ => {
+                        flush_run(w, self.sent, &mut run);
+                        Some((start, end))
+                    }
+                };
+                continue;
+            }
+            flush_run(w, self.sent, &mut run);
+            put_field(w, name, value);
+        }
+        flush_run(w, self.sent, &mut run);
+        for (name, value) in self.added.iter() {
+            had_host |= name == header::HOST;
+            put_field(w, name, value);
         }
         if !had_host {
             let _ = write!(w, "host: {addr}\r\n");
@@ -1521,6 +1561,53 @@ mod tests {
         assert_eq!(kept(), 0);
     }
 
+    /// The client's fields passed on unchanged go out as their lines came
+    /// (its case; lines next to each other in one copy); a field changed,
+    /// a value copied under another name, a line not exactly
+    /// `name: value` CRLF and the gateway's own fields go out from the map.
+    #[test]
+    fn a_clients_unchanged_lines_go_out_as_sent() {
+        let sent = Bytes::from_static(
+            b"GET /p HTTP/1.1\r\nHost: a\r\nX-User-Id: 7\r\nContent-Length: 0\r\n\
+              Accept:  */*\r\nX-Copy: q\r\nX-Last: z\r\n\r\n",
+        );
+        let value = |text: &str| {
+            let at = sent
+                .windows(text.len())
+                .position(|w| w == text.as_bytes())
+                .unwrap();
+            HeaderValue::from_maybe_shared(sent.slice(at..at + text.len())).unwrap()
+        };
+        let mut headers = HeaderMap::new();
+        headers.append(header::HOST, value("a"));
+        headers.append("x-user-id", value("7"));
+        headers.append(header::CONTENT_LENGTH, value("0"));
+        headers.append(header::ACCEPT, value("*/*"));
+        headers.append("x-copy", HeaderValue::from_static("changed"));
+        headers.append("x-other", value("7"));
+        headers.append("x-last", value("z"));
+        let added = Added::none();
+        let sent = SentHead::new(sent.clone());
+        let out = Outgoing {
+            method: &Method::GET,
+            path_and_query: "/p",
+            headers: &headers,
+            sent: Some(&sent),
+            added: &added,
+            body: None,
+            streamed: None,
+            keep_lines: false,
+            upgrade: false,
+        };
+        let mut w = Vec::new();
+        out.encode("127.0.0.1:9".parse().unwrap(), &mut w);
+        assert_eq!(
+            String::from_utf8(w).unwrap(),
+            "GET /p HTTP/1.1\r\nHost: a\r\nX-User-Id: 7\r\naccept: */*\r\n\
+             x-copy: changed\r\nx-other: 7\r\nX-Last: z\r\ncontent-length: 0\r\n\r\n"
+        );
+    }
+
     /// The head of a streamed body says its framing once: chunked (the
     /// client's own length and coding fields dropped) or the known length;
     /// a body in hand its own length.
@@ -1537,6 +1624,7 @@ mod tests {
                 method: &Method::POST,
                 path_and_query: "/p",
                 headers: &headers,
+                sent: None,
                 added: &added,
                 body,
                 streamed,

@@ -36,7 +36,7 @@ pub use crate::base::body::BoxError;
 use crate::base::deadline::{self, Deadline};
 use crate::base::error::{Error, ErrorKind};
 use crate::base::stall::Stall;
-use crate::codec::fields::RawLines;
+use crate::codec::fields::{RawLines, SentHead};
 use crate::config::UpstreamConfig;
 use crate::observe::metrics::NodeTracker;
 use body::UpBody;
@@ -68,6 +68,10 @@ pub struct OutHead<'a> {
     /// Origin-form target.
     pub target: &'a http::Uri,
     pub headers: &'a http::HeaderMap,
+    /// The client's HTTP/1.1 head as received: the fields of `headers` it
+    /// still holds unchanged go to an HTTP/1.1 node as their lines came
+    /// (the client's case).
+    pub sent: Option<&'a SentHead>,
     /// The gateway's own fields, written after `headers`.
     pub added: &'a Added<'a>,
     /// When the attempt began, if the caller has read the clock already
@@ -242,6 +246,7 @@ impl Upstream {
             method: head.method,
             path_and_query: head.target.path_and_query().map_or("/", |p| p.as_str()),
             headers: head.headers,
+            sent: head.sent,
             added: head.added,
             body,
             streamed: sending.as_ref().map(|s| s.framing()),

@@ -978,3 +978,37 @@ async fn a_grpc_web_answer_kept_as_sent_is_still_read_as_grpc() {
     })
     .await;
 }
+
+/// A client's request fields reach the node as their lines came when the
+/// gateway passes them on unchanged — the client's case, as nginx passes
+/// request fields — and the gateway's own fields (the lane tag, the
+/// forwarding fields) follow them. A field the gateway replaces (the
+/// client's own `X-Forwarded-For`: the peer is not trusted) and a
+/// hop-by-hop one are not among them.
+#[tokio::test]
+async fn a_clients_request_lines_reach_the_node_as_sent() {
+    let wire = Wire::start(passthrough_wire).await;
+    let s = setup(&wire);
+    let mut sock = TcpStream::connect(s.gw.addr).await.unwrap();
+    let request = "GET /plain HTTP/1.1\r\nHost: t\r\nX-User-Id: 7\r\nAccept: */*\r\n\
+                   X-Forwarded-For: 10.0.0.1\r\nConnection: keep-alive\r\nUser-Agent: Probe/1.0\r\n\r\n";
+    let r = exchange(&mut sock, request, false).await;
+    assert!(r.head.starts_with("HTTP/1.1 200 "), "{}", r.head);
+    let head = wire.heads.lock().unwrap()[0].clone();
+    assert!(
+        head.starts_with(
+            "GET /plain HTTP/1.1\r\nHost: t\r\nX-User-Id: 7\r\nAccept: */*\r\nUser-Agent: Probe/1.0\r\n"
+        ),
+        "{head}"
+    );
+    assert!(head.contains("\r\nx-gray-tag: formal\r\n"), "{head}");
+    assert!(
+        head.contains("\r\nx-forwarded-for: 127.0.0.1\r\n"),
+        "{head}"
+    );
+    assert!(
+        !head.contains("10.0.0.1"),
+        "the client's field went on: {head}"
+    );
+    assert!(!head.to_ascii_lowercase().contains("connection:"), "{head}");
+}
