@@ -47,9 +47,9 @@ pub(super) trait Wire: Send + Sync + Sized + 'static {
     fn poll_shutdown(&self, _: &mut Context<'_>) -> Poll<io::Result<()>> {
         Poll::Ready(Ok(()))
     }
-    /// `Some(true)`: the client closed its side (or the connection failed);
-    /// `Some(false)`: it sent more (stop watching); `None`: can't tell yet
-    /// (or never: TLS has no peek).
+    /// `Ready(true)`: the client closed its side (or the connection
+    /// failed); `Ready(false)`: it sent more (stop watching); `Pending`:
+    /// can't tell yet.
     fn poll_gone(&self, cx: &mut Context<'_>) -> Poll<bool>;
     /// After a read that drained the socket: no readiness left to re-check.
     fn forget_readable(&self) {}
@@ -240,8 +240,28 @@ impl Wire for TlsWire {
         Pin::new(&mut self.lock().io).poll_flush(cx)
     }
 
-    fn poll_gone(&self, _: &mut Context<'_>) -> Poll<bool> {
-        Poll::Pending
+    /// No peek under TLS: a read ahead into the stash instead (what it
+    /// reads is the next request's, served from there). The client's
+    /// close (`close_notify` or the socket's end) or a failed read is
+    /// gone; bytes read end the watch.
+    fn poll_gone(&self, cx: &mut Context<'_>) -> Poll<bool> {
+        let mut s = self.lock();
+        if s.eof {
+            return Poll::Ready(true);
+        }
+        if !s.stash.is_empty() {
+            return Poll::Ready(false);
+        }
+        let TlsState { io, stash, eof } = &mut *s;
+        match read_into(io, cx, stash) {
+            Poll::Ready(Ok(0)) => {
+                *eof = true;
+                Poll::Ready(true)
+            }
+            Poll::Ready(Ok(_)) => Poll::Ready(false),
+            Poll::Ready(Err(_)) => Poll::Ready(true),
+            Poll::Pending => Poll::Pending,
+        }
     }
 
     fn poll_shutdown(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {

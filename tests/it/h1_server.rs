@@ -452,6 +452,67 @@ async fn a_client_that_goes_away_cancels_its_request_upstream() {
     .await;
 }
 
+/// Over TLS too (no peek there: the watch reads ahead): a client that
+/// closes its connection mid-request — with `close_notify`, or by cutting
+/// the socket — cancels the request upstream, long before any timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_client_that_goes_away_cancels_its_request_upstream() {
+    use crate::harness::tls::{listeners, write_cert};
+    let up = Upstream::start().await;
+    let fx = Fixture::new();
+    write_cert(&fx.path("certs"), "default", "localhost");
+    Nodes::api([Node::new("n1", up.addr).lane("formal")]).write(&fx, "nodes.yaml");
+    let gw = Config::new()
+        .node_files(&["nodes.yaml"])
+        .route_all("api")
+        .listeners(&[Listener::tls().cert("certs/default.crt", "certs/default.key")])
+        .start(&fx, "gg.yaml");
+    let tls = listeners(&gw)[0];
+    let mut roots = rustls::RootCertStore::empty();
+    let pem = std::fs::read(fx.path("certs/default.crt")).unwrap();
+    for cert in rustls_pki_types::pem::PemObject::pem_slice_iter(&pem) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let config = Arc::new(
+        rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth(),
+    );
+    for (round, notify) in [(1, true), (2, false)] {
+        let tcp = TcpStream::connect(tls).await.unwrap();
+        let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
+        let mut s = tokio_rustls::TlsConnector::from(config.clone())
+            .connect(name, tcp)
+            .await
+            .expect("TLS handshake");
+        s.write_all(b"GET /hang HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .unwrap();
+        s.flush().await.unwrap();
+        soon("the request reached the upstream", || async {
+            up.got.lock().unwrap().len() == round
+        })
+        .await;
+        assert_eq!(
+            up.closed.load(std::sync::atomic::Ordering::SeqCst),
+            round - 1
+        );
+        if notify {
+            // close_notify, then the socket's end.
+            s.shutdown().await.unwrap();
+        }
+        drop(s);
+        soon("the upstream connection closed", || async {
+            up.closed.load(std::sync::atomic::Ordering::SeqCst) == round
+        })
+        .await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_sent_with_its_fin_is_cancelled_and_the_connection_closed() {
     // The head and the client's FIN arrive together: the read that drains
