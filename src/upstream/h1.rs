@@ -911,13 +911,19 @@ fn parse_head(
         // passed on; the positions of the fields kept stay in `spans` (on
         // the connection: no allocation). Header values become zero-copy
         // slices of the head's bytes once it is split off.
+        // A loop of its own rather than `retain`, whose closure was a call
+        // per field.
         let mut meta = Meta::default();
-        spans.retain(|&(ns, ne, vs, ve)| {
-            meta.note(
-                &buf[ns as usize..ne as usize],
-                &buf[vs as usize..ve as usize],
-            ) || switching
-        });
+        let mut kept = 0;
+        for i in 0..spans.len() {
+            let (ns, ne, vs, ve) = spans[i];
+            let name = &buf[ns as usize..ne as usize];
+            if meta.note(name, &buf[vs as usize..ve as usize]) || switching {
+                spans[kept] = spans[i];
+                kept += 1;
+            }
+        }
+        spans.truncate(kept);
         let head = buf.split_to(n).freeze();
         if let Some(to) = raw_to.filter(|_| !switching) {
             if let Some(raw) = raw_lines(&head, spans, &meta, status) {
