@@ -1068,6 +1068,11 @@ impl Meta {
         // The name is matched by its length first: one word compare.
         let is = |lower: &[u8]| name_eq(name, lower);
         match name.len() {
+            // The usual value, one compare (a list is split below).
+            10 if is(b"connection") && name_eq(value, b"keep-alive") => {
+                self.keep_alive = true;
+                false
+            }
             10 if is(b"connection") => {
                 let mut names_others = false;
                 for t in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
