@@ -135,6 +135,14 @@ pub fn count_first<'h>(
     (first.map_or(0, |_| 1 + found.count()), first)
 }
 
+/// Is the field line whose name ends at `ne` and whose value is
+/// `vs..ve` in `head` exactly `name: value` CRLF (the form a map's encoder
+/// writes: a line of it can be copied as it is)?
+#[inline(always)]
+pub fn is_plain_line(head: &[u8], ne: usize, vs: usize, ve: usize) -> bool {
+    vs == ne + 2 && head.get(ne..vs) == Some(b": ") && head.get(ve..ve + 2) == Some(b"\r\n")
+}
+
 /// Most runs of consecutive kept lines a [`RawLines`] holds (a head whose
 /// end-to-end fields are split by more hop-by-hop lines takes the map).
 pub const RAW_RUNS: usize = 4;
@@ -279,53 +287,6 @@ thread_local! {
     static SLOTS: RefCell<FreeList<Box<RawLines>>> = const { RefCell::new(FreeList::new(SLOTS_MAX)) };
 }
 
-/// A client's HTTP/1.1 request head as it was received. The request's
-/// field values are slices of it, so a field the gateway passes on
-/// unchanged is found again by its value, and its line goes to the node as
-/// the client sent it: the name in the client's case (as nginx passes
-/// request fields), the unchanged lines next to each other copied at once.
-/// A field the gateway set, changed or copied under another name is not
-/// one of its lines and is written from the map.
-#[derive(Debug, Clone)]
-pub struct SentHead(Bytes);
-
-impl SentHead {
-    pub fn new(head: Bytes) -> SentHead {
-        SentHead(head)
-    }
-
-    /// Where `name: value` CRLF sits in the head (through its CRLF) when
-    /// `value` is the one the client sent in a line of exactly that form
-    /// for the field `name` (any case); `None` otherwise.
-    #[inline(always)]
-    pub fn line(&self, name: &HeaderName, value: &HeaderValue) -> Option<(usize, usize)> {
-        let head = &self.0[..];
-        let v = value.as_bytes();
-        // A slice of the head, found by address (no byte is read
-        // outside it).
-        let vs = (v.as_ptr() as usize).checked_sub(head.as_ptr() as usize)?;
-        let ve = vs + v.len();
-        let name = name.as_str().as_bytes();
-        let ns = vs.checked_sub(name.len() + 2)?;
-        let before = head.get(ns.checked_sub(1)?..vs)?;
-        let (lf, sent_name, colon) = (
-            before[0],
-            &before[1..=name.len()],
-            &before[name.len() + 1..],
-        );
-        (lf == b'\n'
-            && colon == b": "
-            && head.get(ve..ve + 2) == Some(&b"\r\n"[..])
-            && name_eq(sent_name, name))
-        .then_some((ns, ve + 2))
-    }
-
-    /// The head's bytes from `start` to `end` (ranges from [`Self::line`]).
-    pub fn get(&self, (start, end): (usize, usize)) -> &[u8] {
-        &self.0[start..end]
-    }
-}
-
 /// [`RawLines`] in a kept heap slot; the slot goes back to the thread's
 /// kept ones when dropped (holding no head).
 #[derive(Debug)]
@@ -411,13 +372,11 @@ impl Fields {
         first(&self.map, name).map(HeaderValue::as_bytes)
     }
 
-    /// The first Content-Type value (read of every answer: is it gRPC?).
+    /// The first Content-Type value (read of every answer: is it gRPC?;
+    /// among the node's lines it was noted when they were read).
     #[inline]
     pub fn content_type(&self) -> Option<&[u8]> {
-        match &self.raw {
-            Some(r) if r.content_type.is_some() => r.content_type(),
-            _ => first(&self.map, &header::CONTENT_TYPE).map(HeaderValue::as_bytes),
-        }
+        self.get(&header::CONTENT_TYPE)
     }
 
     /// Sets `name` to `value` alone (its other values go).
@@ -462,10 +421,55 @@ impl Fields {
     }
 }
 
+/// A client's HTTP/1.1 request head as it was received. The request's
+/// field values are slices of it, so a field the gateway passes on
+/// unchanged is found again by its value, and its line goes to the node as
+/// the client sent it: the name in the client's case (as nginx passes
+/// request fields), the unchanged lines next to each other copied at once.
+/// A field the gateway set, changed or copied under another name is not
+/// one of its lines and is written from the map.
+#[derive(Debug, Clone)]
+pub struct SentHead(Bytes);
+
+impl SentHead {
+    pub fn new(head: Bytes) -> SentHead {
+        SentHead(head)
+    }
+
+    /// Where `name: value` CRLF sits in the head (through its CRLF) when
+    /// `value` is the one the client sent in a line of exactly that form
+    /// for the field `name` (any case); `None` otherwise.
+    #[inline(always)]
+    pub fn line(&self, name: &HeaderName, value: &HeaderValue) -> Option<(usize, usize)> {
+        let head = &self.0[..];
+        let v = value.as_bytes();
+        // A slice of the head, found by address (no byte is read
+        // outside it).
+        let vs = (v.as_ptr() as usize).checked_sub(head.as_ptr() as usize)?;
+        let ve = vs + v.len();
+        let name = name.as_str().as_bytes();
+        let ne = vs.checked_sub(2)?;
+        let ns = ne.checked_sub(name.len())?;
+        // The plain-line check first: it bounds `vs..ve + 2` by the head,
+        // so the bytes before the value can be indexed.
+        (ns > 0
+            && is_plain_line(head, ne, vs, ve)
+            && head[ns - 1] == b'\n'
+            && name_eq(&head[ns..ne], name))
+        .then_some((ns, ve + 2))
+    }
+
+    /// The head's bytes from `start` to `end` (ranges from [`Self::line`]).
+    pub fn get(&self, (start, end): (usize, usize)) -> &[u8] {
+        &self.0[start..end]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// The wire-name test answers as the pre-parsed names do, any case.
     #[test]
     fn name_of_is_from_bytes() {
         let mut names: Vec<Vec<u8>> = [
@@ -502,7 +506,9 @@ mod tests {
         }
     }
 
-    /// The wire-name test answers as the pre-parsed names do, any case.
+    /// `name_eq` is `eq_ignore_ascii_case` against lower-case names, for
+    /// any bytes: every length from 0 to 24, each position of each name
+    /// replaced by each of the 256 byte values, and random strings.
     #[test]
     fn name_eq_is_eq_ignore_ascii_case() {
         let names: Vec<Vec<u8>> = (0..=24)
@@ -532,20 +538,15 @@ mod tests {
             assert!(name_eq(lower, lower) && name_eq(&upper, lower));
             for at in 0..lower.len() {
                 for b in 0..=255u8 {
-                    let mut x = lower.clone();
-                    x[at] = b;
-                    assert_eq!(
-                        name_eq(&x, lower),
-                        x.eq_ignore_ascii_case(lower),
-                        "{x:?} {lower:?}"
-                    );
-                    let mut x = upper.clone();
-                    x[at] = b;
-                    assert_eq!(
-                        name_eq(&x, lower),
-                        x.eq_ignore_ascii_case(lower),
-                        "{x:?} {lower:?}"
-                    );
+                    for case in [lower, &upper] {
+                        let mut x = case.clone();
+                        x[at] = b;
+                        assert_eq!(
+                            name_eq(&x, lower),
+                            x.eq_ignore_ascii_case(lower),
+                            "{x:?} {lower:?}"
+                        );
+                    }
                 }
             }
             for _ in 0..200 {
@@ -591,9 +592,8 @@ mod tests {
         }
     }
 
-    /// `scan` reads what `first(Host)`, `first(Upgrade)` and
-    /// `strip_hop_by_hop`'s check read, on small and large maps, with each
-    /// hop-by-hop name (any position, repeated values) and none.
+    /// `text`'s lines as the node side keeps them: every line but a
+    /// Connection one, Content-Type's value noted.
     fn lines(text: &str) -> RawLines {
         let head = Bytes::copy_from_slice(text.as_bytes());
         let mut raw = RawLines::new(head.clone());

@@ -28,6 +28,9 @@ pub const READ_BUF: usize = 4096;
 /// burst of requests in flight used; what the load does not use again is
 /// freed by [`trim`]).
 const POOL_MAX: usize = 1024;
+/// A node buffer grown past this (a node's large answers double its
+/// connection's reads up to 64 KiB) is freed rather than kept.
+const NODE_KEEP_MAX: usize = 64 * 1024;
 
 /// Which side's pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,9 +69,12 @@ pub fn take(side: Side) -> BytesMut {
 
 /// Gives `b` back to the thread's pool of `side`: a client buffer emptied
 /// (one grown past 16 KiB is freed instead); a node buffer as it is (its
-/// connection read it to the end).
+/// connection read it to the end; one grown past 64 KiB is freed).
 #[inline(always)]
 pub fn give(side: Side, mut b: BytesMut) {
+    if side == Side::Node && b.capacity() > NODE_KEEP_MAX {
+        return;
+    }
     if side == Side::Client {
         b.clear();
         // The heads split off the front may still be alive (the request's

@@ -354,9 +354,9 @@ mod tests {
         assert!(!is_hop_by_hop(&[b'a'; 70]));
     }
 
-    /// `name_eq` is `eq_ignore_ascii_case` against lower-case names, for
-    /// any bytes: every length from 0 to 24, each position of each name
-    /// replaced by each of the 256 byte values, and random strings.
+    /// `scan` reads what `first(Host)`, `first(Upgrade)` and
+    /// `strip_hop_by_hop`'s check read, on small and large maps, with each
+    /// hop-by-hop name (any position, repeated values) and none.
     #[test]
     fn scan_agrees_with_first_and_the_hop_by_hop_check() {
         let hop: Vec<Option<HeaderName>> = std::iter::once(None)

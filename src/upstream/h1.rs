@@ -49,7 +49,7 @@ use crate::base::deadline::Deadline;
 use crate::base::error::{Error, ErrorKind};
 use crate::base::stall::Stall;
 use crate::codec::chunked::{self, Chunked, SizeLine, Step};
-use crate::codec::fields::{name_eq, RawLines, SentHead};
+use crate::codec::fields::{is_plain_line, name_eq, RawLines, SentHead};
 use crate::codec::framing::{self, BodyFraming, LengthFields};
 use crate::codec::head::{Span, StatusLine};
 use crate::codec::readbuf::Side;
@@ -909,10 +909,9 @@ fn parse_head(
         };
         // Hop-by-hop fields are read here (framing, keep-alive) and not
         // passed on; the positions of the fields kept stay in `spans` (on
-        // the connection: no allocation). Header values become zero-copy
-        // slices of the head's bytes once it is split off.
-        // A loop of its own rather than `retain`, whose closure was a call
-        // per field.
+        // the connection: no allocation), moved down by a loop of its own
+        // (`retain`'s closure was a call per field). Header values become
+        // zero-copy slices of the head's bytes once it is split off.
         let mut meta = Meta::default();
         let mut kept = 0;
         for i in 0..spans.len() {
@@ -1017,11 +1016,7 @@ fn raw_lines(head: &Bytes, spans: &[Span], meta: &Meta, status: StatusCode) -> O
     let mut lengths = 0;
     for &(ns, ne, vs, ve) in spans {
         let name = &head[ns as usize..ne as usize];
-        // Exactly `name: value\r\n` (the encoding the map would give).
-        if vs != ne + 2
-            || head.get(ne as usize..vs as usize) != Some(b": ")
-            || head.get(ve as usize..ve as usize + 2) != Some(b"\r\n")
-        {
+        if !is_plain_line(head, ne as usize, vs as usize, ve as usize) {
             return None;
         }
         match name.len() {
@@ -1068,12 +1063,12 @@ impl Meta {
         // The name is matched by its length first: one word compare.
         let is = |lower: &[u8]| name_eq(name, lower);
         match name.len() {
-            // The usual value, one compare (a list is split below).
-            10 if is(b"connection") && name_eq(value, b"keep-alive") => {
-                self.keep_alive = true;
-                false
-            }
             10 if is(b"connection") => {
+                // The usual value, one compare; a list is split.
+                if name_eq(value, b"keep-alive") {
+                    self.keep_alive = true;
+                    return false;
+                }
                 let mut names_others = false;
                 for t in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
                     if name_eq(t, b"close") {

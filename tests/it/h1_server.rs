@@ -457,7 +457,7 @@ async fn a_client_that_goes_away_cancels_its_request_upstream() {
 /// the socket — cancels the request upstream, long before any timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tls_client_that_goes_away_cancels_its_request_upstream() {
-    use crate::harness::tls::{listeners, write_cert};
+    use crate::harness::tls::{connect, listeners, write_cert};
     let up = Upstream::start().await;
     let fx = Fixture::new();
     write_cert(&fx.path("certs"), "default", "localhost");
@@ -468,27 +468,8 @@ async fn a_tls_client_that_goes_away_cancels_its_request_upstream() {
         .listeners(&[Listener::tls().cert("certs/default.crt", "certs/default.key")])
         .start(&fx, "gg.yaml");
     let tls = listeners(&gw)[0];
-    let mut roots = rustls::RootCertStore::empty();
-    let pem = std::fs::read(fx.path("certs/default.crt")).unwrap();
-    for cert in rustls_pki_types::pem::PemObject::pem_slice_iter(&pem) {
-        roots.add(cert.unwrap()).unwrap();
-    }
-    let config = Arc::new(
-        rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth(),
-    );
     for (round, notify) in [(1, true), (2, false)] {
-        let tcp = TcpStream::connect(tls).await.unwrap();
-        let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
-        let mut s = tokio_rustls::TlsConnector::from(config.clone())
-            .connect(name, tcp)
-            .await
-            .expect("TLS handshake");
+        let mut s = connect(tls, &fx.path("certs/default.crt"), &[]).await;
         s.write_all(b"GET /hang HTTP/1.1\r\nHost: a\r\n\r\n")
             .await
             .unwrap();

@@ -784,25 +784,7 @@ async fn tls_h2(
     addr: SocketAddr,
     fx: &Fixture,
 ) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
-    use rustls::pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    for c in rustls::pki_types::CertificateDer::pem_file_iter(fx.path("certs/site.crt")).unwrap() {
-        roots.add(c.unwrap()).unwrap();
-    }
-    let mut cfg = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    cfg.alpn_protocols = vec![b"h2".to_vec()];
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
-    let s = tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg))
-        .connect(name, tcp)
-        .await
-        .unwrap();
+    let s = crate::harness::tls::connect(addr, &fx.path("certs/site.crt"), &[b"h2"]).await;
     assert_eq!(s.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
     s
 }

@@ -30,6 +30,34 @@ pub fn write_cert(dir: &Path, stem: &str, name: &str) {
     }
 }
 
+/// A TLS connection to `addr` as a rustls client of `localhost` that
+/// trusts the certificate in `cert` (PEM) and offers `alpn`.
+pub async fn connect(
+    addr: SocketAddr,
+    cert: &Path,
+    alpn: &[&[u8]],
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls::pki_types::CertificateDer::pem_file_iter(cert).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let mut cfg = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg))
+        .connect(name, tcp)
+        .await
+        .expect("TLS handshake")
+}
+
 /// The extra listeners' bound addresses, in config order (from the
 /// gateway's `listening addr=… proto=…` lines).
 pub fn listeners(gw: &Gateway) -> Vec<SocketAddr> {

@@ -238,7 +238,7 @@ async fn websocket_tunnels_are_cut_at_the_drain_time() {
 /// after its 101, with the lane decided at the upgrade.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn websocket_over_a_tls_listener_becomes_a_tunnel() {
-    use crate::harness::tls::{listeners, write_cert};
+    use crate::harness::tls::{connect, listeners, write_cert};
     let (f_addr, _f) = ws_node("fws").await;
     let (g_addr, _g) = ws_node("gws").await;
     let fx = Fixture::new();
@@ -259,25 +259,7 @@ async fn websocket_over_a_tls_listener_becomes_a_tunnel() {
         .listeners(&[Listener::tls().cert("certs/default.crt", "certs/default.key")])
         .start(&fx, "gg.yaml");
     let tls_addr = listeners(&gw)[0];
-    let mut roots = rustls::RootCertStore::empty();
-    let pem = std::fs::read(fx.path("certs/default.crt")).unwrap();
-    for cert in rustls_pki_types::pem::PemObject::pem_slice_iter(&pem) {
-        let cert: rustls_pki_types::CertificateDer<'static> = cert.unwrap();
-        roots.add(cert).unwrap();
-    }
-    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    let tcp = TcpStream::connect(tls_addr).await.unwrap();
-    let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
-    let stream = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
-        .connect(name, tcp)
-        .await
-        .expect("TLS handshake");
+    let stream = connect(tls_addr, &fx.path("certs/default.crt"), &[]).await;
     let mut req = format!("wss://localhost:{}/chat", tls_addr.port())
         .into_client_request()
         .unwrap();
