@@ -123,4 +123,17 @@ mod tests {
         assert_eq!(trim(), 39, "the burst's buffers were not freed");
         assert_eq!(kept(Side::Client), 1);
     }
+
+    /// A buffer grown past its side's cap is freed, not kept: a client's
+    /// past 16 KiB, a node's past 64 KiB.
+    #[test]
+    fn grown_buffers_are_freed_not_kept() {
+        trim();
+        trim();
+        give(Side::Client, BytesMut::with_capacity(4 * READ_BUF + 1));
+        give(Side::Node, BytesMut::with_capacity(NODE_KEEP_MAX + 1));
+        assert_eq!((kept(Side::Client), kept(Side::Node)), (0, 0));
+        give(Side::Node, BytesMut::with_capacity(NODE_KEEP_MAX));
+        assert_eq!(kept(Side::Node), 1);
+    }
 }
