@@ -1,25 +1,24 @@
-//! Layer: tools (top; uses config only). Demo API nodes run in-process when the
-//! config declares `demo_nodes`, so the shipped example shows both lanes with
-//! one command. Each answers JSON with its name, its lane and the tag header it
-//! received.
+//! Layer: tools (top; uses config, and the server layer's connection loop).
+//! Demo API nodes run in-process when the config declares `demo_nodes`, so
+//! the shipped example shows both lanes with one command. Each answers JSON
+//! with its name, its lane and the tag header it received, served by the
+//! client listeners' HTTP/1.1 connection loop and codec
+//! (`server::Server::serve_app`).
 
-use std::convert::Infallible;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{header, HeaderName, Request, Response};
 use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
+use crate::base::body::{boxed, Body, RequestBody};
+use crate::base::counter::Counter;
 use crate::config::DemoNode;
+use crate::proxy::DataPlane;
+use crate::server::{Server, Service};
 
-fn answer(
-    node: &DemoNode,
-    tag_header: &HeaderName,
-    req: &Request<Incoming>,
-) -> Response<Full<Bytes>> {
+fn answer(node: &DemoNode, tag_header: &HeaderName, req: &Request<RequestBody>) -> Response<Body> {
     let tag = req
         .headers()
         .get(tag_header)
@@ -31,7 +30,7 @@ fn answer(
         "method": req.method().as_str(),
         "path": req.uri().path(),
     });
-    let mut r = Response::new(Full::new(Bytes::from(format!("{body}\n"))));
+    let mut r = Response::new(boxed(Full::new(Bytes::from(format!("{body}\n")))));
     r.headers_mut().insert(
         header::CONTENT_TYPE,
         header::HeaderValue::from_static("application/json"),
@@ -41,10 +40,12 @@ fn answer(
 
 /// Binds every demo node and serves it in the background. `listener`
 /// gives the socket for an address (inherited on a binary upgrade, else
-/// freshly bound).
+/// freshly bound); `plane` gives the connections their limits (the
+/// client listeners' `client:` section).
 pub async fn spawn(
     nodes: &[DemoNode],
     tag_header: HeaderName,
+    plane: &Arc<DataPlane>,
     mut listener: impl FnMut(std::net::SocketAddr) -> std::io::Result<TcpListener>,
 ) -> std::io::Result<()> {
     for node in nodes {
@@ -52,23 +53,20 @@ pub async fn spawn(
         tracing::info!(node = %node.name, lane = %node.lane, addr = %node.addr, "demo node listening");
         let node = node.clone();
         let tag_header = tag_header.clone();
+        // Never signalled (kept by the task): a demo node has no drain.
+        let (never, stop) = tokio::sync::watch::channel(false);
+        let server = Arc::new(Server::new(
+            plane.clone(),
+            Arc::new(Counter::default()),
+            stop,
+        ));
+        let app = Service::new(move |_peer, req: Request<RequestBody>| {
+            let r = answer(&node, &tag_header, &req);
+            async move { r }
+        });
         tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                let node = node.clone();
-                let tag_header = tag_header.clone();
-                tokio::spawn(async move {
-                    let svc = service_fn(move |req| {
-                        let r = answer(&node, &tag_header, &req);
-                        async move { Ok::<_, Infallible>(r) }
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
-                });
-            }
+            let _never = never;
+            server.serve_app(listener, app).await
         });
     }
     Ok(())

@@ -639,6 +639,7 @@ async fn bind(
     demo::spawn(
         &gen.config.demo_nodes,
         gen.lane.tag_header.clone(),
+        &gw.plane,
         |addr| {
             let l = match inherited.take("demo", addr).pop() {
                 Some(l) => tokio::net::TcpListener::from_std(l)?,

@@ -13,20 +13,18 @@ pub mod nodes;
 pub mod releases;
 pub mod rules;
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::UNIX_EPOCH;
 
 use bytes::Bytes;
 use http::{header, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
-use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 
-use crate::base::body::{boxed, plain, Body};
+use crate::base::body::{boxed, plain, Body, RequestBody};
+use crate::base::counter::Counter;
 use crate::control::Gateway;
+use crate::server::{Server, Service};
 
 /// Largest admin request body accepted.
 const MAX_BODY: usize = 64 * 1024;
@@ -154,7 +152,7 @@ impl Rejection {
 }
 
 /// Reads a JSON request body (at most [`MAX_BODY`] bytes).
-pub async fn read_json<T: serde::de::DeserializeOwned>(body: Incoming) -> Result<T, Rejection> {
+pub async fn read_json<T: serde::de::DeserializeOwned>(body: RequestBody) -> Result<T, Rejection> {
     let bytes = match Limited::new(body, MAX_BODY).collect().await {
         Ok(b) => b.to_bytes(),
         Err(_) => {
@@ -168,7 +166,7 @@ pub async fn read_json<T: serde::de::DeserializeOwned>(body: Incoming) -> Result
         .map_err(|e| Rejection(StatusCode::BAD_REQUEST, format!("invalid JSON: {e}")))
 }
 
-async fn route(gw: &Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
+async fn route(gw: &Arc<Gateway>, req: Request<RequestBody>) -> Response<Body> {
     let path = req.uri().path().to_string();
     let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
     let method = req.method().clone();
@@ -207,36 +205,35 @@ async fn route(gw: &Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
 async fn handle(
     gw: &Arc<Gateway>,
     guard: &auth::Guard,
-    req: Request<Incoming>,
-) -> Result<Response<Body>, Infallible> {
+    req: Request<RequestBody>,
+) -> Response<Body> {
     if let Some(resp) = guard.deny(gw, req.headers()) {
-        return Ok(resp);
+        return resp;
     }
-    Ok(route(gw, req).await)
+    route(gw, req).await
 }
 
-/// Serves the admin API forever (and samples traffic for the dashboard).
+/// Serves the admin API forever (and samples traffic for the dashboard),
+/// on the client listeners' connection loop and HTTP/1.1 codec
+/// (`server::Server::serve_app`): their head limits and their header,
+/// idle and send timeouts (`client:`), and a connection cap of
+/// `client.max_connections` admin connections of its own. A graceful stop
+/// does not close it: it answers until the process ends.
 pub async fn serve(gw: Arc<Gateway>, listener: TcpListener) {
     let local = listener.local_addr().map_or(true, |a| a.ip().is_loopback());
     let guard = Arc::new(auth::Guard::new(!local));
     tokio::spawn(crate::control::stats::sample_forever(gw.clone()));
-    loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            continue;
-        };
+    // Never signalled (kept here): the admin listener has no drain.
+    let (_never, stop) = tokio::sync::watch::channel(false);
+    let server = Arc::new(Server::new(
+        gw.plane.clone(),
+        Arc::new(Counter::default()),
+        stop,
+    ));
+    let app = Service::new(move |_peer, req| {
         let gw = gw.clone();
         let guard = guard.clone();
-        tokio::spawn(async move {
-            let svc = service_fn(move |req| {
-                let gw = gw.clone();
-                let guard = guard.clone();
-                async move { handle(&gw, &guard, req).await }
-            });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(std::time::Duration::from_secs(10))
-                .serve_connection(TokioIo::new(stream), svc)
-                .await;
-        });
-    }
+        async move { handle(&gw, &guard, req).await }
+    });
+    server.serve_app(listener, app).await
 }

@@ -10,8 +10,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use crate::base::body::RequestBody;
 use http::{Method, Request, Response, StatusCode};
-use hyper::body::Incoming;
 use serde::Deserialize;
 
 use crate::base::body::Body;
@@ -204,7 +204,7 @@ struct PatchNode {
 }
 
 /// Routes `/nodes/...` management requests (`rest` is the path after `nodes`).
-pub async fn manage(gw: &Arc<Gateway>, req: Request<Incoming>, rest: &[&str]) -> Response<Body> {
+pub async fn manage(gw: &Arc<Gateway>, req: Request<RequestBody>, rest: &[&str]) -> Response<Body> {
     let method = req.method().clone();
     let if_match = if_match(&req);
     let change = match (&method, rest) {

@@ -6,10 +6,10 @@
 
 use std::sync::Arc;
 
+use crate::base::body::RequestBody;
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
 
 use super::{json, json_status, text};
 use crate::base::body::Body;
@@ -51,7 +51,7 @@ fn refused(e: Refused) -> Response<Body> {
     }
 }
 
-async fn read_text(body: Incoming) -> Result<String, Response<Body>> {
+async fn read_text(body: RequestBody) -> Result<String, Response<Body>> {
     let bytes: Bytes = match Limited::new(body, MAX_SPEC).collect().await {
         Ok(c) => c.to_bytes(),
         Err(_) => {
@@ -66,7 +66,7 @@ async fn read_text(body: Incoming) -> Result<String, Response<Body>> {
 }
 
 /// Routes `/releases` requests (`rest` is the path after `releases`).
-pub async fn handle(gw: &Arc<Gateway>, req: Request<Incoming>, rest: &[&str]) -> Response<Body> {
+pub async fn handle(gw: &Arc<Gateway>, req: Request<RequestBody>, rest: &[&str]) -> Response<Body> {
     let method = req.method().clone();
     let relabel_nodes = req.uri().query().is_some_and(|q| {
         q.split('&').any(|kv| {

@@ -6,8 +6,8 @@
 
 use std::sync::Arc;
 
+use crate::base::body::RequestBody;
 use http::{Method, Request, Response, StatusCode};
-use hyper::body::Incoming;
 use serde::Deserialize;
 
 use crate::base::body::Body;
@@ -76,7 +76,7 @@ struct Percentage {
 }
 
 /// Routes `/rules` requests (`rest` is the path after `rules`).
-pub async fn handle(gw: &Arc<Gateway>, req: Request<Incoming>, rest: &[&str]) -> Response<Body> {
+pub async fn handle(gw: &Arc<Gateway>, req: Request<RequestBody>, rest: &[&str]) -> Response<Body> {
     let method = req.method().clone();
     let if_match = super::nodes::if_match(&req);
     let change = match (&method, rest) {

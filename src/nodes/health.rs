@@ -15,7 +15,6 @@ use http::{HeaderName, HeaderValue};
 use super::Service;
 use crate::config::{ActiveHealth, PassiveHealth};
 use crate::upstream::body::UpBody;
-use crate::upstream::fields::Added;
 use crate::upstream::{OutHead, Peer, Upstream};
 
 use crate::base::clock::now_ms;
@@ -378,16 +377,7 @@ async fn probe(
     );
     let fut = async {
         let read_timeout = Duration::from_millis(cfg.timeout_ms);
-        let head = OutHead {
-            method: &http::Method::GET,
-            target: &target,
-            headers: &headers,
-            sent: None,
-            added: &Added::none(),
-            start: None,
-            keep_lines: false,
-            upgrade: false,
-        };
+        let head = OutHead::own(&http::Method::GET, &target, &headers);
         let resp = client
             .send(
                 Peer { addr, transport },

@@ -161,6 +161,16 @@ pub fn respond(mut pending: Box<Pending>, mut resp: Answer<Body>) -> Answer<Reco
 }
 
 impl Recorded {
+    /// A body that records nothing (an answer of the gateway's own
+    /// services: the admin API, the demo nodes).
+    pub fn unrecorded(inner: Body) -> Recorded {
+        Recorded {
+            inner,
+            pending: None,
+            ended: false,
+        }
+    }
+
     /// Replaces what the client is sent, under a head saying `sent` (the
     /// record stays: e.g. a gateway error reshaped for gRPC is still
     /// recorded with its own status).

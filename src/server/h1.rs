@@ -56,7 +56,7 @@ use tokio::time::Instant;
 use super::inbox::{self, InBox};
 use super::wheel::Wheel;
 use super::wire::{TlsWire, Wire};
-use super::Server;
+use super::{App, Proxy, Server};
 use crate::base::body::{BodyError, RequestBody, SendFile};
 use crate::base::clock::now_ms;
 use crate::base::counter::Counted;
@@ -179,8 +179,10 @@ enum Next {
 
 /// One HTTP/1.1 client connection (plain, or TLS: [`Wire`]): its idle
 /// state.
-struct Conn<W: Wire = TcpStream> {
+struct Conn<W: Wire = TcpStream, A: App = Proxy> {
     server: Arc<Server>,
+    /// What the requests are served by (the proxy: nothing stored).
+    app: A,
     stream: W,
     peer: SocketAddr,
     /// Bytes read past the last request (pipelining); `None` when idle
@@ -203,8 +205,9 @@ struct Conn<W: Wire = TcpStream> {
 /// connection's task. The connection's state is boxed before the spawn, so
 /// the task holds a pointer to it (and the exchange takes the box and hands
 /// it back, a pointer's move).
-pub(super) fn serve(
+pub(super) fn serve<A: App>(
     server: Arc<Server>,
+    app: A,
     stream: TcpStream,
     peer: SocketAddr,
     wheel: Arc<Wheel>,
@@ -212,6 +215,7 @@ pub(super) fn serve(
 ) -> impl Future<Output = ()> + Send {
     run(Box::new(Conn {
         server,
+        app,
         stream,
         peer,
         pending: None,
@@ -234,6 +238,7 @@ pub(super) fn serve_tls(
 ) -> impl Future<Output = ()> + Send {
     run(Box::new(Conn {
         server,
+        app: Proxy,
         stream: TlsWire::new(stream),
         peer,
         pending: None,
@@ -245,7 +250,7 @@ pub(super) fn serve_tls(
     }))
 }
 
-async fn run<W: Wire>(conn: Box<Conn<W>>) {
+async fn run<W: Wire, A: App>(conn: Box<Conn<W, A>>) {
     // Served here until the connection closes or becomes a tunnel (the
     // tick's registration is dropped with `plain`'s state first).
     let Some((conn, tunnel)) = plain(conn).await else {
@@ -262,7 +267,9 @@ async fn run<W: Wire>(conn: Box<Conn<W>>) {
 
 /// The connection's requests; `Some`: it became a tunnel (after a `101`),
 /// to be handed to the proxy's side.
-async fn plain<W: Wire>(mut conn: Box<Conn<W>>) -> Option<(Box<Conn<W>>, oneshot::Sender<Tunnel>)> {
+async fn plain<W: Wire, A: App>(
+    mut conn: Box<Conn<W, A>>,
+) -> Option<(Box<Conn<W, A>>, oneshot::Sender<Tunnel>)> {
     // The tick's wake-up, kept registered across requests (renewed only
     // once it has fired): no waiter put into and taken out of the accept
     // loop's list per request. A request moves the deadline later, so the
@@ -302,7 +309,7 @@ pub(crate) fn trim_kept() -> usize {
     inbox::trim() + readbuf::trim() + crate::codec::fields::trim()
 }
 
-impl<W: Wire> Conn<W> {
+impl<W: Wire, A: App> Conn<W, A> {
     /// Ready (holding no buffer, no timer) once the client sends; false
     /// when the connection is to close: idle timeout (shortened while
     /// draining) or an error. The idle timeout is checked when the accept
@@ -403,7 +410,7 @@ impl<W: Wire> Conn<W> {
 
     /// [`Self::exchange`] on the connection it owns meanwhile (handed back
     /// with the outcome).
-    async fn exchange_owned(mut self: Box<Self>) -> (Box<Conn<W>>, Next) {
+    async fn exchange_owned(mut self: Box<Self>) -> (Box<Conn<W, A>>, Next) {
         let next = self.exchange().await;
         (self, next)
     }
@@ -557,7 +564,10 @@ impl<W: Wire> Conn<W> {
             &self.stream,
             pump.as_mut(),
             true,
-            InBox::new(|| proxy::handle_with(plane, self.peer, req.map(|()| body), Some(sent))),
+            InBox::new(|| {
+                self.app
+                    .call(plane, self.peer, req.map(|()| body), Some(sent))
+            }),
         );
         let Some(Ok(mut resp)) = handled.await else {
             return Next::Close;
@@ -1883,7 +1893,7 @@ mod task_size {
     /// connection.
     #[test]
     fn an_idle_connections_future_fits_a_256_byte_task_cell() {
-        let run = future_size(super::run::<tokio::net::TcpStream>);
+        let run = future_size(super::run::<tokio::net::TcpStream, super::Proxy>);
         assert!(run <= 160, "run: {run} bytes");
         assert!(std::mem::size_of::<super::Conn>() <= 128);
     }

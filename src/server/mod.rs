@@ -20,11 +20,14 @@ pub mod tls;
 mod wheel;
 mod wire;
 
+use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::Request;
 use http_body_util::BodyExt;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -32,13 +35,15 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
+use crate::base::body::{Body, RequestBody};
 use crate::base::clock::now_ms;
 use crate::base::counter::{Counted, Counter};
 use crate::base::fileslots::FileSlots;
 use crate::base::ratelog::log_limited;
 use crate::base::Https;
+use crate::codec::fields::SentHead;
 use crate::proxy::record::Recorded;
-use crate::proxy::{self, DataPlane};
+use crate::proxy::{self, Answer, DataPlane};
 use conn::{Activity, TimedIoV, Tracked, Verdict};
 
 /// What a client listener speaks.
@@ -51,6 +56,87 @@ pub enum Kind {
     /// TLS; HTTP/2 or HTTP/1.1 by ALPN. The index of the listener in
     /// `config.listeners` (and of its certificates in `Generation::tls`).
     Tls(usize),
+}
+
+/// What a listener's HTTP/1.1 connections serve: the proxy ([`Proxy`], the
+/// client listeners), or one of the gateway's own services ([`Service`]:
+/// the admin API, the demo nodes). Every one is served by the same
+/// connection loop and codec (`h1`): the same head reading, refusals,
+/// framing, keep-alive and timeouts.
+pub trait App: Clone + Send + Sync + 'static {
+    /// The answer to one request (`sent`: the client's head as read, for
+    /// the fields passed on unchanged).
+    fn call(
+        &self,
+        plane: Arc<DataPlane>,
+        peer: SocketAddr,
+        req: Request<RequestBody>,
+        sent: Option<SentHead>,
+    ) -> impl Future<Output = Result<Answer<Recorded>, Infallible>> + Send + 'static;
+}
+
+/// The client listeners' [`App`]: every request through `proxy::handle_with`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Proxy;
+
+impl App for Proxy {
+    #[inline(always)]
+    fn call(
+        &self,
+        plane: Arc<DataPlane>,
+        peer: SocketAddr,
+        req: Request<RequestBody>,
+        sent: Option<SentHead>,
+    ) -> impl Future<Output = Result<Answer<Recorded>, Infallible>> + Send + 'static {
+        proxy::handle_with(plane, peer, req, sent)
+    }
+}
+
+/// One of the gateway's own HTTP/1.1 services as an [`App`]: `f` answers
+/// each request (with its body still to read); nothing goes through the
+/// proxy or its records.
+pub struct Service<F>(Arc<F>);
+
+impl<F> Service<F> {
+    pub fn new(f: F) -> Service<F> {
+        Service(Arc::new(f))
+    }
+}
+
+impl<F> Clone for Service<F> {
+    fn clone(&self) -> Self {
+        Service(self.0.clone())
+    }
+}
+
+impl<F, Fut> App for Service<F>
+where
+    F: Fn(SocketAddr, Request<RequestBody>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = http::Response<Body>> + Send + 'static,
+{
+    fn call(
+        &self,
+        _plane: Arc<DataPlane>,
+        peer: SocketAddr,
+        req: Request<RequestBody>,
+        _sent: Option<SentHead>,
+    ) -> impl Future<Output = Result<Answer<Recorded>, Infallible>> + Send + 'static {
+        // A body of a coding the codec does not read: 501, as the proxy
+        // answers it (the connection closes after it).
+        let answer = if matches!(req.body(), RequestBody::Refused) {
+            let (status, text) = crate::base::error::ErrorKind::TransferEncoding.answer();
+            Err(crate::base::body::plain(status, text))
+        } else {
+            Ok((self.0)(peer, req))
+        };
+        async move {
+            let resp = match answer {
+                Ok(answer) => answer.await,
+                Err(refused) => refused,
+            };
+            Ok(Answer::from(resp).map_body(Recorded::unrecorded))
+        }
+    }
 }
 
 /// The client side of the gateway: what the workers serve with.
@@ -129,6 +215,21 @@ impl Server {
 
     /// [`serve`](Self::serve) for a listener of any [`Kind`].
     pub async fn serve_kind(self: Arc<Self>, listener: TcpListener, kind: Kind) {
+        self.accept(listener, kind, Proxy).await
+    }
+
+    /// Serves `app` on a plain HTTP/1.1 listener (the admin API, a demo
+    /// node) with the accept loop, connection loop and codec of the client
+    /// listeners: their connection cap (counted by this server), their
+    /// header, idle and send timeouts and their head limits, from the
+    /// current configuration's `client:` section.
+    pub async fn serve_app<A: App>(self: Arc<Self>, listener: TcpListener, app: A) {
+        self.accept(listener, Kind::Plain, app).await
+    }
+
+    /// The accept loop: connections of `kind`, their HTTP/1.1 requests
+    /// served by `app` (HTTP/2 and TLS listeners are the proxy's only).
+    async fn accept<A: App>(self: Arc<Self>, listener: TcpListener, kind: Kind, app: A) {
         let mut shutdown = self.shutdown.clone();
         // The coarse clock of this loop's idle HTTP/1.1 connections (their
         // idle timeout is checked when a tick reaches the slot of its
@@ -235,7 +336,14 @@ impl Server {
             // Plain connections: the HTTP/1.1 loop is the task itself (no
             // wrapping future holding a second copy of its state).
             if kind == Kind::Plain {
-                tokio::spawn(h1::serve(server, stream, peer, wheel.clone(), Some(guard)));
+                tokio::spawn(h1::serve(
+                    server,
+                    app.clone(),
+                    stream,
+                    peer,
+                    wheel.clone(),
+                    Some(guard),
+                ));
                 continue;
             }
             let wheel = wheel.clone();
@@ -428,7 +536,7 @@ impl Server {
         let sniff = tokio::time::timeout(Duration::from_millis(header_ms), sniff_preface(&stream));
         match sniff.await {
             Ok(Ok(true)) => self.serve_h2(stream, peer, false).await,
-            Ok(Ok(false)) => h1::serve(self, stream, peer, wheel, None).await,
+            Ok(Ok(false)) => h1::serve(self, Proxy, stream, peer, wheel, None).await,
             Ok(Err(_)) | Err(_) => {}
         }
     }

@@ -305,8 +305,8 @@ impl<'a> Added<'a> {
         }
     }
 
-    /// No fields (health probes).
-    pub fn none() -> Added<'static> {
+    /// No fields (the gateway's own requests: health probes, webhooks).
+    pub const fn none() -> Added<'static> {
         Added {
             fields: [None, None, None, None, None],
         }

@@ -88,6 +88,30 @@ pub struct OutHead<'a> {
     pub upgrade: bool,
 }
 
+/// The added fields of a request the gateway makes itself.
+static NO_FIELDS: Added<'static> = Added::none();
+
+impl<'a> OutHead<'a> {
+    /// A request the gateway makes itself (health probes, webhooks): these
+    /// fields only, no client head, no added fields, the status read.
+    pub fn own(
+        method: &'a http::Method,
+        target: &'a http::Uri,
+        headers: &'a http::HeaderMap,
+    ) -> OutHead<'a> {
+        OutHead {
+            method,
+            target,
+            headers,
+            sent: None,
+            added: &NO_FIELDS,
+            start: None,
+            keep_lines: false,
+            upgrade: false,
+        }
+    }
+}
+
 /// A session to a node ([`Upstream::connect`]): an HTTP/1.1 connection,
 /// plain or TLS (one engine, [`h1`]), taken from the thread's keep-alive
 /// pool or freshly opened; or an HTTP/2 node (h2c or h2 over TLS, [`h2`]),

@@ -220,21 +220,70 @@ async fn webhook(url: &str, r: &ReleaseRecord, event: &str) -> Result<(), String
         "release": r.spec.name, "lane": r.spec.lane, "event": event,
         "step": r.state.step, "weight": weight(r), "phase": r.state.phase.as_str(),
     });
-    let req = http::Request::post(url)
-        .header(http::header::CONTENT_TYPE, "application/json")
-        .body(http_body_util::Full::new(bytes::Bytes::from(
-            body.to_string(),
-        )))
-        .map_err(|e| format!("webhook {url}: {e}"))?;
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http();
     let timeout = Duration::from_millis(r.spec.webhooks.timeout_ms);
-    match tokio::time::timeout(timeout, client.request(req)).await {
+    match tokio::time::timeout(timeout, post_json(url, body.to_string(), timeout)).await {
         Err(_) => Err(format!("webhook {url} timed out")),
         Ok(Err(e)) => Err(format!("webhook {url}: {e}")),
-        Ok(Ok(resp)) if resp.status().is_success() => Ok(()),
-        Ok(Ok(resp)) => Err(format!("webhook {url} answered {}", resp.status())),
+        Ok(Ok(status)) if status.is_success() => Ok(()),
+        Ok(Ok(status)) => Err(format!("webhook {url} answered {status}")),
     }
+}
+
+/// POSTs `body` (JSON) to an `http://` URL with the gateway's own HTTP/1.1
+/// client (`upstream`, the codec the nodes are reached with; no pool: a
+/// webhook is called seldom) and gives the answer's status.
+async fn post_json(url: &str, body: String, timeout: Duration) -> Result<http::StatusCode, String> {
+    use crate::upstream::{body::UpBody, OutHead, Peer, Upstream};
+    let uri: http::Uri = url.parse().map_err(|_| "not a URL".to_string())?;
+    if uri.scheme_str() != Some("http") {
+        return Err("only http:// URLs are supported".into());
+    }
+    let (Some(host), Some(authority)) = (uri.host(), uri.authority()) else {
+        return Err("the URL has no host".into());
+    };
+    let port = uri.port_u16().unwrap_or(80);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let addr = tokio::net::lookup_host((host, port))
+        .await
+        .map_err(|e| format!("cannot resolve {host}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{host} has no address"))?;
+    let target: http::Uri = uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .parse()
+        .map_err(|_| "not a URL".to_string())?;
+    let mut headers = http::HeaderMap::with_capacity(3);
+    let authority =
+        http::HeaderValue::from_str(authority.as_str()).map_err(|_| "not a URL".to_string())?;
+    headers.insert(http::header::HOST, authority);
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    headers.insert(
+        http::header::USER_AGENT,
+        http::HeaderValue::from_static("graygate-webhook"),
+    );
+    let client = Upstream::new(&crate::config::UpstreamConfig {
+        connect_timeout_ms: timeout.as_millis() as u64,
+        pool_max_idle_per_host: 0,
+        ..Default::default()
+    });
+    let head = OutHead::own(&http::Method::POST, &target, &headers);
+    let resp = client
+        .send(
+            Peer {
+                addr,
+                transport: None,
+            },
+            head,
+            UpBody::Full(Some(bytes::Bytes::from(body))),
+            (timeout, timeout),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(resp.status())
 }
 
 /// Moves a release that passed its step on: the next step, a manual gate,
