@@ -143,13 +143,7 @@ pub async fn handle_with(
     };
     let mut resp = served.unwrap_or_else(|e| {
         ctx.error = Some(e.kind());
-        let mut resp = Answer::from(e.response());
-        if e.kind() == ErrorKind::TransferEncoding {
-            // The body's framing is unknown: the connection cannot go on.
-            resp.fields
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
-        }
-        resp
+        Answer::from(e.response())
     });
     if let Some(c) = ctx.set_cookie.take() {
         resp.fields.append(header::SET_COOKIE, c);

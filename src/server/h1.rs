@@ -502,6 +502,7 @@ impl<W: Wire, A: App> Conn<W, A> {
         // The body: whole when it arrived with the head (the usual case),
         // else read from the socket as the request path asks for it.
         let mut pump = None;
+        let refused = body == Framed::Unsupported;
         let body = match body {
             Framed::Unsupported => RequestBody::Refused,
             Framed::Length(0) => RequestBody::Full(None),
@@ -577,9 +578,9 @@ impl<W: Wire, A: App> Conn<W, A> {
         // cannot be reused (nothing tells where the next request starts
         // until it is read), so the answer says so.
         let unread = pump.as_ref().is_some_and(|p| !p.finished());
-        // Draining: this answer ends the keep-alive connection (as on
-        // hyper's connections).
-        if (unread || self.server.draining.load(Ordering::Relaxed))
+        // A body of unknown framing (refused, 501): the connection cannot
+        // go on. Draining: this answer ends the keep-alive connection.
+        if (unread || refused || self.server.draining.load(Ordering::Relaxed))
             && status != StatusCode::SWITCHING_PROTOCOLS
         {
             resp.fields

@@ -38,6 +38,7 @@ use tokio::sync::watch;
 use crate::base::body::{Body, RequestBody};
 use crate::base::clock::now_ms;
 use crate::base::counter::{Counted, Counter};
+use crate::base::error::ErrorKind;
 use crate::base::fileslots::FileSlots;
 use crate::base::ratelog::log_limited;
 use crate::base::Https;
@@ -116,18 +117,27 @@ where
 {
     fn call(
         &self,
-        _plane: Arc<DataPlane>,
+        plane: Arc<DataPlane>,
         peer: SocketAddr,
-        req: Request<RequestBody>,
+        mut req: Request<RequestBody>,
         _sent: Option<SentHead>,
     ) -> impl Future<Output = Result<Answer<Recorded>, Infallible>> + Send + 'static {
-        // A body of a coding the codec does not read: 501, as the proxy
-        // answers it (the connection closes after it).
-        let answer = if matches!(req.body(), RequestBody::Refused) {
-            let (status, text) = crate::base::error::ErrorKind::TransferEncoding.answer();
-            Err(crate::base::body::plain(status, text))
+        // The proxy's refusals, with its answers: a body of a coding the
+        // codec does not read (501; the codec closes the connection after
+        // it), a target or head over the `client:` limits (414, 431), a
+        // missing or bad `Host` (400).
+        let refused = if matches!(req.body(), RequestBody::Refused) {
+            Some(ErrorKind::TransferEncoding)
         } else {
-            Ok((self.0)(peer, req))
+            let gen = plane.current();
+            proxy::resolve::validate(&mut req, &gen.config.client, &gen.lane.tag_header)
+        };
+        let answer = match refused {
+            Some(kind) => {
+                let (status, text) = kind.answer();
+                Err(crate::base::body::plain(status, text))
+            }
+            None => Ok((self.0)(peer, req)),
         };
         async move {
             let resp = match answer {

@@ -36,6 +36,7 @@ mod nacos;
 mod node_names;
 mod observability;
 mod otel;
+mod own_services;
 mod packaging;
 mod releases;
 mod reload;

@@ -234,29 +234,17 @@ async fn webhook(url: &str, r: &ReleaseRecord, event: &str) -> Result<(), String
 /// webhook is called seldom) and gives the answer's status.
 async fn post_json(url: &str, body: String, timeout: Duration) -> Result<http::StatusCode, String> {
     use crate::upstream::{body::UpBody, OutHead, Peer, Upstream};
-    let uri: http::Uri = url.parse().map_err(|_| "not a URL".to_string())?;
-    if uri.scheme_str() != Some("http") {
-        return Err("only http:// URLs are supported".into());
-    }
-    let (Some(host), Some(authority)) = (uri.host(), uri.authority()) else {
-        return Err("the URL has no host".into());
-    };
-    let port = uri.port_u16().unwrap_or(80);
+    let hook = super::WebhookUrl::parse(url)?;
+    let host = hook.uri.host().unwrap_or_default();
     let host = host.trim_start_matches('[').trim_end_matches(']');
-    let addr = tokio::net::lookup_host((host, port))
+    let addr = tokio::net::lookup_host((host, hook.port))
         .await
         .map_err(|e| format!("cannot resolve {host}: {e}"))?
         .next()
         .ok_or_else(|| format!("{host} has no address"))?;
-    let target: http::Uri = uri
-        .path_and_query()
-        .map_or("/", |p| p.as_str())
-        .parse()
-        .map_err(|_| "not a URL".to_string())?;
+    let target = hook.target;
     let mut headers = http::HeaderMap::with_capacity(3);
-    let authority =
-        http::HeaderValue::from_str(authority.as_str()).map_err(|_| "not a URL".to_string())?;
-    headers.insert(http::header::HOST, authority);
+    headers.insert(http::header::HOST, hook.host);
     headers.insert(
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static("application/json"),

@@ -208,6 +208,49 @@ pub fn compile(
     ))
 }
 
+/// A webhook's URL, as the release controller calls it: `http://` with a
+/// host (the gateway's own HTTP/1.1 client; no TLS to webhooks).
+pub struct WebhookUrl {
+    pub uri: http::Uri,
+    pub port: u16,
+    /// The `Host` field: the URL's authority.
+    pub host: http::HeaderValue,
+    /// The origin-form target: path and query.
+    pub target: http::Uri,
+}
+
+impl WebhookUrl {
+    pub fn parse(url: &str) -> Result<WebhookUrl, String> {
+        let uri: http::Uri = url
+            .parse()
+            .map_err(|_| format!("webhook {url:?} is not a URL"))?;
+        if uri.scheme_str() != Some("http") {
+            return Err(format!(
+                "webhook {url:?}: only http:// URLs are supported (no TLS to webhooks)"
+            ));
+        }
+        let (Some(_), Some(authority)) = (uri.host(), uri.authority()) else {
+            return Err(format!("webhook {url:?} has no host"));
+        };
+        if authority.as_str().contains('@') {
+            return Err(format!("webhook {url:?}: no user:password@ in the URL"));
+        }
+        let host = http::HeaderValue::from_str(authority.as_str())
+            .map_err(|_| format!("webhook {url:?} is not a URL"))?;
+        let target = uri
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .parse()
+            .map_err(|_| format!("webhook {url:?} is not a URL"))?;
+        Ok(WebhookUrl {
+            port: uri.port_u16().unwrap_or(80),
+            uri,
+            host,
+            target,
+        })
+    }
+}
+
 /// A spec's own sanity (the rule compiler checks keys and matchers).
 pub fn check_spec(spec: &ReleaseSpec) -> Result<(), String> {
     let name_ok = !spec.name.is_empty()
@@ -281,6 +324,13 @@ pub fn check_spec(spec: &ReleaseSpec) -> Result<(), String> {
             "release {:?}: analysis min_p99_delta_ms must not be negative",
             spec.name
         ));
+    }
+    let w = &spec.webhooks;
+    for url in [&w.before_step, &w.confirm, &w.rollback]
+        .into_iter()
+        .flatten()
+    {
+        WebhookUrl::parse(url).map_err(|e| format!("release {:?}: {e}", spec.name))?;
     }
     Ok(())
 }
@@ -371,5 +421,34 @@ mod tests {
         let mut r = rec(Phase::Progressing, 0);
         r.spec.routes = vec!["api".into()];
         assert!(check_spec(&r.spec).is_err());
+    }
+
+    #[test]
+    fn webhook_urls_are_checked_with_the_spec() {
+        let refused = [
+            ("https://hooks.example/ok", "only http://"),
+            ("hooks.example/ok", "not a URL"),
+            ("http:///ok", "not a URL"),
+            ("http://u:p@hooks.example/ok", "user:password@"),
+            ("not a url", "not a URL"),
+        ];
+        for (url, why) in refused {
+            let mut r = rec(Phase::Progressing, 0);
+            r.spec.webhooks.confirm = Some(url.into());
+            let e = check_spec(&r.spec).unwrap_err();
+            assert!(e.starts_with("release \"r1\": webhook "), "{url}: {e}");
+            assert!(e.contains(why), "{url}: {e}");
+        }
+        let mut r = rec(Phase::Progressing, 0);
+        r.spec.webhooks.rollback = Some("http://hooks.example:8080/a?b=1".into());
+        check_spec(&r.spec).unwrap();
+        let w = WebhookUrl::parse("http://hooks.example:8080/a?b=1").unwrap();
+        assert_eq!(
+            (w.port, w.host.to_str().unwrap()),
+            (8080, "hooks.example:8080")
+        );
+        assert_eq!(w.target.to_string(), "/a?b=1");
+        let w = WebhookUrl::parse("http://[::1]").unwrap();
+        assert_eq!((w.port, w.target.to_string().as_str()), (80, "/"));
     }
 }
