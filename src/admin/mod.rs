@@ -151,17 +151,25 @@ impl Rejection {
     }
 }
 
+/// Reads a request body of at most `max` bytes: 413 past it, 400 when
+/// the body cannot be read (cut short, bad chunked framing, too slow).
+pub async fn read_body(body: RequestBody, max: usize) -> Result<Bytes, Rejection> {
+    match Limited::new(body, max).collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(Rejection(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("body over {} KiB", max / 1024),
+        )),
+        Err(e) => Err(Rejection(
+            StatusCode::BAD_REQUEST,
+            format!("request body unreadable: {e}"),
+        )),
+    }
+}
+
 /// Reads a JSON request body (at most [`MAX_BODY`] bytes).
 pub async fn read_json<T: serde::de::DeserializeOwned>(body: RequestBody) -> Result<T, Rejection> {
-    let bytes = match Limited::new(body, MAX_BODY).collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(_) => {
-            return Err(Rejection(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "body too large".into(),
-            ))
-        }
-    };
+    let bytes = read_body(body, MAX_BODY).await?;
     serde_json::from_slice(&bytes)
         .map_err(|e| Rejection(StatusCode::BAD_REQUEST, format!("invalid JSON: {e}")))
 }

@@ -52,15 +52,9 @@ fn refused(e: Refused) -> Response<Body> {
 }
 
 async fn read_text(body: RequestBody) -> Result<String, Response<Body>> {
-    let bytes: Bytes = match Limited::new(body, MAX_SPEC).collect().await {
-        Ok(c) => c.to_bytes(),
-        Err(_) => {
-            return Err(text(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "spec too large or unreadable",
-            ))
-        }
-    };
+    let bytes = super::read_body(body, MAX_SPEC)
+        .await
+        .map_err(super::Rejection::response)?;
     String::from_utf8(bytes.to_vec())
         .map_err(|_| text(StatusCode::BAD_REQUEST, "spec is not UTF-8"))
 }

@@ -98,6 +98,28 @@ async fn the_admin_listener_speaks_through_the_codec() {
     assert!(got[1].0.starts_with("HTTP/1.1 404 "), "{got:?}");
     assert_eq!(got[2], got[0].clone(), "the same answer, in order");
     refuses_like_the_client_listeners(admin).await;
+    // Bodies through the codec: chunked, then one over the admin's 64 KiB,
+    // then one whose chunked framing is broken.
+    let json = r#"{"method":"GET","path":"/api/x","headers":{"X-Gray":"1"}}"#;
+    let chunked = format!(
+        "POST /explain HTTP/1.1\r\nHost: a\r\nConnection: close\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{json}\r\n0\r\n\r\n",
+        json.len()
+    );
+    let r = exchange_raw(admin, chunked.as_bytes()).await;
+    assert!(r.starts_with("HTTP/1.1 200 "), "{r}");
+    assert!(r.contains("\"route\""), "{r}");
+    let big = format!(
+        "POST /explain HTTP/1.1\r\nHost: a\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{}",
+        70 * 1024,
+        " ".repeat(70 * 1024)
+    );
+    let r = exchange_raw(admin, big.as_bytes()).await;
+    assert!(r.starts_with("HTTP/1.1 413 "), "{r}");
+    assert!(r.contains("body over 64 KiB"), "{r}");
+    let broken = "POST /explain HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n";
+    let r = exchange_raw(admin, broken.as_bytes()).await;
+    assert!(r.starts_with("HTTP/1.1 400 "), "{r}");
+    assert!(r.contains("request body unreadable"), "{r}");
     // The client listener refuses the same way, with the same limits.
     refuses_like_the_client_listeners(gw.addr).await;
     // The admin still works after all that.
