@@ -7,9 +7,7 @@
 use std::sync::Arc;
 
 use crate::base::body::RequestBody;
-use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Limited};
 
 use super::{json, json_status, text};
 use crate::base::body::Body;
