@@ -207,12 +207,23 @@ impl<'a> Build<'a> {
     }
 
     fn tag_header(&self) -> Result<HeaderName, ConfigError> {
-        HeaderName::from_bytes(self.config.tag_header.as_bytes()).map_err(|_| {
+        let name = HeaderName::from_bytes(self.config.tag_header.as_bytes()).map_err(|_| {
             self.error(
                 self.at("tag_header"),
                 format!("invalid header name {:?}", self.config.tag_header),
             )
-        })
+        })?;
+        if let Some(why) = owned_field(&name) {
+            return Err(self.error(
+                self.at("tag_header"),
+                format!(
+                    "tag_header {:?} is {why}: the lane would overwrite it on every request \
+                     (pick a name of its own, e.g. X-Gray-Tag)",
+                    self.config.tag_header
+                ),
+            ));
+        }
+        Ok(name)
     }
 
     /// The named IP lists (`lists:`), each from its file.
@@ -915,4 +926,29 @@ fn static_cache_settings(
         max_entries: c.max_entries,
         valid_ms: c.valid_ms,
     })
+}
+
+/// Why `name` cannot carry the lane: a field HTTP itself or the gateway
+/// owns, which the tag would overwrite upstream.
+fn owned_field(name: &HeaderName) -> Option<&'static str> {
+    const FRAMING: [&str; 4] = ["host", "content-length", "transfer-encoding", "expect"];
+    const GATEWAY: [&str; 7] = [
+        "x-forwarded-for",
+        "x-forwarded-proto",
+        "x-forwarded-host",
+        "x-graygate-generation",
+        "traceparent",
+        "tracestate",
+        "baggage",
+    ];
+    let n = name.as_str();
+    if FRAMING.contains(&n) {
+        Some("a field that routes or frames the request")
+    } else if crate::upstream::fields::HOP_BY_HOP.contains(name) {
+        Some("a hop-by-hop field")
+    } else if GATEWAY.contains(&n) {
+        Some("a field the gateway writes itself")
+    } else {
+        None
+    }
 }

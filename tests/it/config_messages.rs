@@ -200,3 +200,32 @@ async fn the_log_names_an_admin_node_change_in_the_node_files_words() {
     // The file's path is written plainly.
     assert!(!line.contains("/./"), "{line}");
 }
+
+#[test]
+fn a_tag_header_the_gateway_or_http_owns_is_refused_with_its_line() {
+    let fx = Fixture::new();
+    for (name, why) in [
+        ("Host", "routes or frames the request"),
+        ("Content-Length", "routes or frames the request"),
+        ("Connection", "hop-by-hop"),
+        ("X-Forwarded-For", "the gateway writes itself"),
+        ("baggage", "the gateway writes itself"),
+    ] {
+        let cfg = Config::new()
+            .set("tag_header", name)
+            .write(&fx, "graygate.yaml");
+        let (ok, out) = check(&cfg);
+        assert!(!ok, "{name}: {out}");
+        assert!(
+            out.contains(&format!("graygate.yaml:4: tag_header {name:?} is ")),
+            "{name}: {out}"
+        );
+        assert!(out.contains(why), "{name}: {out}");
+        assert_operator_words(&out);
+    }
+    let cfg = Config::new()
+        .set("tag_header", "X-Lane")
+        .write(&fx, "graygate.yaml");
+    let (ok, out) = check(&cfg);
+    assert!(ok, "{out}");
+}
