@@ -3,7 +3,7 @@
 //! the shipped example shows both lanes with one command. Each answers JSON
 //! with its name, its lane and the tag header it received, served by the
 //! client listeners' HTTP/1.1 connection loop and codec
-//! (`server::Server::serve_app`).
+//! (`server::serve_own`).
 
 use std::sync::Arc;
 
@@ -13,10 +13,9 @@ use http_body_util::Full;
 use tokio::net::TcpListener;
 
 use crate::base::body::{boxed, Body, RequestBody};
-use crate::base::counter::Counter;
 use crate::config::DemoNode;
 use crate::proxy::DataPlane;
-use crate::server::{Server, Service};
+use crate::server::Service;
 
 fn answer(node: &DemoNode, tag_header: &HeaderName, req: &Request<RequestBody>) -> Response<Body> {
     let tag = req
@@ -53,21 +52,11 @@ pub async fn spawn(
         tracing::info!(node = %node.name, lane = %node.lane, addr = %node.addr, "demo node listening");
         let node = node.clone();
         let tag_header = tag_header.clone();
-        // Never signalled (kept by the task): a demo node has no drain.
-        let (never, stop) = tokio::sync::watch::channel(false);
-        let server = Arc::new(Server::new(
-            plane.clone(),
-            Arc::new(Counter::default()),
-            stop,
-        ));
         let app = Service::new(move |_peer, req: Request<RequestBody>| {
             let r = answer(&node, &tag_header, &req);
             async move { r }
         });
-        tokio::spawn(async move {
-            let _never = never;
-            server.serve_app(listener, app).await
-        });
+        tokio::spawn(crate::server::serve_own(plane.clone(), listener, app));
     }
     Ok(())
 }

@@ -22,9 +22,8 @@ use http_body_util::{BodyExt, Full, Limited};
 use tokio::net::TcpListener;
 
 use crate::base::body::{boxed, plain, Body, RequestBody};
-use crate::base::counter::Counter;
 use crate::control::Gateway;
-use crate::server::{Server, Service};
+use crate::server::Service;
 
 /// Largest admin request body accepted.
 const MAX_BODY: usize = 64 * 1024;
@@ -223,25 +222,17 @@ async fn handle(
 
 /// Serves the admin API forever (and samples traffic for the dashboard),
 /// on the client listeners' connection loop and HTTP/1.1 codec
-/// (`server::Server::serve_app`): their head limits and their header,
-/// idle and send timeouts (`client:`), and a connection cap of
-/// `client.max_connections` admin connections of its own. A graceful stop
-/// does not close it: it answers until the process ends.
+/// (`server::serve_own`: their `client:` limits, a connection cap of its
+/// own, no drain).
 pub async fn serve(gw: Arc<Gateway>, listener: TcpListener) {
     let local = listener.local_addr().map_or(true, |a| a.ip().is_loopback());
     let guard = Arc::new(auth::Guard::new(!local));
     tokio::spawn(crate::control::stats::sample_forever(gw.clone()));
-    // Never signalled (kept here): the admin listener has no drain.
-    let (_never, stop) = tokio::sync::watch::channel(false);
-    let server = Arc::new(Server::new(
-        gw.plane.clone(),
-        Arc::new(Counter::default()),
-        stop,
-    ));
+    let plane = gw.plane.clone();
     let app = Service::new(move |_peer, req| {
         let gw = gw.clone();
         let guard = guard.clone();
         async move { handle(&gw, &guard, req).await }
     });
-    server.serve_app(listener, app).await
+    crate::server::serve_own(plane, listener, app).await
 }

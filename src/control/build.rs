@@ -931,22 +931,28 @@ fn static_cache_settings(
 /// Why `name` cannot carry the lane: a field HTTP itself or the gateway
 /// owns, which the tag would overwrite upstream.
 fn owned_field(name: &HeaderName) -> Option<&'static str> {
-    const FRAMING: [&str; 4] = ["host", "content-length", "transfer-encoding", "expect"];
-    const GATEWAY: [&str; 7] = [
-        "x-forwarded-for",
-        "x-forwarded-proto",
-        "x-forwarded-host",
-        "x-graygate-generation",
-        "traceparent",
-        "tracestate",
-        "baggage",
+    use crate::upstream::fields as f;
+    use http::header;
+    let framing = [
+        header::HOST,
+        header::CONTENT_LENGTH,
+        header::TRANSFER_ENCODING,
+        header::EXPECT,
     ];
-    let n = name.as_str();
-    if FRAMING.contains(&n) {
+    let gateway = [
+        f::X_FORWARDED_FOR,
+        f::X_FORWARDED_PROTO,
+        f::X_FORWARDED_HOST,
+        f::GENERATION_HEADER,
+        crate::base::trace::TRACEPARENT,
+        crate::base::trace::TRACESTATE,
+        crate::base::baggage::BAGGAGE,
+    ];
+    if framing.contains(name) {
         Some("a field that routes or frames the request")
-    } else if crate::upstream::fields::HOP_BY_HOP.contains(name) {
+    } else if f::HOP_BY_HOP.contains(name) {
         Some("a hop-by-hop field")
-    } else if GATEWAY.contains(&n) {
+    } else if gateway.contains(name) {
         Some("a field the gateway writes itself")
     } else {
         None

@@ -98,11 +98,7 @@ pub async fn handle_with(
 ) -> Result<Answer<record::Recorded>, Infallible> {
     let start = Instant::now();
     let gen = plane.current();
-    let invalid = if matches!(req.body(), RequestBody::Refused) {
-        Some(ErrorKind::TransferEncoding)
-    } else {
-        resolve::validate(&mut req, &gen.config.client, &gen.lane.tag_header)
-    };
+    let invalid = resolve::refusal(&mut req, &gen.config.client, &gen.lane.tag_header);
     let (parts, body) = req.into_parts();
     let info = resolve::resolve_request(parts, peer.ip(), &gen.trusted);
     let log = plane.access_log.enabled();

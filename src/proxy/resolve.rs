@@ -12,6 +12,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::request::Parts;
 use http::{Request, Uri, Version};
 
+use crate::base::body::RequestBody;
 use crate::base::error::ErrorKind;
 use crate::base::lists::IpList;
 use crate::codec::fields::{count_first, first};
@@ -42,6 +43,23 @@ pub fn validate<B>(
         drop_underscored(req.headers_mut(), limits.underscores_in_headers, tag_header);
     }
     None
+}
+
+/// Why the request is refused, if it is: a body of a coding the HTTP/1.1
+/// codec does not read (501; the codec closes the connection after the
+/// answer), else [`validate`]'s (414, 431, 400). The proxy and the
+/// gateway's own services (`server::Service`) refuse alike.
+#[inline(always)]
+pub fn refusal(
+    req: &mut Request<RequestBody>,
+    limits: &ClientConfig,
+    tag_header: &HeaderName,
+) -> Option<ErrorKind> {
+    if matches!(req.body(), RequestBody::Refused) {
+        Some(ErrorKind::TransferEncoding)
+    } else {
+        validate(req, limits, tag_header)
+    }
 }
 
 /// RFC 9112 §3.2: one `Host` on HTTP/1.1, a valid authority (no userinfo);

@@ -38,7 +38,6 @@ use tokio::sync::watch;
 use crate::base::body::{Body, RequestBody};
 use crate::base::clock::now_ms;
 use crate::base::counter::{Counted, Counter};
-use crate::base::error::ErrorKind;
 use crate::base::fileslots::FileSlots;
 use crate::base::ratelog::log_limited;
 use crate::base::Https;
@@ -122,21 +121,11 @@ where
         mut req: Request<RequestBody>,
         _sent: Option<SentHead>,
     ) -> impl Future<Output = Result<Answer<Recorded>, Infallible>> + Send + 'static {
-        // The proxy's refusals, with its answers: a body of a coding the
-        // codec does not read (501; the codec closes the connection after
-        // it), a target or head over the `client:` limits (414, 431), a
-        // missing or bad `Host` (400).
-        let refused = if matches!(req.body(), RequestBody::Refused) {
-            Some(ErrorKind::TransferEncoding)
-        } else {
-            let gen = plane.current();
-            proxy::resolve::validate(&mut req, &gen.config.client, &gen.lane.tag_header)
-        };
+        // The proxy's refusals, with its answers (501, 414, 431, 400).
+        let gen = plane.current();
+        let refused = proxy::resolve::refusal(&mut req, &gen.config.client, &gen.lane.tag_header);
         let answer = match refused {
-            Some(kind) => {
-                let (status, text) = kind.answer();
-                Err(crate::base::body::plain(status, text))
-            }
+            Some(kind) => Err(crate::base::error::Error::new(kind).response()),
             None => Ok((self.0)(peer, req)),
         };
         async move {
@@ -147,6 +136,21 @@ where
             Ok(Answer::from(resp).map_body(Recorded::unrecorded))
         }
     }
+}
+
+/// Serves `app` on a plain HTTP/1.1 listener (the admin API, a demo node)
+/// until the process ends, with the accept loop, connection loop and codec
+/// of the client listeners: their header, idle and send timeouts and head
+/// limits from the current configuration's `client:` section, and a
+/// connection cap of `client.max_connections` counted by a server of its
+/// own (client traffic at its cap never locks these out). No drain: a
+/// graceful stop does not close it.
+pub async fn serve_own<A: App>(plane: Arc<DataPlane>, listener: TcpListener, app: A) {
+    // Never signalled, and kept until the loop ends (a dropped sender
+    // would read as the shutdown signal).
+    let (_never, stop) = watch::channel(false);
+    let server = Arc::new(Server::new(plane, Arc::new(Counter::default()), stop));
+    server.accept(listener, Kind::Plain, app).await
 }
 
 /// The client side of the gateway: what the workers serve with.
@@ -226,15 +230,6 @@ impl Server {
     /// [`serve`](Self::serve) for a listener of any [`Kind`].
     pub async fn serve_kind(self: Arc<Self>, listener: TcpListener, kind: Kind) {
         self.accept(listener, kind, Proxy).await
-    }
-
-    /// Serves `app` on a plain HTTP/1.1 listener (the admin API, a demo
-    /// node) with the accept loop, connection loop and codec of the client
-    /// listeners: their connection cap (counted by this server), their
-    /// header, idle and send timeouts and their head limits, from the
-    /// current configuration's `client:` section.
-    pub async fn serve_app<A: App>(self: Arc<Self>, listener: TcpListener, app: A) {
-        self.accept(listener, Kind::Plain, app).await
     }
 
     /// The accept loop: connections of `kind`, their HTTP/1.1 requests

@@ -60,9 +60,9 @@ pub fn is_hop_by_hop(name: &[u8]) -> bool {
         && HOP_BY_HOP_LENGTHS >> name.len() & 1 == 1
         && HOP_BY_HOP_NAMES.iter().any(|h| name_eq(name, h.as_bytes()))
 }
-const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
-const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
-const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+pub const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+pub const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+pub const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
 /// What the rewrite of a request reads of its fields ([`scan`]).
 #[derive(Debug, Default, PartialEq, Eq)]

@@ -235,14 +235,12 @@ async fn webhook(url: &str, r: &ReleaseRecord, event: &str) -> Result<(), String
 async fn post_json(url: &str, body: String, timeout: Duration) -> Result<http::StatusCode, String> {
     use crate::upstream::{body::UpBody, OutHead, Peer, Upstream};
     let hook = super::WebhookUrl::parse(url)?;
-    let host = hook.uri.host().unwrap_or_default();
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    let addr = tokio::net::lookup_host((host, hook.port))
+    let name = hook.name.as_str();
+    let addr = tokio::net::lookup_host((name, hook.port))
         .await
-        .map_err(|e| format!("cannot resolve {host}: {e}"))?
+        .map_err(|e| format!("cannot resolve {name}: {e}"))?
         .next()
-        .ok_or_else(|| format!("{host} has no address"))?;
-    let target = hook.target;
+        .ok_or_else(|| format!("{name} has no address"))?;
     let mut headers = http::HeaderMap::with_capacity(3);
     headers.insert(http::header::HOST, hook.host);
     headers.insert(
@@ -258,7 +256,7 @@ async fn post_json(url: &str, body: String, timeout: Duration) -> Result<http::S
         pool_max_idle_per_host: 0,
         ..Default::default()
     });
-    let head = OutHead::own(&http::Method::POST, &target, &headers);
+    let head = OutHead::own(&http::Method::POST, &hook.target, &headers);
     let resp = client
         .send(
             Peer {

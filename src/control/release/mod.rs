@@ -211,7 +211,8 @@ pub fn compile(
 /// A webhook's URL, as the release controller calls it: `http://` with a
 /// host (the gateway's own HTTP/1.1 client; no TLS to webhooks).
 pub struct WebhookUrl {
-    pub uri: http::Uri,
+    /// The name or address to resolve (an IPv6 literal without brackets).
+    pub name: String,
     pub port: u16,
     /// The `Host` field: the URL's authority.
     pub host: http::HeaderValue,
@@ -229,7 +230,7 @@ impl WebhookUrl {
                 "webhook {url:?}: only http:// URLs are supported (no TLS to webhooks)"
             ));
         }
-        let (Some(_), Some(authority)) = (uri.host(), uri.authority()) else {
+        let (Some(name), Some(authority)) = (uri.host(), uri.authority()) else {
             return Err(format!("webhook {url:?} has no host"));
         };
         if authority.as_str().contains('@') {
@@ -243,8 +244,11 @@ impl WebhookUrl {
             .parse()
             .map_err(|_| format!("webhook {url:?} is not a URL"))?;
         Ok(WebhookUrl {
+            name: name
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string(),
             port: uri.port_u16().unwrap_or(80),
-            uri,
             host,
             target,
         })
@@ -450,5 +454,6 @@ mod tests {
         assert_eq!(w.target.to_string(), "/a?b=1");
         let w = WebhookUrl::parse("http://[::1]").unwrap();
         assert_eq!((w.port, w.target.to_string().as_str()), (80, "/"));
+        assert_eq!(w.name, "::1");
     }
 }
